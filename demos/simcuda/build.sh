@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds the simulated CUDA runtime and the test driver into $1 (default: target/simcuda).
+set -euo pipefail
+src=$(cd "$(dirname "$0")" && pwd)
+out=${1:-$src/../../target/simcuda}
+mkdir -p "$out"
+cflags=(-O2 -g -fno-omit-frame-pointer -Wall -Wextra -fPIC)
+cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcuda.so.1" -Wl,-soname,libcuda.so.1 \
+  -Wl,--version-script="$src/libcuda.map" "$src/model.c" "$src/driver_api.c" -lpthread
+# The model's sim_* functions are exported by libcuda.so.1 for the runtime; the runtime links it.
+cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcudart.so.12" -Wl,-soname,libcudart.so.12 \
+  -Wl,--version-script="$src/libcudart.map" "$src/runtime.c" -L"$out" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
+cc "${cflags[@]}" -o "$out/simdriver" "$src/simdriver.c" -ldl -lpthread
+echo "$out"

@@ -1,0 +1,366 @@
+/* The device-memory model behind the simulated CUDA libraries.
+ *
+ * Each device has a capacity and an address range; allocations are placed first-fit in a sorted
+ * free list and coalesced on free, so requests fail with out-of-memory when no free range is
+ * large enough, even if the free bytes add up: fragmentation comes out of the model.
+ *
+ * Configuration (environment, read once):
+ *   SIMCUDA_DEVICES      number of devices (default 1)
+ *   SIMCUDA_MEM          capacity per device, e.g. 16GiB, 512MiB (default 16GiB)
+ *   SIMCUDA_LATENCY      per-op latency, e.g. "cudaMalloc=40us,cudaFree=8us,default=1us"
+ *   SIMCUDA_LATENCY_PER_LIVE_NS  extra allocation latency per live allocation on the device
+ */
+#define _GNU_SOURCE
+#include "simcuda.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_DEVICES 16
+#define ALIGN 512ULL
+#define DEVICE_BASE 0x7f0000000000ULL
+#define DEVICE_STRIDE 0x10000000000ULL /* 1 TiB of address space per device */
+#define VA_BASE 0x600000000000ULL
+#define MAX_LATENCIES 64
+
+struct range { uint64_t addr, size; };
+struct vec { struct range *items; size_t len, cap; };
+
+struct device {
+    uint64_t capacity, used;
+    struct vec free_ranges; /* sorted by address */
+    struct vec live;        /* sorted by address */
+};
+
+struct handle { uint64_t id, size; int device; int live; };
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static int device_count = 1;
+static struct device devices[MAX_DEVICES];
+static struct vec host_live;
+static struct vec va_free, va_live, mappings;
+static struct handle *handles;
+static size_t handle_count, handle_cap;
+static __thread int current_device = 0;
+static uint64_t latency_per_live_ns;
+
+static struct { char name[48]; uint64_t ns; } latencies[MAX_LATENCIES];
+static int latency_count;
+static uint64_t default_latency_ns = 1000;
+
+static uint64_t parse_size(const char *s, uint64_t fallback) {
+    if (!s || !*s) return fallback;
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || v < 0) return fallback;
+    while (*end == ' ') end++;
+    uint64_t mult = 1;
+    if (!strncasecmp(end, "k", 1)) mult = 1ULL << 10;
+    else if (!strncasecmp(end, "m", 1)) mult = 1ULL << 20;
+    else if (!strncasecmp(end, "g", 1)) mult = 1ULL << 30;
+    else if (!strncasecmp(end, "t", 1)) mult = 1ULL << 40;
+    return (uint64_t)(v * (double)mult);
+}
+
+static uint64_t parse_duration_ns(const char *s) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || v < 0) return 0;
+    if (!strncmp(end, "ns", 2)) return (uint64_t)v;
+    if (!strncmp(end, "us", 2)) return (uint64_t)(v * 1e3);
+    if (!strncmp(end, "ms", 2)) return (uint64_t)(v * 1e6);
+    if (!strncmp(end, "s", 1)) return (uint64_t)(v * 1e9);
+    return (uint64_t)v; /* bare number: nanoseconds */
+}
+
+static void vec_insert(struct vec *v, size_t at, struct range r) {
+    if (v->len == v->cap) {
+        v->cap = v->cap ? v->cap * 2 : 64;
+        v->items = realloc(v->items, v->cap * sizeof *v->items);
+        if (!v->items) { fprintf(stderr, "simcuda: out of host memory\n"); abort(); }
+    }
+    memmove(&v->items[at + 1], &v->items[at], (v->len - at) * sizeof *v->items);
+    v->items[at] = r;
+    v->len++;
+}
+
+static void vec_remove(struct vec *v, size_t at) {
+    memmove(&v->items[at], &v->items[at + 1], (v->len - at - 1) * sizeof *v->items);
+    v->len--;
+}
+
+/* Index of the first range with addr >= key. */
+static size_t lower_bound(const struct vec *v, uint64_t key) {
+    size_t lo = 0, hi = v->len;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (v->items[mid].addr < key) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static int find_exact(const struct vec *v, uint64_t addr, size_t *at) {
+    size_t i = lower_bound(v, addr);
+    if (i < v->len && v->items[i].addr == addr) { *at = i; return 1; }
+    return 0;
+}
+
+/* First fit with alignment; returns 0 when no free range is large enough. */
+static uint64_t take_range(struct vec *free_ranges, uint64_t size, uint64_t align) {
+    for (size_t i = 0; i < free_ranges->len; i++) {
+        struct range r = free_ranges->items[i];
+        uint64_t start = (r.addr + align - 1) & ~(align - 1);
+        if (start < r.addr || start - r.addr + size > r.size) continue;
+        uint64_t head = start - r.addr, tail = r.size - head - size;
+        vec_remove(free_ranges, i);
+        if (tail) vec_insert(free_ranges, i, (struct range){start + size, tail});
+        if (head) vec_insert(free_ranges, i, (struct range){r.addr, head});
+        return start;
+    }
+    return 0;
+}
+
+static void give_range(struct vec *free_ranges, uint64_t addr, uint64_t size) {
+    size_t i = lower_bound(free_ranges, addr);
+    vec_insert(free_ranges, i, (struct range){addr, size});
+    if (i + 1 < free_ranges->len && addr + size == free_ranges->items[i + 1].addr) {
+        free_ranges->items[i].size += free_ranges->items[i + 1].size;
+        vec_remove(free_ranges, i + 1);
+    }
+    if (i > 0 && free_ranges->items[i - 1].addr + free_ranges->items[i - 1].size == addr) {
+        free_ranges->items[i - 1].size += free_ranges->items[i].size;
+        vec_remove(free_ranges, i);
+    }
+}
+
+static void init(void) {
+    const char *n = getenv("SIMCUDA_DEVICES");
+    if (n) device_count = atoi(n);
+    if (device_count < 1) device_count = 1;
+    if (device_count > MAX_DEVICES) device_count = MAX_DEVICES;
+    uint64_t capacity = parse_size(getenv("SIMCUDA_MEM"), 16ULL << 30);
+    for (int d = 0; d < device_count; d++) {
+        devices[d].capacity = capacity;
+        give_range(&devices[d].free_ranges, DEVICE_BASE + (uint64_t)d * DEVICE_STRIDE, capacity);
+    }
+    give_range(&va_free, VA_BASE, 1ULL << 44);
+    const char *per_live = getenv("SIMCUDA_LATENCY_PER_LIVE_NS");
+    if (per_live) latency_per_live_ns = strtoull(per_live, NULL, 10);
+    const char *spec = getenv("SIMCUDA_LATENCY");
+    if (spec) {
+        char *copy = strdup(spec), *save = NULL;
+        for (char *item = strtok_r(copy, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+            char *eq = strchr(item, '=');
+            if (!eq) continue;
+            *eq = 0;
+            uint64_t ns = parse_duration_ns(eq + 1);
+            if (!strcmp(item, "default")) default_latency_ns = ns;
+            else if (latency_count < MAX_LATENCIES) {
+                snprintf(latencies[latency_count].name, sizeof latencies[0].name, "%s", item);
+                latencies[latency_count++].ns = ns;
+            }
+        }
+        free(copy);
+    }
+}
+
+static void ensure_init(void) { pthread_once(&once, init); }
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static void spin(uint64_t ns) {
+    if (!ns) return;
+    uint64_t until = now_ns() + ns;
+    while (now_ns() < until) __asm__ volatile("pause");
+}
+
+void sim_delay(const char *op) {
+    ensure_init();
+    uint64_t ns = default_latency_ns;
+    for (int i = 0; i < latency_count; i++)
+        if (!strcmp(latencies[i].name, op)) { ns = latencies[i].ns; break; }
+    spin(ns);
+}
+
+int sim_device_count(void) { ensure_init(); return device_count; }
+
+int sim_set_device(int device) {
+    ensure_init();
+    if (device < 0 || device >= device_count) return SIM_BAD_DEVICE;
+    current_device = device;
+    return SIM_OK;
+}
+
+int sim_get_device(void) { return current_device; }
+
+static uint64_t round_up(uint64_t size) { return (size + ALIGN - 1) & ~(ALIGN - 1); }
+
+int sim_alloc(enum sim_space space, size_t size, uint64_t *out) {
+    ensure_init();
+    if (!out) return SIM_INVALID;
+    if (size == 0) { *out = 0; return SIM_OK; }
+    uint64_t rounded = round_up(size), extra_ns = 0;
+    int status = SIM_OK;
+    pthread_mutex_lock(&lock);
+    if (space == SIM_HOST) {
+        void *p = aligned_alloc(ALIGN, rounded);
+        if (!p) status = SIM_OOM;
+        else {
+            size_t at = lower_bound(&host_live, (uint64_t)(uintptr_t)p);
+            vec_insert(&host_live, at, (struct range){(uint64_t)(uintptr_t)p, rounded});
+            *out = (uint64_t)(uintptr_t)p;
+        }
+    } else {
+        struct device *dev = &devices[current_device];
+        extra_ns = latency_per_live_ns * dev->live.len;
+        uint64_t align = rounded >= (2ULL << 20) ? (2ULL << 20) : ALIGN;
+        uint64_t addr = take_range(&dev->free_ranges, rounded, align);
+        if (!addr) status = SIM_OOM;
+        else {
+            size_t at = lower_bound(&dev->live, addr);
+            vec_insert(&dev->live, at, (struct range){addr, rounded});
+            dev->used += rounded;
+            *out = addr;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    spin(extra_ns);
+    return status;
+}
+
+int sim_free(enum sim_space space, uint64_t ptr) {
+    ensure_init();
+    if (ptr == 0) return SIM_OK;
+    int status = SIM_INVALID;
+    pthread_mutex_lock(&lock);
+    size_t at;
+    if (space == SIM_HOST) {
+        if (find_exact(&host_live, ptr, &at)) {
+            vec_remove(&host_live, at);
+            free((void *)(uintptr_t)ptr);
+            status = SIM_OK;
+        }
+    } else {
+        for (int d = 0; d < device_count; d++) {
+            struct device *dev = &devices[d];
+            if (find_exact(&dev->live, ptr, &at)) {
+                struct range r = dev->live.items[at];
+                vec_remove(&dev->live, at);
+                give_range(&dev->free_ranges, r.addr, r.size);
+                dev->used -= r.size;
+                status = SIM_OK;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+void sim_mem_info(size_t *free_bytes, size_t *total_bytes) {
+    ensure_init();
+    pthread_mutex_lock(&lock);
+    struct device *dev = &devices[current_device];
+    if (free_bytes) *free_bytes = dev->capacity - dev->used;
+    if (total_bytes) *total_bytes = dev->capacity;
+    pthread_mutex_unlock(&lock);
+}
+
+int sim_va_reserve(size_t size, size_t alignment, uint64_t *out) {
+    ensure_init();
+    if (!out || size == 0) return SIM_INVALID;
+    uint64_t align = alignment ? alignment : (2ULL << 20);
+    pthread_mutex_lock(&lock);
+    uint64_t addr = take_range(&va_free, round_up(size), align);
+    if (addr) vec_insert(&va_live, lower_bound(&va_live, addr), (struct range){addr, round_up(size)});
+    pthread_mutex_unlock(&lock);
+    if (!addr) return SIM_OOM;
+    *out = addr;
+    return SIM_OK;
+}
+
+int sim_va_free(uint64_t ptr, size_t size) {
+    ensure_init();
+    int status = SIM_INVALID;
+    size_t at;
+    pthread_mutex_lock(&lock);
+    if (find_exact(&va_live, ptr, &at) && va_live.items[at].size == round_up(size)) {
+        vec_remove(&va_live, at);
+        give_range(&va_free, ptr, round_up(size));
+        status = SIM_OK;
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int sim_phys_create(size_t size, uint64_t *handle) {
+    ensure_init();
+    if (!handle || size == 0) return SIM_INVALID;
+    int status = SIM_OK;
+    pthread_mutex_lock(&lock);
+    struct device *dev = &devices[current_device];
+    if (dev->capacity - dev->used < size) status = SIM_OOM;
+    else {
+        if (handle_count == handle_cap) {
+            handle_cap = handle_cap ? handle_cap * 2 : 64;
+            handles = realloc(handles, handle_cap * sizeof *handles);
+            if (!handles) abort();
+        }
+        dev->used += size;
+        handles[handle_count] = (struct handle){handle_count + 1, size, current_device, 1};
+        *handle = handle_count + 1;
+        handle_count++;
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int sim_phys_release(uint64_t handle) {
+    ensure_init();
+    int status = SIM_INVALID;
+    pthread_mutex_lock(&lock);
+    if (handle >= 1 && handle <= handle_count && handles[handle - 1].live) {
+        handles[handle - 1].live = 0;
+        devices[handles[handle - 1].device].used -= handles[handle - 1].size;
+        status = SIM_OK;
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int sim_map(uint64_t ptr, size_t size, uint64_t handle) {
+    ensure_init();
+    int status = SIM_INVALID;
+    pthread_mutex_lock(&lock);
+    size_t i = lower_bound(&va_live, ptr + 1);
+    int in_range = i > 0 && ptr + size <= va_live.items[i - 1].addr + va_live.items[i - 1].size;
+    size_t at;
+    if (in_range && handle >= 1 && handle <= handle_count && handles[handle - 1].live &&
+        !find_exact(&mappings, ptr, &at)) {
+        vec_insert(&mappings, lower_bound(&mappings, ptr), (struct range){ptr, size});
+        status = SIM_OK;
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int sim_unmap(uint64_t ptr, size_t size) {
+    ensure_init();
+    int status = SIM_INVALID;
+    size_t at;
+    pthread_mutex_lock(&lock);
+    if (find_exact(&mappings, ptr, &at) && mappings.items[at].size == size) {
+        vec_remove(&mappings, at);
+        status = SIM_OK;
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}

@@ -1,0 +1,29 @@
+/* Internal interface between the simulated runtime (libcudart.so.12) and the simulated driver
+ * (libcuda.so.1), which owns the device-memory model. Not part of the CUDA API. */
+#ifndef SIMCUDA_H
+#define SIMCUDA_H
+#include <stddef.h>
+#include <stdint.h>
+
+#pragma GCC visibility push(default)
+enum sim_space { SIM_DEVICE = 0, SIM_HOST = 1 };
+enum sim_status { SIM_OK = 0, SIM_INVALID = 1, SIM_OOM = 2, SIM_BAD_DEVICE = 101 };
+
+int sim_device_count(void);
+int sim_set_device(int device);
+int sim_get_device(void);
+/* Allocates `size` bytes on the calling thread's device (or pinned host memory). */
+int sim_alloc(enum sim_space space, size_t size, uint64_t *out);
+int sim_free(enum sim_space space, uint64_t ptr);
+void sim_mem_info(size_t *free_bytes, size_t *total_bytes);
+/* Virtual memory management (expandable segments). */
+int sim_va_reserve(size_t size, size_t alignment, uint64_t *out);
+int sim_va_free(uint64_t ptr, size_t size);
+int sim_phys_create(size_t size, uint64_t *handle);
+int sim_phys_release(uint64_t handle);
+int sim_map(uint64_t ptr, size_t size, uint64_t handle);
+int sim_unmap(uint64_t ptr, size_t size);
+/* Spends the configured latency of `op` (busy-waiting, as a driver call does). */
+void sim_delay(const char *op);
+#pragma GCC visibility pop
+#endif

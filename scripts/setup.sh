@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Installs what building and testing tracer needs, only what is missing.
+# Idempotent: on a machine that has everything it returns in well under a second.
+set -euo pipefail
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+need_root() { if [ "$(id -u)" -ne 0 ]; then log "installing $1 needs root: run as root or install it yourself"; exit 1; fi; }
+
+apt_updated=0
+apt_install() {
+  need_root "$*"
+  if [ "$apt_updated" -eq 0 ]; then
+    log "apt-get update"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    apt_updated=1
+  fi
+  log "apt-get install $*"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# Rust: stable builds the user side, nightly + rust-src builds the eBPF object (-Z build-std=core).
+if ! command -v cargo >/dev/null 2>&1; then
+  log "cargo not found: install rustup (https://rustup.rs) first"; exit 1
+fi
+if ! rustup toolchain list | grep -q '^nightly'; then
+  log "rustup toolchain install nightly"; rustup toolchain install nightly --profile minimal
+fi
+if ! rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^rust-src'; then
+  log "rustup component add rust-src --toolchain nightly"; rustup component add rust-src --toolchain nightly
+fi
+
+# bpf-linker against LLVM 22 (the nightly's LLVM); see shared/toolchain.md.
+if ! command -v bpf-linker >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/bpf-linker" ]; then
+  [ -x /usr/lib/llvm-22/bin/llvm-config ] || apt_install llvm-22-dev
+  log "cargo install bpf-linker (about a minute)"
+  LLVM_PREFIX=/usr/lib/llvm-22 cargo install --locked bpf-linker --version 0.13.0 \
+    --no-default-features --features llvm-22 >&2
+fi
+
+# Tests: gcc builds the simulated CUDA runtime; bpftrace is the benchmark's peer.
+command -v cc >/dev/null 2>&1 || apt_install gcc
+command -v bpftrace >/dev/null 2>&1 || apt_install bpftrace
+
+# The real CUDA 12 runtime, from its PyPI wheel, for the real-runtime test.
+real_dir="${TRACER_REAL_CUDART_DIR:-$HOME/.cache/tracer/cuda-runtime-cu12}"
+if [ ! -f "$real_dir/libcudart.so.12" ]; then
+  log "fetching nvidia-cuda-runtime-cu12 from PyPI into $real_dir"
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps -d "$tmp" 'nvidia-cuda-runtime-cu12==12.9.79' >&2
+  mkdir -p "$real_dir"
+  python3 - "$tmp" "$real_dir" <<'PY'
+import sys, zipfile, glob, os
+whl = glob.glob(os.path.join(sys.argv[1], "*.whl"))[0]
+with zipfile.ZipFile(whl) as z:
+    data = z.read("nvidia/cuda_runtime/lib/libcudart.so.12")
+with open(os.path.join(sys.argv[2], "libcudart.so.12"), "wb") as f:
+    f.write(data)
+PY
+  rm -rf "$tmp"
+fi

@@ -1,0 +1,121 @@
+//! Names of the maps, programs and globals the two sides share, and the counter slots.
+
+/// Ring buffer of records ([`crate::EventHeader`] first).
+pub const EVENTS: &str = "EVENTS";
+/// Per-CPU `u64` counters indexed by [`Counter`].
+pub const COUNTERS: &str = "COUNTERS";
+/// (thread, op) -> entry state, between a uprobe and its uretprobe.
+pub const INFLIGHT: &str = "INFLIGHT";
+/// (process, space, pointer) -> size and device of live allocations.
+pub const ALLOCS: &str = "ALLOCS";
+/// thread -> device set by cudaSetDevice.
+pub const THREAD_DEVICE: &str = "THREAD_DEVICE";
+
+/// The entry program, attached as a uprobe to every probed symbol (cookie = op).
+pub const PROG_ENTRY: &str = "call_entry";
+/// The return program, attached as a uretprobe to every probed symbol (cookie = op).
+pub const PROG_RETURN: &str = "call_return";
+
+/// Global: wake the reader only when this many bytes are waiting (0: every event).
+pub const GLOBAL_WAKEUP_BYTES: &str = "WAKEUP_BYTES";
+/// Global: when non-zero, record nothing but count the calls (the benchmark's floor).
+pub const GLOBAL_FLOOR_MODE: &str = "FLOOR_MODE";
+
+/// Default ring size: about 160 k call records, 0.15 s of two threads at full speed.
+pub const DEFAULT_RING_BYTES: u32 = 16 << 20;
+pub const INFLIGHT_ENTRIES: u32 = 1 << 16;
+pub const ALLOCS_ENTRIES: u32 = 1 << 20;
+pub const THREAD_DEVICE_ENTRIES: u32 = 1 << 16;
+
+/// Slots of the [`COUNTERS`] map. Stable: stored with each session.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// uprobe hits (entries) of traced calls.
+    Entries = 0,
+    /// Records written to the ring buffer.
+    Submitted = 1,
+    /// Records lost because the ring buffer was full.
+    RingFull = 2,
+    /// Returns whose entry was not found (entry state evicted or the probe attached mid-call).
+    UnmatchedReturns = 3,
+    /// Allocations not remembered because the allocation map was full (their free lacks a size).
+    AllocMapFull = 4,
+    /// Entry states not stored because the in-flight map refused them.
+    InflightFull = 5,
+}
+
+impl Counter {
+    pub const COUNT: u32 = 6;
+    pub const ALL: [Counter; Self::COUNT as usize] = [
+        Counter::Entries,
+        Counter::Submitted,
+        Counter::RingFull,
+        Counter::UnmatchedReturns,
+        Counter::AllocMapFull,
+        Counter::InflightFull,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Counter::Entries => "entries",
+            Counter::Submitted => "submitted",
+            Counter::RingFull => "dropped_ring_full",
+            Counter::UnmatchedReturns => "unmatched_returns",
+            Counter::AllocMapFull => "alloc_map_full",
+            Counter::InflightFull => "inflight_full",
+        }
+    }
+}
+
+/// Key of [`INFLIGHT`]: one pending call per thread and op (a runtime call may nest a driver call).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InflightKey {
+    pub tid: u32,
+    pub op: u32,
+}
+
+/// Value of [`INFLIGHT`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Inflight {
+    pub ts_ns: u64,
+    pub args: [u64; crate::probes::MAX_ARGS],
+    /// For frees: the size and device found in [`ALLOCS`] at entry.
+    pub freed_size: u64,
+    pub freed_device: i32,
+    /// 1 when `freed_size` is valid.
+    pub freed_found: u32,
+}
+
+/// Key of [`ALLOCS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocKey {
+    pub pid: u32,
+    /// A [`crate::Space`] value: pointers of different kinds never collide.
+    pub space: u32,
+    pub ptr: u64,
+}
+
+/// Value of [`ALLOCS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AllocInfo {
+    pub size: u64,
+    pub device: i32,
+    pub _pad: u32,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: each is repr(C), only integers, with explicit padding fields.
+    unsafe impl aya::Pod for super::InflightKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::Inflight {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::AllocKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::AllocInfo {}
+}

@@ -1,0 +1,291 @@
+//! The probe table: every traced API is one line here, read by both the eBPF programs (through
+//! [`PLANS`]) and the `tracer` binary (symbols to attach, names to store).
+
+/// Arguments the probes look at (x86-64 passes up to six in registers).
+pub const MAX_ARGS: usize = 5;
+/// [`OpPlan`] field value for "no such argument".
+pub const NO_ARG: u8 = 0xff;
+
+/// Which library exports the symbol.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Library {
+    /// libcudart (or an executable that links it statically).
+    Runtime = 0,
+    /// libcuda, the driver API.
+    Driver = 1,
+}
+
+impl Library {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Library::Runtime => "libcudart",
+            Library::Driver => "libcuda",
+        }
+    }
+}
+
+/// Kinds of pointer a call hands out; an allocation and its free share one.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Space {
+    None = 0,
+    /// Device (and managed) memory: cudaMalloc*, cuMemAlloc*.
+    Device = 1,
+    /// Pinned host memory: cudaMallocHost, cudaHostAlloc.
+    Host = 2,
+    /// Physical allocation handles: cuMemCreate / cuMemRelease.
+    Handle = 3,
+    /// Reserved virtual address ranges: cuMemAddressReserve / cuMemAddressFree.
+    AddressRange = 4,
+    /// Mappings of handles into ranges: cuMemMap / cuMemUnmap.
+    Mapping = 5,
+}
+
+/// What a call does, for the probes and for analysis.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpClass {
+    Alloc = 1,
+    Free = 2,
+    /// Reports free and total memory (cudaMemGetInfo, cuMemGetInfo).
+    MemInfo = 3,
+    SetDevice = 4,
+    Sync = 5,
+}
+
+/// The meaning of one argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgRole {
+    Ignored,
+    /// Bytes requested or released.
+    Size,
+    /// Out-parameter receiving the new pointer or handle.
+    PtrOut,
+    /// A pointer or handle passed in (freed, or mapped at).
+    Ptr,
+    Device,
+    /// Stored in aux0.
+    Stream,
+    /// Stored in aux1.
+    Flags,
+    /// Out-parameter receiving free bytes (stored in aux0).
+    FreeOut,
+    /// Out-parameter receiving total bytes (stored in aux1).
+    TotalOut,
+    /// Out-parameter receiving the pitch (aux0); size = pitch * height.
+    PitchOut,
+    /// Row width in bytes (aux1).
+    Width,
+    Height,
+    /// Stored in aux0.
+    Alignment,
+    /// A physical allocation handle passed in (aux0).
+    Handle,
+}
+
+/// One traced API.
+#[derive(Clone, Copy, Debug)]
+pub struct ProbeSpec {
+    pub op: Op,
+    /// The base symbol; exported variants `<symbol>_ptsz` and `<symbol>_ptds` are attached too.
+    pub symbol: &'static str,
+    pub library: Library,
+    pub class: OpClass,
+    pub space: Space,
+    pub args: &'static [ArgRole],
+}
+
+/// Symbol suffixes of the per-thread-default-stream variants.
+pub const VARIANT_SUFFIXES: [&str; 2] = ["_ptsz", "_ptds"];
+
+macro_rules! ops {
+    ($($variant:ident = $value:literal,)*) => {
+        /// The traced APIs. Values are stable (stored in databases) and index [`PROBES`].
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Op { $($variant = $value,)* }
+
+        impl Op {
+            pub const ALL: [Op; OP_COUNT] = [$(Op::$variant,)*];
+
+            pub const fn from_u32(value: u32) -> Option<Op> {
+                match value {
+                    $($value => Some(Op::$variant),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+ops! {
+    CudaMalloc = 0,
+    CudaFree = 1,
+    CudaMallocAsync = 2,
+    CudaFreeAsync = 3,
+    CudaMallocManaged = 4,
+    CudaMallocHost = 5,
+    CudaHostAlloc = 6,
+    CudaFreeHost = 7,
+    CudaMallocPitch = 8,
+    CudaMemGetInfo = 9,
+    CudaSetDevice = 10,
+    CudaDeviceSynchronize = 11,
+    CudaStreamSynchronize = 12,
+    CudaMallocFromPoolAsync = 13,
+    CuMemAlloc = 14,
+    CuMemFree = 15,
+    CuMemAllocAsync = 16,
+    CuMemFreeAsync = 17,
+    CuMemAllocManaged = 18,
+    CuMemGetInfo = 19,
+    CuMemAddressReserve = 20,
+    CuMemAddressFree = 21,
+    CuMemCreate = 22,
+    CuMemRelease = 23,
+    CuMemMap = 24,
+    CuMemUnmap = 25,
+    CuMemAllocFromPoolAsync = 26,
+}
+
+pub const OP_COUNT: usize = 27;
+
+use ArgRole::*;
+use Library::{Driver, Runtime};
+
+const fn probe(
+    op: Op,
+    symbol: &'static str,
+    library: Library,
+    class: OpClass,
+    space: Space,
+    args: &'static [ArgRole],
+) -> ProbeSpec {
+    ProbeSpec { op, symbol, library, class, space, args }
+}
+
+/// The table. Indexed by `Op as usize` (checked at compile time below).
+pub const PROBES: [ProbeSpec; OP_COUNT] = [
+    probe(Op::CudaMalloc, "cudaMalloc", Runtime, OpClass::Alloc, Space::Device, &[PtrOut, Size]),
+    probe(Op::CudaFree, "cudaFree", Runtime, OpClass::Free, Space::Device, &[Ptr]),
+    probe(Op::CudaMallocAsync, "cudaMallocAsync", Runtime, OpClass::Alloc, Space::Device, &[PtrOut, Size, Stream]),
+    probe(Op::CudaFreeAsync, "cudaFreeAsync", Runtime, OpClass::Free, Space::Device, &[Ptr, Stream]),
+    probe(Op::CudaMallocManaged, "cudaMallocManaged", Runtime, OpClass::Alloc, Space::Device, &[PtrOut, Size, Flags]),
+    probe(Op::CudaMallocHost, "cudaMallocHost", Runtime, OpClass::Alloc, Space::Host, &[PtrOut, Size]),
+    probe(Op::CudaHostAlloc, "cudaHostAlloc", Runtime, OpClass::Alloc, Space::Host, &[PtrOut, Size, Flags]),
+    probe(Op::CudaFreeHost, "cudaFreeHost", Runtime, OpClass::Free, Space::Host, &[Ptr]),
+    probe(Op::CudaMallocPitch, "cudaMallocPitch", Runtime, OpClass::Alloc, Space::Device, &[PtrOut, PitchOut, Width, Height]),
+    probe(Op::CudaMemGetInfo, "cudaMemGetInfo", Runtime, OpClass::MemInfo, Space::None, &[FreeOut, TotalOut]),
+    probe(Op::CudaSetDevice, "cudaSetDevice", Runtime, OpClass::SetDevice, Space::None, &[Device]),
+    probe(Op::CudaDeviceSynchronize, "cudaDeviceSynchronize", Runtime, OpClass::Sync, Space::None, &[]),
+    probe(Op::CudaStreamSynchronize, "cudaStreamSynchronize", Runtime, OpClass::Sync, Space::None, &[Stream]),
+    probe(Op::CudaMallocFromPoolAsync, "cudaMallocFromPoolAsync", Runtime, OpClass::Alloc, Space::Device, &[PtrOut, Size, Ignored, Stream]),
+    probe(Op::CuMemAlloc, "cuMemAlloc_v2", Driver, OpClass::Alloc, Space::Device, &[PtrOut, Size]),
+    probe(Op::CuMemFree, "cuMemFree_v2", Driver, OpClass::Free, Space::Device, &[Ptr]),
+    probe(Op::CuMemAllocAsync, "cuMemAllocAsync", Driver, OpClass::Alloc, Space::Device, &[PtrOut, Size, Stream]),
+    probe(Op::CuMemFreeAsync, "cuMemFreeAsync", Driver, OpClass::Free, Space::Device, &[Ptr, Stream]),
+    probe(Op::CuMemAllocManaged, "cuMemAllocManaged", Driver, OpClass::Alloc, Space::Device, &[PtrOut, Size, Flags]),
+    probe(Op::CuMemGetInfo, "cuMemGetInfo_v2", Driver, OpClass::MemInfo, Space::None, &[FreeOut, TotalOut]),
+    probe(Op::CuMemAddressReserve, "cuMemAddressReserve", Driver, OpClass::Alloc, Space::AddressRange, &[PtrOut, Size, Alignment, Ignored, Flags]),
+    probe(Op::CuMemAddressFree, "cuMemAddressFree", Driver, OpClass::Free, Space::AddressRange, &[Ptr, Size]),
+    probe(Op::CuMemCreate, "cuMemCreate", Driver, OpClass::Alloc, Space::Handle, &[PtrOut, Size, Ignored, Flags]),
+    probe(Op::CuMemRelease, "cuMemRelease", Driver, OpClass::Free, Space::Handle, &[Ptr]),
+    probe(Op::CuMemMap, "cuMemMap", Driver, OpClass::Alloc, Space::Mapping, &[Ptr, Size, Ignored, Handle, Flags]),
+    probe(Op::CuMemUnmap, "cuMemUnmap", Driver, OpClass::Free, Space::Mapping, &[Ptr, Size]),
+    probe(Op::CuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", Driver, OpClass::Alloc, Space::Device, &[PtrOut, Size, Ignored, Stream]),
+];
+
+const _: () = {
+    let mut i = 0;
+    while i < OP_COUNT {
+        assert!(PROBES[i].op as usize == i, "PROBES must be indexed by Op");
+        assert!(PROBES[i].args.len() <= MAX_ARGS);
+        assert!(Op::ALL[i] as usize == i);
+        i += 1;
+    }
+};
+
+impl Op {
+    pub const fn spec(self) -> &'static ProbeSpec {
+        &PROBES[self as usize]
+    }
+
+    /// The name stored in the database and shown to users: the base symbol.
+    pub const fn name(self) -> &'static str {
+        self.spec().symbol
+    }
+}
+
+/// The table in the form the eBPF programs use: argument indices per role.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpPlan {
+    /// An [`OpClass`] value.
+    pub class: u32,
+    /// A [`Space`] value.
+    pub space: u32,
+    pub size_arg: u8,
+    pub ptr_out_arg: u8,
+    pub ptr_arg: u8,
+    pub device_arg: u8,
+    pub free_out_arg: u8,
+    pub total_out_arg: u8,
+    pub pitch_out_arg: u8,
+    pub height_arg: u8,
+    /// Copied into aux0 (stream, alignment or handle).
+    pub aux0_arg: u8,
+    /// Copied into aux1 (flags or width).
+    pub aux1_arg: u8,
+    pub _pad: [u8; 6],
+}
+
+const fn plan(spec: &ProbeSpec) -> OpPlan {
+    let mut p = OpPlan {
+        class: spec.class as u32,
+        space: spec.space as u32,
+        size_arg: NO_ARG,
+        ptr_out_arg: NO_ARG,
+        ptr_arg: NO_ARG,
+        device_arg: NO_ARG,
+        free_out_arg: NO_ARG,
+        total_out_arg: NO_ARG,
+        pitch_out_arg: NO_ARG,
+        height_arg: NO_ARG,
+        aux0_arg: NO_ARG,
+        aux1_arg: NO_ARG,
+        _pad: [0; 6],
+    };
+    let mut i = 0;
+    while i < spec.args.len() {
+        let idx = i as u8;
+        match spec.args[i] {
+            Ignored => {}
+            Size => p.size_arg = idx,
+            PtrOut => p.ptr_out_arg = idx,
+            Ptr => p.ptr_arg = idx,
+            Device => p.device_arg = idx,
+            Stream | Alignment | Handle => p.aux0_arg = idx,
+            Flags | Width => p.aux1_arg = idx,
+            FreeOut => p.free_out_arg = idx,
+            TotalOut => p.total_out_arg = idx,
+            PitchOut => p.pitch_out_arg = idx,
+            Height => p.height_arg = idx,
+        }
+        i += 1;
+    }
+    p
+}
+
+const fn plans() -> [OpPlan; OP_COUNT] {
+    let mut out = [plan(&PROBES[0]); OP_COUNT];
+    let mut i = 0;
+    while i < OP_COUNT {
+        out[i] = plan(&PROBES[i]);
+        i += 1;
+    }
+    out
+}
+
+/// [`PROBES`] compiled for the eBPF side, indexed by `Op as usize`.
+pub const PLANS: [OpPlan; OP_COUNT] = plans();

@@ -1,0 +1,260 @@
+//! One entry and one return program serve every API in the probe table: the attach cookie says
+//! which op fired, and `PLANS` says which argument means what.
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_ANY, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    helpers::{
+        bpf_get_attach_cookie, bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns,
+        bpf_probe_read_user,
+    },
+    macros::{map, uprobe, uretprobe},
+    maps::{HashMap, LruHashMap, RingBuf},
+    programs::{ProbeContext, RetProbeContext},
+};
+use tracer_common::{
+    CallEvent, EventHeader, OpClass, OpPlan, PLANS,
+    call::{DEVICE_UNKNOWN, flags},
+    maps::{self as names, AllocInfo, AllocKey, Counter, Inflight, InflightKey},
+    probes::{MAX_ARGS, NO_ARG, OP_COUNT},
+};
+
+use crate::counters::bump;
+
+#[map(name = "EVENTS")]
+static EVENTS: RingBuf = RingBuf::with_byte_size(names::DEFAULT_RING_BYTES, 0);
+
+// LRU: an entry whose return never comes (thread killed mid-call) must not fill the map.
+#[map(name = "INFLIGHT")]
+static INFLIGHT: LruHashMap<InflightKey, Inflight> =
+    LruHashMap::with_max_entries(names::INFLIGHT_ENTRIES, 0);
+
+#[map(name = "ALLOCS")]
+static ALLOCS: HashMap<AllocKey, AllocInfo> = HashMap::with_max_entries(names::ALLOCS_ENTRIES, 0);
+
+#[map(name = "THREAD_DEVICE")]
+static THREAD_DEVICE: LruHashMap<u32, i32> =
+    LruHashMap::with_max_entries(names::THREAD_DEVICE_ENTRIES, 0);
+
+/// Bytes waiting in the ring before the reader is woken; set by userspace at load.
+#[unsafe(no_mangle)]
+static WAKEUP_BYTES: u64 = 0;
+
+/// Non-zero: count entries only (the benchmark's floor: same probes, empty work).
+#[unsafe(no_mangle)]
+static FLOOR_MODE: u32 = 0;
+
+#[inline(always)]
+fn global<T: Copy>(value: &T) -> T {
+    // SAFETY: a read of a global that the loader may have rewritten; volatile keeps the compiler
+    // from folding the compile-time value.
+    unsafe { core::ptr::read_volatile(value) }
+}
+
+#[inline(always)]
+fn plan_for(cookie: u64) -> Option<(u32, &'static OpPlan)> {
+    let op = cookie as usize;
+    if op >= OP_COUNT {
+        return None;
+    }
+    Some((op as u32, &PLANS[op]))
+}
+
+#[inline(always)]
+fn arg_at(args: &[u64; MAX_ARGS], idx: u8) -> Option<u64> {
+    if idx == NO_ARG || idx as usize >= MAX_ARGS {
+        None
+    } else {
+        Some(args[idx as usize])
+    }
+}
+
+#[inline(always)]
+fn read_user_u64(addr: u64) -> Option<u64> {
+    if addr == 0 {
+        return None;
+    }
+    // SAFETY: bpf_probe_read_user validates the address; a fault returns an error.
+    unsafe { bpf_probe_read_user(addr as *const u64).ok() }
+}
+
+#[uprobe]
+pub fn call_entry(ctx: ProbeContext) -> u32 {
+    bump(Counter::Entries);
+    if global(&FLOOR_MODE) != 0 {
+        return 0;
+    }
+    // SAFETY: the helper only reads the cookie of the perf link that fired.
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let Some((op, plan)) = plan_for(cookie) else {
+        return 0;
+    };
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let pid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+
+    let mut state = Inflight {
+        // SAFETY: no preconditions.
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        args: [0; MAX_ARGS],
+        freed_size: 0,
+        freed_device: DEVICE_UNKNOWN,
+        freed_found: 0,
+    };
+    let mut i = 0;
+    while i < MAX_ARGS {
+        state.args[i] = ctx.arg::<u64>(i).unwrap_or(0);
+        i += 1;
+    }
+    // Look the size up at entry: a nested free of the same pointer (runtime -> driver) removes
+    // it before the outer call returns.
+    if plan.class == OpClass::Free as u32 {
+        if let Some(ptr) = arg_at(&state.args, plan.ptr_arg) {
+            let key = AllocKey { pid, space: plan.space, ptr };
+            // SAFETY: the value is copied out at once.
+            if let Some(info) = unsafe { ALLOCS.get(&key) } {
+                state.freed_size = info.size;
+                state.freed_device = info.device;
+                state.freed_found = 1;
+            }
+        }
+    }
+    if INFLIGHT.insert(&InflightKey { tid, op }, &state, BPF_ANY as u64).is_err() {
+        bump(Counter::InflightFull);
+    }
+    0
+}
+
+#[uretprobe]
+pub fn call_return(ctx: RetProbeContext) -> u32 {
+    if global(&FLOOR_MODE) != 0 {
+        return 0;
+    }
+    // SAFETY: as in call_entry.
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let Some((op, plan)) = plan_for(cookie) else {
+        return 0;
+    };
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let pid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+    let key = InflightKey { tid, op };
+    // SAFETY: copied out before the entry is removed.
+    let Some(state) = (unsafe { INFLIGHT.get(&key) }).copied() else {
+        bump(Counter::UnmatchedReturns);
+        return 0;
+    };
+    let _ = INFLIGHT.remove(&key);
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let ret: i32 = ctx.ret::<u64>() as i32;
+    let ok = ret == 0;
+    let args = &state.args;
+
+    let mut ev_flags = 0u32;
+    let mut size = 0u64;
+    let mut ptr = 0u64;
+    let mut aux0 = arg_at(args, plan.aux0_arg).unwrap_or(0);
+    let mut aux1 = arg_at(args, plan.aux1_arg).unwrap_or(0);
+    // SAFETY: the value is copied out at once.
+    let mut device = unsafe { THREAD_DEVICE.get(&tid) }.copied().unwrap_or(DEVICE_UNKNOWN);
+
+    if let Some(s) = arg_at(args, plan.size_arg) {
+        size = s;
+        ev_flags |= flags::SIZE_KNOWN;
+    }
+    if let Some(p) = arg_at(args, plan.ptr_arg) {
+        ptr = p;
+        ev_flags |= flags::PTR_KNOWN;
+    }
+    if ok {
+        if let Some(out) = arg_at(args, plan.ptr_out_arg) {
+            match read_user_u64(out) {
+                Some(p) => {
+                    ptr = p;
+                    ev_flags |= flags::PTR_KNOWN;
+                }
+                None => ev_flags |= flags::READ_FAILED,
+            }
+        }
+        if let Some(out) = arg_at(args, plan.pitch_out_arg) {
+            match read_user_u64(out) {
+                Some(pitch) => {
+                    aux0 = pitch;
+                    size = pitch.wrapping_mul(arg_at(args, plan.height_arg).unwrap_or(0));
+                    ev_flags |= flags::SIZE_KNOWN;
+                }
+                None => ev_flags |= flags::READ_FAILED,
+            }
+        }
+        if let Some(out) = arg_at(args, plan.free_out_arg) {
+            match read_user_u64(out) {
+                Some(v) => aux0 = v,
+                None => ev_flags |= flags::READ_FAILED,
+            }
+        }
+        if let Some(out) = arg_at(args, plan.total_out_arg) {
+            match read_user_u64(out) {
+                Some(v) => aux1 = v,
+                None => ev_flags |= flags::READ_FAILED,
+            }
+        }
+        if let Some(d) = arg_at(args, plan.device_arg) {
+            device = d as i32;
+            let _ = THREAD_DEVICE.insert(&tid, &device, BPF_ANY as u64);
+        }
+    } else if let Some(d) = arg_at(args, plan.device_arg) {
+        // A failed cudaSetDevice still says which device was asked for.
+        aux0 = d;
+    }
+
+    if plan.class == OpClass::Free as u32 {
+        if state.freed_found != 0 {
+            size = state.freed_size;
+            device = state.freed_device;
+            ev_flags |= flags::SIZE_KNOWN;
+        } else if ptr != 0 {
+            ev_flags |= flags::FREE_UNMATCHED;
+        }
+        if ok && ptr != 0 {
+            let _ = ALLOCS.remove(&AllocKey { pid, space: plan.space, ptr });
+        }
+    } else if plan.class == OpClass::Alloc as u32 && ok && ptr != 0 {
+        let info = AllocInfo { size, device, _pad: 0 };
+        if ALLOCS.insert(&AllocKey { pid, space: plan.space, ptr }, &info, BPF_ANY as u64).is_err() {
+            bump(Counter::AllocMapFull);
+        }
+    }
+
+    let Some(mut entry) = EVENTS.reserve::<CallEvent>(0) else {
+        bump(Counter::RingFull);
+        return 0;
+    };
+    let comm = bpf_get_current_comm().unwrap_or([0; 16]);
+    entry.write(CallEvent {
+        header: EventHeader {
+            kind: CallEvent::KIND as u32,
+            len: CallEvent::LEN,
+            ts_ns: state.ts_ns,
+            pid,
+            tid,
+        },
+        op,
+        device,
+        ret,
+        flags: ev_flags,
+        duration_ns: now.wrapping_sub(state.ts_ns),
+        size,
+        ptr,
+        aux0,
+        aux1,
+        stack_id: -1,
+        comm,
+    });
+    // Waking the reader costs about a third of a traced call: wake it only when a batch waits.
+    let wakeup = global(&WAKEUP_BYTES);
+    let flag = if wakeup == 0 || EVENTS.query(0) >= wakeup { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
+    entry.submit(flag as u64);
+    bump(Counter::Submitted);
+    0
+}

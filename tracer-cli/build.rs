@@ -1,6 +1,6 @@
 use std::path::PathBuf;
 
-use anyhow::{Context as _, anyhow};
+use anyhow::{anyhow, Context as _};
 use aya_build::{Package, Toolchain};
 
 /// Builds the eBPF object (tracer-ebpf) with the nightly toolchain; the binary embeds it.
@@ -10,9 +10,15 @@ fn main() -> anyhow::Result<()> {
     let ebpf_dir = ebpf_dir
         .canonicalize()
         .with_context(|| format!("find the eBPF crate at {}", ebpf_dir.display()))?;
-    let root_dir = ebpf_dir.to_str().ok_or_else(|| anyhow!("non-UTF-8 path {}", ebpf_dir.display()))?;
+    let root_dir = ebpf_dir
+        .to_str()
+        .ok_or_else(|| anyhow!("non-UTF-8 path {}", ebpf_dir.display()))?;
     aya_build::build_ebpf(
-        [Package { name: "tracer-ebpf", root_dir, ..Default::default() }],
+        [Package {
+            name: "tracer-ebpf",
+            root_dir,
+            ..Default::default()
+        }],
         Toolchain::default(),
     )
 }

@@ -1,4 +1,59 @@
-fn main() {
-    let obj = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
-    println!("{}", obj.len());
+//! tracer: eBPF tracing of CUDA memory allocation calls.
+
+mod cmd;
+mod decode;
+mod discover;
+mod elf;
+mod exit;
+mod live;
+mod output;
+mod paths;
+mod privileges;
+mod probes;
+mod procinfo;
+mod stats;
+mod store;
+mod units;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "tracer", version, about = "Trace CUDA memory allocation calls with eBPF, store them in SQLite, explain them")]
+#[command(after_help = "Exit codes: 0 success, 1 failure, 2 bad input, 3 missing privileges or kernel support.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Record every CUDA allocation call of running processes (needs root or CAP_BPF + CAP_PERFMON).
+    Trace(cmd::trace::TraceArgs),
+    /// Run a read-only SQL statement over a trace database.
+    Query(cmd::query::QueryArgs),
+    /// Check what tracer needs and whether this machine has it.
+    Check(cmd::check::CheckArgs),
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Trace(args) => cmd::trace::run(args),
+        Command::Query(args) => cmd::query::run(args),
+        Command::Check(args) => cmd::check::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if exit::is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            match e.downcast_ref::<exit::Coded>() {
+                Some(coded) => eprintln!("tracer: {coded}"),
+                None => eprintln!("tracer: {e:#}"),
+            }
+            ExitCode::from(exit::code_of(&e))
+        }
+    }
 }

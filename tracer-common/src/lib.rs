@@ -11,4 +11,6 @@ pub mod probes;
 
 pub use call::CallEvent;
 pub use event::{EventHeader, EventKind};
-pub use probes::{ArgRole, Library, Op, OpClass, OpPlan, ProbeSpec, Space, OP_COUNT, PLANS, PROBES};
+pub use probes::{
+    ArgRole, Library, Op, OpClass, OpPlan, ProbeSpec, Space, OP_COUNT, PLANS, PROBES,
+};

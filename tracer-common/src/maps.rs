@@ -11,6 +11,9 @@ pub const ALLOCS: &str = "ALLOCS";
 /// thread -> device set by cudaSetDevice.
 pub const THREAD_DEVICE: &str = "THREAD_DEVICE";
 
+/// Array of one `u32`: set to 1 to stop recording new calls before detaching.
+pub const CONTROL: &str = "CONTROL";
+
 /// The entry program, attached as a uprobe to every probed symbol (cookie = op).
 pub const PROG_ENTRY: &str = "call_entry";
 /// The return program, attached as a uretprobe to every probed symbol (cookie = op).

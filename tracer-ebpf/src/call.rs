@@ -2,21 +2,21 @@
 //! which op fired, and `PLANS` says which argument means what.
 
 use aya_ebpf::{
-    EbpfContext,
     bindings::{BPF_ANY, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
         bpf_get_attach_cookie, bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns,
         bpf_probe_read_user,
     },
     macros::{map, uprobe, uretprobe},
-    maps::{HashMap, LruHashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
+    EbpfContext,
 };
 use tracer_common::{
-    CallEvent, EventHeader, OpClass, OpPlan, PLANS,
-    call::{DEVICE_UNKNOWN, flags},
+    call::{flags, DEVICE_UNKNOWN},
     maps::{self as names, AllocInfo, AllocKey, Counter, Inflight, InflightKey},
     probes::{MAX_ARGS, NO_ARG, OP_COUNT},
+    CallEvent, EventHeader, OpClass, OpPlan, PLANS,
 };
 
 use crate::counters::bump;
@@ -35,6 +35,11 @@ static ALLOCS: HashMap<AllocKey, AllocInfo> = HashMap::with_max_entries(names::A
 #[map(name = "THREAD_DEVICE")]
 static THREAD_DEVICE: LruHashMap<u32, i32> =
     LruHashMap::with_max_entries(names::THREAD_DEVICE_ENTRIES, 0);
+
+/// Slot 0: non-zero once userspace is stopping; new calls are then ignored (their returns
+/// still complete, so the final drain sees every call that had started).
+#[map(name = "CONTROL")]
+static CONTROL: Array<u32> = Array::with_max_entries(1, 0);
 
 /// Bytes waiting in the ring before the reader is woken; set by userspace at load.
 #[unsafe(no_mangle)]
@@ -80,6 +85,9 @@ fn read_user_u64(addr: u64) -> Option<u64> {
 
 #[uprobe]
 pub fn call_entry(ctx: ProbeContext) -> u32 {
+    if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
+        return 0;
+    }
     bump(Counter::Entries);
     if global(&FLOOR_MODE) != 0 {
         return 0;
@@ -110,7 +118,11 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
     // it before the outer call returns.
     if plan.class == OpClass::Free as u32 {
         if let Some(ptr) = arg_at(&state.args, plan.ptr_arg) {
-            let key = AllocKey { pid, space: plan.space, ptr };
+            let key = AllocKey {
+                pid,
+                space: plan.space,
+                ptr,
+            };
             // SAFETY: the value is copied out at once.
             if let Some(info) = unsafe { ALLOCS.get(&key) } {
                 state.freed_size = info.size;
@@ -119,7 +131,10 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
             }
         }
     }
-    if INFLIGHT.insert(&InflightKey { tid, op }, &state, BPF_ANY as u64).is_err() {
+    if INFLIGHT
+        .insert(&InflightKey { tid, op }, &state, BPF_ANY as u64)
+        .is_err()
+    {
         bump(Counter::InflightFull);
     }
     0
@@ -157,7 +172,9 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     let mut aux0 = arg_at(args, plan.aux0_arg).unwrap_or(0);
     let mut aux1 = arg_at(args, plan.aux1_arg).unwrap_or(0);
     // SAFETY: the value is copied out at once.
-    let mut device = unsafe { THREAD_DEVICE.get(&tid) }.copied().unwrap_or(DEVICE_UNKNOWN);
+    let mut device = unsafe { THREAD_DEVICE.get(&tid) }
+        .copied()
+        .unwrap_or(DEVICE_UNKNOWN);
 
     if let Some(s) = arg_at(args, plan.size_arg) {
         size = s;
@@ -217,11 +234,30 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
             ev_flags |= flags::FREE_UNMATCHED;
         }
         if ok && ptr != 0 {
-            let _ = ALLOCS.remove(&AllocKey { pid, space: plan.space, ptr });
+            let _ = ALLOCS.remove(&AllocKey {
+                pid,
+                space: plan.space,
+                ptr,
+            });
         }
     } else if plan.class == OpClass::Alloc as u32 && ok && ptr != 0 {
-        let info = AllocInfo { size, device, _pad: 0 };
-        if ALLOCS.insert(&AllocKey { pid, space: plan.space, ptr }, &info, BPF_ANY as u64).is_err() {
+        let info = AllocInfo {
+            size,
+            device,
+            _pad: 0,
+        };
+        if ALLOCS
+            .insert(
+                &AllocKey {
+                    pid,
+                    space: plan.space,
+                    ptr,
+                },
+                &info,
+                BPF_ANY as u64,
+            )
+            .is_err()
+        {
             bump(Counter::AllocMapFull);
         }
     }
@@ -253,7 +289,11 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     });
     // Waking the reader costs about a third of a traced call: wake it only when a batch waits.
     let wakeup = global(&WAKEUP_BYTES);
-    let flag = if wakeup == 0 || EVENTS.query(0) >= wakeup { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
+    let flag = if wakeup == 0 || EVENTS.query(0) >= wakeup {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
     entry.submit(flag as u64);
     bump(Counter::Submitted);
     0

@@ -1,0 +1,3 @@
+pub mod check;
+pub mod query;
+pub mod trace;

@@ -1,0 +1,41 @@
+//! `tracer query`: read-only SQL over a trace database.
+
+use std::{io::Write as _, path::PathBuf};
+
+use anyhow::Result;
+use clap::Args;
+
+use crate::{
+    output::{Format, RowWriter},
+    paths,
+    store::{Access, Store, readonly},
+};
+
+#[derive(Debug, Args)]
+pub struct QueryArgs {
+    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
+    #[arg(long, env = paths::DB_ENV)]
+    pub db: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "table")]
+    pub format: Format,
+    /// One SQL statement; it may only read (see SCHEMA.md for the tables and the `events` view).
+    pub sql: String,
+}
+
+pub fn run(args: QueryArgs) -> Result<()> {
+    let path = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let store = Store::open(&path, Access::ReadOnly)?;
+    let stdout = std::io::stdout().lock();
+    let writer = std::cell::RefCell::new(RowWriter::new(std::io::BufWriter::new(stdout), args.format));
+    readonly::run(
+        store.conn(),
+        &args.sql,
+        |columns| writer.borrow_mut().columns(columns),
+        |row| writer.borrow_mut().row(row),
+    )?;
+    let rows = writer.into_inner().finish()?;
+    if rows == 0 && args.format == Format::Table {
+        std::io::stderr().write_all(b"(no rows)\n")?;
+    }
+    Ok(())
+}

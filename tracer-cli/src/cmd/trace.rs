@@ -1,0 +1,536 @@
+//! `tracer trace`: attach, stream every call into the database, show a live table, and flush
+//! everything on Ctrl-C, SIGTERM, --duration, or when the traced processes are gone.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    io::IsTerminal as _,
+    os::fd::AsFd as _,
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        mpsc::{self, Receiver, RecvTimeoutError, SyncSender},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, anyhow};
+use aya::maps::{MapData, RingBuf};
+use clap::Args;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use tracer_common::maps::{Counter, DEFAULT_RING_BYTES};
+
+use crate::{
+    decode::{self, Call, Record},
+    discover::{self, Candidate, FileId, Origin},
+    exit::{privilege_error, user_error},
+    live::{self, LiveView, Status},
+    paths, privileges, procinfo,
+    probes::{LoadOptions, Probes},
+    stats::LiveStats,
+    store::{Access, Batch, SessionCounters, SessionStart, Store},
+    units::{parse_duration, parse_size},
+};
+
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// Trace only this process (repeatable). Default: every process using a CUDA library.
+    #[arg(long = "pid", value_name = "PID")]
+    pub pids: Vec<u32>,
+    /// Probe this library or executable (repeatable); replaces discovery.
+    #[arg(long = "lib", value_name = "PATH")]
+    pub libs: Vec<PathBuf>,
+    /// Stop after this long (e.g. 300s, 5m). Default: until Ctrl-C or SIGTERM.
+    #[arg(long, value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+    /// The database (default: the invoking user's ~/.local/share/tracer/tracer.db, or TRACER_DB).
+    #[arg(long, env = paths::DB_ENV)]
+    pub db: Option<PathBuf>,
+    /// Bound the database size (e.g. 2GiB): the oldest sessions are deleted first.
+    #[arg(long, value_parser = parse_size)]
+    pub max_db: Option<u64>,
+    /// Ring buffer size (a power of two, at least 4KiB).
+    #[arg(long, value_parser = parse_size, default_value_t = DEFAULT_RING_BYTES as u64)]
+    pub ring_size: u64,
+    /// No live table on stderr (the summary is still printed).
+    #[arg(long)]
+    pub quiet: bool,
+    /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
+    #[arg(long, hide = true)]
+    pub floor: bool,
+}
+
+/// How long events may wait in the ring before the reader looks (the delivery bound).
+const POLL_INTERVAL_MS: u16 = 10;
+const COMMIT_EVERY: Duration = Duration::from_millis(200);
+const COMMIT_ROWS: usize = 50_000;
+
+pub fn run(args: TraceArgs) -> Result<()> {
+    privileges::can_trace().map_err(privilege_error)?;
+    if !args.ring_size.is_power_of_two() || args.ring_size < 4096 || args.ring_size > (1 << 31) {
+        return Err(user_error(format!(
+            "--ring-size {} must be a power of two between 4KiB and 2GiB (e.g. 16MiB)",
+            args.ring_size
+        )));
+    }
+    for &pid in &args.pids {
+        if pid == 0 || !procinfo::exists(pid) {
+            return Err(user_error(format!("process {pid} does not exist: check the pid with `ps -p {pid}`")));
+        }
+    }
+    let explicit = explicit_libraries(&args.libs)?;
+    let who = paths::invoker();
+    let db_path = paths::db_path(args.db.as_deref(), &who)?;
+    paths::create_parent_dirs(&db_path, who.owner)?;
+    let store = Store::open(&db_path, Access::ReadWrite)?;
+    store.chown_files(who.owner)?;
+
+    let ring_bytes = args.ring_size as u32;
+    let mut probes = Probes::load(LoadOptions {
+        ring_bytes,
+        wakeup_bytes: (ring_bytes as u64 / 4).min(1 << 20),
+        floor: args.floor,
+    })
+    .map_err(|e| {
+        if format!("{e:#}").contains("Operation not permitted") {
+            privilege_error(format!("{e:#}: loading BPF programs was refused; run with sudo"))
+        } else {
+            e
+        }
+    })?;
+
+    let pid_filter = (!args.pids.is_empty()).then(|| args.pids.clone());
+    let mut scanner = Scanner::new(explicit, pid_filter.clone(), &who);
+    for lib in scanner.scan(true) {
+        attach_reporting(&mut probes, &lib, pid_filter.as_deref(), true)?;
+    }
+    if probes.probe_count() == 0 {
+        eprintln!("tracer: no CUDA library found yet; watching for processes that load one (rescanning every second)");
+    }
+
+    let clock = Clock::now();
+    let uname = nix::sys::utsname::uname().ok();
+    let session = store.begin_session(&SessionStart {
+        started_ns: clock.wall_now(),
+        source: "ebpf",
+        host: uname.as_ref().map(|u| u.nodename().to_string_lossy().into_owned()).unwrap_or_default(),
+        kernel: uname.as_ref().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        pid_filter: pid_filter.clone(),
+    })?;
+    store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
+    eprintln!(
+        "tracer: session {session}: {} probes on {} libraries; writing to {}",
+        probes.probe_count(),
+        probes.libraries().len(),
+        db_path.display()
+    );
+
+    let shared = Arc::new(Shared::default());
+    let ring = probes.take_ring()?;
+    let (tx, rx) = mpsc::sync_channel::<Vec<Call>>(1024);
+    let reader = {
+        let shared = shared.clone();
+        thread::Builder::new().name("tracer-reader".into()).spawn(move || read_loop(ring, tx, &shared))?
+    };
+    let writer_opts = WriterOptions { session, wall_offset_ns: clock.offset_ns, max_db: args.max_db, owner: who.owner };
+    let writer = {
+        let shared = shared.clone();
+        thread::Builder::new().name("tracer-writer".into()).spawn(move || write_loop(store, rx, &shared, writer_opts))?
+    };
+
+    let started = Instant::now();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the event loop")?;
+    let outcome = runtime.block_on(main_loop(&args, &mut probes, &mut scanner, &shared, started, pid_filter.as_deref()));
+
+    // Pause the probes, let calls already inside return, then drain: everything submitted is
+    // read and stored before the (slow) detach.
+    let paused = probes.pause();
+    thread::sleep(Duration::from_millis(100));
+    let kernel = probes.counters()?;
+    shared.stop.store(true, Ordering::SeqCst);
+    let read_result = reader.join().map_err(|_| anyhow!("the ring-buffer reader thread panicked"))?;
+    let (store, write_result) = writer.join().map_err(|_| anyhow!("the database writer thread panicked"))?;
+    let counters = snapshot(&shared, &kernel);
+    store.set_counters(session, &counters)?;
+    let (status, reason) = match &outcome {
+        Ok(reason) if reason.starts_with("interrupted") || reason.starts_with("terminated") => ("interrupted", reason.clone()),
+        Ok(reason) => ("complete", reason.clone()),
+        Err(e) => ("failed", format!("{e:#}")),
+    };
+    let mut problems = Vec::new();
+    for r in [paused, read_result, write_result] {
+        if let Err(e) = r {
+            problems.push(format!("{e:#}"));
+        }
+    }
+    store.append_note(session, &format!("stopped: {reason}"))?;
+    for p in &problems {
+        store.append_note(session, p)?;
+    }
+    store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
+    store.end_session(session, clock.wall_now(), status)?;
+    store.chown_files(who.owner)?;
+    drop(store);
+
+    eprintln!("tracer: stopped: {reason}");
+    let stats = shared.live.lock().map_err(|_| anyhow!("statistics lock poisoned"))?.clone();
+    print_summary(session, &db_path, started.elapsed(), &stats, &counters, probes.libraries().len(), probes.probe_count())?;
+    // Everything is stored; the kernel now removes the probes (about 0.1 s per probe).
+    probes.detach_all()?;
+    if let Some(p) = problems.first() {
+        return Err(anyhow!("{p}"));
+    }
+    outcome.map(|_| ())
+}
+
+fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
+    let mut out = Vec::new();
+    for path in libs {
+        let id = discover::file_id(path).ok_or_else(|| {
+            user_error(format!("--lib {}: no such file (pass the path of libcudart.so.* or libcuda.so.*)", path.display()))
+        })?;
+        let symbols = crate::elf::read_symbols(path)
+            .map_err(|e| if crate::exit::code_of(&e) == crate::exit::BAD_INPUT { e } else { user_error(format!("--lib {}: {e:#}", path.display())) })?;
+        if symbols.targets.is_empty() {
+            return Err(user_error(format!(
+                "--lib {}: the file exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...): pass libcudart.so.* or libcuda.so.*",
+                path.display()
+            )));
+        }
+        let open_path = path.canonicalize().unwrap_or_else(|_| path.clone());
+        out.push(Candidate { shown: open_path.display().to_string(), open_path, id, origin: Origin::Explicit, pids: Default::default() });
+    }
+    Ok(out)
+}
+
+fn attach_reporting(probes: &mut Probes, lib: &Candidate, pids: Option<&[u32]>, fatal: bool) -> Result<()> {
+    match probes.attach(lib, pids) {
+        Ok(att) => {
+            eprintln!("tracer: probing {} ({}, {} symbols)", att.path, att.origin, att.symbols.len());
+            if !att.missing.is_empty() {
+                eprintln!("tracer:   not exported there (not traced): {}", att.missing.join(", "));
+            }
+            for f in &att.failed {
+                eprintln!("tracer:   failed to attach {f}");
+            }
+            Ok(())
+        }
+        Err(e) if fatal && lib.origin == Origin::Explicit => Err(e.context(format!("attach uprobes in {}", lib.shown))),
+        Err(e) => {
+            eprintln!("tracer: skipping {}: {e:#}", lib.shown);
+            Ok(())
+        }
+    }
+}
+
+/// Finds libraries to probe, now and during the trace.
+struct Scanner {
+    explicit: Vec<Candidate>,
+    pids: Option<Vec<u32>>,
+    homes: Vec<PathBuf>,
+    static_cache: BTreeMap<FileId, bool>,
+    seen: HashSet<FileId>,
+    ticks: u64,
+}
+
+impl Scanner {
+    fn new(explicit: Vec<Candidate>, pids: Option<Vec<u32>>, who: &paths::Invoker) -> Self {
+        let mut homes: Vec<PathBuf> = who.home.iter().cloned().collect();
+        if let Some(h) = std::env::var_os("HOME").map(PathBuf::from) {
+            if !homes.contains(&h) {
+                homes.push(h);
+            }
+        }
+        Scanner { explicit, pids, homes, static_cache: BTreeMap::new(), seen: HashSet::new(), ticks: 0 }
+    }
+
+    /// Candidates not returned before. With --lib, only those; with --pid, only what those map.
+    fn scan(&mut self, first: bool) -> Vec<Candidate> {
+        self.ticks += 1;
+        let mut found = Vec::new();
+        if !self.explicit.is_empty() {
+            if first {
+                found = self.explicit.clone();
+            }
+        } else {
+            let pids = self.pids.clone().unwrap_or_else(discover::all_pids);
+            found.extend(discover::scan_processes(&pids, &mut self.static_cache));
+            // Installed copies change rarely: look every 30 s, and not when scoped to pids.
+            if self.pids.is_none() && (first || self.ticks % 30 == 0) {
+                found.extend(discover::scan_installed(&self.homes));
+            }
+        }
+        found.retain(|c| self.seen.insert(c.id));
+        found
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    stop: AtomicBool,
+    live: Mutex<LiveStats>,
+    events_read: AtomicU64,
+    events_stored: AtomicU64,
+    decode_errors: AtomicU64,
+    /// The kernel counters as last read by the main loop (for periodic session updates).
+    kernel: Mutex<[u64; Counter::COUNT as usize]>,
+}
+
+fn snapshot(shared: &Shared, kernel: &[u64; Counter::COUNT as usize]) -> SessionCounters {
+    SessionCounters {
+        entries: kernel[Counter::Entries as usize],
+        submitted: kernel[Counter::Submitted as usize],
+        dropped_ring_full: kernel[Counter::RingFull as usize],
+        unmatched_returns: kernel[Counter::UnmatchedReturns as usize],
+        alloc_map_full: kernel[Counter::AllocMapFull as usize],
+        inflight_full: kernel[Counter::InflightFull as usize],
+        events_read: shared.events_read.load(Ordering::SeqCst),
+        events_stored: shared.events_stored.load(Ordering::SeqCst),
+        decode_errors: shared.decode_errors.load(Ordering::SeqCst),
+    }
+}
+
+async fn main_loop(
+    args: &TraceArgs,
+    probes: &mut Probes,
+    scanner: &mut Scanner,
+    shared: &Shared,
+    started: Instant,
+    pid_filter: Option<&[u32]>,
+) -> Result<String> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut sigint = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
+    let mut sighup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
+    let deadline = args.duration.map(|d| tokio::time::Instant::from_std(started + d));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut view = LiveView::new(std::io::stderr().is_terminal());
+    let mut gone: HashSet<u32> = HashSet::new();
+    loop {
+        tokio::select! {
+            _ = sigint.recv() => return Ok("interrupted (SIGINT)".into()),
+            _ = sigterm.recv() => return Ok("terminated (SIGTERM)".into()),
+            _ = sighup.recv() => return Ok("terminated (SIGHUP)".into()),
+            _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => {
+                return Ok(format!("--duration {}s reached", args.duration.unwrap_or_default().as_secs_f64()));
+            }
+            _ = tick.tick() => {
+                if shared.stop.load(Ordering::SeqCst) {
+                    return Err(anyhow!("the reader or writer stopped early"));
+                }
+                for lib in scanner.scan(false) {
+                    attach_reporting(probes, &lib, pid_filter, false)?;
+                }
+                let kernel = probes.counters()?;
+                if let Ok(mut k) = shared.kernel.lock() {
+                    *k = kernel;
+                }
+                if let Some(pids) = pid_filter {
+                    for &pid in pids {
+                        if !procinfo::exists(pid) && gone.insert(pid) {
+                            eprintln!("tracer: process {pid} exited");
+                        }
+                    }
+                    if gone.len() == pids.len() {
+                        return Ok("every traced process exited".into());
+                    }
+                }
+                if !args.quiet {
+                    let counters = snapshot(shared, &kernel);
+                    let stats = shared.live.lock().map_err(|_| anyhow!("statistics lock poisoned"))?.clone();
+                    view.draw(&Status {
+                        elapsed: started.elapsed(),
+                        libraries: probes.libraries().len(),
+                        probes: probes.probe_count(),
+                        stats: &stats,
+                        counters: &counters,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Drains the ring buffer: wakes on the kernel's signal (a batch is waiting) or every
+/// POLL_INTERVAL_MS, whichever comes first, so delivery latency stays bounded.
+fn read_loop(mut ring: RingBuf<MapData>, tx: SyncSender<Vec<Call>>, shared: &Shared) -> Result<()> {
+    let result = (|| -> Result<()> {
+        loop {
+            let stopping = shared.stop.load(Ordering::SeqCst);
+            let mut batch = Vec::with_capacity(1024);
+            let mut decode_errors = 0;
+            while let Some(item) = ring.next() {
+                match decode::decode(&item) {
+                    Ok(Record::Call(call)) => batch.push(call),
+                    Err(_) => decode_errors += 1,
+                }
+                if batch.len() >= 8192 {
+                    deliver(std::mem::take(&mut batch), &tx, shared)?;
+                }
+            }
+            shared.decode_errors.fetch_add(decode_errors, Ordering::SeqCst);
+            if !batch.is_empty() {
+                deliver(batch, &tx, shared)?;
+            }
+            if stopping {
+                return Ok(());
+            }
+            let mut fds = [PollFd::new(ring.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::from(POLL_INTERVAL_MS)) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(anyhow!("poll the event ring buffer: {e}")),
+            }
+        }
+    })();
+    if result.is_err() {
+        shared.stop.store(true, Ordering::SeqCst);
+    }
+    result
+}
+
+fn deliver(batch: Vec<Call>, tx: &SyncSender<Vec<Call>>, shared: &Shared) -> Result<()> {
+    shared.events_read.fetch_add(batch.len() as u64, Ordering::SeqCst);
+    if let Ok(mut live) = shared.live.lock() {
+        for call in &batch {
+            live.add(call);
+        }
+    }
+    tx.send(batch).map_err(|_| anyhow!("the database writer stopped"))
+}
+
+#[derive(Clone, Copy)]
+struct WriterOptions {
+    session: i64,
+    wall_offset_ns: i64,
+    max_db: Option<u64>,
+    owner: Option<(u32, u32)>,
+}
+
+/// Batches calls into transactions; notes new processes and threads; keeps the session's
+/// counters current and the database under --max-db. Returns the store for the final update.
+fn write_loop(mut store: Store, rx: Receiver<Vec<Call>>, shared: &Shared, opts: WriterOptions) -> (Store, Result<()>) {
+    let result = (|| -> Result<()> {
+        let boot = procinfo::boot_time_ns();
+        let mut pending: Vec<Call> = Vec::new();
+        let mut threads_seen: HashSet<(u32, u32)> = HashSet::new();
+        let mut pids_seen: HashSet<u32> = HashSet::new();
+        let mut last_commit = Instant::now();
+        let mut last_housekeeping = Instant::now();
+        let mut owned = false;
+        loop {
+            let disconnected = match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(batch) => {
+                    pending.extend(batch);
+                    while let Ok(more) = rx.try_recv() {
+                        pending.extend(more);
+                        if pending.len() >= COMMIT_ROWS {
+                            break;
+                        }
+                    }
+                    false
+                }
+                Err(RecvTimeoutError::Timeout) => false,
+                Err(RecvTimeoutError::Disconnected) => true,
+            };
+            if !pending.is_empty() && (disconnected || pending.len() >= COMMIT_ROWS || last_commit.elapsed() >= COMMIT_EVERY) {
+                let mut threads = Vec::new();
+                let mut processes = Vec::new();
+                for call in &pending {
+                    if threads_seen.insert((call.pid, call.tid)) {
+                        threads.push((call.pid, call.tid, call.comm.clone()));
+                    }
+                    if pids_seen.insert(call.pid) {
+                        let seen = call.ts_mono_ns as i64 + opts.wall_offset_ns;
+                        processes.push(procinfo::read(call.pid, seen, &call.comm, boot));
+                    }
+                }
+                store.write_batch(&Batch {
+                    session: opts.session,
+                    wall_offset_ns: opts.wall_offset_ns,
+                    calls: &pending,
+                    threads: &threads,
+                    processes: &processes,
+                })?;
+                shared.events_stored.fetch_add(pending.len() as u64, Ordering::SeqCst);
+                pending.clear();
+                last_commit = Instant::now();
+                if !owned {
+                    store.chown_files(opts.owner)?;
+                    owned = true;
+                }
+            }
+            if last_housekeeping.elapsed() >= Duration::from_secs(1) || disconnected {
+                last_housekeeping = Instant::now();
+                let kernel = *shared.kernel.lock().map_err(|_| anyhow!("counter lock poisoned"))?;
+                store.set_counters(opts.session, &snapshot(shared, &kernel))?;
+                if let Some(max) = opts.max_db {
+                    for note in store.enforce_max_size(opts.session, max)? {
+                        eprintln!("tracer: {note}");
+                        store.append_note(opts.session, &note)?;
+                    }
+                }
+            }
+            if disconnected {
+                return Ok(());
+            }
+        }
+    })();
+    if result.is_err() {
+        shared.stop.store(true, Ordering::SeqCst);
+    }
+    (store, result)
+}
+
+/// Converts the kernel's CLOCK_MONOTONIC timestamps to wall-clock time.
+struct Clock {
+    offset_ns: i64,
+}
+
+impl Clock {
+    fn now() -> Self {
+        use nix::time::{ClockId, clock_gettime};
+        let ns = |id| clock_gettime(id).map(|t| t.tv_sec() * 1_000_000_000 + t.tv_nsec()).unwrap_or(0);
+        // Bracket the realtime read with two monotonic reads; use their midpoint.
+        let m1 = ns(ClockId::CLOCK_MONOTONIC);
+        let r = ns(ClockId::CLOCK_REALTIME);
+        let m2 = ns(ClockId::CLOCK_MONOTONIC);
+        Clock { offset_ns: r - (m1 + (m2 - m1) / 2) }
+    }
+
+    fn wall_now(&self) -> i64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+    }
+}
+
+fn print_summary(
+    session: i64,
+    db: &std::path::Path,
+    elapsed: Duration,
+    stats: &LiveStats,
+    c: &SessionCounters,
+    libraries: usize,
+    probes: usize,
+) -> Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "session {session}: {:.1}s, {libraries} libraries, {probes} probes, {} processes", elapsed.as_secs_f64(), stats.pids.len())?;
+    for line in live::op_table(stats, elapsed) {
+        writeln!(out, "{line}")?;
+    }
+    writeln!(
+        out,
+        "events: {} submitted, {} read, {} stored; dropped (ring full): {}; unmatched returns: {}; decode errors: {}",
+        c.submitted, c.events_read, c.events_stored, c.dropped_ring_full, c.unmatched_returns, c.decode_errors
+    )?;
+    if c.dropped_ring_full > 0 {
+        writeln!(out, "warning: {} events were lost because the ring buffer was full: raise --ring-size", c.dropped_ring_full)?;
+    }
+    if c.alloc_map_full > 0 {
+        writeln!(out, "warning: {} allocations were not tracked (allocation map full): their frees lack a size", c.alloc_map_full)?;
+    }
+    writeln!(out, "database: {}", db.display())?;
+    Ok(())
+}

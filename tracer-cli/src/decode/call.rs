@@ -1,0 +1,53 @@
+//! Decoder of [`tracer_common::CallEvent`].
+
+use tracer_common::{
+    CallEvent, Op,
+    call::{DEVICE_UNKNOWN, flags},
+};
+
+use super::DecodeError;
+
+/// One CUDA call, as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Call {
+    /// CLOCK_MONOTONIC nanoseconds at entry.
+    pub ts_mono_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub op: Op,
+    pub device: Option<i32>,
+    pub ret: i32,
+    pub duration_ns: u64,
+    pub size: Option<u64>,
+    pub ptr: Option<u64>,
+    pub aux0: u64,
+    pub aux1: u64,
+    pub flags: u32,
+    pub comm: String,
+}
+
+impl Call {
+    pub fn from_raw(raw: &CallEvent) -> Result<Self, DecodeError> {
+        let op = Op::from_u32(raw.op).ok_or(DecodeError::BadField { field: "op", value: raw.op.into() })?;
+        if raw.device < DEVICE_UNKNOWN {
+            return Err(DecodeError::BadField { field: "device", value: raw.device as u64 });
+        }
+        let comm_len = raw.comm.iter().position(|&b| b == 0).unwrap_or(raw.comm.len());
+        Ok(Call {
+            ts_mono_ns: raw.header.ts_ns,
+            pid: raw.header.pid,
+            tid: raw.header.tid,
+            op,
+            device: (raw.device != DEVICE_UNKNOWN).then_some(raw.device),
+            ret: raw.ret,
+            duration_ns: raw.duration_ns,
+            size: (raw.flags & flags::SIZE_KNOWN != 0).then_some(raw.size),
+            ptr: (raw.flags & flags::PTR_KNOWN != 0).then_some(raw.ptr),
+            aux0: raw.aux0,
+            aux1: raw.aux1,
+            flags: raw.flags,
+            comm: String::from_utf8_lossy(&raw.comm[..comm_len]).into_owned(),
+        })
+    }
+
+}

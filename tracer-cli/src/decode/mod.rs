@@ -1,0 +1,78 @@
+//! Turns raw ring-buffer records into owned values. Lengths and kinds are checked before any
+//! field is read; nothing here needs privileges, so it is unit-tested directly.
+
+mod call;
+
+pub use call::Call;
+
+use tracer_common::{CallEvent, EventHeader, EventKind};
+
+/// A decoded record.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    Call(Call),
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Shorter than the header.
+    Truncated { len: usize },
+    /// The header's kind is unknown to this tracer.
+    UnknownKind(u32),
+    /// The header's length disagrees with the bytes received or with the kind's size.
+    BadLength { kind: u32, header_len: u32, actual: usize, expected: usize },
+    /// A field holds a value this tracer does not know (e.g. an op id).
+    BadField { field: &'static str, value: u64 },
+}
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeError::Truncated { len } => write!(f, "record of {len} bytes is shorter than its header"),
+            DecodeError::UnknownKind(kind) => write!(f, "unknown record kind {kind}"),
+            DecodeError::BadLength { kind, header_len, actual, expected } => write!(
+                f,
+                "record kind {kind}: header says {header_len} bytes, got {actual}, expected {expected}"
+            ),
+            DecodeError::BadField { field, value } => write!(f, "field {field} has unknown value {value}"),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+/// Reads a `#[repr(C)]` plain-old-data value from the start of `bytes`.
+fn read_pod<T: aya::Pod>(bytes: &[u8]) -> Option<T> {
+    if bytes.len() < std::mem::size_of::<T>() {
+        return None;
+    }
+    // SAFETY: the length was checked; T is Pod (any bit pattern is valid); read_unaligned
+    // copes with the ring buffer's 8-byte alignment not matching T's.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
+}
+
+pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
+    let header: EventHeader = read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+    let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
+    let expected = match kind {
+        EventKind::Call => std::mem::size_of::<CallEvent>(),
+    };
+    // The ring buffer may round a record up; the header's length is the truth.
+    if header.len as usize != expected || bytes.len() < expected {
+        return Err(DecodeError::BadLength {
+            kind: header.kind,
+            header_len: header.len,
+            actual: bytes.len(),
+            expected,
+        });
+    }
+    match kind {
+        EventKind::Call => {
+            let raw: CallEvent = read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+            Call::from_raw(&raw).map(Record::Call)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

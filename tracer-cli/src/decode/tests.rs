@@ -1,0 +1,103 @@
+use tracer_common::{CallEvent, EventHeader, Op, call::flags};
+
+use super::*;
+
+fn raw_call() -> CallEvent {
+    let mut comm = [0u8; 16];
+    comm[..6].copy_from_slice(b"python");
+    CallEvent {
+        header: EventHeader { kind: 1, len: CallEvent::LEN, ts_ns: 42, pid: 7, tid: 8 },
+        op: Op::CudaMalloc as u32,
+        device: 1,
+        ret: 0,
+        flags: flags::SIZE_KNOWN | flags::PTR_KNOWN,
+        duration_ns: 1500,
+        size: 1 << 20,
+        ptr: 0x7f00_0000_0000,
+        aux0: 0,
+        aux1: 0,
+        stack_id: -1,
+        comm,
+    }
+}
+
+fn bytes_of(ev: &CallEvent) -> Vec<u8> {
+    // SAFETY: CallEvent is repr(C) plain data without padding bytes.
+    unsafe {
+        std::slice::from_raw_parts((ev as *const CallEvent).cast::<u8>(), std::mem::size_of::<CallEvent>())
+    }
+    .to_vec()
+}
+
+#[test]
+fn layout_has_no_implicit_padding() {
+    // Header 24 + 4 x u32 + 5 x u64 + i64 + 16 bytes of comm.
+    assert_eq!(std::mem::size_of::<EventHeader>(), 24);
+    assert_eq!(std::mem::size_of::<CallEvent>(), 24 + 16 + 40 + 8 + 16);
+}
+
+#[test]
+fn decodes_a_call() {
+    let Record::Call(call) = decode(&bytes_of(&raw_call())).unwrap();
+    assert_eq!(call.op, Op::CudaMalloc);
+    assert_eq!((call.pid, call.tid, call.ts_mono_ns), (7, 8, 42));
+    assert_eq!(call.device, Some(1));
+    assert_eq!(call.size, Some(1 << 20));
+    assert_eq!(call.ptr, Some(0x7f00_0000_0000));
+    assert_eq!(call.comm, "python");
+}
+
+#[test]
+fn unknown_fields_become_none() {
+    let mut raw = raw_call();
+    raw.device = -1;
+    raw.flags = 0;
+    let Record::Call(call) = decode(&bytes_of(&raw)).unwrap();
+    assert_eq!((call.device, call.size, call.ptr), (None, None, None));
+}
+
+#[test]
+fn accepts_ring_padding_after_the_record() {
+    let mut bytes = bytes_of(&raw_call());
+    bytes.extend_from_slice(&[0; 8]);
+    assert!(decode(&bytes).is_ok());
+}
+
+#[test]
+fn rejects_truncated_records() {
+    let bytes = bytes_of(&raw_call());
+    assert_eq!(decode(&bytes[..10]), Err(DecodeError::Truncated { len: 10 }));
+    assert!(matches!(decode(&bytes[..60]), Err(DecodeError::BadLength { actual: 60, .. })));
+}
+
+#[test]
+fn rejects_unknown_kind_and_length_mismatch() {
+    let mut raw = raw_call();
+    raw.header.kind = 99;
+    assert_eq!(decode(&bytes_of(&raw)), Err(DecodeError::UnknownKind(99)));
+    let mut raw = raw_call();
+    raw.header.len = 12;
+    assert!(matches!(decode(&bytes_of(&raw)), Err(DecodeError::BadLength { header_len: 12, .. })));
+}
+
+#[test]
+fn rejects_unknown_op() {
+    let mut raw = raw_call();
+    raw.op = 1000;
+    assert_eq!(decode(&bytes_of(&raw)), Err(DecodeError::BadField { field: "op", value: 1000 }));
+}
+
+#[test]
+fn probe_table_names_are_unique_and_variants_do_not_collide() {
+    let mut names: Vec<&str> = Op::ALL.iter().map(|op| op.name()).collect();
+    names.sort_unstable();
+    let before = names.len();
+    names.dedup();
+    assert_eq!(names.len(), before);
+    for op in Op::ALL {
+        for suffix in tracer_common::probes::VARIANT_SUFFIXES {
+            let variant = format!("{}{suffix}", op.name());
+            assert!(Op::ALL.iter().all(|o| o.name() != variant), "{variant} is also a base name");
+        }
+    }
+}

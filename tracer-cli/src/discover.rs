@@ -1,0 +1,260 @@
+//! Finding the CUDA libraries to probe: those mapped by running processes (through
+//! /proc/PID/root, so containers work), the usual install places, and executables that link
+//! the runtime statically. Files are identified by device and inode, so each is probed once.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// (device, inode): the identity of a file, whatever path reaches it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Origin {
+    /// Given with --lib.
+    Explicit,
+    /// Mapped by a running process.
+    Mapped,
+    /// Found in an install location.
+    Installed,
+    /// An executable with the runtime linked in.
+    Static,
+}
+
+impl Origin {
+    pub fn name(self) -> &'static str {
+        match self {
+            Origin::Explicit => "--lib",
+            Origin::Mapped => "mapped",
+            Origin::Installed => "installed",
+            Origin::Static => "static",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    /// A path this process can open (through /proc/PID/root for mapped files).
+    pub open_path: PathBuf,
+    /// The path as its users see it.
+    pub shown: String,
+    pub id: FileId,
+    pub origin: Origin,
+    /// Processes seen mapping or running it.
+    pub pids: BTreeSet<u32>,
+}
+
+/// libcudart.so.12, libcudart-abc123.so.11.0 (bundled in wheels), libcuda.so.1.
+pub fn is_cuda_library_name(name: &str) -> bool {
+    (name.starts_with("libcudart") && name.contains(".so")) || name.starts_with("libcuda.so")
+}
+
+pub fn file_id(path: &Path) -> Option<FileId> {
+    let meta = std::fs::metadata(path).ok()?;
+    meta.is_file().then(|| FileId { dev: meta.dev(), ino: meta.ino() })
+}
+
+fn add(found: &mut BTreeMap<FileId, Candidate>, open_path: PathBuf, shown: String, origin: Origin, pid: Option<u32>) {
+    let Some(id) = file_id(&open_path) else { return };
+    let entry = found.entry(id).or_insert_with(|| Candidate { open_path, shown, id, origin, pids: BTreeSet::new() });
+    entry.origin = entry.origin.min(origin);
+    entry.pids.extend(pid);
+}
+
+pub fn all_pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
+}
+
+/// Libraries mapped by `pids`, and their executables when those export the runtime (static).
+/// `static_cache` remembers, per executable, whether it does.
+pub fn scan_processes(pids: &[u32], static_cache: &mut BTreeMap<FileId, bool>) -> Vec<Candidate> {
+    let me = std::process::id();
+    let mut found = BTreeMap::new();
+    for &pid in pids {
+        if pid == me {
+            continue;
+        }
+        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        let Ok(maps) = std::fs::read_to_string(proc_dir.join("maps")) else { continue };
+        let root = proc_dir.join("root");
+        let mut seen = BTreeSet::new();
+        for line in maps.lines() {
+            // address perms offset dev inode path
+            let Some(path) = line.splitn(6, char::is_whitespace).nth(5).map(str::trim) else { continue };
+            if !path.starts_with('/') || path.ends_with("(deleted)") || !seen.insert(path) {
+                continue;
+            }
+            let name = path.rsplit('/').next().unwrap_or(path);
+            if is_cuda_library_name(name) {
+                add(&mut found, root.join(path.trim_start_matches('/')), path.to_owned(), Origin::Mapped, Some(pid));
+            }
+        }
+        let exe = proc_dir.join("exe");
+        if let (Some(id), Ok(target)) = (file_id(&exe), std::fs::read_link(&exe)) {
+            let is_static = *static_cache.entry(id).or_insert_with(|| exports_runtime(&exe));
+            if is_static {
+                add(&mut found, exe.clone(), target.display().to_string(), Origin::Static, Some(pid));
+            }
+        }
+    }
+    found.into_values().collect()
+}
+
+/// An executable that defines cudaMalloc itself links the runtime statically.
+fn exports_runtime(exe: &Path) -> bool {
+    // Bound the work: huge binaries (browsers, language runtimes) are not CUDA programs' norm,
+    // but a 2 GiB limit still admits large statically linked trainers.
+    if std::fs::metadata(exe).map(|m| m.len() > (2 << 30)).unwrap_or(true) {
+        return false;
+    }
+    crate::elf::read_symbols(exe)
+        .map(|s| s.targets.iter().any(|t| t.op == tracer_common::Op::CudaMalloc))
+        .unwrap_or(false)
+}
+
+/// Expands `*` inside path components (no recursion).
+fn expand(pattern: &str) -> Vec<PathBuf> {
+    let mut paths = vec![PathBuf::from("/")];
+    for part in pattern.trim_start_matches('/').split('/') {
+        let mut next = Vec::new();
+        for base in &paths {
+            if let Some((prefix, suffix)) = part.split_once('*') {
+                let Ok(dir) = std::fs::read_dir(base) else { continue };
+                let mut names: Vec<String> = dir
+                    .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .filter(|n| n.starts_with(prefix) && n.ends_with(suffix) && n.len() >= prefix.len() + suffix.len())
+                    .collect();
+                names.sort();
+                next.extend(names.into_iter().map(|n| base.join(n)));
+            } else {
+                let p = base.join(part);
+                if p.exists() {
+                    next.push(p);
+                }
+            }
+        }
+        paths = next;
+    }
+    paths
+}
+
+/// Folders where CUDA runtimes are installed: CUDA toolkits, pip wheels (system, user, pyenv,
+/// conda), and the dynamic linker's cache.
+pub fn install_dirs(homes: &[PathBuf]) -> Vec<PathBuf> {
+    let mut patterns: Vec<String> = [
+        "/usr/local/cuda*/lib64",
+        "/usr/local/cuda*/targets/*/lib",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib/wsl/lib",
+        "/opt/conda/lib",
+        "/opt/conda/envs/*/lib",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut site_roots: Vec<String> = vec![
+        "/usr/lib/python3*".into(),
+        "/usr/local/lib/python3*".into(),
+        "/opt/conda/lib/python3*".into(),
+        "/opt/conda/envs/*/lib/python3*".into(),
+    ];
+    for home in homes {
+        let h = home.display();
+        site_roots.push(format!("{h}/.local/lib/python3*"));
+        site_roots.push(format!("{h}/.pyenv/versions/*/lib/python3*"));
+        site_roots.push(format!("{h}/miniconda3/lib/python3*"));
+        site_roots.push(format!("{h}/anaconda3/lib/python3*"));
+        site_roots.push(format!("{h}/.venv/lib/python3*"));
+    }
+    for root in site_roots {
+        for site in ["site-packages", "dist-packages"] {
+            patterns.push(format!("{root}/{site}/nvidia/*/lib"));
+            patterns.push(format!("{root}/{site}/torch/lib"));
+        }
+    }
+    let mut dirs: Vec<PathBuf> = patterns.iter().flat_map(|p| expand(p)).collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs
+}
+
+/// Libraries listed by `ldconfig -p` (the system binary; no target code is run).
+fn ldconfig_libraries() -> Vec<PathBuf> {
+    let Ok(out) = Command::new("ldconfig").arg("-p").output() else { return Vec::new() };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let (name, path) = l.trim().split_once(" => ")?;
+            is_cuda_library_name(name.split_whitespace().next()?).then(|| PathBuf::from(path.trim()))
+        })
+        .collect()
+}
+
+pub fn scan_installed(homes: &[PathBuf]) -> Vec<Candidate> {
+    let mut found = BTreeMap::new();
+    for dir in install_dirs(homes) {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if is_cuda_library_name(name) {
+                let path = entry.path();
+                add(&mut found, path.clone(), path.display().to_string(), Origin::Installed, None);
+            }
+        }
+    }
+    for path in ldconfig_libraries() {
+        add(&mut found, path.clone(), path.display().to_string(), Origin::Installed, None);
+    }
+    found.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn library_names() {
+        assert!(is_cuda_library_name("libcudart.so.12"));
+        assert!(is_cuda_library_name("libcudart.so"));
+        assert!(is_cuda_library_name("libcudart-d0da41ae.so.11.0"));
+        assert!(is_cuda_library_name("libcuda.so.1"));
+        assert!(!is_cuda_library_name("libcudnn.so.8"));
+        assert!(!is_cuda_library_name("libcudart_static.a"));
+        assert!(!is_cuda_library_name("libcuda_wrapper.py"));
+    }
+
+    #[test]
+    fn expands_wildcards_per_component() {
+        let dir = tempfile::tempdir().unwrap();
+        for sub in ["a1/lib", "a2/lib", "b/lib"] {
+            std::fs::create_dir_all(dir.path().join(sub)).unwrap();
+        }
+        let found = expand(&format!("{}/a*/lib", dir.path().display()));
+        assert_eq!(found, vec![dir.path().join("a1/lib"), dir.path().join("a2/lib")]);
+    }
+
+    #[test]
+    fn same_file_through_two_paths_is_one_candidate() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("libcudart.so.12");
+        std::fs::write(&lib, b"x").unwrap();
+        std::os::unix::fs::symlink(&lib, dir.path().join("libcudart.so")).unwrap();
+        let mut found = BTreeMap::new();
+        add(&mut found, lib.clone(), "a".into(), Origin::Installed, None);
+        add(&mut found, dir.path().join("libcudart.so"), "b".into(), Origin::Mapped, Some(7));
+        assert_eq!(found.len(), 1);
+        let c = found.values().next().unwrap();
+        assert_eq!(c.origin, Origin::Mapped);
+        assert!(c.pids.contains(&7));
+    }
+}

@@ -1,0 +1,115 @@
+//! Reading a library's symbol tables: which probed APIs it exports, and at which file offsets.
+
+use std::{collections::BTreeMap, fs::File, path::Path};
+
+use anyhow::{Context as _, Result};
+use object::{Object as _, ObjectSegment as _, ObjectSymbol as _, SymbolKind};
+use tracer_common::{Library, Op, PROBES, probes::VARIANT_SUFFIXES};
+
+use crate::exit::user_error;
+
+/// One symbol to attach to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub op: Op,
+    pub symbol: String,
+    /// File offset of the symbol's first instruction (what a uprobe is placed at).
+    pub offset: u64,
+}
+
+/// What the symbol tables say about one file.
+#[derive(Debug, Default)]
+pub struct Symbols {
+    pub targets: Vec<Target>,
+}
+
+impl Symbols {
+    /// Probed APIs of `library` that the file does not export.
+    pub fn missing(&self, library: Library) -> Vec<&'static str> {
+        PROBES
+            .iter()
+            .filter(|p| p.library == library && !self.targets.iter().any(|t| t.op == p.op))
+            .map(|p| p.symbol)
+            .collect()
+    }
+
+    pub fn has_library(&self, library: Library) -> bool {
+        self.targets.iter().any(|t| t.op.spec().library == library)
+    }
+}
+
+/// The op a symbol name stands for: the base name or a per-thread-stream variant of it.
+pub fn op_for_symbol(name: &str) -> Option<Op> {
+    let name = name.split('@').next().unwrap_or(name);
+    PROBES.iter().find_map(|p| {
+        let rest = name.strip_prefix(p.symbol)?;
+        (rest.is_empty() || VARIANT_SUFFIXES.contains(&rest)).then_some(p.op)
+    })
+}
+
+pub fn read_symbols(path: &Path) -> Result<Symbols> {
+    let file = File::open(path).with_context(|| format!("open {}", path.display()))?;
+    // SAFETY: the map is read-only and private; if the file is truncated under us the worst case
+    // is SIGBUS in this short read of libraries that are normally immutable once installed.
+    let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("map {}", path.display()))?;
+    if map.len() < 4 || &map[..4] != b"\x7fELF" {
+        return Err(user_error(format!("{} is not an ELF file: pass a CUDA library such as libcudart.so.12", path.display())));
+    }
+    let obj = object::File::parse(&*map).map_err(|e| user_error(format!("{} is not a readable ELF file: {e}", path.display())))?;
+    let segments: Vec<(u64, u64, u64)> = obj
+        .segments()
+        .map(|s| (s.address(), s.size(), s.file_range().0))
+        .collect();
+    let file_offset = |addr: u64| {
+        segments
+            .iter()
+            .find(|(start, size, _)| addr >= *start && addr < start + size)
+            .map(|(start, _, off)| addr - start + off)
+    };
+    // Several names may share an address (aliases): one probe per address, first name wins.
+    let mut by_offset: BTreeMap<u64, Target> = BTreeMap::new();
+    for sym in obj.dynamic_symbols().chain(obj.symbols()) {
+        if !sym.is_definition() || sym.kind() != SymbolKind::Text || sym.address() == 0 {
+            continue;
+        }
+        let Ok(name) = sym.name() else { continue };
+        let Some(op) = op_for_symbol(name) else { continue };
+        let Some(offset) = file_offset(sym.address()) else { continue };
+        by_offset.entry(offset).or_insert_with(|| Target { op, symbol: name.split('@').next().unwrap_or(name).to_owned(), offset });
+    }
+    let mut targets: Vec<Target> = by_offset.into_values().collect();
+    targets.sort_by(|a, b| (a.op, &a.symbol).cmp(&(b.op, &b.symbol)));
+    Ok(Symbols { targets })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variants_map_to_their_base_op() {
+        assert_eq!(op_for_symbol("cudaMalloc"), Some(Op::CudaMalloc));
+        assert_eq!(op_for_symbol("cudaMallocAsync_ptsz"), Some(Op::CudaMallocAsync));
+        assert_eq!(op_for_symbol("cudaMalloc@@libcudart.so.12"), Some(Op::CudaMalloc));
+        assert_eq!(op_for_symbol("cuMemAlloc_v2"), Some(Op::CuMemAlloc));
+        assert_eq!(op_for_symbol("cudaMallocHost"), Some(Op::CudaMallocHost));
+        assert_eq!(op_for_symbol("cudaMalloc3D"), None);
+        assert_eq!(op_for_symbol("cuMemAlloc"), None, "the 32-bit v1 API is not probed");
+    }
+
+    #[test]
+    fn not_elf_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("libcudart.so.12");
+        std::fs::write(&p, b"hello").unwrap();
+        let err = read_symbols(&p).unwrap_err().to_string();
+        assert!(err.contains("is not an ELF file"), "{err}");
+    }
+
+    #[test]
+    fn own_executable_has_no_probed_symbols() {
+        let exe = std::env::current_exe().unwrap();
+        let symbols = read_symbols(&exe).unwrap();
+        assert!(symbols.targets.is_empty());
+    }
+}

@@ -1,0 +1,113 @@
+//! The live table `tracer trace` shows on stderr, and the summary it prints at the end.
+
+use std::{io::Write, time::Duration};
+
+use crate::{
+    stats::LiveStats,
+    store::SessionCounters,
+    units::{format_bytes, format_ns},
+};
+
+pub struct Status<'a> {
+    pub elapsed: Duration,
+    pub libraries: usize,
+    pub probes: usize,
+    pub stats: &'a LiveStats,
+    pub counters: &'a SessionCounters,
+}
+
+fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+pub fn headline(s: &Status<'_>) -> String {
+    let c = s.counters;
+    format!(
+        "tracer {:>5}s | {} libraries, {} probes | {} processes | {} events | dropped {} | unmatched returns {}",
+        s.elapsed.as_secs(),
+        s.libraries,
+        s.probes,
+        s.stats.pids.len(),
+        thousands(s.stats.events),
+        thousands(c.dropped_ring_full),
+        thousands(c.unmatched_returns),
+    )
+}
+
+/// The per-op table: calls, rate, p50, p99, max, bytes, errors.
+pub fn op_table(stats: &LiveStats, elapsed: Duration) -> Vec<String> {
+    let secs = elapsed.as_secs_f64().max(1e-9);
+    let mut lines = vec![format!(
+        "{:<26} {:>12} {:>9} {:>9} {:>9} {:>9} {:>11} {:>8}",
+        "OP", "CALLS", "RATE/s", "P50", "P99", "MAX", "BYTES", "ERRORS"
+    )];
+    for (op, s) in &stats.ops {
+        lines.push(format!(
+            "{:<26} {:>12} {:>9.0} {:>9} {:>9} {:>9} {:>11} {:>8}",
+            op.name(),
+            thousands(s.calls),
+            s.calls as f64 / secs,
+            format_ns(s.latency.quantile(0.5)),
+            format_ns(s.latency.quantile(0.99)),
+            format_ns(s.max_ns),
+            format_bytes(s.bytes),
+            thousands(s.errors),
+        ));
+    }
+    lines
+}
+
+/// Redraws the table in place on a terminal.
+pub struct LiveView {
+    tty: bool,
+    drawn: usize,
+    ticks: u64,
+}
+
+impl LiveView {
+    pub fn new(tty: bool) -> Self {
+        LiveView { tty, drawn: 0, ticks: 0 }
+    }
+
+    pub fn draw(&mut self, status: &Status<'_>) {
+        let mut err = std::io::stderr().lock();
+        self.ticks += 1;
+        if !self.tty {
+            // Redirected output: a status line every 10 s keeps logs readable.
+            if self.ticks % 10 == 1 {
+                let _ = writeln!(err, "{}", headline(status));
+            }
+            return;
+        }
+        let mut lines = vec![headline(status)];
+        lines.extend(op_table(status.stats, status.elapsed));
+        let mut out = String::new();
+        if self.drawn > 0 {
+            out.push_str(&format!("\x1b[{}F\x1b[J", self.drawn));
+        }
+        for l in &lines {
+            out.push_str(l);
+            out.push('\n');
+        }
+        self.drawn = lines.len();
+        let _ = err.write_all(out.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(super::thousands(0), "0");
+        assert_eq!(super::thousands(1234567), "1,234,567");
+        assert_eq!(super::thousands(100), "100");
+    }
+}

@@ -1,0 +1,133 @@
+//! Per-op statistics for the live table and the summary: counts, bytes, errors, and latency
+//! quantiles from a log-linear histogram (about 3% relative error, fixed memory).
+
+use std::collections::BTreeMap;
+
+use tracer_common::{Op, OpClass};
+
+use crate::decode::Call;
+
+/// 8 sub-buckets per power of two, up to 2^40 ns.
+const SUB: usize = 8;
+const BUCKETS: usize = 41 * SUB;
+
+#[derive(Clone)]
+pub struct Histogram {
+    counts: Box<[u64; BUCKETS]>,
+    total: u64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram { counts: Box::new([0; BUCKETS]), total: 0 }
+    }
+}
+
+impl Histogram {
+    fn index(v: u64) -> usize {
+        if v < SUB as u64 {
+            return v as usize;
+        }
+        let exp = 63 - v.leading_zeros() as usize; // v in [2^exp, 2^(exp+1))
+        let frac = ((v >> (exp - 3)) & (SUB as u64 - 1)) as usize; // next 3 bits
+        ((exp - 2) * SUB + frac).min(BUCKETS - 1)
+    }
+
+    /// Lower bound of a bucket, the inverse of `index`.
+    fn value(i: usize) -> u64 {
+        if i < SUB {
+            return i as u64;
+        }
+        let exp = i / SUB + 2;
+        let frac = (i % SUB) as u64;
+        (1u64 << exp) + (frac << (exp - 3))
+    }
+
+    pub fn add(&mut self, v: u64) {
+        self.counts[Self::index(v)] += 1;
+        self.total += 1;
+    }
+
+
+    /// The q-quantile (0..=1), as the midpoint of its bucket.
+    pub fn quantile(&self, q: f64) -> u64 {
+        if self.total == 0 {
+            return 0;
+        }
+        let rank = ((q * self.total as f64).ceil() as u64).clamp(1, self.total);
+        let mut seen = 0;
+        for (i, &c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                let lo = Self::value(i);
+                let hi = if i + 1 < BUCKETS { Self::value(i + 1) } else { lo };
+                return lo + (hi - lo) / 2;
+            }
+        }
+        Self::value(BUCKETS - 1)
+    }
+}
+
+#[derive(Clone, Default)]
+pub struct OpStats {
+    pub calls: u64,
+    pub errors: u64,
+    /// Bytes of successful allocations or frees.
+    pub bytes: u64,
+    pub latency: Histogram,
+    pub max_ns: u64,
+}
+
+#[derive(Clone, Default)]
+pub struct LiveStats {
+    pub ops: BTreeMap<Op, OpStats>,
+    pub pids: std::collections::BTreeSet<u32>,
+    pub events: u64,
+}
+
+impl LiveStats {
+    pub fn add(&mut self, call: &Call) {
+        self.events += 1;
+        self.pids.insert(call.pid);
+        let s = self.ops.entry(call.op).or_default();
+        s.calls += 1;
+        if call.ret != 0 {
+            s.errors += 1;
+        } else if matches!(call.op.spec().class, OpClass::Alloc | OpClass::Free) {
+            s.bytes += call.size.unwrap_or(0);
+        }
+        s.latency.add(call.duration_ns);
+        s.max_ns = s.max_ns.max(call.duration_ns);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_within_bucket_error() {
+        let mut h = Histogram::default();
+        for v in 1..=10_000u64 {
+            h.add(v * 1000);
+        }
+        let p50 = h.quantile(0.5) as f64;
+        let p99 = h.quantile(0.99) as f64;
+        assert!((p50 / 5_000_000.0 - 1.0).abs() < 0.07, "p50 {p50}");
+        assert!((p99 / 9_900_000.0 - 1.0).abs() < 0.07, "p99 {p99}");
+        assert_eq!(h.total, 10_000);
+    }
+
+    #[test]
+    fn bucket_bounds_are_monotonic() {
+        for i in 1..BUCKETS {
+            assert!(Histogram::value(i) > Histogram::value(i - 1), "bucket {i}");
+            assert_eq!(Histogram::index(Histogram::value(i)), i);
+        }
+    }
+
+    #[test]
+    fn empty_histogram_is_zero() {
+        assert_eq!(Histogram::default().quantile(0.99), 0);
+    }
+}

@@ -1,0 +1,405 @@
+//! SQLite storage: opening (with version and sanity checks), sessions, and batched writes.
+
+mod schema;
+pub mod readonly;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result, bail};
+use rusqlite::{Connection, OpenFlags, OptionalExtension as _, params};
+use serde::Serialize;
+use tracer_common::{Op, OpClass};
+
+pub use schema::SCHEMA_VERSION;
+
+use crate::{decode::Call, exit::user_error, procinfo::ProcessInfo};
+
+pub struct Store {
+    conn: Connection,
+    path: PathBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    ReadWrite,
+    ReadOnly,
+}
+
+/// What a session records about itself at its start.
+#[derive(Debug, Default, Serialize)]
+pub struct SessionStart {
+    pub started_ns: i64,
+    pub source: &'static str,
+    pub host: String,
+    pub kernel: String,
+    pub command: String,
+    pub pid_filter: Option<Vec<u32>>,
+}
+
+/// Counters kept in the kernel and by the reader, stored with the session.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SessionCounters {
+    pub entries: u64,
+    pub submitted: u64,
+    pub dropped_ring_full: u64,
+    pub unmatched_returns: u64,
+    pub alloc_map_full: u64,
+    pub inflight_full: u64,
+    pub events_read: u64,
+    pub events_stored: u64,
+    pub decode_errors: u64,
+}
+
+pub fn class_name(class: OpClass) -> &'static str {
+    match class {
+        OpClass::Alloc => "alloc",
+        OpClass::Free => "free",
+        OpClass::MemInfo => "meminfo",
+        OpClass::SetDevice => "setdevice",
+        OpClass::Sync => "sync",
+    }
+}
+
+impl Store {
+    /// Opens the database at `path`. ReadWrite creates it (and migrates an older one);
+    /// ReadOnly requires it to exist. A database from a newer tracer, a corrupt file or another
+    /// program's database is refused before anything is written.
+    pub fn open(path: &Path, access: Access) -> Result<Store> {
+        let exists = path.exists();
+        if access == Access::ReadOnly && !exists {
+            return Err(user_error(format!(
+                "database {} does not exist: record one with `sudo tracer trace`, or pass --db FILE / TRACER_DB",
+                path.display()
+            )));
+        }
+        if exists {
+            check_readable(path, access)?;
+        }
+        let flags = match access {
+            Access::ReadWrite => OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE,
+            Access::ReadOnly => OpenFlags::SQLITE_OPEN_READ_ONLY,
+        } | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(path, flags)
+            .map_err(|e| user_error(format!("cannot open database {}: {e}", path.display())))?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .with_context(|| format!("set busy timeout on {}", path.display()))?;
+        let mut store = Store { conn, path: path.to_owned() };
+        let version = store.user_version()?;
+        if version > SCHEMA_VERSION {
+            return Err(user_error(format!(
+                "database {} was written by a newer tracer (schema version {version}; this tracer \
+                 reads up to {SCHEMA_VERSION}): upgrade tracer, or use another file with --db",
+                path.display()
+            )));
+        }
+        if version == 0 && store.has_foreign_tables()? {
+            return Err(user_error(format!(
+                "{} is an SQLite database of another program (it has tables but no tracer schema): \
+                 pass a new file with --db",
+                path.display()
+            )));
+        }
+        match access {
+            Access::ReadWrite => store.prepare_for_writing(version)?,
+            Access::ReadOnly if version == 0 => {
+                return Err(user_error(format!(
+                    "database {} is empty (no trace was recorded into it): record one with `sudo tracer trace --db {}`",
+                    path.display(),
+                    path.display()
+                )));
+            }
+            Access::ReadOnly if version < SCHEMA_VERSION => {
+                return Err(user_error(format!(
+                    "database {} has schema version {version}; open it once with a writing command \
+                     (e.g. `tracer trace --db {}`) to migrate it to {SCHEMA_VERSION}",
+                    path.display(),
+                    path.display()
+                )));
+            }
+            Access::ReadOnly => {}
+        }
+        Ok(store)
+    }
+
+
+    pub fn conn(&self) -> &Connection {
+        &self.conn
+    }
+
+    fn user_version(&self) -> Result<i64> {
+        self.conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(|e| corrupt(&self.path, e))
+    }
+
+    fn has_foreign_tables(&self) -> Result<bool> {
+        let n: i64 = self
+            .conn
+            .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+            .map_err(|e| corrupt(&self.path, e))?;
+        Ok(n > 0)
+    }
+
+    fn prepare_for_writing(&mut self, version: i64) -> Result<()> {
+        let path = self.path.display().to_string();
+        if version == 0 {
+            // Must precede the first table: lets --max-db give pages back to the file system.
+            self.conn
+                .execute_batch("PRAGMA auto_vacuum = INCREMENTAL")
+                .with_context(|| format!("set auto_vacuum on {path}"))?;
+        }
+        self.conn
+            .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;")
+            .map_err(|e| corrupt(&self.path, e))?;
+        let tx = self.conn.transaction().with_context(|| format!("begin migration of {path}"))?;
+        for (from, sql) in schema::MIGRATIONS.iter().enumerate().skip(version as usize) {
+            tx.execute_batch(sql)
+                .with_context(|| format!("migrate {path} from schema {from} to {}", from + 1))?;
+        }
+        tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+            .with_context(|| format!("set schema version of {path}"))?;
+        {
+            let mut insert = tx.prepare("INSERT OR IGNORE INTO ops (id, name, library, class) VALUES (?1, ?2, ?3, ?4)")?;
+            for op in Op::ALL {
+                let spec = op.spec();
+                insert.execute(params![op as u32, op.name(), spec.library.name(), class_name(spec.class)])?;
+            }
+        }
+        tx.commit().with_context(|| format!("commit migration of {path}"))?;
+        Ok(())
+    }
+
+    pub fn begin_session(&self, start: &SessionStart) -> Result<i64> {
+        let pid_filter = start.pid_filter.as_ref().map(|p| serde_json::to_string(p)).transpose()?;
+        self.conn
+            .execute(
+                "INSERT INTO sessions (started_ns, status, source, host, kernel, tracer_version, command, pid_filter)
+                 VALUES (?1, 'running', ?2, ?3, ?4, ?5, ?6, ?7)",
+                params![
+                    start.started_ns,
+                    start.source,
+                    start.host,
+                    start.kernel,
+                    env!("CARGO_PKG_VERSION"),
+                    start.command,
+                    pid_filter
+                ],
+            )
+            .with_context(|| format!("create a session in {}", self.path.display()))?;
+        Ok(self.conn.last_insert_rowid())
+    }
+
+    pub fn set_libraries(&self, session: i64, libraries_json: &str) -> Result<()> {
+        self.conn
+            .execute("UPDATE sessions SET libraries = ?2 WHERE id = ?1", params![session, libraries_json])
+            .with_context(|| format!("record libraries of session {session}"))?;
+        Ok(())
+    }
+
+    pub fn set_counters(&self, session: i64, c: &SessionCounters) -> Result<()> {
+        self.conn
+            .execute(
+                "UPDATE sessions SET entries = ?2, submitted = ?3, dropped_ring_full = ?4,
+                    unmatched_returns = ?5, alloc_map_full = ?6, inflight_full = ?7, events_read = ?8,
+                    events_stored = ?9, decode_errors = ?10
+                 WHERE id = ?1",
+                params![
+                    session,
+                    c.entries as i64,
+                    c.submitted as i64,
+                    c.dropped_ring_full as i64,
+                    c.unmatched_returns as i64,
+                    c.alloc_map_full as i64,
+                    c.inflight_full as i64,
+                    c.events_read as i64,
+                    c.events_stored as i64,
+                    c.decode_errors as i64
+                ],
+            )
+            .with_context(|| format!("store counters of session {session}"))?;
+        Ok(())
+    }
+
+    pub fn end_session(&self, session: i64, ended_ns: i64, status: &str) -> Result<()> {
+        self.conn
+            .execute(
+                "UPDATE sessions SET ended_ns = ?2, status = ?3 WHERE id = ?1",
+                params![session, ended_ns, status],
+            )
+            .with_context(|| format!("close session {session}"))?;
+        Ok(())
+    }
+
+    pub fn append_note(&self, session: i64, note: &str) -> Result<()> {
+        self.conn
+            .execute(
+                "UPDATE sessions SET note = CASE WHEN note IS NULL OR note = '' THEN ?2 ELSE note || char(10) || ?2 END
+                 WHERE id = ?1",
+                params![session, note],
+            )
+            .with_context(|| format!("add a note to session {session}"))?;
+        Ok(())
+    }
+
+    /// Writes one batch of calls, with the threads and processes first seen in it, in one transaction.
+    pub fn write_batch(&mut self, batch: &Batch<'_>) -> Result<()> {
+        let tx = self.conn.transaction().context("begin a write transaction")?;
+        {
+            let mut proc_stmt = tx.prepare_cached(
+                "INSERT OR IGNORE INTO processes (session_id, pid, start_time_ns, first_seen_ns, comm, cmdline, exe, cgroup)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )?;
+            for p in batch.processes {
+                proc_stmt.execute(params![
+                    batch.session,
+                    p.pid,
+                    p.start_time_ns,
+                    p.first_seen_ns,
+                    p.comm,
+                    p.cmdline,
+                    p.exe,
+                    p.cgroup
+                ])?;
+            }
+            let mut thread_stmt =
+                tx.prepare_cached("INSERT OR IGNORE INTO threads (session_id, pid, tid, comm) VALUES (?1, ?2, ?3, ?4)")?;
+            for (pid, tid, comm) in batch.threads {
+                thread_stmt.execute(params![batch.session, pid, tid, comm])?;
+            }
+            let mut call_stmt = tx.prepare_cached(
+                "INSERT INTO calls (session_id, ts_ns, pid, tid, op_id, device, size, ptr, ret, duration_ns, aux0, aux1, flags, stack_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, NULL)",
+            )?;
+            for call in batch.calls {
+                let aux0 = (call.aux0 != 0).then_some(call.aux0 as i64);
+                let aux1 = (call.aux1 != 0).then_some(call.aux1 as i64);
+                call_stmt.execute(params![
+                    batch.session,
+                    call.ts_mono_ns as i64 + batch.wall_offset_ns,
+                    call.pid,
+                    call.tid,
+                    call.op as u32,
+                    call.device,
+                    call.size.map(|s| s as i64),
+                    call.ptr.map(|p| p as i64),
+                    call.ret,
+                    call.duration_ns as i64,
+                    aux0,
+                    aux1,
+                    call.flags
+                ])?;
+            }
+        }
+        tx.commit().with_context(|| format!("commit {} events to {}", batch.calls.len(), self.path.display()))?;
+        Ok(())
+    }
+
+    /// Bytes the database uses, not counting free pages it keeps for reuse.
+    pub fn used_bytes(&self) -> Result<u64> {
+        let (pages, free, size): (i64, i64, i64) = self.conn.query_row(
+            "SELECT (SELECT page_count FROM pragma_page_count), (SELECT freelist_count FROM pragma_freelist_count),
+                    (SELECT page_size FROM pragma_page_size)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )?;
+        Ok(((pages - free).max(0) * size) as u64)
+    }
+
+    /// Deletes the oldest data until the database uses at most `max_bytes`: whole older sessions
+    /// first, then the oldest events of `current`. Returns a note for each deletion.
+    pub fn enforce_max_size(&mut self, current: i64, max_bytes: u64) -> Result<Vec<String>> {
+        let mut notes = Vec::new();
+        while self.used_bytes()? > max_bytes {
+            let oldest: Option<(i64, i64)> = self
+                .conn
+                .query_row(
+                    "SELECT id, (SELECT count(*) FROM calls WHERE session_id = s.id) FROM sessions s
+                     WHERE id != ?1 ORDER BY id LIMIT 1",
+                    [current],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()?;
+            let tx = self.conn.transaction()?;
+            if let Some((id, events)) = oldest {
+                tx.execute("DELETE FROM calls WHERE session_id = ?1", [id])?;
+                tx.execute("DELETE FROM threads WHERE session_id = ?1", [id])?;
+                tx.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
+                notes.push(format!("--max-db: deleted session {id} ({events} events) to stay under {max_bytes} bytes"));
+            } else {
+                let total: i64 = tx.query_row("SELECT count(*) FROM calls WHERE session_id = ?1", [current], |r| r.get(0))?;
+                if total == 0 {
+                    tx.commit()?;
+                    bail!(
+                        "--max-db {max_bytes} bytes is smaller than an empty database ({} bytes): raise it",
+                        self.used_bytes()?
+                    );
+                }
+                let n = (total / 10).max(1);
+                tx.execute(
+                    "DELETE FROM calls WHERE id IN (SELECT id FROM calls WHERE session_id = ?1 ORDER BY id LIMIT ?2)",
+                    params![current, n],
+                )?;
+                tx.execute("UPDATE sessions SET evicted_events = evicted_events + ?2 WHERE id = ?1", params![current, n])?;
+                notes.push(format!("--max-db: deleted the oldest {n} events of this session to stay under {max_bytes} bytes"));
+            }
+            tx.commit()?;
+            self.conn.execute_batch("PRAGMA incremental_vacuum")?;
+        }
+        Ok(notes)
+    }
+
+    /// Gives the database file back to the invoking user under sudo (WAL files included).
+    pub fn chown_files(&self, owner: Option<(u32, u32)>) -> Result<()> {
+        let Some((uid, gid)) = owner else { return Ok(()) };
+        for suffix in ["", "-wal", "-shm"] {
+            let mut name = self.path.clone().into_os_string();
+            name.push(suffix);
+            let file = PathBuf::from(name);
+            if file.exists() {
+                crate::paths::chown_private(&file, uid, gid)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One transaction's worth of rows.
+pub struct Batch<'a> {
+    pub session: i64,
+    pub wall_offset_ns: i64,
+    pub calls: &'a [Call],
+    pub threads: &'a [(u32, u32, String)],
+    pub processes: &'a [ProcessInfo],
+}
+
+fn check_readable(path: &Path, access: Access) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|e| user_error(format!("cannot access database {}: {e}", path.display())))?;
+    if meta.is_dir() {
+        return Err(user_error(format!("database {} is a directory: pass a file with --db", path.display())));
+    }
+    let file = match access {
+        Access::ReadOnly => std::fs::File::open(path),
+        Access::ReadWrite => std::fs::OpenOptions::new().read(true).write(true).open(path),
+    };
+    if let Err(e) = file {
+        use std::os::unix::fs::MetadataExt as _;
+        return Err(user_error(format!(
+            "cannot {} database {}: {e} (owner uid {}, mode {:o}): run as its owner, or pass another file with --db",
+            if access == Access::ReadOnly { "read" } else { "write" },
+            path.display(),
+            meta.uid(),
+            meta.mode() & 0o777
+        )));
+    }
+    Ok(())
+}
+
+fn corrupt(path: &Path, e: rusqlite::Error) -> anyhow::Error {
+    user_error(format!(
+        "{} is not a usable tracer database ({e}): it is corrupt or not SQLite; pass another file with --db",
+        path.display()
+    ))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,91 @@
+//! The database schema: a public interface (documented in SCHEMA.md), versioned with
+//! `PRAGMA user_version`. Each migration moves the schema one version up; never edit one that
+//! has shipped, add another.
+
+/// The schema version this tracer writes. A database with a higher version is refused.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// `MIGRATIONS[n]` takes a database from version n to n + 1.
+pub const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE sessions (
+    id                INTEGER PRIMARY KEY,
+    started_ns        INTEGER NOT NULL,
+    ended_ns          INTEGER,
+    status            TEXT NOT NULL,
+    source            TEXT NOT NULL,
+    host              TEXT,
+    kernel            TEXT,
+    tracer_version    TEXT NOT NULL,
+    command           TEXT,
+    pid_filter        TEXT,
+    libraries         TEXT,
+    entries           INTEGER NOT NULL DEFAULT 0,
+    submitted         INTEGER NOT NULL DEFAULT 0,
+    dropped_ring_full INTEGER NOT NULL DEFAULT 0,
+    unmatched_returns INTEGER NOT NULL DEFAULT 0,
+    alloc_map_full    INTEGER NOT NULL DEFAULT 0,
+    inflight_full     INTEGER NOT NULL DEFAULT 0,
+    events_read       INTEGER NOT NULL DEFAULT 0,
+    events_stored     INTEGER NOT NULL DEFAULT 0,
+    decode_errors     INTEGER NOT NULL DEFAULT 0,
+    evicted_events    INTEGER NOT NULL DEFAULT 0,
+    note              TEXT
+);
+
+CREATE TABLE processes (
+    session_id    INTEGER NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    pid           INTEGER NOT NULL,
+    start_time_ns INTEGER,
+    first_seen_ns INTEGER NOT NULL,
+    comm          TEXT,
+    cmdline       TEXT,
+    exe           TEXT,
+    cgroup        TEXT,
+    PRIMARY KEY (session_id, pid)
+);
+
+CREATE TABLE threads (
+    session_id INTEGER NOT NULL,
+    pid        INTEGER NOT NULL,
+    tid        INTEGER NOT NULL,
+    comm       TEXT,
+    PRIMARY KEY (session_id, pid, tid)
+) WITHOUT ROWID;
+
+CREATE TABLE ops (
+    id      INTEGER PRIMARY KEY,
+    name    TEXT NOT NULL UNIQUE,
+    library TEXT NOT NULL,
+    class   TEXT NOT NULL
+);
+
+CREATE TABLE calls (
+    id          INTEGER PRIMARY KEY,
+    session_id  INTEGER NOT NULL,
+    ts_ns       INTEGER NOT NULL,
+    pid         INTEGER NOT NULL,
+    tid         INTEGER NOT NULL,
+    op_id       INTEGER NOT NULL,
+    device      INTEGER,
+    size        INTEGER,
+    ptr         INTEGER,
+    ret         INTEGER NOT NULL,
+    duration_ns INTEGER NOT NULL,
+    aux0        INTEGER,
+    aux1        INTEGER,
+    flags       INTEGER NOT NULL,
+    stack_id    INTEGER
+);
+CREATE INDEX calls_session_ts ON calls(session_id, ts_ns);
+
+CREATE VIEW events AS
+SELECT c.session_id, c.ts_ns, c.pid, c.tid, t.comm, o.name AS op, c.device, c.size, c.ptr,
+       c.ret, c.duration_ns, c.stack_id,
+       o.library, o.class,
+       CASE WHEN o.class = 'meminfo' THEN c.aux0 END AS mem_free,
+       CASE WHEN o.class = 'meminfo' THEN c.aux1 END AS mem_total,
+       c.aux0, c.aux1, c.flags, c.id AS event_id
+FROM calls c
+JOIN ops o ON o.id = c.op_id
+LEFT JOIN threads t ON t.session_id = c.session_id AND t.pid = c.pid AND t.tid = c.tid;
+"#];

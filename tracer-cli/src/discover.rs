@@ -58,19 +58,39 @@ pub fn is_cuda_library_name(name: &str) -> bool {
 
 pub fn file_id(path: &Path) -> Option<FileId> {
     let meta = std::fs::metadata(path).ok()?;
-    meta.is_file().then(|| FileId { dev: meta.dev(), ino: meta.ino() })
+    meta.is_file().then(|| FileId {
+        dev: meta.dev(),
+        ino: meta.ino(),
+    })
 }
 
-fn add(found: &mut BTreeMap<FileId, Candidate>, open_path: PathBuf, shown: String, origin: Origin, pid: Option<u32>) {
-    let Some(id) = file_id(&open_path) else { return };
-    let entry = found.entry(id).or_insert_with(|| Candidate { open_path, shown, id, origin, pids: BTreeSet::new() });
+fn add(
+    found: &mut BTreeMap<FileId, Candidate>,
+    open_path: PathBuf,
+    shown: String,
+    origin: Origin,
+    pid: Option<u32>,
+) {
+    let Some(id) = file_id(&open_path) else {
+        return;
+    };
+    let entry = found.entry(id).or_insert_with(|| Candidate {
+        open_path,
+        shown,
+        id,
+        origin,
+        pids: BTreeSet::new(),
+    });
     entry.origin = entry.origin.min(origin);
     entry.pids.extend(pid);
 }
 
 pub fn all_pids() -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
 }
 
 /// Libraries mapped by `pids`, and their executables when those export the runtime (static).
@@ -83,25 +103,43 @@ pub fn scan_processes(pids: &[u32], static_cache: &mut BTreeMap<FileId, bool>) -
             continue;
         }
         let proc_dir = PathBuf::from(format!("/proc/{pid}"));
-        let Ok(maps) = std::fs::read_to_string(proc_dir.join("maps")) else { continue };
+        let Ok(maps) = std::fs::read_to_string(proc_dir.join("maps")) else {
+            continue;
+        };
         let root = proc_dir.join("root");
         let mut seen = BTreeSet::new();
         for line in maps.lines() {
             // address perms offset dev inode path
-            let Some(path) = line.splitn(6, char::is_whitespace).nth(5).map(str::trim) else { continue };
+            let Some(path) = line.splitn(6, char::is_whitespace).nth(5).map(str::trim) else {
+                continue;
+            };
             if !path.starts_with('/') || path.ends_with("(deleted)") || !seen.insert(path) {
                 continue;
             }
             let name = path.rsplit('/').next().unwrap_or(path);
             if is_cuda_library_name(name) {
-                add(&mut found, root.join(path.trim_start_matches('/')), path.to_owned(), Origin::Mapped, Some(pid));
+                add(
+                    &mut found,
+                    root.join(path.trim_start_matches('/')),
+                    path.to_owned(),
+                    Origin::Mapped,
+                    Some(pid),
+                );
             }
         }
         let exe = proc_dir.join("exe");
         if let (Some(id), Ok(target)) = (file_id(&exe), std::fs::read_link(&exe)) {
-            let is_static = *static_cache.entry(id).or_insert_with(|| exports_runtime(&exe));
+            let is_static = *static_cache
+                .entry(id)
+                .or_insert_with(|| exports_runtime(&exe));
             if is_static {
-                add(&mut found, exe.clone(), target.display().to_string(), Origin::Static, Some(pid));
+                add(
+                    &mut found,
+                    exe.clone(),
+                    target.display().to_string(),
+                    Origin::Static,
+                    Some(pid),
+                );
             }
         }
     }
@@ -112,11 +150,18 @@ pub fn scan_processes(pids: &[u32], static_cache: &mut BTreeMap<FileId, bool>) -
 fn exports_runtime(exe: &Path) -> bool {
     // Bound the work: huge binaries (browsers, language runtimes) are not CUDA programs' norm,
     // but a 2 GiB limit still admits large statically linked trainers.
-    if std::fs::metadata(exe).map(|m| m.len() > (2 << 30)).unwrap_or(true) {
+    if std::fs::metadata(exe)
+        .map(|m| m.len() > (2 << 30))
+        .unwrap_or(true)
+    {
         return false;
     }
     crate::elf::read_symbols(exe)
-        .map(|s| s.targets.iter().any(|t| t.op == tracer_common::Op::CudaMalloc))
+        .map(|s| {
+            s.targets
+                .iter()
+                .any(|t| t.op == tracer_common::Op::CudaMalloc)
+        })
         .unwrap_or(false)
 }
 
@@ -127,10 +172,16 @@ fn expand(pattern: &str) -> Vec<PathBuf> {
         let mut next = Vec::new();
         for base in &paths {
             if let Some((prefix, suffix)) = part.split_once('*') {
-                let Ok(dir) = std::fs::read_dir(base) else { continue };
+                let Ok(dir) = std::fs::read_dir(base) else {
+                    continue;
+                };
                 let mut names: Vec<String> = dir
                     .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                    .filter(|n| n.starts_with(prefix) && n.ends_with(suffix) && n.len() >= prefix.len() + suffix.len())
+                    .filter(|n| {
+                        n.starts_with(prefix)
+                            && n.ends_with(suffix)
+                            && n.len() >= prefix.len() + suffix.len()
+                    })
                     .collect();
                 names.sort();
                 next.extend(names.into_iter().map(|n| base.join(n)));
@@ -189,12 +240,15 @@ pub fn install_dirs(homes: &[PathBuf]) -> Vec<PathBuf> {
 
 /// Libraries listed by `ldconfig -p` (the system binary; no target code is run).
 fn ldconfig_libraries() -> Vec<PathBuf> {
-    let Ok(out) = Command::new("ldconfig").arg("-p").output() else { return Vec::new() };
+    let Ok(out) = Command::new("ldconfig").arg("-p").output() else {
+        return Vec::new();
+    };
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| {
             let (name, path) = l.trim().split_once(" => ")?;
-            is_cuda_library_name(name.split_whitespace().next()?).then(|| PathBuf::from(path.trim()))
+            is_cuda_library_name(name.split_whitespace().next()?)
+                .then(|| PathBuf::from(path.trim()))
         })
         .collect()
 }
@@ -202,18 +256,32 @@ fn ldconfig_libraries() -> Vec<PathBuf> {
 pub fn scan_installed(homes: &[PathBuf]) -> Vec<Candidate> {
     let mut found = BTreeMap::new();
     for dir in install_dirs(homes) {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
             if is_cuda_library_name(name) {
                 let path = entry.path();
-                add(&mut found, path.clone(), path.display().to_string(), Origin::Installed, None);
+                add(
+                    &mut found,
+                    path.clone(),
+                    path.display().to_string(),
+                    Origin::Installed,
+                    None,
+                );
             }
         }
     }
     for path in ldconfig_libraries() {
-        add(&mut found, path.clone(), path.display().to_string(), Origin::Installed, None);
+        add(
+            &mut found,
+            path.clone(),
+            path.display().to_string(),
+            Origin::Installed,
+            None,
+        );
     }
     found.into_values().collect()
 }
@@ -240,7 +308,10 @@ mod tests {
             std::fs::create_dir_all(dir.path().join(sub)).unwrap();
         }
         let found = expand(&format!("{}/a*/lib", dir.path().display()));
-        assert_eq!(found, vec![dir.path().join("a1/lib"), dir.path().join("a2/lib")]);
+        assert_eq!(
+            found,
+            vec![dir.path().join("a1/lib"), dir.path().join("a2/lib")]
+        );
     }
 
     #[test]
@@ -251,7 +322,13 @@ mod tests {
         std::os::unix::fs::symlink(&lib, dir.path().join("libcudart.so")).unwrap();
         let mut found = BTreeMap::new();
         add(&mut found, lib.clone(), "a".into(), Origin::Installed, None);
-        add(&mut found, dir.path().join("libcudart.so"), "b".into(), Origin::Mapped, Some(7));
+        add(
+            &mut found,
+            dir.path().join("libcudart.so"),
+            "b".into(),
+            Origin::Mapped,
+            Some(7),
+        );
         assert_eq!(found.len(), 1);
         let c = found.values().next().unwrap();
         assert_eq!(c.origin, Origin::Mapped);

@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, fs::File, path::Path};
 
 use anyhow::{Context as _, Result};
 use object::{Object as _, ObjectSegment as _, ObjectSymbol as _, SymbolKind};
-use tracer_common::{Library, Op, PROBES, probes::VARIANT_SUFFIXES};
+use tracer_common::{probes::VARIANT_SUFFIXES, Library, Op, PROBES};
 
 use crate::exit::user_error;
 
@@ -51,11 +51,20 @@ pub fn read_symbols(path: &Path) -> Result<Symbols> {
     let file = File::open(path).with_context(|| format!("open {}", path.display()))?;
     // SAFETY: the map is read-only and private; if the file is truncated under us the worst case
     // is SIGBUS in this short read of libraries that are normally immutable once installed.
-    let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("map {}", path.display()))?;
+    let map =
+        unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("map {}", path.display()))?;
     if map.len() < 4 || &map[..4] != b"\x7fELF" {
-        return Err(user_error(format!("{} is not an ELF file: pass a CUDA library such as libcudart.so.12", path.display())));
+        return Err(user_error(format!(
+            "{} is not an ELF file: pass a CUDA library such as libcudart.so.12",
+            path.display()
+        )));
     }
-    let obj = object::File::parse(&*map).map_err(|e| user_error(format!("{} is not a readable ELF file: {e}", path.display())))?;
+    let obj = object::File::parse(&*map).map_err(|e| {
+        user_error(format!(
+            "{} is not a readable ELF file: {e}",
+            path.display()
+        ))
+    })?;
     let segments: Vec<(u64, u64, u64)> = obj
         .segments()
         .map(|s| (s.address(), s.size(), s.file_range().0))
@@ -73,9 +82,17 @@ pub fn read_symbols(path: &Path) -> Result<Symbols> {
             continue;
         }
         let Ok(name) = sym.name() else { continue };
-        let Some(op) = op_for_symbol(name) else { continue };
-        let Some(offset) = file_offset(sym.address()) else { continue };
-        by_offset.entry(offset).or_insert_with(|| Target { op, symbol: name.split('@').next().unwrap_or(name).to_owned(), offset });
+        let Some(op) = op_for_symbol(name) else {
+            continue;
+        };
+        let Some(offset) = file_offset(sym.address()) else {
+            continue;
+        };
+        by_offset.entry(offset).or_insert_with(|| Target {
+            op,
+            symbol: name.split('@').next().unwrap_or(name).to_owned(),
+            offset,
+        });
     }
     let mut targets: Vec<Target> = by_offset.into_values().collect();
     targets.sort_by(|a, b| (a.op, &a.symbol).cmp(&(b.op, &b.symbol)));
@@ -89,12 +106,22 @@ mod tests {
     #[test]
     fn variants_map_to_their_base_op() {
         assert_eq!(op_for_symbol("cudaMalloc"), Some(Op::CudaMalloc));
-        assert_eq!(op_for_symbol("cudaMallocAsync_ptsz"), Some(Op::CudaMallocAsync));
-        assert_eq!(op_for_symbol("cudaMalloc@@libcudart.so.12"), Some(Op::CudaMalloc));
+        assert_eq!(
+            op_for_symbol("cudaMallocAsync_ptsz"),
+            Some(Op::CudaMallocAsync)
+        );
+        assert_eq!(
+            op_for_symbol("cudaMalloc@@libcudart.so.12"),
+            Some(Op::CudaMalloc)
+        );
         assert_eq!(op_for_symbol("cuMemAlloc_v2"), Some(Op::CuMemAlloc));
         assert_eq!(op_for_symbol("cudaMallocHost"), Some(Op::CudaMallocHost));
         assert_eq!(op_for_symbol("cudaMalloc3D"), None);
-        assert_eq!(op_for_symbol("cuMemAlloc"), None, "the 32-bit v1 API is not probed");
+        assert_eq!(
+            op_for_symbol("cuMemAlloc"),
+            None,
+            "the 32-bit v1 API is not probed"
+        );
     }
 
     #[test]

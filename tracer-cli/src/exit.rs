@@ -25,21 +25,32 @@ impl fmt::Display for Coded {
 impl std::error::Error for Coded {}
 
 pub fn user_error(message: impl Into<String>) -> anyhow::Error {
-    Coded { code: BAD_INPUT, message: message.into() }.into()
+    Coded {
+        code: BAD_INPUT,
+        message: message.into(),
+    }
+    .into()
 }
 
 pub fn privilege_error(message: impl Into<String>) -> anyhow::Error {
-    Coded { code: NO_PRIVILEGE, message: message.into() }.into()
+    Coded {
+        code: NO_PRIVILEGE,
+        message: message.into(),
+    }
+    .into()
 }
 
 /// The exit code for an error: that of the first [`Coded`] in its chain, else [`FAILURE`].
 pub fn code_of(err: &anyhow::Error) -> u8 {
-    err.chain().find_map(|e| e.downcast_ref::<Coded>()).map_or(FAILURE, |c| c.code)
+    err.chain()
+        .find_map(|e| e.downcast_ref::<Coded>())
+        .map_or(FAILURE, |c| c.code)
 }
 
 /// True when the error is a closed stdout (`tracer query ... | head`): that is success.
 pub fn is_broken_pipe(err: &anyhow::Error) -> bool {
     err.chain().any(|e| {
-        e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
 }

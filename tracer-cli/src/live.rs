@@ -74,7 +74,11 @@ pub struct LiveView {
 
 impl LiveView {
     pub fn new(tty: bool) -> Self {
-        LiveView { tty, drawn: 0, ticks: 0 }
+        LiveView {
+            tty,
+            drawn: 0,
+            ticks: 0,
+        }
     }
 
     pub fn draw(&mut self, status: &Status<'_>) {

@@ -20,8 +20,14 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "tracer", version, about = "Trace CUDA memory allocation calls with eBPF, store them in SQLite, explain them")]
-#[command(after_help = "Exit codes: 0 success, 1 failure, 2 bad input, 3 missing privileges or kernel support.")]
+#[command(
+    name = "tracer",
+    version,
+    about = "Trace CUDA memory allocation calls with eBPF, store them in SQLite, explain them"
+)]
+#[command(
+    after_help = "Exit codes: 0 success, 1 failure, 2 bad input, 3 missing privileges or kernel support."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -28,14 +28,20 @@ fn json(cell: &Cell) -> serde_json::Value {
     match cell {
         Cell::Null => serde_json::Value::Null,
         Cell::Int(v) => (*v).into(),
-        Cell::Real(v) => serde_json::Number::from_f64(*v).map_or(serde_json::Value::Null, Into::into),
+        Cell::Real(v) => {
+            serde_json::Number::from_f64(*v).map_or(serde_json::Value::Null, Into::into)
+        }
         Cell::Text(t) => t.clone().into(),
         Cell::Blob(_) => text(cell).into(),
     }
 }
 
 fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n', '\r']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_owned() }
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_owned()
+    }
 }
 
 /// Collects or streams rows, depending on the format (a table needs every row for its widths).
@@ -49,7 +55,13 @@ pub struct RowWriter<W: Write> {
 
 impl<W: Write> RowWriter<W> {
     pub fn new(out: W, format: Format) -> Self {
-        RowWriter { out, format, columns: Vec::new(), buffered: Vec::new(), rows: 0 }
+        RowWriter {
+            out,
+            format,
+            columns: Vec::new(),
+            buffered: Vec::new(),
+            rows: 0,
+        }
     }
 
     pub fn columns(&mut self, columns: &[String]) -> Result<()> {
@@ -71,8 +83,12 @@ impl<W: Write> RowWriter<W> {
                 writeln!(self.out, "{}", line.join(","))?;
             }
             Format::Json => {
-                let object: serde_json::Map<String, serde_json::Value> =
-                    self.columns.iter().cloned().zip(cells.iter().map(json)).collect();
+                let object: serde_json::Map<String, serde_json::Value> = self
+                    .columns
+                    .iter()
+                    .cloned()
+                    .zip(cells.iter().map(json))
+                    .collect();
                 let sep = if self.rows == 0 { "\n" } else { ",\n" };
                 write!(self.out, "{sep}{}", serde_json::Value::Object(object))?;
             }
@@ -84,15 +100,19 @@ impl<W: Write> RowWriter<W> {
     pub fn finish(mut self) -> Result<u64> {
         match self.format {
             Format::Table => {
-                let mut widths: Vec<usize> = self.columns.iter().map(|c| c.chars().count()).collect();
+                let mut widths: Vec<usize> =
+                    self.columns.iter().map(|c| c.chars().count()).collect();
                 for row in &self.buffered {
                     for (w, cell) in widths.iter_mut().zip(row) {
                         *w = (*w).max(cell.chars().count());
                     }
                 }
                 let render = |cells: &[String]| -> String {
-                    let parts: Vec<String> =
-                        cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}", w = *w)).collect();
+                    let parts: Vec<String> = cells
+                        .iter()
+                        .zip(&widths)
+                        .map(|(c, w)| format!("{c:<w$}", w = *w))
+                        .collect();
                     parts.join("  ").trim_end().to_owned()
                 };
                 writeln!(self.out, "{}", render(&self.columns))?;
@@ -118,7 +138,8 @@ mod tests {
         let mut buf = Vec::new();
         let mut w = RowWriter::new(&mut buf, format);
         w.columns(&["op".into(), "n".into()]).unwrap();
-        w.row(&[Cell::Text("cudaMalloc".into()), Cell::Int(3)]).unwrap();
+        w.row(&[Cell::Text("cudaMalloc".into()), Cell::Int(3)])
+            .unwrap();
         w.row(&[Cell::Text("a,\"b\"".into()), Cell::Null]).unwrap();
         w.finish().unwrap();
         String::from_utf8(buf).unwrap()
@@ -126,8 +147,14 @@ mod tests {
 
     #[test]
     fn table_csv_json() {
-        assert_eq!(render(Format::Table), "op          n\n----------  -\ncudaMalloc  3\na,\"b\"\n");
-        assert_eq!(render(Format::Csv), "op,n\ncudaMalloc,3\n\"a,\"\"b\"\"\",\n");
+        assert_eq!(
+            render(Format::Table),
+            "op          n\n----------  -\ncudaMalloc  3\na,\"b\"\n"
+        );
+        assert_eq!(
+            render(Format::Csv),
+            "op,n\ncudaMalloc,3\n\"a,\"\"b\"\"\",\n"
+        );
         let v: serde_json::Value = serde_json::from_str(&render(Format::Json)).unwrap();
         assert_eq!(v[0]["n"], 3);
         assert_eq!(v[1]["n"], serde_json::Value::Null);

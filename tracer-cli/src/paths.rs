@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use nix::unistd::{Gid, Uid, User, chown};
+use nix::unistd::{chown, Gid, Uid, User};
 
 pub const DB_ENV: &str = "TRACER_DB";
 
@@ -21,12 +21,22 @@ pub struct Invoker {
 pub fn invoker() -> Invoker {
     let euid = Uid::effective();
     if euid.is_root() {
-        let sudo_uid = std::env::var("SUDO_UID").ok().and_then(|v| v.parse::<u32>().ok());
-        let sudo_gid = std::env::var("SUDO_GID").ok().and_then(|v| v.parse::<u32>().ok());
+        let sudo_uid = std::env::var("SUDO_UID")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok());
+        let sudo_gid = std::env::var("SUDO_GID")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok());
         if let (Some(uid), Some(gid)) = (sudo_uid, sudo_gid) {
             if uid != 0 {
-                let home = User::from_uid(Uid::from_raw(uid)).ok().flatten().map(|u| u.dir);
-                return Invoker { home, owner: Some((uid, gid)) };
+                let home = User::from_uid(Uid::from_raw(uid))
+                    .ok()
+                    .flatten()
+                    .map(|u| u.dir);
+                return Invoker {
+                    home,
+                    owner: Some((uid, gid)),
+                };
             }
         }
     }
@@ -42,18 +52,26 @@ pub fn db_path(explicit: Option<&Path>, who: &Invoker) -> Result<PathBuf> {
     if let Some(p) = explicit {
         return Ok(p.to_owned());
     }
-    let xdg = if who.owner.is_none() { std::env::var_os("XDG_DATA_HOME").map(PathBuf::from) } else { None };
+    let xdg = if who.owner.is_none() {
+        std::env::var_os("XDG_DATA_HOME").map(PathBuf::from)
+    } else {
+        None
+    };
     let base = match (xdg, &who.home) {
         (Some(x), _) if x.is_absolute() => x,
         (_, Some(home)) => home.join(".local").join("share"),
-        _ => anyhow::bail!("cannot find a home directory for the database: pass --db FILE or set TRACER_DB"),
+        _ => anyhow::bail!(
+            "cannot find a home directory for the database: pass --db FILE or set TRACER_DB"
+        ),
     };
     Ok(base.join("tracer").join("tracer.db"))
 }
 
 /// Creates the database's directory, giving each directory it creates to `owner`.
 pub fn create_parent_dirs(db: &Path, owner: Option<(u32, u32)>) -> Result<()> {
-    let Some(parent) = db.parent().filter(|p| !p.as_os_str().is_empty()) else { return Ok(()) };
+    let Some(parent) = db.parent().filter(|p| !p.as_os_str().is_empty()) else {
+        return Ok(());
+    };
     let mut missing = Vec::new();
     let mut dir = parent;
     while !dir.exists() {

@@ -2,17 +2,17 @@
 
 use std::{collections::BTreeMap, num::NonZeroU32};
 
-use anyhow::{Context as _, Result, anyhow};
+use anyhow::{anyhow, Context as _, Result};
 use aya::{
-    Ebpf, EbpfLoader,
     maps::{Array, MapData, PerCpuArray, RingBuf},
     programs::{
-        UProbe,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeLinkId, UProbeScope},
+        UProbe,
     },
+    Ebpf, EbpfLoader,
 };
 use serde::Serialize;
-use tracer_common::{Library, maps as names, maps::Counter};
+use tracer_common::{maps as names, maps::Counter, Library};
 
 use crate::{
     discover::{Candidate, FileId},
@@ -60,24 +60,38 @@ impl Probes {
             .override_global(names::GLOBAL_FLOOR_MODE, &floor, true)
             .load(EBPF_OBJECT)
             .context("load the eBPF programs into the kernel")?;
-        for (name, kind) in [(names::PROG_ENTRY, "uprobe"), (names::PROG_RETURN, "uretprobe")] {
+        for (name, kind) in [
+            (names::PROG_ENTRY, "uprobe"),
+            (names::PROG_RETURN, "uretprobe"),
+        ] {
             let program: &mut UProbe = ebpf
                 .program_mut(name)
                 .ok_or_else(|| anyhow!("eBPF object lacks program {name}"))?
                 .try_into()
                 .with_context(|| format!("{name} is not a {kind}"))?;
-            program.load().with_context(|| format!("verify and load {kind} program {name}"))?;
+            program
+                .load()
+                .with_context(|| format!("verify and load {kind} program {name}"))?;
         }
-        let counters = ebpf.take_map(names::COUNTERS).ok_or_else(|| anyhow!("eBPF object lacks map {}", names::COUNTERS))?;
+        let counters = ebpf
+            .take_map(names::COUNTERS)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::COUNTERS))?;
         let counters = PerCpuArray::try_from(counters).context("open the counters map")?;
-        Ok(Probes { ebpf, counters, attached: BTreeMap::new(), links: Vec::new() })
+        Ok(Probes {
+            ebpf,
+            counters,
+            attached: BTreeMap::new(),
+            links: Vec::new(),
+        })
     }
 
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self.ebpf.take_map(names::EVENTS).ok_or_else(|| anyhow!("eBPF object lacks map {}", names::EVENTS))?;
+        let map = self
+            .ebpf
+            .take_map(names::EVENTS)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::EVENTS))?;
         RingBuf::try_from(map).context("open the event ring buffer")
     }
-
 
     pub fn libraries(&self) -> Vec<AttachedLibrary> {
         self.attached.values().cloned().collect()
@@ -105,7 +119,11 @@ impl Probes {
         }
         let scopes: Vec<UProbeScope> = match pids {
             None => vec![UProbeScope::AllProcesses],
-            Some(pids) => pids.iter().filter_map(|&p| NonZeroU32::new(p)).map(UProbeScope::OneProcess).collect(),
+            Some(pids) => pids
+                .iter()
+                .filter_map(|&p| NonZeroU32::new(p))
+                .map(UProbeScope::OneProcess)
+                .collect(),
         };
         let mut attached = Vec::new();
         let mut failed = Vec::new();
@@ -139,7 +157,10 @@ impl Probes {
             return Err(anyhow!(
                 "attach uprobes in {}: every symbol failed: {}",
                 lib.shown,
-                failed.first().map(String::as_str).unwrap_or("unknown error")
+                failed
+                    .first()
+                    .map(String::as_str)
+                    .unwrap_or("unknown error")
             ));
         }
         let record = AttachedLibrary {
@@ -157,7 +178,10 @@ impl Probes {
     pub fn counters(&self) -> Result<[u64; Counter::COUNT as usize]> {
         let mut out = [0u64; Counter::COUNT as usize];
         for counter in Counter::ALL {
-            let per_cpu = self.counters.get(&(counter as u32), 0).with_context(|| format!("read counter {}", counter.name()))?;
+            let per_cpu = self
+                .counters
+                .get(&(counter as u32), 0)
+                .with_context(|| format!("read counter {}", counter.name()))?;
             out[counter as usize] = per_cpu.iter().sum();
         }
         Ok(out)
@@ -165,7 +189,10 @@ impl Probes {
 
     /// Stops recording new calls (calls already entered still report their return).
     pub fn pause(&mut self) -> Result<()> {
-        let map = self.ebpf.map_mut(names::CONTROL).ok_or_else(|| anyhow!("eBPF object lacks map {}", names::CONTROL))?;
+        let map = self
+            .ebpf
+            .map_mut(names::CONTROL)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::CONTROL))?;
         let mut control: Array<_, u32> = Array::try_from(map).context("open the control map")?;
         control.set(0, 1, 0).context("pause the probes")?;
         Ok(())
@@ -182,7 +209,11 @@ impl Probes {
                 .program_mut(name)
                 .ok_or_else(|| anyhow!("eBPF object lacks program {name}"))?
                 .try_into()?;
-            links.push(program.take_link(id).with_context(|| format!("take a link of {name}"))?);
+            links.push(
+                program
+                    .take_link(id)
+                    .with_context(|| format!("take a link of {name}"))?,
+            );
         }
         const DETACH_THREADS: usize = 64;
         let chunk = links.len().div_ceil(DETACH_THREADS).max(1);

@@ -15,24 +15,47 @@ pub struct ProcessInfo {
 }
 
 /// Reads /proc/PID; a process that has already exited gives what the event itself carried.
-pub fn read(pid: u32, first_seen_ns: i64, fallback_comm: &str, boot_time_ns: Option<i64>) -> ProcessInfo {
+pub fn read(
+    pid: u32,
+    first_seen_ns: i64,
+    fallback_comm: &str,
+    boot_time_ns: Option<i64>,
+) -> ProcessInfo {
     let dir = Path::new("/proc").join(pid.to_string());
     let comm = std::fs::read_to_string(dir.join("comm"))
         .map(|s| s.trim_end().to_owned())
         .unwrap_or_else(|_| fallback_comm.to_owned());
-    let cmdline = std::fs::read(dir.join("cmdline")).ok().filter(|b| !b.is_empty()).map(|b| {
-        let parts: Vec<String> =
-            b.split(|&c| c == 0).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned()).collect();
-        parts.join(" ")
-    });
-    let exe = std::fs::read_link(dir.join("exe")).ok().map(|p| p.display().to_string());
-    let cgroup = std::fs::read_to_string(dir.join("cgroup")).ok().map(|s| s.trim_end().to_owned());
+    let cmdline = std::fs::read(dir.join("cmdline"))
+        .ok()
+        .filter(|b| !b.is_empty())
+        .map(|b| {
+            let parts: Vec<String> = b
+                .split(|&c| c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect();
+            parts.join(" ")
+        });
+    let exe = std::fs::read_link(dir.join("exe"))
+        .ok()
+        .map(|p| p.display().to_string());
+    let cgroup = std::fs::read_to_string(dir.join("cgroup"))
+        .ok()
+        .map(|s| s.trim_end().to_owned());
     let start_time_ns = std::fs::read_to_string(dir.join("stat"))
         .ok()
         .and_then(|s| start_ticks(&s))
         .zip(boot_time_ns)
         .map(|(ticks, boot)| boot + (ticks as i64) * (1_000_000_000 / clock_ticks()));
-    ProcessInfo { pid, start_time_ns, first_seen_ns, comm: Some(comm), cmdline, exe, cgroup }
+    ProcessInfo {
+        pid,
+        start_time_ns,
+        first_seen_ns,
+        comm: Some(comm),
+        cmdline,
+        exe,
+        cgroup,
+    }
 }
 
 /// Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold spaces).
@@ -44,7 +67,11 @@ fn start_ticks(stat: &str) -> Option<u64> {
 fn clock_ticks() -> i64 {
     // SAFETY: sysconf has no preconditions.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 { t } else { 100 }
+    if t > 0 {
+        t
+    } else {
+        100
+    }
 }
 
 /// Wall-clock boot time in ns (btime of /proc/stat).
@@ -63,7 +90,8 @@ pub fn exists(pid: u32) -> bool {
 mod tests {
     #[test]
     fn start_ticks_skips_comm_with_spaces() {
-        let stat = "123 (my (odd) name) S 1 123 123 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 10";
+        let stat =
+            "123 (my (odd) name) S 1 123 123 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 10";
         assert_eq!(super::start_ticks(stat), Some(98765));
     }
 

@@ -19,7 +19,10 @@ pub struct Histogram {
 
 impl Default for Histogram {
     fn default() -> Self {
-        Histogram { counts: Box::new([0; BUCKETS]), total: 0 }
+        Histogram {
+            counts: Box::new([0; BUCKETS]),
+            total: 0,
+        }
     }
 }
 
@@ -48,7 +51,6 @@ impl Histogram {
         self.total += 1;
     }
 
-
     /// The q-quantile (0..=1), as the midpoint of its bucket.
     pub fn quantile(&self, q: f64) -> u64 {
         if self.total == 0 {
@@ -60,7 +62,11 @@ impl Histogram {
             seen += c;
             if seen >= rank {
                 let lo = Self::value(i);
-                let hi = if i + 1 < BUCKETS { Self::value(i + 1) } else { lo };
+                let hi = if i + 1 < BUCKETS {
+                    Self::value(i + 1)
+                } else {
+                    lo
+                };
                 return lo + (hi - lo) / 2;
             }
         }

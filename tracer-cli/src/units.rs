@@ -4,16 +4,24 @@ use std::time::Duration;
 
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let value: f64 = number.parse().map_err(|_| format!("invalid size {text:?}: expected e.g. 512MiB, 2G, 1048576"))?;
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("invalid size {text:?}: expected e.g. 512MiB, 2G, 1048576"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        other => return Err(format!("invalid size unit {other:?} in {text:?}: use B, KiB, MiB, GiB or TiB")),
+        other => {
+            return Err(format!(
+                "invalid size unit {other:?} in {text:?}: use B, KiB, MiB, GiB or TiB"
+            ))
+        }
     };
     let bytes = value * mult as f64;
     if !(bytes.is_finite() && bytes >= 1.0) {
@@ -24,15 +32,23 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let value: f64 = number.parse().map_err(|_| format!("invalid duration {text:?}: expected e.g. 300s, 5m, 1h, 250ms"))?;
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("invalid duration {text:?}: expected e.g. 300s, 5m, 1h, 250ms"))?;
     let secs = match unit.trim() {
         "ms" => value / 1e3,
         "" | "s" => value,
         "m" | "min" => value * 60.0,
         "h" => value * 3600.0,
-        other => return Err(format!("invalid duration unit {other:?} in {text:?}: use ms, s, m or h")),
+        other => {
+            return Err(format!(
+                "invalid duration unit {other:?} in {text:?}: use ms, s, m or h"
+            ))
+        }
     };
     if !(secs.is_finite() && secs > 0.0) {
         return Err(format!("invalid duration {text:?}: must be positive"));
@@ -49,21 +65,23 @@ pub fn format_bytes(bytes: u64) -> String {
         value /= 1024.0;
         unit += 1;
     }
-    if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {}", UNITS[unit]) }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
 }
 
-/// 1_500 -> "1.5us"; keeps three significant digits.
+/// 1_500 -> "1.5us": three decimals at most, trailing zeros dropped.
 pub fn format_ns(ns: u64) -> String {
-    let v = ns as f64;
-    if ns < 1_000 {
-        format!("{ns}ns")
-    } else if ns < 1_000_000 {
-        format!("{:.3}us", v / 1e3).trim_end_matches('0').trim_end_matches('.').to_string()
-    } else if ns < 1_000_000_000 {
-        format!("{:.3}ms", v / 1e6).trim_end_matches('0').trim_end_matches('.').to_string()
-    } else {
-        format!("{:.3}s", v / 1e9).trim_end_matches('0').trim_end_matches('.').to_string()
-    }
+    let (value, unit) = match ns {
+        0..1_000 => return format!("{ns}ns"),
+        1_000..1_000_000 => (ns as f64 / 1e3, "us"),
+        1_000_000..1_000_000_000 => (ns as f64 / 1e6, "ms"),
+        _ => (ns as f64 / 1e9, "s"),
+    };
+    let text = format!("{value:.3}");
+    format!("{}{unit}", text.trim_end_matches('0').trim_end_matches('.'))
 }
 
 #[cfg(test)]

@@ -24,11 +24,15 @@ struct Check {
 }
 
 fn kernel_release() -> String {
-    nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default()
+    nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
-    let mut parts = release.split(|c: char| !c.is_ascii_digit()).filter_map(|p| p.parse::<u32>().ok());
+    let mut parts = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|p| p.parse::<u32>().ok());
     let (a, b) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
     (a, b) >= (major, minor)
 }
@@ -48,7 +52,9 @@ pub fn run(args: CheckArgs) -> Result<()> {
         name: "privileges",
         ok: privileged.is_ok(),
         required: false,
-        detail: privileged.clone().map(str::to_owned).unwrap_or_else(|_| "not root, no CAP_BPF + CAP_PERFMON (query and explain work without)".into()),
+        detail: privileged.clone().map(str::to_owned).unwrap_or_else(|_| {
+            "not root, no CAP_BPF + CAP_PERFMON (query and explain work without)".into()
+        }),
         fix: privileged.err(),
     });
     let btf = Path::new("/sys/kernel/btf/vmlinux").exists();
@@ -56,23 +62,38 @@ pub fn run(args: CheckArgs) -> Result<()> {
         name: "BTF",
         ok: btf,
         required: false,
-        detail: if btf { "/sys/kernel/btf/vmlinux present".into() } else { "no /sys/kernel/btf/vmlinux".into() },
-        fix: Some("use a kernel built with CONFIG_DEBUG_INFO_BTF=y (needed by later scheduler tracing)".into()),
+        detail: if btf {
+            "/sys/kernel/btf/vmlinux present".into()
+        } else {
+            "no /sys/kernel/btf/vmlinux".into()
+        },
+        fix: Some(
+            "use a kernel built with CONFIG_DEBUG_INFO_BTF=y (needed by later scheduler tracing)"
+                .into(),
+        ),
     });
     let uprobe_pmu = Path::new("/sys/bus/event_source/devices/uprobe").exists();
     checks.push(Check {
         name: "uprobes",
         ok: uprobe_pmu,
         required: true,
-        detail: if uprobe_pmu { "uprobe PMU available".into() } else { "no uprobe PMU in /sys/bus/event_source/devices".into() },
+        detail: if uprobe_pmu {
+            "uprobe PMU available".into()
+        } else {
+            "no uprobe PMU in /sys/bus/event_source/devices".into()
+        },
         fix: Some("use a kernel built with CONFIG_UPROBE_EVENTS=y".into()),
     });
-    let bpf_disabled = std::fs::read_to_string("/proc/sys/kernel/unprivileged_bpf_disabled").unwrap_or_default();
+    let bpf_disabled =
+        std::fs::read_to_string("/proc/sys/kernel/unprivileged_bpf_disabled").unwrap_or_default();
     checks.push(Check {
         name: "bpf syscall",
         ok: Path::new("/proc/sys/kernel/unprivileged_bpf_disabled").exists(),
         required: true,
-        detail: format!("BPF enabled (unprivileged_bpf_disabled={})", bpf_disabled.trim()),
+        detail: format!(
+            "BPF enabled (unprivileged_bpf_disabled={})",
+            bpf_disabled.trim()
+        ),
         fix: Some("use a kernel built with CONFIG_BPF_SYSCALL=y".into()),
     });
 
@@ -98,19 +119,43 @@ pub fn run(args: CheckArgs) -> Result<()> {
         ),
         fix: Some("install the CUDA runtime (pip install nvidia-cuda-runtime-cu12) or pass --lib PATH to tracer trace".into()),
     });
-    let db = paths::db_path(std::env::var_os(paths::DB_ENV).map(std::path::PathBuf::from).as_deref(), &who);
+    let db = paths::db_path(
+        std::env::var_os(paths::DB_ENV)
+            .map(std::path::PathBuf::from)
+            .as_deref(),
+        &who,
+    );
     checks.push(Check {
         name: "database",
         ok: db.is_ok(),
         required: false,
-        detail: db.as_ref().map(|p| format!("{}{}", p.display(), if p.exists() { "" } else { " (created by the first trace)" })).unwrap_or_default(),
+        detail: db
+            .as_ref()
+            .map(|p| {
+                format!(
+                    "{}{}",
+                    p.display(),
+                    if p.exists() {
+                        ""
+                    } else {
+                        " (created by the first trace)"
+                    }
+                )
+            })
+            .unwrap_or_default(),
         fix: Some("pass --db FILE or set TRACER_DB".into()),
     });
 
     let mut out = std::io::stdout().lock();
     let mut failed = 0;
     for c in &checks {
-        let mark = if c.ok { "ok  " } else if c.required { "FAIL" } else { "warn" };
+        let mark = if c.ok {
+            "ok  "
+        } else if c.required {
+            "FAIL"
+        } else {
+            "warn"
+        };
         writeln!(out, "[{mark}] {:<15} {}", c.name, c.detail)?;
         if !c.ok {
             if let Some(fix) = &c.fix {
@@ -133,7 +178,11 @@ pub fn run(args: CheckArgs) -> Result<()> {
         writeln!(out, "       {} ({}){users}", lib.shown, lib.origin.name())?;
     }
     if failed > 0 {
-        return Err(Coded { code: crate::exit::NO_PRIVILEGE, message: format!("{failed} required check(s) failed") }.into());
+        return Err(Coded {
+            code: crate::exit::NO_PRIVILEGE,
+            message: format!("{failed} required check(s) failed"),
+        }
+        .into());
     }
     Ok(())
 }

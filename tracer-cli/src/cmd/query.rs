@@ -8,7 +8,7 @@ use clap::Args;
 use crate::{
     output::{Format, RowWriter},
     paths,
-    store::{Access, Store, readonly},
+    store::{readonly, Access, Store},
 };
 
 #[derive(Debug, Args)]
@@ -26,7 +26,8 @@ pub fn run(args: QueryArgs) -> Result<()> {
     let path = paths::db_path(args.db.as_deref(), &paths::invoker())?;
     let store = Store::open(&path, Access::ReadOnly)?;
     let stdout = std::io::stdout().lock();
-    let writer = std::cell::RefCell::new(RowWriter::new(std::io::BufWriter::new(stdout), args.format));
+    let writer =
+        std::cell::RefCell::new(RowWriter::new(std::io::BufWriter::new(stdout), args.format));
     readonly::run(
         store.conn(),
         &args.sql,

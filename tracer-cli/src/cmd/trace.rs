@@ -7,18 +7,18 @@ use std::{
     os::fd::AsFd as _,
     path::PathBuf,
     sync::{
-        Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
         mpsc::{self, Receiver, RecvTimeoutError, SyncSender},
+        Arc, Mutex,
     },
     thread,
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, anyhow};
+use anyhow::{anyhow, Context as _, Result};
 use aya::maps::{MapData, RingBuf};
 use clap::Args;
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use tracer_common::maps::{Counter, DEFAULT_RING_BYTES};
 
 use crate::{
@@ -26,8 +26,9 @@ use crate::{
     discover::{self, Candidate, FileId, Origin},
     exit::{privilege_error, user_error},
     live::{self, LiveView, Status},
-    paths, privileges, procinfo,
+    paths, privileges,
     probes::{LoadOptions, Probes},
+    procinfo,
     stats::LiveStats,
     store::{Access, Batch, SessionCounters, SessionStart, Store},
     units::{parse_duration, parse_size},
@@ -76,7 +77,9 @@ pub fn run(args: TraceArgs) -> Result<()> {
     }
     for &pid in &args.pids {
         if pid == 0 || !procinfo::exists(pid) {
-            return Err(user_error(format!("process {pid} does not exist: check the pid with `ps -p {pid}`")));
+            return Err(user_error(format!(
+                "process {pid} does not exist: check the pid with `ps -p {pid}`"
+            )));
         }
     }
     let explicit = explicit_libraries(&args.libs)?;
@@ -94,7 +97,9 @@ pub fn run(args: TraceArgs) -> Result<()> {
     })
     .map_err(|e| {
         if format!("{e:#}").contains("Operation not permitted") {
-            privilege_error(format!("{e:#}: loading BPF programs was refused; run with sudo"))
+            privilege_error(format!(
+                "{e:#}: loading BPF programs was refused; run with sudo"
+            ))
         } else {
             e
         }
@@ -114,8 +119,14 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let session = store.begin_session(&SessionStart {
         started_ns: clock.wall_now(),
         source: "ebpf",
-        host: uname.as_ref().map(|u| u.nodename().to_string_lossy().into_owned()).unwrap_or_default(),
-        kernel: uname.as_ref().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default(),
+        host: uname
+            .as_ref()
+            .map(|u| u.nodename().to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        kernel: uname
+            .as_ref()
+            .map(|u| u.release().to_string_lossy().into_owned())
+            .unwrap_or_default(),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         pid_filter: pid_filter.clone(),
     })?;
@@ -132,17 +143,36 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let (tx, rx) = mpsc::sync_channel::<Vec<Call>>(1024);
     let reader = {
         let shared = shared.clone();
-        thread::Builder::new().name("tracer-reader".into()).spawn(move || read_loop(ring, tx, &shared))?
+        thread::Builder::new()
+            .name("tracer-reader".into())
+            .spawn(move || read_loop(ring, tx, &shared))?
     };
-    let writer_opts = WriterOptions { session, wall_offset_ns: clock.offset_ns, max_db: args.max_db, owner: who.owner };
+    let writer_opts = WriterOptions {
+        session,
+        wall_offset_ns: clock.offset_ns,
+        max_db: args.max_db,
+        owner: who.owner,
+    };
     let writer = {
         let shared = shared.clone();
-        thread::Builder::new().name("tracer-writer".into()).spawn(move || write_loop(store, rx, &shared, writer_opts))?
+        thread::Builder::new()
+            .name("tracer-writer".into())
+            .spawn(move || write_loop(store, rx, &shared, writer_opts))?
     };
 
     let started = Instant::now();
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the event loop")?;
-    let outcome = runtime.block_on(main_loop(&args, &mut probes, &mut scanner, &shared, started, pid_filter.as_deref()));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the event loop")?;
+    let outcome = runtime.block_on(main_loop(
+        &args,
+        &mut probes,
+        &mut scanner,
+        &shared,
+        started,
+        pid_filter.as_deref(),
+    ));
 
     // Pause the probes, let calls already inside return, then drain: everything submitted is
     // read and stored before the (slow) detach.
@@ -150,12 +180,18 @@ pub fn run(args: TraceArgs) -> Result<()> {
     thread::sleep(Duration::from_millis(100));
     let kernel = probes.counters()?;
     shared.stop.store(true, Ordering::SeqCst);
-    let read_result = reader.join().map_err(|_| anyhow!("the ring-buffer reader thread panicked"))?;
-    let (store, write_result) = writer.join().map_err(|_| anyhow!("the database writer thread panicked"))?;
+    let read_result = reader
+        .join()
+        .map_err(|_| anyhow!("the ring-buffer reader thread panicked"))?;
+    let (store, write_result) = writer
+        .join()
+        .map_err(|_| anyhow!("the database writer thread panicked"))?;
     let counters = snapshot(&shared, &kernel);
     store.set_counters(session, &counters)?;
     let (status, reason) = match &outcome {
-        Ok(reason) if reason.starts_with("interrupted") || reason.starts_with("terminated") => ("interrupted", reason.clone()),
+        Ok(reason) if reason.starts_with("interrupted") || reason.starts_with("terminated") => {
+            ("interrupted", reason.clone())
+        }
         Ok(reason) => ("complete", reason.clone()),
         Err(e) => ("failed", format!("{e:#}")),
     };
@@ -175,8 +211,20 @@ pub fn run(args: TraceArgs) -> Result<()> {
     drop(store);
 
     eprintln!("tracer: stopped: {reason}");
-    let stats = shared.live.lock().map_err(|_| anyhow!("statistics lock poisoned"))?.clone();
-    print_summary(session, &db_path, started.elapsed(), &stats, &counters, probes.libraries().len(), probes.probe_count())?;
+    let stats = shared
+        .live
+        .lock()
+        .map_err(|_| anyhow!("statistics lock poisoned"))?
+        .clone();
+    print_summary(
+        session,
+        &db_path,
+        started.elapsed(),
+        &stats,
+        &counters,
+        probes.libraries().len(),
+        probes.probe_count(),
+    )?;
     // Everything is stored; the kernel now removes the probes (about 0.1 s per probe).
     probes.detach_all()?;
     if let Some(p) = problems.first() {
@@ -189,10 +237,18 @@ fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
     let mut out = Vec::new();
     for path in libs {
         let id = discover::file_id(path).ok_or_else(|| {
-            user_error(format!("--lib {}: no such file (pass the path of libcudart.so.* or libcuda.so.*)", path.display()))
+            user_error(format!(
+                "--lib {}: no such file (pass the path of libcudart.so.* or libcuda.so.*)",
+                path.display()
+            ))
         })?;
-        let symbols = crate::elf::read_symbols(path)
-            .map_err(|e| if crate::exit::code_of(&e) == crate::exit::BAD_INPUT { e } else { user_error(format!("--lib {}: {e:#}", path.display())) })?;
+        let symbols = crate::elf::read_symbols(path).map_err(|e| {
+            if crate::exit::code_of(&e) == crate::exit::BAD_INPUT {
+                e
+            } else {
+                user_error(format!("--lib {}: {e:#}", path.display()))
+            }
+        })?;
         if symbols.targets.is_empty() {
             return Err(user_error(format!(
                 "--lib {}: the file exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...): pass libcudart.so.* or libcuda.so.*",
@@ -200,24 +256,45 @@ fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
             )));
         }
         let open_path = path.canonicalize().unwrap_or_else(|_| path.clone());
-        out.push(Candidate { shown: open_path.display().to_string(), open_path, id, origin: Origin::Explicit, pids: Default::default() });
+        out.push(Candidate {
+            shown: open_path.display().to_string(),
+            open_path,
+            id,
+            origin: Origin::Explicit,
+            pids: Default::default(),
+        });
     }
     Ok(out)
 }
 
-fn attach_reporting(probes: &mut Probes, lib: &Candidate, pids: Option<&[u32]>, fatal: bool) -> Result<()> {
+fn attach_reporting(
+    probes: &mut Probes,
+    lib: &Candidate,
+    pids: Option<&[u32]>,
+    fatal: bool,
+) -> Result<()> {
     match probes.attach(lib, pids) {
         Ok(att) => {
-            eprintln!("tracer: probing {} ({}, {} symbols)", att.path, att.origin, att.symbols.len());
+            eprintln!(
+                "tracer: probing {} ({}, {} symbols)",
+                att.path,
+                att.origin,
+                att.symbols.len()
+            );
             if !att.missing.is_empty() {
-                eprintln!("tracer:   not exported there (not traced): {}", att.missing.join(", "));
+                eprintln!(
+                    "tracer:   not exported there (not traced): {}",
+                    att.missing.join(", ")
+                );
             }
             for f in &att.failed {
                 eprintln!("tracer:   failed to attach {f}");
             }
             Ok(())
         }
-        Err(e) if fatal && lib.origin == Origin::Explicit => Err(e.context(format!("attach uprobes in {}", lib.shown))),
+        Err(e) if fatal && lib.origin == Origin::Explicit => {
+            Err(e.context(format!("attach uprobes in {}", lib.shown)))
+        }
         Err(e) => {
             eprintln!("tracer: skipping {}: {e:#}", lib.shown);
             Ok(())
@@ -243,7 +320,14 @@ impl Scanner {
                 homes.push(h);
             }
         }
-        Scanner { explicit, pids, homes, static_cache: BTreeMap::new(), seen: HashSet::new(), ticks: 0 }
+        Scanner {
+            explicit,
+            pids,
+            homes,
+            static_cache: BTreeMap::new(),
+            seen: HashSet::new(),
+            ticks: 0,
+        }
     }
 
     /// Candidates not returned before. With --lib, only those; with --pid, only what those map.
@@ -300,11 +384,13 @@ async fn main_loop(
     started: Instant,
     pid_filter: Option<&[u32]>,
 ) -> Result<String> {
-    use tokio::signal::unix::{SignalKind, signal};
+    use tokio::signal::unix::{signal, SignalKind};
     let mut sigint = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
     let mut sigterm = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
     let mut sighup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
-    let deadline = args.duration.map(|d| tokio::time::Instant::from_std(started + d));
+    let deadline = args
+        .duration
+        .map(|d| tokio::time::Instant::from_std(started + d));
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut view = LiveView::new(std::io::stderr().is_terminal());
@@ -371,7 +457,9 @@ fn read_loop(mut ring: RingBuf<MapData>, tx: SyncSender<Vec<Call>>, shared: &Sha
                     deliver(std::mem::take(&mut batch), &tx, shared)?;
                 }
             }
-            shared.decode_errors.fetch_add(decode_errors, Ordering::SeqCst);
+            shared
+                .decode_errors
+                .fetch_add(decode_errors, Ordering::SeqCst);
             if !batch.is_empty() {
                 deliver(batch, &tx, shared)?;
             }
@@ -392,13 +480,16 @@ fn read_loop(mut ring: RingBuf<MapData>, tx: SyncSender<Vec<Call>>, shared: &Sha
 }
 
 fn deliver(batch: Vec<Call>, tx: &SyncSender<Vec<Call>>, shared: &Shared) -> Result<()> {
-    shared.events_read.fetch_add(batch.len() as u64, Ordering::SeqCst);
+    shared
+        .events_read
+        .fetch_add(batch.len() as u64, Ordering::SeqCst);
     if let Ok(mut live) = shared.live.lock() {
         for call in &batch {
             live.add(call);
         }
     }
-    tx.send(batch).map_err(|_| anyhow!("the database writer stopped"))
+    tx.send(batch)
+        .map_err(|_| anyhow!("the database writer stopped"))
 }
 
 #[derive(Clone, Copy)]
@@ -411,7 +502,12 @@ struct WriterOptions {
 
 /// Batches calls into transactions; notes new processes and threads; keeps the session's
 /// counters current and the database under --max-db. Returns the store for the final update.
-fn write_loop(mut store: Store, rx: Receiver<Vec<Call>>, shared: &Shared, opts: WriterOptions) -> (Store, Result<()>) {
+fn write_loop(
+    mut store: Store,
+    rx: Receiver<Vec<Call>>,
+    shared: &Shared,
+    opts: WriterOptions,
+) -> (Store, Result<()>) {
     let result = (|| -> Result<()> {
         let boot = procinfo::boot_time_ns();
         let mut pending: Vec<Call> = Vec::new();
@@ -435,7 +531,11 @@ fn write_loop(mut store: Store, rx: Receiver<Vec<Call>>, shared: &Shared, opts: 
                 Err(RecvTimeoutError::Timeout) => false,
                 Err(RecvTimeoutError::Disconnected) => true,
             };
-            if !pending.is_empty() && (disconnected || pending.len() >= COMMIT_ROWS || last_commit.elapsed() >= COMMIT_EVERY) {
+            if !pending.is_empty()
+                && (disconnected
+                    || pending.len() >= COMMIT_ROWS
+                    || last_commit.elapsed() >= COMMIT_EVERY)
+            {
                 let mut threads = Vec::new();
                 let mut processes = Vec::new();
                 for call in &pending {
@@ -454,7 +554,9 @@ fn write_loop(mut store: Store, rx: Receiver<Vec<Call>>, shared: &Shared, opts: 
                     threads: &threads,
                     processes: &processes,
                 })?;
-                shared.events_stored.fetch_add(pending.len() as u64, Ordering::SeqCst);
+                shared
+                    .events_stored
+                    .fetch_add(pending.len() as u64, Ordering::SeqCst);
                 pending.clear();
                 last_commit = Instant::now();
                 if !owned {
@@ -464,7 +566,10 @@ fn write_loop(mut store: Store, rx: Receiver<Vec<Call>>, shared: &Shared, opts: 
             }
             if last_housekeeping.elapsed() >= Duration::from_secs(1) || disconnected {
                 last_housekeeping = Instant::now();
-                let kernel = *shared.kernel.lock().map_err(|_| anyhow!("counter lock poisoned"))?;
+                let kernel = *shared
+                    .kernel
+                    .lock()
+                    .map_err(|_| anyhow!("counter lock poisoned"))?;
                 store.set_counters(opts.session, &snapshot(shared, &kernel))?;
                 if let Some(max) = opts.max_db {
                     for note in store.enforce_max_size(opts.session, max)? {
@@ -491,17 +596,26 @@ struct Clock {
 
 impl Clock {
     fn now() -> Self {
-        use nix::time::{ClockId, clock_gettime};
-        let ns = |id| clock_gettime(id).map(|t| t.tv_sec() * 1_000_000_000 + t.tv_nsec()).unwrap_or(0);
+        use nix::time::{clock_gettime, ClockId};
+        let ns = |id| {
+            clock_gettime(id)
+                .map(|t| t.tv_sec() * 1_000_000_000 + t.tv_nsec())
+                .unwrap_or(0)
+        };
         // Bracket the realtime read with two monotonic reads; use their midpoint.
         let m1 = ns(ClockId::CLOCK_MONOTONIC);
         let r = ns(ClockId::CLOCK_REALTIME);
         let m2 = ns(ClockId::CLOCK_MONOTONIC);
-        Clock { offset_ns: r - (m1 + (m2 - m1) / 2) }
+        Clock {
+            offset_ns: r - (m1 + (m2 - m1) / 2),
+        }
     }
 
     fn wall_now(&self) -> i64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as i64)
+            .unwrap_or(0)
     }
 }
 
@@ -516,7 +630,12 @@ fn print_summary(
 ) -> Result<()> {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "session {session}: {:.1}s, {libraries} libraries, {probes} probes, {} processes", elapsed.as_secs_f64(), stats.pids.len())?;
+    writeln!(
+        out,
+        "session {session}: {:.1}s, {libraries} libraries, {probes} probes, {} processes",
+        elapsed.as_secs_f64(),
+        stats.pids.len()
+    )?;
     for line in live::op_table(stats, elapsed) {
         writeln!(out, "{line}")?;
     }
@@ -526,7 +645,11 @@ fn print_summary(
         c.submitted, c.events_read, c.events_stored, c.dropped_ring_full, c.unmatched_returns, c.decode_errors
     )?;
     if c.dropped_ring_full > 0 {
-        writeln!(out, "warning: {} events were lost because the ring buffer was full: raise --ring-size", c.dropped_ring_full)?;
+        writeln!(
+            out,
+            "warning: {} events were lost because the ring buffer was full: raise --ring-size",
+            c.dropped_ring_full
+        )?;
     }
     if c.alloc_map_full > 0 {
         writeln!(out, "warning: {} allocations were not tracked (allocation map full): their frees lack a size", c.alloc_map_full)?;

@@ -1,8 +1,8 @@
 //! Decoder of [`tracer_common::CallEvent`].
 
 use tracer_common::{
+    call::{flags, DEVICE_UNKNOWN},
     CallEvent, Op,
-    call::{DEVICE_UNKNOWN, flags},
 };
 
 use super::DecodeError;
@@ -28,11 +28,21 @@ pub struct Call {
 
 impl Call {
     pub fn from_raw(raw: &CallEvent) -> Result<Self, DecodeError> {
-        let op = Op::from_u32(raw.op).ok_or(DecodeError::BadField { field: "op", value: raw.op.into() })?;
+        let op = Op::from_u32(raw.op).ok_or(DecodeError::BadField {
+            field: "op",
+            value: raw.op.into(),
+        })?;
         if raw.device < DEVICE_UNKNOWN {
-            return Err(DecodeError::BadField { field: "device", value: raw.device as u64 });
+            return Err(DecodeError::BadField {
+                field: "device",
+                value: raw.device as u64,
+            });
         }
-        let comm_len = raw.comm.iter().position(|&b| b == 0).unwrap_or(raw.comm.len());
+        let comm_len = raw
+            .comm
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(raw.comm.len());
         Ok(Call {
             ts_mono_ns: raw.header.ts_ns,
             pid: raw.header.pid,
@@ -49,5 +59,4 @@ impl Call {
             comm: String::from_utf8_lossy(&raw.comm[..comm_len]).into_owned(),
         })
     }
-
 }

@@ -20,7 +20,12 @@ pub enum DecodeError {
     /// The header's kind is unknown to this tracer.
     UnknownKind(u32),
     /// The header's length disagrees with the bytes received or with the kind's size.
-    BadLength { kind: u32, header_len: u32, actual: usize, expected: usize },
+    BadLength {
+        kind: u32,
+        header_len: u32,
+        actual: usize,
+        expected: usize,
+    },
     /// A field holds a value this tracer does not know (e.g. an op id).
     BadField { field: &'static str, value: u64 },
 }
@@ -68,7 +73,8 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     }
     match kind {
         EventKind::Call => {
-            let raw: CallEvent = read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+            let raw: CallEvent =
+                read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
             Call::from_raw(&raw).map(Record::Call)
         }
     }

@@ -1,4 +1,4 @@
-use tracer_common::{CallEvent, EventHeader, Op, call::flags};
+use tracer_common::{call::flags, CallEvent, EventHeader, Op};
 
 use super::*;
 
@@ -6,7 +6,13 @@ fn raw_call() -> CallEvent {
     let mut comm = [0u8; 16];
     comm[..6].copy_from_slice(b"python");
     CallEvent {
-        header: EventHeader { kind: 1, len: CallEvent::LEN, ts_ns: 42, pid: 7, tid: 8 },
+        header: EventHeader {
+            kind: 1,
+            len: CallEvent::LEN,
+            ts_ns: 42,
+            pid: 7,
+            tid: 8,
+        },
         op: Op::CudaMalloc as u32,
         device: 1,
         ret: 0,
@@ -24,7 +30,10 @@ fn raw_call() -> CallEvent {
 fn bytes_of(ev: &CallEvent) -> Vec<u8> {
     // SAFETY: CallEvent is repr(C) plain data without padding bytes.
     unsafe {
-        std::slice::from_raw_parts((ev as *const CallEvent).cast::<u8>(), std::mem::size_of::<CallEvent>())
+        std::slice::from_raw_parts(
+            (ev as *const CallEvent).cast::<u8>(),
+            std::mem::size_of::<CallEvent>(),
+        )
     }
     .to_vec()
 }
@@ -66,8 +75,14 @@ fn accepts_ring_padding_after_the_record() {
 #[test]
 fn rejects_truncated_records() {
     let bytes = bytes_of(&raw_call());
-    assert_eq!(decode(&bytes[..10]), Err(DecodeError::Truncated { len: 10 }));
-    assert!(matches!(decode(&bytes[..60]), Err(DecodeError::BadLength { actual: 60, .. })));
+    assert_eq!(
+        decode(&bytes[..10]),
+        Err(DecodeError::Truncated { len: 10 })
+    );
+    assert!(matches!(
+        decode(&bytes[..60]),
+        Err(DecodeError::BadLength { actual: 60, .. })
+    ));
 }
 
 #[test]
@@ -77,14 +92,23 @@ fn rejects_unknown_kind_and_length_mismatch() {
     assert_eq!(decode(&bytes_of(&raw)), Err(DecodeError::UnknownKind(99)));
     let mut raw = raw_call();
     raw.header.len = 12;
-    assert!(matches!(decode(&bytes_of(&raw)), Err(DecodeError::BadLength { header_len: 12, .. })));
+    assert!(matches!(
+        decode(&bytes_of(&raw)),
+        Err(DecodeError::BadLength { header_len: 12, .. })
+    ));
 }
 
 #[test]
 fn rejects_unknown_op() {
     let mut raw = raw_call();
     raw.op = 1000;
-    assert_eq!(decode(&bytes_of(&raw)), Err(DecodeError::BadField { field: "op", value: 1000 }));
+    assert_eq!(
+        decode(&bytes_of(&raw)),
+        Err(DecodeError::BadField {
+            field: "op",
+            value: 1000
+        })
+    );
 }
 
 #[test]
@@ -97,7 +121,10 @@ fn probe_table_names_are_unique_and_variants_do_not_collide() {
     for op in Op::ALL {
         for suffix in tracer_common::probes::VARIANT_SUFFIXES {
             let variant = format!("{}{suffix}", op.name());
-            assert!(Op::ALL.iter().all(|o| o.name() != variant), "{variant} is also a base name");
+            assert!(
+                Op::ALL.iter().all(|o| o.name() != variant),
+                "{variant} is also a base name"
+            );
         }
     }
 }

@@ -1,12 +1,12 @@
 //! SQLite storage: opening (with version and sanity checks), sessions, and batched writes.
 
-mod schema;
 pub mod readonly;
+mod schema;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context as _, Result, bail};
-use rusqlite::{Connection, OpenFlags, OptionalExtension as _, params};
+use anyhow::{bail, Context as _, Result};
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension as _};
 use serde::Serialize;
 use tracer_common::{Op, OpClass};
 
@@ -83,7 +83,10 @@ impl Store {
             .map_err(|e| user_error(format!("cannot open database {}: {e}", path.display())))?;
         conn.busy_timeout(std::time::Duration::from_secs(5))
             .with_context(|| format!("set busy timeout on {}", path.display()))?;
-        let mut store = Store { conn, path: path.to_owned() };
+        let mut store = Store {
+            conn,
+            path: path.to_owned(),
+        };
         let version = store.user_version()?;
         if version > SCHEMA_VERSION {
             return Err(user_error(format!(
@@ -121,7 +124,6 @@ impl Store {
         Ok(store)
     }
 
-
     pub fn conn(&self) -> &Connection {
         &self.conn
     }
@@ -149,9 +151,14 @@ impl Store {
                 .with_context(|| format!("set auto_vacuum on {path}"))?;
         }
         self.conn
-            .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;")
+            .execute_batch(
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;",
+            )
             .map_err(|e| corrupt(&self.path, e))?;
-        let tx = self.conn.transaction().with_context(|| format!("begin migration of {path}"))?;
+        let tx = self
+            .conn
+            .transaction()
+            .with_context(|| format!("begin migration of {path}"))?;
         for (from, sql) in schema::MIGRATIONS.iter().enumerate().skip(version as usize) {
             tx.execute_batch(sql)
                 .with_context(|| format!("migrate {path} from schema {from} to {}", from + 1))?;
@@ -159,18 +166,30 @@ impl Store {
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .with_context(|| format!("set schema version of {path}"))?;
         {
-            let mut insert = tx.prepare("INSERT OR IGNORE INTO ops (id, name, library, class) VALUES (?1, ?2, ?3, ?4)")?;
+            let mut insert = tx.prepare(
+                "INSERT OR IGNORE INTO ops (id, name, library, class) VALUES (?1, ?2, ?3, ?4)",
+            )?;
             for op in Op::ALL {
                 let spec = op.spec();
-                insert.execute(params![op as u32, op.name(), spec.library.name(), class_name(spec.class)])?;
+                insert.execute(params![
+                    op as u32,
+                    op.name(),
+                    spec.library.name(),
+                    class_name(spec.class)
+                ])?;
             }
         }
-        tx.commit().with_context(|| format!("commit migration of {path}"))?;
+        tx.commit()
+            .with_context(|| format!("commit migration of {path}"))?;
         Ok(())
     }
 
     pub fn begin_session(&self, start: &SessionStart) -> Result<i64> {
-        let pid_filter = start.pid_filter.as_ref().map(|p| serde_json::to_string(p)).transpose()?;
+        let pid_filter = start
+            .pid_filter
+            .as_ref()
+            .map(|p| serde_json::to_string(p))
+            .transpose()?;
         self.conn
             .execute(
                 "INSERT INTO sessions (started_ns, status, source, host, kernel, tracer_version, command, pid_filter)
@@ -191,7 +210,10 @@ impl Store {
 
     pub fn set_libraries(&self, session: i64, libraries_json: &str) -> Result<()> {
         self.conn
-            .execute("UPDATE sessions SET libraries = ?2 WHERE id = ?1", params![session, libraries_json])
+            .execute(
+                "UPDATE sessions SET libraries = ?2 WHERE id = ?1",
+                params![session, libraries_json],
+            )
             .with_context(|| format!("record libraries of session {session}"))?;
         Ok(())
     }
@@ -243,7 +265,10 @@ impl Store {
 
     /// Writes one batch of calls, with the threads and processes first seen in it, in one transaction.
     pub fn write_batch(&mut self, batch: &Batch<'_>) -> Result<()> {
-        let tx = self.conn.transaction().context("begin a write transaction")?;
+        let tx = self
+            .conn
+            .transaction()
+            .context("begin a write transaction")?;
         {
             let mut proc_stmt = tx.prepare_cached(
                 "INSERT OR IGNORE INTO processes (session_id, pid, start_time_ns, first_seen_ns, comm, cmdline, exe, cgroup)
@@ -290,7 +315,13 @@ impl Store {
                 ])?;
             }
         }
-        tx.commit().with_context(|| format!("commit {} events to {}", batch.calls.len(), self.path.display()))?;
+        tx.commit().with_context(|| {
+            format!(
+                "commit {} events to {}",
+                batch.calls.len(),
+                self.path.display()
+            )
+        })?;
         Ok(())
     }
 
@@ -326,7 +357,11 @@ impl Store {
                 tx.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
                 notes.push(format!("--max-db: deleted session {id} ({events} events) to stay under {max_bytes} bytes"));
             } else {
-                let total: i64 = tx.query_row("SELECT count(*) FROM calls WHERE session_id = ?1", [current], |r| r.get(0))?;
+                let total: i64 = tx.query_row(
+                    "SELECT count(*) FROM calls WHERE session_id = ?1",
+                    [current],
+                    |r| r.get(0),
+                )?;
                 if total == 0 {
                     tx.commit()?;
                     bail!(
@@ -339,7 +374,10 @@ impl Store {
                     "DELETE FROM calls WHERE id IN (SELECT id FROM calls WHERE session_id = ?1 ORDER BY id LIMIT ?2)",
                     params![current, n],
                 )?;
-                tx.execute("UPDATE sessions SET evicted_events = evicted_events + ?2 WHERE id = ?1", params![current, n])?;
+                tx.execute(
+                    "UPDATE sessions SET evicted_events = evicted_events + ?2 WHERE id = ?1",
+                    params![current, n],
+                )?;
                 notes.push(format!("--max-db: deleted the oldest {n} events of this session to stay under {max_bytes} bytes"));
             }
             tx.commit()?;
@@ -350,7 +388,9 @@ impl Store {
 
     /// Gives the database file back to the invoking user under sudo (WAL files included).
     pub fn chown_files(&self, owner: Option<(u32, u32)>) -> Result<()> {
-        let Some((uid, gid)) = owner else { return Ok(()) };
+        let Some((uid, gid)) = owner else {
+            return Ok(());
+        };
         for suffix in ["", "-wal", "-shm"] {
             let mut name = self.path.clone().into_os_string();
             name.push(suffix);
@@ -373,13 +413,20 @@ pub struct Batch<'a> {
 }
 
 fn check_readable(path: &Path, access: Access) -> Result<()> {
-    let meta = std::fs::metadata(path).map_err(|e| user_error(format!("cannot access database {}: {e}", path.display())))?;
+    let meta = std::fs::metadata(path)
+        .map_err(|e| user_error(format!("cannot access database {}: {e}", path.display())))?;
     if meta.is_dir() {
-        return Err(user_error(format!("database {} is a directory: pass a file with --db", path.display())));
+        return Err(user_error(format!(
+            "database {} is a directory: pass a file with --db",
+            path.display()
+        )));
     }
     let file = match access {
         Access::ReadOnly => std::fs::File::open(path),
-        Access::ReadWrite => std::fs::OpenOptions::new().read(true).write(true).open(path),
+        Access::ReadWrite => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path),
     };
     if let Err(e) = file {
         use std::os::unix::fs::MetadataExt as _;

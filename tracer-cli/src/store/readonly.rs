@@ -4,9 +4,9 @@
 
 use anyhow::Result;
 use rusqlite::{
-    Connection,
     hooks::{AuthAction, AuthContext, Authorization},
     types::ValueRef,
+    Connection,
 };
 
 use crate::exit::user_error;
@@ -23,7 +23,9 @@ pub enum Cell {
 
 fn authorize(ctx: AuthContext<'_>) -> Authorization {
     match ctx.action {
-        AuthAction::Select | AuthAction::Read { .. } | AuthAction::Recursive => Authorization::Allow,
+        AuthAction::Select | AuthAction::Read { .. } | AuthAction::Recursive => {
+            Authorization::Allow
+        }
         AuthAction::Function { function_name } => {
             if function_name.eq_ignore_ascii_case("load_extension") {
                 Authorization::Deny
@@ -31,7 +33,9 @@ fn authorize(ctx: AuthContext<'_>) -> Authorization {
                 Authorization::Allow
             }
         }
-        AuthAction::Pragma { pragma_value: None, .. } => Authorization::Allow,
+        AuthAction::Pragma {
+            pragma_value: None, ..
+        } => Authorization::Allow,
         _ => Authorization::Deny,
     }
 }
@@ -61,13 +65,20 @@ pub fn run(
         other => user_error(format!("invalid SQL: {other}")),
     })?;
     if !stmt.readonly() {
-        return Err(user_error("refused: tracer query is read-only and this statement would write"));
+        return Err(user_error(
+            "refused: tracer query is read-only and this statement would write",
+        ));
     }
     let columns: Vec<String> = stmt.column_names().iter().map(|c| c.to_string()).collect();
     on_columns(&columns)?;
-    let mut rows = stmt.query([]).map_err(|e| user_error(format!("query failed: {e}")))?;
+    let mut rows = stmt
+        .query([])
+        .map_err(|e| user_error(format!("query failed: {e}")))?;
     let mut cells = Vec::with_capacity(columns.len());
-    while let Some(row) = rows.next().map_err(|e| user_error(format!("query failed: {e}")))? {
+    while let Some(row) = rows
+        .next()
+        .map_err(|e| user_error(format!("query failed: {e}")))?
+    {
         cells.clear();
         for i in 0..columns.len() {
             cells.push(match row.get_ref(i)? {

@@ -1,0 +1,252 @@
+use tracer_common::Op;
+
+use super::*;
+use crate::{decode::Call, exit::code_of, store::readonly};
+
+fn call(op: Op, ts: u64, size: Option<u64>, ptr: Option<u64>, ret: i32) -> Call {
+    Call {
+        ts_mono_ns: ts,
+        pid: 100,
+        tid: 101,
+        op,
+        device: Some(0),
+        ret,
+        duration_ns: 1000,
+        size,
+        ptr,
+        aux0: 0,
+        aux1: 0,
+        flags: 0,
+        comm: "worker".into(),
+    }
+}
+
+fn new_store(dir: &tempfile::TempDir) -> (Store, i64) {
+    let store = Store::open(&dir.path().join("t.db"), Access::ReadWrite).unwrap();
+    let session = store
+        .begin_session(&SessionStart {
+            source: "ebpf",
+            ..Default::default()
+        })
+        .unwrap();
+    (store, session)
+}
+
+fn write(store: &mut Store, session: i64, calls: &[Call]) {
+    let threads = vec![(100, 101, "worker".to_string())];
+    store
+        .write_batch(&Batch {
+            session,
+            wall_offset_ns: 1_000,
+            calls,
+            threads: &threads,
+            processes: &[],
+        })
+        .unwrap();
+}
+
+#[test]
+fn creates_schema_and_events_view() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, session) = new_store(&dir);
+    write(
+        &mut store,
+        session,
+        &[
+            call(Op::CudaMalloc, 5, Some(4096), Some(0x7f00), 0),
+            call(Op::CudaFree, 9, Some(4096), Some(0x7f00), 0),
+        ],
+    );
+    let version: i64 = store
+        .conn()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+    let row: (i64, i64, String, String, i64, i64) = store
+        .conn()
+        .query_row(
+            "SELECT session_id, ts_ns, comm, op, size, ptr FROM events ORDER BY ts_ns LIMIT 1",
+            [],
+            |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                    r.get(4)?,
+                    r.get(5)?,
+                ))
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        row,
+        (
+            session,
+            1_005,
+            "worker".into(),
+            "cudaMalloc".into(),
+            4096,
+            0x7f00
+        )
+    );
+}
+
+#[test]
+fn reopening_keeps_data_and_read_only_works() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut store, session) = new_store(&dir);
+        write(
+            &mut store,
+            session,
+            &[call(Op::CudaMalloc, 5, Some(1), Some(1), 0)],
+        );
+    }
+    let ro = Store::open(&dir.path().join("t.db"), Access::ReadOnly).unwrap();
+    let n: i64 = ro
+        .conn()
+        .query_row("SELECT count(*) FROM events", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 1);
+    let rw = Store::open(&dir.path().join("t.db"), Access::ReadWrite).unwrap();
+    let n: i64 = rw
+        .conn()
+        .query_row("SELECT count(*) FROM calls", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+#[test]
+fn refuses_newer_schema_without_touching_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    drop(new_store(&dir));
+    Connection::open(&path)
+        .unwrap()
+        .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+        .unwrap();
+    let before = std::fs::read(&path).unwrap();
+    for access in [Access::ReadWrite, Access::ReadOnly] {
+        let err = Store::open(&path, access).err().unwrap();
+        assert_eq!(code_of(&err), crate::exit::BAD_INPUT);
+        assert!(err.to_string().contains("newer tracer"), "{err}");
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+}
+
+#[test]
+fn refuses_corrupt_and_foreign_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.db");
+    std::fs::write(&junk, vec![b'x'; 4096]).unwrap();
+    let err = Store::open(&junk, Access::ReadWrite).err().unwrap();
+    assert!(
+        err.to_string().contains("not a usable tracer database"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(&junk).unwrap(),
+        vec![b'x'; 4096],
+        "a corrupt file is left as it was"
+    );
+
+    let foreign = dir.path().join("other.db");
+    Connection::open(&foreign)
+        .unwrap()
+        .execute_batch("CREATE TABLE notes (x)")
+        .unwrap();
+    let err = Store::open(&foreign, Access::ReadWrite).err().unwrap();
+    assert!(err.to_string().contains("another program"), "{err}");
+
+    let missing = dir.path().join("missing.db");
+    let err = Store::open(&missing, Access::ReadOnly).err().unwrap();
+    assert!(err.to_string().contains("does not exist"), "{err}");
+    assert!(!missing.exists());
+}
+
+#[test]
+fn max_size_deletes_oldest_sessions_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, old) = new_store(&dir);
+    let calls: Vec<Call> = (0..20_000)
+        .map(|i| call(Op::CudaMalloc, i, Some(i), Some(i), 0))
+        .collect();
+    write(&mut store, old, &calls);
+    let current = store
+        .begin_session(&SessionStart {
+            source: "ebpf",
+            ..Default::default()
+        })
+        .unwrap();
+    write(&mut store, current, &calls[..2000]);
+    let used = store.used_bytes().unwrap();
+    let notes = store.enforce_max_size(current, used / 2).unwrap();
+    assert!(
+        notes[0].contains(&format!("deleted session {old} (20000 events)")),
+        "{notes:?}"
+    );
+    assert!(store.used_bytes().unwrap() <= used / 2);
+    let left: i64 = store
+        .conn()
+        .query_row(
+            "SELECT count(*) FROM calls WHERE session_id = ?1",
+            [current],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(
+        left, 2000,
+        "the current session is untouched while older ones remain"
+    );
+}
+
+#[test]
+fn query_guard_allows_reads_and_refuses_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, session) = new_store(&dir);
+    write(
+        &mut store,
+        session,
+        &[call(Op::CudaMalloc, 5, Some(7), Some(8), 2)],
+    );
+    drop(store);
+    let ro = Store::open(&dir.path().join("t.db"), Access::ReadOnly).unwrap();
+    let mut rows = Vec::new();
+    readonly::run(
+        ro.conn(),
+        "SELECT op, ret FROM events",
+        |_| Ok(()),
+        |r| {
+            rows.push(r.to_vec());
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        rows,
+        vec![vec![
+            readonly::Cell::Text("cudaMalloc".into()),
+            readonly::Cell::Int(2)
+        ]]
+    );
+    for sql in [
+        "DELETE FROM calls",
+        "INSERT INTO ops VALUES (99, 'x', 'y', 'z')",
+        "ATTACH DATABASE ':memory:' AS other",
+        "PRAGMA user_version = 7",
+        "SELECT load_extension('/tmp/evil.so')",
+        "SELECT 1; DROP TABLE calls",
+        "CREATE TEMP TABLE t (x)",
+    ] {
+        let err = readonly::run(ro.conn(), sql, |_| Ok(()), |_| Ok(()))
+            .err()
+            .unwrap_or_else(|| panic!("{sql} ran"));
+        assert_eq!(code_of(&err), crate::exit::BAD_INPUT, "{sql}: {err}");
+    }
+    let n: i64 = ro
+        .conn()
+        .query_row("SELECT count(*) FROM calls", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 1);
+}

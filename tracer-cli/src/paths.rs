@@ -91,11 +91,50 @@ pub fn create_parent_dirs(db: &Path, owner: Option<(u32, u32)>) -> Result<()> {
     Ok(())
 }
 
-/// chown to the user and chmod 0600: a trace shows what the user's programs do.
-pub fn chown_private(file: &Path, uid: u32, gid: u32) -> Result<()> {
-    chown(file, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
-        .with_context(|| format!("give {} to uid {uid}", file.display()))?;
+/// chmod 0600 (a trace shows what the user's programs do), and chown to `owner` if given.
+pub fn make_private(file: &Path, owner: Option<(u32, u32)>) -> Result<()> {
+    if let Some((uid, gid)) = owner {
+        chown(file, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
+            .with_context(|| format!("give {} to uid {uid}", file.display()))?;
+    }
     std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("chmod 0600 {}", file.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_path_is_in_the_invoking_users_home() {
+        let who = Invoker {
+            home: Some(PathBuf::from("/home/alice")),
+            owner: Some((1000, 1000)),
+        };
+        assert_eq!(
+            db_path(None, &who).unwrap(),
+            PathBuf::from("/home/alice/.local/share/tracer/tracer.db")
+        );
+        assert_eq!(
+            db_path(Some(Path::new("/x/t.db")), &who).unwrap(),
+            PathBuf::from("/x/t.db")
+        );
+        let nobody = Invoker {
+            home: None,
+            owner: None,
+        };
+        assert!(db_path(None, &nobody)
+            .unwrap_err()
+            .to_string()
+            .contains("--db"));
+    }
+
+    #[test]
+    fn creates_missing_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("a/b/t.db");
+        create_parent_dirs(&db, None).unwrap();
+        assert!(dir.path().join("a/b").is_dir());
+    }
 }

@@ -140,12 +140,13 @@ pub fn run(args: TraceArgs) -> Result<()> {
 
     let shared = Arc::new(Shared::default());
     let ring = probes.take_ring()?;
-    let (tx, rx) = mpsc::sync_channel::<Vec<Call>>(1024);
+    let (tx, rx) = mpsc::sync_channel::<Delivery>(1024);
     let reader = {
         let shared = shared.clone();
+        let offset = clock.offset_ns;
         thread::Builder::new()
             .name("tracer-reader".into())
-            .spawn(move || read_loop(ring, tx, &shared))?
+            .spawn(move || read_loop(ring, tx, &shared, offset))?
     };
     let writer_opts = WriterOptions {
         session,
@@ -442,26 +443,43 @@ async fn main_loop(
 
 /// Drains the ring buffer: wakes on the kernel's signal (a batch is waiting) or every
 /// POLL_INTERVAL_MS, whichever comes first, so delivery latency stays bounded.
-fn read_loop(mut ring: RingBuf<MapData>, tx: SyncSender<Vec<Call>>, shared: &Shared) -> Result<()> {
+fn read_loop(
+    mut ring: RingBuf<MapData>,
+    tx: SyncSender<Delivery>,
+    shared: &Shared,
+    wall_offset_ns: i64,
+) -> Result<()> {
     let result = (|| -> Result<()> {
+        let boot = procinfo::boot_time_ns();
+        let mut pids_seen: HashSet<u32> = HashSet::new();
+        let mut processes = Vec::new();
         loop {
             let stopping = shared.stop.load(Ordering::SeqCst);
             let mut batch = Vec::with_capacity(1024);
             let mut decode_errors = 0;
             while let Some(item) = ring.next() {
                 match decode::decode(&item) {
-                    Ok(Record::Call(call)) => batch.push(call),
+                    Ok(Record::Call(call)) => {
+                        // Read /proc at first sight: a short-lived process may be gone by the
+                        // time its events are written.
+                        if pids_seen.insert(call.pid) {
+                            let seen = call.ts_mono_ns as i64 + wall_offset_ns;
+                            processes.push(procinfo::read(call.pid, seen, &call.comm, boot));
+                        }
+                        batch.push(call);
+                    }
                     Err(_) => decode_errors += 1,
                 }
                 if batch.len() >= 8192 {
-                    deliver(std::mem::take(&mut batch), &tx, shared)?;
+                    let found = std::mem::take(&mut processes);
+                    deliver(std::mem::take(&mut batch), found, &tx, shared)?;
                 }
             }
             shared
                 .decode_errors
                 .fetch_add(decode_errors, Ordering::SeqCst);
             if !batch.is_empty() {
-                deliver(batch, &tx, shared)?;
+                deliver(batch, std::mem::take(&mut processes), &tx, shared)?;
             }
             if stopping {
                 return Ok(());
@@ -479,7 +497,18 @@ fn read_loop(mut ring: RingBuf<MapData>, tx: SyncSender<Vec<Call>>, shared: &Sha
     result
 }
 
-fn deliver(batch: Vec<Call>, tx: &SyncSender<Vec<Call>>, shared: &Shared) -> Result<()> {
+/// Calls read from the ring, with the processes first seen among them.
+struct Delivery {
+    calls: Vec<Call>,
+    processes: Vec<procinfo::ProcessInfo>,
+}
+
+fn deliver(
+    batch: Vec<Call>,
+    processes: Vec<procinfo::ProcessInfo>,
+    tx: &SyncSender<Delivery>,
+    shared: &Shared,
+) -> Result<()> {
     shared
         .events_read
         .fetch_add(batch.len() as u64, Ordering::SeqCst);
@@ -488,8 +517,11 @@ fn deliver(batch: Vec<Call>, tx: &SyncSender<Vec<Call>>, shared: &Shared) -> Res
             live.add(call);
         }
     }
-    tx.send(batch)
-        .map_err(|_| anyhow!("the database writer stopped"))
+    tx.send(Delivery {
+        calls: batch,
+        processes,
+    })
+    .map_err(|_| anyhow!("the database writer stopped"))
 }
 
 #[derive(Clone, Copy)]
@@ -504,24 +536,25 @@ struct WriterOptions {
 /// counters current and the database under --max-db. Returns the store for the final update.
 fn write_loop(
     mut store: Store,
-    rx: Receiver<Vec<Call>>,
+    rx: Receiver<Delivery>,
     shared: &Shared,
     opts: WriterOptions,
 ) -> (Store, Result<()>) {
     let result = (|| -> Result<()> {
-        let boot = procinfo::boot_time_ns();
         let mut pending: Vec<Call> = Vec::new();
+        let mut processes = Vec::new();
         let mut threads_seen: HashSet<(u32, u32)> = HashSet::new();
-        let mut pids_seen: HashSet<u32> = HashSet::new();
         let mut last_commit = Instant::now();
         let mut last_housekeeping = Instant::now();
         let mut owned = false;
         loop {
             let disconnected = match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(batch) => {
-                    pending.extend(batch);
+                Ok(first) => {
+                    pending.extend(first.calls);
+                    processes.extend(first.processes);
                     while let Ok(more) = rx.try_recv() {
-                        pending.extend(more);
+                        pending.extend(more.calls);
+                        processes.extend(more.processes);
                         if pending.len() >= COMMIT_ROWS {
                             break;
                         }
@@ -537,14 +570,9 @@ fn write_loop(
                     || last_commit.elapsed() >= COMMIT_EVERY)
             {
                 let mut threads = Vec::new();
-                let mut processes = Vec::new();
                 for call in &pending {
                     if threads_seen.insert((call.pid, call.tid)) {
                         threads.push((call.pid, call.tid, call.comm.clone()));
-                    }
-                    if pids_seen.insert(call.pid) {
-                        let seen = call.ts_mono_ns as i64 + opts.wall_offset_ns;
-                        processes.push(procinfo::read(call.pid, seen, &call.comm, boot));
                     }
                 }
                 store.write_batch(&Batch {
@@ -558,6 +586,7 @@ fn write_loop(
                     .events_stored
                     .fetch_add(pending.len() as u64, Ordering::SeqCst);
                 pending.clear();
+                processes.clear();
                 last_commit = Instant::now();
                 if !owned {
                     store.chown_files(opts.owner)?;

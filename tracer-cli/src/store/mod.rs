@@ -81,6 +81,22 @@ impl Store {
         } | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = Connection::open_with_flags(path, flags)
             .map_err(|e| user_error(format!("cannot open database {}: {e}", path.display())))?;
+        // A WAL database is read through its -shm file, which needs write access.
+        if access == Access::ReadOnly {
+            if let Err(e) = conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| {
+                r.get::<_, i64>(0)
+            }) {
+                if matches!(
+                    e.sqlite_error_code(),
+                    Some(rusqlite::ErrorCode::ReadOnly | rusqlite::ErrorCode::CannotOpen)
+                ) {
+                    return Err(user_error(format!(
+                        "cannot read database {}: {e}; reading needs write access to it and its directory                          (WAL mode): run as its owner, or copy it somewhere writable",
+                        path.display()
+                    )));
+                }
+            }
+        }
         conn.busy_timeout(std::time::Duration::from_secs(5))
             .with_context(|| format!("set busy timeout on {}", path.display()))?;
         let mut store = Store {
@@ -386,17 +402,14 @@ impl Store {
         Ok(notes)
     }
 
-    /// Gives the database file back to the invoking user under sudo (WAL files included).
+    /// Makes the database files private (0600) and, under sudo, gives them to the invoking user.
     pub fn chown_files(&self, owner: Option<(u32, u32)>) -> Result<()> {
-        let Some((uid, gid)) = owner else {
-            return Ok(());
-        };
         for suffix in ["", "-wal", "-shm"] {
             let mut name = self.path.clone().into_os_string();
             name.push(suffix);
             let file = PathBuf::from(name);
             if file.exists() {
-                crate::paths::chown_private(&file, uid, gid)?;
+                crate::paths::make_private(&file, owner)?;
             }
         }
         Ok(())

@@ -1,0 +1,836 @@
+//! End-to-end tests: the real `tracer` binary tracing real processes that use the simulated CUDA
+//! runtime (demos/simcuda) and the real libcudart from PyPI. They need root (BPF, uprobes);
+//! without it they skip, except under CI=true where a missing capability fails.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader},
+    os::unix::{fs::MetadataExt as _, process::CommandExt as _},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    sync::{Mutex, MutexGuard, OnceLock},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+const TRACER: &str = env!("CARGO_BIN_EXE_tracer");
+const NOBODY: u32 = 65534;
+
+/// Uprobes on one file fire for every process using it: traces run one at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn privileged() -> bool {
+    if nix_is_root() {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "CI=true: end-to-end tests need root"
+    );
+    eprintln!("skipped: end-to-end tests need root");
+    false
+}
+
+fn nix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+/// Builds the simulated runtime once per test run.
+fn sim() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let out = workspace().join("target").join("simcuda-e2e");
+        let status = Command::new("bash")
+            .arg(workspace().join("demos/simcuda/build.sh"))
+            .arg(&out)
+            .stdout(Stdio::null())
+            .status()
+            .expect("run demos/simcuda/build.sh");
+        assert!(status.success(), "building the simulated runtime failed");
+        out
+    })
+}
+
+/// A private copy of the simulated libraries (new inodes: not probed by anyone else).
+fn sim_copy(dir: &Path) -> PathBuf {
+    let out = dir.join("sim");
+    std::fs::create_dir_all(&out).unwrap();
+    for f in ["libcudart.so.12", "libcuda.so.1", "simdriver"] {
+        std::fs::copy(sim().join(f), out.join(f)).unwrap();
+    }
+    out
+}
+
+fn real_cudart() -> PathBuf {
+    let dir = std::env::var_os("TRACER_REAL_CUDART_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tracer/cuda-runtime-cu12")
+        });
+    let lib = dir.join("libcudart.so.12");
+    assert!(
+        lib.exists(),
+        "{} missing: run scripts/setup.sh",
+        lib.display()
+    );
+    lib
+}
+
+struct Trace {
+    child: Child,
+    stderr: std::sync::Arc<Mutex<String>>,
+}
+
+impl Trace {
+    /// Starts `tracer trace` and waits until its probes are attached.
+    fn start(db: &Path, args: &[&str]) -> Trace {
+        let mut child = Command::new(TRACER)
+            .arg("trace")
+            .arg("--db")
+            .arg(db)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn tracer");
+        let stderr = std::sync::Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let pipe = child.stderr.take().unwrap();
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                if line.contains("tracer: session") {
+                    let _ = tx.send(());
+                }
+                sink.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+            let _ = child.kill();
+            panic!("tracer did not start: {}", stderr.lock().unwrap());
+        }
+        Trace { child, stderr }
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc_kill(self.child.id() as i32, sig) };
+    }
+
+    /// Stops it with `sig` (0: wait for it to stop by itself) and returns (stdout, stderr).
+    fn stop(mut self, sig: i32) -> (String, String) {
+        if sig != 0 {
+            self.signal(sig);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tracer did not stop: {}",
+                self.stderr.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut stdout = String::new();
+        std::io::Read::read_to_string(self.child.stdout.as_mut().unwrap(), &mut stdout).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let stderr = self.stderr.lock().unwrap().clone();
+        assert!(
+            status.success(),
+            "tracer failed ({status}):\n{stderr}\n{stdout}"
+        );
+        (stdout, stderr)
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+const SIGINT: i32 = 2;
+const SIGTERM: i32 = 15;
+
+fn query(db: &Path, sql: &str) -> Vec<Value> {
+    let out = Command::new(TRACER)
+        .args(["query", "--format", "json", "--db"])
+        .arg(db)
+        .arg(sql)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "query {sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    match serde_json::from_slice(&out.stdout).unwrap() {
+        Value::Array(rows) => rows,
+        other => panic!("not an array: {other}"),
+    }
+}
+
+fn scalar(db: &Path, sql: &str) -> i64 {
+    query(db, sql)[0]
+        .as_object()
+        .unwrap()
+        .values()
+        .next()
+        .unwrap()
+        .as_i64()
+        .unwrap_or_else(|| panic!("{sql}: not an integer"))
+}
+
+fn driver(sim: &Path, args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(sim.join("simdriver"));
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn report(out: Output) -> Value {
+    assert!(
+        out.status.success(),
+        "simdriver failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("simdriver report")
+}
+
+fn total_calls(report: &Value) -> i64 {
+    report["ops"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|o| o["calls"].as_i64().unwrap())
+        .sum()
+}
+
+#[test]
+fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sim = sim_copy(dir.path());
+    let db = dir.path().join("t.db");
+    let trace = Trace::start(
+        &db,
+        &[
+            "--lib",
+            sim.join("libcudart.so.12").to_str().unwrap(),
+            "--lib",
+            sim.join("libcuda.so.1").to_str().unwrap(),
+        ],
+    );
+    let env = [
+        ("SIMCUDA_DEVICES", "2"),
+        ("SIMCUDA_LATENCY", "cudaMalloc=300us,default=1us"),
+    ];
+    let rep = report(
+        driver(
+            &sim,
+            &[
+                "--mix",
+                "all",
+                "--threads",
+                "2",
+                "--iters",
+                "40",
+                "--device",
+                "1",
+            ],
+            &env,
+        )
+        .output()
+        .unwrap(),
+    );
+    let (stdout, _) = trace.stop(SIGINT);
+    let pid = rep["pid"].as_i64().unwrap();
+
+    // Exact counts per op and per return code.
+    let rows = query(
+        &db,
+        &format!("SELECT op, ret, count(*) AS n FROM events WHERE pid = {pid} GROUP BY op, ret"),
+    );
+    let mut stored: BTreeMap<(String, i64), i64> = BTreeMap::new();
+    for r in rows {
+        stored.insert(
+            (
+                r["op"].as_str().unwrap().to_owned(),
+                r["ret"].as_i64().unwrap(),
+            ),
+            r["n"].as_i64().unwrap(),
+        );
+    }
+    let mut expected: BTreeMap<(String, i64), i64> = BTreeMap::new();
+    for (op, o) in rep["ops"].as_object().unwrap() {
+        for (ret, n) in o["rets"].as_object().unwrap() {
+            expected.insert((op.clone(), ret.parse().unwrap()), n.as_i64().unwrap());
+        }
+    }
+    assert_eq!(stored, expected);
+    assert_eq!(
+        expected.len(),
+        30,
+        "all 27 ops, plus failures of cudaMalloc, cudaFree and cudaSetDevice"
+    );
+    assert!(
+        expected.contains_key(&("cudaMalloc".into(), 2))
+            && expected.contains_key(&("cudaSetDevice".into(), 101))
+    );
+
+    // Bytes of successful calls, per op, as the program counted them.
+    for (op, o) in rep["ops"].as_object().unwrap() {
+        let bytes = o["bytes_ok"].as_i64().unwrap();
+        if bytes > 0 {
+            let sum = scalar(&db, &format!("SELECT coalesce(sum(size), 0) FROM events WHERE pid = {pid} AND op = '{op}' AND ret = 0"));
+            assert_eq!(sum, bytes, "{op}");
+        }
+    }
+    // Every successful free names a pointer returned earlier by an allocation of the same size.
+    let orphans = scalar(&db, &format!(
+        "SELECT count(*) FROM events f WHERE f.pid = {pid} AND f.class = 'free' AND f.ret = 0 AND NOT EXISTS (
+           SELECT 1 FROM events a WHERE a.pid = f.pid AND a.class = 'alloc' AND a.ret = 0 AND a.ptr = f.ptr
+             AND a.size = f.size AND a.ts_ns < f.ts_ns)"
+    ));
+    assert_eq!(orphans, 0);
+    assert_eq!(scalar(&db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND class = 'alloc' AND ret = 0 AND (ptr IS NULL OR ptr = 0)")), 0);
+    // The invalid free is recorded with its pointer and no size.
+    assert_eq!(scalar(&db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaFree' AND ret = 1 AND ptr = {} AND size IS NULL", 0xdead000)), 80);
+    // Durations measured in the kernel: at least the simulated 300us, and close to it.
+    let slowest_fast = scalar(&db, &format!("SELECT min(duration_ns) FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0"));
+    assert!(
+        slowest_fast >= 300_000,
+        "cudaMalloc took {slowest_fast} ns, less than its simulated 300us"
+    );
+    let median = scalar(&db, &format!(
+        "SELECT duration_ns FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0 ORDER BY duration_ns
+         LIMIT 1 OFFSET (SELECT count(*) / 2 FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0)"
+    ));
+    assert!(median < 1_000_000, "median cudaMalloc {median} ns");
+    // Each thread's calls carry the device it set.
+    for t in rep["threads"].as_array().unwrap() {
+        let (tid, device) = (t["tid"].as_i64().unwrap(), t["device"].as_i64().unwrap());
+        let wrong = scalar(&db, &format!("SELECT count(*) FROM events WHERE tid = {tid} AND op != 'cudaSetDevice' AND device IS NOT {device}"));
+        assert_eq!(wrong, 0, "thread {tid} on device {device}");
+    }
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(DISTINCT device) FROM events WHERE op = 'cudaMalloc'"
+        ),
+        2
+    );
+    // cudaMemGetInfo reports the model's total.
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT min(mem_total) FROM events WHERE op = 'cudaMemGetInfo'"
+        ),
+        16 << 30
+    );
+    assert_eq!(scalar(&db, "SELECT count(*) FROM events WHERE op = 'cudaMemGetInfo' AND (mem_free IS NULL OR mem_free > mem_total)"), 0);
+    // Nothing lost, and the session says so.
+    let s = &query(&db, "SELECT * FROM sessions")[0];
+    let total = total_calls(&rep);
+    assert_eq!(s["submitted"].as_i64().unwrap(), total);
+    assert_eq!(s["events_stored"].as_i64().unwrap(), total);
+    assert_eq!(s["dropped_ring_full"].as_i64().unwrap(), 0);
+    assert_eq!(s["status"], "interrupted");
+    assert!(
+        stdout.contains(&format!(
+            "{total} submitted, {total} read, {total} stored; dropped (ring full): 0"
+        )),
+        "{stdout}"
+    );
+    // Process and thread metadata.
+    let p = &query(&db, &format!("SELECT * FROM processes WHERE pid = {pid}"))[0];
+    assert!(
+        p["cmdline"]
+            .as_str()
+            .unwrap()
+            .contains("simdriver --mix all"),
+        "{p}"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            &format!("SELECT count(*) FROM events WHERE pid = {pid} AND comm = 'simdriver'")
+        ),
+        total
+    );
+}
+
+#[test]
+fn a_process_started_after_the_trace_is_found_and_traced() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sim = sim_copy(dir.path());
+    let db = dir.path().join("t.db");
+    let trace = Trace::start(&db, &["--quiet"]);
+    // The library is new to the tracer: the rescan (every second) must find it before the calls.
+    let rep = report(
+        driver(
+            &sim,
+            &[
+                "--mix",
+                "pairs",
+                "--iters",
+                "100",
+                "--start-delay-ms",
+                "2500",
+            ],
+            &[],
+        )
+        .output()
+        .unwrap(),
+    );
+    let (_, stderr) = trace.stop(SIGTERM);
+    let pid = rep["pid"].as_i64().unwrap();
+    assert!(
+        stderr.contains(&format!("{}", sim.join("libcudart.so.12").display())),
+        "{stderr}"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            &format!(
+                "SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0"
+            )
+        ),
+        100
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            &format!(
+                "SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaFree' AND ret = 0"
+            )
+        ),
+        100
+    );
+    let libs = query(&db, "SELECT libraries FROM sessions")[0]["libraries"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(libs.contains("\"origin\":\"mapped\""), "{libs}");
+}
+
+#[test]
+fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sim = sim_copy(dir.path());
+    let db = dir.path().join("t.db");
+    let args = [
+        "--mix",
+        "pairs",
+        "--iters",
+        "50",
+        "--start-delay-ms",
+        "2000",
+    ];
+    let traced = driver(&sim, &args, &[]).spawn().unwrap();
+    let other = driver(&sim, &args, &[]).spawn().unwrap();
+    let (traced_pid, other_pid) = (traced.id(), other.id());
+    let lib = sim.join("libcudart.so.12");
+    let trace = Trace::start(
+        &db,
+        &[
+            "--pid",
+            &traced_pid.to_string(),
+            "--lib",
+            lib.to_str().unwrap(),
+        ],
+    );
+    report(traced.wait_with_output().unwrap());
+    report(other.wait_with_output().unwrap());
+    // The traced process exited: the tracer stops by itself and keeps what it recorded.
+    let (_, stderr) = trace.stop(0);
+    assert!(stderr.contains("every traced process exited"), "{stderr}");
+    assert_eq!(
+        scalar(
+            &db,
+            &format!("SELECT count(*) FROM events WHERE pid = {traced_pid}")
+        ),
+        100
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            &format!("SELECT count(*) FROM events WHERE pid = {other_pid}")
+        ),
+        0
+    );
+    assert_eq!(
+        query(&db, "SELECT status FROM sessions")[0]["status"],
+        "complete"
+    );
+}
+
+#[test]
+fn the_real_cuda_runtime_without_a_gpu_reports_error_35() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("t.db");
+    let real = real_cudart();
+    let trace = Trace::start(&db, &["--lib", real.to_str().unwrap()]);
+    let rep = report(
+        driver(
+            sim(),
+            &[
+                "--cudart",
+                real.to_str().unwrap(),
+                "--cuda",
+                "none",
+                "--mix",
+                "real",
+                "--iters",
+                "20",
+            ],
+            &[],
+        )
+        .output()
+        .unwrap(),
+    );
+    let (_, stderr) = trace.stop(SIGINT);
+    assert_eq!(rep["ops"]["cudaMalloc"]["rets"]["35"], 20);
+    let pid = rep["pid"].as_i64().unwrap();
+    assert_eq!(scalar(&db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 35 AND size = 1048576")), 20);
+    assert_eq!(
+        scalar(
+            &db,
+            &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op != 'cudaMalloc'")
+        ),
+        0
+    );
+    assert!(stderr.contains("libcudart.so.12 (--lib, "), "{stderr}");
+}
+
+#[test]
+fn a_full_ring_is_counted_and_reported_never_silent() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sim = sim_copy(dir.path());
+    let db = dir.path().join("t.db");
+    let lib = sim.join("libcudart.so.12");
+    let trace = Trace::start(
+        &db,
+        &[
+            "--lib",
+            lib.to_str().unwrap(),
+            "--ring-size",
+            "4KiB",
+            "--quiet",
+        ],
+    );
+    let rep = report(
+        driver(
+            &sim,
+            &["--mix", "pairs", "--threads", "2", "--iters", "30000"],
+            &[("SIMCUDA_LATENCY", "default=0")],
+        )
+        .output()
+        .unwrap(),
+    );
+    let (stdout, _) = trace.stop(SIGINT);
+    let calls = total_calls(&rep);
+    assert_eq!(calls, 120_000);
+    let s = &query(&db, "SELECT * FROM sessions")[0];
+    let (submitted, dropped) = (
+        s["submitted"].as_i64().unwrap(),
+        s["dropped_ring_full"].as_i64().unwrap(),
+    );
+    assert_eq!(
+        submitted + dropped,
+        calls,
+        "every call is either stored or counted as dropped"
+    );
+    assert!(dropped > 0, "a 4 KiB ring should overflow at this rate");
+    assert_eq!(s["events_stored"].as_i64().unwrap(), submitted);
+    assert_eq!(scalar(&db, "SELECT count(*) FROM events"), submitted);
+    assert!(
+        stdout.contains(&format!("dropped (ring full): {dropped}")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("raise --ring-size"), "{stdout}");
+}
+
+fn tracer_as(uid: Option<u32>, args: &[&str]) -> Output {
+    let mut cmd = Command::new(TRACER);
+    cmd.args(args);
+    if let Some(uid) = uid {
+        cmd.uid(uid).gid(uid);
+    }
+    cmd.output().unwrap()
+}
+
+fn assert_fails(out: &Output, code: i32, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "stderr: {stderr}");
+    assert!(stderr.contains(needle), "expected {needle:?} in: {stderr}");
+}
+
+#[test]
+fn bad_inputs_get_clear_messages_and_lose_nothing() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let db = dir.path().join("t.db");
+    let dbs = db.to_str().unwrap();
+    // Not root.
+    assert_fails(
+        &tracer_as(Some(NOBODY), &["trace", "--db", "/tmp/x.db"]),
+        3,
+        "needs root or CAP_BPF and CAP_PERFMON",
+    );
+    // --lib that is not an ELF file, an ELF without the symbols, a missing file.
+    let junk = dir.path().join("libcudart.so.12");
+    std::fs::write(&junk, "not a library").unwrap();
+    assert_fails(
+        &tracer_as(
+            None,
+            &["trace", "--db", dbs, "--lib", junk.to_str().unwrap()],
+        ),
+        2,
+        "is not an ELF file",
+    );
+    assert_fails(
+        &tracer_as(None, &["trace", "--db", dbs, "--lib", "/bin/true"]),
+        2,
+        "exports none of the probed CUDA calls",
+    );
+    assert_fails(
+        &tracer_as(
+            None,
+            &["trace", "--db", dbs, "--lib", "/nonexistent/libcudart.so"],
+        ),
+        2,
+        "no such file",
+    );
+    // --pid that does not exist.
+    assert_fails(
+        &tracer_as(None, &["trace", "--db", dbs, "--pid", "3999999"]),
+        2,
+        "process 3999999 does not exist",
+    );
+    // Bad sizes and durations.
+    assert_fails(
+        &tracer_as(None, &["trace", "--db", dbs, "--duration", "soon"]),
+        2,
+        "invalid duration",
+    );
+    assert_fails(
+        &tracer_as(None, &["trace", "--db", dbs, "--ring-size", "3000"]),
+        2,
+        "power of two",
+    );
+    // A corrupt database is refused and left as it was.
+    let corrupt = dir.path().join("corrupt.db");
+    std::fs::write(&corrupt, vec![7u8; 8192]).unwrap();
+    assert_fails(
+        &tracer_as(
+            None,
+            &[
+                "trace",
+                "--db",
+                corrupt.to_str().unwrap(),
+                "--lib",
+                sim().join("libcudart.so.12").to_str().unwrap(),
+            ],
+        ),
+        2,
+        "not a usable tracer database",
+    );
+    assert_eq!(std::fs::read(&corrupt).unwrap(), vec![7u8; 8192]);
+    assert_fails(
+        &tracer_as(
+            None,
+            &["query", "--db", corrupt.to_str().unwrap(), "SELECT 1"],
+        ),
+        2,
+        "not a usable tracer database",
+    );
+    // A database from a newer tracer.
+    let sim_lib = sim().join("libcudart.so.12");
+    let trace = Trace::start(
+        &db,
+        &[
+            "--lib",
+            sim_lib.to_str().unwrap(),
+            "--quiet",
+            "--duration",
+            "1s",
+        ],
+    );
+    trace.stop(0);
+    let newer = dir.path().join("newer.db");
+    std::fs::copy(&db, &newer).unwrap();
+    let out = Command::new("python3")
+        .args(["-c", "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); c.execute('PRAGMA user_version=99'); c.commit()"])
+        .arg(&newer)
+        .status()
+        .unwrap();
+    assert!(out.success());
+    assert_fails(
+        &tracer_as(
+            None,
+            &["query", "--db", newer.to_str().unwrap(), "SELECT 1"],
+        ),
+        2,
+        "written by a newer tracer",
+    );
+    assert_fails(
+        &tracer_as(
+            None,
+            &[
+                "trace",
+                "--db",
+                newer.to_str().unwrap(),
+                "--lib",
+                sim_lib.to_str().unwrap(),
+            ],
+        ),
+        2,
+        "written by a newer tracer",
+    );
+    // A database the user cannot read.
+    assert_fails(
+        &tracer_as(Some(NOBODY), &["query", "--db", dbs, "SELECT 1"]),
+        2,
+        "cannot read database",
+    );
+    // Writes through query are refused, and the data is still there.
+    assert_fails(
+        &tracer_as(None, &["query", "--db", dbs, "DELETE FROM calls"]),
+        2,
+        "read-only",
+    );
+    assert_eq!(scalar(&db, "SELECT count(*) FROM sessions"), 1);
+    // Missing database.
+    assert_fails(
+        &tracer_as(None, &["query", "--db", "/nonexistent/t.db", "SELECT 1"]),
+        2,
+        "does not exist",
+    );
+}
+
+#[test]
+fn under_sudo_the_database_belongs_to_the_invoking_user() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let lib = sim().join("libcudart.so.12");
+    // With --db in a shared directory: the file, its directory and WAL files go to the user, 0600.
+    let db = dir.path().join("data").join("t.db");
+    let out = Command::new(TRACER)
+        .args([
+            "trace",
+            "--quiet",
+            "--duration",
+            "1s",
+            "--lib",
+            lib.to_str().unwrap(),
+            "--db",
+        ])
+        .arg(&db)
+        .env("SUDO_UID", NOBODY.to_string())
+        .env("SUDO_GID", NOBODY.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta = std::fs::metadata(&db).unwrap();
+    assert_eq!(
+        (meta.uid(), meta.gid(), meta.mode() & 0o777),
+        (NOBODY, NOBODY, 0o600)
+    );
+    assert_eq!(
+        std::fs::metadata(db.parent().unwrap()).unwrap().uid(),
+        NOBODY
+    );
+    // The user reads it without privileges.
+    let out = tracer_as(
+        Some(NOBODY),
+        &[
+            "query",
+            "--db",
+            db.to_str().unwrap(),
+            "SELECT count(*) AS n FROM sessions",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains('1'));
+}
+
+#[test]
+fn check_reports_the_machine() {
+    let out = Command::new(TRACER).arg("check").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("kernel")
+            && stdout.contains("uprobes")
+            && stdout.contains("CUDA libraries"),
+        "{stdout}"
+    );
+    if nix_is_root() {
+        assert!(out.status.success(), "{stdout}");
+        assert!(stdout.contains("[ok  ] privileges"), "{stdout}");
+    }
+}

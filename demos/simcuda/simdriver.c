@@ -54,10 +54,10 @@ struct stats { uint64_t calls[N_OPS]; uint64_t rets[N_OPS][8]; int ret_codes[N_O
 
 static struct {
     const char *cudart, *cuda, *mix;
-    int threads, device, start_delay_ms, hold_ms;
+    int threads, device, start_delay_ms, hold_ms, duration_ms;
     long iters;
     size_t size;
-} opt = {NULL, NULL, "pairs", 1, 0, 0, 0, 1000, 1 << 20};
+} opt = {NULL, NULL, "pairs", 1, 0, 0, 0, 0, 1000, 1 << 20};
 
 static void *rt, *drv;
 static struct stats *thread_stats;
@@ -93,10 +93,23 @@ static int record(struct stats *s, const char *op, int ret, size_t bytes) {
 
 #define CALL(s, op, bytes, expr) record(s, op, (expr), bytes)
 
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* With --duration-ms, runs until then instead of --iters times. */
+static int keep_going(long i, uint64_t until) {
+    if (!until) return i < opt.iters;
+    return (i & 1023) || mono_ns() < until;
+}
+
 static void run_pairs(struct stats *s) {
     fn_ptr_size cudaMalloc = sym(rt, "cudaMalloc");
     fn_ptr cudaFree = sym(rt, "cudaFree");
-    for (long i = 0; i < opt.iters; i++) {
+    uint64_t until = opt.duration_ms ? mono_ns() + (uint64_t)opt.duration_ms * 1000000ULL : 0;
+    for (long i = 0; keep_going(i, until); i++) {
         void *p = NULL;
         if (CALL(s, "cudaMalloc", opt.size, cudaMalloc(&p, opt.size)) == 0)
             CALL(s, "cudaFree", opt.size, cudaFree(p));
@@ -216,7 +229,7 @@ static void *worker(void *arg) {
 static void usage(void) {
     fprintf(stderr,
             "usage: simdriver [--cudart PATH] [--cuda PATH|none] [--mix pairs|all|real] [--threads N]\n"
-            "                 [--iters N] [--size BYTES] [--device D] [--start-delay-ms N] [--hold-ms N]\n");
+            "                 [--iters N] [--size BYTES] [--device D] [--start-delay-ms N] [--hold-ms N]\n                 [--duration-ms N (pairs: run this long instead of --iters)]\n");
     exit(2);
 }
 
@@ -244,6 +257,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--device")) opt.device = atoi(v);
         else if (!strcmp(a, "--start-delay-ms")) opt.start_delay_ms = atoi(v);
         else if (!strcmp(a, "--hold-ms")) opt.hold_ms = atoi(v);
+        else if (!strcmp(a, "--duration-ms")) opt.duration_ms = atoi(v);
         else usage();
         i++;
     }

@@ -1,1 +1,23 @@
-fn main() {}
+//! Project tasks: `cargo xtask bench` (needs root: it runs the tracer and bpftrace).
+
+mod bench;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Measure the cost of tracing side by side: untraced, floor, traced, bpftrace; and throughput.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().task {
+        Task::Bench(args) => bench::run(args),
+    }
+}

@@ -79,6 +79,32 @@ fn sim_copy(dir: &Path) -> PathBuf {
     out
 }
 
+/// A privileged, serialized test with its own directory, database path and library copies.
+struct Fixture {
+    _guard: MutexGuard<'static, ()>,
+    dir: tempfile::TempDir,
+    sim: PathBuf,
+    db: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Option<Fixture> {
+        if !privileged() {
+            return None;
+        }
+        let _guard = serial();
+        let dir = tempfile::tempdir().unwrap();
+        let sim = sim_copy(dir.path());
+        let db = dir.path().join("t.db");
+        Some(Fixture {
+            _guard,
+            dir,
+            sim,
+            db,
+        })
+    }
+}
+
 fn real_cudart() -> PathBuf {
     let dir = std::env::var_os("TRACER_REAL_CUDART_DIR")
         .map(PathBuf::from)
@@ -229,13 +255,15 @@ fn total_calls(report: &Value) -> i64 {
 
 #[test]
 fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
-    if !privileged() {
+    let Some(Fixture {
+        _guard,
+        dir: _dir,
+        sim,
+        db,
+    }) = Fixture::new()
+    else {
         return;
-    }
-    let _guard = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let sim = sim_copy(dir.path());
-    let db = dir.path().join("t.db");
+    };
     let trace = Trace::start(
         &db,
         &[
@@ -386,13 +414,15 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
 
 #[test]
 fn a_process_started_after_the_trace_is_found_and_traced() {
-    if !privileged() {
+    let Some(Fixture {
+        _guard,
+        dir: _dir,
+        sim,
+        db,
+    }) = Fixture::new()
+    else {
         return;
-    }
-    let _guard = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let sim = sim_copy(dir.path());
-    let db = dir.path().join("t.db");
+    };
     let trace = Trace::start(&db, &["--quiet"]);
     // The library is new to the tracer: the rescan (every second) must find it before the calls.
     let rep = report(
@@ -444,13 +474,15 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
 
 #[test]
 fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
-    if !privileged() {
+    let Some(Fixture {
+        _guard,
+        dir: _dir,
+        sim,
+        db,
+    }) = Fixture::new()
+    else {
         return;
-    }
-    let _guard = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let sim = sim_copy(dir.path());
-    let db = dir.path().join("t.db");
+    };
     let args = [
         "--mix",
         "pairs",
@@ -541,13 +573,15 @@ fn the_real_cuda_runtime_without_a_gpu_reports_error_35() {
 
 #[test]
 fn a_full_ring_is_counted_and_reported_never_silent() {
-    if !privileged() {
+    let Some(Fixture {
+        _guard,
+        dir: _dir,
+        sim,
+        db,
+    }) = Fixture::new()
+    else {
         return;
-    }
-    let _guard = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let sim = sim_copy(dir.path());
-    let db = dir.path().join("t.db");
+    };
     let lib = sim.join("libcudart.so.12");
     let trace = Trace::start(
         &db,

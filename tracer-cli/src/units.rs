@@ -2,16 +2,23 @@
 
 use std::time::Duration;
 
-pub fn parse_size(text: &str) -> Result<u64, String> {
+/// Splits "512MiB" into (512.0, "MiB").
+fn number_and_unit<'a>(text: &'a str, example: &str) -> Result<(f64, &'a str), String> {
     let t = text.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("invalid size {text:?}: expected e.g. 512MiB, 2G, 1048576"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let value = number.parse().map_err(|_| format!("invalid {example}"))?;
+    Ok((value, unit.trim()))
+}
+
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let (value, unit) = number_and_unit(
+        text,
+        &format!("size {text:?}: expected e.g. 512MiB, 2G, 1048576"),
+    )?;
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
@@ -31,15 +38,11 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 }
 
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("invalid duration {text:?}: expected e.g. 300s, 5m, 1h, 250ms"))?;
-    let secs = match unit.trim() {
+    let (value, unit) = number_and_unit(
+        text,
+        &format!("duration {text:?}: expected e.g. 300s, 5m, 1h, 250ms"),
+    )?;
+    let secs = match unit {
         "ms" => value / 1e3,
         "" | "s" => value,
         "m" | "min" => value * 60.0,

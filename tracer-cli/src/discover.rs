@@ -254,27 +254,20 @@ fn ldconfig_libraries() -> Vec<PathBuf> {
 }
 
 pub fn scan_installed(homes: &[PathBuf]) -> Vec<Candidate> {
-    let mut found = BTreeMap::new();
+    let mut paths = ldconfig_libraries();
     for dir in install_dirs(homes) {
         let Ok(entries) = std::fs::read_dir(&dir) else {
             continue;
         };
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            if is_cuda_library_name(name) {
-                let path = entry.path();
-                add(
-                    &mut found,
-                    path.clone(),
-                    path.display().to_string(),
-                    Origin::Installed,
-                    None,
-                );
-            }
-        }
+        paths.extend(
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_str().is_some_and(is_cuda_library_name))
+                .map(|e| e.path()),
+        );
     }
-    for path in ldconfig_libraries() {
+    let mut found = BTreeMap::new();
+    for path in paths {
         add(
             &mut found,
             path.clone(),

@@ -82,7 +82,7 @@ fn sim_copy(dir: &Path) -> PathBuf {
 /// A privileged, serialized test with its own directory, database path and library copies.
 struct Fixture {
     _guard: MutexGuard<'static, ()>,
-    dir: tempfile::TempDir,
+    _dir: tempfile::TempDir,
     sim: PathBuf,
     db: PathBuf,
 }
@@ -98,7 +98,7 @@ impl Fixture {
         let db = dir.path().join("t.db");
         Some(Fixture {
             _guard,
-            dir,
+            _dir: dir,
             sim,
             db,
         })
@@ -255,15 +255,11 @@ fn total_calls(report: &Value) -> i64 {
 
 #[test]
 fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
-    let Some(Fixture {
-        _guard,
-        dir: _dir,
-        sim,
-        db,
-    }) = Fixture::new()
-    else {
+    // Keep the fixture alive: it holds the serializing lock and the directory.
+    let Some(fx) = Fixture::new() else {
         return;
     };
+    let (sim, db) = (&fx.sim, &fx.db);
     let trace = Trace::start(
         &db,
         &[
@@ -414,15 +410,11 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
 
 #[test]
 fn a_process_started_after_the_trace_is_found_and_traced() {
-    let Some(Fixture {
-        _guard,
-        dir: _dir,
-        sim,
-        db,
-    }) = Fixture::new()
-    else {
+    // Keep the fixture alive: it holds the serializing lock and the directory.
+    let Some(fx) = Fixture::new() else {
         return;
     };
+    let (sim, db) = (&fx.sim, &fx.db);
     let trace = Trace::start(&db, &["--quiet"]);
     // The library is new to the tracer: the rescan (every second) must find it before the calls.
     let rep = report(
@@ -474,15 +466,11 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
 
 #[test]
 fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
-    let Some(Fixture {
-        _guard,
-        dir: _dir,
-        sim,
-        db,
-    }) = Fixture::new()
-    else {
+    // Keep the fixture alive: it holds the serializing lock and the directory.
+    let Some(fx) = Fixture::new() else {
         return;
     };
+    let (sim, db) = (&fx.sim, &fx.db);
     let args = [
         "--mix",
         "pairs",
@@ -573,15 +561,11 @@ fn the_real_cuda_runtime_without_a_gpu_reports_error_35() {
 
 #[test]
 fn a_full_ring_is_counted_and_reported_never_silent() {
-    let Some(Fixture {
-        _guard,
-        dir: _dir,
-        sim,
-        db,
-    }) = Fixture::new()
-    else {
+    // Keep the fixture alive: it holds the serializing lock and the directory.
+    let Some(fx) = Fixture::new() else {
         return;
     };
+    let (sim, db) = (&fx.sim, &fx.db);
     let lib = sim.join("libcudart.so.12");
     let trace = Trace::start(
         &db,

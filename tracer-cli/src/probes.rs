@@ -97,6 +97,10 @@ impl Probes {
         self.attached.values().cloned().collect()
     }
 
+    pub fn library_count(&self) -> usize {
+        self.attached.len()
+    }
+
     pub fn probe_count(&self) -> usize {
         self.attached.values().map(|l| l.symbols.len()).sum()
     }

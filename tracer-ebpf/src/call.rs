@@ -83,6 +83,13 @@ fn read_user_u64(addr: u64) -> Option<u64> {
     unsafe { bpf_probe_read_user(addr as *const u64).ok() }
 }
 
+/// (process id, thread id) of the caller.
+#[inline(always)]
+fn current_ids() -> (u32, u32) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    ((pid_tgid >> 32) as u32, pid_tgid as u32)
+}
+
 #[uprobe]
 pub fn call_entry(ctx: ProbeContext) -> u32 {
     if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
@@ -97,9 +104,7 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
     let Some((op, plan)) = plan_for(cookie) else {
         return 0;
     };
-    let pid_tgid = bpf_get_current_pid_tgid();
-    let pid = (pid_tgid >> 32) as u32;
-    let tid = pid_tgid as u32;
+    let (pid, tid) = current_ids();
 
     let mut state = Inflight {
         // SAFETY: no preconditions.
@@ -150,9 +155,7 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     let Some((op, plan)) = plan_for(cookie) else {
         return 0;
     };
-    let pid_tgid = bpf_get_current_pid_tgid();
-    let pid = (pid_tgid >> 32) as u32;
-    let tid = pid_tgid as u32;
+    let (pid, tid) = current_ids();
     let key = InflightKey { tid, op };
     // SAFETY: copied out before the entry is removed.
     let Some(state) = (unsafe { INFLIGHT.get(&key) }).copied() else {

@@ -259,7 +259,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
     }
-    let cpu_before = children_cpu_s();
     let mut tracer = start_until(&mut tracer_cmd(&p, &db, &[]), "tracer: session")?;
     let ms = (args.throughput_secs * 1000).to_string();
     let rep = driver(
@@ -269,7 +268,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let cpu_driver = children_cpu_s();
     interrupt(&mut tracer)?;
     let tracer_cpu = children_cpu_s() - cpu_driver;
-    let _ = cpu_before;
     let elapsed = rep["elapsed_s"].as_f64().unwrap_or(1.0);
     let calls: i64 = rep["ops"]
         .as_object()

@@ -108,7 +108,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let pid_filter = (!args.pids.is_empty()).then(|| args.pids.clone());
     let mut scanner = Scanner::new(explicit, pid_filter.clone(), &who);
     for lib in scanner.scan(true) {
-        attach_reporting(&mut probes, &lib, pid_filter.as_deref(), true)?;
+        attach_reporting(&mut probes, &lib, pid_filter.as_deref())?;
     }
     if probes.probe_count() == 0 {
         eprintln!("tracer: no CUDA library found yet; watching for processes that load one (rescanning every second)");
@@ -134,7 +134,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
     eprintln!(
         "tracer: session {session}: {} probes on {} libraries; writing to {}",
         probes.probe_count(),
-        probes.libraries().len(),
+        probes.library_count(),
         db_path.display()
     );
 
@@ -190,10 +190,8 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let counters = snapshot(&shared, &kernel);
     store.set_counters(session, &counters)?;
     let (status, reason) = match &outcome {
-        Ok(reason) if reason.starts_with("interrupted") || reason.starts_with("terminated") => {
-            ("interrupted", reason.clone())
-        }
-        Ok(reason) => ("complete", reason.clone()),
+        Ok(stop) if stop.by_signal => ("interrupted", stop.reason.clone()),
+        Ok(stop) => ("complete", stop.reason.clone()),
         Err(e) => ("failed", format!("{e:#}")),
     };
     let mut problems = Vec::new();
@@ -223,7 +221,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
         started.elapsed(),
         &stats,
         &counters,
-        probes.libraries().len(),
+        probes.library_count(),
         probes.probe_count(),
     )?;
     // Everything is stored; the kernel now removes the probes (about 0.1 s per probe).
@@ -243,13 +241,8 @@ fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
                 path.display()
             ))
         })?;
-        let symbols = crate::elf::read_symbols(path).map_err(|e| {
-            if crate::exit::code_of(&e) == crate::exit::BAD_INPUT {
-                e
-            } else {
-                user_error(format!("--lib {}: {e:#}", path.display()))
-            }
-        })?;
+        let symbols = crate::elf::read_symbols(path)
+            .map_err(|e| user_error(format!("--lib {}: {e:#}", path.display())))?;
         if symbols.targets.is_empty() {
             return Err(user_error(format!(
                 "--lib {}: the file exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...): pass libcudart.so.* or libcuda.so.*",
@@ -268,12 +261,7 @@ fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
     Ok(out)
 }
 
-fn attach_reporting(
-    probes: &mut Probes,
-    lib: &Candidate,
-    pids: Option<&[u32]>,
-    fatal: bool,
-) -> Result<()> {
+fn attach_reporting(probes: &mut Probes, lib: &Candidate, pids: Option<&[u32]>) -> Result<()> {
     match probes.attach(lib, pids) {
         Ok(att) => {
             eprintln!(
@@ -293,12 +281,34 @@ fn attach_reporting(
             }
             Ok(())
         }
-        Err(e) if fatal && lib.origin == Origin::Explicit => {
+        Err(e) if lib.origin == Origin::Explicit => {
             Err(e.context(format!("attach uprobes in {}", lib.shown)))
         }
         Err(e) => {
             eprintln!("tracer: skipping {}: {e:#}", lib.shown);
             Ok(())
+        }
+    }
+}
+
+/// Why the trace ended; a signal marks the session "interrupted", anything else "complete".
+struct Stop {
+    reason: String,
+    by_signal: bool,
+}
+
+impl Stop {
+    fn signal(reason: &str) -> Stop {
+        Stop {
+            reason: reason.into(),
+            by_signal: true,
+        }
+    }
+
+    fn done(reason: impl Into<String>) -> Stop {
+        Stop {
+            reason: reason.into(),
+            by_signal: false,
         }
     }
 }
@@ -384,7 +394,7 @@ async fn main_loop(
     shared: &Shared,
     started: Instant,
     pid_filter: Option<&[u32]>,
-) -> Result<String> {
+) -> Result<Stop> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut sigint = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
     let mut sigterm = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
@@ -398,18 +408,18 @@ async fn main_loop(
     let mut gone: HashSet<u32> = HashSet::new();
     loop {
         tokio::select! {
-            _ = sigint.recv() => return Ok("interrupted (SIGINT)".into()),
-            _ = sigterm.recv() => return Ok("terminated (SIGTERM)".into()),
-            _ = sighup.recv() => return Ok("terminated (SIGHUP)".into()),
+            _ = sigint.recv() => return Ok(Stop::signal("interrupted (SIGINT)")),
+            _ = sigterm.recv() => return Ok(Stop::signal("terminated (SIGTERM)")),
+            _ = sighup.recv() => return Ok(Stop::signal("terminated (SIGHUP)")),
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => {
-                return Ok(format!("--duration {}s reached", args.duration.unwrap_or_default().as_secs_f64()));
+                return Ok(Stop::done(format!("--duration {}s reached", args.duration.unwrap_or_default().as_secs_f64())));
             }
             _ = tick.tick() => {
                 if shared.stop.load(Ordering::SeqCst) {
                     return Err(anyhow!("the reader or writer stopped early"));
                 }
                 for lib in scanner.scan(false) {
-                    attach_reporting(probes, &lib, pid_filter, false)?;
+                    attach_reporting(probes, &lib, pid_filter)?;
                 }
                 let kernel = probes.counters()?;
                 if let Ok(mut k) = shared.kernel.lock() {
@@ -422,7 +432,7 @@ async fn main_loop(
                         }
                     }
                     if gone.len() == pids.len() {
-                        return Ok("every traced process exited".into());
+                        return Ok(Stop::done("every traced process exited"));
                     }
                 }
                 if !args.quiet {
@@ -430,7 +440,7 @@ async fn main_loop(
                     let stats = shared.live.lock().map_err(|_| anyhow!("statistics lock poisoned"))?.clone();
                     view.draw(&Status {
                         elapsed: started.elapsed(),
-                        libraries: probes.libraries().len(),
+                        libraries: probes.library_count(),
                         probes: probes.probe_count(),
                         stats: &stats,
                         counters: &counters,

@@ -307,28 +307,18 @@ impl Store {
             for (pid, tid, comm) in batch.threads {
                 thread_stmt.execute(params![batch.session, pid, tid, comm])?;
             }
-            let mut call_stmt = tx.prepare_cached(
-                "INSERT INTO calls (session_id, ts_ns, pid, tid, op_id, device, size, ptr, ret, duration_ns, aux0, aux1, flags, stack_id)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, NULL)",
-            )?;
-            for call in batch.calls {
-                let aux0 = (call.aux0 != 0).then_some(call.aux0 as i64);
-                let aux1 = (call.aux1 != 0).then_some(call.aux1 as i64);
-                call_stmt.execute(params![
-                    batch.session,
-                    call.ts_mono_ns as i64 + batch.wall_offset_ns,
-                    call.pid,
-                    call.tid,
-                    call.op as u32,
-                    call.device,
-                    call.size.map(|s| s as i64),
-                    call.ptr.map(|p| p as i64),
-                    call.ret,
-                    call.duration_ns as i64,
-                    aux0,
-                    aux1,
-                    call.flags
-                ])?;
+            // Many rows per statement: one sqlite3_step per CALLS_PER_INSERT rows instead of per
+            // row roughly halves the writer's CPU per event.
+            let mut chunks = batch.calls.chunks_exact(CALLS_PER_INSERT);
+            let mut full = tx.prepare_cached(&insert_calls_sql(CALLS_PER_INSERT))?;
+            for chunk in &mut chunks {
+                bind_calls(&mut full, chunk, batch)?;
+                full.raw_execute()?;
+            }
+            let mut one = tx.prepare_cached(&insert_calls_sql(1))?;
+            for call in chunks.remainder() {
+                bind_calls(&mut one, std::slice::from_ref(call), batch)?;
+                one.raw_execute()?;
             }
         }
         tx.commit().with_context(|| {
@@ -414,6 +404,43 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// Rows per multi-row INSERT (14 parameters each; SQLite allows 32766).
+const CALLS_PER_INSERT: usize = 64;
+const CALL_COLUMNS: usize = 13;
+
+fn insert_calls_sql(rows: usize) -> String {
+    let row = format!("({}, NULL)", vec!["?"; CALL_COLUMNS].join(", "));
+    format!(
+        "INSERT INTO calls (session_id, ts_ns, pid, tid, op_id, device, size, ptr, ret, duration_ns, aux0, aux1, flags, stack_id) VALUES {}",
+        vec![row; rows].join(", ")
+    )
+}
+
+fn bind_calls(
+    stmt: &mut rusqlite::CachedStatement<'_>,
+    calls: &[Call],
+    batch: &Batch<'_>,
+) -> rusqlite::Result<()> {
+    let nonzero = |v: u64| (v != 0).then_some(v as i64);
+    for (row, call) in calls.iter().enumerate() {
+        let base = row * CALL_COLUMNS;
+        stmt.raw_bind_parameter(base + 1, batch.session)?;
+        stmt.raw_bind_parameter(base + 2, call.ts_mono_ns as i64 + batch.wall_offset_ns)?;
+        stmt.raw_bind_parameter(base + 3, call.pid)?;
+        stmt.raw_bind_parameter(base + 4, call.tid)?;
+        stmt.raw_bind_parameter(base + 5, call.op as u32)?;
+        stmt.raw_bind_parameter(base + 6, call.device)?;
+        stmt.raw_bind_parameter(base + 7, call.size.map(|v| v as i64))?;
+        stmt.raw_bind_parameter(base + 8, call.ptr.map(|v| v as i64))?;
+        stmt.raw_bind_parameter(base + 9, call.ret)?;
+        stmt.raw_bind_parameter(base + 10, call.duration_ns as i64)?;
+        stmt.raw_bind_parameter(base + 11, nonzero(call.aux0))?;
+        stmt.raw_bind_parameter(base + 12, nonzero(call.aux1))?;
+        stmt.raw_bind_parameter(base + 13, call.flags)?;
+    }
+    Ok(())
 }
 
 /// One transaction's worth of rows.

@@ -82,6 +82,13 @@ pub fn boot_time_ns() -> Option<i64> {
     Some(secs * 1_000_000_000)
 }
 
+/// The name of thread `tid` of process `pid`, while it runs.
+pub fn thread_comm(pid: u32, tid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .ok()
+        .map(|s| s.trim_end().to_owned())
+}
+
 pub fn exists(pid: u32) -> bool {
     Path::new("/proc").join(pid.to_string()).exists()
 }
@@ -93,6 +100,16 @@ mod tests {
         let stat =
             "123 (my (odd) name) S 1 123 123 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 10";
         assert_eq!(super::start_ticks(stat), Some(98765));
+    }
+
+    #[test]
+    fn reads_own_thread_name() {
+        let me = std::process::id();
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() } as u32;
+        let name = super::thread_comm(me, tid).unwrap();
+        assert!(!name.is_empty());
+        assert_eq!(super::thread_comm(me, u32::MAX), None);
     }
 
     #[test]

@@ -42,7 +42,8 @@ pub struct CallEvent {
     pub aux1: u64,
     /// Reserved for stack ids (negative: none).
     pub stack_id: i64,
-    /// The calling thread's name (task comm), NUL-padded.
+    /// The calling thread's name (task comm), NUL-padded; sent with a thread's first event
+    /// only (all zero afterwards).
     pub comm: [u8; 16],
 }
 

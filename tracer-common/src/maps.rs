@@ -8,8 +8,9 @@ pub const COUNTERS: &str = "COUNTERS";
 pub const INFLIGHT: &str = "INFLIGHT";
 /// (process, space, pointer) -> size and device of live allocations.
 pub const ALLOCS: &str = "ALLOCS";
-/// thread -> device set by cudaSetDevice.
-pub const THREAD_DEVICE: &str = "THREAD_DEVICE";
+/// (pid << 32 | tid) -> [`ThreadState`]: the device set by cudaSetDevice, and whether the
+/// thread's name was already sent.
+pub const THREADS: &str = "THREADS";
 
 /// Array of one `u32`: set to 1 to stop recording new calls before detaching.
 pub const CONTROL: &str = "CONTROL";
@@ -28,7 +29,7 @@ pub const GLOBAL_FLOOR_MODE: &str = "FLOOR_MODE";
 pub const DEFAULT_RING_BYTES: u32 = 16 << 20;
 pub const INFLIGHT_ENTRIES: u32 = 1 << 16;
 pub const ALLOCS_ENTRIES: u32 = 1 << 20;
-pub const THREAD_DEVICE_ENTRIES: u32 = 1 << 16;
+pub const THREADS_ENTRIES: u32 = 1 << 16;
 
 /// Slots of the [`COUNTERS`] map. Stable: stored with each session.
 #[repr(u32)]
@@ -111,6 +112,17 @@ pub struct AllocInfo {
     pub _pad: u32,
 }
 
+/// Value of [`THREADS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ThreadState {
+    /// Device set by the thread's last successful cudaSetDevice, or -1.
+    pub device: i32,
+    /// 1 once an event of this thread carried its name (task comm): later events leave it
+    /// empty, since reading it costs about a sixth of a traced call.
+    pub comm_sent: u32,
+}
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: each is repr(C), only integers, with explicit padding fields.
@@ -121,4 +133,6 @@ mod pod {
     unsafe impl aya::Pod for super::AllocKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::AllocInfo {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ThreadState {}
 }

@@ -14,7 +14,7 @@ use aya_ebpf::{
 };
 use tracer_common::{
     call::{flags, DEVICE_UNKNOWN},
-    maps::{self as names, AllocInfo, AllocKey, Counter, Inflight, InflightKey},
+    maps::{self as names, AllocInfo, AllocKey, Counter, Inflight, InflightKey, ThreadState},
     probes::{MAX_ARGS, NO_ARG, OP_COUNT},
     CallEvent, EventHeader, OpClass, OpPlan, PLANS,
 };
@@ -24,7 +24,7 @@ use crate::counters::bump;
 #[map(name = "EVENTS")]
 static EVENTS: RingBuf = RingBuf::with_byte_size(names::DEFAULT_RING_BYTES, 0);
 
-// LRU: an entry whose return never comes (thread killed mid-call) must not fill the map.
+// LRU: slots of threads that are gone must not fill the map.
 #[map(name = "INFLIGHT")]
 static INFLIGHT: LruHashMap<InflightKey, Inflight> =
     LruHashMap::with_max_entries(names::INFLIGHT_ENTRIES, 0);
@@ -32,9 +32,10 @@ static INFLIGHT: LruHashMap<InflightKey, Inflight> =
 #[map(name = "ALLOCS")]
 static ALLOCS: HashMap<AllocKey, AllocInfo> = HashMap::with_max_entries(names::ALLOCS_ENTRIES, 0);
 
-#[map(name = "THREAD_DEVICE")]
-static THREAD_DEVICE: LruHashMap<u32, i32> =
-    LruHashMap::with_max_entries(names::THREAD_DEVICE_ENTRIES, 0);
+// Keyed by pid and tid, so a tid reused by another process does not inherit the state.
+#[map(name = "THREADS")]
+static THREADS: LruHashMap<u64, ThreadState> =
+    LruHashMap::with_max_entries(names::THREADS_ENTRIES, 0);
 
 /// Slot 0: non-zero once userspace is stopping; new calls are then ignored (their returns
 /// still complete, so the final drain sees every call that had started).
@@ -136,11 +137,18 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
             }
         }
     }
-    if INFLIGHT
-        .insert(&InflightKey { tid, op }, &state, BPF_ANY as u64)
-        .is_err()
-    {
-        bump(Counter::InflightFull);
+    // A thread's slot is reused from call to call: writing in place is cheaper than a map
+    // update, and the return marks it consumed (ts_ns = 0) instead of deleting it.
+    let key = InflightKey { tid, op };
+    match INFLIGHT.get_ptr_mut(&key) {
+        // SAFETY: only this thread uses the (tid, op) slot, and the pointer is valid for this
+        // program run.
+        Some(slot) => unsafe { *slot = state },
+        None => {
+            if INFLIGHT.insert(&key, &state, BPF_ANY as u64).is_err() {
+                bump(Counter::InflightFull);
+            }
+        }
     }
     0
 }
@@ -157,12 +165,18 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     };
     let (pid, tid) = current_ids();
     let key = InflightKey { tid, op };
-    // SAFETY: copied out before the entry is removed.
-    let Some(state) = (unsafe { INFLIGHT.get(&key) }).copied() else {
+    let Some(slot) = INFLIGHT.get_ptr_mut(&key) else {
         bump(Counter::UnmatchedReturns);
         return 0;
     };
-    let _ = INFLIGHT.remove(&key);
+    // SAFETY: as in call_entry: the slot is this thread's; copy it, then mark it consumed.
+    let state = unsafe { *slot };
+    if state.ts_ns == 0 {
+        bump(Counter::UnmatchedReturns);
+        return 0;
+    }
+    // SAFETY: as above.
+    unsafe { (*slot).ts_ns = 0 };
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i32 = ctx.ret::<u64>() as i32;
@@ -174,10 +188,12 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     let mut ptr = 0u64;
     let mut aux0 = arg_at(args, plan.aux0_arg).unwrap_or(0);
     let mut aux1 = arg_at(args, plan.aux1_arg).unwrap_or(0);
-    // SAFETY: the value is copied out at once.
-    let mut device = unsafe { THREAD_DEVICE.get(&tid) }
-        .copied()
-        .unwrap_or(DEVICE_UNKNOWN);
+    let thread_key = ((pid as u64) << 32) | tid as u64;
+    let thread = THREADS.get_ptr_mut(&thread_key);
+    // SAFETY: a pointer into the map, valid for this run; only this thread writes its slot.
+    let known = thread.map(|t| unsafe { *t });
+    let mut device = known.map_or(DEVICE_UNKNOWN, |t| t.device);
+    let send_comm = known.is_none_or(|t| t.comm_sent == 0);
 
     if let Some(s) = arg_at(args, plan.size_arg) {
         size = s;
@@ -221,7 +237,6 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         }
         if let Some(d) = arg_at(args, plan.device_arg) {
             device = d as i32;
-            let _ = THREAD_DEVICE.insert(&tid, &device, BPF_ANY as u64);
         }
     } else if let Some(d) = arg_at(args, plan.device_arg) {
         // A failed cudaSetDevice still says which device was asked for.
@@ -269,7 +284,29 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         bump(Counter::RingFull);
         return 0;
     };
-    let comm = bpf_get_current_comm().unwrap_or([0; 16]);
+    let comm = if send_comm {
+        bpf_get_current_comm().unwrap_or([0; 16])
+    } else {
+        [0; 16]
+    };
+    let set_device = if ok {
+        arg_at(args, plan.device_arg)
+    } else {
+        None
+    };
+    if send_comm || set_device.is_some() {
+        let next = ThreadState {
+            device: set_device.map_or(known.map_or(DEVICE_UNKNOWN, |t| t.device), |d| d as i32),
+            comm_sent: 1,
+        };
+        match thread {
+            // SAFETY: as above.
+            Some(slot) => unsafe { *slot = next },
+            None => {
+                let _ = THREADS.insert(&thread_key, &next, BPF_ANY as u64);
+            }
+        }
+    }
     entry.write(CallEvent {
         header: EventHeader {
             kind: CallEvent::KIND as u32,

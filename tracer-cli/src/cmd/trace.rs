@@ -582,7 +582,14 @@ fn write_loop(
                 let mut threads = Vec::new();
                 for call in &pending {
                     if threads_seen.insert((call.pid, call.tid)) {
-                        threads.push((call.pid, call.tid, call.comm.clone()));
+                        // The kernel sends a thread's name with its first event only; if that
+                        // one was lost, ask /proc.
+                        let comm = if call.comm.is_empty() {
+                            procinfo::thread_comm(call.pid, call.tid).unwrap_or_default()
+                        } else {
+                            call.comm.clone()
+                        };
+                        threads.push((call.pid, call.tid, comm));
                     }
                 }
                 store.write_batch(&Batch {

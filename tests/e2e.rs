@@ -73,7 +73,7 @@ fn sim() -> &'static Path {
 fn sim_copy(dir: &Path) -> PathBuf {
     let out = dir.join("sim");
     std::fs::create_dir_all(&out).unwrap();
-    for f in ["libcudart.so.12", "libcuda.so.1", "simdriver"] {
+    for f in ["libcudart.so.12", "libcuda.so.1", "simdriver", "staticapp"] {
         std::fs::copy(sim().join(f), out.join(f)).unwrap();
     }
     out
@@ -462,6 +462,70 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
         .unwrap()
         .to_owned();
     assert!(libs.contains("\"origin\":\"mapped\""), "{libs}");
+}
+
+#[test]
+fn a_statically_linked_program_is_found_in_its_own_symbols() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let (sim, db) = (&fx.sim, &fx.db);
+    let trace = Trace::start(db, &["--quiet"]);
+    let out = Command::new(sim.join("staticapp"))
+        .args(["100", "2500"])
+        .output()
+        .unwrap();
+    let (_, stderr) = trace.stop(SIGINT);
+    let rep = report(out);
+    let pid = rep["pid"].as_i64().unwrap();
+    assert!(stderr.contains("staticapp (static, "), "{stderr}");
+    for op in ["cudaMalloc", "cudaFree"] {
+        let n = scalar(db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op = '{op}' AND ret = 0 AND size = 4096"));
+        assert_eq!(n, 100, "{op}");
+    }
+}
+
+#[test]
+fn max_db_deletes_the_oldest_session_and_says_so() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let (sim, db) = (&fx.sim, &fx.db);
+    let lib = sim.join("libcudart.so.12");
+    let lib = lib.to_str().unwrap();
+    let env = [("SIMCUDA_LATENCY", "default=0")];
+    let trace = Trace::start(db, &["--quiet", "--lib", lib]);
+    report(
+        driver(sim, &["--mix", "pairs", "--iters", "30000"], &env)
+            .output()
+            .unwrap(),
+    );
+    trace.stop(SIGINT);
+    let size = std::fs::metadata(db).unwrap().len();
+    assert!(size > 2 << 20, "first session is {size} bytes");
+    let trace = Trace::start(db, &["--quiet", "--lib", lib, "--max-db", "1MiB"]);
+    report(
+        driver(sim, &["--mix", "pairs", "--iters", "100"], &env)
+            .output()
+            .unwrap(),
+    );
+    let (_, stderr) = trace.stop(SIGINT);
+    assert!(
+        stderr.contains("--max-db: deleted session 1 (60000 events)"),
+        "{stderr}"
+    );
+    let sessions = query(db, "SELECT id, note, events_stored FROM sessions");
+    assert_eq!(sessions.len(), 1);
+    assert_eq!(sessions[0]["id"], 2);
+    assert!(
+        sessions[0]["note"]
+            .as_str()
+            .unwrap()
+            .contains("deleted session 1"),
+        "{}",
+        sessions[0]
+    );
+    assert_eq!(scalar(db, "SELECT count(*) FROM events"), 200);
 }
 
 #[test]

@@ -355,11 +355,16 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
          LIMIT 1 OFFSET (SELECT count(*) / 2 FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0)"
     ));
     assert!(median < 1_000_000, "median cudaMalloc {median} ns");
-    // Each thread's calls carry the device it set.
+    // Each thread's calls carry the device it set; cuMemCreate (and the release of its handle)
+    // the device named in its allocation properties, which simdriver sets to the other one.
+    let physical = "('cuMemCreate', 'cuMemRelease')";
     for t in rep["threads"].as_array().unwrap() {
         let (tid, device) = (t["tid"].as_i64().unwrap(), t["device"].as_i64().unwrap());
-        let wrong = scalar(&db, &format!("SELECT count(*) FROM events WHERE tid = {tid} AND op != 'cudaSetDevice' AND device IS NOT {device}"));
+        let wrong = scalar(&db, &format!("SELECT count(*) FROM events WHERE tid = {tid} AND op != 'cudaSetDevice' AND op NOT IN {physical} AND device IS NOT {device}"));
         assert_eq!(wrong, 0, "thread {tid} on device {device}");
+        let other = (device + 1) % 2;
+        let wrong = scalar(&db, &format!("SELECT count(*) FROM events WHERE tid = {tid} AND op IN {physical} AND device IS NOT {other}"));
+        assert_eq!(wrong, 0, "thread {tid}: cuMemCreate on device {other}");
     }
     assert_eq!(
         scalar(

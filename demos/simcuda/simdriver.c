@@ -189,7 +189,8 @@ static void run_all(struct stats *s, int device) {
         CALL(s, "cuMemAllocManaged", size, cuMemAllocManaged(&d3, size, 1));
         CALL(s, "cuMemAllocFromPoolAsync", size, cuMemAllocFromPoolAsync(&d4, size, NULL, stream));
         CALL(s, "cuMemGetInfo_v2", 0, cuMemGetInfo(&f, &t));
-        struct { int type, handle_types, location_type, location_id; void *meta; } prop = {1, 0, 1, device, NULL};
+        /* The physical memory lives on the next device, not the thread's: tracer reads it from prop. */
+        struct { int type, handle_types, location_type, location_id; void *meta; } prop = {1, 0, 1, (device + 1) % device_count, NULL};
         CALL(s, "cuMemAddressReserve", 4 << 20, cuMemAddressReserve(&va, 4 << 20, 0, 0, 0));
         CALL(s, "cuMemCreate", 2 << 20, cuMemCreate(&handle, 2 << 20, &prop, 0));
         CALL(s, "cuMemMap", 2 << 20, cuMemMap(va, 2 << 20, 0, handle, 0));

@@ -82,6 +82,8 @@ pub enum ArgRole {
     Alignment,
     /// A physical allocation handle passed in (aux0).
     Handle,
+    /// A `const CUmemAllocationProp *`: the device is read from its `location.id`.
+    AllocProp,
 }
 
 /// One traced API.
@@ -356,7 +358,7 @@ pub const PROBES: [ProbeSpec; OP_COUNT] = [
         Driver,
         OpClass::Alloc,
         Space::Handle,
-        &[PtrOut, Size, Ignored, Flags],
+        &[PtrOut, Size, AllocProp, Flags],
     ),
     probe(
         Op::CuMemRelease,
@@ -433,8 +435,13 @@ pub struct OpPlan {
     pub aux0_arg: u8,
     /// Copied into aux1 (flags or width).
     pub aux1_arg: u8,
-    pub _pad: [u8; 6],
+    pub prop_arg: u8,
+    pub _pad: [u8; 5],
 }
+
+/// Offset of `location.id` in CUmemAllocationProp (type, requestedHandleTypes, location.type
+/// are 4-byte enums before it), the same in CUDA 11 to 13.
+pub const ALLOC_PROP_DEVICE_OFFSET: u64 = 12;
 
 const fn plan(spec: &ProbeSpec) -> OpPlan {
     let mut p = OpPlan {
@@ -450,7 +457,8 @@ const fn plan(spec: &ProbeSpec) -> OpPlan {
         height_arg: NO_ARG,
         aux0_arg: NO_ARG,
         aux1_arg: NO_ARG,
-        _pad: [0; 6],
+        prop_arg: NO_ARG,
+        _pad: [0; 5],
     };
     let mut i = 0;
     while i < spec.args.len() {
@@ -467,6 +475,7 @@ const fn plan(spec: &ProbeSpec) -> OpPlan {
             TotalOut => p.total_out_arg = idx,
             PitchOut => p.pitch_out_arg = idx,
             Height => p.height_arg = idx,
+            AllocProp => p.prop_arg = idx,
         }
         i += 1;
     }

@@ -15,7 +15,7 @@ use aya_ebpf::{
 use tracer_common::{
     call::{flags, DEVICE_UNKNOWN},
     maps::{self as names, AllocInfo, AllocKey, Counter, Inflight, InflightKey, ThreadState},
-    probes::{MAX_ARGS, NO_ARG, OP_COUNT},
+    probes::{ALLOC_PROP_DEVICE_OFFSET, MAX_ARGS, NO_ARG, OP_COUNT},
     CallEvent, EventHeader, OpClass, OpPlan, PLANS,
 };
 
@@ -237,6 +237,15 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         }
         if let Some(d) = arg_at(args, plan.device_arg) {
             device = d as i32;
+        }
+        // cuMemCreate names the device in its properties, whatever the thread's context.
+        if let Some(prop) = arg_at(args, plan.prop_arg).filter(|&p| p != 0) {
+            let at = (prop + ALLOC_PROP_DEVICE_OFFSET) as *const i32;
+            // SAFETY: bpf_probe_read_user validates the address; a fault returns an error.
+            match unsafe { bpf_probe_read_user(at) } {
+                Ok(d) => device = d,
+                Err(_) => ev_flags |= flags::READ_FAILED,
+            }
         }
     } else if let Some(d) = arg_at(args, plan.device_arg) {
         // A failed cudaSetDevice still says which device was asked for.

@@ -491,6 +491,49 @@ fn a_statically_linked_program_is_found_in_its_own_symbols() {
 }
 
 #[test]
+fn a_library_inside_another_mount_namespace_is_found_through_proc_root() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let (sim, db) = (&fx.sim, &fx.db);
+    // As in a container: the libraries exist only inside the process's own mount namespace
+    // (a tmpfs over an empty host directory), so only /proc/PID/root reaches them.
+    let mountpoint = sim.parent().unwrap().join("container");
+    std::fs::create_dir(&mountpoint).unwrap();
+    let m = mountpoint.display();
+    let s = sim.display();
+    let script = format!(
+        "mount -t tmpfs none {m} && cp {s}/libcudart.so.12 {s}/libcuda.so.1 {s}/simdriver {m}/ && \
+         exec {m}/simdriver --mix pairs --iters 100 --start-delay-ms 2500"
+    );
+    let trace = Trace::start(db, &["--quiet"]);
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let (_, stderr) = trace.stop(SIGINT);
+    let rep = report(out);
+    let pid = rep["pid"].as_i64().unwrap();
+    assert!(
+        !mountpoint.join("libcudart.so.12").exists(),
+        "the host must not see the container's files"
+    );
+    assert!(
+        stderr.contains(&format!("probing {m}/libcudart.so.12 (mapped")),
+        "{stderr}"
+    );
+    assert_eq!(
+        scalar(
+            db,
+            &format!(
+                "SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0"
+            )
+        ),
+        100
+    );
+}
+
+#[test]
 fn max_db_deletes_the_oldest_session_and_says_so() {
     let Some(fx) = Fixture::new() else {
         return;

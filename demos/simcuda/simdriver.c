@@ -278,16 +278,20 @@ int main(int argc, char **argv) {
     thread_tids = calloc((size_t)opt.threads, sizeof *thread_tids);
     thread_devices = calloc((size_t)opt.threads, sizeof *thread_devices);
     pthread_t *threads = calloc((size_t)opt.threads, sizeof *threads);
-    struct timespec t0, t1;
+    struct timespec t0, t1, c0, c1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
     for (int t = 0; t < opt.threads; t++)
         if (pthread_create(&threads[t], NULL, worker, (void *)(intptr_t)t)) { perror("pthread_create"); return 1; }
     for (int t = 0; t < opt.threads; t++) pthread_join(threads[t], NULL);
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
     if (opt.hold_ms) usleep((useconds_t)opt.hold_ms * 1000);
 
     double elapsed = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
-    printf("{\"pid\":%d,\"elapsed_s\":%.6f,\"threads\":[", getpid(), elapsed);
+    /* CPU time (user + kernel, probes included) is steadier than wall time on a shared VM. */
+    double cpu = (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) / 1e9;
+    printf("{\"pid\":%d,\"elapsed_s\":%.6f,\"cpu_s\":%.6f,\"threads\":[", getpid(), elapsed, cpu);
     for (int t = 0; t < opt.threads; t++)
         printf("%s{\"tid\":%d,\"device\":%d}", t ? "," : "", thread_tids[t], thread_devices[t]);
     printf("],\"ops\":{");

@@ -395,6 +395,46 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
         )),
         "{stdout}"
     );
+    // explain finds the out-of-memory failures and says the same in JSON
+    // and in text.
+    let explain = |args: &[&str]| {
+        let out = tracer_as(
+            None,
+            &[&["explain", "--db", db.to_str().unwrap()][..], args].concat(),
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let report: Value = serde_json::from_str(&explain(&["--json"])).unwrap();
+    let oom = report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == "oom")
+        .expect("an oom chain");
+    assert_eq!(oom["severity"], "HIGH");
+    assert!(
+        oom["root"]
+            .as_str()
+            .unwrap()
+            .starts_with("80 allocation(s) failed"),
+        "{oom}"
+    );
+    let text = explain(&["--per-process"]);
+    assert!(
+        text.contains(&format!("[High] {}", oom["title"].as_str().unwrap())),
+        "{text}"
+    );
+    assert!(text.contains(oom["effect"].as_str().unwrap()), "{text}");
+    assert!(
+        text.contains(&format!("Process: simdriver (PID {pid})")),
+        "{text}"
+    );
+    assert_eq!(report["events_in_window"].as_i64().unwrap(), total);
     // Process and thread metadata.
     let p = &query(&db, &format!("SELECT * FROM processes WHERE pid = {pid}"))[0];
     assert!(

@@ -1,5 +1,6 @@
 //! tracer: eBPF tracing of CUDA memory allocation calls.
 
+mod analysis;
 mod cmd;
 mod decode;
 mod discover;
@@ -41,6 +42,8 @@ enum Command {
     Query(cmd::query::QueryArgs),
     /// Check what tracer needs and whether this machine has it.
     Check(cmd::check::CheckArgs),
+    /// Explain a recorded session: causal chains with their evidence and fixes (no sudo needed).
+    Explain(cmd::explain::ExplainArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
         Command::Trace(args) => cmd::trace::run(args),
         Command::Query(args) => cmd::query::run(args),
         Command::Check(args) => cmd::check::run(args),
+        Command::Explain(args) => cmd::explain::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

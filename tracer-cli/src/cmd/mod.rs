@@ -1,3 +1,4 @@
 pub mod check;
+pub mod explain;
 pub mod query;
 pub mod trace;

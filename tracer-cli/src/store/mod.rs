@@ -1,5 +1,6 @@
 //! SQLite storage: opening (with version and sanity checks), sessions, and batched writes.
 
+pub mod events;
 pub mod readonly;
 mod schema;
 

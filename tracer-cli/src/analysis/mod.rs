@@ -1,0 +1,265 @@
+//! Analysis of recorded calls: per-process tables, outstanding allocations, and causal chains.
+//! Pure functions over [`Event`] lists, so every rule is unit-tested on constructed data.
+
+mod rules;
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::Serialize;
+use tracer_common::{Op, OpClass, Space};
+
+pub use rules::Chain;
+
+/// One stored call, as analysis needs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Event {
+    /// Wall clock at entry, ns since the epoch.
+    pub ts_ns: i64,
+    pub pid: u32,
+    pub tid: u32,
+    pub op: Op,
+    pub device: Option<i32>,
+    pub size: Option<u64>,
+    pub ptr: Option<u64>,
+    pub ret: i32,
+    pub duration_ns: u64,
+    /// Op-specific (free bytes of a MemGetInfo, ...).
+    pub aux0: Option<u64>,
+    /// Op-specific (total bytes of a MemGetInfo, ...).
+    pub aux1: Option<u64>,
+}
+
+impl Event {
+    pub fn class(&self) -> OpClass {
+        self.op.spec().class
+    }
+
+    pub fn space(&self) -> Space {
+        self.op.spec().space
+    }
+
+    pub fn end_ns(&self) -> i64 {
+        self.ts_ns + self.duration_ns as i64
+    }
+}
+
+/// The time range analysed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Window {
+    pub from_ns: i64,
+    pub to_ns: i64,
+}
+
+impl Window {
+    pub fn contains(&self, ts: i64) -> bool {
+        ts >= self.from_ns && ts <= self.to_ns
+    }
+
+    pub fn secs(&self) -> f64 {
+        (self.to_ns - self.from_ns).max(1) as f64 / 1e9
+    }
+}
+
+/// Exact quantile of sorted values (nearest rank).
+pub fn quantile(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct OpRow {
+    pub op: &'static str,
+    pub calls: u64,
+    pub errors: u64,
+    pub p50_ns: u64,
+    pub p99_ns: u64,
+    pub max_ns: u64,
+    /// Bytes of successful allocations or frees.
+    pub bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Outstanding {
+    pub op: &'static str,
+    pub count: u64,
+    pub bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ProcessReport {
+    pub pid: u32,
+    pub comm: Option<String>,
+    pub ops: Vec<OpRow>,
+    /// Allocations made (since the session began) and not freed by the end of the window.
+    pub outstanding: Vec<Outstanding>,
+    pub warnings: Vec<String>,
+}
+
+fn op_rows(events: &[&Event]) -> Vec<OpRow> {
+    let mut by_op: BTreeMap<Op, Vec<&Event>> = BTreeMap::new();
+    for e in events {
+        by_op.entry(e.op).or_default().push(e);
+    }
+    by_op
+        .into_iter()
+        .map(|(op, evs)| {
+            let mut d: Vec<u64> = evs.iter().map(|e| e.duration_ns).collect();
+            d.sort_unstable();
+            let counts_bytes = matches!(op.spec().class, OpClass::Alloc | OpClass::Free);
+            OpRow {
+                op: op.name(),
+                calls: evs.len() as u64,
+                errors: evs.iter().filter(|e| e.ret != 0).count() as u64,
+                p50_ns: quantile(&d, 0.5),
+                p99_ns: quantile(&d, 0.99),
+                max_ns: d.last().copied().unwrap_or(0),
+                bytes: if counts_bytes {
+                    evs.iter()
+                        .filter(|e| e.ret == 0)
+                        .filter_map(|e| e.size)
+                        .sum()
+                } else {
+                    0
+                },
+            }
+        })
+        .collect()
+}
+
+/// Live allocations after replaying `events` (in time order): (pid, space, ptr) -> event.
+pub fn live_allocations<'a>(
+    events: impl IntoIterator<Item = &'a Event>,
+) -> HashMap<(u32, u32, u64), &'a Event> {
+    let mut live = HashMap::new();
+    for e in events {
+        let (Some(ptr), true) = (e.ptr, e.ret == 0) else {
+            continue;
+        };
+        let key = (e.pid, e.space() as u32, ptr);
+        match e.class() {
+            OpClass::Alloc => {
+                live.insert(key, e);
+            }
+            OpClass::Free => {
+                live.remove(&key);
+            }
+            _ => {}
+        }
+    }
+    live
+}
+
+/// p99/p50 at which an allocation op's tail is called out.
+pub const TAIL_RATIO_WARNING: f64 = 10.0;
+
+pub fn per_process(
+    all: &[Event],
+    window: Window,
+    comms: &HashMap<u32, String>,
+) -> Vec<ProcessReport> {
+    let mut pids: Vec<u32> = all
+        .iter()
+        .filter(|e| window.contains(e.ts_ns))
+        .map(|e| e.pid)
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    let live = live_allocations(all.iter().filter(|e| e.ts_ns <= window.to_ns));
+    pids.into_iter()
+        .map(|pid| {
+            let events: Vec<&Event> = all
+                .iter()
+                .filter(|e| e.pid == pid && window.contains(e.ts_ns))
+                .collect();
+            let ops = op_rows(&events);
+            let mut outstanding: BTreeMap<Op, (u64, u64)> = BTreeMap::new();
+            for ((p, _, _), e) in &live {
+                if *p == pid {
+                    let o = outstanding.entry(e.op).or_default();
+                    o.0 += 1;
+                    o.1 += e.size.unwrap_or(0);
+                }
+            }
+            let mut warnings = Vec::new();
+            let (allocs, frees) =
+                events
+                    .iter()
+                    .fold((0u64, 0u64), |(a, f), e| match (e.class(), e.ret) {
+                        (OpClass::Alloc, 0) => (a + 1, f),
+                        (OpClass::Free, 0) => (a, f + 1),
+                        _ => (a, f),
+                    });
+            if allocs > frees {
+                warnings.push(format!(
+                    "malloc/free imbalance: {} allocations without a matching free in the window",
+                    allocs - frees
+                ));
+            }
+            for row in &ops {
+                let op = Op::ALL.iter().find(|o| o.name() == row.op).copied();
+                let is_alloc = op.is_some_and(|o| o.spec().class == OpClass::Alloc);
+                if is_alloc && row.calls >= 20 && row.p50_ns > 0 {
+                    let ratio = row.p99_ns as f64 / row.p50_ns as f64;
+                    if ratio >= TAIL_RATIO_WARNING {
+                        warnings.push(format!(
+                            "{} p99 ({}) is {:.0}x p50 ({}) - fragmentation pressure",
+                            row.op,
+                            crate::units::format_ns(row.p99_ns),
+                            ratio,
+                            crate::units::format_ns(row.p50_ns)
+                        ));
+                    }
+                }
+            }
+            ProcessReport {
+                pid,
+                comm: comms.get(&pid).cloned(),
+                ops,
+                outstanding: outstanding
+                    .into_iter()
+                    .map(|(op, (count, bytes))| Outstanding {
+                        op: op.name(),
+                        count,
+                        bytes,
+                    })
+                    .collect(),
+                warnings,
+            }
+        })
+        .collect()
+}
+
+/// Everything explain shows.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub session: i64,
+    pub window: Window,
+    pub events_in_window: u64,
+    pub processes: Vec<ProcessReport>,
+    pub chains: Vec<Chain>,
+}
+
+/// `all` holds the session's events up to the window's end, in time order (earlier events are
+/// needed to know which allocations are live).
+pub fn analyze(
+    session: i64,
+    all: &[Event],
+    window: Window,
+    comms: &HashMap<u32, String>,
+) -> Report {
+    let mut chains = rules::all(all, window);
+    chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
+    Report {
+        session,
+        window,
+        events_in_window: all.iter().filter(|e| window.contains(e.ts_ns)).count() as u64,
+        processes: per_process(all, window, comms),
+        chains,
+    }
+}
+
+#[cfg(test)]
+mod tests;

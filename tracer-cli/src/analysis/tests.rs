@@ -1,0 +1,368 @@
+//! Each rule on constructed event sets: where it must fire, and where it must not.
+
+use std::collections::HashMap;
+
+use tracer_common::Op;
+
+use super::{rules::Severity, *};
+
+const MS: i64 = 1_000_000;
+const MIB: u64 = 1 << 20;
+
+fn ev(ts_ms: f64, op: Op, size: u64, ptr: u64, ret: i32, dur_us: u64) -> Event {
+    Event {
+        ts_ns: (ts_ms * 1e6) as i64,
+        pid: 10,
+        tid: 11,
+        op,
+        device: Some(0),
+        size: Some(size),
+        ptr: (ptr != 0).then_some(ptr),
+        ret,
+        duration_ns: dur_us * 1000,
+        aux0: None,
+        aux1: None,
+    }
+}
+
+fn window_of(events: &[Event]) -> Window {
+    Window {
+        from_ns: events.first().unwrap().ts_ns,
+        to_ns: events.last().unwrap().end_ns(),
+    }
+}
+
+fn chains(events: &[Event]) -> Vec<Chain> {
+    analyze(1, events, window_of(events), &HashMap::new()).chains
+}
+
+fn rules_fired(events: &[Event]) -> Vec<&'static str> {
+    let mut r: Vec<&str> = chains(events).iter().map(|c| c.rule).collect();
+    r.sort_unstable();
+    r
+}
+
+/// Allocations whose latency grows over time, each kept (held bytes grow too).
+fn growing(latency_growth: bool, free_each: bool) -> Vec<Event> {
+    let mut v = Vec::new();
+    for i in 0..120u64 {
+        let dur = if latency_growth {
+            50 + i * 10
+        } else {
+            50 + (i % 3)
+        };
+        let ptr = 0x1000_0000 + i * 0x10_0000;
+        v.push(ev(i as f64 * 100.0, Op::CudaMalloc, MIB, ptr, 0, dur));
+        if free_each {
+            v.push(ev(i as f64 * 100.0 + 50.0, Op::CudaFree, MIB, ptr, 0, 5));
+        }
+    }
+    v
+}
+
+#[test]
+fn fragmentation_pressure_needs_a_trend_and_growing_reserved_bytes() {
+    let c = chains(&growing(true, false));
+    let frag = c
+        .iter()
+        .find(|c| c.rule == "fragmentation_pressure")
+        .expect("fires");
+    assert_eq!(frag.severity, Severity::High);
+    assert!(frag.effect.contains("climbed from"), "{}", frag.effect);
+    assert!(frag.root.contains("120 allocations"), "{}", frag.root);
+    // Flat latency: no chain. Rising latency but nothing held (each freed): no chain either.
+    assert!(!rules_fired(&growing(false, false)).contains(&"fragmentation_pressure"));
+    assert!(!rules_fired(&growing(true, true)).contains(&"fragmentation_pressure"));
+}
+
+#[test]
+fn one_outlier_is_not_a_trend() {
+    let mut v = growing(false, false);
+    v[100].duration_ns = 50_000_000;
+    assert!(!rules_fired(&v).contains(&"fragmentation_pressure"));
+}
+
+#[test]
+fn allocator_retry_is_failure_frees_then_success_of_the_same_size() {
+    let v = vec![
+        ev(0.0, Op::CudaMalloc, 64 * MIB, 0xa000, 0, 50),
+        ev(1.0, Op::CudaMalloc, 64 * MIB, 0xb000, 0, 50),
+        ev(10.0, Op::CudaMalloc, 256 * MIB, 0, 2, 300),
+        ev(11.0, Op::CudaFree, 64 * MIB, 0xa000, 0, 100),
+        ev(12.0, Op::CudaFree, 64 * MIB, 0xb000, 0, 100),
+        ev(13.0, Op::CudaMalloc, 256 * MIB, 0xc000, 0, 80),
+    ];
+    let c = chains(&v);
+    let retry = c
+        .iter()
+        .find(|c| c.rule == "allocator_retry")
+        .expect("fires");
+    assert!(
+        retry.root.contains("2 frees released 128.0 MiB"),
+        "{}",
+        retry.root
+    );
+    assert!(
+        !c.iter().any(|c| c.rule == "oom"),
+        "a recovered failure is not an OOM"
+    );
+    // Without the frees in between, the success is not a cache flush retry.
+    let no_frees: Vec<Event> = v.iter().filter(|e| e.op != Op::CudaFree).cloned().collect();
+    assert!(!rules_fired(&no_frees).contains(&"allocator_retry"));
+}
+
+#[test]
+fn oom_reports_request_holdings_and_what_meminfo_said() {
+    let mut info = ev(5.0, Op::CudaMemGetInfo, 0, 0, 0, 3);
+    info.size = None;
+    info.aux0 = Some(6 << 30);
+    info.aux1 = Some(16 << 30);
+    let v = vec![
+        ev(0.0, Op::CudaMalloc, 2 << 30, 0xa000, 0, 50),
+        ev(1.0, Op::CudaMalloc, 2 << 30, 0xb000_0000, 0, 50),
+        info,
+        ev(10.0, Op::CudaMalloc, 3 << 30, 0, 2, 400),
+    ];
+    let c = chains(&v);
+    let oom = c.iter().find(|c| c.rule == "oom").expect("fires");
+    assert!(oom.title.contains("3.0 GiB"), "{}", oom.title);
+    assert!(
+        oom.effect.contains("held 4.0 GiB on device 0"),
+        "{}",
+        oom.effect
+    );
+    assert!(
+        oom.effect.contains("6.0 GiB free of 16.0 GiB"),
+        "{}",
+        oom.effect
+    );
+    assert!(oom.effect.contains("contiguous"), "{}", oom.effect);
+    assert_eq!(c[0].rule, "oom", "the most severe chain comes first");
+    // Other errors (an invalid free, error 1) are not out-of-memory.
+    let v = vec![
+        ev(0.0, Op::CudaFree, 0, 0xdead, 1, 5),
+        ev(1.0, Op::CudaMalloc, MIB, 0x1, 0, 5),
+    ];
+    assert!(!rules_fired(&v).contains(&"oom"));
+}
+
+#[test]
+fn leak_needs_steady_growth() {
+    let v = growing(false, false);
+    let c = chains(&v);
+    let leak = c.iter().find(|c| c.rule == "leak").expect("fires");
+    assert!(leak.effect.contains("cudaMalloc: "), "{}", leak.effect);
+    assert!(!rules_fired(&growing(false, true)).contains(&"leak"));
+    // Growth then release: not steady.
+    let mut v = growing(false, false);
+    for (i, e) in v.clone().iter().enumerate().take(100) {
+        v.push(ev(
+            12_000.0 + i as f64,
+            Op::CudaFree,
+            MIB,
+            e.ptr.unwrap(),
+            0,
+            5,
+        ));
+    }
+    assert!(!rules_fired(&v).contains(&"leak"));
+}
+
+#[test]
+fn churn_is_many_short_cycles_of_one_size() {
+    let mut v = Vec::new();
+    for i in 0..200 {
+        v.push(ev(i as f64 * 2.0, Op::CudaMalloc, 4 * MIB, 0x5000, 0, 20));
+        v.push(ev(
+            i as f64 * 2.0 + 1.0,
+            Op::CudaFree,
+            4 * MIB,
+            0x5000,
+            0,
+            5,
+        ));
+    }
+    let c = chains(&v);
+    let churn = c.iter().find(|c| c.rule == "churn").expect("fires");
+    assert!(
+        churn
+            .root
+            .contains("200 cycles of cudaMalloc + free of 4.0 MiB"),
+        "{}",
+        churn.root
+    );
+    // The same cycles spread over a long window are not churn (rate < 10/s).
+    let slow: Vec<Event> = v
+        .iter()
+        .map(|e| Event {
+            ts_ns: e.ts_ns * 100,
+            ..e.clone()
+        })
+        .collect();
+    assert!(!rules_fired(&slow).contains(&"churn"));
+}
+
+#[test]
+fn empty_cache_bursts_release_and_take_back_the_same_sizes() {
+    let mut v = Vec::new();
+    for round in 0..3 {
+        let base = round as f64 * 1000.0;
+        for k in 0..5u64 {
+            v.push(ev(
+                base + k as f64,
+                Op::CudaMalloc,
+                (k + 1) * MIB,
+                0x10_0000 * (k + 1),
+                0,
+                50,
+            ));
+        }
+        for k in 0..5u64 {
+            v.push(ev(
+                base + 100.0 + k as f64,
+                Op::CudaFree,
+                (k + 1) * MIB,
+                0x10_0000 * (k + 1),
+                0,
+                50,
+            ));
+        }
+    }
+    v.sort_by_key(|e| e.ts_ns);
+    let c = chains(&v);
+    let burst = c
+        .iter()
+        .find(|c| c.rule == "empty_cache_churn")
+        .expect("fires");
+    assert!(burst.root.starts_with("2 bursts"), "{}", burst.root);
+    // One burst only (no re-allocation after the last): no chain.
+    let one: Vec<Event> = v.iter().filter(|e| e.ts_ns < 1000 * MS).cloned().collect();
+    assert!(!rules_fired(&one).contains(&"empty_cache_churn"));
+}
+
+#[test]
+fn driver_bypass_ignores_driver_calls_nested_in_runtime_calls() {
+    let mut nested = ev(0.0, Op::CuMemAlloc, MIB, 0x1, 0, 10);
+    nested.ts_ns += 5_000;
+    let v = vec![ev(0.0, Op::CudaMalloc, MIB, 0x1, 0, 50), nested.clone()];
+    assert!(!rules_fired(&v).contains(&"driver_bypass"));
+    let mut alone = nested;
+    alone.ts_ns = 10 * MS;
+    alone.ptr = Some(0x2);
+    let v = vec![ev(0.0, Op::CudaMalloc, MIB, 0x1, 0, 50), alone];
+    let c = chains(&v);
+    let bypass = c.iter().find(|c| c.rule == "driver_bypass").expect("fires");
+    assert!(bypass.root.contains("cuMemAlloc_v2 x1"), "{}", bypass.root);
+}
+
+#[test]
+fn sync_stalls_need_a_real_share_of_the_time() {
+    let stalls: Vec<Event> = (0..10)
+        .map(|i| ev(i as f64 * 100.0, Op::CudaStreamSynchronize, 0, 0, 0, 40_000))
+        .collect();
+    let c = chains(&stalls);
+    let s = c.iter().find(|c| c.rule == "sync_stall").expect("fires");
+    assert!(
+        s.root.contains("10 synchronisation calls took 400ms"),
+        "{}",
+        s.root
+    );
+    let short: Vec<Event> = (0..10)
+        .map(|i| ev(i as f64 * 100.0, Op::CudaStreamSynchronize, 0, 0, 0, 50))
+        .collect();
+    assert!(!rules_fired(&short).contains(&"sync_stall"));
+}
+
+#[test]
+fn periodic_spikes_have_a_period() {
+    let mut v = Vec::new();
+    for i in 0..100u64 {
+        let spike = i % 20 == 0;
+        let ptr = 0x1000 + i * 0x1000;
+        v.push(ev(
+            i as f64 * 50.0,
+            Op::CudaMalloc,
+            MIB,
+            ptr,
+            0,
+            if spike { 2_000 } else { 40 },
+        ));
+        v.push(ev(i as f64 * 50.0 + 10.0, Op::CudaFree, MIB, ptr, 0, 5));
+    }
+    let c = chains(&v);
+    let p = c
+        .iter()
+        .find(|c| c.rule == "periodic_spike")
+        .expect("fires");
+    assert!(p.title.contains("every 1.0s"), "{}", p.title);
+    // The same number of spikes at irregular times: no period.
+    let irregular = [0u64, 3, 4, 40, 41, 90];
+    for e in v.iter_mut().filter(|e| e.op == Op::CudaMalloc) {
+        let i = (e.ts_ns / (50 * MS)) as u64;
+        e.duration_ns = if irregular.contains(&i) {
+            2_000_000
+        } else {
+            40_000
+        };
+    }
+    assert!(!rules_fired(&v).contains(&"periodic_spike"));
+}
+
+#[test]
+fn per_process_table_and_outstanding() {
+    let mut v = growing(false, false);
+    v.push(ev(20_000.0, Op::CudaFree, MIB, 0x1000_0000, 0, 5));
+    let p = per_process(
+        &v,
+        window_of(&v),
+        &HashMap::from([(10, "train".to_string())]),
+    );
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].comm.as_deref(), Some("train"));
+    let malloc = p[0].ops.iter().find(|o| o.op == "cudaMalloc").unwrap();
+    assert_eq!((malloc.calls, malloc.bytes), (120, 120 * MIB));
+    assert_eq!(p[0].outstanding[0].op, "cudaMalloc");
+    assert_eq!(
+        (p[0].outstanding[0].count, p[0].outstanding[0].bytes),
+        (119, 119 * MIB)
+    );
+    assert!(
+        p[0].warnings
+            .iter()
+            .any(|w| w.contains("119 allocations without a matching free")),
+        "{:?}",
+        p[0].warnings
+    );
+}
+
+#[test]
+fn tail_latency_warning() {
+    let mut v: Vec<Event> = (0..100u64)
+        .map(|i| ev(i as f64, Op::CudaMalloc, MIB, 0x100 + i, 0, 65))
+        .collect();
+    v[99].duration_ns = 2_100_000;
+    v[98].duration_ns = 2_100_000;
+    let p = per_process(&v, window_of(&v), &HashMap::new());
+    assert!(
+        p[0].warnings.iter().any(
+            |w| w.contains("cudaMalloc p99 (2.1ms) is 32x p50 (65us) - fragmentation pressure")
+        ),
+        "{:?}",
+        p[0].warnings
+    );
+}
+
+#[test]
+fn the_window_limits_the_statistics_but_not_the_live_set() {
+    let v = growing(false, false);
+    let w = Window {
+        from_ns: 6_000 * MS,
+        to_ns: v.last().unwrap().end_ns(),
+    };
+    let p = per_process(&v, w, &HashMap::new());
+    assert_eq!(p[0].ops[0].calls, 60);
+    assert_eq!(
+        p[0].outstanding[0].count, 120,
+        "allocations before the window are still held"
+    );
+}

@@ -37,8 +37,10 @@ if ! command -v bpf-linker >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/bpf-linke
     --no-default-features --features llvm-22 >&2
 fi
 
-# Tests: gcc builds the simulated CUDA runtime; bpftrace is the benchmark's peer.
+# Tests and demos: gcc builds the simulated CUDA runtime, python3 runs the demo workloads;
+# bpftrace is the benchmark's peer.
 command -v cc >/dev/null 2>&1 || apt_install gcc
+command -v python3 >/dev/null 2>&1 || apt_install python3
 command -v bpftrace >/dev/null 2>&1 || apt_install bpftrace
 
 # The real CUDA 12 runtime, from its PyPI wheel, for the real-runtime test.

@@ -1004,3 +1004,192 @@ fn check_reports_the_machine() {
         assert!(stdout.contains("[ok  ] privileges"), "{stdout}");
     }
 }
+
+/// Runs `tracer demo SCENARIO` and returns (stdout, stderr, the explain report as JSON).
+fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    let mut cmd = Command::new(TRACER);
+    cmd.args(["demo", scenario, "--duration", "10s", "--db"])
+        .arg(&db);
+    if simulated {
+        cmd.arg("--simulated");
+    }
+    let started = Instant::now();
+    let out = cmd.output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(
+        out.status.success(),
+        "demo {scenario} failed:\n{stderr}\n{stdout}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "demo {scenario} took {:?}",
+        started.elapsed()
+    );
+    let json = Command::new(TRACER)
+        .args(["explain", "--json", "--db"])
+        .arg(&db)
+        .output()
+        .unwrap();
+    assert!(
+        json.status.success(),
+        "{}",
+        String::from_utf8_lossy(&json.stderr)
+    );
+    let source = query(&db, "SELECT source FROM sessions")[0]["source"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(source, if simulated { "simulated" } else { "ebpf" });
+    (
+        stdout,
+        stderr,
+        serde_json::from_slice(&json.stdout).unwrap(),
+    )
+}
+
+fn chain<'a>(report: &'a Value, rule: &str) -> &'a Value {
+    report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == rule)
+        .unwrap_or_else(|| panic!("no {rule} chain in {report:#}"))
+}
+
+fn check_demos(simulated: bool) {
+    // incident: fragmentation pressure, and an OOM with memory reported free.
+    let (stdout, stderr, r) = demo("incident", simulated);
+    assert!(
+        stderr.contains("chain formed: ["),
+        "chains are printed as they form: {stderr}"
+    );
+    assert!(stderr.contains("torch.cuda.OutOfMemoryError"), "{stderr}");
+    let frag = chain(&r, "fragmentation_pressure");
+    assert!(
+        frag["effect"]
+            .as_str()
+            .unwrap()
+            .contains("median allocation latency climbed from"),
+        "{frag}"
+    );
+    let oom = chain(&r, "oom");
+    assert_eq!(oom["severity"], "HIGH");
+    assert!(
+        oom["effect"]
+            .as_str()
+            .unwrap()
+            .contains("contiguous block (fragmentation)"),
+        "{oom}"
+    );
+    assert!(
+        stdout.contains(&format!("[High] {}", oom["title"].as_str().unwrap())),
+        "{stdout}"
+    );
+    assert!(stdout.contains("expandable_segments:True"), "{stdout}");
+    // leak: memory held rises through the run.
+    let (_, _, r) = demo("leak", simulated);
+    assert!(
+        chain(&r, "leak")["root"]
+            .as_str()
+            .unwrap()
+            .contains("rising in"),
+        "{r}"
+    );
+    // periodic-spike: a period of about half a second (25 steps of 20 ms).
+    let (_, _, r) = demo("periodic-spike", simulated);
+    let title = chain(&r, "periodic_spike")["title"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        title.contains("every 0.5s") || title.contains("every 0.6s"),
+        "{title}"
+    );
+    // oom: the request the workload died on, 352 MiB.
+    let (_, stderr, r) = demo("oom", simulated);
+    assert!(stderr.contains("Tried to allocate 352.00 MiB"), "{stderr}");
+    assert!(
+        chain(&r, "oom")["title"]
+            .as_str()
+            .unwrap()
+            .contains("352.0 MiB"),
+        "{r}"
+    );
+    // cpu-contention: the loop's waits show as synchronisation stalls.
+    let (_, _, r) = demo("cpu-contention", simulated);
+    chain(&r, "sync_stall");
+}
+
+#[test]
+fn demos_traced_live_show_their_chains() {
+    let Some(_fx) = Fixture::new() else {
+        return;
+    };
+    check_demos(false);
+}
+
+#[test]
+fn demos_without_privileges_use_the_runtimes_own_events() {
+    let _guard = serial();
+    check_demos(true);
+}
+
+#[test]
+fn a_demo_run_by_an_unprivileged_user_says_so_and_still_explains() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let db = dir.path().join("demo.db");
+    let out = tracer_as(
+        Some(NOBODY),
+        &[
+            "demo",
+            "oom",
+            "--duration",
+            "8s",
+            "--db",
+            db.to_str().unwrap(),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("no BPF privileges"), "{stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .contains("[High] out of memory: cudaMalloc of 352.0 MiB failed"));
+    assert_eq!(std::fs::metadata(&db).unwrap().uid(), NOBODY);
+}
+
+#[test]
+fn demo_list_and_bad_scenario() {
+    let out = Command::new(TRACER)
+        .args(["demo", "--list"])
+        .output()
+        .unwrap();
+    let list = String::from_utf8_lossy(&out.stdout);
+    for s in [
+        "incident",
+        "periodic-spike",
+        "leak",
+        "oom",
+        "cpu-contention",
+    ] {
+        assert!(list.contains(s), "{list}");
+    }
+    let out = Command::new(TRACER)
+        .args(["demo", "nosuch"])
+        .output()
+        .unwrap();
+    assert_fails(&out, 2, "unknown scenario \"nosuch\"");
+}

@@ -8,12 +8,18 @@
  *   SIMCUDA_DEVICES      number of devices (default 1)
  *   SIMCUDA_MEM          capacity per device, e.g. 16GiB, 512MiB (default 16GiB)
  *   SIMCUDA_LATENCY      per-op latency, e.g. "cudaMalloc=40us,cudaFree=8us,default=1us"
- *   SIMCUDA_LATENCY_PER_LIVE_NS  extra allocation latency per live allocation on the device
+ *   SIMCUDA_LATENCY_PER_LIVE_NS      extra allocation latency per live allocation on the device
+ *   SIMCUDA_LATENCY_PER_FRAGMENT_NS  extra allocation latency per free range (fragment) on the device
+ *   SIMCUDA_LATENCY_PER_MIB_NS       extra allocation latency per MiB requested (mapping pages)
+ *   SIMCUDA_EVENTS                   log every runtime call to this file (see simcuda.h)
  */
 #define _GNU_SOURCE
 #include "simcuda.h"
 
+#include <fcntl.h>
 #include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,7 +52,7 @@ static struct vec va_free, va_live, mappings;
 static struct handle *handles;
 static size_t handle_count, handle_cap;
 static __thread int current_device = 0;
-static uint64_t latency_per_live_ns;
+static uint64_t latency_per_live_ns, latency_per_fragment_ns, latency_per_mib_ns;
 
 static struct { char name[48]; uint64_t ns; } latencies[MAX_LATENCIES];
 static int latency_count;
@@ -150,6 +156,10 @@ static void init(void) {
     give_range(&va_free, VA_BASE, 1ULL << 44);
     const char *per_live = getenv("SIMCUDA_LATENCY_PER_LIVE_NS");
     if (per_live) latency_per_live_ns = strtoull(per_live, NULL, 10);
+    const char *per_fragment = getenv("SIMCUDA_LATENCY_PER_FRAGMENT_NS");
+    if (per_fragment) latency_per_fragment_ns = strtoull(per_fragment, NULL, 10);
+    const char *per_mib = getenv("SIMCUDA_LATENCY_PER_MIB_NS");
+    if (per_mib) latency_per_mib_ns = strtoull(per_mib, NULL, 10);
     const char *spec = getenv("SIMCUDA_LATENCY");
     if (spec) {
         char *copy = strdup(spec), *save = NULL;
@@ -220,7 +230,9 @@ int sim_alloc(enum sim_space space, size_t size, uint64_t *out) {
         }
     } else {
         struct device *dev = &devices[current_device];
-        extra_ns = latency_per_live_ns * dev->live.len;
+        /* The search gets slower as memory fragments: latency comes out of the model's state. */
+        extra_ns = latency_per_live_ns * dev->live.len + latency_per_fragment_ns * dev->free_ranges.len +
+                   latency_per_mib_ns * (rounded >> 20);
         uint64_t align = rounded >= (2ULL << 20) ? (2ULL << 20) : ALIGN;
         uint64_t addr = take_range(&dev->free_ranges, rounded, align);
         if (!addr) status = SIM_OOM;
@@ -363,4 +375,43 @@ int sim_unmap(uint64_t ptr, size_t size) {
     }
     pthread_mutex_unlock(&lock);
     return status;
+}
+
+uint64_t sim_realtime_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t sim_mono_ns(void) { return now_ns(); }
+
+static int events_fd = -2;
+static pthread_once_t events_once = PTHREAD_ONCE_INIT;
+
+static void open_events(void) {
+    const char *path = getenv("SIMCUDA_EVENTS");
+    events_fd = path && *path ? open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600) : -1;
+}
+
+static void put(char **at, uint64_t v) {
+    if (v == SIM_NONE) *at += sprintf(*at, " -");
+    else *at += sprintf(*at, " %llu", (unsigned long long)v);
+}
+
+void sim_record(const char *op, uint64_t ts_ns, uint64_t mono0, int ret, uint64_t size, uint64_t ptr,
+                uint64_t aux0, uint64_t aux1) {
+    pthread_once(&events_once, open_events);
+    if (events_fd < 0) return;
+    char line[256], *at = line;
+    at += sprintf(at, "%llu %llu %d %ld %s %d %d", (unsigned long long)ts_ns,
+                  (unsigned long long)(now_ns() - mono0), getpid(), (long)syscall(SYS_gettid), op, ret,
+                  current_device);
+    put(&at, size);
+    put(&at, ptr);
+    put(&at, aux0);
+    put(&at, aux1);
+    *at++ = '\n';
+    /* One write per line: appends from several threads and processes do not interleave. */
+    ssize_t n = write(events_fd, line, (size_t)(at - line));
+    (void)n;
 }

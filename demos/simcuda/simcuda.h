@@ -23,6 +23,13 @@ int sim_phys_create(size_t size, uint64_t *handle);
 int sim_phys_release(uint64_t handle);
 int sim_map(uint64_t ptr, size_t size, uint64_t handle);
 int sim_unmap(uint64_t ptr, size_t size);
+/* Event log for runs without eBPF (SIMCUDA_EVENTS=path): one line per call,
+ * "ts_ns dur_ns pid tid op ret device size ptr aux0 aux1", '-' for unknown values. */
+uint64_t sim_realtime_ns(void);
+uint64_t sim_mono_ns(void);
+#define SIM_NONE UINT64_MAX
+void sim_record(const char *op, uint64_t ts_ns, uint64_t mono0, int ret, uint64_t size, uint64_t ptr,
+                uint64_t aux0, uint64_t aux1);
 /* Spends the configured latency of `op` (busy-waiting, as a driver call does). */
 void sim_delay(const char *op);
 #pragma GCC visibility pop

@@ -44,6 +44,8 @@ enum Command {
     Check(cmd::check::CheckArgs),
     /// Explain a recorded session: causal chains with their evidence and fixes (no sudo needed).
     Explain(cmd::explain::ExplainArgs),
+    /// Run a realistic workload on the simulated CUDA runtime, trace it, and explain it (no GPU needed).
+    Demo(cmd::demo::DemoArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +56,7 @@ fn main() -> ExitCode {
         Command::Query(args) => cmd::query::run(args),
         Command::Check(args) => cmd::check::run(args),
         Command::Explain(args) => cmd::explain::run(args),
+        Command::Demo(args) => cmd::demo::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

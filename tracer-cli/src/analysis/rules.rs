@@ -406,6 +406,14 @@ fn leak(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
     if up < 6 || big_drop || last <= first {
         return None;
     }
+    // A start-up ramp is not a leak: ask for a few seconds and a few dozen allocations.
+    let allocs = evs
+        .iter()
+        .filter(|e| window.contains(e.ts_ns) && e.class() == OpClass::Alloc)
+        .count();
+    if window.secs() < 5.0 || allocs < 50 {
+        return None;
+    }
     let live = live_allocations(evs.iter().copied().filter(|e| e.ts_ns <= window.to_ns));
     let mut by_op: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     for e in live.values().filter(|e| window.contains(e.ts_ns)) {
@@ -677,7 +685,7 @@ fn periodic_spike(pid: u32, evs: &[&Event]) -> Option<Chain> {
         .copied()
         .filter(|e| e.duration_ns >= threshold)
         .collect();
-    if spikes.len() < 4 || spikes.len() * 5 > allocs.len() {
+    if spikes.len() < 4 || spikes.len() * 2 > allocs.len() {
         return None;
     }
     let gaps: Vec<f64> = spikes

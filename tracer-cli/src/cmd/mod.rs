@@ -1,4 +1,5 @@
 pub mod check;
+pub mod demo;
 pub mod explain;
 pub mod query;
 pub mod trace;

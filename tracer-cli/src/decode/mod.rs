@@ -2,6 +2,7 @@
 //! field is read; nothing here needs privileges, so it is unit-tested directly.
 
 mod call;
+pub mod simlog;
 
 pub use call::Call;
 

@@ -1,0 +1,163 @@
+"""Training-like workloads on a CUDA runtime (the simulated one), through the caching allocator.
+
+    python3 train.py SCENARIO [--duration 20] [--speed 1.0] [--cudart PATH] [--seed 1]
+
+Scenarios: incident, periodic-spike, leak, oom, cpu-contention. Each prints one JSON line of the
+allocator's own statistics at the end ("result"), and exits 1 with PyTorch's message on OOM.
+"""
+
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from caching_allocator import MIB, CachingAllocator, OutOfMemoryError  # noqa: E402
+
+
+def dataloader_worker(stop_at):
+    """A DataLoader worker decoding samples: pure CPU."""
+    x = 0
+    while time.time() < stop_at:
+        for i in range(20000):
+            x = (x * 31 + i) % 1000003
+
+
+def start_workers(n, seconds):
+    stop_at = time.time() + seconds
+    procs = [multiprocessing.Process(target=dataloader_worker, args=(stop_at,), daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def step_pause(args, seconds):
+    time.sleep(seconds / args.speed)
+
+
+def incident(alloc, args, rng):
+    """Variable sequence lengths fragment the cache, empty_cache() returns segments from between
+    live ones, DataLoader workers compete for the CPU; at the end a request of half the free
+    memory fails although cudaMemGetInfo reports it free: no hole is large enough."""
+    workers = start_workers(4, args.duration)
+    kept = collections.deque()
+    end = time.time() + args.duration * 0.85
+    step = 0
+    while time.time() < end:
+        seq = rng.randint(64, 1024)
+        # Activations scale with the sequence length: sizes vary from step to step, so cached
+        # blocks seldom fit and new segments keep being reserved.
+        tensors = [alloc.malloc(seq * rng.randint(20, 48) * 1024) for _ in range(3)]
+        tensors += [alloc.malloc(rng.randint(1, 900) * 1024) for _ in range(4)]
+        # One activation per step lives on for a while (gradient accumulation, a KV cache).
+        kept.append(tensors.pop(rng.randrange(3)))
+        if len(kept) > 120:
+            alloc.free(kept.popleft())
+        for t in tensors:
+            alloc.free(t)
+        if step % 10 == 0:
+            alloc.mem_get_info()  # what a monitoring sidecar would see
+        if step % 50 == 49:
+            alloc.empty_cache()  # "to save memory": returns segments between live ones
+        alloc.rt.cudaStreamSynchronize(None)
+        step_pause(args, 0.03)
+        step += 1
+    alloc.empty_cache()
+    free, _total = alloc.mem_get_info()
+    request = int(free * 0.5)
+    print(f"step {step}: cudaMemGetInfo reports {free / MIB:.0f} MiB free; allocating {request / MIB:.0f} MiB", flush=True)
+    try:
+        alloc.malloc(request)
+    finally:
+        for w in workers:
+            w.terminate()
+
+
+def periodic_spike(alloc, args, rng):
+    """Every 25 steps a checkpoint empties the cache and allocates a large staging buffer."""
+    end = time.time() + args.duration * 0.9
+    step = 0
+    while time.time() < end:
+        tensors = [alloc.malloc(rng.randint(1, 8) * MIB) for _ in range(4)]
+        for t in tensors:
+            alloc.free(t)
+        if step % 25 == 24:
+            alloc.empty_cache()
+            staging = alloc.malloc(512 * MIB)
+            alloc.free(staging)
+        step_pause(args, 0.02)
+        step += 1
+
+
+def leak(alloc, args, rng):
+    """Losses are kept on the GPU across steps (appended without .item())."""
+    history = []
+    end = time.time() + args.duration * 0.9
+    while time.time() < end:
+        tensors = [alloc.malloc(rng.randint(1, 4) * MIB) for _ in range(3)]
+        history.append(alloc.malloc(256 * 1024))
+        for t in tensors:
+            alloc.free(t)
+        step_pause(args, 0.02)
+
+
+def oom(alloc, args, rng):
+    """The batch grows every step until the device is full."""
+    kept = []
+    batch = 64 * MIB
+    end = time.time() + args.duration * 0.9
+    while time.time() < end:
+        kept.append(alloc.malloc(batch))
+        batch += 32 * MIB
+        alloc.mem_get_info()
+        step_pause(args, 0.6)
+
+
+def cpu_contention(alloc, args, rng):
+    """Six busy workers on a small machine: the training loop waits for the CPU."""
+    workers = start_workers(6, args.duration)
+    end = time.time() + args.duration * 0.9
+    while time.time() < end:
+        tensors = [alloc.malloc(rng.randint(1, 8) * MIB) for _ in range(4)]
+        alloc.rt.cudaStreamSynchronize(None)
+        for t in tensors:
+            alloc.free(t)
+        step_pause(args, 0.01)
+    for w in workers:
+        w.terminate()
+
+
+SCENARIOS = {
+    "incident": incident,
+    "periodic-spike": periodic_spike,
+    "leak": leak,
+    "oom": oom,
+    "cpu-contention": cpu_contention,
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--speed", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--cudart", default=os.environ.get("SIMCUDA_CUDART", "libcudart.so.12"))
+    args = parser.parse_args()
+    alloc = CachingAllocator(args.cudart)
+    status = 0
+    try:
+        SCENARIOS[args.scenario](alloc, args, random.Random(args.seed))
+    except OutOfMemoryError as e:
+        print(f"torch.cuda.OutOfMemoryError: {e}", file=sys.stderr, flush=True)
+        status = 1
+    print(json.dumps({"result": alloc.stats(), "pid": os.getpid()}), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,556 @@
+//! `tracer demo`: realistic training workloads on the simulated CUDA runtime, traced live (with
+//! BPF privileges) or through the runtime's own event log (without), then explained.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    io::{BufRead as _, BufReader, Read as _, Seek as _, SeekFrom, Write as _},
+    os::unix::process::CommandExt as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Context as _, Result};
+use clap::Args;
+use tracer_common::{OpClass, Space};
+
+use crate::{
+    analysis::{self, Window},
+    cmd::explain,
+    decode::simlog,
+    exit::user_error,
+    paths, privileges, procinfo,
+    store::{events, Access, Batch, SessionStart, Store},
+    units::parse_duration,
+};
+
+struct Scenario {
+    name: &'static str,
+    about: &'static str,
+    /// The simulated device: capacity and latencies.
+    env: &'static [(&'static str, &'static str)],
+}
+
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "incident",
+        about: "variable sequence lengths fragment the cache until a request fails with memory \"free\" (background/000)",
+        env: &[
+            ("SIMCUDA_MEM", "3GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
+            ("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000"),
+        ],
+    },
+    Scenario {
+        name: "periodic-spike",
+        about: "a checkpoint every 25 steps empties the cache and allocates a large buffer",
+        env: &[
+            ("SIMCUDA_MEM", "8GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,default=2us"),
+            ("SIMCUDA_LATENCY_PER_MIB_NS", "5000"),
+        ],
+    },
+    Scenario {
+        name: "leak",
+        about: "losses kept on the GPU across steps",
+        env: &[("SIMCUDA_MEM", "8GiB"), ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,default=2us")],
+    },
+    Scenario {
+        name: "oom",
+        about: "the batch grows every step until the device is full",
+        env: &[("SIMCUDA_MEM", "2GiB"), ("SIMCUDA_LATENCY", "cudaMalloc=80us,cudaFree=10us,default=2us")],
+    },
+    Scenario {
+        name: "cpu-contention",
+        about: "six busy DataLoader workers on a small machine; the loop waits on the GPU and the CPU",
+        env: &[
+            ("SIMCUDA_MEM", "8GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,cudaStreamSynchronize=3ms,default=2us"),
+        ],
+    },
+];
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// The scenario (see --list).
+    #[arg(required_unless_present = "list")]
+    pub scenario: Option<String>,
+    /// List the scenarios.
+    #[arg(long)]
+    pub list: bool,
+    /// Run the workload faster (2) or slower (0.5).
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
+    /// How long the workload runs.
+    #[arg(long, value_parser = parse_duration, default_value = "20s")]
+    pub duration: Duration,
+    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
+    #[arg(long, env = paths::DB_ENV)]
+    pub db: Option<PathBuf>,
+    /// Use the simulated runtime's own event log even when eBPF tracing is possible.
+    #[arg(long)]
+    pub simulated: bool,
+}
+
+/// Where the demo's sources live: TRACER_DEMOS, else the source tree this binary was built from.
+fn demos_dir() -> Result<PathBuf> {
+    let candidates = [
+        std::env::var_os("TRACER_DEMOS").map(PathBuf::from),
+        Some(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join("demos"),
+        ),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|d| d.join("simcuda/build.sh").exists() && d.join("workloads/train.py").exists())
+        .ok_or_else(|| {
+            user_error(
+                "demo files not found: set TRACER_DEMOS to the demos/ folder of tracer's sources",
+            )
+        })
+}
+
+/// Builds the simulated runtime when it is missing or older than its sources.
+fn simulated_runtime(demos: &Path) -> Result<PathBuf> {
+    let src = demos.join("simcuda");
+    let out = demos.join("..").join("target").join("simcuda-demo");
+    let lib = out.join("libcudart.so.12");
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let newest_source = std::fs::read_dir(&src)?
+        .flatten()
+        .filter_map(|e| modified(&e.path()))
+        .max();
+    if modified(&lib).is_none() || newest_source > modified(&lib) {
+        eprintln!(
+            "demo: building the simulated CUDA runtime into {}",
+            out.display()
+        );
+        let status = Command::new("bash")
+            .arg(src.join("build.sh"))
+            .arg(&out)
+            .stdout(Stdio::null())
+            .status()
+            .context("run demos/simcuda/build.sh (needs a C compiler: apt-get install gcc)")?;
+        if !status.success() {
+            return Err(anyhow!(
+                "building the simulated CUDA runtime failed ({status})"
+            ));
+        }
+    }
+    Ok(out)
+}
+
+fn workload(
+    demos: &Path,
+    sim: &Path,
+    scenario: &Scenario,
+    args: &DemoArgs,
+    events_log: Option<&Path>,
+) -> Command {
+    let mut cmd = Command::new("python3");
+    cmd.arg(demos.join("workloads/train.py"))
+        .arg(scenario.name)
+        .args([
+            "--duration",
+            &args.duration.as_secs_f64().to_string(),
+            "--speed",
+            &args.speed.to_string(),
+        ])
+        .arg("--cudart")
+        .arg(sim.join("libcudart.so.12"))
+        .envs(scenario.env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(log) = events_log {
+        cmd.env("SIMCUDA_EVENTS", log);
+    }
+    // Never run the workload as root on someone's behalf: it runs as the user who ran sudo.
+    if let Some((uid, gid)) = paths::invoker().owner {
+        cmd.uid(uid).gid(gid);
+    }
+    cmd
+}
+
+pub fn run(args: DemoArgs) -> Result<()> {
+    if args.list {
+        let mut out = std::io::stdout().lock();
+        for s in SCENARIOS {
+            writeln!(out, "{:<16} {}", s.name, s.about)?;
+        }
+        return Ok(());
+    }
+    let name = args.scenario.as_deref().unwrap_or_default();
+    let scenario = SCENARIOS.iter().find(|s| s.name == name).ok_or_else(|| {
+        let names: Vec<&str> = SCENARIOS.iter().map(|s| s.name).collect();
+        user_error(format!(
+            "unknown scenario {name:?}: choose one of {}",
+            names.join(", ")
+        ))
+    })?;
+    if !(args.speed > 0.0 && args.speed.is_finite()) {
+        return Err(user_error(format!(
+            "--speed {} must be a positive number",
+            args.speed
+        )));
+    }
+    let demos = demos_dir()?;
+    let sim = simulated_runtime(&demos)?;
+    let who = paths::invoker();
+    let db = paths::db_path(args.db.as_deref(), &who)?;
+    paths::create_parent_dirs(&db, who.owner)?;
+    let live = !args.simulated && privileges::can_trace().is_ok();
+    let started = Instant::now();
+    let (session, outcome) = if live {
+        run_traced(&sim, &demos, scenario, &args, &db)?
+    } else {
+        if !args.simulated {
+            eprintln!(
+                "demo: no BPF privileges, so the simulated runtime reports its own calls (session marked simulated); run with sudo to trace them live"
+            );
+        }
+        run_simulated(&sim, &demos, scenario, &args, &db, who.owner)?
+    };
+    eprintln!(
+        "demo: {} finished in {:.0}s: {outcome}",
+        scenario.name,
+        started.elapsed().as_secs_f64()
+    );
+    final_report(&db, session)
+}
+
+/// Prints the chains that appeared since the last look.
+struct ChainWatch {
+    seen: BTreeSet<(String, u32)>,
+}
+
+impl ChainWatch {
+    fn look(&mut self, db: &Path, session: i64) {
+        let Ok(store) = Store::open(db, Access::ReadOnly) else {
+            return;
+        };
+        let Ok(info) = events::session(store.conn(), Some(session)) else {
+            return;
+        };
+        let (Some(first), Some(last)) = (info.first_ns, info.last_ns) else {
+            return;
+        };
+        let Ok(all) = events::load(store.conn(), session, last, None) else {
+            return;
+        };
+        let report = analysis::analyze(
+            session,
+            &all,
+            Window {
+                from_ns: first,
+                to_ns: last,
+            },
+            &HashMap::new(),
+        );
+        let calls = report.events_in_window;
+        for chain in &report.chains {
+            if self.seen.insert((chain.rule.to_string(), chain.pid)) {
+                eprintln!(
+                    "demo: +{:>5.1}s chain formed: [{:?}] {} - {}",
+                    (last - first) as f64 / 1e9,
+                    chain.severity,
+                    chain.title,
+                    chain.root
+                );
+            }
+        }
+        eprintln!(
+            "demo: {calls} calls recorded, {} chains",
+            report.chains.len()
+        );
+    }
+}
+
+/// Runs the workload, calling `tick` about every 2 s until it exits; returns its outcome.
+fn supervise(mut child: Child, mut tick: impl FnMut()) -> Result<String> {
+    let stderr = child.stderr.take();
+    let err_reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(mut s) = stderr {
+            let _ = s.read_to_string(&mut text);
+        }
+        text
+    });
+    let mut last = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if last.elapsed() >= Duration::from_secs(2) {
+            tick();
+            last = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let err = err_reader.join().unwrap_or_default();
+    let message = err
+        .lines()
+        .find(|l| l.contains("OutOfMemoryError"))
+        .map(str::to_owned);
+    Ok(match (status.success(), message) {
+        (true, _) => "the workload completed".into(),
+        (false, Some(m)) => format!("the workload died: {m}"),
+        (false, None) => format!("the workload failed ({status}): {}", err.trim()),
+    })
+}
+
+fn run_traced(
+    sim: &Path,
+    demos: &Path,
+    scenario: &Scenario,
+    args: &DemoArgs,
+    db: &Path,
+) -> Result<(i64, String)> {
+    let exe = std::env::current_exe().context("find the tracer executable")?;
+    let mut tracer = Command::new(exe)
+        .arg("trace")
+        .arg("--quiet")
+        .arg("--lib")
+        .arg(sim.join("libcudart.so.12"))
+        .arg("--lib")
+        .arg(sim.join("libcuda.so.1"))
+        .arg("--db")
+        .arg(db)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("start tracer trace")?;
+    let pipe = tracer
+        .stderr
+        .take()
+        .ok_or_else(|| anyhow!("no stderr from tracer trace"))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix("tracer: session ") {
+                let id = rest.split(':').next().and_then(|n| n.parse::<i64>().ok());
+                let _ = tx.send(id);
+            }
+            if line.contains("dropped") || line.contains("stopped") {
+                eprintln!("{line}");
+            }
+        }
+    });
+    let session = match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(Some(id)) => id,
+        _ => {
+            let _ = tracer.kill();
+            return Err(anyhow!(
+                "tracer trace did not start; run `tracer trace --lib {}` to see why",
+                sim.display()
+            ));
+        }
+    };
+    eprintln!(
+        "demo: tracing live with eBPF (session {session}); running the {} workload",
+        scenario.name
+    );
+    let child = workload(demos, sim, scenario, args, None)
+        .spawn()
+        .context("start the workload (python3)")?;
+    let mut watch = ChainWatch {
+        seen: BTreeSet::new(),
+    };
+    let outcome = supervise(child, || watch.look(db, session));
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
+    tracer.wait().context("wait for tracer trace")?;
+    watch.look(db, session);
+    Ok((session, outcome?))
+}
+
+/// Imports new lines of the simulated runtime's log; keeps the pointer -> size map that the
+/// kernel keeps when tracing live, so frees carry their size.
+struct Importer {
+    offset: u64,
+    partial: String,
+    allocs: HashMap<(u32, u32, u64), (u64, Option<i32>)>,
+    threads: BTreeSet<(u32, u32)>,
+    pids: BTreeSet<u32>,
+    boot: Option<i64>,
+}
+
+impl Importer {
+    fn import(&mut self, log: &Path, store: &mut Store, session: i64) -> Result<u64> {
+        let Ok(mut file) = std::fs::File::open(log) else {
+            return Ok(0);
+        };
+        file.seek(SeekFrom::Start(self.offset))?;
+        let mut text = std::mem::take(&mut self.partial);
+        let n = file.read_to_string(&mut text)?;
+        self.offset += n as u64;
+        let complete = text.rfind('\n').map_or(0, |i| i + 1);
+        self.partial = text[complete..].to_owned();
+        let mut calls = Vec::new();
+        let mut threads = Vec::new();
+        let mut processes = Vec::new();
+        for line in text[..complete].lines() {
+            let Some(mut call) = simlog::parse_line(line) else {
+                continue;
+            };
+            let spec = call.op.spec();
+            if let Some(ptr) = call.ptr {
+                let key = (call.pid, spec.space as u32, ptr);
+                match (spec.class, call.ret) {
+                    (OpClass::Alloc, 0) if spec.space != Space::None => {
+                        self.allocs
+                            .insert(key, (call.size.unwrap_or(0), call.device));
+                    }
+                    (OpClass::Free, ret) => {
+                        let found = if ret == 0 {
+                            self.allocs.remove(&key)
+                        } else {
+                            self.allocs.get(&key).copied()
+                        };
+                        if let Some((size, device)) = found {
+                            call.size = Some(size);
+                            call.device = device;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if self.threads.insert((call.pid, call.tid)) {
+                let comm =
+                    procinfo::thread_comm(call.pid, call.tid).unwrap_or_else(|| "python3".into());
+                threads.push((call.pid, call.tid, comm));
+            }
+            if self.pids.insert(call.pid) {
+                processes.push(procinfo::read(
+                    call.pid,
+                    call.ts_mono_ns as i64,
+                    "python3",
+                    self.boot,
+                ));
+            }
+            calls.push(call);
+        }
+        store.write_batch(&Batch {
+            session,
+            wall_offset_ns: 0,
+            calls: &calls,
+            threads: &threads,
+            processes: &processes,
+        })?;
+        Ok(calls.len() as u64)
+    }
+}
+
+fn run_simulated(
+    sim: &Path,
+    demos: &Path,
+    scenario: &Scenario,
+    args: &DemoArgs,
+    db: &Path,
+    owner: Option<(u32, u32)>,
+) -> Result<(i64, String)> {
+    let mut store = Store::open(db, Access::ReadWrite)?;
+    store.chown_files(owner)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64);
+    let session = store.begin_session(&SessionStart {
+        started_ns: now,
+        source: "simulated",
+        host: nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        kernel: String::new(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        pid_filter: None,
+    })?;
+    let log_dir = tempfile_dir()?;
+    let log = log_dir.join("events.log");
+    if let Some((uid, gid)) = owner {
+        nix::unistd::chown(
+            &log_dir,
+            Some(nix::unistd::Uid::from_raw(uid)),
+            Some(nix::unistd::Gid::from_raw(gid)),
+        )?;
+    }
+    let child = workload(demos, sim, scenario, args, Some(&log))
+        .spawn()
+        .context("start the workload (python3)")?;
+    let mut importer = Importer {
+        offset: 0,
+        partial: String::new(),
+        allocs: HashMap::new(),
+        threads: BTreeSet::new(),
+        pids: BTreeSet::new(),
+        boot: procinfo::boot_time_ns(),
+    };
+    let mut watch = ChainWatch {
+        seen: BTreeSet::new(),
+    };
+    let mut failure = None;
+    let outcome = supervise(child, || {
+        if let Err(e) = importer.import(&log, &mut store, session) {
+            failure.get_or_insert(e);
+        }
+        watch.look(db, session);
+    })?;
+    if let Some(e) = failure {
+        return Err(e.context(format!(
+            "import the simulated runtime's events from {}",
+            log.display()
+        )));
+    }
+    let stored = importer.import(&log, &mut store, session)?;
+    let _ = stored;
+    let total: i64 = store.conn().query_row(
+        "SELECT count(*) FROM calls WHERE session_id = ?1",
+        [session],
+        |r| r.get(0),
+    )?;
+    store.set_counters(
+        session,
+        &crate::store::SessionCounters {
+            submitted: total as u64,
+            events_read: total as u64,
+            events_stored: total as u64,
+            ..Default::default()
+        },
+    )?;
+    store.append_note(
+        session,
+        &format!("simulated: events reported by the simulated runtime; {outcome}"),
+    )?;
+    let end = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64);
+    store.end_session(session, end, "complete")?;
+    store.chown_files(owner)?;
+    watch.look(db, session);
+    let _ = std::fs::remove_dir_all(&log_dir);
+    Ok((session, outcome))
+}
+
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("tracer-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    Ok(dir)
+}
+
+fn final_report(db: &Path, session: i64) -> Result<()> {
+    println!();
+    explain::run(explain::ExplainArgs {
+        db: Some(db.to_owned()),
+        session: Some(session),
+        since: None,
+        from: None,
+        to: None,
+        pid: None,
+        per_process: true,
+        json: false,
+    })?;
+    println!();
+    println!("Stored in {} (session {session}): explore with `tracer explain --db {} --json` or `tracer query`.", db.display(), db.display());
+    Ok(())
+}

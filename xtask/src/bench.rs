@@ -333,3 +333,51 @@ pub fn run(args: BenchArgs) -> Result<()> {
     );
     Ok(())
 }
+
+#[derive(Args)]
+pub struct ExplainBenchArgs {
+    /// Calls in the synthetic session.
+    #[arg(long, default_value_t = 10_000_000)]
+    events: u64,
+}
+
+/// Builds a database with one session of `events` synthetic calls and times `tracer explain`.
+pub fn explain(args: ExplainBenchArgs) -> Result<()> {
+    let root = root();
+    run_ok(Command::new("cargo").args(["build", "--release", "--locked", "-p", "tracer-cli"]).current_dir(&root))?;
+    let tracer = root.join("target/release/tracer");
+    let tmp = root.join("target/bench");
+    std::fs::create_dir_all(&tmp)?;
+    let db = tmp.join("explain.db");
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
+    }
+    // A short simulated demo creates the schema (and a first, small session).
+    run_ok(
+        Command::new(&tracer)
+            .args(["demo", "oom", "--simulated", "--duration", "2s", "--db"])
+            .arg(&db)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )?;
+    eprintln!("bench: writing {} synthetic calls", args.events);
+    run_ok(
+        Command::new("python3")
+            .arg(root.join("xtask/scripts/gen_events.py"))
+            .arg(&db)
+            .arg(args.events.to_string()),
+    )?;
+    let started = std::time::Instant::now();
+    let out = Command::new(&tracer)
+        .args(["explain", "--session", "2", "--per-process", "--db"])
+        .arg(&db)
+        .env("TRACER_TIMING", "1")
+        .output()?;
+    let wall = started.elapsed().as_secs_f64();
+    ensure!(out.status.success(), "explain failed: {}", String::from_utf8_lossy(&out.stderr));
+    let timing = String::from_utf8_lossy(&out.stderr);
+    let chains = String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with('[')).count();
+    println!("tracer explain over {} events: {wall:.2} s wall ({}), {chains} chains", args.events, timing.trim());
+    println!("  target: 10,000,000 events in at most 2 s; this run scales to {:.1} s per 10M events", wall * 1e7 / args.events as f64);
+    Ok(())
+}

@@ -14,10 +14,13 @@ struct Cli {
 enum Task {
     /// Measure the cost of tracing side by side: untraced, floor, traced, bpftrace; and throughput.
     Bench(bench::BenchArgs),
+    /// Time `tracer explain` over a session of N synthetic events.
+    BenchExplain(bench::ExplainBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().task {
         Task::Bench(args) => bench::run(args),
+        Task::BenchExplain(args) => bench::explain(args),
     }
 }

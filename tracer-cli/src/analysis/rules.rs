@@ -87,6 +87,40 @@ fn device_allocs<'a>(evs: &[&'a Event]) -> Vec<&'a Event> {
         .collect()
 }
 
+/// Bytes held (live device allocations and handles) at each of `times` (ascending), in one pass.
+fn held_at(evs: &[&Event], times: &[i64]) -> Vec<u64> {
+    let mut live: HashMap<(u32, u64), u64> = HashMap::new();
+    let mut held = 0u64;
+    let mut out = Vec::with_capacity(times.len());
+    let mut next = 0;
+    for e in evs {
+        while next < times.len() && e.ts_ns > times[next] {
+            out.push(held);
+            next += 1;
+        }
+        if next == times.len() {
+            break;
+        }
+        let (Some(ptr), true) = (e.ptr, e.ret == 0) else { continue };
+        if !matches!(e.space(), Space::Device | Space::Handle) {
+            continue;
+        }
+        let key = (e.space() as u32, ptr);
+        match e.class() {
+            OpClass::Alloc => {
+                held += e.size.unwrap_or(0);
+                if let Some(old) = live.insert(key, e.size.unwrap_or(0)) {
+                    held -= old;
+                }
+            }
+            OpClass::Free => held -= live.remove(&key).unwrap_or(0),
+            _ => {}
+        }
+    }
+    out.resize(times.len(), held);
+    out
+}
+
 fn live_bytes_at(evs: &[&Event], ts: i64) -> u64 {
     live_allocations(evs.iter().copied().filter(|e| e.ts_ns <= ts))
         .values()
@@ -241,10 +275,11 @@ const RETRY_WINDOW_NS: i64 = 2_000_000_000;
 
 /// For a failed allocation: the frees that follow it and the successful retry of the same size.
 fn recovery<'a>(failed: &Event, evs: &[&'a Event]) -> Option<(Vec<&'a Event>, &'a Event)> {
-    let later = evs
+    let from = evs.partition_point(|e| e.ts_ns <= failed.ts_ns);
+    let later = evs[from..]
         .iter()
         .copied()
-        .filter(|e| e.ts_ns > failed.ts_ns && e.ts_ns <= failed.ts_ns + RETRY_WINDOW_NS);
+        .take_while(|e| e.ts_ns <= failed.ts_ns + RETRY_WINDOW_NS);
     let mut frees = Vec::new();
     for e in later {
         if e.class() == OpClass::Free && e.ret == 0 {
@@ -391,12 +426,10 @@ fn oom(pid: u32, everyone: &[Event], evs: &[&Event], in_window: &[&Event]) -> Op
 /// Rule 4: bytes held growing steadily over the window.
 fn leak(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
     const SAMPLES: i64 = 8;
-    let points: Vec<(i64, u64)> = (0..=SAMPLES)
-        .map(|i| {
-            let ts = window.from_ns + (window.to_ns - window.from_ns) * i / SAMPLES;
-            (ts, live_bytes_at(evs, ts))
-        })
+    let times: Vec<i64> = (0..=SAMPLES)
+        .map(|i| window.from_ns + (window.to_ns - window.from_ns) * i / SAMPLES)
         .collect();
+    let points: Vec<(i64, u64)> = times.iter().copied().zip(held_at(evs, &times)).collect();
     let steps = points.windows(2);
     let up = steps.clone().filter(|w| w[1].1 > w[0].1).count();
     let big_drop = steps
@@ -511,42 +544,44 @@ fn churn(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
 fn empty_cache_churn(pid: u32, evs: &[&Event]) -> Option<Chain> {
     const BURST_NS: i64 = 50_000_000;
     const MIN_BURST: usize = 4;
-    let frees: Vec<&Event> = evs
-        .iter()
-        .copied()
-        .filter(|e| e.class() == OpClass::Free && e.ret == 0 && e.space() == Space::Device)
-        .collect();
+    // A release phase: consecutive successful frees with no allocation between them (what
+    // empty_cache() does), within BURST_NS; then the same sizes are allocated again.
+    let is_free = |e: &Event| e.class() == OpClass::Free && e.ret == 0 && e.space() == Space::Device;
+    let is_alloc = |e: &Event| e.class() == OpClass::Alloc && e.ret == 0;
+    // Against the process's usual pace: a burst's frees come at least ten times faster.
+    let free_count = evs.iter().filter(|e| is_free(e)).count().max(1) as i64;
+    let span = evs.last().map_or(0, |l| l.ts_ns) - evs.first().map_or(0, |f| f.ts_ns);
+    let usual_gap = span / free_count;
     let mut bursts = Vec::new();
     let mut i = 0;
-    while i < frees.len() {
-        let mut j = i;
-        while j + 1 < frees.len() && frees[j + 1].ts_ns - frees[i].ts_ns <= BURST_NS {
-            j += 1;
-        }
-        if j + 1 - i >= MIN_BURST {
-            let sizes: Vec<u64> = frees[i..=j].iter().filter_map(|e| e.size).collect();
-            let end = frees[j].ts_ns;
-            let realloc = evs
-                .iter()
-                .filter(|e| {
-                    e.ts_ns > end
-                        && e.ts_ns <= end + 1_000_000_000
-                        && e.class() == OpClass::Alloc
-                        && e.ret == 0
-                })
-                .filter(|e| e.size.is_some_and(|s| sizes.contains(&s)))
-                .count();
-            if realloc >= MIN_BURST {
-                bursts.push((
-                    frees[i].ts_ns,
-                    j + 1 - i,
-                    sizes.iter().sum::<u64>(),
-                    realloc,
-                ));
-            }
-            i = j + 1;
-        } else {
+    while i < evs.len() {
+        if !is_free(evs[i]) {
             i += 1;
+            continue;
+        }
+        let start = i;
+        let mut run = vec![evs[i]];
+        i += 1;
+        while i < evs.len() && !is_alloc(evs[i]) && evs[i].ts_ns - evs[start].ts_ns <= BURST_NS {
+            if is_free(evs[i]) {
+                run.push(evs[i]);
+            }
+            i += 1;
+        }
+        let run_gap = (run[run.len() - 1].ts_ns - run[0].ts_ns) / (run.len() as i64 - 1).max(1);
+        if run.len() < MIN_BURST || run_gap * 10 > usual_gap {
+            continue;
+        }
+        let sizes: Vec<u64> = run.iter().filter_map(|e| e.size).collect();
+        let end = run[run.len() - 1].ts_ns;
+        let realloc = evs[i..]
+            .iter()
+            .take_while(|e| e.ts_ns <= end + 1_000_000_000)
+            .filter(|e| is_alloc(e) && e.size.is_some_and(|s| sizes.contains(&s)))
+            .take(sizes.len())
+            .count();
+        if realloc >= MIN_BURST {
+            bursts.push((run[0].ts_ns, run.len(), sizes.iter().sum::<u64>(), realloc));
         }
     }
     if bursts.len() < 2 {
@@ -577,20 +612,23 @@ fn empty_cache_churn(pid: u32, evs: &[&Event]) -> Option<Chain> {
 
 /// Rule 6: driver allocations not made inside a runtime call of the same thread.
 fn driver_bypass(pid: u32, evs: &[&Event]) -> Option<Chain> {
-    let runtime: Vec<&Event> = evs
-        .iter()
-        .copied()
-        .filter(|e| e.op.spec().library == Library::Runtime)
-        .collect();
+    // Runtime calls of one thread do not overlap (but for nesting), so the enclosing one, if
+    // any, is the last that started before the driver call.
+    let mut runtime: HashMap<u32, Vec<&Event>> = HashMap::new();
+    for e in evs.iter().copied().filter(|e| e.op.spec().library == Library::Runtime) {
+        runtime.entry(e.tid).or_default().push(e);
+    }
+    let nested = |d: &Event| {
+        runtime.get(&d.tid).is_some_and(|calls| {
+            let i = calls.partition_point(|r| r.ts_ns <= d.ts_ns);
+            i > 0 && d.end_ns() <= calls[i - 1].end_ns()
+        })
+    };
     let bypass: Vec<&Event> = evs
         .iter()
         .copied()
         .filter(|e| e.op.spec().library == Library::Driver && e.class() == OpClass::Alloc)
-        .filter(|d| {
-            !runtime
-                .iter()
-                .any(|r| r.tid == d.tid && r.ts_ns <= d.ts_ns && d.end_ns() <= r.end_ns())
-        })
+        .filter(|d| !nested(d))
         .collect();
     if bypass.is_empty() {
         return None;

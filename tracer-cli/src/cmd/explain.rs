@@ -120,9 +120,14 @@ pub fn run(args: ExplainArgs) -> Result<()> {
             format_utc(window.to_ns)
         )));
     }
+    let t0 = std::time::Instant::now();
     let all = events::load(store.conn(), info.id, window.to_ns, args.pid)?;
     let comms = events::comms(store.conn(), info.id)?;
+    let t1 = std::time::Instant::now();
     let report = analysis::analyze(info.id, &all, window, &comms);
+    if std::env::var_os("TRACER_TIMING").is_some() {
+        eprintln!("explain: load {:?}, analyze {:?}", t1 - t0, t1.elapsed());
+    }
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     if args.json {
         serde_json::to_writer_pretty(&mut out, &report)?;

@@ -1120,9 +1120,21 @@ fn check_demos(simulated: bool) {
             .contains("352.0 MiB"),
         "{r}"
     );
-    // cpu-contention: the loop's waits show as synchronisation stalls.
+    // cpu-contention: the loop's waits show as synchronisation stalls; traced live, the scheduler
+    // record ties them to the time the thread waited for a CPU inside those very calls.
     let (_, _, r) = demo("cpu-contention", simulated);
     chain(&r, "sync_stall");
+    assert_eq!(r["host_context"], !simulated);
+    if !simulated {
+        let cpu = chain(&r, "cpu_contention");
+        assert!(
+            cpu["root"]
+                .as_str()
+                .unwrap()
+                .contains("for a CPU during the"),
+            "{cpu}"
+        );
+    }
 }
 
 #[test]

@@ -1,13 +1,13 @@
 //! Loading the eBPF object and attaching its two programs to every probed symbol of a library.
 
-use std::{collections::BTreeMap, num::NonZeroU32};
+use std::{collections::BTreeMap, num::NonZeroU32, path::Path};
 
 use anyhow::{anyhow, Context as _, Result};
 use aya::{
     maps::{Array, MapData, PerCpuArray, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeLinkId, UProbeScope},
-        UProbe,
+        TracePoint, UProbe,
     },
     Ebpf, EbpfLoader,
 };
@@ -49,15 +49,127 @@ pub struct Probes {
     counters: PerCpuArray<MapData, u64>,
     attached: BTreeMap<FileId, AttachedLibrary>,
     links: Vec<(&'static str, UProbeLinkId)>,
+    /// Whether the scheduler tracepoints are attached (host context), or why not.
+    pub host_context: Result<(), String>,
+}
+
+/// Field offsets in the sched_switch and sched_wakeup records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedOffsets {
+    pub prev_pid: u32,
+    pub prev_state: u32,
+    pub next_pid: u32,
+    pub wakeup_pid: u32,
+}
+
+impl Default for SchedOffsets {
+    fn default() -> Self {
+        SchedOffsets {
+            prev_pid: 24,
+            prev_state: 32,
+            next_pid: 56,
+            wakeup_pid: 24,
+        }
+    }
+}
+
+const TRACEFS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
+
+/// The tracefs mount, mounting it at /sys/kernel/tracing when missing (classic tracepoints are
+/// attached by the id their tracefs entry gives).
+fn tracefs() -> Result<&'static str, String> {
+    if let Some(dir) = TRACEFS
+        .iter()
+        .find(|d| Path::new(d).join("events").is_dir())
+    {
+        return Ok(dir);
+    }
+    let status = std::process::Command::new("mount")
+        .args(["-t", "tracefs", "nodev", TRACEFS[0]])
+        .status()
+        .map_err(|e| format!("mount tracefs: {e}"))?;
+    if status.success() && Path::new(TRACEFS[0]).join("events").is_dir() {
+        eprintln!(
+            "tracer: mounted tracefs at {} (needed by the scheduler tracepoints)",
+            TRACEFS[0]
+        );
+        Ok(TRACEFS[0])
+    } else {
+        Err(format!(
+            "tracefs is not mounted and `mount -t tracefs nodev {}` failed",
+            TRACEFS[0]
+        ))
+    }
+}
+
+/// Offset of `field` in a tracepoint format file ("field:pid_t prev_pid;\toffset:24;...").
+pub fn field_offset(format: &str, field: &str) -> Option<u32> {
+    format.lines().find_map(|line| {
+        let decl = line.trim().strip_prefix("field:")?;
+        let (name_part, rest) = decl.split_once(';')?;
+        let name = name_part.rsplit([' ', '*']).next()?.split('[').next()?;
+        if name != field {
+            return None;
+        }
+        rest.trim()
+            .strip_prefix("offset:")?
+            .split(';')
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+fn sched_offsets() -> Result<SchedOffsets, String> {
+    let dir = tracefs()?;
+    let read = |event: &str| {
+        std::fs::read_to_string(format!("{dir}/events/sched/{event}/format"))
+            .map_err(|e| format!("read the {event} format: {e}"))
+    };
+    let (switch, wakeup) = (read("sched_switch")?, read("sched_wakeup")?);
+    let get = |format: &str, field: &str| {
+        field_offset(format, field)
+            .ok_or_else(|| format!("no field {field} in the tracepoint format"))
+    };
+    Ok(SchedOffsets {
+        prev_pid: get(&switch, "prev_pid")?,
+        prev_state: get(&switch, "prev_state")?,
+        next_pid: get(&switch, "next_pid")?,
+        wakeup_pid: get(&wakeup, "pid")?,
+    })
+}
+
+fn attach_sched(ebpf: &mut Ebpf) -> Result<(), String> {
+    for (name, event) in [
+        (names::PROG_SCHED_SWITCH, "sched_switch"),
+        (names::PROG_SCHED_WAKEUP, "sched_wakeup"),
+    ] {
+        let program: &mut TracePoint = ebpf
+            .program_mut(name)
+            .ok_or_else(|| format!("eBPF object lacks program {name}"))?
+            .try_into()
+            .map_err(|e| format!("{name}: {e}"))?;
+        program.load().map_err(|e| format!("load {name}: {e}"))?;
+        program
+            .attach("sched", event)
+            .map_err(|e| format!("attach tracepoint sched:{event}: {e}"))?;
+    }
+    Ok(())
 }
 
 impl Probes {
     pub fn load(opts: LoadOptions) -> Result<Probes> {
         let floor: u32 = opts.floor.into();
+        let sched = sched_offsets();
+        let offsets = sched.as_ref().map_or(SchedOffsets::default(), |o| *o);
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::EVENTS, opts.ring_bytes)
             .override_global(names::GLOBAL_WAKEUP_BYTES, &opts.wakeup_bytes, true)
             .override_global(names::GLOBAL_FLOOR_MODE, &floor, true)
+            .override_global(names::GLOBAL_PREV_PID_OFF, &offsets.prev_pid, true)
+            .override_global(names::GLOBAL_PREV_STATE_OFF, &offsets.prev_state, true)
+            .override_global(names::GLOBAL_NEXT_PID_OFF, &offsets.next_pid, true)
+            .override_global(names::GLOBAL_WAKEUP_PID_OFF, &offsets.wakeup_pid, true)
             .load(EBPF_OBJECT)
             .context("load the eBPF programs into the kernel")?;
         for (name, kind) in [
@@ -77,11 +189,17 @@ impl Probes {
             .take_map(names::COUNTERS)
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::COUNTERS))?;
         let counters = PerCpuArray::try_from(counters).context("open the counters map")?;
+        let host_context = match sched {
+            Ok(_) if !opts.floor => attach_sched(&mut ebpf),
+            Ok(_) => Err("not in --floor mode".into()),
+            Err(e) => Err(e),
+        };
         Ok(Probes {
             ebpf,
             counters,
             attached: BTreeMap::new(),
             links: Vec::new(),
+            host_context,
         })
     }
 

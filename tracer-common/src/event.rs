@@ -6,12 +6,15 @@
 pub enum EventKind {
     /// A CUDA runtime or driver call, entry and return paired ([`crate::CallEvent`]).
     Call = 1,
+    /// A traced thread's time off the CPU ([`crate::SchedEvent`]).
+    Sched = 2,
 }
 
 impl EventKind {
     pub const fn from_u32(value: u32) -> Option<Self> {
         match value {
             1 => Some(Self::Call),
+            2 => Some(Self::Sched),
             _ => None,
         }
     }

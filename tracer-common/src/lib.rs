@@ -8,9 +8,11 @@ pub mod call;
 pub mod event;
 pub mod maps;
 pub mod probes;
+pub mod sched;
 
 pub use call::CallEvent;
 pub use event::{EventHeader, EventKind};
 pub use probes::{
     ArgRole, Library, Op, OpClass, OpPlan, ProbeSpec, Space, OP_COUNT, PLANS, PROBES,
 };
+pub use sched::SchedEvent;

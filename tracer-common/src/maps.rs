@@ -15,6 +15,20 @@ pub const THREADS: &str = "THREADS";
 /// Array of one `u32`: set to 1 to stop recording new calls before detaching.
 pub const CONTROL: &str = "CONTROL";
 
+/// tid -> pid of threads that made a traced call: the scheduler programs follow only these.
+pub const SCHED_TIDS: &str = "SCHED_TIDS";
+/// tid -> [`crate::sched::OffCpu`] while a followed thread is off the CPU.
+pub const OFFCPU: &str = "OFFCPU";
+/// Tracepoint programs (sched:sched_switch, sched:sched_wakeup).
+pub const PROG_SCHED_SWITCH: &str = "sched_switch";
+pub const PROG_SCHED_WAKEUP: &str = "sched_wakeup";
+/// Globals: field offsets in the tracepoint records, read from tracefs at load time.
+pub const GLOBAL_PREV_PID_OFF: &str = "PREV_PID_OFF";
+pub const GLOBAL_PREV_STATE_OFF: &str = "PREV_STATE_OFF";
+pub const GLOBAL_NEXT_PID_OFF: &str = "NEXT_PID_OFF";
+pub const GLOBAL_WAKEUP_PID_OFF: &str = "WAKEUP_PID_OFF";
+pub const SCHED_TIDS_ENTRIES: u32 = 1 << 16;
+
 /// The entry program, attached as a uprobe to every probed symbol (cookie = op).
 pub const PROG_ENTRY: &str = "call_entry";
 /// The return program, attached as a uretprobe to every probed symbol (cookie = op).
@@ -47,10 +61,14 @@ pub enum Counter {
     AllocMapFull = 4,
     /// Entry states not stored because the in-flight map refused them.
     InflightFull = 5,
+    /// Off-CPU records written by the scheduler programs.
+    SchedSubmitted = 6,
+    /// Off-CPU records lost because the ring buffer was full.
+    SchedRingFull = 7,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 6;
+    pub const COUNT: u32 = 8;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::Entries,
         Counter::Submitted,
@@ -58,6 +76,8 @@ impl Counter {
         Counter::UnmatchedReturns,
         Counter::AllocMapFull,
         Counter::InflightFull,
+        Counter::SchedSubmitted,
+        Counter::SchedRingFull,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -68,6 +88,8 @@ impl Counter {
             Counter::UnmatchedReturns => "unmatched_returns",
             Counter::AllocMapFull => "alloc_map_full",
             Counter::InflightFull => "inflight_full",
+            Counter::SchedSubmitted => "offcpu_submitted",
+            Counter::SchedRingFull => "offcpu_dropped",
         }
     }
 }

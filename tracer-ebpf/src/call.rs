@@ -22,7 +22,7 @@ use tracer_common::{
 use crate::counters::bump;
 
 #[map(name = "EVENTS")]
-static EVENTS: RingBuf = RingBuf::with_byte_size(names::DEFAULT_RING_BYTES, 0);
+pub static EVENTS: RingBuf = RingBuf::with_byte_size(names::DEFAULT_RING_BYTES, 0);
 
 // LRU: slots of threads that are gone must not fill the map.
 #[map(name = "INFLIGHT")]
@@ -40,7 +40,7 @@ static THREADS: LruHashMap<u64, ThreadState> =
 /// Slot 0: non-zero once userspace is stopping; new calls are then ignored (their returns
 /// still complete, so the final drain sees every call that had started).
 #[map(name = "CONTROL")]
-static CONTROL: Array<u32> = Array::with_max_entries(1, 0);
+pub static CONTROL: Array<u32> = Array::with_max_entries(1, 0);
 
 /// Bytes waiting in the ring before the reader is woken; set by userspace at load.
 #[unsafe(no_mangle)]
@@ -51,7 +51,7 @@ static WAKEUP_BYTES: u64 = 0;
 static FLOOR_MODE: u32 = 0;
 
 #[inline(always)]
-fn global<T: Copy>(value: &T) -> T {
+pub fn global<T: Copy>(value: &T) -> T {
     // SAFETY: a read of a global that the loader may have rewritten; volatile keeps the compiler
     // from folding the compile-time value.
     unsafe { core::ptr::read_volatile(value) }
@@ -303,6 +303,10 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     } else {
         None
     };
+    if send_comm {
+        // First event of this thread: let the scheduler programs follow it.
+        let _ = crate::sched::SCHED_TIDS.insert(&tid, &pid, BPF_ANY as u64);
+    }
     if send_comm || set_device.is_some() {
         let next = ThreadState {
             device: set_device.map_or(known.map_or(DEVICE_UNKNOWN, |t| t.device), |d| d as i32),

@@ -4,6 +4,7 @@
 
 mod call;
 mod counters;
+mod sched;
 
 #[cfg(not(test))]
 #[panic_handler]

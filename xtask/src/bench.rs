@@ -344,7 +344,11 @@ pub struct ExplainBenchArgs {
 /// Builds a database with one session of `events` synthetic calls and times `tracer explain`.
 pub fn explain(args: ExplainBenchArgs) -> Result<()> {
     let root = root();
-    run_ok(Command::new("cargo").args(["build", "--release", "--locked", "-p", "tracer-cli"]).current_dir(&root))?;
+    run_ok(
+        Command::new("cargo")
+            .args(["build", "--release", "--locked", "-p", "tracer-cli"])
+            .current_dir(&root),
+    )?;
     let tracer = root.join("target/release/tracer");
     let tmp = root.join("target/bench");
     std::fs::create_dir_all(&tmp)?;
@@ -374,10 +378,24 @@ pub fn explain(args: ExplainBenchArgs) -> Result<()> {
         .env("TRACER_TIMING", "1")
         .output()?;
     let wall = started.elapsed().as_secs_f64();
-    ensure!(out.status.success(), "explain failed: {}", String::from_utf8_lossy(&out.stderr));
+    ensure!(
+        out.status.success(),
+        "explain failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let timing = String::from_utf8_lossy(&out.stderr);
-    let chains = String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with('[')).count();
-    println!("tracer explain over {} events: {wall:.2} s wall ({}), {chains} chains", args.events, timing.trim());
-    println!("  target: 10,000,000 events in at most 2 s; this run scales to {:.1} s per 10M events", wall * 1e7 / args.events as f64);
+    let chains = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with('['))
+        .count();
+    println!(
+        "tracer explain over {} events: {wall:.2} s wall ({}), {chains} chains",
+        args.events,
+        timing.trim()
+    );
+    println!(
+        "  target: 10,000,000 events in at most 2 s; this run scales to {:.1} s per 10M events",
+        wall * 1e7 / args.events as f64
+    );
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Analysis of recorded calls: per-process tables, outstanding allocations, and causal chains.
 //! Pure functions over [`Event`] lists, so every rule is unit-tested on constructed data.
 
+mod host;
 mod rules;
 
 use std::collections::{BTreeMap, HashMap};
@@ -8,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 use tracer_common::{Op, OpClass, Space};
 
+pub use host::{Host, OffSlice};
 pub use rules::Chain;
 
 /// One stored call, as analysis needs it.
@@ -238,6 +240,8 @@ pub struct Report {
     pub session: i64,
     pub window: Window,
     pub events_in_window: u64,
+    /// The scheduler was traced: CPU contention can be tied to the calls it slowed.
+    pub host_context: bool,
     pub processes: Vec<ProcessReport>,
     pub chains: Vec<Chain>,
 }
@@ -247,15 +251,17 @@ pub struct Report {
 pub fn analyze(
     session: i64,
     all: &[Event],
+    host: &Host,
     window: Window,
     comms: &HashMap<u32, String>,
 ) -> Report {
-    let mut chains = rules::all(all, window);
+    let mut chains = rules::all(all, host, window);
     chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
     Report {
         session,
         window,
         events_in_window: all.iter().filter(|e| window.contains(e.ts_ns)).count() as u64,
+        host_context: host.recorded,
         processes: per_process(all, window, comms),
         chains,
     }

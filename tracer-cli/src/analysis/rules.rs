@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 use tracer_common::{Library, OpClass, Space};
 
-use super::{live_allocations, quantile, Event, Window};
+use super::{live_allocations, quantile, Event, Host, Window};
 use crate::units::{format_bytes as b, format_ns as t};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -52,7 +52,7 @@ fn secs_between(a: i64, b: i64) -> f64 {
     (b - a) as f64 / 1e9
 }
 
-pub fn all(events: &[Event], window: Window) -> Vec<Chain> {
+pub fn all(events: &[Event], host: &Host, window: Window) -> Vec<Chain> {
     let mut by_pid: BTreeMap<u32, Vec<&Event>> = BTreeMap::new();
     for e in events {
         by_pid.entry(e.pid).or_default().push(e);
@@ -67,15 +67,16 @@ pub fn all(events: &[Event], window: Window) -> Vec<Chain> {
         if in_window.is_empty() {
             continue;
         }
-        chains.extend(fragmentation_pressure(*pid, evs, &in_window));
+        chains.extend(fragmentation_pressure(*pid, evs, &in_window, host));
         chains.extend(allocator_retry(*pid, &in_window));
         chains.extend(oom(*pid, events, evs, &in_window));
         chains.extend(leak(*pid, evs, window));
         chains.extend(churn(*pid, &in_window, window));
         chains.extend(empty_cache_churn(*pid, &in_window));
         chains.extend(driver_bypass(*pid, &in_window));
-        chains.extend(sync_stall(*pid, &in_window, window));
-        chains.extend(periodic_spike(*pid, &in_window));
+        chains.extend(sync_stall(*pid, &in_window, window, host));
+        chains.extend(periodic_spike(*pid, &in_window, host));
+        chains.extend(cpu_contention(*pid, &in_window, host));
     }
     chains
 }
@@ -101,7 +102,9 @@ fn held_at(evs: &[&Event], times: &[i64]) -> Vec<u64> {
         if next == times.len() {
             break;
         }
-        let (Some(ptr), true) = (e.ptr, e.ret == 0) else { continue };
+        let (Some(ptr), true) = (e.ptr, e.ret == 0) else {
+            continue;
+        };
         if !matches!(e.space(), Space::Device | Space::Handle) {
             continue;
         }
@@ -170,7 +173,7 @@ fn peak_held_per_bucket(all: &[&Event], start: i64, span: i64) -> [u64; BUCKETS]
 
 /// Rule 1: allocation latency climbing over the window (bucket medians, not one outlier) while
 /// the bytes held grow.
-fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event]) -> Option<Chain> {
+fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host) -> Option<Chain> {
     let allocs: Vec<&Event> = device_allocs(evs)
         .into_iter()
         .filter(|e| e.ret == 0)
@@ -248,7 +251,17 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event]) -> Option<Ch
             growth,
             t(quantile(&d, 0.99))
         ),
-        compounding: Vec::new(),
+        compounding: {
+            let p90 = quantile(&d, 0.9);
+            let slow: Vec<&Event> = allocs
+                .iter()
+                .copied()
+                .filter(|e| e.duration_ns >= p90)
+                .collect();
+            host.compounding(&slow, "slowest allocations")
+                .into_iter()
+                .collect()
+        },
         timeline: medians
             .iter()
             .map(|(i, m)| {
@@ -546,7 +559,8 @@ fn empty_cache_churn(pid: u32, evs: &[&Event]) -> Option<Chain> {
     const MIN_BURST: usize = 4;
     // A release phase: consecutive successful frees with no allocation between them (what
     // empty_cache() does), within BURST_NS; then the same sizes are allocated again.
-    let is_free = |e: &Event| e.class() == OpClass::Free && e.ret == 0 && e.space() == Space::Device;
+    let is_free =
+        |e: &Event| e.class() == OpClass::Free && e.ret == 0 && e.space() == Space::Device;
     let is_alloc = |e: &Event| e.class() == OpClass::Alloc && e.ret == 0;
     // Against the process's usual pace: a burst's frees come at least ten times faster.
     let free_count = evs.iter().filter(|e| is_free(e)).count().max(1) as i64;
@@ -615,7 +629,11 @@ fn driver_bypass(pid: u32, evs: &[&Event]) -> Option<Chain> {
     // Runtime calls of one thread do not overlap (but for nesting), so the enclosing one, if
     // any, is the last that started before the driver call.
     let mut runtime: HashMap<u32, Vec<&Event>> = HashMap::new();
-    for e in evs.iter().copied().filter(|e| e.op.spec().library == Library::Runtime) {
+    for e in evs
+        .iter()
+        .copied()
+        .filter(|e| e.op.spec().library == Library::Runtime)
+    {
         runtime.entry(e.tid).or_default().push(e);
     }
     let nested = |d: &Event| {
@@ -666,7 +684,7 @@ fn driver_bypass(pid: u32, evs: &[&Event]) -> Option<Chain> {
 }
 
 /// Rule 7: time spent waiting in synchronisation calls.
-fn sync_stall(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
+fn sync_stall(pid: u32, evs: &[&Event], window: Window, host: &Host) -> Option<Chain> {
     let syncs: Vec<&Event> = evs
         .iter()
         .copied()
@@ -698,7 +716,7 @@ fn sync_stall(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
             t(p99)
         ),
         effect: "the training loop is blocked while the GPU drains its queue".into(),
-        compounding: Vec::new(),
+        compounding: host.compounding(&syncs, "synchronisation calls").into_iter().collect(),
         timeline: vec![entry(worst.ts_ns, format!("longest: {} {}", worst.op.name(), t(worst.duration_ns)))],
         fix: vec!["avoid host syncs in the loop (.item(), .cpu(), printing tensors); use non_blocking copies".into()],
         evidence: format!("{} synchronisation calls", syncs.len()),
@@ -706,7 +724,7 @@ fn sync_stall(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
 }
 
 /// Rule 8: allocation latency spikes at a regular interval.
-fn periodic_spike(pid: u32, evs: &[&Event]) -> Option<Chain> {
+fn periodic_spike(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
     let allocs: Vec<&Event> = device_allocs(evs)
         .into_iter()
         .filter(|e| e.ret == 0)
@@ -751,12 +769,61 @@ fn periodic_spike(pid: u32, evs: &[&Event]) -> Option<Chain> {
             sd / mean * 100.0
         ),
         effect: "a step at that period stalls on allocation".into(),
-        compounding: Vec::new(),
+        compounding: host.compounding(&spikes, "spikes").into_iter().collect(),
         timeline: spikes.iter().take(6).map(|e| entry(e.ts_ns, format!("{} took {}", e.op.name(), t(e.duration_ns)))).collect(),
         fix: vec![
             "find the periodic task (checkpointing, evaluation, logging every N steps) and pre-allocate its buffers".into(),
             FIX_EXPANDABLE.into(),
         ],
         evidence: format!("{} spikes among {} allocations", spikes.len(), allocs.len()),
+    })
+}
+
+/// Host context: the process's slow CUDA calls spent a large share of their time waiting for a
+/// CPU (their own threads runnable but not running), measured where the calls ran.
+fn cpu_contention(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
+    if !host.recorded || evs.len() < 20 {
+        return None;
+    }
+    let mut d: Vec<u64> = evs.iter().map(|e| e.duration_ns).collect();
+    d.sort_unstable();
+    let threshold = quantile(&d, 0.95).max(100_000);
+    let slow: Vec<&Event> = evs
+        .iter()
+        .copied()
+        .filter(|e| e.duration_ns >= threshold)
+        .collect();
+    let o = host.during(&slow);
+    if slow.len() < 10 || o.call_ns == 0 || o.run_queue_ns * 5 < o.call_ns {
+        return None;
+    }
+    let share = o.run_queue_ns as f64 / o.call_ns as f64;
+    let mut ops: BTreeMap<&str, u64> = BTreeMap::new();
+    for e in &slow {
+        *ops.entry(e.op.name()).or_default() += 1;
+    }
+    let listing: Vec<String> = ops.iter().map(|(op, n)| format!("{op} x{n}")).collect();
+    Some(Chain {
+        rule: "cpu_contention",
+        severity: if share >= 0.5 { Severity::High } else { Severity::Medium },
+        pid,
+        title: "CPU contention -> slow CUDA calls".into(),
+        root: format!(
+            "the calling threads waited {} for a CPU during the {} slowest calls ({}; at least {} each): {:.0}% of their {}",
+            t(o.run_queue_ns),
+            slow.len(),
+            listing.join(", "),
+            t(threshold),
+            share * 100.0,
+            t(o.call_ns)
+        ),
+        effect: format!("{} off the CPU in all while inside those calls; the GPU work behind them waits on the host", t(o.off_cpu_ns)),
+        compounding: Vec::new(),
+        timeline: Vec::new(),
+        fix: vec![
+            "fewer DataLoader workers (num_workers) than free cores, or pin them away from the training thread (taskset, cgroups)".into(),
+            "torch.set_num_threads() so intra-op threads do not oversubscribe the cores".into(),
+        ],
+        evidence: format!("{} slow calls and the scheduler's record of their threads", slow.len()),
     })
 }

@@ -33,7 +33,14 @@ fn window_of(events: &[Event]) -> Window {
 }
 
 fn chains(events: &[Event]) -> Vec<Chain> {
-    analyze(1, events, window_of(events), &HashMap::new()).chains
+    analyze(
+        1,
+        events,
+        &Host::default(),
+        window_of(events),
+        &HashMap::new(),
+    )
+    .chains
 }
 
 fn rules_fired(events: &[Event]) -> Vec<&'static str> {
@@ -365,4 +372,84 @@ fn the_window_limits_the_statistics_but_not_the_live_set() {
         p[0].outstanding[0].count, 120,
         "allocations before the window are still held"
     );
+}
+
+fn slow_syncs() -> Vec<Event> {
+    (0..30)
+        .map(|i| ev(i as f64 * 100.0, Op::CudaStreamSynchronize, 0, 0, 0, 12_000))
+        .collect()
+}
+
+fn host_with(slices: Vec<OffSlice>) -> Host {
+    Host::new(slices, true)
+}
+
+#[test]
+fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
+    let v = slow_syncs();
+    let w = window_of(&v);
+    // Preempted for 7 ms inside each 12 ms call: 58% of the calls' time waiting for a CPU.
+    let inside: Vec<OffSlice> = v
+        .iter()
+        .map(|e| OffSlice {
+            tid: e.tid,
+            off_ns: e.ts_ns + MS,
+            on_ns: e.ts_ns + 8 * MS,
+            wakeup_ns: None,
+            preempted: true,
+        })
+        .collect();
+    let c = analyze(1, &v, &host_with(inside.clone()), w, &HashMap::new()).chains;
+    let cpu = c
+        .iter()
+        .find(|c| c.rule == "cpu_contention")
+        .expect("fires");
+    assert_eq!(cpu.severity, Severity::High);
+    assert!(
+        cpu.root
+            .contains("waited 210ms for a CPU during the 30 slowest calls"),
+        "{}",
+        cpu.root
+    );
+    let stall = c
+        .iter()
+        .find(|c| c.rule == "sync_stall")
+        .expect("sync stall");
+    assert!(
+        stall.compounding[0].starts_with("CPU contention"),
+        "{:?}",
+        stall.compounding
+    );
+    // The same waits between the calls (same window, no overlap): no chain, no compounding.
+    let between: Vec<OffSlice> = inside
+        .iter()
+        .map(|s| OffSlice {
+            off_ns: s.off_ns + 20 * MS,
+            on_ns: s.on_ns + 20 * MS,
+            ..s.clone()
+        })
+        .collect();
+    let c = analyze(1, &v, &host_with(between), w, &HashMap::new()).chains;
+    assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
+    assert!(c
+        .iter()
+        .find(|c| c.rule == "sync_stall")
+        .unwrap()
+        .compounding
+        .is_empty());
+    // Blocked (not runnable) inside the calls, woken only at the end: off the CPU but not waiting
+    // for one.
+    let blocked: Vec<OffSlice> = inside
+        .iter()
+        .map(|s| OffSlice {
+            preempted: false,
+            wakeup_ns: Some(s.on_ns - 100_000),
+            ..s.clone()
+        })
+        .collect();
+    let c = analyze(1, &v, &host_with(blocked), w, &HashMap::new()).chains;
+    assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
+    // Without a scheduler record there is nothing to say.
+    let c = analyze(1, &v, &Host::default(), w, &HashMap::new()).chains;
+    assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
 }

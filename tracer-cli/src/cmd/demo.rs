@@ -240,15 +240,14 @@ impl ChainWatch {
         let Ok(all) = events::load(store.conn(), session, last, None) else {
             return;
         };
-        let report = analysis::analyze(
-            session,
-            &all,
-            Window {
-                from_ns: first,
-                to_ns: last,
-            },
-            &HashMap::new(),
-        );
+        let Ok(host) = events::host(store.conn(), session, last, None) else {
+            return;
+        };
+        let window = Window {
+            from_ns: first,
+            to_ns: last,
+        };
+        let report = analysis::analyze(session, &all, &host, window, &HashMap::new());
         let calls = report.events_in_window;
         for chain in &report.chains {
             if self.seen.insert((chain.rule.to_string(), chain.pid)) {
@@ -438,6 +437,7 @@ impl Importer {
             calls: &calls,
             threads: &threads,
             processes: &processes,
+            offcpu: &[],
         })?;
         Ok(calls.len() as u64)
     }

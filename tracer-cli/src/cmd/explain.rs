@@ -124,7 +124,8 @@ pub fn run(args: ExplainArgs) -> Result<()> {
     let all = events::load(store.conn(), info.id, window.to_ns, args.pid)?;
     let comms = events::comms(store.conn(), info.id)?;
     let t1 = std::time::Instant::now();
-    let report = analysis::analyze(info.id, &all, window, &comms);
+    let host = events::host(store.conn(), info.id, window.to_ns, args.pid)?;
+    let report = analysis::analyze(info.id, &all, &host, window, &comms);
     if std::env::var_os("TRACER_TIMING").is_some() {
         eprintln!("explain: load {:?}, analyze {:?}", t1 - t0, t1.elapsed());
     }
@@ -147,12 +148,17 @@ pub fn run(args: ExplainArgs) -> Result<()> {
 fn render(out: &mut impl std::io::Write, r: &Report, ends: &str, per_process: bool) -> Result<()> {
     writeln!(
         out,
-        "Session {}: {} .. {} ({:.0}s, ending at {ends}); {} calls in the window",
+        "Session {}: {} .. {} ({:.0}s, ending at {ends}); {} calls in the window{}",
         r.session,
         format_utc(r.window.from_ns),
         format_utc(r.window.to_ns),
         r.window.secs(),
-        r.events_in_window
+        r.events_in_window,
+        if r.host_context {
+            ""
+        } else {
+            "; no scheduler record (host context), so CPU contention is not assessed"
+        }
     )?;
     if per_process {
         for p in &r.processes {

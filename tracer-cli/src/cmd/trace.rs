@@ -131,6 +131,16 @@ pub fn run(args: TraceArgs) -> Result<()> {
         pid_filter: pid_filter.clone(),
     })?;
     store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
+    let host = match &probes.host_context {
+        Ok(()) => "sched_switch, sched_wakeup".to_string(),
+        Err(e) => {
+            eprintln!(
+                "tracer: no host context (explain cannot tie slow calls to CPU contention): {e}"
+            );
+            format!("off: {e}")
+        }
+    };
+    store.set_host_context(session, &host)?;
     eprintln!(
         "tracer: session {session}: {} probes on {} libraries; writing to {}",
         probes.probe_count(),
@@ -384,6 +394,8 @@ fn snapshot(shared: &Shared, kernel: &[u64; Counter::COUNT as usize]) -> Session
         events_read: shared.events_read.load(Ordering::SeqCst),
         events_stored: shared.events_stored.load(Ordering::SeqCst),
         decode_errors: shared.decode_errors.load(Ordering::SeqCst),
+        offcpu_submitted: kernel[Counter::SchedSubmitted as usize],
+        offcpu_dropped: kernel[Counter::SchedRingFull as usize],
     }
 }
 
@@ -463,6 +475,7 @@ fn read_loop(
         let boot = procinfo::boot_time_ns();
         let mut pids_seen: HashSet<u32> = HashSet::new();
         let mut processes = Vec::new();
+        let mut offcpu = Vec::new();
         loop {
             let stopping = shared.stop.load(Ordering::SeqCst);
             let mut batch = Vec::with_capacity(1024);
@@ -478,18 +491,21 @@ fn read_loop(
                         }
                         batch.push(call);
                     }
+                    Ok(Record::OffCpu(off)) => offcpu.push(off),
                     Err(_) => decode_errors += 1,
                 }
-                if batch.len() >= 8192 {
+                if batch.len() + offcpu.len() >= 8192 {
                     let found = std::mem::take(&mut processes);
-                    deliver(std::mem::take(&mut batch), found, &tx, shared)?;
+                    let off = std::mem::take(&mut offcpu);
+                    deliver(std::mem::take(&mut batch), found, off, &tx, shared)?;
                 }
             }
             shared
                 .decode_errors
                 .fetch_add(decode_errors, Ordering::SeqCst);
-            if !batch.is_empty() {
-                deliver(batch, std::mem::take(&mut processes), &tx, shared)?;
+            if !batch.is_empty() || !offcpu.is_empty() {
+                let off = std::mem::take(&mut offcpu);
+                deliver(batch, std::mem::take(&mut processes), off, &tx, shared)?;
             }
             if stopping {
                 return Ok(());
@@ -507,15 +523,18 @@ fn read_loop(
     result
 }
 
-/// Calls read from the ring, with the processes first seen among them.
+/// Calls read from the ring, with the processes first seen among them, and the traced
+/// threads' off-CPU intervals.
 struct Delivery {
     calls: Vec<Call>,
     processes: Vec<procinfo::ProcessInfo>,
+    offcpu: Vec<decode::OffCpu>,
 }
 
 fn deliver(
     batch: Vec<Call>,
     processes: Vec<procinfo::ProcessInfo>,
+    offcpu: Vec<decode::OffCpu>,
     tx: &SyncSender<Delivery>,
     shared: &Shared,
 ) -> Result<()> {
@@ -530,6 +549,7 @@ fn deliver(
     tx.send(Delivery {
         calls: batch,
         processes,
+        offcpu,
     })
     .map_err(|_| anyhow!("the database writer stopped"))
 }
@@ -553,6 +573,7 @@ fn write_loop(
     let result = (|| -> Result<()> {
         let mut pending: Vec<Call> = Vec::new();
         let mut processes = Vec::new();
+        let mut pending_off = Vec::new();
         let mut threads_seen: HashSet<(u32, u32)> = HashSet::new();
         let mut last_commit = Instant::now();
         let mut last_housekeeping = Instant::now();
@@ -562,9 +583,11 @@ fn write_loop(
                 Ok(first) => {
                     pending.extend(first.calls);
                     processes.extend(first.processes);
+                    pending_off.extend(first.offcpu);
                     while let Ok(more) = rx.try_recv() {
                         pending.extend(more.calls);
                         processes.extend(more.processes);
+                        pending_off.extend(more.offcpu);
                         if pending.len() >= COMMIT_ROWS {
                             break;
                         }
@@ -574,7 +597,7 @@ fn write_loop(
                 Err(RecvTimeoutError::Timeout) => false,
                 Err(RecvTimeoutError::Disconnected) => true,
             };
-            if !pending.is_empty()
+            if (!pending.is_empty() || !pending_off.is_empty())
                 && (disconnected
                     || pending.len() >= COMMIT_ROWS
                     || last_commit.elapsed() >= COMMIT_EVERY)
@@ -598,7 +621,9 @@ fn write_loop(
                     calls: &pending,
                     threads: &threads,
                     processes: &processes,
+                    offcpu: &pending_off,
                 })?;
+                pending_off.clear();
                 shared
                     .events_stored
                     .fetch_add(pending.len() as u64, Ordering::SeqCst);

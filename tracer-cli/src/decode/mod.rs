@@ -2,16 +2,19 @@
 //! field is read; nothing here needs privileges, so it is unit-tested directly.
 
 mod call;
+mod sched;
 pub mod simlog;
 
 pub use call::Call;
+pub use sched::OffCpu;
 
-use tracer_common::{CallEvent, EventHeader, EventKind};
+use tracer_common::{CallEvent, EventHeader, EventKind, SchedEvent};
 
 /// A decoded record.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
     Call(Call),
+    OffCpu(OffCpu),
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -62,6 +65,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
     let expected = match kind {
         EventKind::Call => std::mem::size_of::<CallEvent>(),
+        EventKind::Sched => std::mem::size_of::<SchedEvent>(),
     };
     // The ring buffer may round a record up; the header's length is the truth.
     if header.len as usize != expected || bytes.len() < expected {
@@ -77,6 +81,11 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             let raw: CallEvent =
                 read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
             Call::from_raw(&raw).map(Record::Call)
+        }
+        EventKind::Sched => {
+            let raw: SchedEvent =
+                read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+            OffCpu::from_raw(&raw).map(Record::OffCpu)
         }
     }
 }

@@ -47,7 +47,9 @@ fn layout_has_no_implicit_padding() {
 
 #[test]
 fn decodes_a_call() {
-    let Record::Call(call) = decode(&bytes_of(&raw_call())).unwrap();
+    let Record::Call(call) = decode(&bytes_of(&raw_call())).unwrap() else {
+        panic!("not a call")
+    };
     assert_eq!(call.op, Op::CudaMalloc);
     assert_eq!((call.pid, call.tid, call.ts_mono_ns), (7, 8, 42));
     assert_eq!(call.device, Some(1));
@@ -61,7 +63,9 @@ fn unknown_fields_become_none() {
     let mut raw = raw_call();
     raw.device = -1;
     raw.flags = 0;
-    let Record::Call(call) = decode(&bytes_of(&raw)).unwrap();
+    let Record::Call(call) = decode(&bytes_of(&raw)).unwrap() else {
+        panic!("not a call")
+    };
     assert_eq!((call.device, call.size, call.ptr), (None, None, None));
 }
 
@@ -127,4 +131,49 @@ fn probe_table_names_are_unique_and_variants_do_not_collide() {
             );
         }
     }
+}
+
+#[test]
+fn decodes_an_off_cpu_interval() {
+    let raw = tracer_common::SchedEvent {
+        header: EventHeader {
+            kind: 2,
+            len: tracer_common::SchedEvent::LEN,
+            ts_ns: 100,
+            pid: 7,
+            tid: 8,
+        },
+        on_ns: 250,
+        wakeup_ns: 0,
+        preempted: 1,
+        _pad: 0,
+    };
+    // SAFETY: SchedEvent is repr(C) plain data without padding bytes.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            (&raw as *const tracer_common::SchedEvent).cast::<u8>(),
+            std::mem::size_of_val(&raw),
+        )
+    };
+    let Record::OffCpu(off) = decode(bytes).unwrap() else {
+        panic!("not a sched record")
+    };
+    assert_eq!(
+        (off.pid, off.tid, off.off_mono_ns, off.on_mono_ns),
+        (7, 8, 100, 250)
+    );
+    assert!(off.preempted && off.wakeup_mono_ns.is_none());
+    let mut bad = raw;
+    bad.on_ns = 50;
+    // SAFETY: as above.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            (&bad as *const tracer_common::SchedEvent).cast::<u8>(),
+            std::mem::size_of_val(&bad),
+        )
+    };
+    assert!(matches!(
+        decode(bytes),
+        Err(DecodeError::BadField { field: "on_ns", .. })
+    ));
 }

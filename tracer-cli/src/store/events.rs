@@ -6,7 +6,10 @@ use anyhow::{Context as _, Result};
 use rusqlite::{params, Connection, OptionalExtension as _};
 use tracer_common::Op;
 
-use crate::{analysis::Event, exit::user_error};
+use crate::{
+    analysis::{Event, Host, OffSlice},
+    exit::user_error,
+};
 
 #[derive(Clone, Debug)]
 pub struct SessionInfo {
@@ -101,4 +104,33 @@ pub fn comms(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {
     })?;
     rows.collect::<rusqlite::Result<_>>()
         .context("read processes")
+}
+
+/// The scheduler's record of the session's traced threads (host context), up to `to_ns`.
+pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Host> {
+    let state: Option<String> = conn
+        .query_row(
+            "SELECT host_context FROM sessions WHERE id = ?1",
+            [session],
+            |r| r.get(0),
+        )
+        .context("read the session's host context state")?;
+    let recorded = state.is_some_and(|s| s.starts_with("sched"));
+    let mut stmt = conn.prepare(
+        "SELECT tid, off_ns, on_ns, wakeup_ns, preempted FROM offcpu
+         WHERE session_id = ?1 AND off_ns <= ?2 AND (?3 IS NULL OR pid = ?3)",
+    )?;
+    let rows = stmt.query_map(params![session, to_ns, pid], |r| {
+        Ok(OffSlice {
+            tid: r.get(0)?,
+            off_ns: r.get(1)?,
+            on_ns: r.get(2)?,
+            wakeup_ns: r.get(3)?,
+            preempted: r.get::<_, i64>(4)? != 0,
+        })
+    })?;
+    let slices = rows
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .context("read offcpu")?;
+    Ok(Host::new(slices, recorded))
 }

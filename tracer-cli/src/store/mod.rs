@@ -49,6 +49,8 @@ pub struct SessionCounters {
     pub events_read: u64,
     pub events_stored: u64,
     pub decode_errors: u64,
+    pub offcpu_submitted: u64,
+    pub offcpu_dropped: u64,
 }
 
 pub fn class_name(class: OpClass) -> &'static str {
@@ -240,7 +242,7 @@ impl Store {
             .execute(
                 "UPDATE sessions SET entries = ?2, submitted = ?3, dropped_ring_full = ?4,
                     unmatched_returns = ?5, alloc_map_full = ?6, inflight_full = ?7, events_read = ?8,
-                    events_stored = ?9, decode_errors = ?10
+                    events_stored = ?9, decode_errors = ?10, offcpu_submitted = ?11, offcpu_dropped = ?12
                  WHERE id = ?1",
                 params![
                     session,
@@ -252,7 +254,9 @@ impl Store {
                     c.inflight_full as i64,
                     c.events_read as i64,
                     c.events_stored as i64,
-                    c.decode_errors as i64
+                    c.decode_errors as i64,
+                    c.offcpu_submitted as i64,
+                    c.offcpu_dropped as i64
                 ],
             )
             .with_context(|| format!("store counters of session {session}"))?;
@@ -266,6 +270,16 @@ impl Store {
                 params![session, ended_ns, status],
             )
             .with_context(|| format!("close session {session}"))?;
+        Ok(())
+    }
+
+    pub fn set_host_context(&self, session: i64, state: &str) -> Result<()> {
+        self.conn
+            .execute(
+                "UPDATE sessions SET host_context = ?2 WHERE id = ?1",
+                params![session, state],
+            )
+            .with_context(|| format!("record the host context state of session {session}"))?;
         Ok(())
     }
 
@@ -301,6 +315,21 @@ impl Store {
                     p.cmdline,
                     p.exe,
                     p.cgroup
+                ])?;
+            }
+            let mut off_stmt = tx.prepare_cached(
+                "INSERT INTO offcpu (session_id, pid, tid, off_ns, on_ns, wakeup_ns, preempted) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )?;
+            for o in batch.offcpu {
+                let wall = |mono: u64| mono as i64 + batch.wall_offset_ns;
+                off_stmt.execute(params![
+                    batch.session,
+                    o.pid,
+                    o.tid,
+                    wall(o.off_mono_ns),
+                    wall(o.on_mono_ns),
+                    o.wakeup_mono_ns.map(wall),
+                    o.preempted
                 ])?;
             }
             let mut thread_stmt =
@@ -451,6 +480,7 @@ pub struct Batch<'a> {
     pub calls: &'a [Call],
     pub threads: &'a [(u32, u32, String)],
     pub processes: &'a [ProcessInfo],
+    pub offcpu: &'a [crate::decode::OffCpu],
 }
 
 fn check_readable(path: &Path, access: Access) -> Result<()> {

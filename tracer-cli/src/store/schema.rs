@@ -3,10 +3,11 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
-pub const MIGRATIONS: &[&str] = &[r#"
+pub const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE sessions (
     id                INTEGER PRIMARY KEY,
     started_ns        INTEGER NOT NULL,
@@ -88,4 +89,21 @@ SELECT c.session_id, c.ts_ns, c.pid, c.tid, t.comm, o.name AS op, c.device, c.si
 FROM calls c
 JOIN ops o ON o.id = c.op_id
 LEFT JOIN threads t ON t.session_id = c.session_id AND t.pid = c.pid AND t.tid = c.tid;
-"#];
+"#,
+    // 2: host context - when traced threads were off the CPU.
+    r#"
+CREATE TABLE offcpu (
+    session_id INTEGER NOT NULL,
+    pid        INTEGER NOT NULL,
+    tid        INTEGER NOT NULL,
+    off_ns     INTEGER NOT NULL,
+    on_ns      INTEGER NOT NULL,
+    wakeup_ns  INTEGER,
+    preempted  INTEGER NOT NULL
+);
+CREATE INDEX offcpu_session_tid ON offcpu(session_id, tid, off_ns);
+ALTER TABLE sessions ADD COLUMN offcpu_submitted INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN offcpu_dropped INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN host_context TEXT;
+"#,
+];

@@ -41,6 +41,7 @@ fn write(store: &mut Store, session: i64, calls: &[Call]) {
             calls,
             threads: &threads,
             processes: &[],
+            offcpu: &[],
         })
         .unwrap();
 }
@@ -249,4 +250,42 @@ fn query_guard_allows_reads_and_refuses_the_rest() {
         .query_row("SELECT count(*) FROM calls", [], |r| r.get(0))
         .unwrap();
     assert_eq!(n, 1);
+}
+
+#[test]
+fn migrates_a_version_1_database_and_keeps_its_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v1.db");
+    {
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(super::schema::MIGRATIONS[0]).unwrap();
+        conn.execute_batch(
+            "INSERT INTO sessions (started_ns, status, source, tracer_version) VALUES (1, 'complete', 'ebpf', '0.1.0');
+             INSERT INTO calls (session_id, ts_ns, pid, tid, op_id, ret, duration_ns, flags) VALUES (1, 5, 1, 1, 0, 0, 9, 0);
+             PRAGMA user_version = 1;",
+        )
+        .unwrap();
+    }
+    let err = Store::open(&path, Access::ReadOnly).err().unwrap();
+    assert!(err.to_string().contains("schema version 1"), "{err}");
+    let store = Store::open(&path, Access::ReadWrite).unwrap();
+    let version: i64 = store
+        .conn()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+    let n: i64 = store
+        .conn()
+        .query_row(
+            "SELECT count(*) FROM events WHERE duration_ns = 9",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(n, 1);
+    let off: i64 = store
+        .conn()
+        .query_row("SELECT offcpu_dropped FROM sessions", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(off, 0);
 }

@@ -1,0 +1,101 @@
+//! Host context: when a thread that makes CUDA calls leaves the CPU, and when it comes back
+//! (and whether it was preempted or woken), so explain can tie a slow call to the time its own
+//! thread spent off the CPU.
+
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    helpers::bpf_ktime_get_ns,
+    macros::{map, tracepoint},
+    maps::{HashMap, LruHashMap},
+    programs::TracePointContext,
+};
+use tracer_common::{
+    maps::{self as names, Counter},
+    sched::OffCpu,
+    EventHeader, SchedEvent,
+};
+
+use crate::{
+    call::{global, CONTROL, EVENTS},
+    counters::bump,
+};
+
+#[map(name = "SCHED_TIDS")]
+pub static SCHED_TIDS: LruHashMap<u32, u32> =
+    LruHashMap::with_max_entries(names::SCHED_TIDS_ENTRIES, 0);
+
+#[map(name = "OFFCPU")]
+static OFFCPU: HashMap<u32, OffCpu> = HashMap::with_max_entries(names::SCHED_TIDS_ENTRIES, 0);
+
+/// Offsets of the tracepoint fields, from tracefs (set by userspace at load).
+#[unsafe(no_mangle)]
+static PREV_PID_OFF: u32 = 24;
+#[unsafe(no_mangle)]
+static PREV_STATE_OFF: u32 = 32;
+#[unsafe(no_mangle)]
+static NEXT_PID_OFF: u32 = 56;
+#[unsafe(no_mangle)]
+static WAKEUP_PID_OFF: u32 = 24;
+
+#[tracepoint]
+pub fn sched_switch(ctx: TracePointContext) -> u32 {
+    if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
+        return 0;
+    }
+    // SAFETY: reads within the tracepoint record at offsets taken from its format file.
+    let prev: i32 = unsafe { ctx.read_at(global(&PREV_PID_OFF) as usize) }.unwrap_or(0);
+    // SAFETY: as above.
+    let next: i32 = unsafe { ctx.read_at(global(&NEXT_PID_OFF) as usize) }.unwrap_or(0);
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let prev = prev as u32;
+    // SAFETY: the value is copied out at once.
+    if let Some(pid) = unsafe { SCHED_TIDS.get(&prev) }.copied() {
+        // SAFETY: as above.
+        let state: i64 = unsafe { ctx.read_at(global(&PREV_STATE_OFF) as usize) }.unwrap_or(1);
+        let off = OffCpu {
+            off_ns: now,
+            wakeup_ns: 0,
+            pid,
+            preempted: (state == 0) as u32,
+        };
+        let _ = OFFCPU.insert(&prev, &off, BPF_ANY as u64);
+    }
+    let next = next as u32;
+    // SAFETY: the value is copied out at once, before the entry is removed.
+    let Some(off) = (unsafe { OFFCPU.get(&next) }).copied() else {
+        return 0;
+    };
+    let _ = OFFCPU.remove(&next);
+    let Some(mut entry) = EVENTS.reserve::<SchedEvent>(0) else {
+        bump(Counter::SchedRingFull);
+        return 0;
+    };
+    entry.write(SchedEvent {
+        header: EventHeader {
+            kind: SchedEvent::KIND as u32,
+            len: SchedEvent::LEN,
+            ts_ns: off.off_ns,
+            pid: off.pid,
+            tid: next,
+        },
+        on_ns: now,
+        wakeup_ns: off.wakeup_ns,
+        preempted: off.preempted,
+        _pad: 0,
+    });
+    entry.submit(aya_ebpf::bindings::BPF_RB_NO_WAKEUP as u64);
+    bump(Counter::SchedSubmitted);
+    0
+}
+
+#[tracepoint]
+pub fn sched_wakeup(ctx: TracePointContext) -> u32 {
+    // SAFETY: as in sched_switch.
+    let tid: i32 = unsafe { ctx.read_at(global(&WAKEUP_PID_OFF) as usize) }.unwrap_or(0);
+    if let Some(off) = OFFCPU.get_ptr_mut(&(tid as u32)) {
+        // SAFETY: a pointer into the map for this run; only the wakeup path writes this field.
+        unsafe { (*off).wakeup_ns = bpf_ktime_get_ns() };
+    }
+    0
+}

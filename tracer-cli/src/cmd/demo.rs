@@ -113,10 +113,42 @@ fn demos_dir() -> Result<PathBuf> {
         })
 }
 
+/// Where the simulated runtime is built: the source tree's target/ when this user can write
+/// there, else a private folder of this user's in the temporary directory.
+fn build_dir(demos: &Path) -> Result<PathBuf> {
+    let target = demos.join("..").join("target");
+    let in_tree = target.join("simcuda-demo");
+    let writable = |dir: &Path| nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK).is_ok();
+    if (in_tree.exists() && writable(&in_tree))
+        || (!in_tree.exists() && target.exists() && writable(&target))
+    {
+        return Ok(in_tree);
+    }
+    let uid = nix::unistd::Uid::effective();
+    let private = std::env::temp_dir().join(format!("tracer-simcuda-{uid}"));
+    match std::fs::create_dir(&private) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(anyhow!("create {}: {e}", private.display())),
+    }
+    // Refuse a folder someone else made: the demo loads libraries from it.
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let meta = std::fs::symlink_metadata(&private)
+        .with_context(|| format!("inspect {}", private.display()))?;
+    if !meta.is_dir() || meta.uid() != uid.as_raw() {
+        return Err(user_error(format!(
+            "{} is not a folder of yours: remove it, or set TRACER_DEMOS to a copy of demos/ you can write beside",
+            private.display()
+        )));
+    }
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700))?;
+    Ok(private)
+}
+
 /// Builds the simulated runtime when it is missing or older than its sources.
 fn simulated_runtime(demos: &Path) -> Result<PathBuf> {
     let src = demos.join("simcuda");
-    let out = demos.join("..").join("target").join("simcuda-demo");
+    let out = build_dir(demos)?;
     let lib = out.join("libcudart.so.12");
     let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     let newest_source = std::fs::read_dir(&src)?

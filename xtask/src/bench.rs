@@ -208,13 +208,17 @@ fn query_json(p: &Paths, db: &Path, sql: &str) -> Result<Value> {
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
-    let root = root();
+fn build_release(root: &Path) -> Result<()> {
     run_ok(
         Command::new("cargo")
             .args(["build", "--release", "--locked", "-p", "tracer-cli"])
-            .current_dir(&root),
-    )?;
+            .current_dir(root),
+    )
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let root = root();
+    build_release(&root)?;
     let sim = root.join("target/simcuda-bench");
     run_ok(
         Command::new("bash")
@@ -344,11 +348,7 @@ pub struct ExplainBenchArgs {
 /// Builds a database with one session of `events` synthetic calls and times `tracer explain`.
 pub fn explain(args: ExplainBenchArgs) -> Result<()> {
     let root = root();
-    run_ok(
-        Command::new("cargo")
-            .args(["build", "--release", "--locked", "-p", "tracer-cli"])
-            .current_dir(&root),
-    )?;
+    build_release(&root)?;
     let tracer = root.join("target/release/tracer");
     let tmp = root.join("target/bench");
     std::fs::create_dir_all(&tmp)?;

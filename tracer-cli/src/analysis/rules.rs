@@ -88,39 +88,50 @@ fn device_allocs<'a>(evs: &[&'a Event]) -> Vec<&'a Event> {
         .collect()
 }
 
-/// Bytes held (live device allocations and handles) at each of `times` (ascending), in one pass.
-fn held_at(evs: &[&Event], times: &[i64]) -> Vec<u64> {
-    let mut live: HashMap<(u32, u64), u64> = HashMap::new();
-    let mut held = 0u64;
-    let mut out = Vec::with_capacity(times.len());
-    let mut next = 0;
-    for e in evs {
-        while next < times.len() && e.ts_ns > times[next] {
-            out.push(held);
-            next += 1;
-        }
-        if next == times.len() {
-            break;
-        }
+/// Bytes held (live device allocations and physical handles), replayed call by call.
+#[derive(Default)]
+struct Held {
+    live: HashMap<(u32, u64), u64>,
+    bytes: u64,
+}
+
+impl Held {
+    fn apply(&mut self, e: &Event) {
         let (Some(ptr), true) = (e.ptr, e.ret == 0) else {
-            continue;
+            return;
         };
         if !matches!(e.space(), Space::Device | Space::Handle) {
-            continue;
+            return;
         }
         let key = (e.space() as u32, ptr);
         match e.class() {
             OpClass::Alloc => {
-                held += e.size.unwrap_or(0);
-                if let Some(old) = live.insert(key, e.size.unwrap_or(0)) {
-                    held -= old;
+                let size = e.size.unwrap_or(0);
+                self.bytes += size;
+                if let Some(old) = self.live.insert(key, size) {
+                    self.bytes -= old;
                 }
             }
-            OpClass::Free => held -= live.remove(&key).unwrap_or(0),
+            OpClass::Free => self.bytes -= self.live.remove(&key).unwrap_or(0),
             _ => {}
         }
     }
-    out.resize(times.len(), held);
+}
+
+/// Bytes held at each of `times` (ascending), in one pass.
+fn held_at(evs: &[&Event], times: &[i64]) -> Vec<u64> {
+    let mut held = Held::default();
+    let mut out = Vec::with_capacity(times.len());
+    for e in evs {
+        while out.len() < times.len() && e.ts_ns > times[out.len()] {
+            out.push(held.bytes);
+        }
+        if out.len() == times.len() {
+            break;
+        }
+        held.apply(e);
+    }
+    out.resize(times.len(), held.bytes);
     out
 }
 
@@ -136,36 +147,19 @@ const BUCKETS: usize = 6;
 
 /// Peak bytes held (live device allocations and physical handles) in each of BUCKETS equal
 /// intervals from `start` over `span`.
+/// Which of BUCKETS equal intervals from `start` over `span` holds `ts`.
+fn bucket_of(ts: i64, start: i64, span: i64) -> usize {
+    (((ts - start) as i128 * BUCKETS as i128 / (span as i128 + 1)) as usize).min(BUCKETS - 1)
+}
+
 fn peak_held_per_bucket(all: &[&Event], start: i64, span: i64) -> [u64; BUCKETS] {
-    let mut live: HashMap<(u32, u64), u64> = HashMap::new();
-    let mut held = 0u64;
+    let mut held = Held::default();
     let mut peaks = [0u64; BUCKETS];
-    for e in all {
-        if e.ts_ns > start + span {
-            break;
-        }
-        let (Some(ptr), true) = (e.ptr, e.ret == 0) else {
-            continue;
-        };
-        if !matches!(e.space(), Space::Device | Space::Handle) {
-            continue;
-        }
-        let key = (e.space() as u32, ptr);
-        match e.class() {
-            OpClass::Alloc => {
-                let size = e.size.unwrap_or(0);
-                held += size;
-                if let Some(old) = live.insert(key, size) {
-                    held -= old;
-                }
-            }
-            OpClass::Free => held -= live.remove(&key).unwrap_or(0),
-            _ => {}
-        }
+    for e in all.iter().take_while(|e| e.ts_ns <= start + span) {
+        held.apply(e);
         if e.ts_ns >= start {
-            let i = (((e.ts_ns - start) as i128 * BUCKETS as i128 / (span as i128 + 1)) as usize)
-                .min(BUCKETS - 1);
-            peaks[i] = peaks[i].max(held);
+            let i = bucket_of(e.ts_ns, start, span);
+            peaks[i] = peaks[i].max(held.bytes);
         }
     }
     peaks
@@ -185,9 +179,7 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
     let span = (end - start).max(1);
     let mut buckets: Vec<Vec<u64>> = vec![Vec::new(); BUCKETS];
     for e in &allocs {
-        let i = (((e.ts_ns - start) as i128 * BUCKETS as i128 / (span as i128 + 1)) as usize)
-            .min(BUCKETS - 1);
-        buckets[i].push(e.duration_ns);
+        buckets[bucket_of(e.ts_ns, start, span)].push(e.duration_ns);
     }
     let medians: Vec<(usize, u64)> = buckets
         .iter_mut()

@@ -145,13 +145,13 @@ fn live_bytes_at(evs: &[&Event], ts: i64) -> u64 {
 
 const BUCKETS: usize = 6;
 
-/// Peak bytes held (live device allocations and physical handles) in each of BUCKETS equal
-/// intervals from `start` over `span`.
 /// Which of BUCKETS equal intervals from `start` over `span` holds `ts`.
 fn bucket_of(ts: i64, start: i64, span: i64) -> usize {
     (((ts - start) as i128 * BUCKETS as i128 / (span as i128 + 1)) as usize).min(BUCKETS - 1)
 }
 
+/// Peak bytes held (live device allocations and physical handles) in each of BUCKETS equal
+/// intervals from `start` over `span`.
 fn peak_held_per_bucket(all: &[&Event], start: i64, span: i64) -> [u64; BUCKETS] {
     let mut held = Held::default();
     let mut peaks = [0u64; BUCKETS];

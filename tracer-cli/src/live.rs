@@ -82,27 +82,43 @@ impl LiveView {
     }
 
     pub fn draw(&mut self, status: &Status<'_>) {
-        let mut err = std::io::stderr().lock();
         self.ticks += 1;
         if !self.tty {
             // Redirected output: a status line every 10 s keeps logs readable.
             if self.ticks % 10 == 1 {
-                let _ = writeln!(err, "{}", headline(status));
+                let _ = writeln!(std::io::stderr().lock(), "{}", headline(status));
             }
             return;
         }
         let mut lines = vec![headline(status)];
         lines.extend(op_table(status.stats, status.elapsed));
+        self.redraw(&lines);
+    }
+
+    /// Replaces the lines drawn last with `lines` (on a terminal), or prints them.
+    pub fn redraw(&mut self, lines: &[String]) {
         let mut out = String::new();
-        if self.drawn > 0 {
+        if self.tty && self.drawn > 0 {
             out.push_str(&format!("\x1b[{}F\x1b[J", self.drawn));
         }
-        for l in &lines {
+        for l in lines {
             out.push_str(l);
             out.push('\n');
         }
-        self.drawn = lines.len();
-        let _ = err.write_all(out.as_bytes());
+        self.drawn = if self.tty { lines.len() } else { 0 };
+        let _ = std::io::stderr().lock().write_all(out.as_bytes());
+    }
+
+    /// Erases the lines drawn last, so that other output can follow the table's place.
+    pub fn clear(&mut self) {
+        if self.tty && self.drawn > 0 {
+            let _ = write!(std::io::stderr().lock(), "\x1b[{}F\x1b[J", self.drawn);
+        }
+        self.drawn = 0;
+    }
+
+    pub fn is_tty(&self) -> bool {
+        self.tty
     }
 }
 

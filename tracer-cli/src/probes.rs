@@ -60,6 +60,8 @@ pub struct SchedOffsets {
     pub prev_state: u32,
     pub next_pid: u32,
     pub wakeup_pid: u32,
+    pub fork_parent_pid: u32,
+    pub fork_child_pid: u32,
 }
 
 impl Default for SchedOffsets {
@@ -69,6 +71,8 @@ impl Default for SchedOffsets {
             prev_state: 32,
             next_pid: 56,
             wakeup_pid: 24,
+            fork_parent_pid: 12,
+            fork_child_pid: 20,
         }
     }
 }
@@ -126,7 +130,11 @@ fn sched_offsets() -> Result<SchedOffsets, String> {
         std::fs::read_to_string(format!("{dir}/events/sched/{event}/format"))
             .map_err(|e| format!("read the {event} format: {e}"))
     };
-    let (switch, wakeup) = (read("sched_switch")?, read("sched_wakeup")?);
+    let (switch, wakeup, fork) = (
+        read("sched_switch")?,
+        read("sched_wakeup")?,
+        read("sched_process_fork")?,
+    );
     let get = |format: &str, field: &str| {
         field_offset(format, field)
             .ok_or_else(|| format!("no field {field} in the tracepoint format"))
@@ -136,6 +144,8 @@ fn sched_offsets() -> Result<SchedOffsets, String> {
         prev_state: get(&switch, "prev_state")?,
         next_pid: get(&switch, "next_pid")?,
         wakeup_pid: get(&wakeup, "pid")?,
+        fork_parent_pid: get(&fork, "parent_pid")?,
+        fork_child_pid: get(&fork, "child_pid")?,
     })
 }
 
@@ -143,6 +153,7 @@ fn attach_sched(ebpf: &mut Ebpf) -> Result<(), String> {
     for (name, event) in [
         (names::PROG_SCHED_SWITCH, "sched_switch"),
         (names::PROG_SCHED_WAKEUP, "sched_wakeup"),
+        (names::PROG_SCHED_FORK, "sched_process_fork"),
     ] {
         let program: &mut TracePoint = ebpf
             .program_mut(name)
@@ -170,6 +181,8 @@ impl Probes {
             .override_global(names::GLOBAL_PREV_STATE_OFF, &offsets.prev_state, true)
             .override_global(names::GLOBAL_NEXT_PID_OFF, &offsets.next_pid, true)
             .override_global(names::GLOBAL_WAKEUP_PID_OFF, &offsets.wakeup_pid, true)
+            .override_global(names::GLOBAL_FORK_PARENT_PID_OFF, &offsets.fork_parent_pid, true)
+            .override_global(names::GLOBAL_FORK_CHILD_PID_OFF, &offsets.fork_child_pid, true)
             .load(EBPF_OBJECT)
             .context("load the eBPF programs into the kernel")?;
         for (name, kind) in [
@@ -201,6 +214,19 @@ impl Probes {
             links: Vec::new(),
             host_context,
         })
+    }
+
+    /// The set of threads the scheduler programs follow, or None without host context.
+    pub fn take_followed(&mut self) -> Result<Option<Followed>> {
+        if self.host_context.is_err() {
+            return Ok(None);
+        }
+        let map = self
+            .ebpf
+            .take_map(names::SCHED_TIDS)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::SCHED_TIDS))?;
+        let map = aya::maps::HashMap::try_from(map).context("open the followed-threads map")?;
+        Ok(Some(Followed { map }))
     }
 
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
@@ -348,5 +374,25 @@ impl Probes {
             }
         });
         Ok(())
+    }
+}
+
+/// Adds threads to the set the scheduler programs follow.
+pub struct Followed {
+    map: aya::maps::HashMap<MapData, u32, u32>,
+}
+
+impl Followed {
+    /// Follows every thread of `pid` and of its descendants, under `pid`: threads that never
+    /// make a CUDA call (DataLoader workers) still compete with those that do.
+    pub fn process_tree(&mut self, pid: u32) -> usize {
+        let mut added = 0;
+        for tid in crate::procinfo::thread_tree(pid) {
+            // A tid already followed keeps its process (a traced child stays its own).
+            if self.map.get(&tid, 0).is_err() && self.map.insert(tid, pid, 0).is_ok() {
+                added += 1;
+            }
+        }
+        added
     }
 }

@@ -121,3 +121,54 @@ mod tests {
         assert!(info.start_time_ns.unwrap() > 1_600_000_000_000_000_000);
     }
 }
+
+/// The threads of `pid` and of all its descendant processes (from /proc/PID/task/TID/children),
+/// Processes that exit while being read are skipped.
+pub fn thread_tree(pid: u32) -> Vec<u32> {
+    let mut tids = Vec::new();
+    let mut pending = vec![pid];
+    let mut seen = std::collections::HashSet::new();
+    while let Some(p) = pending.pop() {
+        if !seen.insert(p) || seen.len() > 4096 {
+            continue;
+        }
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
+                continue;
+            };
+            tids.push(tid);
+            if let Ok(children) = std::fs::read_to_string(task.path().join("children")) {
+                pending.extend(children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
+            }
+        }
+    }
+    tids
+}
+
+/// Online CPUs of this machine, from /sys/devices/system/cpu/online ("0-3,6").
+pub fn online_cpus() -> Option<u32> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
+    count_cpu_list(text.trim())
+}
+
+fn count_cpu_list(list: &str) -> Option<u32> {
+    list.split(',').try_fold(0u32, |n, part| {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (a, b): (u32, u32) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+        Some(n + b.checked_sub(a)? + 1)
+    })
+}
+
+#[cfg(test)]
+mod cpu_list_tests {
+    #[test]
+    fn counts_ranges_and_singles() {
+        assert_eq!(super::count_cpu_list("0-1"), Some(2));
+        assert_eq!(super::count_cpu_list("0-3,6,8-9"), Some(7));
+        assert_eq!(super::count_cpu_list("0"), Some(1));
+        assert_eq!(super::count_cpu_list("x"), None);
+    }
+}

@@ -93,17 +93,22 @@ pub struct LiveStats {
 
 impl LiveStats {
     pub fn add(&mut self, call: &Call) {
+        self.add_one(call.pid, call.op, call.ret, call.size, call.duration_ns);
+    }
+
+    /// One call, from any source (a decoded event or a stored row).
+    pub fn add_one(&mut self, pid: u32, op: Op, ret: i32, size: Option<u64>, duration_ns: u64) {
         self.events += 1;
-        self.pids.insert(call.pid);
-        let s = self.ops.entry(call.op).or_default();
+        self.pids.insert(pid);
+        let s = self.ops.entry(op).or_default();
         s.calls += 1;
-        if call.ret != 0 {
+        if ret != 0 {
             s.errors += 1;
-        } else if matches!(call.op.spec().class, OpClass::Alloc | OpClass::Free) {
-            s.bytes += call.size.unwrap_or(0);
+        } else if matches!(op.spec().class, OpClass::Alloc | OpClass::Free) {
+            s.bytes += size.unwrap_or(0);
         }
-        s.latency.add(call.duration_ns);
-        s.max_ns = s.max_ns.max(call.duration_ns);
+        s.latency.add(duration_ns);
+        s.max_ns = s.max_ns.max(duration_ns);
     }
 }
 

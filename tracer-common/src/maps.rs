@@ -15,18 +15,25 @@ pub const THREADS: &str = "THREADS";
 /// Array of one `u32`: set to 1 to stop recording new calls before detaching.
 pub const CONTROL: &str = "CONTROL";
 
-/// tid -> pid of threads that made a traced call: the scheduler programs follow only these.
+/// tid -> pid of the threads the scheduler programs follow: those that made a traced call, the
+/// other threads of their processes and of those processes' children (seeded from /proc by
+/// userspace, then followed through sched_process_fork), so that explain can count the
+/// runnable threads (DataLoader workers) competing with the calls. The value is the traced
+/// process the thread belongs to (itself, or its nearest traced ancestor).
 pub const SCHED_TIDS: &str = "SCHED_TIDS";
 /// tid -> [`crate::sched::OffCpu`] while a followed thread is off the CPU.
 pub const OFFCPU: &str = "OFFCPU";
 /// Tracepoint programs (sched:sched_switch, sched:sched_wakeup).
 pub const PROG_SCHED_SWITCH: &str = "sched_switch";
 pub const PROG_SCHED_WAKEUP: &str = "sched_wakeup";
+pub const PROG_SCHED_FORK: &str = "sched_process_fork";
 /// Globals: field offsets in the tracepoint records, read from tracefs at load time.
 pub const GLOBAL_PREV_PID_OFF: &str = "PREV_PID_OFF";
 pub const GLOBAL_PREV_STATE_OFF: &str = "PREV_STATE_OFF";
 pub const GLOBAL_NEXT_PID_OFF: &str = "NEXT_PID_OFF";
 pub const GLOBAL_WAKEUP_PID_OFF: &str = "WAKEUP_PID_OFF";
+pub const GLOBAL_FORK_PARENT_PID_OFF: &str = "FORK_PARENT_PID_OFF";
+pub const GLOBAL_FORK_CHILD_PID_OFF: &str = "FORK_CHILD_PID_OFF";
 pub const SCHED_TIDS_ENTRIES: u32 = 1 << 16;
 
 /// The entry program, attached as a uprobe to every probed symbol (cookie = op).

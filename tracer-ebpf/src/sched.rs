@@ -1,6 +1,7 @@
-//! Host context: when a thread that makes CUDA calls leaves the CPU, and when it comes back
-//! (and whether it was preempted or woken), so explain can tie a slow call to the time its own
-//! thread spent off the CPU.
+//! Host context: when a followed thread (one that makes CUDA calls, or another thread of its
+//! process tree) leaves the CPU, and when it comes back (and whether it was preempted or woken),
+//! so explain can tie a slow call to the time its own thread spent off the CPU and count the
+//! threads that competed with it for the cores.
 
 use aya_ebpf::{
     bindings::BPF_ANY,
@@ -36,6 +37,10 @@ static PREV_STATE_OFF: u32 = 32;
 static NEXT_PID_OFF: u32 = 56;
 #[unsafe(no_mangle)]
 static WAKEUP_PID_OFF: u32 = 24;
+#[unsafe(no_mangle)]
+static FORK_PARENT_PID_OFF: u32 = 12;
+#[unsafe(no_mangle)]
+static FORK_CHILD_PID_OFF: u32 = 20;
 
 #[tracepoint]
 pub fn sched_switch(ctx: TracePointContext) -> u32 {
@@ -96,6 +101,24 @@ pub fn sched_wakeup(ctx: TracePointContext) -> u32 {
     if let Some(off) = OFFCPU.get_ptr_mut(&(tid as u32)) {
         // SAFETY: a pointer into the map for this run; only the wakeup path writes this field.
         unsafe { (*off).wakeup_ns = bpf_ktime_get_ns() };
+    }
+    0
+}
+
+/// New threads and processes of a followed thread are followed too (DataLoader workers started
+/// after tracing began), under the same traced process.
+#[tracepoint]
+pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
+    // SAFETY: as in sched_switch.
+    let parent: i32 = unsafe { ctx.read_at(global(&FORK_PARENT_PID_OFF) as usize) }.unwrap_or(0);
+    // SAFETY: the value is copied out at once.
+    let Some(pid) = (unsafe { SCHED_TIDS.get(&(parent as u32)) }).copied() else {
+        return 0;
+    };
+    // SAFETY: as in sched_switch.
+    let child: i32 = unsafe { ctx.read_at(global(&FORK_CHILD_PID_OFF) as usize) }.unwrap_or(0);
+    if child > 0 {
+        let _ = SCHED_TIDS.insert(&(child as u32), &pid, BPF_ANY as u64);
     }
     0
 }

@@ -1,12 +1,12 @@
 //! Causal-chain rules. Each reads the events of one process and returns a chain only when its
 //! evidence is in the data, with the numbers that support it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
-use tracer_common::{Library, OpClass, Space};
+use tracer_common::{Library, Op, OpClass, Space};
 
-use super::{live_allocations, quantile, Event, Host, Window};
+use super::{live_allocations, select_quantile, Event, FastMap, Host, Window};
 use crate::units::{format_bytes as b, format_ns as t};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -91,7 +91,7 @@ fn device_allocs<'a>(evs: &[&'a Event]) -> Vec<&'a Event> {
 /// Bytes held (live device allocations and physical handles), replayed call by call.
 #[derive(Default)]
 struct Held {
-    live: HashMap<(u32, u64), u64>,
+    live: FastMap<(u32, u64), u64>,
     bytes: u64,
 }
 
@@ -186,8 +186,7 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
         .enumerate()
         .filter(|(_, d)| d.len() >= 3)
         .map(|(i, d)| {
-            d.sort_unstable();
-            (i, quantile(d, 0.5))
+            (i, select_quantile(d, 0.5))
         })
         .collect();
     if medians.len() < 4 {
@@ -204,18 +203,18 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
         return None;
     }
     let mut d: Vec<u64> = allocs.iter().map(|e| e.duration_ns).collect();
-    d.sort_unstable();
     let sizes: Vec<u64> = allocs.iter().filter_map(|e| e.size).collect();
     let (min_size, max_size) = (
         sizes.iter().min().copied().unwrap_or(0),
         sizes.iter().max().copied().unwrap_or(0),
     );
-    let ops: Vec<&str> = {
-        let mut o: Vec<&str> = allocs.iter().map(|e| e.op.name()).collect();
-        o.sort_unstable();
-        o.dedup();
-        o
-    };
+    let ops: Vec<&str> = allocs
+        .iter()
+        .map(|e| e.op)
+        .collect::<BTreeSet<Op>>()
+        .into_iter()
+        .map(Op::name)
+        .collect();
     let growth = last as f64 / first as f64;
     Some(Chain {
         rule: "fragmentation_pressure",
@@ -241,10 +240,10 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
             t(first),
             t(last),
             growth,
-            t(quantile(&d, 0.99))
+            t(select_quantile(&mut d, 0.99))
         ),
         compounding: {
-            let p90 = quantile(&d, 0.9);
+            let p90 = select_quantile(&mut d, 0.9);
             let slow: Vec<&Event> = allocs
                 .iter()
                 .copied()
@@ -490,7 +489,7 @@ fn leak(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
 
 /// Rule 5a: tight alloc/free cycles of the same size.
 fn churn(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
-    let mut open: HashMap<(u32, u64), &Event> = HashMap::new();
+    let mut open: FastMap<(u32, u64), &Event> = FastMap::default();
     let mut cycles: BTreeMap<(&str, u64), Vec<u64>> = BTreeMap::new();
     for e in evs
         .iter()
@@ -521,8 +520,7 @@ fn churn(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
     if lives.len() < 50 || rate < 10.0 {
         return None;
     }
-    let mut sorted = lives.clone();
-    sorted.sort_unstable();
+    let mut lives = lives;
     Some(Chain {
         rule: "churn",
         severity: if rate >= 1000.0 { Severity::Medium } else { Severity::Low },
@@ -533,7 +531,7 @@ fn churn(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
             lives.len(),
             b(size),
             rate,
-            t(quantile(&sorted, 0.5))
+            t(select_quantile(&mut lives, 0.5))
         ),
         effect: "every cycle goes to the CUDA runtime instead of reusing a cached block".into(),
         compounding: Vec::new(),
@@ -620,7 +618,7 @@ fn empty_cache_churn(pid: u32, evs: &[&Event]) -> Option<Chain> {
 fn driver_bypass(pid: u32, evs: &[&Event]) -> Option<Chain> {
     // Runtime calls of one thread do not overlap (but for nesting), so the enclosing one, if
     // any, is the last that started before the driver call.
-    let mut runtime: HashMap<u32, Vec<&Event>> = HashMap::new();
+    let mut runtime: FastMap<u32, Vec<&Event>> = FastMap::default();
     for e in evs
         .iter()
         .copied()
@@ -687,9 +685,8 @@ fn sync_stall(pid: u32, evs: &[&Event], window: Window, host: &Host) -> Option<C
     }
     let total: u64 = syncs.iter().map(|e| e.duration_ns).sum();
     let mut d: Vec<u64> = syncs.iter().map(|e| e.duration_ns).collect();
-    d.sort_unstable();
     let share = total as f64 / (window.secs() * 1e9);
-    let p99 = quantile(&d, 0.99);
+    let p99 = select_quantile(&mut d, 0.99);
     if share < 0.10 && p99 < 10_000_000 {
         return None;
     }
@@ -704,7 +701,7 @@ fn sync_stall(pid: u32, evs: &[&Event], window: Window, host: &Host) -> Option<C
             syncs.len(),
             t(total),
             share * 100.0,
-            t(quantile(&d, 0.5)),
+            t(select_quantile(&mut d, 0.5)),
             t(p99)
         ),
         effect: "the training loop is blocked while the GPU drains its queue".into(),
@@ -725,8 +722,7 @@ fn periodic_spike(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
         return None;
     }
     let mut d: Vec<u64> = allocs.iter().map(|e| e.duration_ns).collect();
-    d.sort_unstable();
-    let median = quantile(&d, 0.5);
+    let median = select_quantile(&mut d, 0.5);
     let threshold = (median * 5).max(100_000);
     let spikes: Vec<&Event> = allocs
         .iter()
@@ -746,7 +742,6 @@ fn periodic_spike(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
         return None;
     }
     let mut spike_d: Vec<u64> = spikes.iter().map(|e| e.duration_ns).collect();
-    spike_d.sort_unstable();
     Some(Chain {
         rule: "periodic_spike",
         severity: Severity::Medium,
@@ -755,7 +750,7 @@ fn periodic_spike(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
         root: format!(
             "{} allocation spikes (median {} against a normal {}), every {:.2}s (+/- {:.0}%)",
             spikes.len(),
-            t(quantile(&spike_d, 0.5)),
+            t(select_quantile(&mut spike_d, 0.5)),
             t(median),
             mean / 1e9,
             sd / mean * 100.0
@@ -778,8 +773,7 @@ fn cpu_contention(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
         return None;
     }
     let mut d: Vec<u64> = evs.iter().map(|e| e.duration_ns).collect();
-    d.sort_unstable();
-    let threshold = quantile(&d, 0.95).max(100_000);
+    let threshold = select_quantile(&mut d, 0.95).max(100_000);
     let slow: Vec<&Event> = evs
         .iter()
         .copied()
@@ -810,7 +804,11 @@ fn cpu_contention(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
             t(o.call_ns)
         ),
         effect: format!("{} off the CPU in all while inside those calls; the GPU work behind them waits on the host", t(o.off_cpu_ns)),
-        compounding: Vec::new(),
+        compounding: host
+            .crowding_text(pid, &slow)
+            .map(|c| format!("competing for the cores during those calls: {c}"))
+            .into_iter()
+            .collect(),
         timeline: Vec::new(),
         fix: vec![
             "fewer DataLoader workers (num_workers) than free cores, or pin them away from the training thread (taskset, cgroups)".into(),

@@ -381,7 +381,7 @@ fn slow_syncs() -> Vec<Event> {
 }
 
 fn host_with(slices: Vec<OffSlice>) -> Host {
-    Host::new(slices, true)
+    Host::new(slices, true, Some(2))
 }
 
 #[test]
@@ -392,6 +392,7 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
     let inside: Vec<OffSlice> = v
         .iter()
         .map(|e| OffSlice {
+            pid: e.pid,
             tid: e.tid,
             off_ns: e.ts_ns + MS,
             on_ns: e.ts_ns + 8 * MS,
@@ -419,6 +420,13 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
         stall.compounding[0].starts_with("CPU contention"),
         "{:?}",
         stall.compounding
+    );
+    // The caller alone was runnable: from its preemption 1 ms into a call until it next left
+    // the CPU, 1 ms into the next call; the first call from 1 ms, the last until 8 ms:
+    // (28 x 12 + 11 + 8) / (30 x 12) = 0.99.
+    assert_eq!(
+        cpu.compounding,
+        ["competing for the cores during those calls: 1.0 threads of the process and its children runnable on average (peak 1) on 2 CPUs"]
     );
     // The same waits between the calls (same window, no overlap): no chain, no compounding.
     let between: Vec<OffSlice> = inside
@@ -452,4 +460,61 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
     // Without a scheduler record there is nothing to say.
     let c = analyze(1, &v, &Host::default(), w, &HashMap::new()).chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
+}
+
+#[test]
+fn select_quantile_equals_sorted_quantile() {
+    // A deterministic scramble with many repeats.
+    let values: Vec<u64> = (0..1001u64).map(|i| (i * 7919) % 503).collect();
+    let mut sorted = values.clone();
+    sorted.sort_unstable();
+    for q in [0.0, 0.01, 0.5, 0.9, 0.95, 0.99, 1.0] {
+        let mut scratch = values.clone();
+        assert_eq!(super::select_quantile(&mut scratch, q), super::quantile(&sorted, q), "q={q}");
+    }
+    assert_eq!(super::select_quantile(&mut [], 0.5), 0);
+}
+
+/// Runnable threads of the process tree during a call: the caller and two other threads, each
+/// runnable for a known part of the call, and a thread of another process that must not count.
+#[test]
+fn crowding_counts_the_process_trees_runnable_threads_during_the_calls() {
+    let call = ev(0.0, Op::CudaMalloc, 1, 1, 0, 10_000); // 0..10 ms, pid 10, tid 11
+    let slice = |pid, tid, off: i64, on: i64, wakeup: Option<i64>, preempted| OffSlice {
+        pid,
+        tid,
+        off_ns: off * MS,
+        on_ns: on * MS,
+        wakeup_ns: wakeup.map(|w| w * MS),
+        preempted,
+    };
+    let host = Host::new(
+        vec![
+            // The caller: preempted at 1 ms, back at 8 ms, nothing recorded after: runnable
+            // from 1 to 8 ms (0.7 of the call).
+            slice(10, 11, 1, 8, None, true),
+            // A worker runnable throughout: preempted before the call, next off after it.
+            slice(10, 500, -5, -4, None, true),
+            slice(10, 500, 20, 21, None, true),
+            // A worker asleep until woken at 4 ms, on at 6, off again at 8: 0.4 of the call.
+            slice(10, 501, 2, 6, Some(4), false),
+            slice(10, 501, 8, 30, Some(29), false),
+            // Another traced process's busy thread.
+            slice(99, 990, -5, -4, None, true),
+            slice(99, 990, 20, 21, None, true),
+        ],
+        true,
+        Some(2),
+    );
+    let c = host.crowding(10, &[&call]).expect("recorded");
+    assert!((c.mean - 2.1).abs() < 1e-9, "{c:?}");
+    assert_eq!(c.peak, 3);
+    assert_eq!(
+        host.crowding_text(10, &[&call]).unwrap(),
+        "2.1 threads of the process and its children runnable on average (peak 3) on 2 CPUs"
+    );
+    // Before any slice of the tree: nothing known to be runnable.
+    let early = ev(-100.0, Op::CudaMalloc, 1, 1, 0, 10_000);
+    assert_eq!(host.crowding(10, &[&early]).unwrap().mean, 0.0);
+    assert!(host.crowding(42, &[&call]).is_none());
 }

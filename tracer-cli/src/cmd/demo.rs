@@ -3,7 +3,7 @@
 
 use std::{
     collections::{BTreeSet, HashMap},
-    io::{BufRead as _, BufReader, Read as _, Seek as _, SeekFrom, Write as _},
+    io::{BufRead as _, BufReader, IsTerminal as _, Read as _, Seek as _, SeekFrom, Write as _},
     os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -19,7 +19,9 @@ use crate::{
     cmd::explain,
     decode::simlog,
     exit::user_error,
+    live::{self, LiveView},
     paths, privileges, procinfo,
+    stats::LiveStats,
     store::{events, Access, Batch, SessionStart, Store},
     units::parse_duration,
 };
@@ -253,23 +255,32 @@ pub fn run(args: DemoArgs) -> Result<()> {
     final_report(&db, session)
 }
 
-/// Prints the chains that appeared since the last look.
+/// Shows what the session recorded so far: the live per-op table (redrawn in place on a
+/// terminal, every 10 s otherwise) and each causal chain as it forms.
 struct ChainWatch {
     seen: BTreeSet<(String, u32)>,
+    view: LiveView,
+    looks: u64,
 }
 
 impl ChainWatch {
+    fn new() -> ChainWatch {
+        ChainWatch {
+            seen: BTreeSet::new(),
+            view: LiveView::new(std::io::stderr().is_terminal()),
+            looks: 0,
+        }
+    }
+
     fn look(&mut self, db: &Path, session: i64) {
+        self.looks += 1;
         let Ok(store) = Store::open(db, Access::ReadOnly) else {
             return;
         };
-        let Ok(info) = events::session(store.conn(), Some(session)) else {
+        let Ok(all) = events::load(db, session, i64::MAX, None) else {
             return;
         };
-        let (Some(first), Some(last)) = (info.first_ns, info.last_ns) else {
-            return;
-        };
-        let Ok(all) = events::load(store.conn(), session, last, None) else {
+        let Some((first, last)) = analysis::span(&all) else {
             return;
         };
         let Ok(host) = events::host(store.conn(), session, last, None) else {
@@ -280,7 +291,20 @@ impl ChainWatch {
             to_ns: last,
         };
         let report = analysis::analyze(session, &all, &host, window, &HashMap::new());
-        let calls = report.events_in_window;
+        let mut stats = LiveStats::default();
+        for e in &all {
+            stats.add_one(e.pid, e.op, e.ret, e.size, e.duration_ns);
+        }
+        let elapsed = Duration::from_nanos((last - first).max(0) as u64);
+        let mut table = vec![format!(
+            "demo {:>5.1}s | session {session} | {} processes | {} calls | {} chains",
+            elapsed.as_secs_f64(),
+            stats.pids.len(),
+            stats.events,
+            report.chains.len()
+        )];
+        table.extend(live::op_table(&stats, elapsed));
+        self.view.clear();
         for chain in &report.chains {
             if self.seen.insert((chain.rule.to_string(), chain.pid)) {
                 eprintln!(
@@ -292,10 +316,16 @@ impl ChainWatch {
                 );
             }
         }
-        eprintln!(
-            "demo: {calls} calls recorded, {} chains",
-            report.chains.len()
-        );
+        // Off a terminal, a table every 10 s (each look is 2 s apart) keeps logs readable.
+        if self.view.is_tty() || self.looks % 5 == 1 {
+            self.view.redraw(&table);
+        }
+    }
+
+    /// The last table, left on the screen above what follows.
+    fn finish(&mut self, db: &Path, session: i64) {
+        self.looks = 0;
+        self.look(db, session);
     }
 }
 
@@ -386,14 +416,12 @@ fn run_traced(
     let child = workload(demos, sim, scenario, args, None)
         .spawn()
         .context("start the workload (python3)")?;
-    let mut watch = ChainWatch {
-        seen: BTreeSet::new(),
-    };
+    let mut watch = ChainWatch::new();
     let outcome = supervise(child, || watch.look(db, session));
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
     tracer.wait().context("wait for tracer trace")?;
-    watch.look(db, session);
+    watch.finish(db, session);
     Ok((session, outcome?))
 }
 
@@ -518,9 +546,7 @@ fn run_simulated(
         pids: BTreeSet::new(),
         boot: procinfo::boot_time_ns(),
     };
-    let mut watch = ChainWatch {
-        seen: BTreeSet::new(),
-    };
+    let mut watch = ChainWatch::new();
     let mut failure = None;
     let outcome = supervise(child, || {
         if let Err(e) = importer.import(&log, &mut store, session) {
@@ -559,7 +585,7 @@ fn run_simulated(
         .map_or(0, |d| d.as_nanos() as i64);
     store.end_session(session, end, "complete")?;
     store.chown_files(owner)?;
-    watch.look(db, session);
+    watch.finish(db, session);
     let _ = std::fs::remove_dir_all(&log_dir);
     Ok((session, outcome))
 }

@@ -90,11 +90,16 @@ pub fn run(args: ExplainArgs) -> Result<()> {
     let store = Store::open(&path, Access::ReadOnly)?;
     let info = events::session(store.conn(), args.session)?;
     let running = info.status == "running";
-    let (Some(first), Some(last)) = (info.first_ns, info.last_ns) else {
-        return Err(user_error(format!(
-            "session {} recorded no calls: nothing to explain",
-            info.id
-        )));
+    let t0 = std::time::Instant::now();
+    // Everything up to --to (earlier calls tell which allocations are live); the session's own
+    // span comes from the calls themselves.
+    let all = events::load(&path, info.id, args.to.unwrap_or(i64::MAX), args.pid)?;
+    let Some((first, last)) = analysis::span(&all) else {
+        return Err(user_error(match (args.pid, args.to) {
+            (Some(pid), _) => format!("session {} recorded no calls of pid {pid}: nothing to explain", info.id),
+            (None, Some(_)) => format!("session {} recorded no calls before --to: nothing to explain", info.id),
+            (None, None) => format!("session {} recorded no calls: nothing to explain", info.id),
+        }));
     };
     let end = if running {
         std::time::SystemTime::now()
@@ -120,8 +125,6 @@ pub fn run(args: ExplainArgs) -> Result<()> {
             format_utc(window.to_ns)
         )));
     }
-    let t0 = std::time::Instant::now();
-    let all = events::load(store.conn(), info.id, window.to_ns, args.pid)?;
     let comms = events::comms(store.conn(), info.id)?;
     let t1 = std::time::Instant::now();
     let host = events::host(store.conn(), info.id, window.to_ns, args.pid)?;

@@ -27,7 +27,7 @@ use crate::{
     exit::{privilege_error, user_error},
     live::{self, LiveView, Status},
     paths, privileges,
-    probes::{LoadOptions, Probes},
+    probes::{Followed, LoadOptions, Probes},
     procinfo,
     stats::LiveStats,
     store::{Access, Batch, SessionCounters, SessionStart, Store},
@@ -132,7 +132,10 @@ pub fn run(args: TraceArgs) -> Result<()> {
     })?;
     store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
     let host = match &probes.host_context {
-        Ok(()) => "sched_switch, sched_wakeup".to_string(),
+        Ok(()) => format!(
+            "sched_switch, sched_wakeup, sched_process_fork; cpus={}",
+            procinfo::online_cpus().unwrap_or(0)
+        ),
         Err(e) => {
             eprintln!(
                 "tracer: no host context (explain cannot tie slow calls to CPU contention): {e}"
@@ -150,13 +153,14 @@ pub fn run(args: TraceArgs) -> Result<()> {
 
     let shared = Arc::new(Shared::default());
     let ring = probes.take_ring()?;
+    let followed = probes.take_followed()?;
     let (tx, rx) = mpsc::sync_channel::<Delivery>(1024);
     let reader = {
         let shared = shared.clone();
         let offset = clock.offset_ns;
         thread::Builder::new()
             .name("tracer-reader".into())
-            .spawn(move || read_loop(ring, tx, &shared, offset))?
+            .spawn(move || read_loop(ring, followed, tx, &shared, offset))?
     };
     let writer_opts = WriterOptions {
         session,
@@ -467,6 +471,7 @@ async fn main_loop(
 /// POLL_INTERVAL_MS, whichever comes first, so delivery latency stays bounded.
 fn read_loop(
     mut ring: RingBuf<MapData>,
+    mut followed: Option<Followed>,
     tx: SyncSender<Delivery>,
     shared: &Shared,
     wall_offset_ns: i64,
@@ -488,6 +493,9 @@ fn read_loop(
                         if pids_seen.insert(call.pid) {
                             let seen = call.ts_mono_ns as i64 + wall_offset_ns;
                             processes.push(procinfo::read(call.pid, seen, &call.comm, boot));
+                            if let Some(f) = followed.as_mut() {
+                                f.process_tree(call.pid);
+                            }
                         }
                         batch.push(call);
                     }

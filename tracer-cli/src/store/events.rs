@@ -1,9 +1,9 @@
 //! Reading sessions and events back for analysis.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, path::Path};
 
 use anyhow::{Context as _, Result};
-use rusqlite::{params, Connection, OptionalExtension as _};
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension as _};
 use tracer_common::Op;
 
 use crate::{
@@ -15,9 +15,6 @@ use crate::{
 pub struct SessionInfo {
     pub id: i64,
     pub status: String,
-    /// Entry time of the first and end time of the last event (None: no events).
-    pub first_ns: Option<i64>,
-    pub last_ns: Option<i64>,
 }
 
 /// The session `id`, or the latest one.
@@ -36,60 +33,129 @@ pub fn session(conn: &Connection, id: Option<i64>) -> Result<SessionInfo> {
             None => user_error("the database has no session yet: record one with `sudo tracer trace`"),
         });
     };
-    let (first_ns, last_ns): (Option<i64>, Option<i64>) = conn
-        .query_row(
-            "SELECT min(ts_ns), max(ts_ns + duration_ns) FROM calls WHERE session_id = ?1",
-            [id],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .context("read the session's time range")?;
-    Ok(SessionInfo {
-        id,
-        status,
-        first_ns,
-        last_ns,
-    })
+    Ok(SessionInfo { id, status })
 }
 
-/// The session's calls that began at or before `to_ns`, in time order.
-pub fn load(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Vec<Event>> {
+/// The session's calls that began at or before `to_ns`, in time order (entry time, then id).
+///
+/// Rows are read in id order, which is the order the writer appended them (sequential pages, no
+/// index lookups), split into id ranges read on parallel connections, then put in time order:
+/// the writer's batches are almost sorted already, so the final sort is cheap.
+pub fn load(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Vec<Event>> {
+    // Small sessions are not worth a second connection.
+    load_split(path, session, to_ns, pid, 200_000)
+}
+
+/// [`load`], reading in parallel once the session spans `min_ids_to_split` ids.
+pub(super) fn load_split(
+    path: &Path,
+    session: i64,
+    to_ns: i64,
+    pid: Option<u32>,
+    min_ids_to_split: i64,
+) -> Result<Vec<Event>> {
+    let conn = open_reader(path)?;
+    let (lo, hi): (Option<i64>, Option<i64>) = conn
+        .query_row(
+            "SELECT min(id), max(id) FROM calls WHERE session_id = ?1",
+            [session],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .context("read the session's id range")?;
+    let (Some(lo), Some(hi)) = (lo, hi) else {
+        return Ok(Vec::new());
+    };
+    drop(conn);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8) as i64;
+    let parts = if hi - lo < min_ids_to_split { 1 } else { threads.max(2) };
+    let step = (hi - lo + parts) / parts;
+    let chunks: Vec<Result<Vec<Event>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..parts)
+            .map(|i| {
+                let (from, to) = (lo + i * step, (lo + (i + 1) * step).min(hi + 1));
+                // The first part's vector holds them all: the others are appended to it
+                // without a second copy of the whole.
+                let capacity = if i == 0 { hi - lo + 1 } else { to - from };
+                scope.spawn(move || load_range(path, session, from, to, to_ns, pid, capacity))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a reader thread panicked")))
+            })
+            .collect()
+    });
+    let mut chunks = chunks.into_iter();
+    let mut out = chunks.next().unwrap_or_else(|| Ok(Vec::new()))?;
+    for chunk in chunks {
+        out.extend(chunk?);
+    }
+    // Stable: equal entry times keep id order.
+    out.sort_by_key(|e| e.ts_ns);
+    Ok(out)
+}
+
+fn open_reader(path: &Path) -> Result<Connection> {
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .with_context(|| format!("open database {} for reading", path.display()))?;
+    // 64 MiB of page cache per reader: the scan is sequential, the cache only spares re-reads.
+    conn.execute_batch("PRAGMA cache_size = -65536")
+        .with_context(|| format!("configure reader of {}", path.display()))?;
+    Ok(conn)
+}
+
+/// Calls with ids in `[from, to)` of `session`, begun at or before `to_ns`, in id order.
+fn load_range(
+    path: &Path,
+    session: i64,
+    from: i64,
+    to: i64,
+    to_ns: i64,
+    pid: Option<u32>,
+    capacity: i64,
+) -> Result<Vec<Event>> {
+    let conn = open_reader(path)?;
     let mut stmt = conn.prepare(
-        "SELECT ts_ns, pid, tid, op_id, device, size, ptr, ret, duration_ns, aux0, aux1 FROM calls
-         WHERE session_id = ?1 AND ts_ns <= ?2 AND (?3 IS NULL OR pid = ?3) ORDER BY ts_ns, id",
+        "SELECT session_id, ts_ns, pid, tid, op_id, device, size, ptr, ret, duration_ns, aux0, aux1
+         FROM calls WHERE id >= ?1 AND id < ?2 ORDER BY id",
     )?;
-    let rows = stmt.query_map(params![session, to_ns, pid], |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, u32>(1)?,
-            r.get::<_, u32>(2)?,
-            r.get::<_, u32>(3)?,
-            r.get::<_, Option<i32>>(4)?,
-            r.get::<_, Option<i64>>(5)?,
-            r.get::<_, Option<i64>>(6)?,
-            r.get::<_, i32>(7)?,
-            r.get::<_, i64>(8)?,
-            r.get::<_, Option<i64>>(9)?,
-            r.get::<_, Option<i64>>(10)?,
-        ))
-    })?;
-    let mut out = Vec::new();
-    for row in rows {
-        let (ts_ns, pid, tid, op, device, size, ptr, ret, duration, aux0, aux1) =
-            row.context("read calls")?;
+    let mut rows = stmt.query(params![from, to])?;
+    let mut out = Vec::with_capacity(capacity.max(0) as usize);
+    let int = |r: &rusqlite::Row<'_>, i: usize| -> Result<Option<i64>> {
+        Ok(r.get_ref(i)?.as_i64_or_null()?)
+    };
+    while let Some(r) = rows.next().context("read calls")? {
+        let ts_ns = r.get_ref(1)?.as_i64()?;
+        if r.get_ref(0)?.as_i64()? != session || ts_ns > to_ns {
+            continue;
+        }
+        let row_pid = r.get_ref(2)?.as_i64()? as u32;
+        if pid.is_some_and(|p| p != row_pid) {
+            continue;
+        }
         // Ops a newer tracer added are skipped rather than failing the whole analysis.
-        let Some(op) = Op::from_u32(op) else { continue };
+        let Some(op) = Op::from_u32(r.get_ref(4)?.as_i64()? as u32) else {
+            continue;
+        };
         out.push(Event {
             ts_ns,
-            pid,
-            tid,
+            pid: row_pid,
+            tid: r.get_ref(3)?.as_i64()? as u32,
             op,
-            device,
-            size: size.map(|v| v as u64),
-            ptr: ptr.map(|v| v as u64),
-            ret,
-            duration_ns: duration.max(0) as u64,
-            aux0: aux0.map(|v| v as u64),
-            aux1: aux1.map(|v| v as u64),
+            device: int(r, 5)?.map(|v| v as i32),
+            size: int(r, 6)?.map(|v| v as u64),
+            ptr: int(r, 7)?.map(|v| v as u64),
+            ret: r.get_ref(8)?.as_i64()? as i32,
+            duration_ns: r.get_ref(9)?.as_i64()?.max(0) as u64,
+            aux0: int(r, 10)?.map(|v| v as u64),
+            aux1: int(r, 11)?.map(|v| v as u64),
         });
     }
     Ok(out)
@@ -115,22 +181,28 @@ pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Re
             |r| r.get(0),
         )
         .context("read the session's host context state")?;
-    let recorded = state.is_some_and(|s| s.starts_with("sched"));
+    let recorded = state.as_deref().is_some_and(|s| s.starts_with("sched"));
+    // "...; cpus=N" since the process tree is followed.
+    let cpus = state.as_deref().and_then(|s| {
+        s.split(';')
+            .find_map(|part| part.trim().strip_prefix("cpus=")?.parse().ok())
+    });
     let mut stmt = conn.prepare(
-        "SELECT tid, off_ns, on_ns, wakeup_ns, preempted FROM offcpu
+        "SELECT pid, tid, off_ns, on_ns, wakeup_ns, preempted FROM offcpu
          WHERE session_id = ?1 AND off_ns <= ?2 AND (?3 IS NULL OR pid = ?3)",
     )?;
     let rows = stmt.query_map(params![session, to_ns, pid], |r| {
         Ok(OffSlice {
-            tid: r.get(0)?,
-            off_ns: r.get(1)?,
-            on_ns: r.get(2)?,
-            wakeup_ns: r.get(3)?,
-            preempted: r.get::<_, i64>(4)? != 0,
+            pid: r.get(0)?,
+            tid: r.get(1)?,
+            off_ns: r.get(2)?,
+            on_ns: r.get(3)?,
+            wakeup_ns: r.get(4)?,
+            preempted: r.get::<_, i64>(5)? != 0,
         })
     })?;
     let slices = rows
         .collect::<rusqlite::Result<Vec<_>>>()
         .context("read offcpu")?;
-    Ok(Host::new(slices, recorded))
+    Ok(Host::new(slices, recorded, cpus))
 }

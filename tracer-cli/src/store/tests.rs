@@ -289,3 +289,54 @@ fn migrates_a_version_1_database_and_keeps_its_data() {
         .unwrap();
     assert_eq!(off, 0);
 }
+
+/// The parallel reader returns exactly what one ordered query returns: the session's calls up
+/// to the end time, of the pid asked for, in (entry time, id) order, even when another session's
+/// rows are interleaved and the writer's batches are out of time order.
+#[test]
+fn parallel_load_matches_one_ordered_query() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, first) = new_store(&dir);
+    let second = store
+        .begin_session(&SessionStart {
+            source: "ebpf",
+            ..Default::default()
+        })
+        .unwrap();
+    for batch in 0..20u64 {
+        for session in [first, second] {
+            // Entry times go backwards inside a batch, as returns from several CPUs do.
+            let calls: Vec<Call> = (0..50u64)
+                .map(|i| {
+                    let mut c = call(Op::CudaMalloc, 1_000_000 + batch * 1000 + (50 - i) * 7 % 40, Some(i), Some(i), 0);
+                    c.pid = 100 + (i % 3) as u32;
+                    c
+                })
+                .collect();
+            write(&mut store, session, &calls);
+        }
+    }
+    let path = dir.path().join("t.db");
+    let key = |e: &crate::analysis::Event| (e.ts_ns, e.pid, e.size);
+    for (pid, to_ns) in [(None, i64::MAX), (Some(101), i64::MAX), (None, 1_011_020)] {
+        let single = events::load_split(&path, second, to_ns, pid, i64::MAX).unwrap();
+        let parallel = events::load_split(&path, second, to_ns, pid, 1).unwrap();
+        let mut stmt = store
+            .conn()
+            .prepare(
+                "SELECT ts_ns, pid, size FROM calls WHERE session_id = ?1 AND ts_ns <= ?2
+                 AND (?3 IS NULL OR pid = ?3) ORDER BY ts_ns, id",
+            )
+            .unwrap();
+        let expected: Vec<(i64, u32, Option<u64>)> = stmt
+            .query_map(rusqlite::params![second, to_ns, pid], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get::<_, Option<i64>>(2)?.map(|v| v as u64)))
+            })
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert!(expected.len() > 100, "{pid:?} {to_ns}: {}", expected.len());
+        assert_eq!(single.iter().map(key).collect::<Vec<_>>(), expected);
+        assert_eq!(parallel.iter().map(key).collect::<Vec<_>>(), expected);
+    }
+}

@@ -28,6 +28,8 @@ pub struct LoadOptions {
     pub wakeup_bytes: u64,
     /// Count calls only (the benchmark floor).
     pub floor: bool,
+    /// Capture each call's native and Python call site (--stack).
+    pub stack: bool,
 }
 
 /// One library as attached (stored with the session as JSON).
@@ -171,12 +173,14 @@ fn attach_sched(ebpf: &mut Ebpf) -> Result<(), String> {
 impl Probes {
     pub fn load(opts: LoadOptions) -> Result<Probes> {
         let floor: u32 = opts.floor.into();
+        let stack: u32 = opts.stack.into();
         let sched = sched_offsets();
         let offsets = sched.as_ref().map_or(SchedOffsets::default(), |o| *o);
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::EVENTS, opts.ring_bytes)
             .override_global(names::GLOBAL_WAKEUP_BYTES, &opts.wakeup_bytes, true)
             .override_global(names::GLOBAL_FLOOR_MODE, &floor, true)
+            .override_global(names::GLOBAL_STACK_MODE, &stack, true)
             .override_global(names::GLOBAL_PREV_PID_OFF, &offsets.prev_pid, true)
             .override_global(names::GLOBAL_PREV_STATE_OFF, &offsets.prev_state, true)
             .override_global(names::GLOBAL_NEXT_PID_OFF, &offsets.next_pid, true)
@@ -198,6 +202,26 @@ impl Probes {
                 .load()
                 .with_context(|| format!("verify and load {kind} program {name}"))?;
         }
+        if opts.stack {
+            let program: &mut UProbe = ebpf
+                .program_mut(names::PROG_CALL_SITE)
+                .ok_or_else(|| anyhow!("eBPF object lacks program {}", names::PROG_CALL_SITE))?
+                .try_into()
+                .with_context(|| format!("{} is not a uretprobe", names::PROG_CALL_SITE))?;
+            program
+                .load()
+                .with_context(|| format!("verify and load program {}", names::PROG_CALL_SITE))?;
+            let fd = program
+                .fd()
+                .with_context(|| format!("{} has no file descriptor", names::PROG_CALL_SITE))?
+                .try_clone()
+                .context("duplicate the call-site program's descriptor")?;
+            let map = ebpf
+                .map_mut(names::SITE_PROG)
+                .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::SITE_PROG))?;
+            let mut jump = aya::maps::ProgramArray::try_from(map).context("open the call-site program array")?;
+            jump.set(0, &fd, 0).context("install the call-site program")?;
+        }
         let counters = ebpf
             .take_map(names::COUNTERS)
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::COUNTERS))?;
@@ -214,6 +238,16 @@ impl Probes {
             links: Vec::new(),
             host_context,
         })
+    }
+
+    /// The interpreters the return program walks (--stack).
+    pub fn take_py_procs(&mut self) -> Result<PyProcs> {
+        let map = self
+            .ebpf
+            .take_map(names::PY_PROCS)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::PY_PROCS))?;
+        let map = aya::maps::HashMap::try_from(map).context("open the interpreters map")?;
+        Ok(PyProcs { map })
     }
 
     /// The set of threads the scheduler programs follow, or None without host context.
@@ -394,5 +428,18 @@ impl Followed {
             }
         }
         added
+    }
+}
+
+/// CPython interpreters registered for the kernel's frame walk.
+pub struct PyProcs {
+    map: aya::maps::HashMap<MapData, u32, tracer_common::PyProcess>,
+}
+
+impl PyProcs {
+    pub fn insert(&mut self, pid: u32, interp: tracer_common::PyProcess) -> Result<()> {
+        self.map
+            .insert(pid, interp, 0)
+            .with_context(|| format!("register the interpreter of pid {pid}"))
     }
 }

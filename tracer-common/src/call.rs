@@ -40,7 +40,7 @@ pub struct CallEvent {
     pub aux0: u64,
     /// Op-specific: the total bytes of a MemGetInfo, the allocation flags.
     pub aux1: u64,
-    /// Reserved for stack ids (negative: none).
+    /// Unused in the kernel's records (-1); the call site travels in [`crate::CallStackEvent`].
     pub stack_id: i64,
     /// The calling thread's name (task comm), NUL-padded; sent with a thread's first event
     /// only (all zero afterwards).

@@ -8,6 +8,8 @@ pub enum EventKind {
     Call = 1,
     /// A traced thread's time off the CPU ([`crate::SchedEvent`]).
     Sched = 2,
+    /// A call with its native and Python call site ([`crate::CallStackEvent`], --stack).
+    CallStack = 3,
 }
 
 impl EventKind {
@@ -15,6 +17,7 @@ impl EventKind {
         match value {
             1 => Some(Self::Call),
             2 => Some(Self::Sched),
+            3 => Some(Self::CallStack),
             _ => None,
         }
     }

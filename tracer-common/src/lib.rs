@@ -9,6 +9,7 @@ pub mod event;
 pub mod maps;
 pub mod probes;
 pub mod sched;
+pub mod stack;
 
 pub use call::CallEvent;
 pub use event::{EventHeader, EventKind};
@@ -16,3 +17,4 @@ pub use probes::{
     ArgRole, Library, Op, OpClass, OpPlan, ProbeSpec, Space, OP_COUNT, PLANS, PROBES,
 };
 pub use sched::SchedEvent;
+pub use stack::{CallStackEvent, PyFrame, PyOffsets, PyProcess, PyStack};

@@ -36,6 +36,21 @@ pub const GLOBAL_FORK_PARENT_PID_OFF: &str = "FORK_PARENT_PID_OFF";
 pub const GLOBAL_FORK_CHILD_PID_OFF: &str = "FORK_CHILD_PID_OFF";
 pub const SCHED_TIDS_ENTRIES: u32 = 1 << 16;
 
+/// tgid -> [`crate::PyProcess`]: CPython interpreters whose frames the return program walks
+/// (--stack); filled by userspace, copied to forked children by sched_process_fork.
+pub const PY_PROCS: &str = "PY_PROCS";
+pub const PY_PROCS_ENTRIES: u32 = 4096;
+/// (tgid << 32 | tid) -> the thread's PyThreadState address, found once by walking the
+/// interpreter's thread list and re-checked on every use.
+pub const PY_THREADS: &str = "PY_THREADS";
+pub const PY_THREADS_ENTRIES: u32 = 1 << 14;
+/// Program array whose slot 0 is [`PROG_CALL_SITE`], tail-called by the return program.
+pub const SITE_PROG: &str = "SITE_PROG";
+/// The return program that sends a call with its call site (--stack).
+pub const PROG_CALL_SITE: &str = "call_site";
+/// Global: non-zero to capture call sites (--stack).
+pub const GLOBAL_STACK_MODE: &str = "STACK_MODE";
+
 /// The entry program, attached as a uprobe to every probed symbol (cookie = op).
 pub const PROG_ENTRY: &str = "call_entry";
 /// The return program, attached as a uretprobe to every probed symbol (cookie = op).

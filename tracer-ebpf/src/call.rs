@@ -289,15 +289,49 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         }
     }
 
-    let Some(mut entry) = EVENTS.reserve::<CallEvent>(0) else {
-        bump(Counter::RingFull);
-        return 0;
-    };
     let comm = if send_comm {
         bpf_get_current_comm().unwrap_or([0; 16])
     } else {
         [0; 16]
     };
+    let event = CallEvent {
+        header: EventHeader {
+            kind: CallEvent::KIND as u32,
+            len: CallEvent::LEN,
+            ts_ns: state.ts_ns,
+            pid,
+            tid,
+        },
+        op,
+        device,
+        ret,
+        flags: ev_flags,
+        duration_ns: now.wrapping_sub(state.ts_ns),
+        size,
+        ptr,
+        aux0,
+        aux1,
+        stack_id: -1,
+        comm,
+    };
+    // Waking the reader costs about a third of a traced call: wake it only when a batch waits.
+    let wakeup = global(&WAKEUP_BYTES);
+    let flag = if wakeup == 0 || EVENTS.query(0) >= wakeup {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    let stack_mode = crate::stack::enabled();
+    if !stack_mode {
+        let Some(mut entry) = EVENTS.reserve::<CallEvent>(0) else {
+            // The thread's name is sent again with its next event.
+            bump(Counter::RingFull);
+            return 0;
+        };
+        entry.write(event);
+        entry.submit(flag as u64);
+        bump(Counter::Submitted);
+    }
     let set_device = if ok {
         arg_at(args, plan.device_arg)
     } else {
@@ -320,34 +354,17 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
             }
         }
     }
-    entry.write(CallEvent {
-        header: EventHeader {
-            kind: CallEvent::KIND as u32,
-            len: CallEvent::LEN,
-            ts_ns: state.ts_ns,
-            pid,
-            tid,
-        },
-        op,
-        device,
-        ret,
-        flags: ev_flags,
-        duration_ns: now.wrapping_sub(state.ts_ns),
-        size,
-        ptr,
-        aux0,
-        aux1,
-        stack_id: -1,
-        comm,
-    });
-    // Waking the reader costs about a third of a traced call: wake it only when a batch waits.
-    let wakeup = global(&WAKEUP_BYTES);
-    let flag = if wakeup == 0 || EVENTS.query(0) >= wakeup {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    };
-    entry.submit(flag as u64);
-    bump(Counter::Submitted);
+    if stack_mode {
+        // call_site sends the event (and counts it); the wake-up flag rides in stack_id.
+        crate::stack::tail_call_site(
+            &ctx,
+            &CallEvent {
+                stack_id: flag as i64,
+                ..event
+            },
+        );
+        // Only a failed tail call gets here: the event is lost, and counted with the drops.
+        bump(Counter::RingFull);
+    }
     0
 }

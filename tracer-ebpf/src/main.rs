@@ -5,6 +5,7 @@
 mod call;
 mod counters;
 mod sched;
+mod stack;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -27,7 +27,8 @@ use crate::{
     exit::{privilege_error, user_error},
     live::{self, LiveView, Status},
     paths, privileges,
-    probes::{Followed, LoadOptions, Probes},
+    probes::{Followed, LoadOptions, Probes, PyProcs},
+    sites::{Site, SiteWriter, Sites},
     procinfo,
     stats::LiveStats,
     store::{Access, Batch, SessionCounters, SessionStart, Store},
@@ -57,6 +58,10 @@ pub struct TraceArgs {
     /// No live table on stderr (the summary is still printed).
     #[arg(long)]
     pub quiet: bool,
+    /// Record each call's call site: the native user stack and, in CPython 3.10-3.13
+    /// processes, the Python frames of the calling thread (see `tracer stacks`).
+    #[arg(long)]
+    pub stack: bool,
     /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
     #[arg(long, hide = true)]
     pub floor: bool,
@@ -94,6 +99,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
         ring_bytes,
         wakeup_bytes: (ring_bytes as u64 / 4).min(1 << 20),
         floor: args.floor,
+        stack: args.stack,
     })
     .map_err(|e| {
         if format!("{e:#}").contains("Operation not permitted") {
@@ -154,13 +160,18 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let shared = Arc::new(Shared::default());
     let ring = probes.take_ring()?;
     let followed = probes.take_followed()?;
+    let python = if args.stack {
+        Some((probes.take_py_procs()?, Sites::default(), pid_filter.clone()))
+    } else {
+        None
+    };
     let (tx, rx) = mpsc::sync_channel::<Delivery>(1024);
     let reader = {
         let shared = shared.clone();
         let offset = clock.offset_ns;
         thread::Builder::new()
             .name("tracer-reader".into())
-            .spawn(move || read_loop(ring, followed, tx, &shared, offset))?
+            .spawn(move || read_loop(ring, followed, python, tx, &shared, offset))?
     };
     let writer_opts = WriterOptions {
         session,
@@ -472,6 +483,7 @@ async fn main_loop(
 fn read_loop(
     mut ring: RingBuf<MapData>,
     mut followed: Option<Followed>,
+    mut python: Option<(PyProcs, Sites, Option<Vec<u32>>)>,
     tx: SyncSender<Delivery>,
     shared: &Shared,
     wall_offset_ns: i64,
@@ -479,41 +491,54 @@ fn read_loop(
     let result = (|| -> Result<()> {
         let boot = procinfo::boot_time_ns();
         let mut pids_seen: HashSet<u32> = HashSet::new();
-        let mut processes = Vec::new();
-        let mut offcpu = Vec::new();
+        let mut out = Delivery::default();
+        let mut last_python_scan: Option<Instant> = None;
         loop {
             let stopping = shared.stop.load(Ordering::SeqCst);
-            let mut batch = Vec::with_capacity(1024);
+            if let Some((procs, sites, scope)) = python.as_mut() {
+                // Interpreters started since the last look are registered before they call,
+                // as far as a once-a-second scan allows (the first sight of a pid also does).
+                if last_python_scan.is_none_or(|t| t.elapsed() >= PYTHON_SCAN_EVERY) {
+                    last_python_scan = Some(Instant::now());
+                    let pids = scope.clone().unwrap_or_else(crate::discover::all_pids);
+                    for pid in pids {
+                        register_python(procs, sites, pid);
+                    }
+                }
+            }
             let mut decode_errors = 0;
             while let Some(item) = ring.next() {
                 match decode::decode(&item) {
-                    Ok(Record::Call(call)) => {
+                    Ok(Record::Call(mut call)) => {
                         // Read /proc at first sight: a short-lived process may be gone by the
                         // time its events are written.
                         if pids_seen.insert(call.pid) {
                             let seen = call.ts_mono_ns as i64 + wall_offset_ns;
-                            processes.push(procinfo::read(call.pid, seen, &call.comm, boot));
+                            out.processes.push(procinfo::read(call.pid, seen, &call.comm, boot));
                             if let Some(f) = followed.as_mut() {
                                 f.process_tree(call.pid);
                             }
+                            if let Some((procs, sites, _)) = python.as_mut() {
+                                register_python(procs, sites, call.pid);
+                            }
                         }
-                        batch.push(call);
+                        if let (Some(site), Some((_, sites, _))) = (call.site.take(), python.as_mut()) {
+                            call.stack = Some(sites.intern(call.pid, *site, &mut out.sites));
+                        }
+                        out.calls.push(call);
                     }
-                    Ok(Record::OffCpu(off)) => offcpu.push(off),
+                    Ok(Record::OffCpu(off)) => out.offcpu.push(off),
                     Err(_) => decode_errors += 1,
                 }
-                if batch.len() + offcpu.len() >= 8192 {
-                    let found = std::mem::take(&mut processes);
-                    let off = std::mem::take(&mut offcpu);
-                    deliver(std::mem::take(&mut batch), found, off, &tx, shared)?;
+                if out.calls.len() + out.offcpu.len() >= 8192 {
+                    deliver(std::mem::take(&mut out), &tx, shared)?;
                 }
             }
             shared
                 .decode_errors
                 .fetch_add(decode_errors, Ordering::SeqCst);
-            if !batch.is_empty() || !offcpu.is_empty() {
-                let off = std::mem::take(&mut offcpu);
-                deliver(batch, std::mem::take(&mut processes), off, &tx, shared)?;
+            if !out.calls.is_empty() || !out.offcpu.is_empty() {
+                deliver(std::mem::take(&mut out), &tx, shared)?;
             }
             if stopping {
                 return Ok(());
@@ -533,33 +558,37 @@ fn read_loop(
 
 /// Calls read from the ring, with the processes first seen among them, and the traced
 /// threads' off-CPU intervals.
+#[derive(Default)]
 struct Delivery {
     calls: Vec<Call>,
     processes: Vec<procinfo::ProcessInfo>,
     offcpu: Vec<decode::OffCpu>,
+    /// Call sites first seen in these calls (--stack).
+    sites: Vec<(i64, Site)>,
 }
 
-fn deliver(
-    batch: Vec<Call>,
-    processes: Vec<procinfo::ProcessInfo>,
-    offcpu: Vec<decode::OffCpu>,
-    tx: &SyncSender<Delivery>,
-    shared: &Shared,
-) -> Result<()> {
+fn deliver(delivery: Delivery, tx: &SyncSender<Delivery>, shared: &Shared) -> Result<()> {
     shared
         .events_read
-        .fetch_add(batch.len() as u64, Ordering::SeqCst);
+        .fetch_add(delivery.calls.len() as u64, Ordering::SeqCst);
     if let Ok(mut live) = shared.live.lock() {
-        for call in &batch {
+        for call in &delivery.calls {
             live.add(call);
         }
     }
-    tx.send(Delivery {
-        calls: batch,
-        processes,
-        offcpu,
-    })
-    .map_err(|_| anyhow!("the database writer stopped"))
+    tx.send(delivery)
+        .map_err(|_| anyhow!("the database writer stopped"))
+}
+
+const PYTHON_SCAN_EVERY: Duration = Duration::from_secs(1);
+
+/// Puts `pid`'s interpreter, if it runs one tracer can walk, where the kernel finds it.
+fn register_python(procs: &mut PyProcs, sites: &mut Sites, pid: u32) {
+    if let Some(interp) = sites.register(pid) {
+        if let Err(e) = procs.insert(pid, interp) {
+            eprintln!("tracer: {e:#}");
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -583,19 +612,33 @@ fn write_loop(
         let mut processes = Vec::new();
         let mut pending_off = Vec::new();
         let mut threads_seen: HashSet<(u32, u32)> = HashSet::new();
+        let mut site_writer = SiteWriter::default();
+        let mut take = |d: Delivery,
+                        sw: &mut SiteWriter,
+                        store: &mut Store,
+                        calls: &mut Vec<Call>,
+                        procs: &mut Vec<procinfo::ProcessInfo>,
+                        off: &mut Vec<decode::OffCpu>|
+         -> Result<()> {
+            // New sites are stored before the calls that point at them.
+            sw.store(store, opts.session, &d.sites)?;
+            calls.extend(d.calls.into_iter().map(|mut c| {
+                c.stack = c.stack.and_then(|local| sw.stored_id(local));
+                c
+            }));
+            procs.extend(d.processes);
+            off.extend(d.offcpu);
+            Ok(())
+        };
         let mut last_commit = Instant::now();
         let mut last_housekeeping = Instant::now();
         let mut owned = false;
         loop {
             let disconnected = match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(first) => {
-                    pending.extend(first.calls);
-                    processes.extend(first.processes);
-                    pending_off.extend(first.offcpu);
+                    take(first, &mut site_writer, &mut store, &mut pending, &mut processes, &mut pending_off)?;
                     while let Ok(more) = rx.try_recv() {
-                        pending.extend(more.calls);
-                        processes.extend(more.processes);
-                        pending_off.extend(more.offcpu);
+                        take(more, &mut site_writer, &mut store, &mut pending, &mut processes, &mut pending_off)?;
                         if pending.len() >= COMMIT_ROWS {
                             break;
                         }

@@ -24,6 +24,10 @@ pub struct Call {
     pub aux1: u64,
     pub flags: u32,
     pub comm: String,
+    /// The call site as the kernel sent it (--stack), until the reader interns it.
+    pub site: Option<Box<super::RawSite>>,
+    /// The call site's id: the reader's own until the writer stores the site, then stacks.id.
+    pub stack: Option<i64>,
 }
 
 impl Call {
@@ -57,6 +61,8 @@ impl Call {
             aux1: raw.aux1,
             flags: raw.flags,
             comm: String::from_utf8_lossy(&raw.comm[..comm_len]).into_owned(),
+            site: None,
+            stack: None,
         })
     }
 }

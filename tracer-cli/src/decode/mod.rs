@@ -4,11 +4,13 @@
 mod call;
 mod sched;
 pub mod simlog;
+mod stack;
 
 pub use call::Call;
 pub use sched::OffCpu;
+pub use stack::{PyStatus, RawPyFrame, RawSite};
 
-use tracer_common::{CallEvent, EventHeader, EventKind, SchedEvent};
+use tracer_common::{CallEvent, CallStackEvent, EventHeader, EventKind, SchedEvent};
 
 /// A decoded record.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,12 +62,18 @@ fn read_pod<T: aya::Pod>(bytes: &[u8]) -> Option<T> {
     Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
 }
 
+/// [`read_pod`] for records too large to keep on the stack.
+fn read_pod_boxed<T: aya::Pod>(bytes: &[u8]) -> Option<Box<T>> {
+    read_pod(bytes).map(Box::new)
+}
+
 pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     let header: EventHeader = read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
     let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
     let expected = match kind {
         EventKind::Call => std::mem::size_of::<CallEvent>(),
         EventKind::Sched => std::mem::size_of::<SchedEvent>(),
+        EventKind::CallStack => std::mem::size_of::<CallStackEvent>(),
     };
     // The ring buffer may round a record up; the header's length is the truth.
     if header.len as usize != expected || bytes.len() < expected {
@@ -86,6 +94,11 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             let raw: SchedEvent =
                 read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
             OffCpu::from_raw(&raw).map(Record::OffCpu)
+        }
+        EventKind::CallStack => {
+            let raw: Box<CallStackEvent> =
+                read_pod_boxed(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+            stack::from_raw(&raw).map(Record::Call)
         }
     }
 }

@@ -35,6 +35,8 @@ pub fn parse_line(line: &str) -> Option<Call> {
         aux1: opt(f[10])?.unwrap_or(0),
         flags: 0,
         comm: String::new(),
+        site: None,
+        stack: None,
     })
 }
 

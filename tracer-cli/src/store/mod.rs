@@ -361,6 +361,37 @@ impl Store {
         Ok(())
     }
 
+    /// Stores a call site and its frames (innermost first); returns its id for calls.stack_id.
+    pub fn insert_stack(&mut self, session: i64, stack: &StackRow<'_>) -> Result<i64> {
+        let tx = self.conn.transaction().context("begin a write transaction")?;
+        tx.execute(
+            "INSERT INTO stacks (session_id, pid, native_depth, python) VALUES (?1, ?2, ?3, ?4)",
+            params![session, stack.pid, stack.native_depth, stack.python],
+        )?;
+        let id = tx.last_insert_rowid();
+        {
+            let mut frame = tx.prepare_cached(
+                "INSERT INTO stack_frames (stack_id, idx, kind, function, file, line, module, address)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )?;
+            for (idx, f) in stack.frames.iter().enumerate() {
+                frame.execute(params![
+                    id,
+                    idx,
+                    f.kind,
+                    f.function,
+                    f.file,
+                    f.line,
+                    f.module,
+                    f.address.map(|a| a as i64)
+                ])?;
+            }
+        }
+        tx.commit()
+            .with_context(|| format!("store a call site in {}", self.path.display()))?;
+        Ok(id)
+    }
+
     /// Bytes the database uses, not counting free pages it keeps for reuse.
     pub fn used_bytes(&self) -> Result<u64> {
         let (pages, free, size): (i64, i64, i64) = self.conn.query_row(
@@ -390,6 +421,12 @@ impl Store {
             if let Some((id, events)) = oldest {
                 tx.execute("DELETE FROM calls WHERE session_id = ?1", [id])?;
                 tx.execute("DELETE FROM threads WHERE session_id = ?1", [id])?;
+                tx.execute("DELETE FROM offcpu WHERE session_id = ?1", [id])?;
+                tx.execute(
+                    "DELETE FROM stack_frames WHERE stack_id IN (SELECT id FROM stacks WHERE session_id = ?1)",
+                    [id],
+                )?;
+                tx.execute("DELETE FROM stacks WHERE session_id = ?1", [id])?;
                 tx.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
                 notes.push(format!("--max-db: deleted session {id} ({events} events) to stay under {max_bytes} bytes"));
             } else {
@@ -438,10 +475,10 @@ impl Store {
 
 /// Rows per multi-row INSERT (14 parameters each; SQLite allows 32766).
 const CALLS_PER_INSERT: usize = 64;
-const CALL_COLUMNS: usize = 13;
+const CALL_COLUMNS: usize = 14;
 
 fn insert_calls_sql(rows: usize) -> String {
-    let row = format!("({}, NULL)", vec!["?"; CALL_COLUMNS].join(", "));
+    let row = format!("({})", vec!["?"; CALL_COLUMNS].join(", "));
     format!(
         "INSERT INTO calls (session_id, ts_ns, pid, tid, op_id, device, size, ptr, ret, duration_ns, aux0, aux1, flags, stack_id) VALUES {}",
         vec![row; rows].join(", ")
@@ -469,8 +506,31 @@ fn bind_calls(
         stmt.raw_bind_parameter(base + 11, nonzero(call.aux0))?;
         stmt.raw_bind_parameter(base + 12, nonzero(call.aux1))?;
         stmt.raw_bind_parameter(base + 13, call.flags)?;
+        stmt.raw_bind_parameter(base + 14, call.stack)?;
     }
     Ok(())
+}
+
+/// A call site as stored: `python` says whether and how the Python frames were read.
+pub struct StackRow<'a> {
+    pub pid: u32,
+    pub native_depth: u32,
+    pub python: &'static str,
+    pub frames: &'a [StackFrame],
+}
+
+/// One frame of a stored call site.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StackFrame {
+    /// "python" or "native".
+    pub kind: &'static str,
+    pub function: Option<String>,
+    pub file: Option<String>,
+    pub line: Option<i64>,
+    /// Native: the library or executable.
+    pub module: Option<String>,
+    /// Native: the offset in `module` (the return address - 1).
+    pub address: Option<u64>,
 }
 
 /// One transaction's worth of rows.

@@ -3,7 +3,7 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -105,5 +105,27 @@ CREATE INDEX offcpu_session_tid ON offcpu(session_id, tid, off_ns);
 ALTER TABLE sessions ADD COLUMN offcpu_submitted INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN offcpu_dropped INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN host_context TEXT;
+"#,
+    // 3: call sites (--stack) - calls.stack_id points at stacks.id.
+    r#"
+CREATE TABLE stacks (
+    id           INTEGER PRIMARY KEY,
+    session_id   INTEGER NOT NULL,
+    pid          INTEGER NOT NULL,
+    native_depth INTEGER NOT NULL,
+    python       TEXT NOT NULL
+);
+CREATE INDEX stacks_session ON stacks(session_id);
+CREATE TABLE stack_frames (
+    stack_id INTEGER NOT NULL,
+    idx      INTEGER NOT NULL,
+    kind     TEXT NOT NULL,
+    function TEXT,
+    file     TEXT,
+    line     INTEGER,
+    module   TEXT,
+    address  INTEGER,
+    PRIMARY KEY (stack_id, idx)
+) WITHOUT ROWID;
 "#,
 ];

@@ -18,6 +18,8 @@ fn call(op: Op, ts: u64, size: Option<u64>, ptr: Option<u64>, ret: i32) -> Call 
         aux1: 0,
         flags: 0,
         comm: "worker".into(),
+        site: None,
+        stack: None,
     }
 }
 

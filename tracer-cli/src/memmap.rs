@@ -1,0 +1,83 @@
+//! A process's file mappings (/proc/PID/maps): where its libraries are loaded, to find an
+//! interpreter's state and to turn a native address into (file, offset) that stays resolvable
+//! after the process exits.
+
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    /// File offset of `start`.
+    pub offset: u64,
+    pub executable: bool,
+    pub path: PathBuf,
+}
+
+/// Parses one maps line: "start-end perms offset dev inode   path". Anonymous mappings and
+/// pseudo-files ([heap], [vdso]) have no path and are skipped.
+fn parse_line(line: &str) -> Option<Mapping> {
+    let mut fields = line.splitn(6, ' ');
+    let range = fields.next()?;
+    let perms = fields.next()?;
+    let offset = fields.next()?;
+    let _dev = fields.next()?;
+    let _inode = fields.next()?;
+    let path = fields.next()?.trim_start();
+    if !path.starts_with('/') {
+        return None;
+    }
+    let (start, end) = range.split_once('-')?;
+    Some(Mapping {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        executable: perms.as_bytes().get(2) == Some(&b'x'),
+        path: PathBuf::from(path.strip_suffix(" (deleted)").unwrap_or(path)),
+    })
+}
+
+pub fn read(pid: u32) -> std::io::Result<Vec<Mapping>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    Ok(text.lines().filter_map(parse_line).collect())
+}
+
+/// A mapped file's path as this process can open it (through the process's root, so files in
+/// another mount namespace resolve).
+pub fn path_in(pid: u32, path: &Path) -> PathBuf {
+    let inside = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
+    if inside.exists() {
+        inside
+    } else {
+        path.to_owned()
+    }
+}
+
+/// The executable mapping holding `addr`, and the file offset of `addr` in it.
+pub fn locate(maps: &[Mapping], addr: u64) -> Option<(&Mapping, u64)> {
+    let m = maps
+        .iter()
+        .find(|m| m.executable && addr >= m.start && addr < m.end)?;
+    Some((m, addr - m.start + m.offset))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_file_mappings_only() {
+        let text = "7f00a000-7f00c000 r-xp 00002000 08:01 1234   /usr/lib/libcudart.so.12\n\
+                    7f00c000-7f00d000 rw-p 00000000 00:00 0 \n\
+                    7ffd0000-7ffd2000 r-xp 00000000 00:00 0   [vdso]\n\
+                    55550000-55551000 r-xp 00001000 08:01 99   /tmp/a b (deleted)";
+        let maps: Vec<Mapping> = text.lines().filter_map(parse_line).collect();
+        assert_eq!(maps.len(), 2);
+        assert_eq!(maps[0].path, PathBuf::from("/usr/lib/libcudart.so.12"));
+        assert!(maps[0].executable);
+        assert_eq!(maps[1].path, PathBuf::from("/tmp/a b"));
+        let (m, off) = locate(&maps, 0x7f00a010).unwrap();
+        assert_eq!((m.start, off), (0x7f00a000, 0x2010));
+        assert!(locate(&maps, 0x7f00c010).is_none());
+    }
+}

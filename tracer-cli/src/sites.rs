@@ -1,0 +1,283 @@
+//! Call sites (--stack): the raw stacks the kernel sent, made into frames that stay meaningful
+//! after the process exits. Python frames are read from the live process at first sight (once
+//! per code object); native addresses become (file, offset) pairs, symbolized by the writer with
+//! blazesym (C++ demangled, file:line where debug info exists), once per distinct frame.
+
+use std::{
+    collections::{HashMap, HashSet},
+    path::{Path, PathBuf},
+};
+
+use blazesym::symbolize::{source::Elf, source::Source, Input, Symbolizer};
+use tracer_common::PyProcess;
+
+use crate::{
+    decode::{PyStatus, RawSite},
+    memmap::{self, Mapping},
+    python,
+    store::{StackFrame, StackRow, Store},
+};
+
+/// A native frame, located in its file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NativeFrame {
+    pub addr: u64,
+    /// The library or executable as the process mapped it, and where this process can open it.
+    pub module: Option<(PathBuf, PathBuf)>,
+    /// Offset in the file of the call instruction's last byte (the return address - 1).
+    pub offset: u64,
+}
+
+/// A call site ready to be stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Site {
+    pub pid: u32,
+    /// Innermost first.
+    pub native: Vec<NativeFrame>,
+    pub py_status: PyStatus,
+    /// Innermost first.
+    pub python: Vec<python::Frame>,
+}
+
+/// Turns raw stacks into sites, each distinct one once.
+pub struct Sites {
+    finder: python::Finder,
+    frames: python::Frames,
+    maps: HashMap<u32, Vec<Mapping>>,
+    ids: HashMap<(u32, RawSite), i64>,
+    next_id: i64,
+    /// Processes already looked at for an interpreter.
+    checked: HashSet<u32>,
+    /// Interpreters tracer cannot walk, reported once each.
+    reported: HashSet<String>,
+}
+
+impl Default for Sites {
+    fn default() -> Self {
+        Sites {
+            finder: python::Finder::new(),
+            frames: python::Frames::default(),
+            maps: HashMap::new(),
+            ids: HashMap::new(),
+            next_id: 1,
+            checked: HashSet::new(),
+            reported: HashSet::new(),
+        }
+    }
+}
+
+impl Sites {
+    /// Looks for a CPython interpreter in `pid` (once per process): the kernel's description of
+    /// it, to be put in PY_PROCS, when it is one tracer can walk.
+    pub fn register(&mut self, pid: u32) -> Option<PyProcess> {
+        if !self.checked.insert(pid) {
+            return None;
+        }
+        match self.finder.find(pid) {
+            Ok(Some(interp)) => {
+                let kernel = interp.kernel;
+                log::debug!(
+                    "pid {pid}: CPython {}.{} in {}",
+                    interp.version.0,
+                    interp.version.1,
+                    interp.file.display()
+                );
+                self.frames.register(pid, interp);
+                Some(kernel)
+            }
+            Ok(None) => None,
+            Err(why) => {
+                if self.reported.insert(why.clone()) {
+                    eprintln!("tracer: pid {pid}: no Python frames: {why}");
+                }
+                None
+            }
+        }
+    }
+
+    /// Forgets a process that may have exec'd or exited (its pid may be reused).
+    pub fn forget(&mut self, pid: u32) {
+        self.checked.remove(&pid);
+        self.maps.remove(&pid);
+        self.frames.forget(pid);
+    }
+
+    /// The id of `raw`'s site in this trace; a site seen for the first time is resolved and
+    /// pushed to `new`.
+    pub fn intern(&mut self, pid: u32, raw: RawSite, new: &mut Vec<(i64, Site)>) -> i64 {
+        if let Some(&id) = self.ids.get(&(pid, raw.clone())) {
+            return id;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let site = self.resolve(pid, &raw);
+        self.ids.insert((pid, raw), id);
+        new.push((id, site));
+        id
+    }
+
+    fn resolve(&mut self, pid: u32, raw: &RawSite) -> Site {
+        let mut native = Vec::with_capacity(raw.native.len());
+        for &addr in &raw.native {
+            let mut located = self.locate(pid, addr);
+            if located.is_none() {
+                // A library loaded since the maps were read.
+                self.maps.remove(&pid);
+                located = self.locate(pid, addr);
+            }
+            native.push(NativeFrame {
+                addr,
+                offset: located.as_ref().map_or(0, |(_, off)| off.saturating_sub(1)),
+                module: located.map(|(path, _)| {
+                    let open = memmap::path_in(pid, &path);
+                    (path, open)
+                }),
+            });
+        }
+        Site {
+            pid,
+            native,
+            py_status: raw.py_status,
+            python: self.frames.resolve(pid, &raw.py),
+        }
+    }
+
+    fn locate(&mut self, pid: u32, addr: u64) -> Option<(PathBuf, u64)> {
+        let maps = self
+            .maps
+            .entry(pid)
+            .or_insert_with(|| memmap::read(pid).unwrap_or_default());
+        memmap::locate(maps, addr).map(|(m, off)| (m.path.clone(), off))
+    }
+}
+
+/// A symbolized native frame.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NativeSymbol {
+    pub function: Option<String>,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+}
+
+/// blazesym over files, cached per (file, offset).
+#[derive(Default)]
+pub struct NativeSymbols {
+    symbolizer: Symbolizer,
+    cache: HashMap<(PathBuf, u64), NativeSymbol>,
+}
+
+impl NativeSymbols {
+    pub fn symbolize(&mut self, open_path: &Path, offset: u64) -> NativeSymbol {
+        if let Some(s) = self.cache.get(&(open_path.to_owned(), offset)) {
+            return s.clone();
+        }
+        let src = Source::Elf(Elf::new(open_path));
+        let sym = self
+            .symbolizer
+            .symbolize_single(&src, Input::FileOffset(offset))
+            .ok()
+            .and_then(|s| s.as_sym().cloned().map(|s| s.into_owned()))
+            .map(|s| NativeSymbol {
+                function: Some(s.name.to_string()),
+                file: s.code_info.as_ref().map(|c| {
+                    let file = Path::new(&c.file);
+                    c.dir
+                        .as_ref()
+                        .map_or_else(|| file.to_path_buf(), |d| d.join(file))
+                        .display()
+                        .to_string()
+                }),
+                line: s.code_info.as_ref().and_then(|c| c.line),
+            })
+            .unwrap_or_default();
+        self.cache
+            .insert((open_path.to_owned(), offset), sym.clone());
+        sym
+    }
+}
+
+/// Eval-loop functions of CPython: where the interpreter's frames run.
+pub fn is_eval_loop(function: &str) -> bool {
+    matches!(
+        function,
+        "_PyEval_EvalFrameDefault" | "_PyEval_EvalFrame" | "PyEval_EvalFrameEx"
+    )
+}
+
+/// A site's frames as stored, innermost first: each eval-loop native frame is replaced by the
+/// Python frames it was running (up to the next frame entered from C); Python frames the native
+/// unwinder did not reach (it stops at the first library built without frame pointers) follow
+/// the native ones.
+pub fn merged_frames(site: &Site, symbols: &[NativeSymbol]) -> Vec<StackFrame> {
+    let mut python = site.python.iter().peekable();
+    let py_frame = |p: &python::Frame| StackFrame {
+        kind: "python",
+        function: Some(p.function.clone()),
+        file: Some(p.file.clone()),
+        line: p.line.map(i64::from),
+        module: None,
+        address: None,
+    };
+    let mut out = Vec::with_capacity(site.native.len() + site.python.len());
+    for (frame, sym) in site.native.iter().zip(symbols) {
+        if sym.function.as_deref().is_some_and(is_eval_loop) && python.peek().is_some() {
+            for p in python.by_ref() {
+                out.push(py_frame(p));
+                if p.entry {
+                    break;
+                }
+            }
+            continue;
+        }
+        out.push(StackFrame {
+            kind: "native",
+            function: sym.function.clone(),
+            file: sym.file.clone(),
+            line: sym.line.map(i64::from),
+            module: frame.module.as_ref().map(|(p, _)| p.display().to_string()),
+            address: frame.module.as_ref().map(|_| frame.offset),
+        });
+    }
+    out.extend(python.map(py_frame));
+    out
+}
+
+/// The writer's side: symbolizes new sites' native frames and stores them, remembering which
+/// stored id each of the reader's ids became.
+#[derive(Default)]
+pub struct SiteWriter {
+    symbols: NativeSymbols,
+    stored: HashMap<i64, i64>,
+}
+
+impl SiteWriter {
+    pub fn store(&mut self, store: &mut Store, session: i64, sites: &[(i64, Site)]) -> anyhow::Result<()> {
+        for (local, site) in sites {
+            let symbols: Vec<NativeSymbol> = site
+                .native
+                .iter()
+                .map(|f| match &f.module {
+                    Some((_, open)) => self.symbols.symbolize(open, f.offset),
+                    None => NativeSymbol::default(),
+                })
+                .collect();
+            let frames = merged_frames(site, &symbols);
+            let id = store.insert_stack(
+                session,
+                &StackRow {
+                    pid: site.pid,
+                    native_depth: site.native.len() as u32,
+                    python: site.py_status.name(),
+                    frames: &frames,
+                },
+            )?;
+            self.stored.insert(*local, id);
+        }
+        Ok(())
+    }
+
+    /// The stored id of the reader's site `local`.
+    pub fn stored_id(&self, local: i64) -> Option<i64> {
+        self.stored.get(&local).copied()
+    }
+}

@@ -1,0 +1,241 @@
+//! The call site of a call (--stack): the native user stack (frame pointers, by the kernel) and
+//! the calling thread's CPython frames, walked here, at the call, because reading them later
+//! from userspace races with the program.
+
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_F_USER_STACK},
+    helpers::{bpf_get_stack, bpf_probe_read_user},
+    macros::{map, uretprobe},
+    maps::{HashMap, LruHashMap, PerCpuArray, ProgramArray},
+    programs::RetProbeContext,
+    EbpfContext,
+};
+use tracer_common::{
+    maps as names,
+    stack::{py_frame_flags, py_status, FRAME_OWNED_BY_CSTACK, MAX_NATIVE_FRAMES, MAX_PY_FRAMES,
+        MAX_PY_THREADS},
+    CallEvent, CallStackEvent, EventHeader, PyFrame, PyOffsets, PyProcess, PyStack,
+};
+
+use crate::{
+    call::{global, EVENTS},
+    counters::bump,
+};
+use tracer_common::maps::Counter;
+
+#[map(name = "PY_PROCS")]
+pub static PY_PROCS: HashMap<u32, PyProcess> =
+    HashMap::with_max_entries(names::PY_PROCS_ENTRIES, 0);
+
+#[map(name = "PY_THREADS")]
+static PY_THREADS: LruHashMap<u64, u64> = LruHashMap::with_max_entries(names::PY_THREADS_ENTRIES, 0);
+
+/// Slot 0: [`call_site`], tail-called by the return program: a program of its own, so the
+/// verifier checks the frame walk once rather than on every path of the return program.
+#[map(name = "SITE_PROG")]
+pub static SITE_PROG: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// The call being returned from, handed to [`call_site`] (one per CPU: a tail call does not
+/// migrate).
+#[map(name = "SITE_CALL")]
+pub static SITE_CALL: PerCpuArray<CallEvent> = PerCpuArray::with_max_entries(1, 0);
+
+/// Non-zero: capture call sites (set by userspace at load for --stack).
+#[unsafe(no_mangle)]
+static STACK_MODE: u32 = 0;
+
+#[inline(always)]
+pub fn enabled() -> bool {
+    global(&STACK_MODE) != 0
+}
+
+#[inline(always)]
+fn read<T: Copy>(addr: u64) -> Option<T> {
+    if addr == 0 {
+        return None;
+    }
+    // SAFETY: bpf_probe_read_user validates the address; a fault returns an error.
+    unsafe { bpf_probe_read_user(addr as *const T).ok() }
+}
+
+/// Whether `tstate` is the PyThreadState of kernel thread `tid`.
+#[inline(always)]
+fn is_thread(tstate: u64, tid: u32, o: &PyOffsets) -> bool {
+    if o.tstate_native_tid != PyOffsets::NONE {
+        return read::<u64>(tstate + o.tstate_native_tid as u64) == Some(tid as u64);
+    }
+    // 3.10: thread_id is pthread_self(), glibc's struct pthread, which holds the kernel tid.
+    let Some(pthread) = read::<u64>(tstate + o.tstate_thread_id as u64) else {
+        return false;
+    };
+    read::<u32>(pthread + o.pthread_tid as u64) == Some(tid)
+}
+
+/// The calling thread's PyThreadState: cached per thread, re-checked, else found in the main
+/// interpreter's thread list.
+#[inline(always)]
+fn thread_state(proc_: &PyProcess, pid: u32, tid: u32) -> Option<u64> {
+    let o = &proc_.offsets;
+    let key = ((pid as u64) << 32) | tid as u64;
+    // SAFETY: the value is copied out at once.
+    if let Some(cached) = unsafe { PY_THREADS.get(&key) }.copied() {
+        if is_thread(cached, tid, o) {
+            return Some(cached);
+        }
+    }
+    let interp = read::<u64>(proc_.runtime + o.runtime_interp_head as u64)?;
+    let mut ts = read::<u64>(interp + o.interp_threads_head as u64)?;
+    for _ in 0..MAX_PY_THREADS {
+        if ts == 0 {
+            return None;
+        }
+        if is_thread(ts, tid, o) {
+            let _ = PY_THREADS.insert(&key, &ts, BPF_ANY as u64);
+            return Some(ts);
+        }
+        ts = read::<u64>(ts + o.tstate_next as u64)?;
+    }
+    None
+}
+
+/// Walks the thread's frames into `py`, innermost first.
+#[inline(always)]
+fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
+    py.depth = 0;
+    py.tstate = 0;
+    // SAFETY: the value is copied out at once.
+    let Some(proc_) = (unsafe { PY_PROCS.get(&pid) }).copied() else {
+        py.status = py_status::NOT_PYTHON;
+        return;
+    };
+    let o = proc_.offsets;
+    let Some(tstate) = thread_state(&proc_, pid, tid) else {
+        py.status = py_status::NO_THREAD_STATE;
+        return;
+    };
+    py.tstate = tstate;
+    py.status = py_status::READ_FAILED;
+    let Some(mut frame) = read::<u64>(tstate + o.tstate_frame_1 as u64) else {
+        return;
+    };
+    if o.tstate_frame_2 != PyOffsets::NONE {
+        let Some(f) = read::<u64>(frame + o.tstate_frame_2 as u64) else {
+            return;
+        };
+        frame = f;
+    }
+    // One frame kept per iteration, so the depth is the loop index: the verifier then sees one
+    // state per iteration instead of one per possible depth.
+    for i in 0..MAX_PY_FRAMES {
+        py.depth = i as u32;
+        if frame == 0 {
+            py.status = py_status::OK;
+            return;
+        }
+        if o.frame_owner != PyOffsets::NONE {
+            let Some(owner) = read::<u8>(frame + o.frame_owner as u64) else {
+                return;
+            };
+            if owner == FRAME_OWNED_BY_CSTACK {
+                // A shim (3.12+): the frame before it was entered from C. Shims never follow
+                // one another, so one skip per iteration suffices.
+                if i > 0 {
+                    if let Some(f) = py.frames.get_mut(i - 1) {
+                        f.flags |= py_frame_flags::ENTRY;
+                    }
+                }
+                let Some(prev) = read::<u64>(frame + o.frame_previous as u64) else {
+                    return;
+                };
+                frame = prev;
+                if frame == 0 {
+                    py.status = py_status::OK;
+                    return;
+                }
+            }
+        }
+        let Some(code) = read::<u64>(frame + o.frame_code as u64) else {
+            return;
+        };
+        let instr = if o.instr_is_lasti != 0 {
+            read::<i32>(frame + o.frame_instr as u64).map(|l| l as u32 as u64)
+        } else {
+            read::<u64>(frame + o.frame_instr as u64)
+        };
+        let Some(instr) = instr else {
+            return;
+        };
+        let entry = if o.frame_is_entry != PyOffsets::NONE {
+            read::<u8>(frame + o.frame_is_entry as u64).unwrap_or(0) != 0
+        } else {
+            // 3.10: every Python frame runs in its own C call of the eval loop.
+            o.instr_is_lasti != 0
+        };
+        if let Some(f) = py.frames.get_mut(i) {
+            *f = PyFrame {
+                code,
+                instr,
+                flags: if entry { py_frame_flags::ENTRY } else { 0 },
+                _pad: 0,
+            };
+        }
+        let Some(prev) = read::<u64>(frame + o.frame_previous as u64) else {
+            py.depth = i as u32 + 1;
+            return;
+        };
+        frame = prev;
+    }
+    py.depth = MAX_PY_FRAMES as u32;
+    py.status = if frame == 0 {
+        py_status::OK
+    } else {
+        py_status::TRUNCATED
+    };
+}
+
+/// Hands `call` to [`call_site`]; returns only if the tail call failed (then nothing was sent).
+#[inline(always)]
+pub fn tail_call_site(ctx: &RetProbeContext, call: &CallEvent) {
+    if SITE_CALL.set(0, call, 0).is_err() {
+        return;
+    }
+    // SAFETY: the context is the one this program was called with; slot 0 holds call_site.
+    unsafe { SITE_PROG.tail_call(ctx, 0) };
+}
+
+/// Sends the call in SITE_CALL with its native and Python call site.
+#[uretprobe]
+pub fn call_site(ctx: RetProbeContext) -> u32 {
+    let Some(call) = SITE_CALL.get_ptr(0) else {
+        return 0;
+    };
+    // SAFETY: this CPU's slot, written just before the tail call that brought us here.
+    let call = unsafe { *call };
+    let Some(mut entry) = EVENTS.reserve::<CallStackEvent>(0) else {
+        bump(Counter::RingFull);
+        return 0;
+    };
+    let ev = entry.as_mut_ptr();
+    // SAFETY: `ev` points to the reserved record, valid and exclusively ours until submit.
+    unsafe {
+        (*ev).call = call;
+        (*ev).call.header = EventHeader {
+            kind: CallStackEvent::KIND as u32,
+            len: CallStackEvent::LEN,
+            ..call.header
+        };
+        (*ev)._pad = 0;
+        let bytes = bpf_get_stack(
+            ctx.as_ptr(),
+            (*ev).native.as_mut_ptr() as *mut _,
+            (MAX_NATIVE_FRAMES * 8) as u32,
+            BPF_F_USER_STACK as u64,
+        );
+        (*ev).native_depth = if bytes > 0 { (bytes / 8) as u32 } else { 0 };
+        python_frames(&mut (*ev).py, call.header.pid, call.header.tid);
+    }
+    // The return program decided the wake-up and put it in the unused stack_id field.
+    entry.submit(call.stack_id as u64);
+    bump(Counter::Submitted);
+    0
+}

@@ -1221,3 +1221,246 @@ fn demo_list_and_bad_scenario() {
         .unwrap();
     assert_fails(&out, 2, "unknown scenario \"nosuch\"");
 }
+
+/// CPython 3.10-3.13 under $(pyenv root)/versions (or PYENV_ROOT), one per minor version.
+fn pythons() -> Vec<(String, PathBuf)> {
+    let root = std::env::var_os("PYENV_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".pyenv"));
+    let mut found = BTreeMap::new();
+    for entry in std::fs::read_dir(root.join("versions")).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let minor: String = name.split('.').take(2).collect::<Vec<_>>().join(".");
+        if !["3.10", "3.11", "3.12", "3.13"].contains(&minor.as_str()) {
+            continue;
+        }
+        let exe = entry.path().join("bin").join(format!("python{minor}"));
+        if exe.exists() {
+            found.insert(minor, exe);
+        }
+    }
+    found.into_iter().collect()
+}
+
+/// The Python frames of each recorded call, in call order per thread: (tid, [(file, line,
+/// function)] innermost first, python status).
+fn recorded_python_sites(db: &Path) -> BTreeMap<i64, Vec<(Vec<(String, i64, String)>, String)>> {
+    let calls = query(
+        db,
+        "SELECT c.tid, c.stack_id, s.python FROM calls c JOIN stacks s ON s.id = c.stack_id ORDER BY c.ts_ns, c.id",
+    );
+    let mut out: BTreeMap<i64, Vec<_>> = BTreeMap::new();
+    for c in calls {
+        let frames = query(
+            db,
+            &format!(
+                "SELECT file, line, function FROM stack_frames WHERE stack_id = {} AND kind = 'python' ORDER BY idx",
+                c["stack_id"]
+            ),
+        )
+        .into_iter()
+        .map(|f| {
+            (
+                f["file"].as_str().unwrap_or("").to_owned(),
+                f["line"].as_i64().unwrap_or(-1),
+                f["function"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+        out.entry(c["tid"].as_i64().unwrap())
+            .or_default()
+            .push((frames, c["python"].as_str().unwrap().to_owned()));
+    }
+    out
+}
+
+#[test]
+fn python_call_sites_equal_traceback_under_every_cpython() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let found = pythons();
+    let minors: Vec<&str> = found.iter().map(|(m, _)| m.as_str()).collect();
+    assert_eq!(
+        minors,
+        ["3.10", "3.11", "3.12", "3.13"],
+        "every supported CPython must be installed (scripts/setup.sh)"
+    );
+    let lib = fx.sim.join("libcudart.so.12");
+    let script = workspace().join("tests/python/call_sites.py");
+    for (minor, python) in &found {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("stacks.db");
+        let out = dir.path().join("calls.json");
+        let trace = Trace::start(&db, &["--stack", "--quiet", "--lib", lib.to_str().unwrap()]);
+        // The tracer looks for new interpreters once a second: the program starts its calls
+        // after that, as a training job does after its imports.
+        let run = Command::new(python)
+            .arg(&script)
+            .arg(&lib)
+            .arg(&out)
+            .arg("1.5")
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{minor}: {}", String::from_utf8_lossy(&run.stderr));
+        trace.stop(SIGINT);
+        let expected: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        let mut want: BTreeMap<i64, Vec<Vec<(String, i64, String)>>> = BTreeMap::new();
+        for c in expected["calls"].as_array().unwrap() {
+            // extract_stack lists the outermost frame first.
+            let frames = c["frames"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .rev()
+                .map(|f| {
+                    (
+                        f[0].as_str().unwrap().to_owned(),
+                        f[1].as_i64().unwrap(),
+                        f[2].as_str().unwrap().to_owned(),
+                    )
+                })
+                .collect();
+            want.entry(c["tid"].as_i64().unwrap()).or_default().push(frames);
+        }
+        let got = recorded_python_sites(&db);
+        assert_eq!(want.len(), 4, "{minor}: main thread and three workers");
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{minor}: the threads that called"
+        );
+        let mut compared = 0;
+        for (tid, calls) in &want {
+            let recorded = &got[tid];
+            assert_eq!(recorded.len(), calls.len(), "{minor}: calls of thread {tid}");
+            for (i, (frames, (rec, status))) in calls.iter().zip(recorded).enumerate() {
+                assert_eq!(status, "ok", "{minor}: thread {tid} call {i}");
+                assert_eq!(rec.len(), frames.len(), "{minor}: thread {tid} call {i}: {rec:?} vs {frames:?}");
+                for ((file, line, func), (wfile, wline, wname)) in rec.iter().zip(frames) {
+                    // traceback names the function (co_name); tracer keeps the qualified name
+                    // (co_qualname, 3.11+).
+                    let short = func.rsplit('.').next().unwrap();
+                    assert_eq!(
+                        (file, line, short),
+                        (wfile, wline, wname.as_str()),
+                        "{minor}: thread {tid} call {i}"
+                    );
+                }
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 77, "{minor}: every call compared");
+        // Nothing lost with --stack: every call made was stored.
+        let s = &query(&db, "SELECT * FROM sessions")[0];
+        assert_eq!(s["dropped_ring_full"].as_i64(), Some(0), "{minor}");
+        assert_eq!(s["events_stored"].as_i64(), Some(77), "{minor}");
+        assert_eq!(scalar(&db, "SELECT count(*) FROM calls WHERE stack_id IS NULL"), 0);
+    }
+}
+
+#[test]
+fn native_call_sites_match_the_programs_own_lines() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let src = workspace().join("tests/native/call_sites.c");
+    let text = std::fs::read_to_string(&src).unwrap();
+    let line_of = |needle: &str| text.lines().position(|l| l.contains(needle)).unwrap() + 1;
+    let exe = fx.sim.join("call_sites");
+    let cc = Command::new("cc")
+        .args(["-O0", "-g", "-fno-omit-frame-pointer"])
+        .arg(format!("-DMAIN_BUILD_LINE={}", line_of("build_layer(i);")))
+        .arg(format!("-DMAIN_FREE_LINE={}", line_of("release_all(4);")))
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .arg(format!("-L{}", fx.sim.display()))
+        .arg("-l:libcudart.so.12")
+        .arg(format!("-Wl,-rpath,{}", fx.sim.display()))
+        .output()
+        .unwrap();
+    assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
+    let lib = fx.sim.join("libcudart.so.12");
+    let trace = Trace::start(&fx.db, &["--stack", "--quiet", "--lib", lib.to_str().unwrap()]);
+    let run = Command::new(&exe).output().unwrap();
+    assert!(run.status.success());
+    trace.stop(SIGINT);
+    let expected: Vec<Value> = String::from_utf8_lossy(&run.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(expected.len(), 8);
+    let calls = query(
+        &fx.db,
+        "SELECT op, stack_id FROM events WHERE op IN ('cudaMalloc', 'cudaFree') ORDER BY ts_ns, event_id",
+    );
+    assert_eq!(calls.len(), expected.len());
+    for (call, want) in calls.iter().zip(&expected) {
+        assert_eq!(call["op"], want["op"]);
+        let frames = query(
+            &fx.db,
+            &format!(
+                "SELECT function, line, file FROM stack_frames WHERE stack_id = {} AND kind = 'native' ORDER BY idx",
+                call["stack_id"]
+            ),
+        );
+        let want_frames = want["frames"].as_array().unwrap();
+        assert!(frames.len() >= want_frames.len(), "{frames:?} vs {want_frames:?}");
+        for (got, w) in frames.iter().zip(want_frames) {
+            assert_eq!(got["function"], w[0], "{frames:?}");
+            assert_eq!(got["line"], w[1], "{frames:?}");
+            assert!(got["file"].as_str().unwrap().ends_with("call_sites.c"), "{got}");
+        }
+    }
+    assert_eq!(scalar(&fx.db, "SELECT native_depth >= 3 FROM stacks LIMIT 1"), 1);
+    // tracer stacks shows them, most frequent first.
+    let out = Command::new(TRACER)
+        .args(["stacks", "--op", "cudaMalloc", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("native allocate (") && text.contains("call_sites.c:"), "{text}");
+}
+
+#[test]
+fn with_stack_every_call_is_stored_or_counted() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let lib = fx.sim.join("libcudart.so.12");
+    let trace = Trace::start(&fx.db, &["--stack", "--quiet", "--lib", lib.to_str().unwrap()]);
+    let rep = report(
+        driver(
+            &fx.sim,
+            &["--mix", "pairs", "--threads", "2", "--iters", "20000"],
+            &[("SIMCUDA_LATENCY", "default=0")],
+        )
+        .output()
+        .unwrap(),
+    );
+    trace.stop(SIGINT);
+    let calls = total_calls(&rep);
+    assert_eq!(calls, 80_000);
+    let s = &query(&fx.db, "SELECT * FROM sessions")[0];
+    let (submitted, dropped) = (
+        s["submitted"].as_i64().unwrap(),
+        s["dropped_ring_full"].as_i64().unwrap(),
+    );
+    assert_eq!(submitted + dropped, calls);
+    assert_eq!(s["events_stored"].as_i64().unwrap(), submitted);
+    assert_eq!(
+        scalar(&fx.db, "SELECT count(*) FROM calls WHERE stack_id IS NOT NULL"),
+        submitted,
+        "every stored call has its call site"
+    );
+    // simdriver is built with frame pointers: its own functions are on the stack.
+    assert!(
+        scalar(
+            &fx.db,
+            "SELECT count(*) FROM stack_frames WHERE kind = 'native' AND module LIKE '%simdriver'"
+        ) > 0
+    );
+}

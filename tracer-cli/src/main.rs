@@ -47,6 +47,8 @@ enum Command {
     Check(cmd::check::CheckArgs),
     /// Explain a recorded session: causal chains with their evidence and fixes (no sudo needed).
     Explain(cmd::explain::ExplainArgs),
+    /// Show the call sites of a --stack session: native and Python frames, most frequent first.
+    Stacks(cmd::stacks::StacksArgs),
     /// Run a realistic workload on the simulated CUDA runtime, trace it, and explain it (no GPU needed).
     Demo(cmd::demo::DemoArgs),
 }
@@ -60,6 +62,7 @@ fn main() -> ExitCode {
         Command::Check(args) => cmd::check::run(args),
         Command::Explain(args) => cmd::explain::run(args),
         Command::Demo(args) => cmd::demo::run(args),
+        Command::Stacks(args) => cmd::stacks::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -42,14 +42,18 @@ pub fn read(pid: u32) -> std::io::Result<Vec<Mapping>> {
     Ok(text.lines().filter_map(parse_line).collect())
 }
 
-/// A mapped file's path as this process can open it (through the process's root, so files in
-/// another mount namespace resolve).
+/// A mapped file's path as this process can open it: the path itself when it names the same
+/// file here (it stays valid after the process exits), else through the process's root (a
+/// file in another mount namespace, valid while the process lives).
 pub fn path_in(pid: u32, path: &Path) -> PathBuf {
+    use std::os::unix::fs::MetadataExt as _;
     let inside = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
-    if inside.exists() {
-        inside
-    } else {
-        path.to_owned()
+    match (std::fs::metadata(path), std::fs::metadata(&inside)) {
+        (Ok(here), Ok(there)) if (here.dev(), here.ino()) == (there.dev(), there.ino()) => {
+            path.to_owned()
+        }
+        (_, Ok(_)) => inside,
+        _ => path.to_owned(),
     }
 }
 

@@ -95,13 +95,6 @@ impl Sites {
         }
     }
 
-    /// Forgets a process that may have exec'd or exited (its pid may be reused).
-    pub fn forget(&mut self, pid: u32) {
-        self.checked.remove(&pid);
-        self.maps.remove(&pid);
-        self.frames.forget(pid);
-    }
-
     /// The id of `raw`'s site in this trace; a site seen for the first time is resolved and
     /// pushed to `new`.
     pub fn intern(&mut self, pid: u32, raw: RawSite, new: &mut Vec<(i64, Site)>) -> i64 {
@@ -124,6 +117,12 @@ impl Sites {
                 // A library loaded since the maps were read.
                 self.maps.remove(&pid);
                 located = self.locate(pid, addr);
+            }
+            let maps_known = self.maps.get(&pid).is_some_and(|m| !m.is_empty());
+            if located.is_none() && maps_known {
+                // Not code: frame-pointer unwinding went astray in a frame built without frame
+                // pointers; nothing beyond it is trustworthy.
+                break;
             }
             native.push(NativeFrame {
                 addr,
@@ -248,6 +247,8 @@ pub fn merged_frames(site: &Site, symbols: &[NativeSymbol]) -> Vec<StackFrame> {
 pub struct SiteWriter {
     symbols: NativeSymbols,
     stored: HashMap<i64, i64>,
+    /// Sites that differ only in addresses resolving to the same frames are stored once.
+    by_content: HashMap<(u32, &'static str, Vec<StackFrame>), i64>,
 }
 
 impl SiteWriter {
@@ -262,15 +263,23 @@ impl SiteWriter {
                 })
                 .collect();
             let frames = merged_frames(site, &symbols);
-            let id = store.insert_stack(
-                session,
-                &StackRow {
-                    pid: site.pid,
-                    native_depth: site.native.len() as u32,
-                    python: site.py_status.name(),
-                    frames: &frames,
-                },
-            )?;
+            let key = (site.pid, site.py_status.name(), frames);
+            let id = match self.by_content.get(&key) {
+                Some(&id) => id,
+                None => {
+                    let id = store.insert_stack(
+                        session,
+                        &StackRow {
+                            pid: site.pid,
+                            native_depth: site.native.len() as u32,
+                            python: site.py_status.name(),
+                            frames: &key.2,
+                        },
+                    )?;
+                    self.by_content.insert(key, id);
+                    id
+                }
+            };
             self.stored.insert(*local, id);
         }
         Ok(())

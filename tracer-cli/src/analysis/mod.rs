@@ -33,6 +33,8 @@ pub struct Event {
     pub aux0: Option<u64>,
     /// Op-specific (total bytes of a MemGetInfo, ...).
     pub aux1: Option<u64>,
+    /// The call site (stacks.id), when traced with --stack.
+    pub stack: Option<i64>,
 }
 
 impl Event {
@@ -254,6 +256,61 @@ pub fn per_process(
         .collect()
 }
 
+/// Call sites by stacks.id: the first frame in the user's own code, as "train.py:74 (step)".
+pub type SiteLabels = HashMap<i64, String>;
+
+/// The calls of one op from one call site.
+#[derive(Clone, Debug, Serialize)]
+pub struct CallSiteRow {
+    pub op: &'static str,
+    pub pid: u32,
+    pub site: String,
+    pub calls: u64,
+    /// Bytes of the successful calls.
+    pub bytes: u64,
+    pub avg_ns: u64,
+    pub p99_ns: u64,
+}
+
+/// Call sites shown per op.
+pub const TOP_SITES: usize = 5;
+
+/// The busiest call sites of each op in the window (by calls), per process.
+pub fn call_sites(all: &[Event], window: Window, labels: &SiteLabels) -> Vec<CallSiteRow> {
+    if labels.is_empty() {
+        return Vec::new();
+    }
+    let mut groups: BTreeMap<(Op, u32, &str), Vec<&Event>> = BTreeMap::new();
+    for e in all.iter().filter(|e| window.contains(e.ts_ns)) {
+        if let Some(label) = e.stack.and_then(|id| labels.get(&id)) {
+            groups.entry((e.op, e.pid, label.as_str())).or_default().push(e);
+        }
+    }
+    let mut rows: Vec<CallSiteRow> = groups
+        .into_iter()
+        .map(|((op, pid, site), evs)| {
+            let mut d: Vec<u64> = evs.iter().map(|e| e.duration_ns).collect();
+            CallSiteRow {
+                op: op.name(),
+                pid,
+                site: site.to_string(),
+                calls: evs.len() as u64,
+                bytes: evs.iter().filter(|e| e.ret == 0).filter_map(|e| e.size).sum(),
+                avg_ns: d.iter().sum::<u64>() / d.len().max(1) as u64,
+                p99_ns: select_quantile(&mut d, 0.99),
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| (a.op, a.pid, std::cmp::Reverse(a.calls)).cmp(&(b.op, b.pid, std::cmp::Reverse(b.calls))));
+    let mut kept: HashMap<(&str, u32), usize> = HashMap::new();
+    rows.retain(|r| {
+        let n = kept.entry((r.op, r.pid)).or_default();
+        *n += 1;
+        *n <= TOP_SITES
+    });
+    rows
+}
+
 /// Everything explain shows.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -264,6 +321,8 @@ pub struct Report {
     pub host_context: bool,
     pub processes: Vec<ProcessReport>,
     pub chains: Vec<Chain>,
+    /// Top call sites per op (--stack sessions).
+    pub call_sites: Vec<CallSiteRow>,
 }
 
 /// `all` holds the session's events up to the window's end, in time order (earlier events are
@@ -274,11 +333,12 @@ pub fn analyze(
     host: &Host,
     window: Window,
     comms: &HashMap<u32, String>,
+    sites: &SiteLabels,
 ) -> Report {
     // The tables and the rules read the same events independently: one core each.
     let (mut chains, processes) = std::thread::scope(|scope| {
         let tables = scope.spawn(|| per_process(all, window, comms));
-        let chains = rules::all(all, host, window);
+        let chains = rules::all(all, host, window, sites);
         let processes = tables
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -292,6 +352,7 @@ pub fn analyze(
         host_context: host.recorded,
         processes,
         chains,
+        call_sites: call_sites(all, window, sites),
     }
 }
 

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 use tracer_common::{Library, Op, OpClass, Space};
 
-use super::{live_allocations, select_quantile, Event, FastMap, Host, Window};
+use super::{live_allocations, select_quantile, Event, FastMap, Host, SiteLabels, Window};
 use crate::units::{format_bytes as b, format_ns as t};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -52,7 +52,7 @@ fn secs_between(a: i64, b: i64) -> f64 {
     (b - a) as f64 / 1e9
 }
 
-pub fn all(events: &[Event], host: &Host, window: Window) -> Vec<Chain> {
+pub fn all(events: &[Event], host: &Host, window: Window, sites: &SiteLabels) -> Vec<Chain> {
     let mut by_pid: BTreeMap<u32, Vec<&Event>> = BTreeMap::new();
     for e in events {
         by_pid.entry(e.pid).or_default().push(e);
@@ -69,8 +69,8 @@ pub fn all(events: &[Event], host: &Host, window: Window) -> Vec<Chain> {
         }
         chains.extend(fragmentation_pressure(*pid, evs, &in_window, host));
         chains.extend(allocator_retry(*pid, &in_window));
-        chains.extend(oom(*pid, events, evs, &in_window));
-        chains.extend(leak(*pid, evs, window));
+        chains.extend(oom(*pid, events, evs, &in_window, sites));
+        chains.extend(leak(*pid, evs, window, sites));
         chains.extend(churn(*pid, &in_window, window));
         chains.extend(empty_cache_churn(*pid, &in_window));
         chains.extend(driver_bypass(*pid, &in_window));
@@ -352,7 +352,13 @@ fn allocator_retry(pid: u32, evs: &[&Event]) -> Option<Chain> {
 
 /// Rule 3: an allocation that failed for good, with what the process and the device held and
 /// what cudaMemGetInfo (nvidia-smi's view) last told the process.
-fn oom(pid: u32, everyone: &[Event], evs: &[&Event], in_window: &[&Event]) -> Option<Chain> {
+fn oom(
+    pid: u32,
+    everyone: &[Event],
+    evs: &[&Event],
+    in_window: &[&Event],
+    sites: &SiteLabels,
+) -> Option<Chain> {
     let fatal: Vec<&Event> = failed_allocs(in_window)
         .into_iter()
         .filter(|f| recovery(f, in_window).is_none())
@@ -415,9 +421,13 @@ fn oom(pid: u32, everyone: &[Event], evs: &[&Event], in_window: &[&Event]) -> Op
         pid,
         title: format!("out of memory: {} of {} failed", f.op.name(), b(requested)),
         root: format!(
-            "{} allocation(s) failed with out-of-memory and were not recovered; first: {} bytes requested",
+            "{} allocation(s) failed with out-of-memory and were not recovered; first: {} bytes requested{}",
             fatal.len(),
-            requested
+            requested,
+            f.stack
+                .and_then(|id| sites.get(&id))
+                .map(|site| format!(" at {site}"))
+                .unwrap_or_default()
         ),
         effect,
         compounding: Vec::new(),
@@ -428,7 +438,7 @@ fn oom(pid: u32, everyone: &[Event], evs: &[&Event], in_window: &[&Event]) -> Op
 }
 
 /// Rule 4: bytes held growing steadily over the window.
-fn leak(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
+fn leak(pid: u32, evs: &[&Event], window: Window, sites: &SiteLabels) -> Option<Chain> {
     const SAMPLES: i64 = 8;
     let times: Vec<i64> = (0..=SAMPLES)
         .map(|i| window.from_ns + (window.to_ns - window.from_ns) * i / SAMPLES)
@@ -453,11 +463,19 @@ fn leak(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
     }
     let live = live_allocations(evs.iter().copied().filter(|e| e.ts_ns <= window.to_ns));
     let mut by_op: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    let mut by_site: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     for e in live.values().filter(|e| window.contains(e.ts_ns)) {
         let o = by_op.entry(e.op.name()).or_default();
         o.0 += 1;
         o.1 += e.size.unwrap_or(0);
+        if let Some(site) = e.stack.and_then(|id| sites.get(&id)) {
+            let s = by_site.entry(site.as_str()).or_default();
+            s.0 += 1;
+            s.1 += e.size.unwrap_or(0);
+        }
     }
+    let mut top_sites: Vec<(&str, (u64, u64))> = by_site.into_iter().collect();
+    top_sites.sort_by_key(|(_, (_, bytes))| std::cmp::Reverse(*bytes));
     let per_min = (last - first) as f64 / window.secs() * 60.0;
     let ops: Vec<String> = by_op
         .iter()
@@ -476,7 +494,23 @@ fn leak(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
             b(per_min as u64),
             SAMPLES
         ),
-        effect: format!("allocations made in the window and never freed: {}", ops.join("; ")),
+        effect: format!(
+            "allocations made in the window and never freed: {}{}",
+            ops.join("; "),
+            if top_sites.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; from {}",
+                    top_sites
+                        .iter()
+                        .take(3)
+                        .map(|(site, (n, bytes))| format!("{site} ({n} allocations, {})", b(*bytes)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        ),
         compounding: Vec::new(),
         timeline: points.iter().map(|(ts, v)| entry(*ts, format!("held {}", b(*v)))).collect(),
         fix: vec![

@@ -22,6 +22,7 @@ fn ev(ts_ms: f64, op: Op, size: u64, ptr: u64, ret: i32, dur_us: u64) -> Event {
         duration_ns: dur_us * 1000,
         aux0: None,
         aux1: None,
+        stack: None,
     }
 }
 
@@ -38,6 +39,7 @@ fn chains(events: &[Event]) -> Vec<Chain> {
         events,
         &Host::default(),
         window_of(events),
+        &HashMap::new(),
         &HashMap::new(),
     )
     .chains
@@ -400,7 +402,7 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
             preempted: true,
         })
         .collect();
-    let c = analyze(1, &v, &host_with(inside.clone()), w, &HashMap::new()).chains;
+    let c = analyze(1, &v, &host_with(inside.clone()), w, &HashMap::new(), &HashMap::new()).chains;
     let cpu = c
         .iter()
         .find(|c| c.rule == "cpu_contention")
@@ -437,7 +439,7 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
             ..s.clone()
         })
         .collect();
-    let c = analyze(1, &v, &host_with(between), w, &HashMap::new()).chains;
+    let c = analyze(1, &v, &host_with(between), w, &HashMap::new(), &HashMap::new()).chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
     assert!(c
         .iter()
@@ -455,10 +457,10 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
             ..s.clone()
         })
         .collect();
-    let c = analyze(1, &v, &host_with(blocked), w, &HashMap::new()).chains;
+    let c = analyze(1, &v, &host_with(blocked), w, &HashMap::new(), &HashMap::new()).chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
     // Without a scheduler record there is nothing to say.
-    let c = analyze(1, &v, &Host::default(), w, &HashMap::new()).chains;
+    let c = analyze(1, &v, &Host::default(), w, &HashMap::new(), &HashMap::new()).chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
 }
 

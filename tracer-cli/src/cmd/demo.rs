@@ -290,7 +290,7 @@ impl ChainWatch {
             from_ns: first,
             to_ns: last,
         };
-        let report = analysis::analyze(session, &all, &host, window, &HashMap::new());
+        let report = analysis::analyze(session, &all, &host, window, &HashMap::new(), &HashMap::new());
         let mut stats = LiveStats::default();
         for e in &all {
             stats.add_one(e.pid, e.op, e.ret, e.size, e.duration_ns);
@@ -607,6 +607,7 @@ fn final_report(db: &Path, session: i64) -> Result<()> {
         pid: None,
         per_process: true,
         json: false,
+        skip_frames: Vec::new(),
     })?;
     println!();
     println!("Stored in {} (session {session}): explore with `tracer explain --db {} --json` or `tracer query`.", db.display(), db.display());

@@ -41,6 +41,10 @@ pub struct ExplainArgs {
     /// Everything as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Frames whose file contains this are not the user's code when naming call sites
+    /// (repeatable; site-packages, dist-packages and the standard library always are).
+    #[arg(long = "skip-frames", value_name = "TEXT")]
+    pub skip_frames: Vec<String>,
 }
 
 /// Seconds (with a fraction) or nanoseconds since the epoch; values above 1e12 are nanoseconds.
@@ -126,9 +130,10 @@ pub fn run(args: ExplainArgs) -> Result<()> {
         )));
     }
     let comms = events::comms(store.conn(), info.id)?;
+    let sites = events::site_labels(store.conn(), info.id, &args.skip_frames)?;
     let t1 = std::time::Instant::now();
     let host = events::host(store.conn(), info.id, window.to_ns, args.pid)?;
-    let report = analysis::analyze(info.id, &all, &host, window, &comms);
+    let report = analysis::analyze(info.id, &all, &host, window, &comms, &sites);
     if std::env::var_os("TRACER_TIMING").is_some() {
         eprintln!("explain: load {:?}, analyze {:?}", t1 - t0, t1.elapsed());
     }
@@ -206,6 +211,28 @@ fn render(out: &mut impl std::io::Write, r: &Report, ends: &str, per_process: bo
                 writeln!(out, "  ! {w}")?;
             }
         }
+    }
+    let mut current_op = None;
+    for row in &r.call_sites {
+        if current_op != Some((row.op, row.pid)) {
+            current_op = Some((row.op, row.pid));
+            writeln!(out)?;
+            writeln!(out, "Top {} call sites (pid {}):", row.op, row.pid)?;
+        }
+        let bytes = if row.bytes > 0 {
+            format!(" | {}", format_bytes(row.bytes))
+        } else {
+            String::new()
+        };
+        writeln!(
+            out,
+            "  {} -> {} | {} calls{bytes} | avg {} | p99 {}",
+            row.site,
+            row.op,
+            row.calls,
+            format_ns(row.avg_ns),
+            format_ns(row.p99_ns)
+        )?;
     }
     writeln!(out)?;
     if r.chains.is_empty() {

@@ -2,4 +2,5 @@ pub mod check;
 pub mod demo;
 pub mod explain;
 pub mod query;
+pub mod stacks;
 pub mod trace;

@@ -87,6 +87,15 @@ pub fn run(args: TraceArgs) -> Result<()> {
             )));
         }
     }
+    // Signals are caught from here on: a Ctrl-C during set-up still ends in a flushed session.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the event loop")?;
+    let mut signals = {
+        let _entered = runtime.enter();
+        Signals::install()?
+    };
     let explicit = explicit_libraries(&args.libs)?;
     let who = paths::invoker();
     let db_path = paths::db_path(args.db.as_deref(), &who)?;
@@ -187,12 +196,9 @@ pub fn run(args: TraceArgs) -> Result<()> {
     };
 
     let started = Instant::now();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("start the event loop")?;
     let outcome = runtime.block_on(main_loop(
         &args,
+        &mut signals,
         &mut probes,
         &mut scanner,
         &shared,
@@ -414,18 +420,33 @@ fn snapshot(shared: &Shared, kernel: &[u64; Counter::COUNT as usize]) -> Session
     }
 }
 
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Must run inside the runtime.
+    fn install() -> Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            int: signal(SignalKind::interrupt()).context("install the SIGINT handler")?,
+            term: signal(SignalKind::terminate()).context("install the SIGTERM handler")?,
+            hup: signal(SignalKind::hangup()).context("install the SIGHUP handler")?,
+        })
+    }
+}
+
 async fn main_loop(
     args: &TraceArgs,
+    signals: &mut Signals,
     probes: &mut Probes,
     scanner: &mut Scanner,
     shared: &Shared,
     started: Instant,
     pid_filter: Option<&[u32]>,
 ) -> Result<Stop> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut sigint = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
-    let mut sighup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
     let deadline = args
         .duration
         .map(|d| tokio::time::Instant::from_std(started + d));
@@ -435,9 +456,9 @@ async fn main_loop(
     let mut gone: HashSet<u32> = HashSet::new();
     loop {
         tokio::select! {
-            _ = sigint.recv() => return Ok(Stop::signal("interrupted (SIGINT)")),
-            _ = sigterm.recv() => return Ok(Stop::signal("terminated (SIGTERM)")),
-            _ = sighup.recv() => return Ok(Stop::signal("terminated (SIGHUP)")),
+            _ = signals.int.recv() => return Ok(Stop::signal("interrupted (SIGINT)")),
+            _ = signals.term.recv() => return Ok(Stop::signal("terminated (SIGTERM)")),
+            _ = signals.hup.recv() => return Ok(Stop::signal("terminated (SIGHUP)")),
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => {
                 return Ok(Stop::done(format!("--duration {}s reached", args.duration.unwrap_or_default().as_secs_f64())));
             }
@@ -613,7 +634,7 @@ fn write_loop(
         let mut pending_off = Vec::new();
         let mut threads_seen: HashSet<(u32, u32)> = HashSet::new();
         let mut site_writer = SiteWriter::default();
-        let mut take = |d: Delivery,
+        let take = |d: Delivery,
                         sw: &mut SiteWriter,
                         store: &mut Store,
                         calls: &mut Vec<Call>,

@@ -74,17 +74,16 @@ pub fn line_from_locations(table: &[u8], first_line: i32, offset: u64) -> Option
 pub fn line_from_linetable_310(table: &[u8], first_line: i32, offset: u64) -> Option<i32> {
     let mut line = i64::from(first_line);
     let mut end = 0u64;
-    let mut current: Option<i64> = Some(line);
     for pair in table.chunks_exact(2) {
         let (sdelta, ldelta) = (u64::from(pair[0]), pair[1] as i8);
         let start = end;
         end += sdelta;
-        if ldelta == -128 {
-            current = None;
+        let current = if ldelta == -128 {
+            None
         } else {
             line += i64::from(ldelta);
-            current = Some(line);
-        }
+            Some(line)
+        };
         if offset >= start && offset < end {
             return current.map(|l| l as i32);
         }

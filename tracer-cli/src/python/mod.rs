@@ -421,10 +421,6 @@ impl Frames {
         self.codes.retain(|(p, _), _| *p != pid);
     }
 
-    pub fn interpreter(&self, pid: u32) -> Option<&Interpreter> {
-        self.processes.get(&pid).map(|(i, _)| i)
-    }
-
     pub fn resolve(&mut self, pid: u32, raw: &[RawPyFrame]) -> Vec<Frame> {
         let Some((interp, mem)) = self.processes.get(&pid) else {
             return Vec::new();
@@ -451,11 +447,6 @@ impl Frames {
                 }
             })
             .collect()
-    }
-
-    pub fn forget(&mut self, pid: u32) {
-        self.processes.remove(&pid);
-        self.codes.retain(|(p, _), _| *p != pid);
     }
 }
 

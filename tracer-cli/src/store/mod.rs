@@ -520,7 +520,7 @@ pub struct StackRow<'a> {
 }
 
 /// One frame of a stored call site.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StackFrame {
     /// "python" or "native".
     pub kind: &'static str,

@@ -1,0 +1,98 @@
+//! `tracer stacks`: the full call sites of a --stack session, Python frames where the
+//! interpreter ran them, most frequent first.
+
+use std::{io::Write as _, path::PathBuf};
+
+use anyhow::Result;
+use clap::Args;
+use tracer_common::Op;
+
+use crate::{
+    exit::user_error,
+    paths,
+    store::{events, Access, Store},
+    units::format_bytes,
+};
+
+#[derive(Debug, Args)]
+pub struct StacksArgs {
+    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
+    #[arg(long, env = paths::DB_ENV)]
+    pub db: Option<PathBuf>,
+    /// The session (default: the latest).
+    #[arg(long)]
+    pub session: Option<i64>,
+    /// Only calls of this op (e.g. cudaMalloc).
+    #[arg(long)]
+    pub op: Option<String>,
+    /// Only this process.
+    #[arg(long)]
+    pub pid: Option<u32>,
+    /// How many call sites to show.
+    #[arg(long, default_value_t = 20)]
+    pub top: u32,
+    /// As JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: StacksArgs) -> Result<()> {
+    let op = match &args.op {
+        Some(name) => Some(Op::ALL.iter().copied().find(|o| o.name() == name).ok_or_else(|| {
+            user_error(format!(
+                "unknown op {name:?}: use a CUDA call name such as cudaMalloc, cuMemAlloc_v2 or cudaFreeAsync"
+            ))
+        })?),
+        None => None,
+    };
+    let path = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let store = Store::open(&path, Access::ReadOnly)?;
+    let info = events::session(store.conn(), args.session)?;
+    let stacks = events::stacks(store.conn(), info.id, op, args.pid, args.top)?;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    if args.json {
+        serde_json::to_writer_pretty(&mut out, &stacks)?;
+        writeln!(out)?;
+        out.flush()?;
+        return Ok(());
+    }
+    if stacks.is_empty() {
+        return Err(user_error(format!(
+            "session {} has no call sites{}: record them with `sudo tracer trace --stack`",
+            info.id,
+            if op.is_some() || args.pid.is_some() { " for this op or pid" } else { "" }
+        )));
+    }
+    for s in &stacks {
+        let bytes = if s.bytes > 0 {
+            format!(" | {}", format_bytes(s.bytes))
+        } else {
+            String::new()
+        };
+        writeln!(
+            out,
+            "{} x{}{bytes} | pid {} | python: {} | native frames: {}",
+            s.op, s.calls, s.pid, s.python, s.native_depth
+        )?;
+        for f in &s.frames {
+            let place = match (&f.file, f.line) {
+                (Some(file), Some(line)) => format!("{file}:{line}"),
+                (Some(file), None) => file.clone(),
+                (None, _) => match (&f.module, f.address) {
+                    (Some(m), Some(a)) => format!("{m}+{a:#x}"),
+                    (Some(m), None) => m.clone(),
+                    _ => "?".into(),
+                },
+            };
+            writeln!(
+                out,
+                "    {:<6} {} ({place})",
+                f.kind,
+                f.function.as_deref().unwrap_or("??")
+            )?;
+        }
+        writeln!(out)?;
+    }
+    out.flush()?;
+    Ok(())
+}

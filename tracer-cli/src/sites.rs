@@ -46,8 +46,9 @@ pub struct Sites {
     maps: HashMap<u32, Vec<Mapping>>,
     ids: HashMap<(u32, RawSite), i64>,
     next_id: i64,
-    /// Processes already looked at for an interpreter.
-    checked: HashSet<u32>,
+    /// Processes already looked at for an interpreter, with the executable they ran then (a
+    /// process that exec'd, like pyenv's shim becoming python, is looked at again).
+    checked: HashMap<u32, Option<PathBuf>>,
     /// Interpreters tracer cannot walk, reported once each.
     reported: HashSet<String>,
 }
@@ -60,19 +61,21 @@ impl Default for Sites {
             maps: HashMap::new(),
             ids: HashMap::new(),
             next_id: 1,
-            checked: HashSet::new(),
+            checked: HashMap::new(),
             reported: HashSet::new(),
         }
     }
 }
 
 impl Sites {
-    /// Looks for a CPython interpreter in `pid` (once per process): the kernel's description of
-    /// it, to be put in PY_PROCS, when it is one tracer can walk.
+    /// Looks for a CPython interpreter in `pid` (once per process and executable): the kernel's
+    /// description of it, to be put in PY_PROCS, when it is one tracer can walk.
     pub fn register(&mut self, pid: u32) -> Option<PyProcess> {
-        if !self.checked.insert(pid) {
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+        if self.checked.get(&pid) == Some(&exe) {
             return None;
         }
+        self.checked.insert(pid, exe);
         match self.finder.find(pid) {
             Ok(Some(interp)) => {
                 let kernel = interp.kernel;

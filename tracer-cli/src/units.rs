@@ -60,6 +60,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 /// 1536 -> "1.5 KiB".
+/// " | 12.0 MiB" for a table column that only calls moving bytes have ("" for 0).
+pub fn bytes_column(bytes: u64) -> String {
+    if bytes > 0 {
+        format!(" | {}", format_bytes(bytes))
+    } else {
+        String::new()
+    }
+}
+
 pub fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;

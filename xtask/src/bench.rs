@@ -117,6 +117,32 @@ fn tracer_cmd(p: &Paths, db: &Path, extra: &[&str]) -> Command {
     cmd
 }
 
+/// CPU ns per pair of a Python loop (ctypes) 20 frames deep, traced with `extra` (None: not
+/// traced).
+fn python_pair_ns(p: &Paths, iters: u64, extra: Option<&[&str]>) -> Result<f64> {
+    let db = p.tmp.join("latency-py.db");
+    let _ = std::fs::remove_file(&db);
+    let mut tracer = match extra {
+        Some(extra) => Some(start_until(&mut tracer_cmd(p, &db, extra), "tracer: session")?),
+        None => None,
+    };
+    let script = root().join("xtask/scripts/py_pairs.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(p.sim.join("libcudart.so.12"))
+        .arg(iters.to_string())
+        .arg("20")
+        .arg("1.5")
+        .output()
+        .context("run xtask/scripts/py_pairs.py")?;
+    if let Some(t) = tracer.as_mut() {
+        interrupt(t)?;
+    }
+    ensure!(out.status.success(), "py_pairs.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    let rep: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    Ok(rep["cpu_s"].as_f64().ok_or_else(|| anyhow!("no cpu_s"))? * 1e9 / iters as f64)
+}
+
 fn traced_pair_ns(p: &Paths, iters: u64, extra: &[&str]) -> Result<f64> {
     let db = p.tmp.join("latency.db");
     let _ = std::fs::remove_file(&db);
@@ -238,6 +264,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut untraced = Vec::new();
     let mut floor = Vec::new();
     let mut traced = Vec::new();
+    let mut stacked = Vec::new();
+    let (mut py_untraced, mut py_traced, mut py_stacked) = (Vec::new(), Vec::new(), Vec::new());
+    let py_n = (n / 4).max(1000);
     let mut peer = Vec::new();
     let mut peer_recorded = Vec::new();
     for run in 0..args.runs {
@@ -245,6 +274,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         untraced.push(pair_ns(&p, n)?);
         floor.push(traced_pair_ns(&p, n, &["--floor"])?);
         traced.push(traced_pair_ns(&p, n, &[])?);
+        stacked.push(traced_pair_ns(&p, n, &["--stack"])?);
+        py_untraced.push(python_pair_ns(&p, py_n, None)?);
+        py_traced.push(python_pair_ns(&p, py_n, Some(&[]))?);
+        py_stacked.push(python_pair_ns(&p, py_n, Some(&["--stack"]))?);
         let (ns, recorded) = bpftrace_pair_ns(&p, n)?;
         peer.push(ns);
         peer_recorded.push(recorded);
@@ -255,6 +288,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         summary(traced),
         summary(peer),
     );
+    let st = summary(stacked);
+    let (pu, pt, ps) = (summary(py_untraced), summary(py_traced), summary(py_stacked));
 
     eprintln!(
         "bench: throughput run ({} s, 2 threads)",
@@ -316,6 +351,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "  bpftrace / tracer   {:>14.2} {:>13.2}   (target > 1: tracer cheaper)",
         b.0 / t.0,
         b.1 / t.1
+    );
+    println!("  tracer --stack      {:>14.0} {:>13.0}   (native stack; C program, no Python)", st.0, st.1);
+    println!(
+        "  --stack / tracer    {:>14.2} {:>13.2}   (target <= 2)",
+        st.0 / t.0,
+        st.1 / t.1
+    );
+    println!("the same pairs from Python (ctypes), 20 frames deep, {py_n} pairs, CPU time of the interpreter");
+    println!("  untraced            {:>14.0} {:>13.0}", pu.0, pu.1);
+    println!("  tracer              {:>14.0} {:>13.0}", pt.0, pt.1);
+    println!("  tracer --stack      {:>14.0} {:>13.0}   (native + Python frames)", ps.0, ps.1);
+    println!(
+        "  --stack / tracer    {:>14.2} {:>13.2}   (target <= 2)",
+        ps.0 / pt.0,
+        ps.1 / pt.1
     );
     println!("throughput: 2 producer threads, {elapsed:.1} s");
     println!("  calls made          {calls}");

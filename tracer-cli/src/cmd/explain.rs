@@ -11,7 +11,7 @@ use crate::{
     exit::user_error,
     paths,
     store::{events, Access, Store},
-    units::{format_bytes, format_ns, parse_duration},
+    units::{bytes_column, format_bytes, format_ns, parse_duration},
 };
 
 #[derive(Debug, Args)]
@@ -178,11 +178,7 @@ fn render(out: &mut impl std::io::Write, r: &Report, ends: &str, per_process: bo
                 p.pid
             )?;
             for op in &p.ops {
-                let bytes = if op.bytes > 0 {
-                    format!(" | {}", format_bytes(op.bytes))
-                } else {
-                    String::new()
-                };
+                let bytes = bytes_column(op.bytes);
                 let errors = if op.errors > 0 {
                     format!(" | {} errors", op.errors)
                 } else {
@@ -219,11 +215,7 @@ fn render(out: &mut impl std::io::Write, r: &Report, ends: &str, per_process: bo
             writeln!(out)?;
             writeln!(out, "Top {} call sites (pid {}):", row.op, row.pid)?;
         }
-        let bytes = if row.bytes > 0 {
-            format!(" | {}", format_bytes(row.bytes))
-        } else {
-            String::new()
-        };
+        let bytes = bytes_column(row.bytes);
         writeln!(
             out,
             "  {} -> {} | {} calls{bytes} | avg {} | p99 {}",

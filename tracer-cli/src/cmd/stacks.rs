@@ -11,7 +11,7 @@ use crate::{
     exit::user_error,
     paths,
     store::{events, Access, Store},
-    units::format_bytes,
+    units::bytes_column,
 };
 
 #[derive(Debug, Args)]
@@ -64,11 +64,7 @@ pub fn run(args: StacksArgs) -> Result<()> {
         )));
     }
     for s in &stacks {
-        let bytes = if s.bytes > 0 {
-            format!(" | {}", format_bytes(s.bytes))
-        } else {
-            String::new()
-        };
+        let bytes = bytes_column(s.bytes);
         writeln!(
             out,
             "{} x{}{bytes} | pid {} | python: {} | native frames: {}",

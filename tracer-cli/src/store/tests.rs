@@ -342,3 +342,61 @@ fn parallel_load_matches_one_ordered_query() {
         assert_eq!(parallel.iter().map(key).collect::<Vec<_>>(), expected);
     }
 }
+
+/// A call site is named by its first frame in the user's own code: not the CUDA libraries, not
+/// site-packages or the standard library (nor what --skip-frames adds); a stack without any
+/// Python frame by its first native frame outside the runtime.
+#[test]
+fn site_labels_pick_the_first_user_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, session) = new_store(&dir);
+    let native = |f: &str, module: &str| StackFrame {
+        kind: "native",
+        function: Some(f.into()),
+        file: None,
+        line: None,
+        module: Some(module.into()),
+        address: Some(0x10),
+    };
+    let py = |f: &str, file: &str, line: i64| StackFrame {
+        kind: "python",
+        function: Some(f.into()),
+        file: Some(file.into()),
+        line: Some(line),
+        module: None,
+        address: None,
+    };
+    let python_stack = [
+        native("cudaMalloc", "/x/libcudart.so.12"),
+        py("malloc", "/venv/lib/python3.11/site-packages/torch/cuda/memory.py", 40),
+        py("helper", "/home/me/proj/utils.py", 7),
+        py("train_step", "/home/me/proj/train.py", 74),
+    ];
+    let c_stack = [
+        native("cudaMalloc", "/x/libcudart.so.12"),
+        native("allocate", "/home/me/app"),
+        native("main", "/home/me/app"),
+    ];
+    let mut ids = Vec::new();
+    for frames in [&python_stack[..], &c_stack[..]] {
+        ids.push(
+            store
+                .insert_stack(
+                    session,
+                    &StackRow {
+                        pid: 100,
+                        native_depth: 3,
+                        python: "ok",
+                        frames,
+                    },
+                )
+                .unwrap(),
+        );
+    }
+    let labels = events::site_labels(store.conn(), session, &[]).unwrap();
+    assert_eq!(labels[&ids[0]], "proj/utils.py:7 (helper)");
+    assert_eq!(labels[&ids[1]], "allocate (me/app)");
+    let skip = ["utils.py".to_string()];
+    let labels = events::site_labels(store.conn(), session, &skip).unwrap();
+    assert_eq!(labels[&ids[0]], "proj/train.py:74 (train_step)");
+}

@@ -1423,6 +1423,19 @@ fn native_call_sites_match_the_programs_own_lines() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("native allocate (") && text.contains("call_sites.c:"), "{text}");
+    // Bad input: an op that does not exist, and one without call sites in this session.
+    let bogus = Command::new(TRACER)
+        .args(["stacks", "--op", "cudaMallocc", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert_fails(&bogus, 2, "unknown op \"cudaMallocc\"");
+    let none = Command::new(TRACER)
+        .args(["stacks", "--op", "cudaMemGetInfo", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert_fails(&none, 2, "has no call sites for this op or pid");
 }
 
 #[test]

@@ -62,11 +62,6 @@ fn read_pod<T: aya::Pod>(bytes: &[u8]) -> Option<T> {
     Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
 }
 
-/// [`read_pod`] for records too large to keep on the stack.
-fn read_pod_boxed<T: aya::Pod>(bytes: &[u8]) -> Option<Box<T>> {
-    read_pod(bytes).map(Box::new)
-}
-
 pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     let header: EventHeader = read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
     let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
@@ -96,8 +91,8 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             OffCpu::from_raw(&raw).map(Record::OffCpu)
         }
         EventKind::CallStack => {
-            let raw: Box<CallStackEvent> =
-                read_pod_boxed(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+            let raw: CallStackEvent =
+                read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
             stack::from_raw(&raw).map(Record::Call)
         }
     }

@@ -177,3 +177,98 @@ fn decodes_an_off_cpu_interval() {
         Err(DecodeError::BadField { field: "on_ns", .. })
     ));
 }
+
+fn stack_event() -> tracer_common::CallStackEvent {
+    use tracer_common::{stack::py_status, PyFrame, PyStack};
+    let mut ev = tracer_common::CallStackEvent {
+        call: raw_call(),
+        native_depth: 2,
+        _pad: 0,
+        native: [0; tracer_common::stack::MAX_NATIVE_FRAMES],
+        py: PyStack {
+            status: py_status::OK,
+            depth: 1,
+            tstate: 0x5000,
+            frames: [PyFrame::default(); tracer_common::stack::MAX_PY_FRAMES],
+        },
+    };
+    ev.call.header.kind = EventKind::CallStack as u32;
+    ev.call.header.len = tracer_common::CallStackEvent::LEN;
+    ev.native[..3].copy_from_slice(&[0x401000, 0x401100, 0xdead]);
+    ev.py.frames[0] = PyFrame {
+        code: 0x7000,
+        instr: 0x7100,
+        flags: tracer_common::stack::py_frame_flags::ENTRY,
+        _pad: 0,
+    };
+    ev
+}
+
+fn stack_bytes(ev: &tracer_common::CallStackEvent) -> Vec<u8> {
+    // SAFETY: CallStackEvent is repr(C) plain data with explicit padding fields.
+    unsafe {
+        std::slice::from_raw_parts(
+            (ev as *const tracer_common::CallStackEvent).cast::<u8>(),
+            std::mem::size_of::<tracer_common::CallStackEvent>(),
+        )
+    }
+    .to_vec()
+}
+
+#[test]
+fn stack_layout_has_no_implicit_padding() {
+    // The call, depth + pad, 32 return addresses, then status, depth, tstate and 32 frames of
+    // code, instr, flags + pad.
+    assert_eq!(
+        std::mem::size_of::<tracer_common::CallStackEvent>(),
+        std::mem::size_of::<CallEvent>() + 8 + 32 * 8 + 16 + 32 * 24
+    );
+}
+
+#[test]
+fn decodes_a_call_with_its_site_up_to_the_depths_sent() {
+    let Record::Call(call) = decode(&stack_bytes(&stack_event())).unwrap() else {
+        panic!("not a call");
+    };
+    assert_eq!((call.op, call.size), (Op::CudaMalloc, Some(1 << 20)));
+    let site = call.site.expect("a call site");
+    assert_eq!(site.native, [0x401000, 0x401100]);
+    assert_eq!(site.py_status, PyStatus::Ok);
+    assert_eq!(
+        site.py,
+        [RawPyFrame {
+            code: 0x7000,
+            instr: 0x7100,
+            entry: true
+        }]
+    );
+}
+
+#[test]
+fn a_site_deeper_than_its_arrays_or_of_unknown_status_is_refused() {
+    let mut ev = stack_event();
+    ev.native_depth = 33;
+    assert!(matches!(
+        decode(&stack_bytes(&ev)),
+        Err(DecodeError::BadField { field: "native_depth", value: 33 })
+    ));
+    let mut ev = stack_event();
+    ev.py.depth = 40;
+    assert!(matches!(
+        decode(&stack_bytes(&ev)),
+        Err(DecodeError::BadField { field: "py.depth", .. })
+    ));
+    let mut ev = stack_event();
+    ev.py.status = 9;
+    assert!(matches!(
+        decode(&stack_bytes(&ev)),
+        Err(DecodeError::BadField { field: "py.status", value: 9 })
+    ));
+    // A plain call's length under the stack kind is a length error, not a misread.
+    let mut short = raw_call();
+    short.header.kind = EventKind::CallStack as u32;
+    assert!(matches!(
+        decode(&bytes_of(&short)),
+        Err(DecodeError::BadLength { .. })
+    ));
+}

@@ -9,6 +9,8 @@ use std::{
     process::Command,
 };
 
+use crate::memmap;
+
 /// (device, inode): the identity of a file, whatever path reaches it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FileId {
@@ -103,25 +105,21 @@ pub fn scan_processes(pids: &[u32], static_cache: &mut BTreeMap<FileId, bool>) -
             continue;
         }
         let proc_dir = PathBuf::from(format!("/proc/{pid}"));
-        let Ok(maps) = std::fs::read_to_string(proc_dir.join("maps")) else {
+        let Ok(maps) = memmap::read(pid) else {
             continue;
         };
         let root = proc_dir.join("root");
         let mut seen = BTreeSet::new();
-        for line in maps.lines() {
-            // address perms offset dev inode path
-            let Some(path) = line.splitn(6, char::is_whitespace).nth(5).map(str::trim) else {
-                continue;
-            };
-            if !path.starts_with('/') || path.ends_with("(deleted)") || !seen.insert(path) {
+        for m in maps.iter().filter(|m| !m.deleted) {
+            if !seen.insert(&m.path) {
                 continue;
             }
-            let name = path.rsplit('/').next().unwrap_or(path);
+            let name = m.path.file_name().and_then(|n| n.to_str()).unwrap_or("");
             if is_cuda_library_name(name) {
                 add(
                     &mut found,
-                    root.join(path.trim_start_matches('/')),
-                    path.to_owned(),
+                    root.join(m.path.strip_prefix("/").unwrap_or(&m.path)),
+                    m.path.display().to_string(),
                     Origin::Mapped,
                     Some(pid),
                 );

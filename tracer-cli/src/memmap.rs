@@ -12,6 +12,8 @@ pub struct Mapping {
     pub offset: u64,
     pub executable: bool,
     pub path: PathBuf,
+    /// The file was deleted (or replaced) since it was mapped.
+    pub deleted: bool,
 }
 
 /// Parses one maps line: "start-end perms offset dev inode   path". Anonymous mappings and
@@ -34,6 +36,7 @@ fn parse_line(line: &str) -> Option<Mapping> {
         offset: u64::from_str_radix(offset, 16).ok()?,
         executable: perms.as_bytes().get(2) == Some(&b'x'),
         path: PathBuf::from(path.strip_suffix(" (deleted)").unwrap_or(path)),
+        deleted: path.ends_with(" (deleted)"),
     })
 }
 
@@ -80,6 +83,7 @@ mod tests {
         assert_eq!(maps[0].path, PathBuf::from("/usr/lib/libcudart.so.12"));
         assert!(maps[0].executable);
         assert_eq!(maps[1].path, PathBuf::from("/tmp/a b"));
+        assert!(maps[1].deleted && !maps[0].deleted);
         let (m, off) = locate(&maps, 0x7f00a010).unwrap();
         assert_eq!((m.start, off), (0x7f00a000, 0x2010));
         assert!(locate(&maps, 0x7f00c010).is_none());

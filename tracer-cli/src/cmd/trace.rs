@@ -601,6 +601,21 @@ fn deliver(delivery: Delivery, tx: &SyncSender<Delivery>, shared: &Shared) -> Re
         .map_err(|_| anyhow!("the database writer stopped"))
 }
 
+impl Delivery {
+    /// Adds `more` to what waits for the next commit. Its new call sites are stored at once and
+    /// its calls made to point at the stored ids.
+    fn absorb(&mut self, more: Delivery, sites: &mut SiteWriter, store: &mut Store, session: i64) -> Result<()> {
+        sites.store(store, session, &more.sites)?;
+        self.calls.extend(more.calls.into_iter().map(|mut c| {
+            c.stack = c.stack.and_then(|local| sites.stored_id(local));
+            c
+        }));
+        self.processes.extend(more.processes);
+        self.offcpu.extend(more.offcpu);
+        Ok(())
+    }
+}
+
 const PYTHON_SCAN_EVERY: Duration = Duration::from_secs(1);
 
 /// Puts `pid`'s interpreter, if it runs one tracer can walk, where the kernel finds it.
@@ -629,38 +644,21 @@ fn write_loop(
     opts: WriterOptions,
 ) -> (Store, Result<()>) {
     let result = (|| -> Result<()> {
-        let mut pending: Vec<Call> = Vec::new();
-        let mut processes = Vec::new();
-        let mut pending_off = Vec::new();
+        // What waits for the next commit: calls, processes and off-CPU records (sites are
+        // stored as they arrive, before the calls that point at them).
+        let mut pending = Delivery::default();
         let mut threads_seen: HashSet<(u32, u32)> = HashSet::new();
         let mut site_writer = SiteWriter::default();
-        let take = |d: Delivery,
-                        sw: &mut SiteWriter,
-                        store: &mut Store,
-                        calls: &mut Vec<Call>,
-                        procs: &mut Vec<procinfo::ProcessInfo>,
-                        off: &mut Vec<decode::OffCpu>|
-         -> Result<()> {
-            // New sites are stored before the calls that point at them.
-            sw.store(store, opts.session, &d.sites)?;
-            calls.extend(d.calls.into_iter().map(|mut c| {
-                c.stack = c.stack.and_then(|local| sw.stored_id(local));
-                c
-            }));
-            procs.extend(d.processes);
-            off.extend(d.offcpu);
-            Ok(())
-        };
         let mut last_commit = Instant::now();
         let mut last_housekeeping = Instant::now();
         let mut owned = false;
         loop {
             let disconnected = match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(first) => {
-                    take(first, &mut site_writer, &mut store, &mut pending, &mut processes, &mut pending_off)?;
+                    pending.absorb(first, &mut site_writer, &mut store, opts.session)?;
                     while let Ok(more) = rx.try_recv() {
-                        take(more, &mut site_writer, &mut store, &mut pending, &mut processes, &mut pending_off)?;
-                        if pending.len() >= COMMIT_ROWS {
+                        pending.absorb(more, &mut site_writer, &mut store, opts.session)?;
+                        if pending.calls.len() >= COMMIT_ROWS {
                             break;
                         }
                     }
@@ -669,13 +667,13 @@ fn write_loop(
                 Err(RecvTimeoutError::Timeout) => false,
                 Err(RecvTimeoutError::Disconnected) => true,
             };
-            if (!pending.is_empty() || !pending_off.is_empty())
+            if (!pending.calls.is_empty() || !pending.offcpu.is_empty())
                 && (disconnected
-                    || pending.len() >= COMMIT_ROWS
+                    || pending.calls.len() >= COMMIT_ROWS
                     || last_commit.elapsed() >= COMMIT_EVERY)
             {
                 let mut threads = Vec::new();
-                for call in &pending {
+                for call in &pending.calls {
                     if threads_seen.insert((call.pid, call.tid)) {
                         // The kernel sends a thread's name with its first event only; if that
                         // one was lost, ask /proc.
@@ -690,17 +688,15 @@ fn write_loop(
                 store.write_batch(&Batch {
                     session: opts.session,
                     wall_offset_ns: opts.wall_offset_ns,
-                    calls: &pending,
+                    calls: &pending.calls,
                     threads: &threads,
-                    processes: &processes,
-                    offcpu: &pending_off,
+                    processes: &pending.processes,
+                    offcpu: &pending.offcpu,
                 })?;
-                pending_off.clear();
                 shared
                     .events_stored
-                    .fetch_add(pending.len() as u64, Ordering::SeqCst);
-                pending.clear();
-                processes.clear();
+                    .fetch_add(pending.calls.len() as u64, Ordering::SeqCst);
+                pending = Delivery::default();
                 last_commit = Instant::now();
                 if !owned {
                     store.chown_files(opts.owner)?;

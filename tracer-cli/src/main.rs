@@ -51,6 +51,8 @@ enum Command {
     Stacks(cmd::stacks::StacksArgs),
     /// Run a realistic workload on the simulated CUDA runtime, trace it, and explain it (no GPU needed).
     Demo(cmd::demo::DemoArgs),
+    /// Store the simulated CUDA runtime's own event log (SIMCUDA_EVENTS) as a session to explain.
+    Import(cmd::import::ImportArgs),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +65,7 @@ fn main() -> ExitCode {
         Command::Explain(args) => cmd::explain::run(args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::Stacks(args) => cmd::stacks::run(args),
+        Command::Import(args) => cmd::import::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,12 +2,17 @@
 //! Pure functions over [`Event`] lists, so every rule is unit-tested on constructed data.
 
 mod host;
+mod replay;
 mod rules;
 
-use std::collections::{BTreeMap, HashMap};
+use std::{
+    borrow::Cow,
+    collections::{BTreeMap, HashMap},
+    ops::Range,
+};
 
 use serde::Serialize;
-use tracer_common::{Op, OpClass, Space};
+use tracer_common::{Op, OpClass, Space, OP_COUNT};
 
 pub use host::{Host, OffSlice};
 
@@ -15,26 +20,42 @@ pub use host::{Host, OffSlice};
 /// SipHash was a tenth of explain's time over millions of calls.
 pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
 pub use rules::Chain;
+use rules::Proc;
 
-/// One stored call, as analysis needs it.
-#[derive(Clone, Debug, PartialEq)]
+/// One stored call, as analysis needs it: 72 bytes, so that ten million of them stay within
+/// reach of the caches (absent values are 0, which no allocation size or pointer of interest is).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Event {
     /// Wall clock at entry, ns since the epoch.
     pub ts_ns: i64,
+    pub duration_ns: u64,
+    /// Bytes requested or freed; 0 when the op has none or it is unknown.
+    pub size: u64,
+    /// The pointer or handle allocated or freed; 0 when none.
+    pub ptr: u64,
+    /// Op-specific (free bytes of a MemGetInfo, ...); 0 when none.
+    pub aux0: u64,
+    /// Op-specific (total bytes of a MemGetInfo, ...); 0 when none.
+    pub aux1: u64,
     pub pid: u32,
     pub tid: u32,
-    pub op: Op,
-    pub device: Option<i32>,
-    pub size: Option<u64>,
-    pub ptr: Option<u64>,
     pub ret: i32,
-    pub duration_ns: u64,
-    /// Op-specific (free bytes of a MemGetInfo, ...).
-    pub aux0: Option<u64>,
-    /// Op-specific (total bytes of a MemGetInfo, ...).
-    pub aux1: Option<u64>,
+    /// The CUDA device, or [`NO_DEVICE`].
+    pub device: i32,
     /// The call site (stacks.id), when traced with --stack.
-    pub stack: Option<i64>,
+    pub stack: Option<StackId>,
+    pub op: Op,
+}
+
+/// [`Event::device`] when the call's device is not known.
+pub const NO_DEVICE: i32 = -1;
+
+/// A stacks.id (row ids start at 1, so the zero niche keeps `Option<StackId>` at 4 bytes).
+pub type StackId = std::num::NonZeroU32;
+
+/// The stack id of a stacks.id, if it fits (a database would need 4 billion call sites not to).
+pub fn stack_id(id: i64) -> Option<StackId> {
+    u32::try_from(id).ok().and_then(StackId::new)
 }
 
 impl Event {
@@ -48,6 +69,10 @@ impl Event {
 
     pub fn end_ns(&self) -> i64 {
         self.ts_ns + self.duration_ns as i64
+    }
+
+    pub fn device(&self) -> Option<i32> {
+        (self.device != NO_DEVICE).then_some(self.device)
     }
 }
 
@@ -123,141 +148,181 @@ pub struct ProcessReport {
     pub warnings: Vec<String>,
 }
 
-fn op_rows(events: &[&Event]) -> Vec<OpRow> {
-    let mut by_op: BTreeMap<Op, Vec<&Event>> = BTreeMap::new();
-    for e in events {
-        by_op.entry(e.op).or_default().push(e);
+/// Per op of one process's calls: count, errors, latency quantiles and bytes, in one pass.
+fn op_rows(events: &[Event]) -> Vec<OpRow> {
+    #[derive(Default)]
+    struct Acc {
+        durations: Vec<u64>,
+        errors: u64,
+        bytes: u64,
     }
-    by_op
+    let mut by_op: [Acc; OP_COUNT] = std::array::from_fn(|_| Acc::default());
+    for e in events {
+        let acc = &mut by_op[e.op as usize];
+        acc.durations.push(e.duration_ns);
+        if e.ret != 0 {
+            acc.errors += 1;
+        } else if matches!(e.class(), OpClass::Alloc | OpClass::Free) {
+            acc.bytes += e.size;
+        }
+    }
+    let mut ops: Vec<(Op, Acc)> = Op::ALL
         .into_iter()
-        .map(|(op, evs)| {
-            let mut d: Vec<u64> = evs.iter().map(|e| e.duration_ns).collect();
-            let counts_bytes = matches!(op.spec().class, OpClass::Alloc | OpClass::Free);
+        .zip(by_op)
+        .filter(|(_, acc)| !acc.durations.is_empty())
+        .collect();
+    ops.sort_by_key(|(op, _)| *op);
+    ops.into_iter()
+        .map(|(op, mut acc)| {
+            let d = &mut acc.durations;
             OpRow {
                 op: op.name(),
-                calls: evs.len() as u64,
-                errors: evs.iter().filter(|e| e.ret != 0).count() as u64,
-                p50_ns: select_quantile(&mut d, 0.5),
-                p99_ns: select_quantile(&mut d, 0.99),
+                calls: d.len() as u64,
+                errors: acc.errors,
+                p50_ns: select_quantile(d, 0.5),
+                p99_ns: select_quantile(d, 0.99),
                 max_ns: d.iter().max().copied().unwrap_or(0),
-                bytes: if counts_bytes {
-                    evs.iter()
-                        .filter(|e| e.ret == 0)
-                        .filter_map(|e| e.size)
-                        .sum()
-                } else {
-                    0
-                },
+                bytes: acc.bytes,
             }
         })
         .collect()
 }
 
-/// Live allocations after replaying `events` (in time order): (pid, space, ptr) -> event.
-pub fn live_allocations<'a>(
-    events: impl IntoIterator<Item = &'a Event>,
-) -> FastMap<(u32, u32, u64), &'a Event> {
-    let mut live = FastMap::default();
-    for e in events {
-        let (Some(ptr), true) = (e.ptr, e.ret == 0) else {
-            continue;
-        };
-        let key = (e.pid, e.space() as u32, ptr);
-        match e.class() {
-            OpClass::Alloc => {
-                live.insert(key, e);
-            }
-            OpClass::Free => {
-                live.remove(&key);
-            }
-            _ => {}
-        }
-    }
-    live
-}
-
 /// p99/p50 at which an allocation op's tail is called out.
 pub const TAIL_RATIO_WARNING: f64 = 10.0;
 
+/// One process's table (its outstanding allocations come from the replay, see [`analyze`]).
+fn process_table(p: &Proc<'_>, comms: &HashMap<u32, String>) -> ProcessReport {
+    let ops = op_rows(p.window);
+    let mut warnings = Vec::new();
+    let (allocs, frees) = p
+        .window
+        .iter()
+        .fold((0u64, 0u64), |(a, f), e| match (e.class(), e.ret) {
+            (OpClass::Alloc, 0) => (a + 1, f),
+            (OpClass::Free, 0) => (a, f + 1),
+            _ => (a, f),
+        });
+    if allocs > frees {
+        warnings.push(format!(
+            "malloc/free imbalance: {} allocations without a matching free in the window",
+            allocs - frees
+        ));
+    }
+    for row in &ops {
+        let op = Op::ALL.iter().find(|o| o.name() == row.op).copied();
+        let is_alloc = op.is_some_and(|o| o.spec().class == OpClass::Alloc);
+        if is_alloc && row.calls >= 20 && row.p50_ns > 0 {
+            let ratio = row.p99_ns as f64 / row.p50_ns as f64;
+            if ratio >= TAIL_RATIO_WARNING {
+                warnings.push(format!(
+                    "{} p99 ({}) is {:.0}x p50 ({}) - fragmentation pressure",
+                    row.op,
+                    crate::units::format_ns(row.p99_ns),
+                    ratio,
+                    crate::units::format_ns(row.p50_ns)
+                ));
+            }
+        }
+    }
+    ProcessReport {
+        pid: p.pid,
+        comm: comms.get(&p.pid).cloned(),
+        ops,
+        outstanding: Vec::new(),
+        warnings,
+    }
+}
+
+/// Allocations still live at the end, by op.
+fn outstanding(live: &[&Event]) -> Vec<Outstanding> {
+    let mut by_op: BTreeMap<Op, (u64, u64)> = BTreeMap::new();
+    for e in live {
+        let o = by_op.entry(e.op).or_default();
+        o.0 += 1;
+        o.1 += e.size;
+    }
+    by_op
+        .into_iter()
+        .map(|(op, (count, bytes))| Outstanding {
+            op: op.name(),
+            count,
+            bytes,
+        })
+        .collect()
+}
+
+/// Per process with calls in the window, what [`analyze`] reports of it: its table and the
+/// allocations made (since the session began) and not freed by the end of the window.
+#[cfg(test)]
 pub fn per_process(
     all: &[Event],
     window: Window,
     comms: &HashMap<u32, String>,
 ) -> Vec<ProcessReport> {
-    let mut pids: Vec<u32> = all
+    let (grouped, ranges) = group_by_pid(all);
+    let procs = processes(&grouped, &ranges, window);
+    procs
         .iter()
-        .filter(|e| window.contains(e.ts_ns))
-        .map(|e| e.pid)
-        .collect();
+        .filter(|p| !p.window.is_empty())
+        .map(|p| {
+            let mut table = process_table(p, comms);
+            table.outstanding = outstanding(&replay::replay(p.all, window, &[], None).live);
+            table
+        })
+        .collect()
+}
+
+/// Calls in time order, grouped by process (pids ascending), each group still in time order.
+/// Borrowed when there is only one process.
+fn group_by_pid(all: &[Event]) -> (Cow<'_, [Event]>, Vec<(u32, Range<usize>)>) {
+    let mut counts: FastMap<u32, usize> = FastMap::default();
+    for e in all {
+        *counts.entry(e.pid).or_default() += 1;
+    }
+    let mut pids: Vec<(u32, usize)> = counts.into_iter().collect();
     pids.sort_unstable();
-    pids.dedup();
-    let live = live_allocations(all.iter().filter(|e| e.ts_ns <= window.to_ns));
-    pids.into_iter()
-        .map(|pid| {
-            let events: Vec<&Event> = all
-                .iter()
-                .filter(|e| e.pid == pid && window.contains(e.ts_ns))
-                .collect();
-            let ops = op_rows(&events);
-            let mut outstanding: BTreeMap<Op, (u64, u64)> = BTreeMap::new();
-            for ((p, _, _), e) in &live {
-                if *p == pid {
-                    let o = outstanding.entry(e.op).or_default();
-                    o.0 += 1;
-                    o.1 += e.size.unwrap_or(0);
-                }
-            }
-            let mut warnings = Vec::new();
-            let (allocs, frees) =
-                events
-                    .iter()
-                    .fold((0u64, 0u64), |(a, f), e| match (e.class(), e.ret) {
-                        (OpClass::Alloc, 0) => (a + 1, f),
-                        (OpClass::Free, 0) => (a, f + 1),
-                        _ => (a, f),
-                    });
-            if allocs > frees {
-                warnings.push(format!(
-                    "malloc/free imbalance: {} allocations without a matching free in the window",
-                    allocs - frees
-                ));
-            }
-            for row in &ops {
-                let op = Op::ALL.iter().find(|o| o.name() == row.op).copied();
-                let is_alloc = op.is_some_and(|o| o.spec().class == OpClass::Alloc);
-                if is_alloc && row.calls >= 20 && row.p50_ns > 0 {
-                    let ratio = row.p99_ns as f64 / row.p50_ns as f64;
-                    if ratio >= TAIL_RATIO_WARNING {
-                        warnings.push(format!(
-                            "{} p99 ({}) is {:.0}x p50 ({}) - fragmentation pressure",
-                            row.op,
-                            crate::units::format_ns(row.p99_ns),
-                            ratio,
-                            crate::units::format_ns(row.p50_ns)
-                        ));
-                    }
-                }
-            }
-            ProcessReport {
-                pid,
-                comm: comms.get(&pid).cloned(),
-                ops,
-                outstanding: outstanding
-                    .into_iter()
-                    .map(|(op, (count, bytes))| Outstanding {
-                        op: op.name(),
-                        count,
-                        bytes,
-                    })
-                    .collect(),
-                warnings,
+    let mut ranges = Vec::with_capacity(pids.len());
+    let mut next: FastMap<u32, usize> = FastMap::default();
+    let mut at = 0;
+    for &(pid, n) in &pids {
+        ranges.push((pid, at..at + n));
+        next.insert(pid, at);
+        at += n;
+    }
+    if pids.len() <= 1 {
+        return (Cow::Borrowed(all), ranges);
+    }
+    // A stable scatter: every slot is overwritten, the copy only gives the vector its length.
+    let mut out = all.to_vec();
+    for e in all {
+        if let Some(slot) = next.get_mut(&e.pid) {
+            out[*slot] = *e;
+            *slot += 1;
+        }
+    }
+    (Cow::Owned(out), ranges)
+}
+
+/// Each process's calls up to the window's end and those in the window.
+fn processes<'a>(grouped: &'a [Event], ranges: &[(u32, Range<usize>)], window: Window) -> Vec<Proc<'a>> {
+    ranges
+        .iter()
+        .map(|(pid, range)| {
+            let evs = &grouped[range.clone()];
+            let end = evs.partition_point(|e| e.ts_ns <= window.to_ns);
+            let start = evs[..end].partition_point(|e| e.ts_ns < window.from_ns);
+            Proc {
+                pid: *pid,
+                all: &evs[..end],
+                window: &evs[start..end],
             }
         })
         .collect()
 }
 
 /// Call sites by stacks.id: the first frame in the user's own code, as "train.py:74 (step)".
-pub type SiteLabels = HashMap<i64, String>;
+pub type SiteLabels = HashMap<StackId, String>;
 
 /// The calls of one op from one call site.
 #[derive(Clone, Debug, Serialize)]
@@ -276,29 +341,42 @@ pub struct CallSiteRow {
 pub const TOP_SITES: usize = 5;
 
 /// The busiest call sites of each op in the window (by calls), per process.
-pub fn call_sites(all: &[Event], window: Window, labels: &SiteLabels) -> Vec<CallSiteRow> {
+fn call_sites(procs: &[Proc<'_>], labels: &SiteLabels) -> Vec<CallSiteRow> {
     if labels.is_empty() {
         return Vec::new();
     }
-    let mut groups: BTreeMap<(Op, u32, &str), Vec<&Event>> = BTreeMap::new();
-    for e in all.iter().filter(|e| window.contains(e.ts_ns)) {
-        if let Some(label) = e.stack.and_then(|id| labels.get(&id)) {
-            groups.entry((e.op, e.pid, label.as_str())).or_default().push(e);
+    // By stack first (a hash per call), then by label: stacks that differ below the user's
+    // frame share a label.
+    let mut by_stack: FastMap<(Op, u32, StackId), (Vec<u64>, u64)> = FastMap::default();
+    for p in procs {
+        for e in p.window {
+            if let Some(id) = e.stack {
+                let (d, bytes) = by_stack.entry((e.op, e.pid, id)).or_default();
+                d.push(e.duration_ns);
+                if e.ret == 0 {
+                    *bytes += e.size;
+                }
+            }
+        }
+    }
+    let mut groups: BTreeMap<(Op, u32, &str), (Vec<u64>, u64)> = BTreeMap::new();
+    for ((op, pid, id), (d, bytes)) in by_stack {
+        if let Some(label) = labels.get(&id) {
+            let g = groups.entry((op, pid, label.as_str())).or_default();
+            g.0.extend(d);
+            g.1 += bytes;
         }
     }
     let mut rows: Vec<CallSiteRow> = groups
         .into_iter()
-        .map(|((op, pid, site), evs)| {
-            let mut d: Vec<u64> = evs.iter().map(|e| e.duration_ns).collect();
-            CallSiteRow {
-                op: op.name(),
-                pid,
-                site: site.to_string(),
-                calls: evs.len() as u64,
-                bytes: evs.iter().filter(|e| e.ret == 0).filter_map(|e| e.size).sum(),
-                avg_ns: d.iter().sum::<u64>() / d.len().max(1) as u64,
-                p99_ns: select_quantile(&mut d, 0.99),
-            }
+        .map(|((op, pid, site), (mut d, bytes))| CallSiteRow {
+            op: op.name(),
+            pid,
+            site: site.to_string(),
+            calls: d.len() as u64,
+            bytes,
+            avg_ns: d.iter().sum::<u64>() / d.len().max(1) as u64,
+            p99_ns: select_quantile(&mut d, 0.99),
         })
         .collect();
     rows.sort_by(|a, b| (a.op, a.pid, std::cmp::Reverse(a.calls)).cmp(&(b.op, b.pid, std::cmp::Reverse(b.calls))));
@@ -335,24 +413,41 @@ pub fn analyze(
     comms: &HashMap<u32, String>,
     sites: &SiteLabels,
 ) -> Report {
-    // The tables and the rules read the same events independently: one core each.
-    let (mut chains, processes) = std::thread::scope(|scope| {
-        let tables = scope.spawn(|| per_process(all, window, comms));
-        let chains = rules::all(all, host, window, sites);
-        let processes = tables
+    let (grouped, ranges) = group_by_pid(all);
+    let everyone = processes(&grouped, &ranges, window);
+    let active: Vec<Proc<'_>> = everyone
+        .iter()
+        .copied()
+        .filter(|p| !p.window.is_empty())
+        .collect();
+    // The replaying rules on this core; the tables, the other rules and the call sites on the
+    // other (they read the same calls independently).
+    let (replayed, (mut processes, direct, call_sites)) = std::thread::scope(|scope| {
+        let others = scope.spawn(|| {
+            let tables: Vec<ProcessReport> = active.iter().map(|p| process_table(p, comms)).collect();
+            (tables, rules::direct(&active, window, host), call_sites(&active, sites))
+        });
+        let replayed = rules::replayed(&active, &everyone, window, host, sites);
+        let others = others
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        (chains, processes)
+        (replayed, others)
     });
+    let mut replay_chains = Vec::with_capacity(replayed.len());
+    for (table, (chains, live)) in processes.iter_mut().zip(replayed) {
+        table.outstanding = outstanding(&live);
+        replay_chains.push(chains);
+    }
+    let mut chains = rules::merge(replay_chains, direct);
     chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
     Report {
         session,
         window,
-        events_in_window: all.iter().filter(|e| window.contains(e.ts_ns)).count() as u64,
+        events_in_window: active.iter().map(|p| p.window.len() as u64).sum(),
         host_context: host.recorded,
         processes,
         chains,
-        call_sites: call_sites(all, window, sites),
+        call_sites,
     }
 }
 

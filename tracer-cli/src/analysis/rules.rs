@@ -6,7 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 use tracer_common::{Library, Op, OpClass, Space};
 
-use super::{live_allocations, select_quantile, Event, FastMap, Host, SiteLabels, Window};
+use super::{
+    replay::{self, Buckets, BUCKETS},
+    select_quantile, Event, FastMap, Host, SiteLabels, Window,
+};
 use crate::units::{format_bytes as b, format_ns as t};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -52,142 +55,154 @@ fn secs_between(a: i64, b: i64) -> f64 {
     (b - a) as f64 / 1e9
 }
 
-pub fn all(events: &[Event], host: &Host, window: Window, sites: &SiteLabels) -> Vec<Chain> {
-    let mut by_pid: BTreeMap<u32, Vec<&Event>> = BTreeMap::new();
-    for e in events {
-        by_pid.entry(e.pid).or_default().push(e);
-    }
+/// One process's calls: all of them up to the window's end, and those in the window (both in
+/// time order).
+#[derive(Clone, Copy, Debug)]
+pub struct Proc<'a> {
+    pub pid: u32,
+    pub all: &'a [Event],
+    pub window: &'a [Event],
+}
+
+/// The chains of the rules that replay allocations (fragmentation pressure, OOM, leak, churn)
+/// for each process, with what the replay left live at the window's end.
+pub fn replayed<'a>(
+    procs: &[Proc<'a>],
+    everyone: &[Proc<'a>],
+    window: Window,
+    host: &Host,
+    sites: &SiteLabels,
+) -> Vec<(ReplayChains, Vec<&'a Event>)> {
+    procs
+        .iter()
+        .map(|p| {
+            let allocs = AllocTimes::of(p.window);
+            let samples = leak_samples(window);
+            let r = replay::replay(p.all, window, &samples, allocs.map(|a| a.buckets()));
+            let chains = ReplayChains {
+                fragmentation: allocs.and_then(|a| fragmentation_pressure(p, a, &r.peaks, host)),
+                oom: oom(p, everyone, sites),
+                leak: leak(p, window, &samples, &r, sites),
+                churn: churn(p.pid, r.churn, window),
+            };
+            (chains, r.live)
+        })
+        .collect()
+}
+
+/// [`replayed`]'s chains of one process.
+#[derive(Debug, Default)]
+pub struct ReplayChains {
+    fragmentation: Option<Chain>,
+    oom: Option<Chain>,
+    leak: Option<Chain>,
+    churn: Option<Chain>,
+}
+
+/// The chains of the rules that need no replay, for each process.
+pub fn direct(procs: &[Proc<'_>], window: Window, host: &Host) -> Vec<DirectChains> {
+    procs
+        .iter()
+        .map(|p| DirectChains {
+            retry: allocator_retry(p.pid, p.window),
+            empty_cache: empty_cache_churn(p.pid, p.window),
+            bypass: driver_bypass(p.pid, p.window),
+            sync: sync_stall(p.pid, p.window, window, host),
+            periodic: periodic_spike(p.pid, p.window, host),
+            cpu: cpu_contention(p.pid, p.window, host),
+        })
+        .collect()
+}
+
+/// [`direct`]'s chains of one process.
+#[derive(Debug, Default)]
+pub struct DirectChains {
+    retry: Option<Chain>,
+    empty_cache: Option<Chain>,
+    bypass: Option<Chain>,
+    sync: Option<Chain>,
+    periodic: Option<Chain>,
+    cpu: Option<Chain>,
+}
+
+/// Every chain, process by process, each process's in the rules' order.
+pub fn merge(replayed: Vec<ReplayChains>, direct: Vec<DirectChains>) -> Vec<Chain> {
     let mut chains = Vec::new();
-    for (pid, evs) in &by_pid {
-        let in_window: Vec<&Event> = evs
-            .iter()
-            .copied()
-            .filter(|e| window.contains(e.ts_ns))
-            .collect();
-        if in_window.is_empty() {
-            continue;
-        }
-        chains.extend(fragmentation_pressure(*pid, evs, &in_window, host));
-        chains.extend(allocator_retry(*pid, &in_window));
-        chains.extend(oom(*pid, events, evs, &in_window, sites));
-        chains.extend(leak(*pid, evs, window, sites));
-        chains.extend(churn(*pid, &in_window, window));
-        chains.extend(empty_cache_churn(*pid, &in_window));
-        chains.extend(driver_bypass(*pid, &in_window));
-        chains.extend(sync_stall(*pid, &in_window, window, host));
-        chains.extend(periodic_spike(*pid, &in_window, host));
-        chains.extend(cpu_contention(*pid, &in_window, host));
+    for (r, d) in replayed.into_iter().zip(direct) {
+        chains.extend(
+            [
+                r.fragmentation,
+                d.retry,
+                r.oom,
+                r.leak,
+                r.churn,
+                d.empty_cache,
+                d.bypass,
+                d.sync,
+                d.periodic,
+                d.cpu,
+            ]
+            .into_iter()
+            .flatten(),
+        );
     }
     chains
 }
 
-fn device_allocs<'a>(evs: &[&'a Event]) -> Vec<&'a Event> {
-    evs.iter()
-        .copied()
-        .filter(|e| e.class() == OpClass::Alloc && e.space() == Space::Device)
-        .collect()
+fn is_device_alloc_ok(e: &Event) -> bool {
+    e.ret == 0 && e.class() == OpClass::Alloc && e.space() == Space::Device
 }
 
-/// Bytes held (live device allocations and physical handles), replayed call by call.
-#[derive(Default)]
-struct Held {
-    live: FastMap<(u32, u64), u64>,
-    bytes: u64,
+/// The first and last successful device allocation of a window, which fragmentation pressure
+/// divides into buckets.
+#[derive(Clone, Copy, Debug)]
+struct AllocTimes {
+    start: i64,
+    end: i64,
 }
 
-impl Held {
-    fn apply(&mut self, e: &Event) {
-        let (Some(ptr), true) = (e.ptr, e.ret == 0) else {
-            return;
-        };
-        if !matches!(e.space(), Space::Device | Space::Handle) {
-            return;
-        }
-        let key = (e.space() as u32, ptr);
-        match e.class() {
-            OpClass::Alloc => {
-                let size = e.size.unwrap_or(0);
-                self.bytes += size;
-                if let Some(old) = self.live.insert(key, size) {
-                    self.bytes -= old;
-                }
-            }
-            OpClass::Free => self.bytes -= self.live.remove(&key).unwrap_or(0),
-            _ => {}
+impl AllocTimes {
+    fn of(evs: &[Event]) -> Option<AllocTimes> {
+        Some(AllocTimes {
+            start: evs.iter().find(|e| is_device_alloc_ok(e))?.ts_ns,
+            end: evs.iter().rev().find(|e| is_device_alloc_ok(e))?.ts_ns,
+        })
+    }
+
+    fn buckets(self) -> Buckets {
+        Buckets {
+            start: self.start,
+            span: (self.end - self.start).max(1),
         }
     }
-}
-
-/// Bytes held at each of `times` (ascending), in one pass.
-fn held_at(evs: &[&Event], times: &[i64]) -> Vec<u64> {
-    let mut held = Held::default();
-    let mut out = Vec::with_capacity(times.len());
-    for e in evs {
-        while out.len() < times.len() && e.ts_ns > times[out.len()] {
-            out.push(held.bytes);
-        }
-        if out.len() == times.len() {
-            break;
-        }
-        held.apply(e);
-    }
-    out.resize(times.len(), held.bytes);
-    out
-}
-
-fn live_bytes_at(evs: &[&Event], ts: i64) -> u64 {
-    live_allocations(evs.iter().copied().filter(|e| e.ts_ns <= ts))
-        .values()
-        .filter(|e| matches!(e.space(), Space::Device | Space::Handle))
-        .filter_map(|e| e.size)
-        .sum()
-}
-
-const BUCKETS: usize = 6;
-
-/// Which of BUCKETS equal intervals from `start` over `span` holds `ts`.
-fn bucket_of(ts: i64, start: i64, span: i64) -> usize {
-    (((ts - start) as i128 * BUCKETS as i128 / (span as i128 + 1)) as usize).min(BUCKETS - 1)
-}
-
-/// Peak bytes held (live device allocations and physical handles) in each of BUCKETS equal
-/// intervals from `start` over `span`.
-fn peak_held_per_bucket(all: &[&Event], start: i64, span: i64) -> [u64; BUCKETS] {
-    let mut held = Held::default();
-    let mut peaks = [0u64; BUCKETS];
-    for e in all.iter().take_while(|e| e.ts_ns <= start + span) {
-        held.apply(e);
-        if e.ts_ns >= start {
-            let i = bucket_of(e.ts_ns, start, span);
-            peaks[i] = peaks[i].max(held.bytes);
-        }
-    }
-    peaks
 }
 
 /// Rule 1: allocation latency climbing over the window (bucket medians, not one outlier) while
 /// the bytes held grow.
-fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host) -> Option<Chain> {
-    let allocs: Vec<&Event> = device_allocs(evs)
-        .into_iter()
-        .filter(|e| e.ret == 0)
-        .collect();
-    if allocs.len() < 30 {
+fn fragmentation_pressure(
+    p: &Proc<'_>,
+    times: AllocTimes,
+    peaks: &[u64; BUCKETS],
+    host: &Host,
+) -> Option<Chain> {
+    let buckets = times.buckets();
+    let mut durations: Vec<Vec<u64>> = vec![Vec::new(); BUCKETS];
+    let (mut count, mut min_size, mut max_size, mut ops) = (0usize, u64::MAX, 0u64, BTreeSet::new());
+    for e in p.window.iter().filter(|e| is_device_alloc_ok(e)) {
+        durations[buckets.of(e.ts_ns)].push(e.duration_ns);
+        count += 1;
+        min_size = min_size.min(e.size);
+        max_size = max_size.max(e.size);
+        ops.insert(e.op);
+    }
+    if count < 30 {
         return None;
     }
-    let (start, end) = (allocs[0].ts_ns, allocs[allocs.len() - 1].ts_ns);
-    let span = (end - start).max(1);
-    let mut buckets: Vec<Vec<u64>> = vec![Vec::new(); BUCKETS];
-    for e in &allocs {
-        buckets[bucket_of(e.ts_ns, start, span)].push(e.duration_ns);
-    }
-    let medians: Vec<(usize, u64)> = buckets
+    let medians: Vec<(usize, u64)> = durations
         .iter_mut()
         .enumerate()
         .filter(|(_, d)| d.len() >= 3)
-        .map(|(i, d)| {
-            (i, select_quantile(d, 0.5))
-        })
+        .map(|(i, d)| (i, select_quantile(d, 0.5)))
         .collect();
     if medians.len() < 4 {
         return None;
@@ -196,26 +211,15 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
     let rises = medians.windows(2).filter(|w| w[1].1 > w[0].1).count();
     let rising = last as f64 >= 2.0 * first as f64 && rises * 5 >= (medians.len() - 1) * 3;
     // Memory held, as the peak of each bucket (a point sample would catch a transient).
-    let peaks = peak_held_per_bucket(all, start, span);
     let held_first = peaks[medians[0].0];
     let held_last = peaks[medians[medians.len() - 1].0];
     if !rising || held_last <= held_first {
         return None;
     }
-    let mut d: Vec<u64> = allocs.iter().map(|e| e.duration_ns).collect();
-    let sizes: Vec<u64> = allocs.iter().filter_map(|e| e.size).collect();
-    let (min_size, max_size) = (
-        sizes.iter().min().copied().unwrap_or(0),
-        sizes.iter().max().copied().unwrap_or(0),
-    );
-    let ops: Vec<&str> = allocs
-        .iter()
-        .map(|e| e.op)
-        .collect::<BTreeSet<Op>>()
-        .into_iter()
-        .map(Op::name)
-        .collect();
+    let mut d: Vec<u64> = durations.concat();
+    let ops: Vec<&str> = ops.into_iter().map(Op::name).collect();
     let growth = last as f64 / first as f64;
+    let (start, end, span) = (times.start, times.end, buckets.span);
     Some(Chain {
         rule: "fragmentation_pressure",
         severity: if growth >= 4.0 {
@@ -223,13 +227,13 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
         } else {
             Severity::Medium
         },
-        pid,
+        pid: p.pid,
         title: format!("memory fragmentation -> {} latency spike", ops.join("/")),
         root: format!(
             "{} allocations in {:.0}s ({:.1}/s), sizes {}-{}; memory held grew from {} to {}",
-            allocs.len(),
+            count,
             secs_between(start, end),
-            allocs.len() as f64 / secs_between(start, end).max(1e-9),
+            count as f64 / secs_between(start, end).max(1e-9),
             b(min_size),
             b(max_size),
             b(held_first),
@@ -244,10 +248,10 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
         ),
         compounding: {
             let p90 = select_quantile(&mut d, 0.9);
-            let slow: Vec<&Event> = allocs
+            let slow: Vec<&Event> = p
+                .window
                 .iter()
-                .copied()
-                .filter(|e| e.duration_ns >= p90)
+                .filter(|e| is_device_alloc_ok(e) && e.duration_ns >= p90)
                 .collect();
             host.compounding(&slow, "slowest allocations")
                 .into_iter()
@@ -269,7 +273,7 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
         ],
         evidence: format!(
             "{} successful allocations in {} time buckets",
-            allocs.len(),
+            count,
             medians.len()
         ),
     })
@@ -278,11 +282,10 @@ fn fragmentation_pressure(pid: u32, all: &[&Event], evs: &[&Event], host: &Host)
 const RETRY_WINDOW_NS: i64 = 2_000_000_000;
 
 /// For a failed allocation: the frees that follow it and the successful retry of the same size.
-fn recovery<'a>(failed: &Event, evs: &[&'a Event]) -> Option<(Vec<&'a Event>, &'a Event)> {
+fn recovery<'a>(failed: &Event, evs: &'a [Event]) -> Option<(Vec<&'a Event>, &'a Event)> {
     let from = evs.partition_point(|e| e.ts_ns <= failed.ts_ns);
     let later = evs[from..]
         .iter()
-        .copied()
         .take_while(|e| e.ts_ns <= failed.ts_ns + RETRY_WINDOW_NS);
     let mut frees = Vec::new();
     for e in later {
@@ -300,22 +303,21 @@ fn recovery<'a>(failed: &Event, evs: &[&'a Event]) -> Option<(Vec<&'a Event>, &'
     None
 }
 
-fn failed_allocs<'a>(evs: &[&'a Event]) -> Vec<&'a Event> {
+fn failed_allocs(evs: &[Event]) -> Vec<&Event> {
     evs.iter()
-        .copied()
         .filter(|e| e.class() == OpClass::Alloc && e.ret == 2)
         .collect()
 }
 
 /// Rule 2: a failed allocation, a burst of frees, the same request succeeding: the caching
 /// allocator flushed its cache and retried.
-fn allocator_retry(pid: u32, evs: &[&Event]) -> Option<Chain> {
+fn allocator_retry(pid: u32, evs: &[Event]) -> Option<Chain> {
     let recovered: Vec<(&Event, Vec<&Event>, &Event)> = failed_allocs(evs)
         .into_iter()
         .filter_map(|f| recovery(f, evs).map(|(fr, ok)| (f, fr, ok)))
         .collect();
     let (f, frees, ok) = recovered.first()?;
-    let freed: u64 = frees.iter().filter_map(|e| e.size).sum();
+    let freed: u64 = frees.iter().map(|e| e.size).sum();
     Some(Chain {
         rule: "allocator_retry",
         severity: if recovered.len() >= 3 { Severity::High } else { Severity::Medium },
@@ -326,7 +328,7 @@ fn allocator_retry(pid: u32, evs: &[&Event]) -> Option<Chain> {
              then {} frees released {}",
             recovered.len(),
             f.op.name(),
-            b(f.size.unwrap_or(0)),
+            b(f.size),
             f.ret,
             frees.len(),
             b(freed)
@@ -338,9 +340,9 @@ fn allocator_retry(pid: u32, evs: &[&Event]) -> Option<Chain> {
         ),
         compounding: Vec::new(),
         timeline: vec![
-            entry(f.ts_ns, format!("{} {} failed ({})", f.op.name(), b(f.size.unwrap_or(0)), f.ret)),
+            entry(f.ts_ns, format!("{} {} failed ({})", f.op.name(), b(f.size), f.ret)),
             entry(frees[0].ts_ns, format!("{} frees release {}", frees.len(), b(freed))),
-            entry(ok.ts_ns, format!("{} {} succeeds", ok.op.name(), b(ok.size.unwrap_or(0)))),
+            entry(ok.ts_ns, format!("{} {} succeeds", ok.op.name(), b(ok.size))),
         ],
         fix: vec![
             "reduce peak memory: smaller batch, activation checkpointing, mixed precision".into(),
@@ -352,37 +354,34 @@ fn allocator_retry(pid: u32, evs: &[&Event]) -> Option<Chain> {
 
 /// Rule 3: an allocation that failed for good, with what the process and the device held and
 /// what cudaMemGetInfo (nvidia-smi's view) last told the process.
-fn oom(
-    pid: u32,
-    everyone: &[Event],
-    evs: &[&Event],
-    in_window: &[&Event],
-    sites: &SiteLabels,
-) -> Option<Chain> {
-    let fatal: Vec<&Event> = failed_allocs(in_window)
+fn oom(p: &Proc<'_>, procs: &[Proc<'_>], sites: &SiteLabels) -> Option<Chain> {
+    let (pid, evs) = (p.pid, p.all);
+    let fatal: Vec<&Event> = failed_allocs(p.window)
         .into_iter()
-        .filter(|f| recovery(f, in_window).is_none())
+        .filter(|f| recovery(f, p.window).is_none())
         .collect();
     let f = *fatal.first()?;
-    let requested = f.size.unwrap_or(0);
-    let held = live_bytes_at(evs, f.ts_ns);
-    let own_on_device: Vec<&Event> = evs
+    let requested = f.size;
+    let held = replay::held_bytes_at(evs, f.ts_ns);
+    let held_on_device = replay::held_bytes_at(evs.iter().filter(|e| e.device == f.device), f.ts_ns);
+    let device_held: u64 = procs
         .iter()
-        .copied()
-        .filter(|e| e.device == f.device)
-        .collect();
-    let held_on_device = live_bytes_at(&own_on_device, f.ts_ns);
-    let all_refs: Vec<&Event> = everyone
-        .iter()
-        .filter(|e| e.device == f.device || f.device.is_none())
-        .collect();
-    let device_held = live_bytes_at(&all_refs, f.ts_ns);
+        .map(|other| {
+            replay::held_bytes_at(
+                other
+                    .all
+                    .iter()
+                    .filter(|e| e.device == f.device || f.device().is_none()),
+                f.ts_ns,
+            )
+        })
+        .sum();
     let info = evs
         .iter()
         .rev()
         .find(|e| e.ts_ns < f.ts_ns && e.class() == OpClass::MemInfo && e.ret == 0);
     let device = f
-        .device
+        .device()
         .map_or("an unknown device".to_string(), |d| format!("device {d}"));
     let mut effect = format!(
         "the process held {} on {device} ({} on all devices); all traced processes held {} on {device}",
@@ -392,7 +391,7 @@ fn oom(
     );
     let mut timeline = Vec::new();
     if let Some(i) = info {
-        let (free, total) = (i.aux0.unwrap_or(0), i.aux1.unwrap_or(0));
+        let (free, total) = (i.aux0, i.aux1);
         timeline.push(entry(
             i.ts_ns,
             format!("{} reports {} free of {}", i.op.name(), b(free), b(total)),
@@ -437,13 +436,26 @@ fn oom(
     })
 }
 
+const LEAK_SAMPLES: i64 = 8;
+
+/// The times at which leak samples the bytes held: the window's ends and 7 points between.
+fn leak_samples(window: Window) -> Vec<i64> {
+    (0..=LEAK_SAMPLES)
+        .map(|i| window.from_ns + (window.to_ns - window.from_ns) * i / LEAK_SAMPLES)
+        .collect()
+}
+
 /// Rule 4: bytes held growing steadily over the window.
-fn leak(pid: u32, evs: &[&Event], window: Window, sites: &SiteLabels) -> Option<Chain> {
-    const SAMPLES: i64 = 8;
-    let times: Vec<i64> = (0..=SAMPLES)
-        .map(|i| window.from_ns + (window.to_ns - window.from_ns) * i / SAMPLES)
-        .collect();
-    let points: Vec<(i64, u64)> = times.iter().copied().zip(held_at(evs, &times)).collect();
+fn leak(
+    p: &Proc<'_>,
+    window: Window,
+    samples: &[i64],
+    r: &replay::Replayed<'_>,
+    sites: &SiteLabels,
+) -> Option<Chain> {
+    const SAMPLES: i64 = LEAK_SAMPLES;
+    let pid = p.pid;
+    let points: Vec<(i64, u64)> = samples.iter().copied().zip(r.held_at.iter().copied()).collect();
     let steps = points.windows(2);
     let up = steps.clone().filter(|w| w[1].1 > w[0].1).count();
     let big_drop = steps
@@ -454,24 +466,20 @@ fn leak(pid: u32, evs: &[&Event], window: Window, sites: &SiteLabels) -> Option<
         return None;
     }
     // A start-up ramp is not a leak: ask for a few seconds and a few dozen allocations.
-    let allocs = evs
-        .iter()
-        .filter(|e| window.contains(e.ts_ns) && e.class() == OpClass::Alloc)
-        .count();
+    let allocs = p.window.iter().filter(|e| e.class() == OpClass::Alloc).count();
     if window.secs() < 5.0 || allocs < 50 {
         return None;
     }
-    let live = live_allocations(evs.iter().copied().filter(|e| e.ts_ns <= window.to_ns));
     let mut by_op: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     let mut by_site: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-    for e in live.values().filter(|e| window.contains(e.ts_ns)) {
+    for e in r.live.iter().filter(|e| window.contains(e.ts_ns)) {
         let o = by_op.entry(e.op.name()).or_default();
         o.0 += 1;
-        o.1 += e.size.unwrap_or(0);
+        o.1 += e.size;
         if let Some(site) = e.stack.and_then(|id| sites.get(&id)) {
             let s = by_site.entry(site.as_str()).or_default();
             s.0 += 1;
-            s.1 += e.size.unwrap_or(0);
+            s.1 += e.size;
         }
     }
     let mut top_sites: Vec<(&str, (u64, u64))> = by_site.into_iter().collect();
@@ -521,34 +529,13 @@ fn leak(pid: u32, evs: &[&Event], window: Window, sites: &SiteLabels) -> Option<
     })
 }
 
-/// Rule 5a: tight alloc/free cycles of the same size.
-fn churn(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
-    let mut open: FastMap<(u32, u64), &Event> = FastMap::default();
-    let mut cycles: BTreeMap<(&str, u64), Vec<u64>> = BTreeMap::new();
-    for e in evs
-        .iter()
-        .copied()
-        .filter(|e| e.ret == 0 && e.ptr.is_some())
-    {
-        let key = (e.space() as u32, e.ptr.unwrap_or(0));
-        match e.class() {
-            OpClass::Alloc => {
-                open.insert(key, e);
-            }
-            OpClass::Free => {
-                if let Some(a) = open.remove(&key) {
-                    let life = (e.ts_ns - a.ts_ns).max(0) as u64;
-                    if life < 10_000_000 {
-                        cycles
-                            .entry((a.op.name(), a.size.unwrap_or(0)))
-                            .or_default()
-                            .push(life);
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
+/// Rule 5a: tight alloc/free cycles of the same size (found by the replay).
+fn churn(pid: u32, cycles: BTreeMap<(Op, u64), Vec<u64>>, window: Window) -> Option<Chain> {
+    // By op name, then size: the order ties are broken in.
+    let cycles: BTreeMap<(&str, u64), Vec<u64>> = cycles
+        .into_iter()
+        .map(|((op, size), lives)| ((op.name(), size), lives))
+        .collect();
     let ((op, size), lives) = cycles.into_iter().max_by_key(|(_, v)| v.len())?;
     let rate = lives.len() as f64 / window.secs();
     if lives.len() < 50 || rate < 10.0 {
@@ -578,7 +565,7 @@ fn churn(pid: u32, evs: &[&Event], window: Window) -> Option<Chain> {
 }
 
 /// Rule 5b: bursts of frees followed by re-allocation of the same sizes (empty_cache in a loop).
-fn empty_cache_churn(pid: u32, evs: &[&Event]) -> Option<Chain> {
+fn empty_cache_churn(pid: u32, evs: &[Event]) -> Option<Chain> {
     const BURST_NS: i64 = 50_000_000;
     const MIN_BURST: usize = 4;
     // A release phase: consecutive successful frees with no allocation between them (what
@@ -593,16 +580,16 @@ fn empty_cache_churn(pid: u32, evs: &[&Event]) -> Option<Chain> {
     let mut bursts = Vec::new();
     let mut i = 0;
     while i < evs.len() {
-        if !is_free(evs[i]) {
+        if !is_free(&evs[i]) {
             i += 1;
             continue;
         }
         let start = i;
-        let mut run = vec![evs[i]];
+        let mut run = vec![&evs[i]];
         i += 1;
-        while i < evs.len() && !is_alloc(evs[i]) && evs[i].ts_ns - evs[start].ts_ns <= BURST_NS {
-            if is_free(evs[i]) {
-                run.push(evs[i]);
+        while i < evs.len() && !is_alloc(&evs[i]) && evs[i].ts_ns - evs[start].ts_ns <= BURST_NS {
+            if is_free(&evs[i]) {
+                run.push(&evs[i]);
             }
             i += 1;
         }
@@ -610,12 +597,12 @@ fn empty_cache_churn(pid: u32, evs: &[&Event]) -> Option<Chain> {
         if run.len() < MIN_BURST || run_gap * 10 > usual_gap {
             continue;
         }
-        let sizes: Vec<u64> = run.iter().filter_map(|e| e.size).collect();
+        let sizes: Vec<u64> = run.iter().map(|e| e.size).collect();
         let end = run[run.len() - 1].ts_ns;
         let realloc = evs[i..]
             .iter()
             .take_while(|e| e.ts_ns <= end + 1_000_000_000)
-            .filter(|e| is_alloc(e) && e.size.is_some_and(|s| sizes.contains(&s)))
+            .filter(|e| is_alloc(e) && sizes.contains(&e.size))
             .take(sizes.len())
             .count();
         if realloc >= MIN_BURST {
@@ -649,13 +636,16 @@ fn empty_cache_churn(pid: u32, evs: &[&Event]) -> Option<Chain> {
 }
 
 /// Rule 6: driver allocations not made inside a runtime call of the same thread.
-fn driver_bypass(pid: u32, evs: &[&Event]) -> Option<Chain> {
+fn driver_bypass(pid: u32, evs: &[Event]) -> Option<Chain> {
+    let driver_alloc = |e: &Event| e.op.spec().library == Library::Driver && e.class() == OpClass::Alloc;
+    if !evs.iter().any(driver_alloc) {
+        return None;
+    }
     // Runtime calls of one thread do not overlap (but for nesting), so the enclosing one, if
     // any, is the last that started before the driver call.
     let mut runtime: FastMap<u32, Vec<&Event>> = FastMap::default();
     for e in evs
         .iter()
-        .copied()
         .filter(|e| e.op.spec().library == Library::Runtime)
     {
         runtime.entry(e.tid).or_default().push(e);
@@ -668,8 +658,7 @@ fn driver_bypass(pid: u32, evs: &[&Event]) -> Option<Chain> {
     };
     let bypass: Vec<&Event> = evs
         .iter()
-        .copied()
-        .filter(|e| e.op.spec().library == Library::Driver && e.class() == OpClass::Alloc)
+        .filter(|e| driver_alloc(e))
         .filter(|d| !nested(d))
         .collect();
     if bypass.is_empty() {
@@ -678,7 +667,7 @@ fn driver_bypass(pid: u32, evs: &[&Event]) -> Option<Chain> {
     let bytes: u64 = bypass
         .iter()
         .filter(|e| e.ret == 0)
-        .filter_map(|e| e.size)
+        .map(|e| e.size)
         .sum();
     let mut ops: BTreeMap<&str, u64> = BTreeMap::new();
     for e in &bypass {
@@ -708,10 +697,9 @@ fn driver_bypass(pid: u32, evs: &[&Event]) -> Option<Chain> {
 }
 
 /// Rule 7: time spent waiting in synchronisation calls.
-fn sync_stall(pid: u32, evs: &[&Event], window: Window, host: &Host) -> Option<Chain> {
+fn sync_stall(pid: u32, evs: &[Event], window: Window, host: &Host) -> Option<Chain> {
     let syncs: Vec<&Event> = evs
         .iter()
-        .copied()
         .filter(|e| e.class() == OpClass::Sync)
         .collect();
     if syncs.len() < 5 {
@@ -747,23 +735,27 @@ fn sync_stall(pid: u32, evs: &[&Event], window: Window, host: &Host) -> Option<C
 }
 
 /// Rule 8: allocation latency spikes at a regular interval.
-fn periodic_spike(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
-    let allocs: Vec<&Event> = device_allocs(evs)
-        .into_iter()
-        .filter(|e| e.ret == 0)
+fn periodic_spike(pid: u32, evs: &[Event], host: &Host) -> Option<Chain> {
+    let mut d: Vec<u64> = evs
+        .iter()
+        .filter(|e| is_device_alloc_ok(e))
+        .map(|e| e.duration_ns)
         .collect();
-    if allocs.len() < 20 {
+    let allocs = d.len();
+    if allocs < 20 {
         return None;
     }
-    let mut d: Vec<u64> = allocs.iter().map(|e| e.duration_ns).collect();
     let median = select_quantile(&mut d, 0.5);
     let threshold = (median * 5).max(100_000);
-    let spikes: Vec<&Event> = allocs
+    // A spike is rare by definition: more than half the allocations cannot be spikes.
+    if d.iter().filter(|&&v| v >= threshold).count() * 2 > allocs {
+        return None;
+    }
+    let spikes: Vec<&Event> = evs
         .iter()
-        .copied()
-        .filter(|e| e.duration_ns >= threshold)
+        .filter(|e| is_device_alloc_ok(e) && e.duration_ns >= threshold)
         .collect();
-    if spikes.len() < 4 || spikes.len() * 2 > allocs.len() {
+    if spikes.len() < 4 {
         return None;
     }
     let gaps: Vec<f64> = spikes
@@ -796,13 +788,13 @@ fn periodic_spike(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
             "find the periodic task (checkpointing, evaluation, logging every N steps) and pre-allocate its buffers".into(),
             FIX_EXPANDABLE.into(),
         ],
-        evidence: format!("{} spikes among {} allocations", spikes.len(), allocs.len()),
+        evidence: format!("{} spikes among {} allocations", spikes.len(), allocs),
     })
 }
 
 /// Host context: the process's slow CUDA calls spent a large share of their time waiting for a
 /// CPU (their own threads runnable but not running), measured where the calls ran.
-fn cpu_contention(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
+fn cpu_contention(pid: u32, evs: &[Event], host: &Host) -> Option<Chain> {
     if !host.recorded || evs.len() < 20 {
         return None;
     }
@@ -810,7 +802,6 @@ fn cpu_contention(pid: u32, evs: &[&Event], host: &Host) -> Option<Chain> {
     let threshold = select_quantile(&mut d, 0.95).max(100_000);
     let slow: Vec<&Event> = evs
         .iter()
-        .copied()
         .filter(|e| e.duration_ns >= threshold)
         .collect();
     let o = host.during(&slow);

@@ -15,13 +15,13 @@ fn ev(ts_ms: f64, op: Op, size: u64, ptr: u64, ret: i32, dur_us: u64) -> Event {
         pid: 10,
         tid: 11,
         op,
-        device: Some(0),
-        size: Some(size),
-        ptr: (ptr != 0).then_some(ptr),
+        device: 0,
+        size,
+        ptr,
         ret,
         duration_ns: dur_us * 1000,
-        aux0: None,
-        aux1: None,
+        aux0: 0,
+        aux1: 0,
         stack: None,
     }
 }
@@ -123,9 +123,9 @@ fn allocator_retry_is_failure_frees_then_success_of_the_same_size() {
 #[test]
 fn oom_reports_request_holdings_and_what_meminfo_said() {
     let mut info = ev(5.0, Op::CudaMemGetInfo, 0, 0, 0, 3);
-    info.size = None;
-    info.aux0 = Some(6 << 30);
-    info.aux1 = Some(16 << 30);
+    info.size = 0;
+    info.aux0 = 6 << 30;
+    info.aux1 = 16 << 30;
     let v = vec![
         ev(0.0, Op::CudaMalloc, 2 << 30, 0xa000, 0, 50),
         ev(1.0, Op::CudaMalloc, 2 << 30, 0xb000_0000, 0, 50),
@@ -169,7 +169,7 @@ fn leak_needs_steady_growth() {
             12_000.0 + i as f64,
             Op::CudaFree,
             MIB,
-            e.ptr.unwrap(),
+            e.ptr,
             0,
             5,
         ));
@@ -257,7 +257,7 @@ fn driver_bypass_ignores_driver_calls_nested_in_runtime_calls() {
     assert!(!rules_fired(&v).contains(&"driver_bypass"));
     let mut alone = nested;
     alone.ts_ns = 10 * MS;
-    alone.ptr = Some(0x2);
+    alone.ptr = 0x2;
     let v = vec![ev(0.0, Op::CudaMalloc, MIB, 0x1, 0, 50), alone];
     let c = chains(&v);
     let bypass = c.iter().find(|c| c.rule == "driver_bypass").expect("fires");
@@ -528,18 +528,19 @@ fn call_sites_name_the_leak_and_rank_the_callers() {
     let mut v = growing(false, false);
     // Two call sites: every third allocation from the data loader, the rest from the model.
     for (i, e) in v.iter_mut().enumerate() {
-        e.stack = Some(if i % 3 == 0 { 2 } else { 1 });
+        e.stack = stack_id(if i % 3 == 0 { 2 } else { 1 });
     }
     let labels: SiteLabels = [
         (1, "train.py:74 (train_step)".to_string()),
         (2, "data.py:12 (load)".to_string()),
     ]
     .into_iter()
+    .map(|(id, label)| (stack_id(id).unwrap(), label))
     .collect();
     let w = window_of(&v);
     let report = analyze(1, &v, &Host::default(), w, &HashMap::new(), &labels);
     let leak = report.chains.iter().find(|c| c.rule == "leak").expect("fires");
-    let from_model = v.iter().filter(|e| e.stack == Some(1)).count();
+    let from_model = v.iter().filter(|e| e.stack == stack_id(1)).count();
     let from_loader = v.len() - from_model;
     assert!(
         leak.effect.contains(&format!(

@@ -3,7 +3,7 @@
 
 use std::{
     collections::{BTreeSet, HashMap},
-    io::{BufRead as _, BufReader, IsTerminal as _, Read as _, Seek as _, SeekFrom, Write as _},
+    io::{BufRead as _, BufReader, IsTerminal as _, Read as _, Write as _},
     os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -12,17 +12,15 @@ use std::{
 
 use anyhow::{anyhow, Context as _, Result};
 use clap::Args;
-use tracer_common::{OpClass, Space};
 
 use crate::{
     analysis::{self, Window},
-    cmd::explain,
-    decode::simlog,
+    cmd::{explain, import::SimlogImporter},
     exit::user_error,
     live::{self, LiveView},
-    paths, privileges, procinfo,
+    paths, privileges,
     stats::LiveStats,
-    store::{events, Access, Batch, SessionStart, Store},
+    store::{events, Access, SessionStart, Store},
     units::parse_duration,
 };
 
@@ -293,7 +291,7 @@ impl ChainWatch {
         let report = analysis::analyze(session, &all, &host, window, &HashMap::new(), &HashMap::new());
         let mut stats = LiveStats::default();
         for e in &all {
-            stats.add_one(e.pid, e.op, e.ret, e.size, e.duration_ns);
+            stats.add_one(e.pid, e.op, e.ret, (e.size != 0).then_some(e.size), e.duration_ns);
         }
         let elapsed = Duration::from_nanos((last - first).max(0) as u64);
         let mut table = vec![format!(
@@ -425,84 +423,6 @@ fn run_traced(
     Ok((session, outcome?))
 }
 
-/// Imports new lines of the simulated runtime's log; keeps the pointer -> size map that the
-/// kernel keeps when tracing live, so frees carry their size.
-struct Importer {
-    offset: u64,
-    partial: String,
-    allocs: HashMap<(u32, u32, u64), (u64, Option<i32>)>,
-    threads: BTreeSet<(u32, u32)>,
-    pids: BTreeSet<u32>,
-    boot: Option<i64>,
-}
-
-impl Importer {
-    fn import(&mut self, log: &Path, store: &mut Store, session: i64) -> Result<u64> {
-        let Ok(mut file) = std::fs::File::open(log) else {
-            return Ok(0);
-        };
-        file.seek(SeekFrom::Start(self.offset))?;
-        let mut text = std::mem::take(&mut self.partial);
-        let n = file.read_to_string(&mut text)?;
-        self.offset += n as u64;
-        let complete = text.rfind('\n').map_or(0, |i| i + 1);
-        self.partial = text[complete..].to_owned();
-        let mut calls = Vec::new();
-        let mut threads = Vec::new();
-        let mut processes = Vec::new();
-        for line in text[..complete].lines() {
-            let Some(mut call) = simlog::parse_line(line) else {
-                continue;
-            };
-            let spec = call.op.spec();
-            if let Some(ptr) = call.ptr {
-                let key = (call.pid, spec.space as u32, ptr);
-                match (spec.class, call.ret) {
-                    (OpClass::Alloc, 0) if spec.space != Space::None => {
-                        self.allocs
-                            .insert(key, (call.size.unwrap_or(0), call.device));
-                    }
-                    (OpClass::Free, ret) => {
-                        let found = if ret == 0 {
-                            self.allocs.remove(&key)
-                        } else {
-                            self.allocs.get(&key).copied()
-                        };
-                        if let Some((size, device)) = found {
-                            call.size = Some(size);
-                            call.device = device;
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            if self.threads.insert((call.pid, call.tid)) {
-                let comm =
-                    procinfo::thread_comm(call.pid, call.tid).unwrap_or_else(|| "python3".into());
-                threads.push((call.pid, call.tid, comm));
-            }
-            if self.pids.insert(call.pid) {
-                processes.push(procinfo::read(
-                    call.pid,
-                    call.ts_mono_ns as i64,
-                    "python3",
-                    self.boot,
-                ));
-            }
-            calls.push(call);
-        }
-        store.write_batch(&Batch {
-            session,
-            wall_offset_ns: 0,
-            calls: &calls,
-            threads: &threads,
-            processes: &processes,
-            offcpu: &[],
-        })?;
-        Ok(calls.len() as u64)
-    }
-}
-
 fn run_simulated(
     sim: &Path,
     demos: &Path,
@@ -538,14 +458,7 @@ fn run_simulated(
     let child = workload(demos, sim, scenario, args, Some(&log))
         .spawn()
         .context("start the workload (python3)")?;
-    let mut importer = Importer {
-        offset: 0,
-        partial: String::new(),
-        allocs: HashMap::new(),
-        threads: BTreeSet::new(),
-        pids: BTreeSet::new(),
-        boot: procinfo::boot_time_ns(),
-    };
+    let mut importer = SimlogImporter::new(true);
     let mut watch = ChainWatch::new();
     let mut failure = None;
     let outcome = supervise(child, || {
@@ -560,8 +473,7 @@ fn run_simulated(
             log.display()
         )));
     }
-    let stored = importer.import(&log, &mut store, session)?;
-    let _ = stored;
+    importer.import(&log, &mut store, session)?;
     let total: i64 = store.conn().query_row(
         "SELECT count(*) FROM calls WHERE session_id = ?1",
         [session],

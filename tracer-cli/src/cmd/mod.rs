@@ -1,6 +1,7 @@
 pub mod check;
 pub mod demo;
 pub mod explain;
+pub mod import;
 pub mod query;
 pub mod stacks;
 pub mod trace;

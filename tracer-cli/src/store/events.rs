@@ -7,7 +7,7 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension as _};
 use tracer_common::Op;
 
 use crate::{
-    analysis::{Event, Host, OffSlice},
+    analysis::{stack_id, Event, Host, OffSlice, NO_DEVICE},
     exit::user_error,
 };
 
@@ -38,15 +38,216 @@ pub fn session(conn: &Connection, id: Option<i64>) -> Result<SessionInfo> {
 
 /// The session's calls that began at or before `to_ns`, in time order (entry time, then id).
 ///
-/// Rows are read in id order, which is the order the writer appended them (sequential pages, no
-/// index lookups), split into id ranges read on parallel connections, then put in time order:
-/// the writer's batches are almost sorted already, so the final sort is cheap.
+/// Read from the session's call blocks (store/blocks.rs) when it has them, else from its rows;
+/// in both cases split into parts read on parallel connections, in the order the writer
+/// appended them, then put in time order (the writer's batches are almost sorted already, so
+/// the final sort is cheap).
 pub fn load(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Vec<Event>> {
+    let conn = open_reader(path)?;
+    let has_blocks: bool = conn
+        .query_row(
+            "SELECT call_blocks FROM sessions WHERE id = ?1",
+            [session],
+            |r| r.get::<_, i64>(0),
+        )
+        .optional()
+        .context("read the session's storage")?
+        .is_some_and(|v| v == 1);
+    drop(conn);
+    if has_blocks {
+        match load_blocks(path, session, to_ns, pid) {
+            Ok(events) => return Ok(events),
+            Err(e) => eprintln!("tracer: {e:#}; reading the session's rows instead"),
+        }
+    }
     // Small sessions are not worth a second connection.
     load_split(path, session, to_ns, pid, 200_000)
 }
 
-/// [`load`], reading in parallel once the session spans `min_ids_to_split` ids.
+fn reader_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+}
+
+/// Runs `read` for each part on its own thread; concatenates the parts in order and sorts the
+/// whole by entry time (stable: equal times keep the writer's order).
+fn read_parts<P: Send + Sync>(
+    parts: &[P],
+    read: impl Fn(&P) -> Result<Vec<Event>> + Sync,
+) -> Result<Vec<Event>> {
+    let chunks: Vec<Result<Vec<Event>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = parts
+            .iter()
+            .map(|part| scope.spawn(|| read(part)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a reader thread panicked")))
+            })
+            .collect()
+    });
+    let mut chunks = chunks.into_iter();
+    let mut out = chunks.next().unwrap_or_else(|| Ok(Vec::new()))?;
+    for chunk in chunks {
+        out.extend(chunk?);
+    }
+    if !out.is_sorted_by_key(|e| e.ts_ns) {
+        out.sort_by_key(|e| e.ts_ns);
+    }
+    Ok(out)
+}
+
+/// [`load`] from the session's call blocks: each thread decodes a run of consecutive blocks
+/// holding about the same number of calls straight into its own region of the one vector.
+pub(super) fn load_blocks(
+    path: &Path,
+    session: i64,
+    to_ns: i64,
+    pid: Option<u32>,
+) -> Result<Vec<Event>> {
+    let conn = open_reader(path)?;
+    // Only the rows' small columns: the blobs stay on their overflow pages until decoded.
+    let mut stmt = conn.prepare(
+        "SELECT id, calls FROM call_blocks WHERE session_id = ?1 AND min_ts_ns <= ?2 ORDER BY id",
+    )?;
+    let list: Vec<(i64, usize)> = stmt
+        .query_map(params![session, to_ns], |r| {
+            Ok((r.get(0)?, r.get::<_, i64>(1)?.max(0) as usize))
+        })?
+        .collect::<rusqlite::Result<_>>()
+        .with_context(|| format!("list the call blocks of session {session}"))?;
+    drop(stmt);
+    drop(conn);
+    let total: usize = list.iter().map(|(_, n)| n).sum();
+    let threads = if total < 200_000 { 1 } else { reader_threads() };
+    // Runs of blocks (first id, last id, calls) with about total / threads calls each.
+    let mut parts: Vec<(i64, i64, usize)> = Vec::new();
+    let mut acc = 0;
+    for &(id, n) in &list {
+        let filled = total * parts.len() / threads;
+        match parts.last_mut() {
+            Some(part) if acc < filled => {
+                part.1 = id;
+                part.2 += n;
+            }
+            _ => parts.push((id, id, n)),
+        }
+        acc += n;
+    }
+    let mut out: Vec<Event> = Vec::with_capacity(total);
+    advise_huge_pages(&mut out);
+    let mut regions = Vec::with_capacity(parts.len());
+    let mut rest = &mut out.spare_capacity_mut()[..total];
+    for part in &parts {
+        let (region, tail) = rest.split_at_mut(part.2);
+        regions.push((*part, region));
+        rest = tail;
+    }
+    let written: Vec<Result<usize>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = regions
+            .into_iter()
+            .map(|((first, last, _), region)| {
+                scope.spawn(move || {
+                    let mut n = 0;
+                    let mut overflow = false;
+                    read_blocks(path, session, first, last, to_ns, |e| {
+                        if e.ts_ns <= to_ns && pid.is_none_or(|p| p == e.pid) {
+                            match region.get_mut(n) {
+                                Some(slot) => {
+                                    slot.write(e);
+                                    n += 1;
+                                }
+                                None => overflow = true,
+                            }
+                        }
+                    })?;
+                    // Each block decodes exactly the calls its row counts, so this means the
+                    // table changed between the listing and the reading.
+                    anyhow::ensure!(!overflow, "the call blocks of session {session} changed while being read");
+                    Ok(n)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a reader thread panicked")))
+            })
+            .collect()
+    });
+    // Close the gaps that filtered-out calls left between the regions.
+    let spare = out.spare_capacity_mut();
+    let (mut start, mut len) = (0, 0);
+    for (part, n) in parts.iter().zip(written) {
+        let n = n?;
+        spare.copy_within(start..start + n, len);
+        start += part.2;
+        len += n;
+    }
+    // SAFETY: the first `len` slots were written above: each region's first n slots by its
+    // thread (MaybeUninit::write), then moved down in order so that they are contiguous.
+    unsafe { out.set_len(len) };
+    if !out.is_sorted_by_key(|e| e.ts_ns) {
+        out.sort_by_key(|e| e.ts_ns);
+    }
+    Ok(out)
+}
+
+/// Decodes the blocks with ids in `[first, last]` of `session` that begin by `to_ns`.
+fn read_blocks(
+    path: &Path,
+    session: i64,
+    first: i64,
+    last: i64,
+    to_ns: i64,
+    mut emit: impl FnMut(Event),
+) -> Result<()> {
+    let conn = open_reader(path)?;
+    let mut stmt = conn.prepare(
+        "SELECT id, format, calls, data FROM call_blocks
+         WHERE id >= ?1 AND id <= ?2 AND session_id = ?3 AND min_ts_ns <= ?4 ORDER BY id",
+    )?;
+    let mut rows = stmt.query(params![first, last, session, to_ns])?;
+    while let Some(r) = rows.next().context("read call blocks")? {
+        let id: i64 = r.get(0)?;
+        let format: i64 = r.get(1)?;
+        if format != super::blocks::FORMAT {
+            anyhow::bail!(
+                "call block {id} of session {session} has format {format}, which this tracer does not read"
+            );
+        }
+        let calls = r.get::<_, i64>(2)?.max(0) as usize;
+        let data = r.get_ref(3)?.as_blob()?;
+        super::blocks::decode(data, calls, &mut emit)
+            .map_err(|e| anyhow::anyhow!("call block {id} of session {session} is damaged: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Asks for transparent huge pages under a large vector about to be filled: a tenth of the
+/// page faults, and the kernel clears 2 MiB at a time.
+fn advise_huge_pages(v: &mut Vec<Event>) {
+    const HUGE: usize = 2 << 20;
+    let spare = v.spare_capacity_mut();
+    let bytes = std::mem::size_of_val(spare);
+    if bytes < 4 * HUGE {
+        return;
+    }
+    let start = spare.as_mut_ptr() as usize;
+    let aligned = start.next_multiple_of(HUGE);
+    let len = (start + bytes - aligned) / HUGE * HUGE;
+    // SAFETY: [aligned, aligned + len) lies inside the vector's own allocation, which nothing
+    // has read or written yet; MADV_HUGEPAGE only changes how the kernel backs those pages.
+    unsafe {
+        libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+    }
+}
+
+/// [`load`] from the rows, reading in parallel once the session spans `min_ids_to_split` ids.
 pub(super) fn load_split(
     path: &Path,
     session: i64,
@@ -66,37 +267,19 @@ pub(super) fn load_split(
         return Ok(Vec::new());
     };
     drop(conn);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 8) as i64;
+    let threads = reader_threads() as i64;
     let parts = if hi - lo < min_ids_to_split { 1 } else { threads.max(2) };
     let step = (hi - lo + parts) / parts;
-    let chunks: Vec<Result<Vec<Event>>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..parts)
-            .map(|i| {
-                let (from, to) = (lo + i * step, (lo + (i + 1) * step).min(hi + 1));
-                // The first part's vector holds them all: the others are appended to it
-                // without a second copy of the whole.
-                let capacity = if i == 0 { hi - lo + 1 } else { to - from };
-                scope.spawn(move || load_range(path, session, from, to, to_ns, pid, capacity))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a reader thread panicked")))
-            })
-            .collect()
-    });
-    let mut chunks = chunks.into_iter();
-    let mut out = chunks.next().unwrap_or_else(|| Ok(Vec::new()))?;
-    for chunk in chunks {
-        out.extend(chunk?);
-    }
-    // Stable: equal entry times keep id order.
-    out.sort_by_key(|e| e.ts_ns);
-    Ok(out)
+    let ranges: Vec<(i64, i64, i64)> = (0..parts)
+        .map(|i| {
+            let (from, to) = (lo + i * step, (lo + (i + 1) * step).min(hi + 1));
+            // The first part's vector holds them all: the others are appended to it.
+            (from, to, if i == 0 { hi - lo + 1 } else { to - from })
+        })
+        .collect();
+    read_parts(&ranges, |&(from, to, capacity)| {
+        load_range(path, session, from, to, to_ns, pid, capacity)
+    })
 }
 
 fn open_reader(path: &Path) -> Result<Connection> {
@@ -106,7 +289,7 @@ fn open_reader(path: &Path) -> Result<Connection> {
     )
     .with_context(|| format!("open database {} for reading", path.display()))?;
     // 64 MiB of page cache per reader: the scan is sequential, the cache only spares re-reads.
-    conn.execute_batch("PRAGMA cache_size = -65536")
+    conn.execute_batch("PRAGMA cache_size = -65536; PRAGMA mmap_size = 4294967296")
         .with_context(|| format!("configure reader of {}", path.display()))?;
     Ok(conn)
 }
@@ -150,14 +333,14 @@ fn load_range(
             pid: row_pid,
             tid: r.get_ref(3)?.as_i64()? as u32,
             op,
-            device: int(r, 5)?.map(|v| v as i32),
-            size: int(r, 6)?.map(|v| v as u64),
-            ptr: int(r, 7)?.map(|v| v as u64),
+            device: int(r, 5)?.map_or(NO_DEVICE, |v| v as i32),
+            size: int(r, 6)?.unwrap_or(0) as u64,
+            ptr: int(r, 7)?.unwrap_or(0) as u64,
             ret: r.get_ref(8)?.as_i64()? as i32,
             duration_ns: r.get_ref(9)?.as_i64()?.max(0) as u64,
-            aux0: int(r, 10)?.map(|v| v as u64),
-            aux1: int(r, 11)?.map(|v| v as u64),
-            stack: int(r, 12)?,
+            aux0: int(r, 10)?.unwrap_or(0) as u64,
+            aux1: int(r, 11)?.unwrap_or(0) as u64,
+            stack: int(r, 12)?.and_then(stack_id),
         });
     }
     Ok(out)
@@ -275,7 +458,9 @@ pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<c
         }
     }
     for (id, (_, label)) in best {
-        labels.insert(id, label);
+        if let Some(id) = stack_id(id) {
+            labels.insert(id, label);
+        }
     }
     Ok(labels)
 }

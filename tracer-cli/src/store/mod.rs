@@ -1,5 +1,6 @@
 //! SQLite storage: opening (with version and sanity checks), sessions, and batched writes.
 
+pub mod blocks;
 pub mod events;
 pub mod readonly;
 mod schema;
@@ -211,8 +212,8 @@ impl Store {
             .transpose()?;
         self.conn
             .execute(
-                "INSERT INTO sessions (started_ns, status, source, host, kernel, tracer_version, command, pid_filter)
-                 VALUES (?1, 'running', ?2, ?3, ?4, ?5, ?6, ?7)",
+                "INSERT INTO sessions (started_ns, status, source, host, kernel, tracer_version, command, pid_filter, call_blocks)
+                 VALUES (?1, 'running', ?2, ?3, ?4, ?5, ?6, ?7, 1)",
                 params![
                     start.started_ns,
                     start.source,
@@ -350,6 +351,28 @@ impl Store {
                 bind_calls(&mut one, std::slice::from_ref(call), batch)?;
                 one.raw_execute()?;
             }
+            // The rows just inserted have consecutive ids (one past the largest, under the
+            // write lock), so each block knows the rows it copies.
+            let mut next_id = tx.last_insert_rowid() - batch.calls.len() as i64 + 1;
+            let mut block_stmt = tx.prepare_cached(
+                "INSERT INTO call_blocks (session_id, first_call, last_call, calls, min_ts_ns, max_ts_ns, format, data)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )?;
+            for chunk in batch.calls.chunks(blocks::MAX_CALLS) {
+                let block = blocks::encode(chunk, batch.wall_offset_ns);
+                let last = next_id + chunk.len() as i64 - 1;
+                block_stmt.execute(params![
+                    batch.session,
+                    next_id,
+                    last,
+                    block.calls as i64,
+                    block.min_ts_ns,
+                    block.max_ts_ns,
+                    blocks::FORMAT,
+                    block.data
+                ])?;
+                next_id = last + 1;
+            }
         }
         tx.commit().with_context(|| {
             format!(
@@ -420,6 +443,7 @@ impl Store {
             let tx = self.conn.transaction()?;
             if let Some((id, events)) = oldest {
                 tx.execute("DELETE FROM calls WHERE session_id = ?1", [id])?;
+                tx.execute("DELETE FROM call_blocks WHERE session_id = ?1", [id])?;
                 tx.execute("DELETE FROM threads WHERE session_id = ?1", [id])?;
                 tx.execute("DELETE FROM offcpu WHERE session_id = ?1", [id])?;
                 tx.execute(
@@ -442,10 +466,25 @@ impl Store {
                         self.used_bytes()?
                     );
                 }
-                let n = (total / 10).max(1);
+                // About a tenth, rounded up to whole blocks so that every call left keeps its copy.
+                let nth: i64 = tx.query_row(
+                    "SELECT id FROM calls WHERE session_id = ?1 ORDER BY id LIMIT 1 OFFSET ?2",
+                    params![current, (total / 10).max(1) - 1],
+                    |r| r.get(0),
+                )?;
+                let cutoff: i64 = tx.query_row(
+                    "SELECT max(?2, coalesce(max(last_call), ?2)) FROM call_blocks
+                     WHERE session_id = ?1 AND first_call <= ?2",
+                    params![current, nth],
+                    |r| r.get(0),
+                )?;
+                let n = tx.execute(
+                    "DELETE FROM calls WHERE session_id = ?1 AND id <= ?2",
+                    params![current, cutoff],
+                )?;
                 tx.execute(
-                    "DELETE FROM calls WHERE id IN (SELECT id FROM calls WHERE session_id = ?1 ORDER BY id LIMIT ?2)",
-                    params![current, n],
+                    "DELETE FROM call_blocks WHERE session_id = ?1 AND last_call <= ?2",
+                    params![current, cutoff],
                 )?;
                 tx.execute(
                     "UPDATE sessions SET evicted_events = evicted_events + ?2 WHERE id = ?1",

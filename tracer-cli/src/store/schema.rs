@@ -3,7 +3,7 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -127,5 +127,21 @@ CREATE TABLE stack_frames (
     address  INTEGER,
     PRIMARY KEY (stack_id, idx)
 ) WITHOUT ROWID;
+"#,
+    // 4: call blocks - a compact copy of each session's calls that explain reads (store/blocks.rs).
+    r#"
+CREATE TABLE call_blocks (
+    id         INTEGER PRIMARY KEY,
+    session_id INTEGER NOT NULL,
+    first_call INTEGER NOT NULL,
+    last_call  INTEGER NOT NULL,
+    calls      INTEGER NOT NULL,
+    min_ts_ns  INTEGER NOT NULL,
+    max_ts_ns  INTEGER NOT NULL,
+    format     INTEGER NOT NULL,
+    data       BLOB NOT NULL
+);
+CREATE INDEX call_blocks_session ON call_blocks(session_id, id);
+ALTER TABLE sessions ADD COLUMN call_blocks INTEGER NOT NULL DEFAULT 0;
 "#,
 ];

@@ -1,7 +1,7 @@
 use tracer_common::Op;
 
 use super::*;
-use crate::{decode::Call, exit::code_of, store::readonly};
+use crate::{analysis::stack_id, decode::Call, exit::code_of, store::readonly};
 
 fn call(op: Op, ts: u64, size: Option<u64>, ptr: Option<u64>, ret: i32) -> Call {
     Call {
@@ -330,9 +330,9 @@ fn parallel_load_matches_one_ordered_query() {
                  AND (?3 IS NULL OR pid = ?3) ORDER BY ts_ns, id",
             )
             .unwrap();
-        let expected: Vec<(i64, u32, Option<u64>)> = stmt
+        let expected: Vec<(i64, u32, u64)> = stmt
             .query_map(rusqlite::params![second, to_ns, pid], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get::<_, Option<i64>>(2)?.map(|v| v as u64)))
+                Ok((r.get(0)?, r.get(1)?, r.get::<_, Option<i64>>(2)?.unwrap_or(0) as u64))
             })
             .unwrap()
             .collect::<rusqlite::Result<_>>()
@@ -394,9 +394,9 @@ fn site_labels_pick_the_first_user_frame() {
         );
     }
     let labels = events::site_labels(store.conn(), session, &[]).unwrap();
-    assert_eq!(labels[&ids[0]], "proj/utils.py:7 (helper)");
-    assert_eq!(labels[&ids[1]], "allocate (me/app)");
+    assert_eq!(labels[&stack_id(ids[0]).unwrap()], "proj/utils.py:7 (helper)");
+    assert_eq!(labels[&stack_id(ids[1]).unwrap()], "allocate (me/app)");
     let skip = ["utils.py".to_string()];
     let labels = events::site_labels(store.conn(), session, &skip).unwrap();
-    assert_eq!(labels[&ids[0]], "proj/train.py:74 (train_step)");
+    assert_eq!(labels[&stack_id(ids[0]).unwrap()], "proj/train.py:74 (train_step)");
 }

@@ -4,6 +4,7 @@
 mod host;
 mod replay;
 mod rules;
+mod scan;
 
 use std::{
     borrow::Cow,
@@ -12,7 +13,7 @@ use std::{
 };
 
 use serde::Serialize;
-use tracer_common::{Op, OpClass, Space, OP_COUNT};
+use tracer_common::{Op, OpClass, Space};
 
 pub use host::{Host, OffSlice};
 
@@ -21,6 +22,7 @@ pub use host::{Host, OffSlice};
 pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
 pub use rules::Chain;
 use rules::Proc;
+use scan::Scan;
 
 /// One stored call, as analysis needs it: 72 bytes, so that ten million of them stay within
 /// reach of the caches (absent values are 0, which no allocation size or pointer of interest is).
@@ -148,32 +150,13 @@ pub struct ProcessReport {
     pub warnings: Vec<String>,
 }
 
-/// Per op of one process's calls: count, errors, latency quantiles and bytes, in one pass.
-fn op_rows(events: &[Event]) -> Vec<OpRow> {
-    #[derive(Default)]
-    struct Acc {
-        durations: Vec<u64>,
-        errors: u64,
-        bytes: u64,
-    }
-    let mut by_op: [Acc; OP_COUNT] = std::array::from_fn(|_| Acc::default());
-    for e in events {
-        let acc = &mut by_op[e.op as usize];
-        acc.durations.push(e.duration_ns);
-        if e.ret != 0 {
-            acc.errors += 1;
-        } else if matches!(e.class(), OpClass::Alloc | OpClass::Free) {
-            acc.bytes += e.size;
-        }
-    }
-    let mut ops: Vec<(Op, Acc)> = Op::ALL
+/// Per op of one process's calls: count, errors, latency quantiles and bytes.
+fn op_rows(scan: &mut Scan<'_>) -> Vec<OpRow> {
+    Op::ALL
         .into_iter()
-        .zip(by_op)
+        .zip(scan.by_op.iter_mut())
         .filter(|(_, acc)| !acc.durations.is_empty())
-        .collect();
-    ops.sort_by_key(|(op, _)| *op);
-    ops.into_iter()
-        .map(|(op, mut acc)| {
+        .map(|(op, acc)| {
             let d = &mut acc.durations;
             OpRow {
                 op: op.name(),
@@ -192,17 +175,10 @@ fn op_rows(events: &[Event]) -> Vec<OpRow> {
 pub const TAIL_RATIO_WARNING: f64 = 10.0;
 
 /// One process's table (its outstanding allocations come from the replay, see [`analyze`]).
-fn process_table(p: &Proc<'_>, comms: &HashMap<u32, String>) -> ProcessReport {
-    let ops = op_rows(p.window);
+fn process_table(p: &Proc<'_>, scan: &mut Scan<'_>, comms: &HashMap<u32, String>) -> ProcessReport {
+    let ops = op_rows(scan);
     let mut warnings = Vec::new();
-    let (allocs, frees) = p
-        .window
-        .iter()
-        .fold((0u64, 0u64), |(a, f), e| match (e.class(), e.ret) {
-            (OpClass::Alloc, 0) => (a + 1, f),
-            (OpClass::Free, 0) => (a, f + 1),
-            _ => (a, f),
-        });
+    let (allocs, frees) = (scan.allocs_ok, scan.frees_ok);
     if allocs > frees {
         warnings.push(format!(
             "malloc/free imbalance: {} allocations without a matching free in the window",
@@ -266,7 +242,7 @@ pub fn per_process(
         .iter()
         .filter(|p| !p.window.is_empty())
         .map(|p| {
-            let mut table = process_table(p, comms);
+            let mut table = process_table(p, &mut Scan::of(p.window, false), comms);
             table.outstanding = outstanding(&replay::replay(p.all, window, &[], None).live);
             table
         })
@@ -276,6 +252,11 @@ pub fn per_process(
 /// Calls in time order, grouped by process (pids ascending), each group still in time order.
 /// Borrowed when there is only one process.
 fn group_by_pid(all: &[Event]) -> (Cow<'_, [Event]>, Vec<(u32, Range<usize>)>) {
+    if let Some(first) = all.first() {
+        if all.iter().all(|e| e.pid == first.pid) {
+            return (Cow::Borrowed(all), vec![(first.pid, 0..all.len())]);
+        }
+    }
     let mut counts: FastMap<u32, usize> = FastMap::default();
     for e in all {
         *counts.entry(e.pid).or_default() += 1;
@@ -424,10 +405,17 @@ pub fn analyze(
     // other (they read the same calls independently).
     let (replayed, (mut processes, direct, call_sites)) = std::thread::scope(|scope| {
         let others = scope.spawn(|| {
-            let tables: Vec<ProcessReport> = active.iter().map(|p| process_table(p, comms)).collect();
-            (tables, rules::direct(&active, window, host), call_sites(&active, sites))
+            let mut tables = Vec::with_capacity(active.len());
+            let mut direct = Vec::with_capacity(active.len());
+            for p in &active {
+                // Durations of every call only when CPU contention can be assessed.
+                let mut scan = Scan::of(p.window, host.recorded);
+                tables.push(process_table(p, &mut scan, comms));
+                direct.push(rules::direct(p, &everyone, scan, window, host, sites));
+            }
+            (tables, direct, call_sites(&active, sites))
         });
-        let replayed = rules::replayed(&active, &everyone, window, host, sites);
+        let replayed = rules::replayed(&active, window, host, sites);
         let others = others
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));

@@ -24,8 +24,13 @@ pub const BUCKETS: usize = 6;
 impl Buckets {
     /// Which of BUCKETS equal intervals from `start` over `span` holds `ts`.
     pub fn of(&self, ts: i64) -> usize {
-        (((ts - self.start) as i128 * BUCKETS as i128 / (self.span as i128 + 1)) as usize)
-            .min(BUCKETS - 1)
+        // In i64 while it cannot overflow (spans under 48 years): 128-bit division was a tenth
+        // of the replay's time.
+        let bucket = match (ts - self.start).checked_mul(BUCKETS as i64) {
+            Some(scaled) => scaled / (self.span + 1),
+            None => ((ts - self.start) as i128 * BUCKETS as i128 / (self.span as i128 + 1)) as i64,
+        };
+        (bucket.max(0) as usize).min(BUCKETS - 1)
     }
 
     fn contains(&self, ts: i64) -> bool {
@@ -46,6 +51,24 @@ pub struct Replayed<'a> {
     pub churn: BTreeMap<(Op, u64), Vec<u64>>,
     /// Allocations (any memory space) not freed by the end of the calls replayed.
     pub live: Vec<&'a Event>,
+    /// The window's successful device allocations, when buckets were asked for.
+    pub device_allocs: DeviceAllocs,
+}
+
+/// The window's successful device allocations, by bucket (fragmentation pressure reads them).
+#[derive(Debug, Default)]
+pub struct DeviceAllocs {
+    pub durations: [Vec<u64>; BUCKETS],
+    pub count: usize,
+    pub min_size: u64,
+    pub max_size: u64,
+    /// Bit `op as u32` set for each op seen.
+    pub ops: u64,
+}
+
+/// A successful allocation of device memory.
+pub fn is_device_alloc_ok(e: &Event) -> bool {
+    e.ret == 0 && e.class() == OpClass::Alloc && e.space() == Space::Device
 }
 
 fn holds_bytes(space: Space) -> bool {
@@ -65,6 +88,7 @@ pub fn replay<'a>(
         held_at: Vec::with_capacity(samples.len()),
         ..Default::default()
     };
+    out.device_allocs.min_size = u64::MAX;
     for (i, e) in evs.iter().enumerate() {
         while out.held_at.len() < samples.len() && e.ts_ns > samples[out.held_at.len()] {
             out.held_at.push(held);
@@ -101,6 +125,14 @@ pub fn replay<'a>(
         if let Some(b) = buckets.filter(|b| b.contains(e.ts_ns)) {
             let k = b.of(e.ts_ns);
             out.peaks[k] = out.peaks[k].max(held);
+            if e.ts_ns >= window.from_ns && is_device_alloc_ok(e) {
+                let d = &mut out.device_allocs;
+                d.durations[k].push(e.duration_ns);
+                d.count += 1;
+                d.min_size = d.min_size.min(e.size);
+                d.max_size = d.max_size.max(e.size);
+                d.ops |= 1 << (e.op as u32);
+            }
         }
     }
     out.held_at.resize(samples.len(), held);

@@ -1,13 +1,14 @@
 //! Causal-chain rules. Each reads the events of one process and returns a chain only when its
 //! evidence is in the data, with the numbers that support it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use serde::Serialize;
 use tracer_common::{Library, Op, OpClass, Space};
 
 use super::{
-    replay::{self, Buckets, BUCKETS},
+    replay::{self, is_device_alloc_ok, Buckets, BUCKETS},
+    scan::Scan,
     select_quantile, Event, FastMap, Host, SiteLabels, Window,
 };
 use crate::units::{format_bytes as b, format_ns as t};
@@ -64,11 +65,10 @@ pub struct Proc<'a> {
     pub window: &'a [Event],
 }
 
-/// The chains of the rules that replay allocations (fragmentation pressure, OOM, leak, churn)
-/// for each process, with what the replay left live at the window's end.
+/// The chains of the rules that replay allocations (fragmentation pressure, leak, churn) for
+/// each process, with what the replay left live at the window's end.
 pub fn replayed<'a>(
     procs: &[Proc<'a>],
-    everyone: &[Proc<'a>],
     window: Window,
     host: &Host,
     sites: &SiteLabels,
@@ -78,12 +78,11 @@ pub fn replayed<'a>(
         .map(|p| {
             let allocs = AllocTimes::of(p.window);
             let samples = leak_samples(window);
-            let r = replay::replay(p.all, window, &samples, allocs.map(|a| a.buckets()));
+            let mut r = replay::replay(p.all, window, &samples, allocs.map(|a| a.buckets()));
             let chains = ReplayChains {
-                fragmentation: allocs.and_then(|a| fragmentation_pressure(p, a, &r.peaks, host)),
-                oom: oom(p, everyone, sites),
+                fragmentation: allocs.and_then(|a| fragmentation_pressure(p, a, &mut r, host)),
                 leak: leak(p, window, &samples, &r, sites),
-                churn: churn(p.pid, r.churn, window),
+                churn: churn(p.pid, std::mem::take(&mut r.churn), window),
             };
             (chains, r.live)
         })
@@ -94,30 +93,40 @@ pub fn replayed<'a>(
 #[derive(Debug, Default)]
 pub struct ReplayChains {
     fragmentation: Option<Chain>,
-    oom: Option<Chain>,
     leak: Option<Chain>,
     churn: Option<Chain>,
 }
 
-/// The chains of the rules that need no replay, for each process.
-pub fn direct(procs: &[Proc<'_>], window: Window, host: &Host) -> Vec<DirectChains> {
-    procs
-        .iter()
-        .map(|p| DirectChains {
-            retry: allocator_retry(p.pid, p.window),
-            empty_cache: empty_cache_churn(p.pid, p.window),
-            bypass: driver_bypass(p.pid, p.window),
-            sync: sync_stall(p.pid, p.window, window, host),
-            periodic: periodic_spike(p.pid, p.window, host),
-            cpu: cpu_contention(p.pid, p.window, host),
-        })
-        .collect()
+/// The chains of the rules that need no replay, for one process, from one scan of its calls.
+pub fn direct(
+    p: &Proc<'_>,
+    everyone: &[Proc<'_>],
+    scan: Scan<'_>,
+    window: Window,
+    host: &Host,
+    sites: &SiteLabels,
+) -> DirectChains {
+    DirectChains {
+        retry: allocator_retry(p.pid, p.window, &scan.failed),
+        oom: oom(p, everyone, &scan.failed, sites),
+        empty_cache: empty_cache_churn(p.pid, p.window, scan.device_frees_ok),
+        bypass: scan
+            .driver_allocs
+            .then(|| driver_bypass(p.pid, p.window))
+            .flatten(),
+        sync: sync_stall(p.pid, &scan.syncs, window, host),
+        periodic: periodic_spike(p.pid, p.window, scan.device_alloc_durations, host),
+        cpu: scan
+            .durations
+            .and_then(|d| cpu_contention(p.pid, p.window, d, host)),
+    }
 }
 
 /// [`direct`]'s chains of one process.
 #[derive(Debug, Default)]
 pub struct DirectChains {
     retry: Option<Chain>,
+    oom: Option<Chain>,
     empty_cache: Option<Chain>,
     bypass: Option<Chain>,
     sync: Option<Chain>,
@@ -133,7 +142,7 @@ pub fn merge(replayed: Vec<ReplayChains>, direct: Vec<DirectChains>) -> Vec<Chai
             [
                 r.fragmentation,
                 d.retry,
-                r.oom,
+                d.oom,
                 r.leak,
                 r.churn,
                 d.empty_cache,
@@ -147,10 +156,6 @@ pub fn merge(replayed: Vec<ReplayChains>, direct: Vec<DirectChains>) -> Vec<Chai
         );
     }
     chains
-}
-
-fn is_device_alloc_ok(e: &Event) -> bool {
-    e.ret == 0 && e.class() == OpClass::Alloc && e.space() == Space::Device
 }
 
 /// The first and last successful device allocation of a window, which fragmentation pressure
@@ -182,19 +187,19 @@ impl AllocTimes {
 fn fragmentation_pressure(
     p: &Proc<'_>,
     times: AllocTimes,
-    peaks: &[u64; BUCKETS],
+    r: &mut replay::Replayed<'_>,
     host: &Host,
 ) -> Option<Chain> {
     let buckets = times.buckets();
-    let mut durations: Vec<Vec<u64>> = vec![Vec::new(); BUCKETS];
-    let (mut count, mut min_size, mut max_size, mut ops) = (0usize, u64::MAX, 0u64, BTreeSet::new());
-    for e in p.window.iter().filter(|e| is_device_alloc_ok(e)) {
-        durations[buckets.of(e.ts_ns)].push(e.duration_ns);
-        count += 1;
-        min_size = min_size.min(e.size);
-        max_size = max_size.max(e.size);
-        ops.insert(e.op);
-    }
+    let peaks = r.peaks;
+    let allocs = &mut r.device_allocs;
+    let (count, min_size, max_size) = (allocs.count, allocs.min_size, allocs.max_size);
+    let ops: Vec<&str> = Op::ALL
+        .into_iter()
+        .filter(|op| allocs.ops & (1 << (*op as u32)) != 0)
+        .map(Op::name)
+        .collect();
+    let durations = &mut allocs.durations;
     if count < 30 {
         return None;
     }
@@ -217,7 +222,6 @@ fn fragmentation_pressure(
         return None;
     }
     let mut d: Vec<u64> = durations.concat();
-    let ops: Vec<&str> = ops.into_iter().map(Op::name).collect();
     let growth = last as f64 / first as f64;
     let (start, end, span) = (times.start, times.end, buckets.span);
     Some(Chain {
@@ -303,17 +307,12 @@ fn recovery<'a>(failed: &Event, evs: &'a [Event]) -> Option<(Vec<&'a Event>, &'a
     None
 }
 
-fn failed_allocs(evs: &[Event]) -> Vec<&Event> {
-    evs.iter()
-        .filter(|e| e.class() == OpClass::Alloc && e.ret == 2)
-        .collect()
-}
-
 /// Rule 2: a failed allocation, a burst of frees, the same request succeeding: the caching
 /// allocator flushed its cache and retried.
-fn allocator_retry(pid: u32, evs: &[Event]) -> Option<Chain> {
-    let recovered: Vec<(&Event, Vec<&Event>, &Event)> = failed_allocs(evs)
-        .into_iter()
+fn allocator_retry(pid: u32, evs: &[Event], failed: &[&Event]) -> Option<Chain> {
+    let recovered: Vec<(&Event, Vec<&Event>, &Event)> = failed
+        .iter()
+        .copied()
         .filter_map(|f| recovery(f, evs).map(|(fr, ok)| (f, fr, ok)))
         .collect();
     let (f, frees, ok) = recovered.first()?;
@@ -354,10 +353,11 @@ fn allocator_retry(pid: u32, evs: &[Event]) -> Option<Chain> {
 
 /// Rule 3: an allocation that failed for good, with what the process and the device held and
 /// what cudaMemGetInfo (nvidia-smi's view) last told the process.
-fn oom(p: &Proc<'_>, procs: &[Proc<'_>], sites: &SiteLabels) -> Option<Chain> {
+fn oom(p: &Proc<'_>, procs: &[Proc<'_>], failed: &[&Event], sites: &SiteLabels) -> Option<Chain> {
     let (pid, evs) = (p.pid, p.all);
-    let fatal: Vec<&Event> = failed_allocs(p.window)
-        .into_iter()
+    let fatal: Vec<&Event> = failed
+        .iter()
+        .copied()
         .filter(|f| recovery(f, p.window).is_none())
         .collect();
     let f = *fatal.first()?;
@@ -565,7 +565,7 @@ fn churn(pid: u32, cycles: BTreeMap<(Op, u64), Vec<u64>>, window: Window) -> Opt
 }
 
 /// Rule 5b: bursts of frees followed by re-allocation of the same sizes (empty_cache in a loop).
-fn empty_cache_churn(pid: u32, evs: &[Event]) -> Option<Chain> {
+fn empty_cache_churn(pid: u32, evs: &[Event], device_frees: u64) -> Option<Chain> {
     const BURST_NS: i64 = 50_000_000;
     const MIN_BURST: usize = 4;
     // A release phase: consecutive successful frees with no allocation between them (what
@@ -574,10 +574,15 @@ fn empty_cache_churn(pid: u32, evs: &[Event]) -> Option<Chain> {
         |e: &Event| e.class() == OpClass::Free && e.ret == 0 && e.space() == Space::Device;
     let is_alloc = |e: &Event| e.class() == OpClass::Alloc && e.ret == 0;
     // Against the process's usual pace: a burst's frees come at least ten times faster.
-    let free_count = evs.iter().filter(|e| is_free(e)).count().max(1) as i64;
+    if device_frees < MIN_BURST as u64 * 2 {
+        return None;
+    }
+    let free_count = device_frees as i64;
     let span = evs.last().map_or(0, |l| l.ts_ns) - evs.first().map_or(0, |f| f.ts_ns);
     let usual_gap = span / free_count;
     let mut bursts = Vec::new();
+    // One buffer for every run: most runs are a single free.
+    let mut run: Vec<&Event> = Vec::new();
     let mut i = 0;
     while i < evs.len() {
         if !is_free(&evs[i]) {
@@ -585,7 +590,8 @@ fn empty_cache_churn(pid: u32, evs: &[Event]) -> Option<Chain> {
             continue;
         }
         let start = i;
-        let mut run = vec![&evs[i]];
+        run.clear();
+        run.push(&evs[i]);
         i += 1;
         while i < evs.len() && !is_alloc(&evs[i]) && evs[i].ts_ns - evs[start].ts_ns <= BURST_NS {
             if is_free(&evs[i]) {
@@ -697,11 +703,7 @@ fn driver_bypass(pid: u32, evs: &[Event]) -> Option<Chain> {
 }
 
 /// Rule 7: time spent waiting in synchronisation calls.
-fn sync_stall(pid: u32, evs: &[Event], window: Window, host: &Host) -> Option<Chain> {
-    let syncs: Vec<&Event> = evs
-        .iter()
-        .filter(|e| e.class() == OpClass::Sync)
-        .collect();
+fn sync_stall(pid: u32, syncs: &[&Event], window: Window, host: &Host) -> Option<Chain> {
     if syncs.len() < 5 {
         return None;
     }
@@ -727,7 +729,7 @@ fn sync_stall(pid: u32, evs: &[Event], window: Window, host: &Host) -> Option<Ch
             t(p99)
         ),
         effect: "the training loop is blocked while the GPU drains its queue".into(),
-        compounding: host.compounding(&syncs, "synchronisation calls").into_iter().collect(),
+        compounding: host.compounding(syncs, "synchronisation calls").into_iter().collect(),
         timeline: vec![entry(worst.ts_ns, format!("longest: {} {}", worst.op.name(), t(worst.duration_ns)))],
         fix: vec!["avoid host syncs in the loop (.item(), .cpu(), printing tensors); use non_blocking copies".into()],
         evidence: format!("{} synchronisation calls", syncs.len()),
@@ -735,12 +737,7 @@ fn sync_stall(pid: u32, evs: &[Event], window: Window, host: &Host) -> Option<Ch
 }
 
 /// Rule 8: allocation latency spikes at a regular interval.
-fn periodic_spike(pid: u32, evs: &[Event], host: &Host) -> Option<Chain> {
-    let mut d: Vec<u64> = evs
-        .iter()
-        .filter(|e| is_device_alloc_ok(e))
-        .map(|e| e.duration_ns)
-        .collect();
+fn periodic_spike(pid: u32, evs: &[Event], mut d: Vec<u64>, host: &Host) -> Option<Chain> {
     let allocs = d.len();
     if allocs < 20 {
         return None;
@@ -748,7 +745,8 @@ fn periodic_spike(pid: u32, evs: &[Event], host: &Host) -> Option<Chain> {
     let median = select_quantile(&mut d, 0.5);
     let threshold = (median * 5).max(100_000);
     // A spike is rare by definition: more than half the allocations cannot be spikes.
-    if d.iter().filter(|&&v| v >= threshold).count() * 2 > allocs {
+    let spike_count = d.iter().filter(|&&v| v >= threshold).count();
+    if spike_count < 4 || spike_count * 2 > allocs {
         return None;
     }
     let spikes: Vec<&Event> = evs
@@ -794,11 +792,10 @@ fn periodic_spike(pid: u32, evs: &[Event], host: &Host) -> Option<Chain> {
 
 /// Host context: the process's slow CUDA calls spent a large share of their time waiting for a
 /// CPU (their own threads runnable but not running), measured where the calls ran.
-fn cpu_contention(pid: u32, evs: &[Event], host: &Host) -> Option<Chain> {
+fn cpu_contention(pid: u32, evs: &[Event], mut d: Vec<u64>, host: &Host) -> Option<Chain> {
     if !host.recorded || evs.len() < 20 {
         return None;
     }
-    let mut d: Vec<u64> = evs.iter().map(|e| e.duration_ns).collect();
     let threshold = select_quantile(&mut d, 0.95).max(100_000);
     let slow: Vec<&Event> = evs
         .iter()

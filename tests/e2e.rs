@@ -1477,3 +1477,83 @@ fn with_stack_every_call_is_stored_or_counted() {
         ) > 0
     );
 }
+
+/// `tracer import` stores the simulated runtime's own log of a real run (no privileges needed):
+/// every runtime call the program made, per op, and explain reads the session; a file that is not such
+/// a log is refused with a message and exit 2, and nothing already stored is lost.
+#[test]
+fn import_stores_every_call_of_the_simulated_runtimes_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = sim_copy(dir.path());
+    let log = dir.path().join("events.log");
+    let db = dir.path().join("t.db");
+    let log_str = log.to_str().unwrap();
+    let rep = report(
+        driver(
+            &sim,
+            &["--mix", "all", "--threads", "2", "--iters", "300"],
+            &[("SIMCUDA_EVENTS", log_str), ("SIMCUDA_DEVICES", "2")],
+        )
+        .output()
+        .unwrap(),
+    );
+    let out = Command::new(TRACER)
+        .args(["import", log_str, "--db"])
+        .arg(&db)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The simulated runtime logs its runtime (libcudart) calls, not the driver's.
+    let runtime_ops: Vec<(&String, i64)> = rep["ops"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(op, _)| op.starts_with("cuda"))
+        .map(|(op, counts)| (op, counts["calls"].as_i64().unwrap()))
+        .collect();
+    assert_eq!(runtime_ops.len(), 14, "{runtime_ops:?}");
+    let total: i64 = runtime_ops.iter().map(|(_, n)| n).sum();
+    assert!(total > 1000, "{total}");
+    assert!(stdout.contains(&format!("session 1: {total} calls imported")), "{stdout}");
+    for (op, calls) in runtime_ops {
+        let stored = scalar(&db, &format!("SELECT count(*) FROM events WHERE op = '{op}'"));
+        assert_eq!(stored, calls, "{op}");
+    }
+    // Frees carry the size their allocation had, as when traced live.
+    let frees_without_size = scalar(
+        &db,
+        "SELECT count(*) FROM events WHERE op = 'cudaFree' AND ret = 0 AND ptr != 0 AND size IS NULL",
+    );
+    assert_eq!(frees_without_size, 0);
+    let (blocks, stored) = (
+        scalar(&db, "SELECT sum(calls) FROM call_blocks WHERE session_id = 1"),
+        scalar(&db, "SELECT events_stored FROM sessions WHERE id = 1"),
+    );
+    assert_eq!((blocks, stored), (total, total));
+    let explain = Command::new(TRACER)
+        .args(["explain", "--json", "--per-process", "--db"])
+        .arg(&db)
+        .output()
+        .unwrap();
+    assert!(explain.status.success(), "{}", String::from_utf8_lossy(&explain.stderr));
+    let json: Value = serde_json::from_slice(&explain.stdout).unwrap();
+    assert_eq!(json["events_in_window"].as_i64(), Some(total));
+
+    // Bad input: a missing file, and a file that holds no call.
+    let missing = dir.path().join("nope.log");
+    assert_fails(
+        &tracer_as(None, &["import", missing.to_str().unwrap(), "--db", db.to_str().unwrap()]),
+        2,
+        "is not a file",
+    );
+    let junk = dir.path().join("junk.log");
+    std::fs::write(&junk, "hello\nworld\n").unwrap();
+    assert_fails(
+        &tracer_as(None, &["import", junk.to_str().unwrap(), "--db", db.to_str().unwrap()]),
+        2,
+        "holds no call",
+    );
+    assert_eq!(scalar(&db, "SELECT count(*) FROM calls WHERE session_id = 1"), total);
+    assert_eq!(scalar(&db, "SELECT decode_errors FROM sessions WHERE id = 2"), 2);
+}

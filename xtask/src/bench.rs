@@ -393,6 +393,9 @@ pub struct ExplainBenchArgs {
     /// Calls in the synthetic session.
     #[arg(long, default_value_t = 10_000_000)]
     events: u64,
+    /// Processes making them (their calls interleaved).
+    #[arg(long, default_value_t = 1)]
+    processes: u32,
 }
 
 /// Builds a database with one session of `events` synthetic calls and times `tracer explain`.
@@ -412,7 +415,8 @@ pub fn explain(args: ExplainBenchArgs) -> Result<()> {
         Command::new("python3")
             .arg(root.join("xtask/scripts/gen_events.py"))
             .arg(&log)
-            .arg(args.events.to_string()),
+            .arg(args.events.to_string())
+            .arg(args.processes.to_string()),
     )?;
     // Stored by tracer's own writer, rows and call blocks, as a trace stores them.
     let import_started = std::time::Instant::now();
@@ -460,8 +464,9 @@ pub fn explain(args: ExplainBenchArgs) -> Result<()> {
             .filter(|l| l.starts_with('['))
             .count();
         println!(
-            "run {run}: tracer explain over {} events: {wall:.2} s wall ({}), {chains} chains",
+            "run {run}: tracer explain over {} events of {} process(es): {wall:.2} s wall ({}), {chains} chains",
             args.events,
+            args.processes,
             timing.trim()
         );
         walls.push(wall);

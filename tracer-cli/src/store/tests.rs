@@ -285,11 +285,16 @@ fn migrates_a_version_1_database_and_keeps_its_data() {
         )
         .unwrap();
     assert_eq!(n, 1);
-    let off: i64 = store
+    let (off, blocks): (i64, i64) = store
         .conn()
-        .query_row("SELECT offcpu_dropped FROM sessions", [], |r| r.get(0))
+        .query_row("SELECT offcpu_dropped, call_blocks FROM sessions", [], |r| Ok((r.get(0)?, r.get(1)?)))
         .unwrap();
-    assert_eq!(off, 0);
+    assert_eq!((off, blocks), (0, 0), "an old session has no call blocks");
+    // So explain reads its rows.
+    drop(store);
+    let events = events::load(&path, 1, i64::MAX, None).unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!((events[0].ts_ns, events[0].duration_ns), (5, 9));
 }
 
 /// The parallel reader returns exactly what one ordered query returns: the session's calls up
@@ -399,4 +404,149 @@ fn site_labels_pick_the_first_user_frame() {
     let skip = ["utils.py".to_string()];
     let labels = events::site_labels(store.conn(), session, &skip).unwrap();
     assert_eq!(labels[&stack_id(ids[0]).unwrap()], "proj/train.py:74 (train_step)");
+}
+
+/// Calls with every field varied: absent values, aux values, call sites, several processes and
+/// entry times out of order, as a trace writes them.
+fn varied_calls(n: u64, seed: u64) -> Vec<Call> {
+    (0..n)
+        .map(|i| {
+            let k = i * 7 + seed;
+            let op = Op::ALL[(k % Op::ALL.len() as u64) as usize];
+            let mut c = call(
+                op,
+                10_000_000 + seed * 100_000_000 + i * 1_000 - (k % 5) * 300,
+                (k % 4 != 0).then_some(k << 12),
+                (k % 6 != 0).then_some(0x7f00_0000_0000 + (k % 97) * 4096),
+                if k % 11 == 0 { 2 } else { 0 },
+            );
+            c.pid = 100 + (k % 3) as u32;
+            c.tid = 1000 + (k % 5) as u32;
+            c.device = (k % 13 != 0).then_some((k % 2) as i32);
+            c.duration_ns = 500 + k % 10_000;
+            c.aux0 = if k % 9 == 0 { k << 20 } else { 0 };
+            c.aux1 = if k % 9 == 0 { k << 30 } else { 0 };
+            c
+        })
+        .collect()
+}
+
+/// What the rows say, through the row reader.
+fn from_rows(path: &std::path::Path, session: i64, to_ns: i64, pid: Option<u32>) -> Vec<crate::analysis::Event> {
+    events::load_split(path, session, to_ns, pid, 1).unwrap()
+}
+
+/// Every call of a session has its copy in the call blocks: decoding the blocks gives exactly
+/// the events the rows give (every field, the same order, the same filters), and the blocks'
+/// id ranges cover the session's rows one to one.
+#[test]
+fn call_blocks_hold_exactly_the_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, first) = new_store(&dir);
+    let second = store
+        .begin_session(&SessionStart {
+            source: "ebpf",
+            ..Default::default()
+        })
+        .unwrap();
+    let stack = store
+        .insert_stack(
+            second,
+            &StackRow {
+                pid: 100,
+                native_depth: 0,
+                python: "ok",
+                frames: &[],
+            },
+        )
+        .unwrap();
+    for batch in 0..4u64 {
+        for session in [first, second] {
+            // One batch larger than a block, so that batches span several blocks.
+            let n = if batch == 1 { blocks::MAX_CALLS as u64 + 1000 } else { 700 };
+            let mut calls = varied_calls(n, batch);
+            for (i, c) in calls.iter_mut().enumerate() {
+                c.stack = (session == second && i % 3 == 0).then_some(stack);
+            }
+            write(&mut store, session, &calls);
+        }
+    }
+    let rows_total: i64 = store
+        .conn()
+        .query_row("SELECT count(*) FROM calls WHERE session_id = ?1", [second], |r| r.get(0))
+        .unwrap();
+    let (blocks, copied, covered): (i64, i64, i64) = store
+        .conn()
+        .query_row(
+            "SELECT count(*), sum(b.calls),
+                    sum((SELECT count(*) FROM calls c WHERE c.session_id = b.session_id
+                         AND c.id BETWEEN b.first_call AND b.last_call))
+             FROM call_blocks b WHERE b.session_id = ?1",
+            [second],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert_eq!((copied, covered), (rows_total, rows_total));
+    assert_eq!(blocks, 5, "3 small batches in one block each, the large one in two");
+    for (pid, to_ns) in [(None, i64::MAX), (Some(101), i64::MAX), (None, 110_002_000), (Some(102), 210_000_000)] {
+        let rows = from_rows(&path, second, to_ns, pid);
+        let from_blocks = events::load_blocks(&path, second, to_ns, pid).unwrap();
+        assert!(rows.len() > 100, "{pid:?} {to_ns}: {}", rows.len());
+        assert_eq!(from_blocks, rows, "{pid:?} {to_ns}");
+        assert_eq!(events::load(&path, second, to_ns, pid).unwrap(), rows);
+    }
+    let with_site = from_rows(&path, second, i64::MAX, None)
+        .iter()
+        .filter(|e| e.stack == stack_id(stack))
+        .count();
+    assert!(with_site > 1000, "{with_site}");
+}
+
+/// A block that cannot be decoded is not misread: explain's loader says so and reads the rows.
+#[test]
+fn a_damaged_call_block_falls_back_to_the_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, session) = new_store(&dir);
+    write(&mut store, session, &varied_calls(500, 0));
+    write(&mut store, session, &varied_calls(500, 1));
+    store
+        .conn()
+        .execute("UPDATE call_blocks SET data = substr(data, 1, 100) WHERE id = (SELECT max(id) FROM call_blocks)", [])
+        .unwrap();
+    let err = events::load_blocks(&path, session, i64::MAX, None).unwrap_err();
+    assert!(format!("{err:#}").contains("is damaged: ends inside call"), "{err:#}");
+    let rows = from_rows(&path, session, i64::MAX, None);
+    assert_eq!(rows.len(), 1000);
+    assert_eq!(events::load(&path, session, i64::MAX, None).unwrap(), rows);
+}
+
+/// --max-db evicting the oldest calls of the running session removes whole blocks and exactly
+/// their rows, so the blocks still equal the rows, and counts what it deleted.
+#[test]
+fn evicting_part_of_the_current_session_keeps_blocks_and_rows_equal() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, session) = new_store(&dir);
+    for batch in 0..6 {
+        write(&mut store, session, &varied_calls(5000, batch));
+    }
+    let used = store.used_bytes().unwrap();
+    let notes = store.enforce_max_size(session, used * 8 / 10).unwrap();
+    assert!(!notes.is_empty());
+    let (left, evicted): (i64, i64) = store
+        .conn()
+        .query_row(
+            "SELECT (SELECT count(*) FROM calls WHERE session_id = ?1), evicted_events FROM sessions WHERE id = ?1",
+            [session],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(left + evicted, 30_000);
+    assert_eq!(evicted % 5000, 0, "whole blocks (one per batch here): {evicted}");
+    assert!(evicted > 0 && left > 0, "{left} left, {evicted} evicted");
+    let rows = from_rows(&path, session, i64::MAX, None);
+    assert_eq!(rows.len() as i64, left);
+    assert_eq!(events::load_blocks(&path, session, i64::MAX, None).unwrap(), rows);
 }

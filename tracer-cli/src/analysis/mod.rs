@@ -252,36 +252,49 @@ pub fn per_process(
 /// Calls in time order, grouped by process (pids ascending), each group still in time order.
 /// Borrowed when there is only one process.
 fn group_by_pid(all: &[Event]) -> (Cow<'_, [Event]>, Vec<(u32, Range<usize>)>) {
-    if let Some(first) = all.first() {
-        if all.iter().all(|e| e.pid == first.pid) {
-            return (Cow::Borrowed(all), vec![(first.pid, 0..all.len())]);
+    let Some(first) = all.first() else {
+        return (Cow::Borrowed(all), Vec::new());
+    };
+    if all.iter().all(|e| e.pid == first.pid) {
+        return (Cow::Borrowed(all), vec![(first.pid, 0..all.len())]);
+    }
+    // Processes are few: a sorted list searched by halves beats hashing every call.
+    let mut pids: Vec<u32> = Vec::new();
+    let mut last = None;
+    for e in all {
+        if last != Some(e.pid) {
+            if let Err(at) = pids.binary_search(&e.pid) {
+                pids.insert(at, e.pid);
+            }
+            last = Some(e.pid);
         }
     }
-    let mut counts: FastMap<u32, usize> = FastMap::default();
+    let slot = |pid: u32| pids.binary_search(&pid).unwrap_or(0);
+    let mut counts = vec![0usize; pids.len()];
     for e in all {
-        *counts.entry(e.pid).or_default() += 1;
+        counts[slot(e.pid)] += 1;
     }
-    let mut pids: Vec<(u32, usize)> = counts.into_iter().collect();
-    pids.sort_unstable();
+    let mut next = Vec::with_capacity(pids.len());
     let mut ranges = Vec::with_capacity(pids.len());
-    let mut next: FastMap<u32, usize> = FastMap::default();
     let mut at = 0;
-    for &(pid, n) in &pids {
-        ranges.push((pid, at..at + n));
-        next.insert(pid, at);
+    for (pid, n) in pids.iter().zip(&counts) {
+        ranges.push((*pid, at..at + n));
+        next.push(at);
         at += n;
     }
-    if pids.len() <= 1 {
-        return (Cow::Borrowed(all), ranges);
-    }
-    // A stable scatter: every slot is overwritten, the copy only gives the vector its length.
-    let mut out = all.to_vec();
+    // A stable scatter into the new vector's own memory: every slot below `all.len()` is
+    // written exactly once, as the counts add up to it.
+    let mut out: Vec<Event> = Vec::with_capacity(all.len());
+    crate::store::events::advise_huge_pages(&mut out);
+    let spare = &mut out.spare_capacity_mut()[..all.len()];
     for e in all {
-        if let Some(slot) = next.get_mut(&e.pid) {
-            out[*slot] = *e;
-            *slot += 1;
-        }
+        let k = slot(e.pid);
+        spare[next[k]].write(*e);
+        next[k] += 1;
     }
+    // SAFETY: the counts of every pid sum to all.len(), and each call was written to its
+    // pid's next slot, so slots 0..all.len() were all written once.
+    unsafe { out.set_len(all.len()) };
     (Cow::Owned(out), ranges)
 }
 

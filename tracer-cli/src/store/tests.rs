@@ -550,3 +550,41 @@ fn evicting_part_of_the_current_session_keeps_blocks_and_rows_equal() {
     assert_eq!(rows.len() as i64, left);
     assert_eq!(events::load_blocks(&path, session, i64::MAX, None).unwrap(), rows);
 }
+
+/// The loader's sort gives what a stable sort by entry time gives: for calls in return order
+/// (nearly sorted), and for calls in no order at all (where it falls back to the general sort).
+#[test]
+fn nearly_sorted_calls_are_put_in_time_order_stably() {
+    let mk = |ts: i64, id: u64| crate::analysis::Event {
+        ts_ns: ts,
+        duration_ns: 0,
+        size: id,
+        ptr: 0,
+        aux0: 0,
+        aux1: 0,
+        pid: 1,
+        tid: 1,
+        ret: 0,
+        device: 0,
+        stack: None,
+        op: Op::CudaMalloc,
+    };
+    // Return order: call i began at 10 i and lasted (i * 37) % 100, a few long ones much more.
+    let mut by_return: Vec<(i64, i64, u64)> = (0..5000u64)
+        .map(|i| {
+            let ts = 10 * i as i64 / 3; // equal entry times too
+            let dur = if i % 997 == 0 { 20_000 } else { (i as i64 * 37) % 100 };
+            (ts + dur, ts, i)
+        })
+        .collect();
+    by_return.sort();
+    let nearly: Vec<_> = by_return.iter().map(|&(_, ts, id)| mk(ts, id)).collect();
+    let shuffled: Vec<_> = (0..5000u64).map(|i| mk(((i * 7919) % 5000) as i64 / 2, i)).collect();
+    for input in [nearly, shuffled] {
+        let mut want = input.clone();
+        want.sort_by_key(|e| e.ts_ns);
+        let mut got = input.clone();
+        events::sort_nearly_sorted(&mut got);
+        assert_eq!(got, want);
+    }
+}

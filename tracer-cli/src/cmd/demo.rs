@@ -20,7 +20,7 @@ use crate::{
     live::{self, LiveView},
     paths, privileges,
     stats::LiveStats,
-    store::{events, Access, SessionStart, Store},
+    store::{events, Access, Store},
     units::parse_duration,
 };
 
@@ -288,10 +288,23 @@ impl ChainWatch {
             from_ns: first,
             to_ns: last,
         };
-        let report = analysis::analyze(session, &all, &host, window, &HashMap::new(), &HashMap::new());
+        let report = analysis::analyze(
+            session,
+            &all,
+            &host,
+            window,
+            &HashMap::new(),
+            &HashMap::new(),
+        );
         let mut stats = LiveStats::default();
         for e in &all {
-            stats.add_one(e.pid, e.op, e.ret, (e.size != 0).then_some(e.size), e.duration_ns);
+            stats.add_one(
+                e.pid,
+                e.op,
+                e.ret,
+                (e.size != 0).then_some(e.size),
+                e.duration_ns,
+            );
         }
         let elapsed = Duration::from_nanos((last - first).max(0) as u64);
         let mut table = vec![format!(
@@ -433,19 +446,7 @@ fn run_simulated(
 ) -> Result<(i64, String)> {
     let mut store = Store::open(db, Access::ReadWrite)?;
     store.chown_files(owner)?;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as i64);
-    let session = store.begin_session(&SessionStart {
-        started_ns: now,
-        source: "simulated",
-        host: nix::unistd::gethostname()
-            .map(|h| h.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        kernel: String::new(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        pid_filter: None,
-    })?;
+    let session = SimlogImporter::begin_session(&store)?;
     let log_dir = tempfile_dir()?;
     let log = log_dir.join("events.log");
     if let Some((uid, gid)) = owner {
@@ -474,28 +475,12 @@ fn run_simulated(
         )));
     }
     importer.import(&log, &mut store, session)?;
-    let total: i64 = store.conn().query_row(
-        "SELECT count(*) FROM calls WHERE session_id = ?1",
-        [session],
-        |r| r.get(0),
-    )?;
-    store.set_counters(
-        session,
-        &crate::store::SessionCounters {
-            submitted: total as u64,
-            events_read: total as u64,
-            events_stored: total as u64,
-            ..Default::default()
-        },
-    )?;
-    store.append_note(
+    importer.end_session(
+        &store,
         session,
         &format!("simulated: events reported by the simulated runtime; {outcome}"),
+        "complete",
     )?;
-    let end = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as i64);
-    store.end_session(session, end, "complete")?;
     store.chown_files(owner)?;
     watch.finish(db, session);
     let _ = std::fs::remove_dir_all(&log_dir);

@@ -50,6 +50,8 @@ pub struct SimlogImporter {
     /// The log's processes are running now: their names come from /proc.
     live: bool,
     boot: Option<i64>,
+    /// Lines so far that were not calls.
+    unreadable_lines: u64,
 }
 
 impl SimlogImporter {
@@ -62,7 +64,54 @@ impl SimlogImporter {
             pids: BTreeSet::new(),
             live,
             boot: procinfo::boot_time_ns(),
+            unreadable_lines: 0,
         }
+    }
+
+    /// Creates the session the log's calls go into (source `simulated`).
+    pub fn begin_session(store: &Store) -> Result<i64> {
+        store.begin_session(&SessionStart {
+            started_ns: now_ns(),
+            source: "simulated",
+            host: nix::unistd::gethostname()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            kernel: String::new(),
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            pid_filter: None,
+        })
+    }
+
+    /// Records the session's counters and note and ends it; returns the calls it holds.
+    pub fn end_session(
+        &self,
+        store: &Store,
+        session: i64,
+        note: &str,
+        status: &str,
+    ) -> Result<u64> {
+        let stored: i64 = store
+            .conn()
+            .query_row(
+                "SELECT count(*) FROM calls WHERE session_id = ?1",
+                [session],
+                |r| r.get(0),
+            )
+            .context("count the imported calls")?;
+        let stored = stored as u64;
+        store.set_counters(
+            session,
+            &SessionCounters {
+                submitted: stored,
+                events_read: stored + self.unreadable_lines,
+                events_stored: stored,
+                decode_errors: self.unreadable_lines,
+                ..Default::default()
+            },
+        )?;
+        store.append_note(session, note)?;
+        store.end_session(session, now_ns(), status)?;
+        Ok(stored)
     }
 
     /// Stores every complete line appended to `log` since the last call; a log that does not
@@ -88,6 +137,7 @@ impl SimlogImporter {
             let done = self.store_lines(&chunk[..complete], store, session)?;
             total.calls += done.calls;
             total.unreadable_lines += done.unreadable_lines;
+            self.unreadable_lines += done.unreadable_lines;
             if n < CHUNK_BYTES {
                 return Ok(total);
             }
@@ -109,7 +159,8 @@ impl SimlogImporter {
                 let key = (call.pid, spec.space as u32, ptr);
                 match (spec.class, call.ret) {
                     (OpClass::Alloc, 0) if spec.space != Space::None => {
-                        self.allocs.insert(key, (call.size.unwrap_or(0), call.device));
+                        self.allocs
+                            .insert(key, (call.size.unwrap_or(0), call.device));
                     }
                     (OpClass::Free, ret) => {
                         let found = if ret == 0 {
@@ -184,45 +235,26 @@ pub fn run(args: ImportArgs) -> Result<()> {
     paths::create_parent_dirs(&db, who.owner)?;
     let mut store = Store::open(&db, Access::ReadWrite)?;
     store.chown_files(who.owner)?;
-    let session = store.begin_session(&SessionStart {
-        started_ns: now_ns(),
-        source: "simulated",
-        host: nix::unistd::gethostname()
-            .map(|h| h.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        kernel: String::new(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        pid_filter: None,
-    })?;
+    let session = SimlogImporter::begin_session(&store)?;
     let mut importer = SimlogImporter::new(false);
     let result = importer.import(&args.log, &mut store, session);
     // What was stored stays, and its session is closed, even when a later part failed.
-    let imported = match &result {
-        Ok(imported) => *imported,
-        Err(_) => Imported::default(),
-    };
-    let stored: i64 = store
-        .conn()
-        .query_row("SELECT count(*) FROM calls WHERE session_id = ?1", [session], |r| r.get(0))
-        .context("count the imported calls")?;
-    store.set_counters(
+    let stored = importer.end_session(
+        &store,
         session,
-        &SessionCounters {
-            submitted: stored as u64,
-            events_read: stored as u64 + imported.unreadable_lines,
-            events_stored: stored as u64,
-            decode_errors: imported.unreadable_lines,
-            ..Default::default()
+        &format!("imported from {}", args.log.display()),
+        if result.is_ok() {
+            "complete"
+        } else {
+            "interrupted"
         },
     )?;
-    store.append_note(session, &format!("imported from {}", args.log.display()))?;
-    store.end_session(session, now_ns(), if result.is_ok() { "complete" } else { "interrupted" })?;
     store.chown_files(who.owner)?;
     result.with_context(|| format!("import {} into session {session}", args.log.display()))?;
     println!(
         "session {session}: {stored} calls imported from {}{}",
         args.log.display(),
-        match imported.unreadable_lines {
+        match importer.unreadable_lines {
             0 => String::new(),
             n => format!(" ({n} lines were not calls and were skipped)"),
         }

@@ -70,16 +70,16 @@ fn reader_threads() -> usize {
         .clamp(1, 8)
 }
 
-/// Runs `read` for each part on its own thread; concatenates the parts in order and sorts the
-/// whole by entry time (stable: equal times keep the writer's order).
-fn read_parts<P: Send + Sync>(
-    parts: &[P],
-    read: impl Fn(&P) -> Result<Vec<Event>> + Sync,
-) -> Result<Vec<Event>> {
-    let chunks: Vec<Result<Vec<Event>>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = parts
-            .iter()
-            .map(|part| scope.spawn(|| read(part)))
+/// `work` on each item, each on its own thread; the results in the items' order.
+fn on_threads<I: Send, T: Send>(
+    items: impl IntoIterator<Item = I>,
+    work: impl Fn(I) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let work = &work;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = items
+            .into_iter()
+            .map(|item| scope.spawn(move || work(item)))
             .collect();
         handles
             .into_iter()
@@ -88,8 +88,16 @@ fn read_parts<P: Send + Sync>(
                     .unwrap_or_else(|_| Err(anyhow::anyhow!("a reader thread panicked")))
             })
             .collect()
-    });
-    let mut chunks = chunks.into_iter();
+    })
+}
+
+/// Runs `read` for each part on its own thread; concatenates the parts in order and sorts the
+/// whole by entry time (stable: equal times keep the writer's order).
+fn read_parts<P: Send + Sync>(
+    parts: &[P],
+    read: impl Fn(&P) -> Result<Vec<Event>> + Sync,
+) -> Result<Vec<Event>> {
+    let mut chunks = on_threads(parts, |part| read(part)).into_iter();
     let mut out = chunks.next().unwrap_or_else(|| Ok(Vec::new()))?;
     for chunk in chunks {
         out.extend(chunk?);
@@ -144,38 +152,27 @@ pub(super) fn load_blocks(
         regions.push((*part, region));
         rest = tail;
     }
-    let written: Vec<Result<usize>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = regions
-            .into_iter()
-            .map(|((first, last, _), region)| {
-                scope.spawn(move || {
-                    let mut n = 0;
-                    let mut overflow = false;
-                    read_blocks(path, session, first, last, to_ns, |e| {
-                        if e.ts_ns <= to_ns && pid.is_none_or(|p| p == e.pid) {
-                            match region.get_mut(n) {
-                                Some(slot) => {
-                                    slot.write(e);
-                                    n += 1;
-                                }
-                                None => overflow = true,
-                            }
-                        }
-                    })?;
-                    // Each block decodes exactly the calls its row counts, so this means the
-                    // table changed between the listing and the reading.
-                    anyhow::ensure!(!overflow, "the call blocks of session {session} changed while being read");
-                    Ok(n)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a reader thread panicked")))
-            })
-            .collect()
+    let written = on_threads(regions, |((first, last, _), region)| {
+        let mut n = 0;
+        let mut overflow = false;
+        read_blocks(path, session, first, last, to_ns, |e| {
+            if e.ts_ns <= to_ns && pid.is_none_or(|p| p == e.pid) {
+                match region.get_mut(n) {
+                    Some(slot) => {
+                        slot.write(e);
+                        n += 1;
+                    }
+                    None => overflow = true,
+                }
+            }
+        })?;
+        // Each block decodes exactly the calls its row counts, so this means the
+        // table changed between the listing and the reading.
+        anyhow::ensure!(
+            !overflow,
+            "the call blocks of session {session} changed while being read"
+        );
+        Ok(n)
     });
     // Close the gaps that filtered-out calls left between the regions.
     let spare = out.spare_capacity_mut();
@@ -304,7 +301,11 @@ pub(super) fn load_split(
     };
     drop(conn);
     let threads = reader_threads() as i64;
-    let parts = if hi - lo < min_ids_to_split { 1 } else { threads.max(2) };
+    let parts = if hi - lo < min_ids_to_split {
+        1
+    } else {
+        threads.max(2)
+    };
     let step = (hi - lo + parts) / parts;
     let ranges: Vec<(i64, i64, i64)> = (0..parts)
         .map(|i| {
@@ -434,9 +435,17 @@ pub const LIBRARY_FRAMES: &[&str] = &["site-packages", "dist-packages", "/lib/py
 
 /// Native modules that are never the call site (the CUDA libraries, the FFI and the interpreter).
 fn runtime_module(module: &str) -> bool {
-    ["libcudart", "libcuda.", "libffi", "libpython", "/python3", "libc.so", "ld-linux"]
-        .iter()
-        .any(|m| module.contains(m))
+    [
+        "libcudart",
+        "libcuda.",
+        "libffi",
+        "libpython",
+        "/python3",
+        "libc.so",
+        "ld-linux",
+    ]
+    .iter()
+    .any(|m| module.contains(m))
 }
 
 /// "dir/train.py" from "/home/me/dir/train.py": enough to tell files apart, short enough to read.
@@ -447,7 +456,11 @@ fn short_path(path: &str) -> String {
 
 /// The call site of each of the session's stacks: its first frame in the user's own code
 /// ("dir/train.py:74 (train_step)"), skipping frames whose file contains one of `skip`.
-pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<crate::analysis::SiteLabels> {
+pub fn site_labels(
+    conn: &Connection,
+    session: i64,
+    skip: &[String],
+) -> Result<crate::analysis::SiteLabels> {
     let mut stmt = conn.prepare(
         "SELECT f.stack_id, f.kind, f.function, f.file, f.line, f.module FROM stack_frames f
          JOIN stacks s ON s.id = f.stack_id WHERE s.session_id = ?1 ORDER BY f.stack_id, f.idx",
@@ -557,8 +570,11 @@ pub fn stacks(
     )?;
     let mut out = Vec::new();
     for row in rows {
-        let (stack_id, op_id, pid, calls, bytes, python, native_depth) = row.context("read call sites")?;
-        let Some(op) = Op::from_u32(op_id) else { continue };
+        let (stack_id, op_id, pid, calls, bytes, python, native_depth) =
+            row.context("read call sites")?;
+        let Some(op) = Op::from_u32(op_id) else {
+            continue;
+        };
         let frames = frames_stmt
             .query_map([stack_id], |r| {
                 Ok(FrameOut {

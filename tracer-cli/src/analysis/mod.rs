@@ -249,9 +249,12 @@ pub fn per_process(
         .collect()
 }
 
+/// Calls grouped by process, and each process's range in them.
+type Grouped<'a> = (Cow<'a, [Event]>, Vec<(u32, Range<usize>)>);
+
 /// Calls in time order, grouped by process (pids ascending), each group still in time order.
 /// Borrowed when there is only one process.
-fn group_by_pid(all: &[Event]) -> (Cow<'_, [Event]>, Vec<(u32, Range<usize>)>) {
+fn group_by_pid(all: &[Event]) -> Grouped<'_> {
     let Some(first) = all.first() else {
         return (Cow::Borrowed(all), Vec::new());
     };

@@ -69,12 +69,13 @@ pub fn encode(calls: &[Call], wall_offset_ns: i64) -> Block {
         min_ts_ns = min_ts_ns.min(wall);
         max_ts_ns = max_ts_ns.max(wall);
         // The rows store aux values of 0 as NULL: so do blocks.
-        let present = u8::from(c.device.is_some()) * HAS_DEVICE
-            | u8::from(c.size.is_some()) * HAS_SIZE
-            | u8::from(c.ptr.is_some()) * HAS_PTR
-            | u8::from(c.aux0 != 0) * HAS_AUX0
-            | u8::from(c.aux1 != 0) * HAS_AUX1
-            | u8::from(c.stack.is_some()) * HAS_STACK;
+        let flag = |set: bool, bit: u8| if set { bit } else { 0 };
+        let present = flag(c.device.is_some(), HAS_DEVICE)
+            | flag(c.size.is_some(), HAS_SIZE)
+            | flag(c.ptr.is_some(), HAS_PTR)
+            | flag(c.aux0 != 0, HAS_AUX0)
+            | flag(c.aux1 != 0, HAS_AUX1)
+            | flag(c.stack.is_some(), HAS_STACK);
         data.push(present);
         put(&mut data, u64::from(c.op as u32));
         put(&mut data, zigzag(wall.wrapping_sub(ts)));

@@ -97,7 +97,7 @@ fn read_parts<P: Send + Sync>(
     parts: &[P],
     read: impl Fn(&P) -> Result<Vec<Event>> + Sync,
 ) -> Result<Vec<Event>> {
-    let mut chunks = on_threads(parts, |part| read(part)).into_iter();
+    let mut chunks = on_threads(parts, &read).into_iter();
     let mut out = chunks.next().unwrap_or_else(|| Ok(Vec::new()))?;
     for chunk in chunks {
         out.extend(chunk?);

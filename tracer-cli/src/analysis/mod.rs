@@ -228,27 +228,6 @@ fn outstanding(live: &[&Event]) -> Vec<Outstanding> {
         .collect()
 }
 
-/// Per process with calls in the window, what [`analyze`] reports of it: its table and the
-/// allocations made (since the session began) and not freed by the end of the window.
-#[cfg(test)]
-pub fn per_process(
-    all: &[Event],
-    window: Window,
-    comms: &HashMap<u32, String>,
-) -> Vec<ProcessReport> {
-    let (grouped, ranges) = group_by_pid(all);
-    let procs = processes(&grouped, &ranges, window);
-    procs
-        .iter()
-        .filter(|p| !p.window.is_empty())
-        .map(|p| {
-            let mut table = process_table(p, &mut Scan::of(p.window, false), comms);
-            table.outstanding = outstanding(&replay::replay(p.all, window, &[], None).live);
-            table
-        })
-        .collect()
-}
-
 /// Calls grouped by process, and each process's range in them.
 type Grouped<'a> = (Cow<'a, [Event]>, Vec<(u32, Range<usize>)>);
 
@@ -424,8 +403,7 @@ pub fn analyze(
             let mut tables = Vec::with_capacity(active.len());
             let mut direct = Vec::with_capacity(active.len());
             for p in &active {
-                // Durations of every call only when CPU contention can be assessed.
-                let mut scan = Scan::of(p.window, host.recorded);
+                let mut scan = Scan::of(p.window);
                 tables.push(process_table(p, &mut scan, comms));
                 direct.push(rules::direct(p, &everyone, scan, window, host, sites));
             }

@@ -106,6 +106,11 @@ pub fn direct(
     host: &Host,
     sites: &SiteLabels,
 ) -> DirectChains {
+    // Durations of every call only when CPU contention can be assessed.
+    let cpu = host
+        .recorded
+        .then(|| cpu_contention(p.pid, p.window, scan.all_durations(), host))
+        .flatten();
     DirectChains {
         retry: allocator_retry(p.pid, p.window, &scan.failed),
         oom: oom(p, everyone, &scan.failed, sites),
@@ -116,9 +121,7 @@ pub fn direct(
             .flatten(),
         sync: sync_stall(p.pid, &scan.syncs, window, host),
         periodic: periodic_spike(p.pid, p.window, scan.device_alloc_durations, host),
-        cpu: scan
-            .durations
-            .and_then(|d| cpu_contention(p.pid, p.window, d, host)),
+        cpu,
     }
 }
 

@@ -31,12 +31,10 @@ pub struct Scan<'a> {
     pub syncs: Vec<&'a Event>,
     /// Durations of the successful device allocations.
     pub device_alloc_durations: Vec<u64>,
-    /// Durations of every call, when asked for.
-    pub durations: Option<Vec<u64>>,
 }
 
 impl<'a> Scan<'a> {
-    pub fn of(evs: &'a [Event], all_durations: bool) -> Scan<'a> {
+    pub fn of(evs: &'a [Event]) -> Scan<'a> {
         let mut counts = [0usize; OP_COUNT];
         for e in evs {
             counts[e.op as usize] += 1;
@@ -53,7 +51,6 @@ impl<'a> Scan<'a> {
             driver_allocs: false,
             syncs: Vec::new(),
             device_alloc_durations: Vec::new(),
-            durations: all_durations.then(|| Vec::with_capacity(evs.len())),
         };
         for e in evs {
             let acc = &mut scan.by_op[e.op as usize];
@@ -84,10 +81,12 @@ impl<'a> Scan<'a> {
             if spec.class == OpClass::Alloc && spec.library == Library::Driver {
                 scan.driver_allocs = true;
             }
-            if let Some(d) = scan.durations.as_mut() {
-                d.push(e.duration_ns);
-            }
         }
         scan
+    }
+
+    /// Durations of every call (in no order: the per-op table reorders them).
+    pub fn all_durations(&self) -> Vec<u64> {
+        self.by_op.iter().flat_map(|acc| acc.durations.iter().copied()).collect()
     }
 }

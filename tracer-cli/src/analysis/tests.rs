@@ -26,6 +26,11 @@ fn ev(ts_ms: f64, op: Op, size: u64, ptr: u64, ret: i32, dur_us: u64) -> Event {
     }
 }
 
+/// What explain's per-process tables show for `events`.
+fn per_process(events: &[Event], window: Window, comms: &HashMap<u32, String>) -> Vec<ProcessReport> {
+    analyze(1, events, &Host::default(), window, comms, &HashMap::new()).processes
+}
+
 fn window_of(events: &[Event]) -> Window {
     Window {
         from_ns: events.first().unwrap().ts_ns,

@@ -31,14 +31,6 @@ pub struct ImportArgs {
 /// Bytes of log read per write transaction: bounds memory whatever the log's size.
 const CHUNK_BYTES: usize = 8 << 20;
 
-/// What one [`SimlogImporter::import`] stored.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Imported {
-    pub calls: u64,
-    /// Lines that are not calls of an op this tracer knows.
-    pub unreadable_lines: u64,
-}
-
 /// Imports the new lines of a growing log. Keeps the pointer -> size map that the kernel keeps
 /// when tracing live, so frees carry their size.
 pub struct SimlogImporter {
@@ -50,7 +42,7 @@ pub struct SimlogImporter {
     /// The log's processes are running now: their names come from /proc.
     live: bool,
     boot: Option<i64>,
-    /// Lines so far that were not calls.
+    /// Lines so far that were not calls of an op this tracer knows.
     unreadable_lines: u64,
 }
 
@@ -114,15 +106,15 @@ impl SimlogImporter {
         Ok(stored)
     }
 
-    /// Stores every complete line appended to `log` since the last call; a log that does not
-    /// exist yet holds nothing.
-    pub fn import(&mut self, log: &Path, store: &mut Store, session: i64) -> Result<Imported> {
+    /// Stores every complete line appended to `log` since the last call (a log that does not
+    /// exist yet holds nothing); returns how many calls it stored.
+    pub fn import(&mut self, log: &Path, store: &mut Store, session: i64) -> Result<u64> {
         let Ok(mut file) = std::fs::File::open(log) else {
-            return Ok(Imported::default());
+            return Ok(0);
         };
         file.seek(SeekFrom::Start(self.offset))
             .with_context(|| format!("seek in {}", log.display()))?;
-        let mut total = Imported::default();
+        let mut total = 0;
         let mut chunk = Vec::with_capacity(CHUNK_BYTES);
         loop {
             chunk.clear();
@@ -134,24 +126,20 @@ impl SimlogImporter {
             self.offset += n as u64;
             let complete = chunk.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
             self.partial = chunk[complete..].to_vec();
-            let done = self.store_lines(&chunk[..complete], store, session)?;
-            total.calls += done.calls;
-            total.unreadable_lines += done.unreadable_lines;
-            self.unreadable_lines += done.unreadable_lines;
+            total += self.store_lines(&chunk[..complete], store, session)?;
             if n < CHUNK_BYTES {
                 return Ok(total);
             }
         }
     }
 
-    fn store_lines(&mut self, text: &[u8], store: &mut Store, session: i64) -> Result<Imported> {
+    fn store_lines(&mut self, text: &[u8], store: &mut Store, session: i64) -> Result<u64> {
         let mut calls = Vec::new();
         let mut threads = Vec::new();
         let mut processes = Vec::new();
-        let mut unreadable_lines = 0;
         for line in text.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
             let Some(mut call) = std::str::from_utf8(line).ok().and_then(simlog::parse_line) else {
-                unreadable_lines += 1;
+                self.unreadable_lines += 1;
                 continue;
             };
             let spec = call.op.spec();
@@ -210,10 +198,7 @@ impl SimlogImporter {
             processes: &processes,
             offcpu: &[],
         })?;
-        Ok(Imported {
-            calls: calls.len() as u64,
-            unreadable_lines,
-        })
+        Ok(calls.len() as u64)
     }
 }
 

@@ -326,7 +326,7 @@ fn open_reader(path: &Path) -> Result<Connection> {
     )
     .with_context(|| format!("open database {} for reading", path.display()))?;
     // 64 MiB of page cache per reader: the scan is sequential, the cache only spares re-reads.
-    conn.execute_batch("PRAGMA cache_size = -65536; PRAGMA mmap_size = 4294967296")
+    conn.execute_batch("PRAGMA cache_size = -65536")
         .with_context(|| format!("configure reader of {}", path.display()))?;
     Ok(conn)
 }

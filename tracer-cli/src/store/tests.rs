@@ -25,13 +25,17 @@ fn call(op: Op, ts: u64, size: Option<u64>, ptr: Option<u64>, ret: i32) -> Call 
 
 fn new_store(dir: &tempfile::TempDir) -> (Store, i64) {
     let store = Store::open(&dir.path().join("t.db"), Access::ReadWrite).unwrap();
-    let session = store
+    let session = new_session(&store);
+    (store, session)
+}
+
+fn new_session(store: &Store) -> i64 {
+    store
         .begin_session(&SessionStart {
             source: "ebpf",
             ..Default::default()
         })
-        .unwrap();
-    (store, session)
+        .unwrap()
 }
 
 fn write(store: &mut Store, session: i64, calls: &[Call]) {
@@ -176,12 +180,7 @@ fn max_size_deletes_oldest_sessions_first() {
         .map(|i| call(Op::CudaMalloc, i, Some(i), Some(i), 0))
         .collect();
     write(&mut store, old, &calls);
-    let current = store
-        .begin_session(&SessionStart {
-            source: "ebpf",
-            ..Default::default()
-        })
-        .unwrap();
+    let current = new_session(&store);
     write(&mut store, current, &calls[..2000]);
     let used = store.used_bytes().unwrap();
     let notes = store.enforce_max_size(current, used / 2).unwrap();
@@ -304,12 +303,7 @@ fn migrates_a_version_1_database_and_keeps_its_data() {
 fn parallel_load_matches_one_ordered_query() {
     let dir = tempfile::tempdir().unwrap();
     let (mut store, first) = new_store(&dir);
-    let second = store
-        .begin_session(&SessionStart {
-            source: "ebpf",
-            ..Default::default()
-        })
-        .unwrap();
+    let second = new_session(&store);
     for batch in 0..20u64 {
         for session in [first, second] {
             // Entry times go backwards inside a batch, as returns from several CPUs do.
@@ -444,12 +438,7 @@ fn call_blocks_hold_exactly_the_rows() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.db");
     let (mut store, first) = new_store(&dir);
-    let second = store
-        .begin_session(&SessionStart {
-            source: "ebpf",
-            ..Default::default()
-        })
-        .unwrap();
+    let second = new_session(&store);
     let stack = store
         .insert_stack(
             second,

@@ -233,6 +233,9 @@ type Grouped<'a> = (Cow<'a, [Event]>, Vec<(u32, Range<usize>)>);
 
 /// Calls in time order, grouped by process (pids ascending), each group still in time order.
 /// Borrowed when there is only one process.
+///
+/// Otherwise a stable scatter, on every core: each takes a consecutive share of the calls, numbers
+/// their processes, then writes each call into its share's part of its process's range.
 fn group_by_pid(all: &[Event]) -> Grouped<'_> {
     let Some(first) = all.first() else {
         return (Cow::Borrowed(all), Vec::new());
@@ -240,44 +243,102 @@ fn group_by_pid(all: &[Event]) -> Grouped<'_> {
     if all.iter().all(|e| e.pid == first.pid) {
         return (Cow::Borrowed(all), vec![(first.pid, 0..all.len())]);
     }
-    // Processes are few: a sorted list searched by halves beats hashing every call.
-    let mut pids: Vec<u32> = Vec::new();
-    let mut last = None;
-    for e in all {
-        if last != Some(e.pid) {
-            if let Err(at) = pids.binary_search(&e.pid) {
-                pids.insert(at, e.pid);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+    let shares: Vec<&[Event]> = all.chunks(all.len().div_ceil(threads)).collect();
+    // Per share: its processes in order of appearance, and each call's index among them.
+    let numbered: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = shares
+            .iter()
+            .map(|share| scope.spawn(move || number_processes(share)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+            .collect()
+    });
+    let mut pids: Vec<u32> = numbered.iter().flat_map(|(p, _)| p.iter().copied()).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    // Per share: local process index -> rank in `pids`, and its calls per rank.
+    let ranks: Vec<Vec<usize>> = numbered
+        .iter()
+        .map(|(local, _)| {
+            local
+                .iter()
+                .map(|pid| pids.binary_search(pid).unwrap_or(0))
+                .collect()
+        })
+        .collect();
+    let counts: Vec<Vec<usize>> = numbered
+        .iter()
+        .zip(&ranks)
+        .map(|((_, index), rank)| {
+            let mut n = vec![0usize; pids.len()];
+            for &i in index {
+                n[rank[i as usize]] += 1;
             }
-            last = Some(e.pid);
-        }
-    }
-    let slot = |pid: u32| pids.binary_search(&pid).unwrap_or(0);
-    let mut counts = vec![0usize; pids.len()];
-    for e in all {
-        counts[slot(e.pid)] += 1;
-    }
-    let mut next = Vec::with_capacity(pids.len());
-    let mut ranges = Vec::with_capacity(pids.len());
-    let mut at = 0;
-    for (pid, n) in pids.iter().zip(&counts) {
-        ranges.push((*pid, at..at + n));
-        next.push(at);
-        at += n;
-    }
-    // A stable scatter into the new vector's own memory: every slot below `all.len()` is
-    // written exactly once, as the counts add up to it.
+            n
+        })
+        .collect();
     let mut out: Vec<Event> = Vec::with_capacity(all.len());
     crate::store::events::advise_huge_pages(&mut out);
-    let spare = &mut out.spare_capacity_mut()[..all.len()];
-    for e in all {
-        let k = slot(e.pid);
-        spare[next[k]].write(*e);
-        next[k] += 1;
+    // Process k's range is cut into one piece per share, in share order (which keeps time order).
+    let mut pieces: Vec<Vec<&mut [std::mem::MaybeUninit<Event>]>> =
+        (0..shares.len()).map(|_| Vec::with_capacity(pids.len())).collect();
+    let mut ranges = Vec::with_capacity(pids.len());
+    let mut rest = &mut out.spare_capacity_mut()[..all.len()];
+    let mut at = 0;
+    for (k, pid) in pids.iter().enumerate() {
+        let start = at;
+        for (h, share_pieces) in pieces.iter_mut().enumerate() {
+            let (piece, tail) = rest.split_at_mut(counts[h][k]);
+            share_pieces.push(piece);
+            rest = tail;
+            at += counts[h][k];
+        }
+        ranges.push((*pid, start..at));
     }
-    // SAFETY: the counts of every pid sum to all.len(), and each call was written to its
-    // pid's next slot, so slots 0..all.len() were all written once.
+    std::thread::scope(|scope| {
+        for (((share, (_, index)), rank), mut share_pieces) in
+            shares.iter().zip(&numbered).zip(&ranks).zip(pieces)
+        {
+            scope.spawn(move || {
+                let mut next = vec![0usize; share_pieces.len()];
+                for (e, &i) in share.iter().zip(index) {
+                    let k = rank[i as usize];
+                    share_pieces[k][next[k]].write(*e);
+                    next[k] += 1;
+                }
+            });
+        }
+    });
+    // SAFETY: the pieces tile 0..all.len() (their lengths are the shares' counts per process,
+    // which sum to all.len()), and each share wrote every slot of its pieces exactly once: a
+    // piece's length is the number of the share's calls of that process.
     unsafe { out.set_len(all.len()) };
     (Cow::Owned(out), ranges)
+}
+
+/// The processes of `calls` in order of appearance, and each call's index among them.
+fn number_processes(calls: &[Event]) -> (Vec<u32>, Vec<u32>) {
+    let mut index_of: FastMap<u32, u32> = FastMap::default();
+    let mut pids = Vec::new();
+    let mut last: Option<(u32, u32)> = None;
+    let index = calls
+        .iter()
+        .map(|e| match last {
+            Some((pid, i)) if pid == e.pid => i,
+            _ => {
+                let i = *index_of.entry(e.pid).or_insert_with(|| {
+                    pids.push(e.pid);
+                    pids.len() as u32 - 1
+                });
+                last = Some((e.pid, i));
+                i
+            }
+        })
+        .collect();
+    (pids, index)
 }
 
 /// Each process's calls up to the window's end and those in the window.

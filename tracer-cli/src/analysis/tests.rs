@@ -567,3 +567,30 @@ fn call_sites_name_the_leak_and_rank_the_callers() {
         .call_sites
         .is_empty());
 }
+
+/// Grouping by process is a stable sort by pid (each process's calls keep their time order),
+/// with each process's range; one process is borrowed, not copied.
+#[test]
+fn calls_are_grouped_by_process_stably() {
+    let mut v = Vec::new();
+    for i in 0..10_001u64 {
+        // Three processes, unevenly interleaved; equal times across processes.
+        let mut e = ev((i / 2) as f64, Op::CudaMalloc, i, 0x1000 + i, 0, 1);
+        e.pid = [30, 10, 20, 10, 10][(i % 5) as usize] + (i > 7000) as u32;
+        v.push(e);
+    }
+    let (grouped, ranges) = group_by_pid(&v);
+    let mut want = v.clone();
+    want.sort_by_key(|e| e.pid);
+    assert_eq!(&grouped[..], &want[..]);
+    let pids: Vec<u32> = ranges.iter().map(|(pid, _)| *pid).collect();
+    assert_eq!(pids, vec![10, 11, 20, 21, 30, 31]);
+    for (pid, range) in &ranges {
+        assert!(grouped[range.clone()].iter().all(|e| e.pid == *pid));
+    }
+    assert_eq!(ranges.last().unwrap().1.end, v.len());
+    let one: Vec<Event> = v.iter().map(|e| Event { pid: 7, ..*e }).collect();
+    let (grouped, ranges) = group_by_pid(&one);
+    assert!(matches!(grouped, std::borrow::Cow::Borrowed(_)));
+    assert_eq!(ranges, vec![(7, 0..one.len())]);
+}

@@ -261,7 +261,7 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     };
     let (sim, db) = (&fx.sim, &fx.db);
     let trace = Trace::start(
-        &db,
+        db,
         &[
             "--lib",
             sim.join("libcudart.so.12").to_str().unwrap(),
@@ -275,7 +275,7 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     ];
     let rep = report(
         driver(
-            &sim,
+            sim,
             &[
                 "--mix",
                 "all",
@@ -296,7 +296,7 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
 
     // Exact counts per op and per return code.
     let rows = query(
-        &db,
+        db,
         &format!("SELECT op, ret, count(*) AS n FROM events WHERE pid = {pid} GROUP BY op, ret"),
     );
     let mut stored: BTreeMap<(String, i64), i64> = BTreeMap::new();
@@ -330,27 +330,27 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     for (op, o) in rep["ops"].as_object().unwrap() {
         let bytes = o["bytes_ok"].as_i64().unwrap();
         if bytes > 0 {
-            let sum = scalar(&db, &format!("SELECT coalesce(sum(size), 0) FROM events WHERE pid = {pid} AND op = '{op}' AND ret = 0"));
+            let sum = scalar(db, &format!("SELECT coalesce(sum(size), 0) FROM events WHERE pid = {pid} AND op = '{op}' AND ret = 0"));
             assert_eq!(sum, bytes, "{op}");
         }
     }
     // Every successful free names a pointer returned earlier by an allocation of the same size.
-    let orphans = scalar(&db, &format!(
+    let orphans = scalar(db, &format!(
         "SELECT count(*) FROM events f WHERE f.pid = {pid} AND f.class = 'free' AND f.ret = 0 AND NOT EXISTS (
            SELECT 1 FROM events a WHERE a.pid = f.pid AND a.class = 'alloc' AND a.ret = 0 AND a.ptr = f.ptr
              AND a.size = f.size AND a.ts_ns < f.ts_ns)"
     ));
     assert_eq!(orphans, 0);
-    assert_eq!(scalar(&db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND class = 'alloc' AND ret = 0 AND (ptr IS NULL OR ptr = 0)")), 0);
+    assert_eq!(scalar(db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND class = 'alloc' AND ret = 0 AND (ptr IS NULL OR ptr = 0)")), 0);
     // The invalid free is recorded with its pointer and no size.
-    assert_eq!(scalar(&db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaFree' AND ret = 1 AND ptr = {} AND size IS NULL", 0xdead000)), 80);
+    assert_eq!(scalar(db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaFree' AND ret = 1 AND ptr = {} AND size IS NULL", 0xdead000)), 80);
     // Durations measured in the kernel: at least the simulated 300us, and close to it.
-    let slowest_fast = scalar(&db, &format!("SELECT min(duration_ns) FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0"));
+    let slowest_fast = scalar(db, &format!("SELECT min(duration_ns) FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0"));
     assert!(
         slowest_fast >= 300_000,
         "cudaMalloc took {slowest_fast} ns, less than its simulated 300us"
     );
-    let median = scalar(&db, &format!(
+    let median = scalar(db, &format!(
         "SELECT duration_ns FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0 ORDER BY duration_ns
          LIMIT 1 OFFSET (SELECT count(*) / 2 FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0)"
     ));
@@ -360,15 +360,15 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     let physical = "('cuMemCreate', 'cuMemRelease')";
     for t in rep["threads"].as_array().unwrap() {
         let (tid, device) = (t["tid"].as_i64().unwrap(), t["device"].as_i64().unwrap());
-        let wrong = scalar(&db, &format!("SELECT count(*) FROM events WHERE tid = {tid} AND op != 'cudaSetDevice' AND op NOT IN {physical} AND device IS NOT {device}"));
+        let wrong = scalar(db, &format!("SELECT count(*) FROM events WHERE tid = {tid} AND op != 'cudaSetDevice' AND op NOT IN {physical} AND device IS NOT {device}"));
         assert_eq!(wrong, 0, "thread {tid} on device {device}");
         let other = (device + 1) % 2;
-        let wrong = scalar(&db, &format!("SELECT count(*) FROM events WHERE tid = {tid} AND op IN {physical} AND device IS NOT {other}"));
+        let wrong = scalar(db, &format!("SELECT count(*) FROM events WHERE tid = {tid} AND op IN {physical} AND device IS NOT {other}"));
         assert_eq!(wrong, 0, "thread {tid}: cuMemCreate on device {other}");
     }
     assert_eq!(
         scalar(
-            &db,
+            db,
             "SELECT count(DISTINCT device) FROM events WHERE op = 'cudaMalloc'"
         ),
         2
@@ -376,14 +376,14 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     // cudaMemGetInfo reports the model's total.
     assert_eq!(
         scalar(
-            &db,
+            db,
             "SELECT min(mem_total) FROM events WHERE op = 'cudaMemGetInfo'"
         ),
         16 << 30
     );
-    assert_eq!(scalar(&db, "SELECT count(*) FROM events WHERE op = 'cudaMemGetInfo' AND (mem_free IS NULL OR mem_free > mem_total)"), 0);
+    assert_eq!(scalar(db, "SELECT count(*) FROM events WHERE op = 'cudaMemGetInfo' AND (mem_free IS NULL OR mem_free > mem_total)"), 0);
     // Nothing lost, and the session says so.
-    let s = &query(&db, "SELECT * FROM sessions")[0];
+    let s = &query(db, "SELECT * FROM sessions")[0];
     let total = total_calls(&rep);
     assert_eq!(s["submitted"].as_i64().unwrap(), total);
     assert_eq!(s["events_stored"].as_i64().unwrap(), total);
@@ -436,7 +436,7 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     );
     assert_eq!(report["events_in_window"].as_i64().unwrap(), total);
     // Process and thread metadata.
-    let p = &query(&db, &format!("SELECT * FROM processes WHERE pid = {pid}"))[0];
+    let p = &query(db, &format!("SELECT * FROM processes WHERE pid = {pid}"))[0];
     assert!(
         p["cmdline"]
             .as_str()
@@ -446,7 +446,7 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     );
     assert_eq!(
         scalar(
-            &db,
+            db,
             &format!("SELECT count(*) FROM events WHERE pid = {pid} AND comm = 'simdriver'")
         ),
         total
@@ -460,11 +460,11 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
         return;
     };
     let (sim, db) = (&fx.sim, &fx.db);
-    let trace = Trace::start(&db, &["--quiet"]);
+    let trace = Trace::start(db, &["--quiet"]);
     // The library is new to the tracer: the rescan (every second) must find it before the calls.
     let rep = report(
         driver(
-            &sim,
+            sim,
             &[
                 "--mix",
                 "pairs",
@@ -486,7 +486,7 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
     );
     assert_eq!(
         scalar(
-            &db,
+            db,
             &format!(
                 "SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 0"
             )
@@ -495,14 +495,14 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
     );
     assert_eq!(
         scalar(
-            &db,
+            db,
             &format!(
                 "SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaFree' AND ret = 0"
             )
         ),
         100
     );
-    let libs = query(&db, "SELECT libraries FROM sessions")[0]["libraries"]
+    let libs = query(db, "SELECT libraries FROM sessions")[0]["libraries"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -631,12 +631,12 @@ fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
         "--start-delay-ms",
         "2000",
     ];
-    let traced = driver(&sim, &args, &[]).spawn().unwrap();
-    let other = driver(&sim, &args, &[]).spawn().unwrap();
+    let traced = driver(sim, &args, &[]).spawn().unwrap();
+    let other = driver(sim, &args, &[]).spawn().unwrap();
     let (traced_pid, other_pid) = (traced.id(), other.id());
     let lib = sim.join("libcudart.so.12");
     let trace = Trace::start(
-        &db,
+        db,
         &[
             "--pid",
             &traced_pid.to_string(),
@@ -651,20 +651,20 @@ fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
     assert!(stderr.contains("every traced process exited"), "{stderr}");
     assert_eq!(
         scalar(
-            &db,
+            db,
             &format!("SELECT count(*) FROM events WHERE pid = {traced_pid}")
         ),
         100
     );
     assert_eq!(
         scalar(
-            &db,
+            db,
             &format!("SELECT count(*) FROM events WHERE pid = {other_pid}")
         ),
         0
     );
     assert_eq!(
-        query(&db, "SELECT status FROM sessions")[0]["status"],
+        query(db, "SELECT status FROM sessions")[0]["status"],
         "complete"
     );
 }
@@ -720,7 +720,7 @@ fn a_full_ring_is_counted_and_reported_never_silent() {
     let (sim, db) = (&fx.sim, &fx.db);
     let lib = sim.join("libcudart.so.12");
     let trace = Trace::start(
-        &db,
+        db,
         &[
             "--lib",
             lib.to_str().unwrap(),
@@ -731,7 +731,7 @@ fn a_full_ring_is_counted_and_reported_never_silent() {
     );
     let rep = report(
         driver(
-            &sim,
+            sim,
             &["--mix", "pairs", "--threads", "2", "--iters", "30000"],
             &[("SIMCUDA_LATENCY", "default=0")],
         )
@@ -741,7 +741,7 @@ fn a_full_ring_is_counted_and_reported_never_silent() {
     let (stdout, _) = trace.stop(SIGINT);
     let calls = total_calls(&rep);
     assert_eq!(calls, 120_000);
-    let s = &query(&db, "SELECT * FROM sessions")[0];
+    let s = &query(db, "SELECT * FROM sessions")[0];
     let (submitted, dropped) = (
         s["submitted"].as_i64().unwrap(),
         s["dropped_ring_full"].as_i64().unwrap(),
@@ -753,7 +753,7 @@ fn a_full_ring_is_counted_and_reported_never_silent() {
     );
     assert!(dropped > 0, "a 4 KiB ring should overflow at this rate");
     assert_eq!(s["events_stored"].as_i64().unwrap(), submitted);
-    assert_eq!(scalar(&db, "SELECT count(*) FROM events"), submitted);
+    assert_eq!(scalar(db, "SELECT count(*) FROM events"), submitted);
     assert!(
         stdout.contains(&format!("dropped (ring full): {dropped}")),
         "{stdout}"
@@ -1002,7 +1002,227 @@ fn check_reports_the_machine() {
     if nix_is_root() {
         assert!(out.status.success(), "{stdout}");
         assert!(stdout.contains("[ok  ] privileges"), "{stdout}");
+        // As root, check proves tracing works: a uprobe on tracer itself fires.
+        assert!(stdout.contains("[ok  ] tracing"), "{stdout}");
+        let json = Command::new(TRACER)
+            .args(["check", "--json"])
+            .output()
+            .unwrap();
+        let report: Value = serde_json::from_slice(&json.stdout).unwrap();
+        assert_eq!(report["can_trace"], true, "{report:#}");
+        let tracing = report["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "tracing")
+            .unwrap_or_else(|| panic!("no tracing check in {report:#}"));
+        assert_eq!(tracing["ok"], true, "{tracing:#}");
     }
+}
+
+/// Runs scripts/gpu-check.sh with `args`, the working files kept in `keep`.
+fn gpu_check(args: &[&str], keep: &Path) -> Output {
+    Command::new("bash")
+        .arg(workspace().join("scripts/gpu-check.sh"))
+        .args(args)
+        .args(["--tracer", TRACER])
+        .env("GPU_CHECK_KEEP", keep)
+        .output()
+        .unwrap()
+}
+
+/// The rows of a gpu-check comparison file, by what they compare.
+fn gpu_rows(compared: &Value) -> BTreeMap<String, Value> {
+    compared["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["what"].as_str().unwrap().to_owned(), r.clone()))
+        .collect()
+}
+
+fn gpu_row<'a>(rows: &'a BTreeMap<String, Value>, prefix: &str) -> &'a Value {
+    rows.iter()
+        .find(|(k, _)| k.starts_with(prefix))
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no row {prefix} in {rows:#?}"))
+}
+
+#[test]
+fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
+    let Some(_fx) = Fixture::new() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (out, keep) = (dir.path().join("out"), dir.path().join("work"));
+    let run = gpu_check(
+        &[
+            out.to_str().unwrap(),
+            "--simulated",
+            "--steps",
+            "40",
+            "--rounds",
+            "1",
+        ],
+        &keep,
+    );
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(stdout.contains("NOT a GPU"), "{stdout}");
+    // What comes back from a GPU machine: at most 8 files of at most 16 MiB.
+    let files: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .collect();
+    assert!(files.len() <= 8 && files.len() >= 7, "{files:?}");
+    assert!(files.iter().all(|f| f.metadata().unwrap().len() < 16 << 20));
+    let summary: Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["differs"], 0, "{stdout}");
+    for compared in summary["compared"].as_array().unwrap() {
+        let rows = gpu_rows(compared);
+        for (what, r) in &rows {
+            assert!(
+                r["status"] == "equal" || r["status"] == "explained",
+                "{what}: {r:#}"
+            );
+        }
+        let sites = gpu_row(&rows, "main-thread Python call sites");
+        assert_eq!(sites["status"], "equal");
+        assert!(sites["tracer"].as_i64().unwrap() > 40, "{sites:#}");
+        // The provoked OOM: a failure, the cache flush's retry, its failure.
+        assert_eq!(gpu_row(&rows, "failed allocations")["tracer"], 2);
+        assert_eq!(gpu_row(&rows, "retries")["tracer"], 1);
+        assert_eq!(gpu_row(&rows, "OOMs")["tracer"], 1);
+        assert_eq!(compared["oom"]["raised"], true);
+        let (alloc, bytes) = if compared["mode"] == "expandable" {
+            ("successful cuMemMap calls", "bytes mapped (cuMemMap)")
+        } else {
+            ("successful cudaMalloc calls", "bytes reserved (cudaMalloc)")
+        };
+        assert!(gpu_row(&rows, alloc)["tracer"].as_i64().unwrap() > 0);
+        assert_eq!(gpu_row(&rows, bytes)["status"], "equal");
+        assert_eq!(gpu_row(&rows, "events lost")["tracer"], 0);
+    }
+    let ratios = &summary["cost"]["ratios"];
+    for k in ["traced/untraced", "stack/untraced", "stack/traced"] {
+        assert!(ratios[k].as_f64().unwrap() > 0.0, "{ratios:#}");
+    }
+    let explain = std::fs::read_to_string(out.join("explain-default.txt")).unwrap();
+    assert!(explain.contains("out of memory"), "{explain}");
+
+    // The judge itself: one figure PyTorch reports differently is caught, named, and fails.
+    let stats = keep.join("check-default/stats.json");
+    let mut tampered: Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+    let n = tampered["final"]["num_device_alloc"].as_i64().unwrap();
+    tampered["final"]["num_device_alloc"] = (n + 1).into();
+    let bad = dir.path().join("tampered.json");
+    std::fs::write(&bad, tampered.to_string()).unwrap();
+    let report = workspace().join("scripts/gpu_check/report.py");
+    let compared = dir.path().join("compared.json");
+    let status = Command::new("python3")
+        .arg(&report)
+        .args(["compare", "--tracer", TRACER, "--mode", "default", "--db"])
+        .arg(keep.join("check-default/trace.db"))
+        .arg("--stats")
+        .arg(&bad)
+        .arg("-o")
+        .arg(&compared)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rows = gpu_rows(&serde_json::from_slice(&std::fs::read(&compared).unwrap()).unwrap());
+    let r = gpu_row(&rows, "successful cudaMalloc calls");
+    assert_eq!(r["status"], "DIFFERS", "{r:#}");
+    assert_eq!(
+        r["pytorch"].as_i64().unwrap(),
+        r["tracer"].as_i64().unwrap() + 1
+    );
+    assert!(
+        r["sites"].as_array().unwrap()[0]
+            .as_str()
+            .unwrap()
+            .contains("calls:"),
+        "{r:#}"
+    );
+    // Calls whose caller is not the allocator's library are set apart and named by their caller.
+    tampered["final"]["num_device_alloc"] = n.into();
+    tampered["allocator_modules"] = serde_json::json!(["libc10_cuda"]);
+    std::fs::write(&bad, tampered.to_string()).unwrap();
+    let outside = dir.path().join("outside.json");
+    let status = Command::new("python3")
+        .arg(&report)
+        .args(["compare", "--tracer", TRACER, "--mode", "default", "--db"])
+        .arg(keep.join("check-default/trace.db"))
+        .arg("--stats")
+        .arg(&bad)
+        .arg("-o")
+        .arg(&outside)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rows = gpu_rows(&serde_json::from_slice(&std::fs::read(&outside).unwrap()).unwrap());
+    let r = gpu_row(&rows, "cudaMalloc calls made outside the allocator");
+    assert_eq!(r["status"], "explained", "{r:#}");
+    // Every call counts there: the successful ones and the OOM's two failures.
+    assert_eq!(r["tracer"], n + 2, "{r:#}");
+    assert!(
+        r["sites"][0]
+            .as_str()
+            .unwrap()
+            .contains("calls from libffi"),
+        "{r:#}"
+    );
+    assert_eq!(gpu_row(&rows, "successful cudaMalloc calls")["tracer"], 0);
+
+    let summary = Command::new("python3")
+        .arg(&report)
+        .arg("summary")
+        .arg("--machine")
+        .arg(keep.join("machine.json"))
+        .arg("--compare")
+        .arg(&compared)
+        .arg("--out-text")
+        .arg(dir.path().join("s.txt"))
+        .arg("--out-json")
+        .arg(dir.path().join("s.json"))
+        .output()
+        .unwrap();
+    assert_eq!(summary.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&summary.stdout);
+    assert!(text.contains("1 comparison(s) differ"), "{text}");
+}
+
+#[test]
+fn gpu_check_without_a_gpu_says_so_and_bad_arguments_fail() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let has_gpu = Command::new("nvidia-smi")
+        .arg("-L")
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_gpu {
+        let run = gpu_check(&[out.to_str().unwrap()], dir.path());
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        assert_eq!(run.status.code(), Some(0), "{stdout}");
+        assert!(stdout.contains("no NVIDIA GPU on this machine"), "{stdout}");
+        let summary = std::fs::read_to_string(out.join("summary.txt")).unwrap();
+        assert!(summary.contains("no NVIDIA GPU"), "{summary}");
+    }
+    let script = workspace().join("scripts/gpu-check.sh");
+    let no_out = Command::new("bash").arg(&script).output().unwrap();
+    assert_eq!(no_out.status.code(), Some(2));
+    let no_tracer = Command::new("bash")
+        .arg(&script)
+        .arg(&out)
+        .args(["--tracer", "/nonexistent/tracer"])
+        .output()
+        .unwrap();
+    assert_eq!(no_tracer.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&no_tracer.stderr)
+        .contains("no tracer binary at /nonexistent/tracer"));
 }
 
 /// Runs `tracer demo SCENARIO` and returns (stdout, stderr, the explain report as JSON).
@@ -1144,7 +1364,10 @@ fn check_demos(simulated: bool) {
             .and_then(|rest| rest.split(' ').next())
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("no runnable-thread count in {crowd}"));
-        let online = Command::new("getconf").arg("_NPROCESSORS_ONLN").output().unwrap();
+        let online = Command::new("getconf")
+            .arg("_NPROCESSORS_ONLN")
+            .output()
+            .unwrap();
         let cpus = String::from_utf8_lossy(&online.stdout).trim().to_string();
         assert!(
             (4.0..=7.5).contains(&mean) && crowd.ends_with(&format!(" on {cpus} CPUs")),
@@ -1228,7 +1451,11 @@ fn pythons() -> Vec<(String, PathBuf)> {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".pyenv"));
     let mut found = BTreeMap::new();
-    for entry in std::fs::read_dir(root.join("versions")).into_iter().flatten().flatten() {
+    for entry in std::fs::read_dir(root.join("versions"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         let name = entry.file_name().to_string_lossy().into_owned();
         let minor: String = name.split('.').take(2).collect::<Vec<_>>().join(".");
         if !["3.10", "3.11", "3.12", "3.13"].contains(&minor.as_str()) {
@@ -1242,9 +1469,12 @@ fn pythons() -> Vec<(String, PathBuf)> {
     found.into_iter().collect()
 }
 
+/// Python frames as (file, line, function), innermost first.
+type PyFrames = Vec<(String, i64, String)>;
+
 /// The Python frames of each recorded call, in call order per thread: (tid, [(file, line,
 /// function)] innermost first, python status).
-fn recorded_python_sites(db: &Path) -> BTreeMap<i64, Vec<(Vec<(String, i64, String)>, String)>> {
+fn recorded_python_sites(db: &Path) -> BTreeMap<i64, Vec<(PyFrames, String)>> {
     let calls = query(
         db,
         "SELECT c.tid, c.stack_id, s.python FROM calls c JOIN stacks s ON s.id = c.stack_id ORDER BY c.ts_ns, c.id",
@@ -1303,10 +1533,15 @@ fn python_call_sites_equal_traceback_under_every_cpython() {
             .arg("3")
             .output()
             .unwrap();
-        assert!(run.status.success(), "{minor}: {}", String::from_utf8_lossy(&run.stderr));
+        assert!(
+            run.status.success(),
+            "{minor}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
         trace.stop(SIGINT);
-        let expected: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-        let mut want: BTreeMap<i64, Vec<Vec<(String, i64, String)>>> = BTreeMap::new();
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        let mut want: BTreeMap<i64, Vec<PyFrames>> = BTreeMap::new();
         for c in expected["calls"].as_array().unwrap() {
             // extract_stack lists the outermost frame first.
             let frames = c["frames"]
@@ -1322,7 +1557,9 @@ fn python_call_sites_equal_traceback_under_every_cpython() {
                     )
                 })
                 .collect();
-            want.entry(c["tid"].as_i64().unwrap()).or_default().push(frames);
+            want.entry(c["tid"].as_i64().unwrap())
+                .or_default()
+                .push(frames);
         }
         let got = recorded_python_sites(&db);
         assert_eq!(want.len(), 4, "{minor}: main thread and three workers");
@@ -1334,10 +1571,18 @@ fn python_call_sites_equal_traceback_under_every_cpython() {
         let mut compared = 0;
         for (tid, calls) in &want {
             let recorded = &got[tid];
-            assert_eq!(recorded.len(), calls.len(), "{minor}: calls of thread {tid}");
+            assert_eq!(
+                recorded.len(),
+                calls.len(),
+                "{minor}: calls of thread {tid}"
+            );
             for (i, (frames, (rec, status))) in calls.iter().zip(recorded).enumerate() {
                 assert_eq!(status, "ok", "{minor}: thread {tid} call {i}");
-                assert_eq!(rec.len(), frames.len(), "{minor}: thread {tid} call {i}: {rec:?} vs {frames:?}");
+                assert_eq!(
+                    rec.len(),
+                    frames.len(),
+                    "{minor}: thread {tid} call {i}: {rec:?} vs {frames:?}"
+                );
                 for ((file, line, func), (wfile, wline, wname)) in rec.iter().zip(frames) {
                     // traceback names the function (co_name); tracer keeps the qualified name
                     // (co_qualname, 3.11+).
@@ -1356,7 +1601,10 @@ fn python_call_sites_equal_traceback_under_every_cpython() {
         let s = &query(&db, "SELECT * FROM sessions")[0];
         assert_eq!(s["dropped_ring_full"].as_i64(), Some(0), "{minor}");
         assert_eq!(s["events_stored"].as_i64(), Some(77), "{minor}");
-        assert_eq!(scalar(&db, "SELECT count(*) FROM calls WHERE stack_id IS NULL"), 0);
+        assert_eq!(
+            scalar(&db, "SELECT count(*) FROM calls WHERE stack_id IS NULL"),
+            0
+        );
     }
 }
 
@@ -1381,9 +1629,16 @@ fn native_call_sites_match_the_programs_own_lines() {
         .arg(format!("-Wl,-rpath,{}", fx.sim.display()))
         .output()
         .unwrap();
-    assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
     let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(&fx.db, &["--stack", "--quiet", "--lib", lib.to_str().unwrap()]);
+    let trace = Trace::start(
+        &fx.db,
+        &["--stack", "--quiet", "--lib", lib.to_str().unwrap()],
+    );
     let run = Command::new(&exe).output().unwrap();
     assert!(run.status.success());
     trace.stop(SIGINT);
@@ -1407,14 +1662,23 @@ fn native_call_sites_match_the_programs_own_lines() {
             ),
         );
         let want_frames = want["frames"].as_array().unwrap();
-        assert!(frames.len() >= want_frames.len(), "{frames:?} vs {want_frames:?}");
+        assert!(
+            frames.len() >= want_frames.len(),
+            "{frames:?} vs {want_frames:?}"
+        );
         for (got, w) in frames.iter().zip(want_frames) {
             assert_eq!(got["function"], w[0], "{frames:?}");
             assert_eq!(got["line"], w[1], "{frames:?}");
-            assert!(got["file"].as_str().unwrap().ends_with("call_sites.c"), "{got}");
+            assert!(
+                got["file"].as_str().unwrap().ends_with("call_sites.c"),
+                "{got}"
+            );
         }
     }
-    assert_eq!(scalar(&fx.db, "SELECT native_depth >= 3 FROM stacks LIMIT 1"), 1);
+    assert_eq!(
+        scalar(&fx.db, "SELECT native_depth >= 3 FROM stacks LIMIT 1"),
+        1
+    );
     // tracer stacks shows them, most frequent first.
     let out = Command::new(TRACER)
         .args(["stacks", "--op", "cudaMalloc", "--db"])
@@ -1422,8 +1686,15 @@ fn native_call_sites_match_the_programs_own_lines() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(text.contains("native allocate (") && text.contains("call_sites.c:"), "{text}");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("native allocate (") && text.contains("call_sites.c:"),
+        "{text}"
+    );
     // Bad input: an op that does not exist, and one without call sites in this session.
     let bogus = Command::new(TRACER)
         .args(["stacks", "--op", "cudaMallocc", "--db"])
@@ -1445,7 +1716,10 @@ fn with_stack_every_call_is_stored_or_counted() {
         return;
     };
     let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(&fx.db, &["--stack", "--quiet", "--lib", lib.to_str().unwrap()]);
+    let trace = Trace::start(
+        &fx.db,
+        &["--stack", "--quiet", "--lib", lib.to_str().unwrap()],
+    );
     let rep = report(
         driver(
             &fx.sim,
@@ -1466,7 +1740,10 @@ fn with_stack_every_call_is_stored_or_counted() {
     assert_eq!(submitted + dropped, calls);
     assert_eq!(s["events_stored"].as_i64().unwrap(), submitted);
     assert_eq!(
-        scalar(&fx.db, "SELECT count(*) FROM calls WHERE stack_id IS NOT NULL"),
+        scalar(
+            &fx.db,
+            "SELECT count(*) FROM calls WHERE stack_id IS NOT NULL"
+        ),
         submitted,
         "every stored call has its call site"
     );
@@ -1504,7 +1781,11 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // The simulated runtime logs its runtime (libcudart) calls, not the driver's.
     let runtime_ops: Vec<(&String, i64)> = rep["ops"]
         .as_object()
@@ -1516,9 +1797,15 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
     assert_eq!(runtime_ops.len(), 14, "{runtime_ops:?}");
     let total: i64 = runtime_ops.iter().map(|(_, n)| n).sum();
     assert!(total > 1000, "{total}");
-    assert!(stdout.contains(&format!("session 1: {total} calls imported")), "{stdout}");
+    assert!(
+        stdout.contains(&format!("session 1: {total} calls imported")),
+        "{stdout}"
+    );
     for (op, calls) in runtime_ops {
-        let stored = scalar(&db, &format!("SELECT count(*) FROM events WHERE op = '{op}'"));
+        let stored = scalar(
+            &db,
+            &format!("SELECT count(*) FROM events WHERE op = '{op}'"),
+        );
         assert_eq!(stored, calls, "{op}");
     }
     // Frees carry the size their allocation had, as when traced live.
@@ -1528,7 +1815,10 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
     );
     assert_eq!(frees_without_size, 0);
     let (blocks, stored) = (
-        scalar(&db, "SELECT sum(calls) FROM call_blocks WHERE session_id = 1"),
+        scalar(
+            &db,
+            "SELECT sum(calls) FROM call_blocks WHERE session_id = 1",
+        ),
         scalar(&db, "SELECT events_stored FROM sessions WHERE id = 1"),
     );
     assert_eq!((blocks, stored), (total, total));
@@ -1537,24 +1827,50 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
         .arg(&db)
         .output()
         .unwrap();
-    assert!(explain.status.success(), "{}", String::from_utf8_lossy(&explain.stderr));
+    assert!(
+        explain.status.success(),
+        "{}",
+        String::from_utf8_lossy(&explain.stderr)
+    );
     let json: Value = serde_json::from_slice(&explain.stdout).unwrap();
     assert_eq!(json["events_in_window"].as_i64(), Some(total));
 
     // Bad input: a missing file, and a file that holds no call.
     let missing = dir.path().join("nope.log");
     assert_fails(
-        &tracer_as(None, &["import", missing.to_str().unwrap(), "--db", db.to_str().unwrap()]),
+        &tracer_as(
+            None,
+            &[
+                "import",
+                missing.to_str().unwrap(),
+                "--db",
+                db.to_str().unwrap(),
+            ],
+        ),
         2,
         "is not a file",
     );
     let junk = dir.path().join("junk.log");
     std::fs::write(&junk, "hello\nworld\n").unwrap();
     assert_fails(
-        &tracer_as(None, &["import", junk.to_str().unwrap(), "--db", db.to_str().unwrap()]),
+        &tracer_as(
+            None,
+            &[
+                "import",
+                junk.to_str().unwrap(),
+                "--db",
+                db.to_str().unwrap(),
+            ],
+        ),
         2,
         "holds no call",
     );
-    assert_eq!(scalar(&db, "SELECT count(*) FROM calls WHERE session_id = 1"), total);
-    assert_eq!(scalar(&db, "SELECT decode_errors FROM sessions WHERE id = 2"), 2);
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM calls WHERE session_id = 1"),
+        total
+    );
+    assert_eq!(
+        scalar(&db, "SELECT decode_errors FROM sessions WHERE id = 2"),
+        2
+    );
 }

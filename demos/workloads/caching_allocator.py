@@ -4,9 +4,13 @@ loaded with ctypes (the project's simulated one, or a real one).
 Segments come from cudaMalloc: requests up to 1 MiB are served from 2 MiB segments (small pool),
 1-10 MiB from 20 MiB segments, larger ones from segments rounded up to 2 MiB (large pool).
 Segments are split into blocks; freed blocks stay cached and merge with free neighbours. When
-cudaMalloc fails, the allocator frees its unused cached segments and retries once; if that fails
-too it raises OutOfMemoryError with the numbers PyTorch prints. stats() reports the allocator's own
-truth (allocated, reserved, blocks, largest free block) for tests.
+cudaMalloc fails, the allocator frees its unused cached segments and retries once (counted in
+num_alloc_retries); if that fails too it raises OutOfMemoryError with the numbers PyTorch prints
+(num_ooms). With expandable=True it works as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True does:
+one reserved address range per pool (cuMemAddressReserve), mapped and unmapped in chunks of 2 MiB
+(small pool) or 20 MiB (large pool) with cuMemCreate + cuMemMap and cuMemUnmap + cuMemRelease.
+stats() reports the allocator's own truth (allocated, reserved, blocks, largest free block) for
+tests, memory_stats() the counters torch.cuda.memory_stats() has, under the same keys.
 """
 
 import ctypes
@@ -27,14 +31,16 @@ class OutOfMemoryError(RuntimeError):
 
 
 class Block:
-    __slots__ = ("segment", "offset", "size", "free", "requested")
+    __slots__ = ("segment", "offset", "size", "free", "requested", "mapped")
 
-    def __init__(self, segment, offset, size, free=True):
+    def __init__(self, segment, offset, size, free=True, mapped=True):
         self.segment = segment
         self.offset = offset
         self.size = size
         self.free = free
         self.requested = 0
+        # Only blocks of expandable segments are ever unmapped (address space without memory).
+        self.mapped = mapped
 
     @property
     def ptr(self):
@@ -42,13 +48,23 @@ class Block:
 
 
 class Segment:
-    __slots__ = ("ptr", "size", "small", "blocks")
+    __slots__ = ("ptr", "size", "small", "blocks", "chunk", "handles")
 
-    def __init__(self, ptr, size, small):
+    def __init__(self, ptr, size, small, chunk=None):
         self.ptr = ptr
         self.size = size
         self.small = small
-        self.blocks = [Block(self, 0, size)]
+        # Expandable segments: the mapping granularity, and the physical handle of each chunk.
+        self.chunk = chunk
+        self.handles = {}
+        self.blocks = [Block(self, 0, size, mapped=chunk is None)]
+
+    def mapped_bytes(self):
+        return len(self.handles) * self.chunk if self.chunk else self.size
+
+
+def round_up(n, unit):
+    return (n + unit - 1) // unit * unit
 
 
 def round_size(size):
@@ -64,7 +80,7 @@ def segment_size(size):
 
 
 class CachingAllocator:
-    def __init__(self, cudart_path, device=0):
+    def __init__(self, cudart_path, device=0, expandable=False, driver_path=None):
         self.rt = ctypes.CDLL(cudart_path)
         self.rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         self.rt.cudaFree.argtypes = [ctypes.c_void_p]
@@ -76,7 +92,23 @@ class CachingAllocator:
         self.lock = threading.Lock()
         self.num_alloc_retries = 0
         self.num_ooms = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
+        self.reserved_allocated = 0
+        self.reserved_freed = 0
+        self.reserved_peak = 0
         self.check(self.rt.cudaSetDevice(device), "cudaSetDevice")
+        self.expandable = expandable
+        self.drv = None
+        if expandable:
+            import os
+            self.drv = ctypes.CDLL(driver_path or os.path.join(os.path.dirname(cudart_path), "libcuda.so.1"))
+            u64, size_t = ctypes.c_uint64, ctypes.c_size_t
+            self.drv.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), size_t, size_t, u64, ctypes.c_ulonglong]
+            self.drv.cuMemCreate.argtypes = [ctypes.POINTER(u64), size_t, ctypes.c_void_p, ctypes.c_ulonglong]
+            self.drv.cuMemMap.argtypes = [u64, size_t, size_t, u64, ctypes.c_ulonglong]
+            self.drv.cuMemUnmap.argtypes = [u64, size_t]
+            self.drv.cuMemRelease.argtypes = [u64]
 
     @staticmethod
     def check(ret, what):
@@ -102,22 +134,50 @@ class CachingAllocator:
             if seg.small != small:
                 continue
             for block in seg.blocks:
-                if block.free and block.size >= size and (best is None or block.size < best.size):
+                if block.free and block.mapped and block.size >= size and (best is None or block.size < best.size):
                     best = block
         return best
 
+    def _reserved_changed(self, delta):
+        if delta > 0:
+            self.num_device_alloc += 1
+            self.reserved_allocated += delta
+        else:
+            self.num_device_free += 1
+            self.reserved_freed -= delta
+        self.reserved_peak = max(self.reserved_peak, self.reserved_allocated - self.reserved_freed)
+
     def _release_cached(self):
-        """Frees every segment that is entirely unused (what a failed cudaMalloc triggers)."""
+        """Returns every unused cached segment, or with expandable segments every unused chunk,
+        to the device (what a failed allocation and empty_cache() do)."""
         self.synchronize()
+        if self.expandable:
+            for seg in self.segments:
+                self._unmap_free_chunks(seg)
+            return True
         kept = []
         for seg in self.segments:
             if len(seg.blocks) == 1 and seg.blocks[0].free:
                 self.check(self.rt.cudaFree(ctypes.c_void_p(seg.ptr)), "cudaFree")
+                self._reserved_changed(-seg.size)
             else:
                 kept.append(seg)
-        released = len(self.segments) - len(kept)
         self.segments = kept
-        return released
+        return True
+
+    def _new_segment(self, size, small):
+        """A new cudaMalloc'ed segment for `size`, or None when the device has no room."""
+        seg_size = segment_size(size)
+        ptr = self._cuda_malloc(seg_size)
+        if ptr is None:
+            return None
+        self._reserved_changed(seg_size)
+        seg = Segment(ptr, seg_size, small)
+        self.segments.append(seg)
+        return seg.blocks[0]
+
+    def _grow(self, size, small):
+        return self._grow_expandable(size, small) if self.expandable else self._new_segment(size, small)
 
     def malloc(self, size):
         with self.lock:
@@ -125,28 +185,127 @@ class CachingAllocator:
             small = size <= SMALL_SIZE
             block = self._best_fit(size, small)
             if block is None:
-                seg_size = segment_size(size)
-                ptr = self._cuda_malloc(seg_size)
-                if ptr is None:
-                    self.num_alloc_retries += 1
-                    if self._release_cached():
-                        ptr = self._cuda_malloc(seg_size)
-                if ptr is None:
-                    self.num_ooms += 1
-                    free, total = self.mem_get_info()
-                    s = self.stats()
-                    raise OutOfMemoryError(
-                        f"CUDA out of memory. Tried to allocate {size / MIB:.2f} MiB (GPU {self.device}; "
-                        f"{total / MIB:.2f} MiB total capacity; {s['allocated'] / MIB:.2f} MiB already allocated; "
-                        f"{free / MIB:.2f} MiB free; {s['reserved'] / MIB:.2f} MiB reserved in total by the allocator)"
-                    )
-                seg = Segment(ptr, seg_size, small)
-                self.segments.append(seg)
-                block = seg.blocks[0]
+                block = self._grow(size, small)
+            if block is None:
+                # As PyTorch: release the cache, then one retry, counted whether or not it helps.
+                self._release_cached()
+                self.num_alloc_retries += 1
+                block = self._grow(size, small)
+            if block is None:
+                self.num_ooms += 1
+                free, total = self.mem_get_info()
+                s = self.stats()
+                raise OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {size / MIB:.2f} MiB (GPU {self.device}; "
+                    f"{total / MIB:.2f} MiB total capacity; {s['allocated'] / MIB:.2f} MiB already allocated; "
+                    f"{free / MIB:.2f} MiB free; {s['reserved'] / MIB:.2f} MiB reserved in total by the allocator)"
+                )
             self._split(block, size, small)
             block.free = False
             block.requested = size
             return block
+
+    # Expandable segments -------------------------------------------------------------------
+
+    def _expandable_segment(self, small):
+        for seg in self.segments:
+            if seg.small == small:
+                return seg
+        chunk = SMALL_SEGMENT if small else LARGE_SEGMENT
+        _free, total = self.mem_get_info()
+        # As PyTorch: address space for the device's memory and an eighth more.
+        size = round_up(total + total // 8, chunk)
+        ptr = ctypes.c_uint64()
+        self.check(self.drv.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
+        seg = Segment(ptr.value, size, small, chunk)
+        self.segments.append(seg)
+        return seg
+
+    def _map_chunks(self, seg, start, end):
+        """Backs [start, end) of the segment with memory, chunk by chunk; False (and nothing
+        kept) when the device runs out."""
+        prop = (ctypes.c_int * 8)(1, 0, 1, self.device)  # pinned, on location device
+        created = []
+        for off in range(start, end, seg.chunk):
+            handle = ctypes.c_uint64()
+            if self.drv.cuMemCreate(ctypes.byref(handle), seg.chunk, prop, 0) != 0:
+                for h in created:
+                    self.drv.cuMemRelease(h)
+                return False
+            created.append(handle.value)
+        for off, h in zip(range(start, end, seg.chunk), created):
+            self.check(self.drv.cuMemMap(seg.ptr + off, seg.chunk, 0, h, 0), "cuMemMap")
+            seg.handles[off] = h
+        self._reserved_changed(end - start)
+        return True
+
+    def _grow_expandable(self, size, small):
+        """Maps more of the pool's segment: the run of free blocks with room for `size` that needs
+        the fewest new bytes mapped, merged into one free block. None when the device is full."""
+        seg = self._expandable_segment(small)
+        blocks = seg.blocks
+        best = None
+        for i, first in enumerate(blocks):
+            if not first.free:
+                continue
+            total = unmapped = 0
+            j = i
+            while j < len(blocks) and blocks[j].free and total < size:
+                if not blocks[j].mapped:
+                    unmapped += min(blocks[j].size, size - total)
+                total += blocks[j].size
+                j += 1
+            if total >= size and (best is None or unmapped < best[2]):
+                best = (i, j, unmapped)
+        if best is None:
+            return None
+        i, j, _ = best
+        need_end = blocks[i].offset + size
+        for b in list(blocks[i:j]):
+            if b.mapped:
+                continue
+            end = min(b.offset + b.size, round_up(need_end, seg.chunk))
+            if end <= b.offset:
+                continue
+            if not self._map_chunks(seg, b.offset, end):
+                return None
+            if end < b.offset + b.size:
+                rest = Block(seg, end, b.offset + b.size - end, mapped=False)
+                blocks.insert(blocks.index(b) + 1, rest)
+                b.size = end - b.offset
+            b.mapped = True
+        # Merge the now mapped run [i, j') into its first block.
+        first = blocks[i]
+        while i + 1 < len(blocks) and blocks[i + 1].free and blocks[i + 1].mapped and first.size < size:
+            first.size += blocks[i + 1].size
+            del blocks[i + 1]
+        return first
+
+    def _unmap_free_chunks(self, seg):
+        """Unmaps the whole chunks inside free blocks (empty_cache with expandable segments)."""
+        new_blocks = []
+        for b in seg.blocks:
+            lo, hi = round_up(b.offset, seg.chunk), (b.offset + b.size) // seg.chunk * seg.chunk
+            if not (b.free and b.mapped and lo < hi):
+                new_blocks.append(b)
+                continue
+            for off in range(lo, hi, seg.chunk):
+                self.check(self.drv.cuMemUnmap(seg.ptr + off, seg.chunk), "cuMemUnmap")
+                self.check(self.drv.cuMemRelease(seg.handles.pop(off)), "cuMemRelease")
+            self._reserved_changed(-(hi - lo))
+            if lo > b.offset:
+                new_blocks.append(Block(seg, b.offset, lo - b.offset))
+            new_blocks.append(Block(seg, lo, hi - lo, mapped=False))
+            if b.offset + b.size > hi:
+                new_blocks.append(Block(seg, hi, b.offset + b.size - hi))
+        # Neighbouring unmapped ranges are one.
+        seg.blocks = []
+        for b in new_blocks:
+            last = seg.blocks[-1] if seg.blocks else None
+            if last is not None and not last.mapped and not b.mapped:
+                last.size += b.size
+            else:
+                seg.blocks.append(b)
 
     def _split(self, block, size, small):
         remaining = block.size - size
@@ -162,10 +321,10 @@ class CachingAllocator:
             block.requested = 0
             blocks = block.segment.blocks
             i = blocks.index(block)
-            if i + 1 < len(blocks) and blocks[i + 1].free:
+            if i + 1 < len(blocks) and blocks[i + 1].free and blocks[i + 1].mapped:
                 block.size += blocks[i + 1].size
                 del blocks[i + 1]
-            if i > 0 and blocks[i - 1].free:
+            if i > 0 and blocks[i - 1].free and blocks[i - 1].mapped:
                 blocks[i - 1].size += block.size
                 del blocks[i]
 
@@ -173,10 +332,27 @@ class CachingAllocator:
         with self.lock:
             return self._release_cached()
 
+    def memory_stats(self):
+        """The counters of torch.cuda.memory_stats(), under its keys."""
+        s = self.stats()
+        return {
+            "num_device_alloc": self.num_device_alloc,
+            "num_device_free": self.num_device_free,
+            "num_alloc_retries": self.num_alloc_retries,
+            "num_ooms": self.num_ooms,
+            "reserved_bytes.all.current": s["reserved"],
+            "reserved_bytes.all.peak": self.reserved_peak,
+            "reserved_bytes.all.allocated": self.reserved_allocated,
+            "reserved_bytes.all.freed": self.reserved_freed,
+            "allocated_bytes.all.current": s["allocated"],
+            "segment.all.current": s["segments"],
+            "inactive_split_bytes.all.current": s["inactive_split"],
+        }
+
     def stats(self):
         allocated = sum(b.size for s in self.segments for b in s.blocks if not b.free)
-        reserved = sum(s.size for s in self.segments)
-        free_blocks = [b.size for s in self.segments for b in s.blocks if b.free]
+        reserved = sum(s.mapped_bytes() for s in self.segments)
+        free_blocks = [b.size for s in self.segments for b in s.blocks if b.free and b.mapped]
         return {
             "allocated": allocated,
             "reserved": reserved,

@@ -50,7 +50,8 @@ pub fn read(pid: u32) -> std::io::Result<Vec<Mapping>> {
 /// file in another mount namespace, valid while the process lives).
 pub fn path_in(pid: u32, path: &Path) -> PathBuf {
     use std::os::unix::fs::MetadataExt as _;
-    let inside = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
+    let inside =
+        PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
     match (std::fs::metadata(path), std::fs::metadata(&inside)) {
         (Ok(here), Ok(there)) if (here.dev(), here.ino()) == (there.dev(), there.ino()) => {
             path.to_owned()

@@ -185,8 +185,16 @@ impl Probes {
             .override_global(names::GLOBAL_PREV_STATE_OFF, &offsets.prev_state, true)
             .override_global(names::GLOBAL_NEXT_PID_OFF, &offsets.next_pid, true)
             .override_global(names::GLOBAL_WAKEUP_PID_OFF, &offsets.wakeup_pid, true)
-            .override_global(names::GLOBAL_FORK_PARENT_PID_OFF, &offsets.fork_parent_pid, true)
-            .override_global(names::GLOBAL_FORK_CHILD_PID_OFF, &offsets.fork_child_pid, true)
+            .override_global(
+                names::GLOBAL_FORK_PARENT_PID_OFF,
+                &offsets.fork_parent_pid,
+                true,
+            )
+            .override_global(
+                names::GLOBAL_FORK_CHILD_PID_OFF,
+                &offsets.fork_child_pid,
+                true,
+            )
             .load(EBPF_OBJECT)
             .context("load the eBPF programs into the kernel")?;
         for (name, kind) in [
@@ -219,8 +227,10 @@ impl Probes {
             let map = ebpf
                 .map_mut(names::SITE_PROG)
                 .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::SITE_PROG))?;
-            let mut jump = aya::maps::ProgramArray::try_from(map).context("open the call-site program array")?;
-            jump.set(0, &fd, 0).context("install the call-site program")?;
+            let mut jump = aya::maps::ProgramArray::try_from(map)
+                .context("open the call-site program array")?;
+            jump.set(0, &fd, 0)
+                .context("install the call-site program")?;
         }
         let counters = ebpf
             .take_map(names::COUNTERS)
@@ -312,22 +322,12 @@ impl Probes {
         for target in &symbols.targets {
             let mut ok = true;
             for prog_name in [names::PROG_ENTRY, names::PROG_RETURN] {
-                let program: &mut UProbe = self
-                    .ebpf
-                    .program_mut(prog_name)
-                    .ok_or_else(|| anyhow!("eBPF object lacks program {prog_name}"))?
-                    .try_into()?;
                 for scope in &scopes {
-                    let point = UProbeAttachPoint {
-                        location: UProbeAttachLocation::AbsoluteOffset(target.offset),
-                        cookie: Some(target.op as u64),
-                    };
-                    match program.attach(point, &lib.open_path, *scope) {
-                        Ok(link) => self.links.push((prog_name, link)),
-                        Err(e) => {
-                            ok = false;
-                            failed.push(format!("{} ({prog_name}): {e}", target.symbol));
-                        }
+                    if let Err(e) =
+                        self.attach_one(prog_name, &lib.open_path, target.offset, target.op, *scope)
+                    {
+                        ok = false;
+                        failed.push(format!("{} ({prog_name}): {e:#}", target.symbol));
                     }
                 }
             }
@@ -354,6 +354,29 @@ impl Probes {
             failed,
         };
         Ok(self.attached.entry(lib.id).or_insert(record))
+    }
+
+    /// Attaches one of the two call programs at `offset` in `path`, its cookie naming `op`.
+    fn attach_one(
+        &mut self,
+        prog_name: &'static str,
+        path: &Path,
+        offset: u64,
+        op: tracer_common::Op,
+        scope: UProbeScope,
+    ) -> Result<()> {
+        let program: &mut UProbe = self
+            .ebpf
+            .program_mut(prog_name)
+            .ok_or_else(|| anyhow!("eBPF object lacks program {prog_name}"))?
+            .try_into()?;
+        let point = UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(offset),
+            cookie: Some(op as u64),
+        };
+        let link = program.attach(point, path, scope)?;
+        self.links.push((prog_name, link));
+        Ok(())
     }
 
     /// Sums the per-CPU counters.
@@ -442,4 +465,71 @@ impl PyProcs {
             .insert(pid, interp, 0)
             .with_context(|| format!("register the interpreter of pid {pid}"))
     }
+}
+
+/// What `tracer check` probes in tracer itself: a real function, called once under a uprobe.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn tracer_self_test_target(x: u64) -> u64 {
+    std::hint::black_box(x).wrapping_add(1)
+}
+
+/// Proves that tracing works on this machine, end to end: loads the programs, attaches the
+/// entry and return probes to [`tracer_self_test_target`] in this very process, calls it, and
+/// waits for its event to come out of the ring buffer. Returns how long the probed call took.
+pub fn self_test() -> Result<u64> {
+    let mut probes = Probes::load(LoadOptions {
+        ring_bytes: 1 << 16,
+        wakeup_bytes: 1,
+        floor: false,
+        stack: false,
+    })?;
+    let mut ring = probes.take_ring()?;
+    let (path, offset) = own_code_offset(tracer_self_test_target as *const () as usize)?;
+    let op = tracer_common::Op::CudaDeviceSynchronize;
+    for prog_name in [names::PROG_ENTRY, names::PROG_RETURN] {
+        probes
+            .attach_one(prog_name, &path, offset, op, UProbeScope::AllProcesses)
+            .with_context(|| {
+                format!(
+                    "attach a uprobe to {} at offset {offset:#x}",
+                    path.display()
+                )
+            })?;
+    }
+    std::hint::black_box(tracer_self_test_target(std::hint::black_box(41)));
+    let me = std::process::id();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let found = loop {
+        let mut seen = None;
+        while let Some(item) = ring.next() {
+            if let Ok(crate::decode::Record::Call(call)) = crate::decode::decode(&item) {
+                if call.pid == me && call.op == op {
+                    seen = Some(call.duration_ns);
+                }
+            }
+        }
+        if seen.is_some() || std::time::Instant::now() >= deadline {
+            break seen;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    probes.detach_all()?;
+    let entries = probes.counters()?[Counter::Entries as usize];
+    found.ok_or_else(|| {
+        anyhow!(
+            "the probes attached, but no event came through the ring buffer within 2 s ({entries} probe hits counted)"
+        )
+    })
+}
+
+/// The file holding this process's code at `addr`, and the address's offset in it.
+fn own_code_offset(addr: usize) -> Result<(std::path::PathBuf, u64)> {
+    let addr = addr as u64;
+    let maps = crate::memmap::read(std::process::id()).context("read /proc/self/maps")?;
+    let m = maps
+        .iter()
+        .find(|m| m.executable && (m.start..m.end).contains(&addr))
+        .ok_or_else(|| anyhow!("no executable mapping holds tracer's own code at {addr:#x}"))?;
+    Ok((m.path.clone(), addr - m.start + m.offset))
 }

@@ -136,12 +136,20 @@ pub fn thread_tree(pid: u32) -> Vec<u32> {
             continue;
         };
         for task in tasks.flatten() {
-            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
+            let Some(tid) = task
+                .file_name()
+                .to_str()
+                .and_then(|t| t.parse::<u32>().ok())
+            else {
                 continue;
             };
             tids.push(tid);
             if let Ok(children) = std::fs::read_to_string(task.path().join("children")) {
-                pending.extend(children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
+                pending.extend(
+                    children
+                        .split_whitespace()
+                        .filter_map(|c| c.parse::<u32>().ok()),
+                );
             }
         }
     }

@@ -255,7 +255,12 @@ pub struct SiteWriter {
 }
 
 impl SiteWriter {
-    pub fn store(&mut self, store: &mut Store, session: i64, sites: &[(i64, Site)]) -> anyhow::Result<()> {
+    pub fn store(
+        &mut self,
+        store: &mut Store,
+        session: i64,
+        sites: &[(i64, Site)],
+    ) -> anyhow::Result<()> {
         for (local, site) in sites {
             let symbols: Vec<NativeSymbol> = site
                 .native

@@ -12,8 +12,10 @@ use aya_ebpf::{
 };
 use tracer_common::{
     maps as names,
-    stack::{py_frame_flags, py_status, FRAME_OWNED_BY_CSTACK, MAX_NATIVE_FRAMES, MAX_PY_FRAMES,
-        MAX_PY_THREADS},
+    stack::{
+        py_frame_flags, py_status, FRAME_OWNED_BY_CSTACK, MAX_NATIVE_FRAMES, MAX_PY_FRAMES,
+        MAX_PY_THREADS,
+    },
     CallEvent, CallStackEvent, EventHeader, PyFrame, PyOffsets, PyProcess, PyStack,
 };
 
@@ -28,7 +30,8 @@ pub static PY_PROCS: HashMap<u32, PyProcess> =
     HashMap::with_max_entries(names::PY_PROCS_ENTRIES, 0);
 
 #[map(name = "PY_THREADS")]
-static PY_THREADS: LruHashMap<u64, u64> = LruHashMap::with_max_entries(names::PY_THREADS_ENTRIES, 0);
+static PY_THREADS: LruHashMap<u64, u64> =
+    LruHashMap::with_max_entries(names::PY_THREADS_ENTRIES, 0);
 
 /// Slot 0: [`call_site`], tail-called by the return program: a program of its own, so the
 /// verifier checks the frame walk once rather than on every path of the return program.

@@ -123,7 +123,10 @@ fn python_pair_ns(p: &Paths, iters: u64, extra: Option<&[&str]>) -> Result<f64> 
     let db = p.tmp.join("latency-py.db");
     let _ = std::fs::remove_file(&db);
     let mut tracer = match extra {
-        Some(extra) => Some(start_until(&mut tracer_cmd(p, &db, extra), "tracer: session")?),
+        Some(extra) => Some(start_until(
+            &mut tracer_cmd(p, &db, extra),
+            "tracer: session",
+        )?),
         None => None,
     };
     let script = root().join("xtask/scripts/py_pairs.py");
@@ -138,7 +141,11 @@ fn python_pair_ns(p: &Paths, iters: u64, extra: Option<&[&str]>) -> Result<f64> 
     if let Some(t) = tracer.as_mut() {
         interrupt(t)?;
     }
-    ensure!(out.status.success(), "py_pairs.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    ensure!(
+        out.status.success(),
+        "py_pairs.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let rep: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     Ok(rep["cpu_s"].as_f64().ok_or_else(|| anyhow!("no cpu_s"))? * 1e9 / iters as f64)
 }
@@ -289,7 +296,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         summary(peer),
     );
     let st = summary(stacked);
-    let (pu, pt, ps) = (summary(py_untraced), summary(py_traced), summary(py_stacked));
+    let (pu, pt, ps) = (
+        summary(py_untraced),
+        summary(py_traced),
+        summary(py_stacked),
+    );
 
     eprintln!(
         "bench: throughput run ({} s, 2 threads)",
@@ -352,7 +363,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         b.0 / t.0,
         b.1 / t.1
     );
-    println!("  tracer --stack      {:>14.0} {:>13.0}   (native stack; C program, no Python)", st.0, st.1);
+    println!(
+        "  tracer --stack      {:>14.0} {:>13.0}   (native stack; C program, no Python)",
+        st.0, st.1
+    );
     println!(
         "  --stack / tracer    {:>14.2} {:>13.2}   (target <= 2)",
         st.0 / t.0,
@@ -361,7 +375,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     println!("the same pairs from Python (ctypes), 20 frames deep, {py_n} pairs, CPU time of the interpreter");
     println!("  untraced            {:>14.0} {:>13.0}", pu.0, pu.1);
     println!("  tracer              {:>14.0} {:>13.0}", pt.0, pt.1);
-    println!("  tracer --stack      {:>14.0} {:>13.0}   (native + Python frames)", ps.0, ps.1);
+    println!(
+        "  tracer --stack      {:>14.0} {:>13.0}   (native + Python frames)",
+        ps.0, ps.1
+    );
     println!(
         "  --stack / tracer    {:>14.2} {:>13.2}   (target <= 2)",
         ps.0 / pt.0,
@@ -410,7 +427,11 @@ pub fn explain(args: ExplainBenchArgs) -> Result<()> {
         let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
     }
     let log = tmp.join("explain-events.log");
-    eprintln!("bench: writing {} synthetic calls to {}", args.events, log.display());
+    eprintln!(
+        "bench: writing {} synthetic calls to {}",
+        args.events,
+        log.display()
+    );
     run_ok(
         Command::new("python3")
             .arg(root.join("xtask/scripts/gen_events.py"))

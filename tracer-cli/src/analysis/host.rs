@@ -172,7 +172,9 @@ impl Host {
             "{:.1} threads of the process and its children runnable on average (peak {}){}",
             c.mean,
             c.peak,
-            self.cpus.map(|n| format!(" on {n} CPUs")).unwrap_or_default()
+            self.cpus
+                .map(|n| format!(" on {n} CPUs"))
+                .unwrap_or_default()
         ))
     }
 

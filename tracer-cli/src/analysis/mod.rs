@@ -243,7 +243,9 @@ fn group_by_pid(all: &[Event]) -> Grouped<'_> {
     if all.iter().all(|e| e.pid == first.pid) {
         return (Cow::Borrowed(all), vec![(first.pid, 0..all.len())]);
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8);
     let shares: Vec<&[Event]> = all.chunks(all.len().div_ceil(threads)).collect();
     // Per share: its processes in order of appearance, and each call's index among them.
     let numbered: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|scope| {
@@ -253,10 +255,16 @@ fn group_by_pid(all: &[Event]) -> Grouped<'_> {
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
             .collect()
     });
-    let mut pids: Vec<u32> = numbered.iter().flat_map(|(p, _)| p.iter().copied()).collect();
+    let mut pids: Vec<u32> = numbered
+        .iter()
+        .flat_map(|(p, _)| p.iter().copied())
+        .collect();
     pids.sort_unstable();
     pids.dedup();
     // Per share: local process index -> rank in `pids`, and its calls per rank.
@@ -283,8 +291,9 @@ fn group_by_pid(all: &[Event]) -> Grouped<'_> {
     let mut out: Vec<Event> = Vec::with_capacity(all.len());
     crate::store::events::advise_huge_pages(&mut out);
     // Process k's range is cut into one piece per share, in share order (which keeps time order).
-    let mut pieces: Vec<Vec<&mut [std::mem::MaybeUninit<Event>]>> =
-        (0..shares.len()).map(|_| Vec::with_capacity(pids.len())).collect();
+    let mut pieces: Vec<Vec<&mut [std::mem::MaybeUninit<Event>]>> = (0..shares.len())
+        .map(|_| Vec::with_capacity(pids.len()))
+        .collect();
     let mut ranges = Vec::with_capacity(pids.len());
     let mut rest = &mut out.spare_capacity_mut()[..all.len()];
     let mut at = 0;
@@ -342,7 +351,11 @@ fn number_processes(calls: &[Event]) -> (Vec<u32>, Vec<u32>) {
 }
 
 /// Each process's calls up to the window's end and those in the window.
-fn processes<'a>(grouped: &'a [Event], ranges: &[(u32, Range<usize>)], window: Window) -> Vec<Proc<'a>> {
+fn processes<'a>(
+    grouped: &'a [Event],
+    ranges: &[(u32, Range<usize>)],
+    window: Window,
+) -> Vec<Proc<'a>> {
     ranges
         .iter()
         .map(|(pid, range)| {
@@ -416,7 +429,9 @@ fn call_sites(procs: &[Proc<'_>], labels: &SiteLabels) -> Vec<CallSiteRow> {
             p99_ns: select_quantile(&mut d, 0.99),
         })
         .collect();
-    rows.sort_by(|a, b| (a.op, a.pid, std::cmp::Reverse(a.calls)).cmp(&(b.op, b.pid, std::cmp::Reverse(b.calls))));
+    rows.sort_by(|a, b| {
+        (a.op, a.pid, std::cmp::Reverse(a.calls)).cmp(&(b.op, b.pid, std::cmp::Reverse(b.calls)))
+    });
     let mut kept: HashMap<(&str, u32), usize> = HashMap::new();
     rows.retain(|r| {
         let n = kept.entry((r.op, r.pid)).or_default();

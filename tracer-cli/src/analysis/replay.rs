@@ -115,7 +115,10 @@ pub fn replay<'a>(
                         }
                         let life = e.ts_ns - a.ts_ns;
                         if a.ts_ns >= window.from_ns && life < CHURN_LIFETIME_NS {
-                            out.churn.entry((a.op, a.size)).or_default().push(life.max(0) as u64);
+                            out.churn
+                                .entry((a.op, a.size))
+                                .or_default()
+                                .push(life.max(0) as u64);
                         }
                     }
                 }

@@ -366,7 +366,8 @@ fn oom(p: &Proc<'_>, procs: &[Proc<'_>], failed: &[&Event], sites: &SiteLabels) 
     let f = *fatal.first()?;
     let requested = f.size;
     let held = replay::held_bytes_at(evs, f.ts_ns);
-    let held_on_device = replay::held_bytes_at(evs.iter().filter(|e| e.device == f.device), f.ts_ns);
+    let held_on_device =
+        replay::held_bytes_at(evs.iter().filter(|e| e.device == f.device), f.ts_ns);
     let device_held: u64 = procs
         .iter()
         .map(|other| {
@@ -458,7 +459,11 @@ fn leak(
 ) -> Option<Chain> {
     const SAMPLES: i64 = LEAK_SAMPLES;
     let pid = p.pid;
-    let points: Vec<(i64, u64)> = samples.iter().copied().zip(r.held_at.iter().copied()).collect();
+    let points: Vec<(i64, u64)> = samples
+        .iter()
+        .copied()
+        .zip(r.held_at.iter().copied())
+        .collect();
     let steps = points.windows(2);
     let up = steps.clone().filter(|w| w[1].1 > w[0].1).count();
     let big_drop = steps
@@ -469,7 +474,11 @@ fn leak(
         return None;
     }
     // A start-up ramp is not a leak: ask for a few seconds and a few dozen allocations.
-    let allocs = p.window.iter().filter(|e| e.class() == OpClass::Alloc).count();
+    let allocs = p
+        .window
+        .iter()
+        .filter(|e| e.class() == OpClass::Alloc)
+        .count();
     if window.secs() < 5.0 || allocs < 50 {
         return None;
     }
@@ -646,7 +655,8 @@ fn empty_cache_churn(pid: u32, evs: &[Event], device_frees: u64) -> Option<Chain
 
 /// Rule 6: driver allocations not made inside a runtime call of the same thread.
 fn driver_bypass(pid: u32, evs: &[Event]) -> Option<Chain> {
-    let driver_alloc = |e: &Event| e.op.spec().library == Library::Driver && e.class() == OpClass::Alloc;
+    let driver_alloc =
+        |e: &Event| e.op.spec().library == Library::Driver && e.class() == OpClass::Alloc;
     if !evs.iter().any(driver_alloc) {
         return None;
     }
@@ -673,11 +683,7 @@ fn driver_bypass(pid: u32, evs: &[Event]) -> Option<Chain> {
     if bypass.is_empty() {
         return None;
     }
-    let bytes: u64 = bypass
-        .iter()
-        .filter(|e| e.ret == 0)
-        .map(|e| e.size)
-        .sum();
+    let bytes: u64 = bypass.iter().filter(|e| e.ret == 0).map(|e| e.size).sum();
     let mut ops: BTreeMap<&str, u64> = BTreeMap::new();
     for e in &bypass {
         *ops.entry(e.op.name()).or_default() += 1;
@@ -800,10 +806,7 @@ fn cpu_contention(pid: u32, evs: &[Event], mut d: Vec<u64>, host: &Host) -> Opti
         return None;
     }
     let threshold = select_quantile(&mut d, 0.95).max(100_000);
-    let slow: Vec<&Event> = evs
-        .iter()
-        .filter(|e| e.duration_ns >= threshold)
-        .collect();
+    let slow: Vec<&Event> = evs.iter().filter(|e| e.duration_ns >= threshold).collect();
     let o = host.during(&slow);
     if slow.len() < 10 || o.call_ns == 0 || o.run_queue_ns * 5 < o.call_ns {
         return None;

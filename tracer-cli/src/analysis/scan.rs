@@ -87,6 +87,9 @@ impl<'a> Scan<'a> {
 
     /// Durations of every call (in no order: the per-op table reorders them).
     pub fn all_durations(&self) -> Vec<u64> {
-        self.by_op.iter().flat_map(|acc| acc.durations.iter().copied()).collect()
+        self.by_op
+            .iter()
+            .flat_map(|acc| acc.durations.iter().copied())
+            .collect()
     }
 }

@@ -27,7 +27,11 @@ fn ev(ts_ms: f64, op: Op, size: u64, ptr: u64, ret: i32, dur_us: u64) -> Event {
 }
 
 /// What explain's per-process tables show for `events`.
-fn per_process(events: &[Event], window: Window, comms: &HashMap<u32, String>) -> Vec<ProcessReport> {
+fn per_process(
+    events: &[Event],
+    window: Window,
+    comms: &HashMap<u32, String>,
+) -> Vec<ProcessReport> {
     analyze(1, events, &Host::default(), window, comms, &HashMap::new()).processes
 }
 
@@ -170,14 +174,7 @@ fn leak_needs_steady_growth() {
     // Growth then release: not steady.
     let mut v = growing(false, false);
     for (i, e) in v.clone().iter().enumerate().take(100) {
-        v.push(ev(
-            12_000.0 + i as f64,
-            Op::CudaFree,
-            MIB,
-            e.ptr,
-            0,
-            5,
-        ));
+        v.push(ev(12_000.0 + i as f64, Op::CudaFree, MIB, e.ptr, 0, 5));
     }
     assert!(!rules_fired(&v).contains(&"leak"));
 }
@@ -210,7 +207,7 @@ fn churn_is_many_short_cycles_of_one_size() {
         .iter()
         .map(|e| Event {
             ts_ns: e.ts_ns * 100,
-            ..e.clone()
+            ..*e
         })
         .collect();
     assert!(!rules_fired(&slow).contains(&"churn"));
@@ -258,7 +255,7 @@ fn empty_cache_bursts_release_and_take_back_the_same_sizes() {
 fn driver_bypass_ignores_driver_calls_nested_in_runtime_calls() {
     let mut nested = ev(0.0, Op::CuMemAlloc, MIB, 0x1, 0, 10);
     nested.ts_ns += 5_000;
-    let v = vec![ev(0.0, Op::CudaMalloc, MIB, 0x1, 0, 50), nested.clone()];
+    let v = vec![ev(0.0, Op::CudaMalloc, MIB, 0x1, 0, 50), nested];
     assert!(!rules_fired(&v).contains(&"driver_bypass"));
     let mut alone = nested;
     alone.ts_ns = 10 * MS;
@@ -407,7 +404,15 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
             preempted: true,
         })
         .collect();
-    let c = analyze(1, &v, &host_with(inside.clone()), w, &HashMap::new(), &HashMap::new()).chains;
+    let c = analyze(
+        1,
+        &v,
+        &host_with(inside.clone()),
+        w,
+        &HashMap::new(),
+        &HashMap::new(),
+    )
+    .chains;
     let cpu = c
         .iter()
         .find(|c| c.rule == "cpu_contention")
@@ -444,7 +449,15 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
             ..s.clone()
         })
         .collect();
-    let c = analyze(1, &v, &host_with(between), w, &HashMap::new(), &HashMap::new()).chains;
+    let c = analyze(
+        1,
+        &v,
+        &host_with(between),
+        w,
+        &HashMap::new(),
+        &HashMap::new(),
+    )
+    .chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
     assert!(c
         .iter()
@@ -462,7 +475,15 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
             ..s.clone()
         })
         .collect();
-    let c = analyze(1, &v, &host_with(blocked), w, &HashMap::new(), &HashMap::new()).chains;
+    let c = analyze(
+        1,
+        &v,
+        &host_with(blocked),
+        w,
+        &HashMap::new(),
+        &HashMap::new(),
+    )
+    .chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
     // Without a scheduler record there is nothing to say.
     let c = analyze(1, &v, &Host::default(), w, &HashMap::new(), &HashMap::new()).chains;
@@ -477,7 +498,11 @@ fn select_quantile_equals_sorted_quantile() {
     sorted.sort_unstable();
     for q in [0.0, 0.01, 0.5, 0.9, 0.95, 0.99, 1.0] {
         let mut scratch = values.clone();
-        assert_eq!(super::select_quantile(&mut scratch, q), super::quantile(&sorted, q), "q={q}");
+        assert_eq!(
+            super::select_quantile(&mut scratch, q),
+            super::quantile(&sorted, q),
+            "q={q}"
+        );
     }
     assert_eq!(super::select_quantile(&mut [], 0.5), 0);
 }
@@ -544,7 +569,11 @@ fn call_sites_name_the_leak_and_rank_the_callers() {
     .collect();
     let w = window_of(&v);
     let report = analyze(1, &v, &Host::default(), w, &HashMap::new(), &labels);
-    let leak = report.chains.iter().find(|c| c.rule == "leak").expect("fires");
+    let leak = report
+        .chains
+        .iter()
+        .find(|c| c.rule == "leak")
+        .expect("fires");
     let from_model = v.iter().filter(|e| e.stack == stack_id(1)).count();
     let from_loader = v.len() - from_model;
     assert!(
@@ -559,13 +588,22 @@ fn call_sites_name_the_leak_and_rank_the_callers() {
     assert_eq!(rows.len(), 2);
     assert_eq!(
         (rows[0].site.as_str(), rows[0].calls, rows[0].bytes),
-        ("train.py:74 (train_step)", from_model as u64, from_model as u64 * MIB)
+        (
+            "train.py:74 (train_step)",
+            from_model as u64,
+            from_model as u64 * MIB
+        )
     );
-    assert_eq!((rows[1].site.as_str(), rows[1].calls), ("data.py:12 (load)", from_loader as u64));
+    assert_eq!(
+        (rows[1].site.as_str(), rows[1].calls),
+        ("data.py:12 (load)", from_loader as u64)
+    );
     // Without labels (no --stack) there is no call-site table.
-    assert!(analyze(1, &v, &Host::default(), w, &HashMap::new(), &HashMap::new())
-        .call_sites
-        .is_empty());
+    assert!(
+        analyze(1, &v, &Host::default(), w, &HashMap::new(), &HashMap::new())
+            .call_sites
+            .is_empty()
+    );
 }
 
 /// Grouping by process is a stable sort by pid (each process's calls keep their time order),

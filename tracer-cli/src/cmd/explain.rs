@@ -100,8 +100,14 @@ pub fn run(args: ExplainArgs) -> Result<()> {
     let all = events::load(&path, info.id, args.to.unwrap_or(i64::MAX), args.pid)?;
     let Some((first, last)) = analysis::span(&all) else {
         return Err(user_error(match (args.pid, args.to) {
-            (Some(pid), _) => format!("session {} recorded no calls of pid {pid}: nothing to explain", info.id),
-            (None, Some(_)) => format!("session {} recorded no calls before --to: nothing to explain", info.id),
+            (Some(pid), _) => format!(
+                "session {} recorded no calls of pid {pid}: nothing to explain",
+                info.id
+            ),
+            (None, Some(_)) => format!(
+                "session {} recorded no calls before --to: nothing to explain",
+                info.id
+            ),
             (None, None) => format!("session {} recorded no calls: nothing to explain", info.id),
         }));
     };

@@ -60,7 +60,11 @@ pub fn run(args: StacksArgs) -> Result<()> {
         return Err(user_error(format!(
             "session {} has no call sites{}: record them with `sudo tracer trace --stack`",
             info.id,
-            if op.is_some() || args.pid.is_some() { " for this op or pid" } else { "" }
+            if op.is_some() || args.pid.is_some() {
+                " for this op or pid"
+            } else {
+                ""
+            }
         )));
     }
     for s in &stacks {

@@ -28,8 +28,8 @@ use crate::{
     live::{self, LiveView, Status},
     paths, privileges,
     probes::{Followed, LoadOptions, Probes, PyProcs},
-    sites::{Site, SiteWriter, Sites},
     procinfo,
+    sites::{Site, SiteWriter, Sites},
     stats::LiveStats,
     store::{Access, Batch, SessionCounters, SessionStart, Store},
     units::{parse_duration, parse_size},
@@ -62,6 +62,10 @@ pub struct TraceArgs {
     /// processes, the Python frames of the calling thread (see `tracer stacks`).
     #[arg(long)]
     pub stack: bool,
+    /// Machine-readable stdout: one JSON line when recording starts (`"event":"started"`, with
+    /// the session id) and one at the end (`"event":"summary"`) instead of the text summary.
+    #[arg(long)]
+    pub json: bool,
     /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
     #[arg(long, hide = true)]
     pub floor: bool,
@@ -165,15 +169,37 @@ pub fn run(args: TraceArgs) -> Result<()> {
         probes.library_count(),
         db_path.display()
     );
-
     let shared = Arc::new(Shared::default());
     let ring = probes.take_ring()?;
     let followed = probes.take_followed()?;
-    let python = if args.stack {
-        Some((probes.take_py_procs()?, Sites::default(), pid_filter.clone()))
+    let mut python = if args.stack {
+        Some((
+            probes.take_py_procs()?,
+            Sites::default(),
+            pid_filter.clone(),
+        ))
     } else {
         None
     };
+    // Interpreters already running are registered before "started" is announced, so that a
+    // process told to go on by it has Python frames from its first call.
+    if let Some((procs, sites, scope)) = python.as_mut() {
+        for pid in scope.clone().unwrap_or_else(crate::discover::all_pids) {
+            register_python(procs, sites, pid);
+        }
+    }
+    if args.json {
+        print_json(&serde_json::json!({
+            "event": "started",
+            "session": session,
+            "db": db_path,
+            "probes": probes.probe_count(),
+            "libraries": probes.libraries(),
+            "pid_filter": pid_filter,
+            "host_context": host,
+        }))?;
+    }
+
     let (tx, rx) = mpsc::sync_channel::<Delivery>(1024);
     let reader = {
         let shared = shared.clone();
@@ -246,15 +272,20 @@ pub fn run(args: TraceArgs) -> Result<()> {
         .lock()
         .map_err(|_| anyhow!("statistics lock poisoned"))?
         .clone();
-    print_summary(
+    let summary = Summary {
         session,
-        &db_path,
-        started.elapsed(),
-        &stats,
-        &counters,
-        probes.library_count(),
-        probes.probe_count(),
-    )?;
+        db: &db_path,
+        elapsed: started.elapsed(),
+        stats: &stats,
+        counters: &counters,
+        libraries: probes.library_count(),
+        probes: probes.probe_count(),
+    };
+    if args.json {
+        print_json(&summary.json(status, &reason))?;
+    } else {
+        summary.print()?;
+    }
     // Everything is stored; the kernel now removes the probes (about 0.1 s per probe).
     probes.detach_all()?;
     if let Some(p) = problems.first() {
@@ -384,7 +415,7 @@ impl Scanner {
             let pids = self.pids.clone().unwrap_or_else(discover::all_pids);
             found.extend(discover::scan_processes(&pids, &mut self.static_cache));
             // Installed copies change rarely: look every 30 s, and not when scoped to pids.
-            if self.pids.is_none() && (first || self.ticks % 30 == 0) {
+            if self.pids.is_none() && (first || self.ticks.is_multiple_of(30)) {
                 found.extend(discover::scan_installed(&self.homes));
             }
         }
@@ -535,7 +566,8 @@ fn read_loop(
                         // time its events are written.
                         if pids_seen.insert(call.pid) {
                             let seen = call.ts_mono_ns as i64 + wall_offset_ns;
-                            out.processes.push(procinfo::read(call.pid, seen, &call.comm, boot));
+                            out.processes
+                                .push(procinfo::read(call.pid, seen, &call.comm, boot));
                             if let Some(f) = followed.as_mut() {
                                 f.process_tree(call.pid);
                             }
@@ -543,7 +575,9 @@ fn read_loop(
                                 register_python(procs, sites, call.pid);
                             }
                         }
-                        if let (Some(site), Some((_, sites, _))) = (call.site.take(), python.as_mut()) {
+                        if let (Some(site), Some((_, sites, _))) =
+                            (call.site.take(), python.as_mut())
+                        {
                             call.stack = Some(sites.intern(call.pid, *site, &mut out.sites));
                         }
                         out.calls.push(call);
@@ -604,7 +638,13 @@ fn deliver(delivery: Delivery, tx: &SyncSender<Delivery>, shared: &Shared) -> Re
 impl Delivery {
     /// Adds `more` to what waits for the next commit. Its new call sites are stored at once and
     /// its calls made to point at the stored ids.
-    fn absorb(&mut self, more: Delivery, sites: &mut SiteWriter, store: &mut Store, session: i64) -> Result<()> {
+    fn absorb(
+        &mut self,
+        more: Delivery,
+        sites: &mut SiteWriter,
+        store: &mut Store,
+        session: i64,
+    ) -> Result<()> {
         sites.store(store, session, &more.sites)?;
         self.calls.extend(more.calls.into_iter().map(|mut c| {
             c.stack = c.stack.and_then(|local| sites.stored_id(local));
@@ -758,41 +798,86 @@ impl Clock {
     }
 }
 
-fn print_summary(
+/// What the trace recorded, printed when it stops.
+struct Summary<'a> {
     session: i64,
-    db: &std::path::Path,
+    db: &'a std::path::Path,
     elapsed: Duration,
-    stats: &LiveStats,
-    c: &SessionCounters,
+    stats: &'a LiveStats,
+    counters: &'a SessionCounters,
     libraries: usize,
     probes: usize,
-) -> Result<()> {
-    use std::io::Write as _;
-    let mut out = std::io::stdout().lock();
-    writeln!(
-        out,
-        "session {session}: {:.1}s, {libraries} libraries, {probes} probes, {} processes",
-        elapsed.as_secs_f64(),
-        stats.pids.len()
-    )?;
-    for line in live::op_table(stats, elapsed) {
-        writeln!(out, "{line}")?;
-    }
-    writeln!(
-        out,
-        "events: {} submitted, {} read, {} stored; dropped (ring full): {}; unmatched returns: {}; decode errors: {}",
-        c.submitted, c.events_read, c.events_stored, c.dropped_ring_full, c.unmatched_returns, c.decode_errors
-    )?;
-    if c.dropped_ring_full > 0 {
+}
+
+impl Summary<'_> {
+    fn print(&self) -> Result<()> {
+        use std::io::Write as _;
+        let (session, c) = (self.session, self.counters);
+        let mut out = std::io::stdout().lock();
         writeln!(
             out,
-            "warning: {} events were lost because the ring buffer was full: raise --ring-size",
-            c.dropped_ring_full
+            "session {session}: {:.1}s, {} libraries, {} probes, {} processes",
+            self.elapsed.as_secs_f64(),
+            self.libraries,
+            self.probes,
+            self.stats.pids.len()
         )?;
+        for line in live::op_table(self.stats, self.elapsed) {
+            writeln!(out, "{line}")?;
+        }
+        writeln!(
+            out,
+            "events: {} submitted, {} read, {} stored; dropped (ring full): {}; unmatched returns: {}; decode errors: {}",
+            c.submitted, c.events_read, c.events_stored, c.dropped_ring_full, c.unmatched_returns, c.decode_errors
+        )?;
+        if c.dropped_ring_full > 0 {
+            writeln!(
+                out,
+                "warning: {} events were lost because the ring buffer was full: raise --ring-size",
+                c.dropped_ring_full
+            )?;
+        }
+        if c.alloc_map_full > 0 {
+            writeln!(out, "warning: {} allocations were not tracked (allocation map full): their frees lack a size", c.alloc_map_full)?;
+        }
+        writeln!(out, "database: {}", self.db.display())?;
+        Ok(())
     }
-    if c.alloc_map_full > 0 {
-        writeln!(out, "warning: {} allocations were not tracked (allocation map full): their frees lack a size", c.alloc_map_full)?;
+
+    fn json(&self, status: &str, reason: &str) -> serde_json::Value {
+        let ops: Vec<serde_json::Value> = self
+            .stats
+            .ops
+            .iter()
+            .map(|(op, s)| {
+                serde_json::json!({
+                    "op": op.name(), "calls": s.calls, "errors": s.errors, "bytes": s.bytes,
+                    "p50_ns": s.latency.quantile(0.5), "p99_ns": s.latency.quantile(0.99), "max_ns": s.max_ns,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "event": "summary",
+            "session": self.session,
+            "status": status,
+            "reason": reason,
+            "elapsed_s": self.elapsed.as_secs_f64(),
+            "libraries": self.libraries,
+            "probes": self.probes,
+            "processes": self.stats.pids,
+            "ops": ops,
+            "counters": self.counters,
+            "db": self.db,
+        })
     }
-    writeln!(out, "database: {}", db.display())?;
+}
+
+/// One JSON record on its own line, flushed at once (a script may be waiting for it).
+fn print_json(value: &serde_json::Value) -> Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer(&mut out, value)?;
+    writeln!(out)?;
+    out.flush()?;
     Ok(())
 }

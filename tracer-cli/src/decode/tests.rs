@@ -250,19 +250,28 @@ fn a_site_deeper_than_its_arrays_or_of_unknown_status_is_refused() {
     ev.native_depth = 33;
     assert!(matches!(
         decode(&stack_bytes(&ev)),
-        Err(DecodeError::BadField { field: "native_depth", value: 33 })
+        Err(DecodeError::BadField {
+            field: "native_depth",
+            value: 33
+        })
     ));
     let mut ev = stack_event();
     ev.py.depth = 40;
     assert!(matches!(
         decode(&stack_bytes(&ev)),
-        Err(DecodeError::BadField { field: "py.depth", .. })
+        Err(DecodeError::BadField {
+            field: "py.depth",
+            ..
+        })
     ));
     let mut ev = stack_event();
     ev.py.status = 9;
     assert!(matches!(
         decode(&stack_bytes(&ev)),
-        Err(DecodeError::BadField { field: "py.status", value: 9 })
+        Err(DecodeError::BadField {
+            field: "py.status",
+            value: 9
+        })
     ));
     // A plain call's length under the stack kind is a length error, not a misread.
     let mut short = raw_call();

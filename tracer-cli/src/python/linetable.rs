@@ -100,16 +100,34 @@ mod tests {
         // Entries: short form (1 unit, line 10), one-line form +1 (2 units, line 11),
         // no-column form -1 (1 unit, line 10), long form +5 (3 units, line 15), none (1 unit).
         let table = [
-            0x80, 0x00, // code 0, length 1, one column byte
-            0x80 | (11 << 3) | 1, 4, 9, // code 11: line +1, length 2
-            0x80 | (13 << 3), 3, // code 13: svarint 3 = -1
-            0x80 | (14 << 3) | 2, 10, 0, 4, 8, // code 14: svarint 10 = +5, length 3
+            0x80,
+            0x00, // code 0, length 1, one column byte
+            0x80 | (11 << 3) | 1,
+            4,
+            9, // code 11: line +1, length 2
+            0x80 | (13 << 3),
+            3, // code 13: svarint 3 = -1
+            0x80 | (14 << 3) | 2,
+            10,
+            0,
+            4,
+            8,                // code 14: svarint 10 = +5, length 3
             0x80 | (15 << 3), // no location
         ];
         let lines: Vec<Option<i32>> = (0..9).map(|o| line_from_locations(&table, 10, o)).collect();
         assert_eq!(
             lines,
-            [Some(10), Some(11), Some(11), Some(10), Some(15), Some(15), Some(15), None, None]
+            [
+                Some(10),
+                Some(11),
+                Some(11),
+                Some(10),
+                Some(15),
+                Some(15),
+                Some(15),
+                None,
+                None
+            ]
         );
     }
 

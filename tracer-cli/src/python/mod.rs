@@ -124,17 +124,24 @@ impl Memory {
 
 /// `_Py_DebugOffsets` (3.13): the interpreter's own description of its layout, at the start of
 /// `_PyRuntime`. Field positions are those of 3.13's struct (u64 each after the 8-byte cookie).
-fn debug_offsets(mem: &Memory, runtime: u64, pthread_tid: u32) -> Result<(PyOffsets, CodeLayout), String> {
+fn debug_offsets(
+    mem: &Memory,
+    runtime: u64,
+    pthread_tid: u32,
+) -> Result<(PyOffsets, CodeLayout), String> {
     let raw = mem
         .bytes(runtime, 8 + 8 * 70)
         .ok_or("cannot read _Py_DebugOffsets")?;
     if &raw[..8] != b"xdebugpy" {
         return Err("no _Py_DebugOffsets cookie at _PyRuntime".into());
     }
-    let field = |i: usize| u64::from_le_bytes(raw[8 + 8 * i..16 + 8 * i].try_into().unwrap_or_default());
+    let field =
+        |i: usize| u64::from_le_bytes(raw[8 + 8 * i..16 + 8 * i].try_into().unwrap_or_default());
     let version = field(0);
     if version >> 16 != 0x030d {
-        return Err(format!("_Py_DebugOffsets of version {version:#x}: tracer reads the 3.13 layout"));
+        return Err(format!(
+            "_Py_DebugOffsets of version {version:#x}: tracer reads the 3.13 layout"
+        ));
     }
     if field(1) != 0 {
         return Err("free-threaded build: not supported".into());
@@ -230,7 +237,11 @@ fn version_from_path(path: &Path) -> Option<(u32, u32)> {
     let rest = name.split("python").nth(1)?;
     let mut parts = rest.split('.');
     let major = parts.next()?.parse().ok()?;
-    let minor: String = parts.next()?.chars().take_while(char::is_ascii_digit).collect();
+    let minor: String = parts
+        .next()?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
     Some((major, minor.parse().ok()?))
 }
 
@@ -283,7 +294,9 @@ impl Finder {
             let (offsets, code) = if version >= (3, 13) {
                 let (o, c) = debug_offsets(&mem, runtime, pthread_tid)?;
                 if version == (3, 13) && Some((o, c)) != table(version, pthread_tid) {
-                    log::debug!("3.13 debug offsets differ from the table: using the interpreter's");
+                    log::debug!(
+                        "3.13 debug offsets differ from the table: using the interpreter's"
+                    );
                 }
                 (o, c)
             } else {
@@ -297,7 +310,9 @@ impl Finder {
                 })?
             };
             if offsets.tstate_native_tid == NONE && offsets.pthread_tid == NONE {
-                return Err("cannot find the tid inside glibc's struct pthread (needed for 3.10)".into());
+                return Err(
+                    "cannot find the tid inside glibc's struct pthread (needed for 3.10)".into(),
+                );
             }
             return Ok(Some(Interpreter {
                 version,
@@ -379,7 +394,11 @@ fn read_str(mem: &Memory, addr: u64, ascii_data: u64) -> Option<String> {
 pub fn read_code(mem: &Memory, interp: &Interpreter, addr: u64) -> Option<Code> {
     let l = &interp.code;
     let filename = read_str(mem, mem.u64(addr + l.filename)?, l.ascii_data)?;
-    let qualname = read_str(mem, mem.u64(addr + l.qualname.unwrap_or(l.name))?, l.ascii_data)?;
+    let qualname = read_str(
+        mem,
+        mem.u64(addr + l.qualname.unwrap_or(l.name))?,
+        l.ascii_data,
+    )?;
     let first_line = mem.i32(addr + l.firstlineno)?;
     // co_linetable is a bytes object: ob_size at 16, data at 32.
     let table = mem.u64(addr + l.linetable)?;
@@ -456,14 +475,20 @@ mod tests {
 
     #[test]
     fn versions_from_file_names() {
-        assert_eq!(version_from_path(Path::new("/x/libpython3.11.so.1.0")), Some((3, 11)));
-        assert_eq!(version_from_path(Path::new("/usr/bin/python3.10")), Some((3, 10)));
+        assert_eq!(
+            version_from_path(Path::new("/x/libpython3.11.so.1.0")),
+            Some((3, 11))
+        );
+        assert_eq!(
+            version_from_path(Path::new("/usr/bin/python3.10")),
+            Some((3, 10))
+        );
         assert_eq!(version_from_path(Path::new("/usr/bin/python3")), None);
     }
 
     #[test]
     fn pthread_tid_offset_is_found_in_this_process() {
         let off = pthread_tid_offset().expect("glibc keeps the tid in struct pthread");
-        assert!(off > 0 && off < 2048 && off % 4 == 0, "{off}");
+        assert!(off > 0 && off < 2048 && off.is_multiple_of(4), "{off}");
     }
 }

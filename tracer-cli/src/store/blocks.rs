@@ -128,9 +128,14 @@ impl std::fmt::Display for BlockError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             BlockError::Truncated { call } => write!(f, "ends inside call {call}"),
-            BlockError::Overlong { call } => write!(f, "a number of call {call} is longer than 64 bits"),
+            BlockError::Overlong { call } => {
+                write!(f, "a number of call {call} is longer than 64 bits")
+            }
             BlockError::UnknownFields { call, bits } => {
-                write!(f, "call {call} has unknown fields (presence byte {bits:#04x})")
+                write!(
+                    f,
+                    "call {call} has unknown fields (presence byte {bits:#04x})"
+                )
             }
             BlockError::Trailing { bytes } => write!(f, "{bytes} bytes follow the last call"),
         }
@@ -208,12 +213,24 @@ pub fn decode(data: &[u8], calls: usize, mut emit: impl FnMut(Event)) -> Result<
         } else {
             NO_DEVICE
         };
-        let size = if present & HAS_SIZE != 0 { r.varint()? } else { 0 };
+        let size = if present & HAS_SIZE != 0 {
+            r.varint()?
+        } else {
+            0
+        };
         if present & HAS_PTR != 0 {
             ptr = ptr.wrapping_add(r.signed()?);
         }
-        let aux0 = if present & HAS_AUX0 != 0 { r.varint()? } else { 0 };
-        let aux1 = if present & HAS_AUX1 != 0 { r.varint()? } else { 0 };
+        let aux0 = if present & HAS_AUX0 != 0 {
+            r.varint()?
+        } else {
+            0
+        };
+        let aux1 = if present & HAS_AUX1 != 0 {
+            r.varint()?
+        } else {
+            0
+        };
         if present & HAS_STACK != 0 {
             stack = stack.wrapping_add(r.signed()?);
         }
@@ -225,7 +242,11 @@ pub fn decode(data: &[u8], calls: usize, mut emit: impl FnMut(Event)) -> Result<
             ts_ns: ts,
             duration_ns,
             size,
-            ptr: if present & HAS_PTR != 0 { ptr as u64 } else { 0 },
+            ptr: if present & HAS_PTR != 0 {
+                ptr as u64
+            } else {
+                0
+            },
             aux0,
             aux1,
             pid: pid as u32,
@@ -258,18 +279,22 @@ mod tests {
             ts_mono_ns: 5_000_000 + i * 1_000 - (i % 3) * 700,
             pid: 100 + (i % 2) as u32,
             tid: 200 + (i % 4) as u32,
-            op: if i % 2 == 0 { Op::CudaMalloc } else { Op::CudaFree },
-            device: (i % 5 != 0).then_some((i % 3) as i32),
+            op: if i.is_multiple_of(2) {
+                Op::CudaMalloc
+            } else {
+                Op::CudaFree
+            },
+            device: (!i.is_multiple_of(5)).then_some((i % 3) as i32),
             ret: if i == 7 { 2 } else { 0 },
             duration_ns: 60_000 + i,
             size: (i % 4 != 3).then_some(i << 20),
             ptr: (i % 6 != 5).then_some(0x7f00_0000_0000 + (i * 7919 % 13) * 4096),
-            aux0: if i % 9 == 0 { u64::MAX } else { 0 },
+            aux0: if i.is_multiple_of(9) { u64::MAX } else { 0 },
             aux1: i % 2,
             flags: 0,
             comm: String::new(),
             site: None,
-            stack: (i % 3 != 0).then_some((i % 5 + 1) as i64),
+            stack: (!i.is_multiple_of(3)).then_some((i % 5 + 1) as i64),
         }
     }
 
@@ -349,7 +374,9 @@ mod tests {
                 bits: unknown[0]
             })
         );
-        let overlong = [0u8, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02];
+        let overlong = [
+            0u8, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02,
+        ];
         assert_eq!(
             decode(&overlong, 1, |_| {}),
             Err(BlockError::Overlong { call: 0 })

@@ -208,7 +208,7 @@ impl Store {
         let pid_filter = start
             .pid_filter
             .as_ref()
-            .map(|p| serde_json::to_string(p))
+            .map(serde_json::to_string)
             .transpose()?;
         self.conn
             .execute(
@@ -386,7 +386,10 @@ impl Store {
 
     /// Stores a call site and its frames (innermost first); returns its id for calls.stack_id.
     pub fn insert_stack(&mut self, session: i64, stack: &StackRow<'_>) -> Result<i64> {
-        let tx = self.conn.transaction().context("begin a write transaction")?;
+        let tx = self
+            .conn
+            .transaction()
+            .context("begin a write transaction")?;
         tx.execute(
             "INSERT INTO stacks (session_id, pid, native_depth, python) VALUES (?1, ?2, ?3, ?4)",
             params![session, stack.pid, stack.native_depth, stack.python],

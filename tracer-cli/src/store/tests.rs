@@ -286,7 +286,11 @@ fn migrates_a_version_1_database_and_keeps_its_data() {
     assert_eq!(n, 1);
     let (off, blocks): (i64, i64) = store
         .conn()
-        .query_row("SELECT offcpu_dropped, call_blocks FROM sessions", [], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_row(
+            "SELECT offcpu_dropped, call_blocks FROM sessions",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
         .unwrap();
     assert_eq!((off, blocks), (0, 0), "an old session has no call blocks");
     // So explain reads its rows.
@@ -309,7 +313,13 @@ fn parallel_load_matches_one_ordered_query() {
             // Entry times go backwards inside a batch, as returns from several CPUs do.
             let calls: Vec<Call> = (0..50u64)
                 .map(|i| {
-                    let mut c = call(Op::CudaMalloc, 1_000_000 + batch * 1000 + (50 - i) * 7 % 40, Some(i), Some(i), 0);
+                    let mut c = call(
+                        Op::CudaMalloc,
+                        1_000_000 + batch * 1000 + (50 - i) * 7 % 40,
+                        Some(i),
+                        Some(i),
+                        0,
+                    );
                     c.pid = 100 + (i % 3) as u32;
                     c
                 })
@@ -331,7 +341,11 @@ fn parallel_load_matches_one_ordered_query() {
             .unwrap();
         let expected: Vec<(i64, u32, u64)> = stmt
             .query_map(rusqlite::params![second, to_ns, pid], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get::<_, Option<i64>>(2)?.unwrap_or(0) as u64))
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get::<_, Option<i64>>(2)?.unwrap_or(0) as u64,
+                ))
             })
             .unwrap()
             .collect::<rusqlite::Result<_>>()
@@ -367,7 +381,11 @@ fn site_labels_pick_the_first_user_frame() {
     };
     let python_stack = [
         native("cudaMalloc", "/x/libcudart.so.12"),
-        py("malloc", "/venv/lib/python3.11/site-packages/torch/cuda/memory.py", 40),
+        py(
+            "malloc",
+            "/venv/lib/python3.11/site-packages/torch/cuda/memory.py",
+            40,
+        ),
         py("helper", "/home/me/proj/utils.py", 7),
         py("train_step", "/home/me/proj/train.py", 74),
     ];
@@ -393,11 +411,17 @@ fn site_labels_pick_the_first_user_frame() {
         );
     }
     let labels = events::site_labels(store.conn(), session, &[]).unwrap();
-    assert_eq!(labels[&stack_id(ids[0]).unwrap()], "proj/utils.py:7 (helper)");
+    assert_eq!(
+        labels[&stack_id(ids[0]).unwrap()],
+        "proj/utils.py:7 (helper)"
+    );
     assert_eq!(labels[&stack_id(ids[1]).unwrap()], "allocate (me/app)");
     let skip = ["utils.py".to_string()];
     let labels = events::site_labels(store.conn(), session, &skip).unwrap();
-    assert_eq!(labels[&stack_id(ids[0]).unwrap()], "proj/train.py:74 (train_step)");
+    assert_eq!(
+        labels[&stack_id(ids[0]).unwrap()],
+        "proj/train.py:74 (train_step)"
+    );
 }
 
 /// Calls with every field varied: absent values, aux values, call sites, several processes and
@@ -410,23 +434,28 @@ fn varied_calls(n: u64, seed: u64) -> Vec<Call> {
             let mut c = call(
                 op,
                 10_000_000 + seed * 100_000_000 + i * 1_000 - (k % 5) * 300,
-                (k % 4 != 0).then_some(k << 12),
-                (k % 6 != 0).then_some(0x7f00_0000_0000 + (k % 97) * 4096),
-                if k % 11 == 0 { 2 } else { 0 },
+                (!k.is_multiple_of(4)).then_some(k << 12),
+                (!k.is_multiple_of(6)).then_some(0x7f00_0000_0000 + (k % 97) * 4096),
+                if k.is_multiple_of(11) { 2 } else { 0 },
             );
             c.pid = 100 + (k % 3) as u32;
             c.tid = 1000 + (k % 5) as u32;
-            c.device = (k % 13 != 0).then_some((k % 2) as i32);
+            c.device = (!k.is_multiple_of(13)).then_some((k % 2) as i32);
             c.duration_ns = 500 + k % 10_000;
-            c.aux0 = if k % 9 == 0 { k << 20 } else { 0 };
-            c.aux1 = if k % 9 == 0 { k << 30 } else { 0 };
+            c.aux0 = if k.is_multiple_of(9) { k << 20 } else { 0 };
+            c.aux1 = if k.is_multiple_of(9) { k << 30 } else { 0 };
             c
         })
         .collect()
 }
 
 /// What the rows say, through the row reader.
-fn from_rows(path: &std::path::Path, session: i64, to_ns: i64, pid: Option<u32>) -> Vec<crate::analysis::Event> {
+fn from_rows(
+    path: &std::path::Path,
+    session: i64,
+    to_ns: i64,
+    pid: Option<u32>,
+) -> Vec<crate::analysis::Event> {
     events::load_split(path, session, to_ns, pid, 1).unwrap()
 }
 
@@ -453,17 +482,25 @@ fn call_blocks_hold_exactly_the_rows() {
     for batch in 0..4u64 {
         for session in [first, second] {
             // One batch larger than a block, so that batches span several blocks.
-            let n = if batch == 1 { blocks::MAX_CALLS as u64 + 1000 } else { 700 };
+            let n = if batch == 1 {
+                blocks::MAX_CALLS as u64 + 1000
+            } else {
+                700
+            };
             let mut calls = varied_calls(n, batch);
             for (i, c) in calls.iter_mut().enumerate() {
-                c.stack = (session == second && i % 3 == 0).then_some(stack);
+                c.stack = (session == second && i.is_multiple_of(3)).then_some(stack);
             }
             write(&mut store, session, &calls);
         }
     }
     let rows_total: i64 = store
         .conn()
-        .query_row("SELECT count(*) FROM calls WHERE session_id = ?1", [second], |r| r.get(0))
+        .query_row(
+            "SELECT count(*) FROM calls WHERE session_id = ?1",
+            [second],
+            |r| r.get(0),
+        )
         .unwrap();
     let (blocks, copied, covered): (i64, i64, i64) = store
         .conn()
@@ -477,8 +514,16 @@ fn call_blocks_hold_exactly_the_rows() {
         )
         .unwrap();
     assert_eq!((copied, covered), (rows_total, rows_total));
-    assert_eq!(blocks, 5, "3 small batches in one block each, the large one in two");
-    for (pid, to_ns) in [(None, i64::MAX), (Some(101), i64::MAX), (None, 110_002_000), (Some(102), 210_000_000)] {
+    assert_eq!(
+        blocks, 5,
+        "3 small batches in one block each, the large one in two"
+    );
+    for (pid, to_ns) in [
+        (None, i64::MAX),
+        (Some(101), i64::MAX),
+        (None, 110_002_000),
+        (Some(102), 210_000_000),
+    ] {
         let rows = from_rows(&path, second, to_ns, pid);
         let from_blocks = events::load_blocks(&path, second, to_ns, pid).unwrap();
         assert!(rows.len() > 100, "{pid:?} {to_ns}: {}", rows.len());
@@ -505,7 +550,10 @@ fn a_damaged_call_block_falls_back_to_the_rows() {
         .execute("UPDATE call_blocks SET data = substr(data, 1, 100) WHERE id = (SELECT max(id) FROM call_blocks)", [])
         .unwrap();
     let err = events::load_blocks(&path, session, i64::MAX, None).unwrap_err();
-    assert!(format!("{err:#}").contains("is damaged: ends inside call"), "{err:#}");
+    assert!(
+        format!("{err:#}").contains("is damaged: ends inside call"),
+        "{err:#}"
+    );
     let rows = from_rows(&path, session, i64::MAX, None);
     assert_eq!(rows.len(), 1000);
     assert_eq!(events::load(&path, session, i64::MAX, None).unwrap(), rows);
@@ -533,11 +581,18 @@ fn evicting_part_of_the_current_session_keeps_blocks_and_rows_equal() {
         )
         .unwrap();
     assert_eq!(left + evicted, 30_000);
-    assert_eq!(evicted % 5000, 0, "whole blocks (one per batch here): {evicted}");
+    assert_eq!(
+        evicted % 5000,
+        0,
+        "whole blocks (one per batch here): {evicted}"
+    );
     assert!(evicted > 0 && left > 0, "{left} left, {evicted} evicted");
     let rows = from_rows(&path, session, i64::MAX, None);
     assert_eq!(rows.len() as i64, left);
-    assert_eq!(events::load_blocks(&path, session, i64::MAX, None).unwrap(), rows);
+    assert_eq!(
+        events::load_blocks(&path, session, i64::MAX, None).unwrap(),
+        rows
+    );
 }
 
 /// The loader's sort gives what a stable sort by entry time gives: for calls in return order
@@ -562,13 +617,19 @@ fn nearly_sorted_calls_are_put_in_time_order_stably() {
     let mut by_return: Vec<(i64, i64, u64)> = (0..5000u64)
         .map(|i| {
             let ts = 10 * i as i64 / 3; // equal entry times too
-            let dur = if i % 997 == 0 { 20_000 } else { (i as i64 * 37) % 100 };
+            let dur = if i.is_multiple_of(997) {
+                20_000
+            } else {
+                (i as i64 * 37) % 100
+            };
             (ts + dur, ts, i)
         })
         .collect();
     by_return.sort();
     let nearly: Vec<_> = by_return.iter().map(|&(_, ts, id)| mk(ts, id)).collect();
-    let shuffled: Vec<_> = (0..5000u64).map(|i| mk(((i * 7919) % 5000) as i64 / 2, i)).collect();
+    let shuffled: Vec<_> = (0..5000u64)
+        .map(|i| mk(((i * 7919) % 5000) as i64 / 2, i))
+        .collect();
     for input in [nearly, shuffled] {
         let mut want = input.clone();
         want.sort_by_key(|e| e.ts_ns);

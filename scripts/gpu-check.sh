@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# The GPU check: runs a small PyTorch training loop under `tracer trace --stack` on a real NVIDIA
+# GPU, once with the default caching allocator and once with expandable segments, and compares
+# what tracer stored with what PyTorch says about itself (torch.cuda.memory_stats()); measures the
+# cost (untraced, traced, traced --stack, interleaved); keeps `tracer explain`'s report. Needs no
+# network. Run as root, with a tracer built elsewhere:
+#
+#   scripts/gpu-check.sh OUTDIR [--tracer PATH] [--steps N] [--rounds N] [--python PATH]
+#   scripts/gpu-check.sh OUTDIR --simulated     # the same check on the simulated runtime (no GPU;
+#                                               # tests the check itself, says nothing of a GPU)
+#
+# OUTDIR receives at most 8 files: summary.txt, summary.json, explain-default.txt,
+# explain-expandable.txt, trace-default.db.gz, trace-expandable.db.gz, log.txt.
+# GPU_CHECK_KEEP=DIR keeps the working files (each run's statistics, database, logs) in DIR.
+# Exit status: 0 every comparison equal or explained, or no GPU here (it says so); 1 a comparison
+# differs or a step failed; 2 bad arguments; 3 tracing cannot work on this machine (it says why).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+tracer="${TRACER:-$repo/target/release/tracer}"
+python="${PYTHON:-python3}"
+steps=150
+rounds=3
+simulated=0
+out=""
+
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tracer) tracer=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
+    --python) python=$2; shift 2 ;;
+    --simulated) simulated=1; shift ;;
+    -h|--help) usage ;;
+    -*) echo "gpu-check: unknown option $1" >&2; usage ;;
+    *) [ -z "$out" ] || usage; out=$1; shift ;;
+  esac
+done
+[ -n "$out" ] || usage
+case "$steps$rounds" in *[!0-9]*) echo "gpu-check: --steps and --rounds take whole numbers" >&2; exit 2 ;; esac
+if [ ! -x "$tracer" ]; then
+  echo "gpu-check: no tracer binary at $tracer: build it (cargo build --release -p tracer-cli) or pass --tracer PATH" >&2
+  exit 2
+fi
+tracer=$(cd "$(dirname "$tracer")" && pwd)/$(basename "$tracer")
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+rm -f "$out"/summary.txt "$out"/summary.json "$out"/explain-*.txt "$out"/trace-*.db.gz "$out"/log.txt
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+children=()
+cleanup() {
+  for p in "${children[@]}"; do kill "$p" 2>/dev/null || true; done
+  if [ -n "${GPU_CHECK_KEEP:-}" ]; then mkdir -p "$GPU_CHECK_KEEP" && cp -r "$work"/. "$GPU_CHECK_KEEP"/; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+exec > >(tee -a "$out/log.txt") 2>&1
+
+say() { printf 'gpu-check: %s\n' "$*"; }
+# Ends the check with a one-line summary (kept in summary.txt) and an exit status.
+finish() {
+  local status=$1; shift
+  say "$*"
+  printf 'tracer GPU check\n\n%s\n' "$*" >"$out/summary.txt"
+  exit "$status"
+}
+
+# 1. The machine -------------------------------------------------------------------------------
+kernel=$(uname -r)
+gvisor=no
+if [ "$kernel" = "4.4.0" ] || { command -v dmesg >/dev/null && dmesg 2>/dev/null | grep -qi gvisor; }; then
+  gvisor=yes
+fi
+say "kernel $kernel$([ $gvisor = yes ] && echo ' (gVisor)')"
+say "tracer $("$tracer" --version)"
+if [ "$simulated" = 1 ]; then
+  gpu="simulated CUDA runtime (demos/simcuda): NOT a GPU; this run tests the check itself"
+  driver="none"
+  workload="$here/gpu_check/sim_workload.py"
+  bash "$repo/demos/simcuda/build.sh" "$work/sim" >/dev/null
+  workload_args=(--cudart "$work/sim/libcudart.so.12")
+  torch_version="none"
+else
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! smi=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1); then
+    finish 0 "no NVIDIA GPU on this machine (nvidia-smi ${smi:-not found}): nothing to check here"
+  fi
+  gpu=$(printf '%s' "$smi" | head -1 | cut -d, -f1,3 | sed 's/, */, /')
+  driver=$(printf '%s' "$smi" | head -1 | cut -d, -f2 | tr -d ' ')
+  workload="$here/gpu_check/torch_workload.py"
+  workload_args=()
+  if ! torch_version=$("$python" -c 'import torch, sys; print(torch.__version__, "CUDA", torch.version.cuda); sys.exit(0 if torch.cuda.is_available() else 1)' 2>&1); then
+    finish 1 "$python cannot use the GPU through PyTorch: $torch_version"
+  fi
+fi
+say "GPU $gpu; driver $driver; PyTorch $torch_version; $("$python" --version 2>&1)"
+
+"$tracer" check || true
+if ! "$tracer" check --json >"$work/check.json" 2>"$work/check.err"; then
+  why=$("$python" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("; ".join(c["name"]+": "+c["detail"] for c in r["checks"] if c["required"] and not c["ok"]))' "$work/check.json" 2>/dev/null || cat "$work/check.err")
+  if [ $gvisor = yes ]; then
+    why="this machine runs under gVisor, a user-space kernel with no BPF and no uprobes, so no eBPF tracer can work here ($why)"
+  fi
+  finish 3 "tracing cannot work on this machine: $why"
+fi
+
+"$python" - "$work/machine.json" "$kernel" "$gvisor" "$gpu" "$driver" "$torch_version" "$("$tracer" --version)" "$simulated" <<'PY'
+import json, sys, platform
+keys = ("kernel", "gvisor", "gpu", "driver", "pytorch", "tracer", "simulated")
+m = dict(zip(keys, sys.argv[2:]))
+m["python"] = platform.python_version()
+json.dump(m, open(sys.argv[1], "w"))
+PY
+
+# 2. Runs ----------------------------------------------------------------------------------------
+wait_for() { # file, seconds, pid that must stay alive, what
+  local i=0
+  while [ ! -s "$1" ]; do
+    kill -0 "$3" 2>/dev/null || return 1
+    i=$((i + 1)); [ $i -lt $(($2 * 20)) ] || return 1
+    sleep 0.05
+  done
+}
+
+# run SETUP(untraced|traced|stack) MODE(default|expandable) NAME [--oom]: the workload, traced as
+# asked from its first allocation; leaves $work/NAME/{stats.json,trace.db,trace.jsonl}.
+run() {
+  local setup=$1 mode=$2 name=$3; shift 3
+  local dir="$work/$name" env=() extra=()
+  mkdir -p "$dir"
+  if [ "$mode" = expandable ]; then
+    if [ "$simulated" = 1 ]; then extra+=(--expandable); else env+=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); fi
+  fi
+  env "${env[@]}" PYTHONUNBUFFERED=1 "$python" "$workload" "${workload_args[@]}" "${extra[@]}" "$@" \
+    --steps "$steps" --ready "$dir/ready" --go "$dir/go" --stats "$dir/stats.json" >"$dir/workload.log" 2>&1 &
+  local wpid=$! tpid=""
+  children+=("$wpid")
+  if ! wait_for "$dir/ready" 180 "$wpid"; then
+    cat "$dir/workload.log"; say "$name: the workload did not get ready"; return 1
+  fi
+  if [ "$setup" != untraced ]; then
+    local flags=(--pid "$wpid" --json --quiet --db "$dir/trace.db")
+    [ "$setup" = stack ] && flags+=(--stack)
+    "$tracer" trace "${flags[@]}" >"$dir/trace.jsonl" 2>"$dir/trace.err" &
+    tpid=$!
+    children+=("$tpid")
+    if ! wait_for "$dir/trace.jsonl" 60 "$tpid"; then
+      cat "$dir/trace.err"; say "$name: tracer did not start"; return 1
+    fi
+  fi
+  touch "$dir/go"
+  local rc=0
+  wait "$wpid" || rc=$?
+  if [ -n "$tpid" ]; then
+    # tracer stops by itself once the traced process is gone (it looks every second).
+    local i=0
+    while kill -0 "$tpid" 2>/dev/null && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+    kill -INT "$tpid" 2>/dev/null || true
+    wait "$tpid" || { cat "$dir/trace.err"; say "$name: tracer failed"; return 1; }
+  fi
+  if [ $rc -ne 0 ] || [ ! -s "$dir/stats.json" ]; then
+    cat "$dir/workload.log"; say "$name: the workload failed (exit $rc)"; return 1
+  fi
+}
+
+for mode in default expandable; do
+  say "checking the $mode allocator (traced with --stack, $steps steps, then a provoked OOM)"
+  run stack "$mode" "check-$mode" --oom
+  sed 's/^/    /' "$work/check-$mode/trace.err"
+  "$python" "$here/gpu_check/report.py" compare --tracer "$tracer" --db "$work/check-$mode/trace.db" \
+    --stats "$work/check-$mode/stats.json" --mode "$mode" -o "$work/compare-$mode.json"
+  "$tracer" explain --db "$work/check-$mode/trace.db" >"$out/explain-$mode.txt" 2>&1 || true
+  gzip -9 -c "$work/check-$mode/trace.db" >"$out/trace-$mode.db.gz"
+done
+
+# 3. Cost: the same steps untraced, traced and traced with --stack, interleaved ---------------
+echo '[' >"$work/runs.json"
+sep=""
+for r in $(seq 1 "$rounds"); do
+  for setup in untraced traced stack; do
+    run "$setup" default "cost-$setup-$r"
+    printf '%s{"setup": "%s", "stats": "%s"}\n' "$sep" "$setup" "$work/cost-$setup-$r/stats.json" >>"$work/runs.json"
+    sep=","
+  done
+done
+echo ']' >>"$work/runs.json"
+"$python" "$here/gpu_check/report.py" cost --runs "$work/runs.json" -o "$work/cost.json"
+
+# 4. Summary -------------------------------------------------------------------------------------
+status=0
+"$python" "$here/gpu_check/report.py" summary --machine "$work/machine.json" \
+  --compare "$work/compare-default.json" "$work/compare-expandable.json" --cost "$work/cost.json" \
+  --out-text "$out/summary.txt" --out-json "$out/summary.json" || status=$?
+say "results in $out: $(cd "$out" && ls | tr '\n' ' ')"
+exit $status

@@ -1,0 +1,410 @@
+"""The GPU check's judge: compares what tracer stored with what the allocator says about itself,
+and writes the summary.
+
+    report.py compare --tracer BIN --db DB --stats STATS.json --mode default|expandable -o OUT.json
+    report.py summary --machine MACHINE.json --compare A.json [B.json] [--cost COST.json]
+                      --out-text summary.txt --out-json summary.json
+    report.py cost --runs RUNS.json -o COST.json
+
+Each comparison is "equal", "explained" (the figures differ for a reason the row names, checked
+where it can be: e.g. expandable segments count one device allocation per mapped range, tracer one
+per chunk, so the bytes must agree instead) or "DIFFERS" (with the call sites of the calls that
+make the difference). Nothing is tolerated silently. The exit status of `summary` is 1 when any
+comparison DIFFERS.
+"""
+
+import argparse
+import ast
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+MARKER = "# cuda-call"
+COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")
+# The allocator's own calls for memory: a segment (cudaMalloc) or a chunk (cuMemCreate).
+SEGMENT_OPS = ("cudaMalloc", "cuMemCreate")
+
+
+def query(tracer, db, sql):
+    out = subprocess.run([tracer, "query", "--db", db, "--format", "json", sql],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def row(what, tracer_value, pytorch_value, status=None, note=""):
+    if status is None:
+        status = "equal" if tracer_value == pytorch_value else "DIFFERS"
+    return {"what": what, "tracer": tracer_value, "pytorch": pytorch_value, "status": status, "note": note}
+
+
+class Session:
+    """What tracer stored about the workload's process, up to the allocator's final statistics."""
+
+    def __init__(self, tracer, db, stats):
+        self.tracer, self.db, self.stats = tracer, db, stats
+        self.pid, self.until = stats["pid"], stats["final_wall_ns"]
+        # A call is the allocator's when its caller (the innermost native frame, recorded with
+        # --stack) lies in one of the allocator's own libraries; calls without a recorded caller
+        # count as the allocator's.
+        prefixes = tuple(stats.get("allocator_modules", ()))
+        self.ops, self.outside = {}, {}
+        for r in self.q(f"SELECT op, ret, ptr IS NOT NULL AND ptr != 0 AS has_ptr, count(*) AS n, "
+                        f"coalesce(sum(size), 0) AS bytes, (SELECT f.module FROM stack_frames f "
+                        f"WHERE f.stack_id = e.stack_id AND f.kind = 'native' ORDER BY f.idx LIMIT 1) AS caller "
+                        f"FROM events e WHERE pid = {self.pid} AND ts_ns <= {self.until} "
+                        f"GROUP BY op, ret, has_ptr, caller"):
+            caller = os.path.basename(r["caller"] or "")
+            inside = not caller or not prefixes or caller.startswith(prefixes)
+            key = (r["op"], r["ret"], r["has_ptr"])
+            if not inside:
+                self.outside.setdefault(r["op"], {}).setdefault(caller, [0, 0])
+                self.outside[r["op"]][caller][0] += r["n"]
+                self.outside[r["op"]][caller][1] += r["bytes"] if r["ret"] == 0 else 0
+                continue
+            n, b = self.ops.get(key, (0, 0))
+            self.ops[key] = (n + r["n"], b + r["bytes"])
+        self.after = self.q(f"SELECT count(*) AS n FROM events WHERE pid = {self.pid} AND ts_ns > {self.until}")[0]["n"]
+        self.session = self.q("SELECT * FROM sessions ORDER BY id DESC LIMIT 1")[0]
+
+    def q(self, sql):
+        return query(self.tracer, self.db, sql)
+
+    def calls(self, op, ok=True, with_ptr=None):
+        return sum(n for (o, ret, has_ptr), (n, _) in self.ops.items()
+                   if o == op and (ret == 0) == ok and (with_ptr is None or bool(has_ptr) == with_ptr))
+
+    def bytes(self, op):
+        return sum(b for (o, ret, _), (_, b) in self.ops.items() if o == op and ret == 0)
+
+    def sites(self, op, limit=5):
+        """The busiest call sites of `op` in the process, as tracer labels them."""
+        out = subprocess.run([self.tracer, "stacks", "--db", self.db, "--op", op, "--pid", str(self.pid),
+                              "--top", str(limit), "--json"], capture_output=True, text=True)
+        if out.returncode != 0:
+            return [f"(no call sites: {out.stderr.strip()})"]
+        try:
+            stacks = json.loads(out.stdout)
+        except json.JSONDecodeError:
+            return ["(tracer stacks printed no JSON)"]
+        labels = []
+        for s in stacks if isinstance(stacks, list) else stacks.get("stacks", []):
+            frames = [f for f in s.get("frames", []) if f.get("function")]
+            top = " <- ".join(f"{f.get('function') or '?'} ({os.path.basename(f.get('file') or f.get('module') or '?')}:{f.get('line') or ''})"
+                              for f in frames[:4])
+            labels.append(f"{s.get('calls', '?')} calls: {top}")
+        return labels
+
+
+def delta(stats, key):
+    return stats["final"][key] - stats["baseline"][key]
+
+
+def count_rows(s):
+    """cudaMalloc'ed segments against num_device_alloc/free and reserved_bytes."""
+    st = s.stats
+    rows = [
+        row("successful cudaMalloc calls", s.calls("cudaMalloc"), delta(st, "num_device_alloc"), note="num_device_alloc"),
+        row("successful cudaFree calls (non-null)", s.calls("cudaFree", with_ptr=True), delta(st, "num_device_free"),
+            note="num_device_free"),
+        row("bytes reserved (cudaMalloc)", s.bytes("cudaMalloc"), delta(st, "reserved_bytes.all.allocated"),
+            note="reserved_bytes.all.allocated"),
+        row("bytes released (cudaFree)", s.bytes("cudaFree"), delta(st, "reserved_bytes.all.freed"),
+            note="reserved_bytes.all.freed"),
+        outstanding_row(s, s.bytes("cudaMalloc") - s.bytes("cudaFree"), "cudaMalloc - cudaFree"),
+    ]
+    return with_sites(s, rows, {"cudaMalloc": "cudaMalloc", "cudaFree": "cudaFree"})
+
+
+def expandable_rows(s):
+    """Expandable segments: memory is reserved by mapping chunks (cuMemCreate + cuMemMap each) and
+    released by unmapping them (cuMemUnmap + cuMemRelease). PyTorch counts one device allocation
+    per mapped range and one free per unmapped range, tracer sees one call per chunk: the counts
+    agree only through the bytes, which must be equal."""
+    st = s.stats
+    mapped, unmapped = s.bytes("cuMemMap"), s.bytes("cuMemUnmap")
+    rows = []
+    for what, t, key, tb, bkey in (("successful cuMemMap calls", s.calls("cuMemMap"), "num_device_alloc",
+                                    mapped, "reserved_bytes.all.allocated"),
+                                   ("successful cuMemUnmap calls", s.calls("cuMemUnmap"), "num_device_free",
+                                    unmapped, "reserved_bytes.all.freed")):
+        p = delta(st, key)
+        explained = tb == delta(st, bkey) and t >= p and (p > 0 or t == 0)
+        rows.append(row(what, t, p, "equal" if t == p else ("explained" if explained else "DIFFERS"),
+                        f"{key}: PyTorch counts ranges, tracer chunks; the bytes below are equal"
+                        if explained else key))
+    rows.append(row("bytes mapped (cuMemMap)", mapped, delta(st, "reserved_bytes.all.allocated"),
+                    note="reserved_bytes.all.allocated"))
+    rows.append(row("bytes unmapped (cuMemUnmap)", unmapped, delta(st, "reserved_bytes.all.freed"),
+                    note="reserved_bytes.all.freed"))
+    physical = s.bytes("cuMemCreate") - s.bytes("cuMemRelease")
+    rows.append(outstanding_row(s, physical, "cuMemCreate - cuMemRelease"))
+    # A mapping that runs out of memory half way releases the chunks it created: tracer sees them
+    # come and go, PyTorch never counts them.
+    created, never = s.calls("cuMemCreate") - s.calls("cuMemMap"), s.bytes("cuMemCreate") - mapped
+    rows.append(row("chunks created but never mapped (a mapping that ran out of memory)", created, 0,
+                    "equal" if created == 0 else ("explained" if never == s.bytes("cuMemRelease") - unmapped else "DIFFERS"),
+                    f"{never} bytes, all released again unmapped; PyTorch does not count them" if created else ""))
+    stray = s.calls("cudaMalloc")
+    rows.append(row("successful cudaMalloc calls (none expected from the allocator)", stray, 0,
+                    "equal" if stray == 0 else "explained", "calls made outside the allocator, by their call sites"))
+    if stray:
+        rows[-1]["sites"] = s.sites("cudaMalloc")
+    return with_sites(s, rows, {"cuMemMap": "cuMemMap", "cuMemUnmap": "cuMemUnmap", "cuMemCreate": "cuMemCreate"})
+
+
+def outside_rows(s):
+    """Calls the allocator did not make (e.g. a library's own cudaMalloc): PyTorch does not count
+    them, tracer names them by the library that made them."""
+    rows = []
+    for op, callers in sorted(s.outside.items()):
+        n = sum(c[0] for c in callers.values())
+        r = row(f"{op} calls made outside the allocator", n, 0, "explained",
+                f"{sum(c[1] for c in callers.values())} bytes; not counted by PyTorch, left out of the rows above")
+        r["sites"] = [f"{c[0]} calls from {caller}" for caller, c in sorted(callers.items(), key=lambda kv: -kv[1][0])]
+        rows.append(r)
+    return rows
+
+
+def outstanding_row(s, traced, how):
+    before = s.stats["baseline"]["reserved_bytes.all.current"]
+    return row(f"bytes outstanding at the final statistics ({how})", before + traced,
+               s.stats["final"]["reserved_bytes.all.current"],
+               note="reserved_bytes.all.current" + (f", incl. {before} reserved before tracing" if before else ""))
+
+
+def with_sites(s, rows, ops):
+    """Rows that differ carry the call sites of the op they count."""
+    for r in rows:
+        if r["status"] == "DIFFERS" and "sites" not in r:
+            op = next((o for name, o in ops.items() if name in r["what"]), None)
+            if op:
+                r["sites"] = s.sites(op)
+    return rows
+
+
+def failure_rows(s):
+    """Failed attempts, retries and OOMs, from the stored calls of each thread in order."""
+    attempts = s.q(f"SELECT tid, op, size, ret FROM events WHERE pid = {s.pid} AND ts_ns <= {s.until} "
+                   f"AND op IN ({', '.join(repr(o) for o in SEGMENT_OPS)}) ORDER BY tid, ts_ns")
+    failures = retries = 0
+    last = {}
+    for a in attempts:
+        key = (a["op"], a["size"])
+        if last.get(a["tid"]) == ("failed",) + key:
+            retries += 1
+        if a["ret"] != 0:
+            failures += 1
+        last[a["tid"]] = ("failed" if a["ret"] != 0 else "ok",) + key
+    st = s.stats
+    d_retries, d_ooms = delta(st, "num_alloc_retries"), delta(st, "num_ooms")
+    return [
+        row("failed allocations (" + ", ".join(SEGMENT_OPS) + ")", failures, d_retries + d_ooms,
+            note="num_alloc_retries + num_ooms: each retry follows one failure, each OOM is a failed retry"),
+        row("retries (an attempt right after a failed one: same thread, op and size)", retries, d_retries,
+            note="num_alloc_retries"),
+        row("OOMs (failed attempts not recovered by a retry)", failures - retries, d_ooms, note="num_ooms"),
+    ]
+
+
+def script_lines(path):
+    """Lines marked as making CUDA calls, and the innermost function around each line."""
+    with open(path) as f:
+        text = f.read()
+    marked = {i for i, line in enumerate(text.splitlines(), 1) if MARKER in line}
+    owner = {}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for line in range(node.lineno, node.end_lineno + 1):
+                # Inner functions are walked after outer ones only sometimes: keep the innermost.
+                if line not in owner or owner[line][0] < node.lineno:
+                    owner[line] = (node.lineno, node.name)
+    return marked, {line: name for line, (_, name) in owner.items()}
+
+
+def call_site_row(s):
+    """Main-thread calls: the script frame tracer recorded must be a marked line of the function
+    tracer names."""
+    st = s.stats
+    script = os.path.realpath(st["script"])
+    marked, owner = script_lines(script)
+    by_stack = s.q(f"SELECT stack_id, tid = {st['main_tid']} AS main, count(*) AS n FROM events "
+                   f"WHERE pid = {s.pid} AND ts_ns <= {s.until} GROUP BY stack_id, main")
+    status = {r["id"]: r["python"] for r in s.q(f"SELECT id, python FROM stacks WHERE pid = {s.pid}")}
+    frames = {}
+    for f in s.q(f"SELECT stack_id, idx, function, file, line FROM stack_frames WHERE kind = 'python' "
+                 f"AND stack_id IN (SELECT id FROM stacks WHERE pid = {s.pid}) ORDER BY stack_id, idx"):
+        frames.setdefault(f["stack_id"], []).append(f)
+    main_calls = ok_calls = 0
+    other = {}
+    wrong, lines = [], set()
+    for r in by_stack:
+        if not r["main"]:
+            key = status.get(r["stack_id"], "no stack")
+            other[key] = other.get(key, 0) + r["n"]
+            continue
+        main_calls += r["n"]
+        if r["stack_id"] is None or status.get(r["stack_id"]) != "ok":
+            wrong.append(f"{r['n']} calls without Python frames ({status.get(r['stack_id'], 'no stack')})")
+            continue
+        mine = [f for f in frames.get(r["stack_id"], []) if f["file"] and os.path.realpath(f["file"]) == script]
+        if not mine:
+            wrong.append(f"{r['n']} calls with no frame in {os.path.basename(script)}")
+            continue
+        f = mine[0]
+        name = (f["function"] or "").split(".")[-1]
+        expected = owner.get(f["line"])
+        if f["line"] in marked and (name == expected or name in COMPREHENSIONS):
+            ok_calls += r["n"]
+            lines.add(f["line"])
+        else:
+            wrong.append(f"{r['n']} calls at line {f['line']} in {name} (the script has {expected or 'no function'} "
+                         f"there{'' if f['line'] in marked else ', an unmarked line'})")
+    note = f"{main_calls} main-thread calls from {len(lines)} lines; other threads: " + (
+        ", ".join(f"{n} calls {k}" for k, n in sorted(other.items())) or "none")
+    result = row("main-thread Python call sites at the script's marked lines", ok_calls, main_calls,
+                 "equal" if not wrong and main_calls > 0 else "DIFFERS", note)
+    result["lines"] = sorted(lines)
+    if wrong:
+        result["sites"] = wrong[:10]
+    return result
+
+
+def file_id(path):
+    try:
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino)
+    except OSError:
+        return None
+
+
+def library_rows(s):
+    probed = json.loads(s.session.get("libraries") or "[]")
+    probed_ids = {file_id(lib["path"]) for lib in probed} - {None}
+    probed_paths = {os.path.realpath(lib["path"]) for lib in probed}
+    rows = []
+    for path in s.stats["libraries"]:
+        name = os.path.basename(path)
+        # The same file by identity while it exists, by path once it is gone.
+        is_probed = path in probed_paths or (file_id(path) or 0) in probed_ids
+        if name.startswith(("libcudart", "libcuda.so")):
+            rows.append(row(f"library {name}", "probed" if is_probed else "not probed", "mapped",
+                            "equal" if is_probed else "DIFFERS", path))
+        else:
+            rows.append(row(f"library {name}", "probed" if is_probed else "not probed", "mapped",
+                            "equal" if is_probed else "explained",
+                            path + ("" if is_probed else " (tracer does not read PyTorch's own USDT probes yet)")))
+    return rows
+
+
+def loss_row(s):
+    c = s.session
+    lost = {k: c.get(k) or 0 for k in ("dropped_ring_full", "decode_errors", "unmatched_returns",
+                                       "alloc_map_full", "inflight_full")}
+    stored_all = (c.get("events_stored") or 0) == (c.get("submitted") or 0)
+    value = sum(lost.values()) + (0 if stored_all else 1)
+    note = ", ".join(f"{k} {v}" for k, v in lost.items()) + f"; submitted {c.get('submitted')}, stored {c.get('events_stored')}"
+    return row("events lost or unmatched", value, 0, note=note)
+
+
+def compare(args):
+    stats = json.load(open(args.stats))
+    s = Session(args.tracer, args.db, stats)
+    rows = expandable_rows(s) if args.mode == "expandable" else count_rows(s)
+    rows += outside_rows(s)
+    rows += failure_rows(s)
+    rows.append(call_site_row(s))
+    rows += library_rows(s)
+    rows.append(loss_row(s))
+    ops = [{"op": op, "ret": ret, "has_ptr": hp, "calls": n, "bytes": b} for (op, ret, hp), (n, b) in sorted(s.ops.items())]
+    result = {"mode": args.mode, "alloc_conf": stats.get("alloc_conf", ""), "pid": s.pid, "rows": rows,
+              "ops": ops, "calls_after_final_stats": s.after, "oom": stats.get("oom"),
+              "device": stats.get("device"), "versions": stats.get("versions"), "timing": stats.get("timing")}
+    json.dump(result, open(args.out, "w"), indent=1)
+
+
+def cost(args):
+    runs = json.load(open(args.runs))
+    by = {}
+    for r in runs:
+        stats = json.load(open(r["stats"]))
+        by.setdefault(r["setup"], []).append({"loop_s": stats["timing"]["loop_s"],
+                                             "step_ms_median": stats["timing"]["step_ms_median"],
+                                             "calls": r.get("calls")})
+    med = {k: statistics.median(x["loop_s"] for x in v) for k, v in by.items()}
+    ratios = {}
+    for a, b in (("traced", "untraced"), ("stack", "untraced"), ("stack", "traced")):
+        if a in med and b in med and med[b] > 0:
+            ratios[f"{a}/{b}"] = med[a] / med[b]
+    json.dump({"runs": by, "median_loop_s": med, "ratios": ratios}, open(args.out, "w"), indent=1)
+
+
+def fmt(v):
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+
+def summary(args):
+    machine = json.load(open(args.machine))
+    compared = [json.load(open(p)) for p in args.compare]
+    cost_result = json.load(open(args.cost)) if args.cost else None
+    lines = ["tracer GPU check", ""]
+    for k, v in machine.items():
+        if isinstance(v, str):
+            lines.append(f"{k:<10} {v}")
+    differs = 0
+    for c in compared:
+        lines += ["", f"== {c['mode']} allocator (PYTORCH_CUDA_ALLOC_CONF={c['alloc_conf'] or 'unset'}), pid {c['pid']}"]
+        if c.get("oom"):
+            o = c["oom"]
+            lines.append(f"   provoked OOM: asked {fmt(o['requested'])} B with {fmt(o['free_before'])} B free: "
+                         + ("raised" if o["raised"] else "NOT raised"))
+        width = max(len(r["what"]) for r in c["rows"])
+        lines.append(f"   {'comparison':<{width}}  {'tracer':>16}  {'PyTorch':>16}  result")
+        for r in c["rows"]:
+            differs += r["status"] == "DIFFERS"
+            lines.append(f"   {r['what']:<{width}}  {fmt(r['tracer']):>16}  {fmt(r['pytorch']):>16}  {r['status']}"
+                         + (f"  ({r['note']})" if r["note"] else ""))
+            for site in r.get("sites", []):
+                lines.append(f"   {'':<{width}}    {site}")
+        if c.get("calls_after_final_stats"):
+            lines.append(f"   {c['calls_after_final_stats']} calls after the final statistics (not compared)")
+    if cost_result:
+        lines += ["", "== cost (interleaved runs, median training-loop time)"]
+        for setup, t in cost_result["median_loop_s"].items():
+            lines.append(f"   {setup:<9} {t * 1e3:9.1f} ms  ({len(cost_result['runs'][setup])} runs)")
+        for k, v in cost_result["ratios"].items():
+            lines.append(f"   {k:<17} {v:.3f}x")
+    lines += ["", f"{differs} comparison(s) differ" if differs else "every comparison equal or explained"]
+    text = "\n".join(lines) + "\n"
+    open(args.out_text, "w").write(text)
+    json.dump({"machine": machine, "compared": compared, "cost": cost_result, "differs": differs},
+              open(args.out_json, "w"), indent=1)
+    sys.stdout.write(text)
+    return 1 if differs else 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("--tracer", required=True)
+    c.add_argument("--db", required=True)
+    c.add_argument("--stats", required=True)
+    c.add_argument("--mode", choices=("default", "expandable"), required=True)
+    c.add_argument("-o", "--out", required=True)
+    k = sub.add_parser("cost")
+    k.add_argument("--runs", required=True)
+    k.add_argument("-o", "--out", required=True)
+    s = sub.add_parser("summary")
+    s.add_argument("--machine", required=True)
+    s.add_argument("--compare", nargs="+", required=True)
+    s.add_argument("--cost")
+    s.add_argument("--out-text", required=True)
+    s.add_argument("--out-json", required=True)
+    args = p.parse_args()
+    return {"compare": compare, "cost": cost, "summary": summary}[args.cmd](args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

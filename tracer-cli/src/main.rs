@@ -1,23 +1,6 @@
 //! tracer: eBPF tracing of CUDA memory allocation calls.
 
-mod analysis;
 mod cmd;
-mod decode;
-mod discover;
-mod elf;
-mod exit;
-mod live;
-mod memmap;
-mod output;
-mod paths;
-mod privileges;
-mod probes;
-mod procinfo;
-mod python;
-mod sites;
-mod stats;
-mod store;
-mod units;
 
 use std::process::ExitCode;
 
@@ -69,13 +52,13 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) if exit::is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if tracer_cli::exit::is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            match e.downcast_ref::<exit::Coded>() {
+            match e.downcast_ref::<tracer_cli::exit::Coded>() {
                 Some(coded) => eprintln!("tracer: {coded}"),
                 None => eprintln!("tracer: {e:#}"),
             }
-            ExitCode::from(exit::code_of(&e))
+            ExitCode::from(tracer_cli::exit::code_of(&e))
         }
     }
 }

@@ -96,6 +96,48 @@ pub fn format_ns(ns: u64) -> String {
     format!("{}{unit}", text.trim_end_matches('0').trim_end_matches('.'))
 }
 
+/// Seconds (with a fraction) or nanoseconds since the epoch; values above 1e12 are nanoseconds.
+pub fn parse_time(text: &str) -> Result<i64, String> {
+    // Nanoseconds do not fit an f64 exactly: take integers as they are.
+    if let Ok(ns) = text.trim().parse::<i64>() {
+        if ns > 1_000_000_000_000 {
+            return Ok(ns);
+        }
+    }
+    let v: f64 = text.trim().parse().map_err(|_| {
+        format!("invalid time {text:?}: give Unix seconds (1795323312.5) or nanoseconds")
+    })?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!(
+            "invalid time {text:?}: must be a positive Unix time"
+        ));
+    }
+    Ok(if v > 1e12 { v as i64 } else { (v * 1e9) as i64 })
+}
+
+/// 2026-11-22 05:01:02.345 UTC.
+pub fn format_utc(ns: i64) -> String {
+    let secs = ns.div_euclid(1_000_000_000);
+    let ms = ns.rem_euclid(1_000_000_000) / 1_000_000;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{ms:03} UTC",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,5 +170,31 @@ mod tests {
         assert_eq!(format_ns(1500), "1.5us");
         assert_eq!(format_ns(2_100_000), "2.1ms");
         assert_eq!(format_ns(65_000), "65us");
+    }
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(super::format_utc(0), "1970-01-01 00:00:00.000 UTC");
+        assert_eq!(
+            super::format_utc(1_795_323_312_817_067_163),
+            "2026-11-22 04:55:12.817 UTC"
+        );
+        assert_eq!(
+            super::format_utc(951_782_400_000_000_000),
+            "2000-02-29 00:00:00.000 UTC"
+        );
+    }
+
+    #[test]
+    fn times() {
+        assert_eq!(
+            super::parse_time("1795323312.5"),
+            Ok(1_795_323_312_500_000_000)
+        );
+        assert_eq!(
+            super::parse_time("1795323312817067163"),
+            Ok(1_795_323_312_817_067_163)
+        );
+        assert!(super::parse_time("yesterday").is_err());
     }
 }

@@ -5,21 +5,8 @@
 use std::collections::HashMap;
 
 use super::Event;
+use crate::model::{HostRecord, OffSlice};
 use crate::units::format_ns as t;
-
-/// One interval a traced thread spent off the CPU (wall-clock ns).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OffSlice {
-    /// The traced process the thread belongs to (itself or its nearest traced ancestor).
-    pub pid: u32,
-    pub tid: u32,
-    pub off_ns: i64,
-    pub on_ns: i64,
-    /// When it was woken, if it had blocked.
-    pub wakeup_ns: Option<i64>,
-    /// It left the CPU runnable (preempted).
-    pub preempted: bool,
-}
 
 #[derive(Clone, Debug, Default)]
 pub struct Host {
@@ -128,7 +115,12 @@ fn overlap(a: (i64, i64), b: (i64, i64)) -> u64 {
 }
 
 impl Host {
-    pub fn new(mut slices: Vec<OffSlice>, recorded: bool, cpus: Option<u32>) -> Host {
+    pub fn new(record: HostRecord) -> Host {
+        let HostRecord {
+            mut slices,
+            recorded,
+            cpus,
+        } = record;
         slices.sort_by_key(|s| (s.tid, s.off_ns));
         let mut by_tid: HashMap<u32, Vec<OffSlice>> = HashMap::new();
         for s in slices {

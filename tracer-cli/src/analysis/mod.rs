@@ -13,93 +13,13 @@ use std::{
 };
 
 use serde::Serialize;
-use tracer_common::{Op, OpClass, Space};
+use tracer_common::{Op, OpClass};
 
-pub use host::{Host, OffSlice};
-
-/// The hash map of the replays: keys are our own pointers and ids, not attacker-chosen, and
-/// SipHash was a tenth of explain's time over millions of calls.
-pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
+use crate::model::{Event, FastMap, SiteLabels, StackId, Window};
+pub use host::Host;
 pub use rules::Chain;
 use rules::Proc;
 use scan::Scan;
-
-/// One stored call, as analysis needs it: 72 bytes, so that ten million of them stay within
-/// reach of the caches (absent values are 0, which no allocation size or pointer of interest is).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Event {
-    /// Wall clock at entry, ns since the epoch.
-    pub ts_ns: i64,
-    pub duration_ns: u64,
-    /// Bytes requested or freed; 0 when the op has none or it is unknown.
-    pub size: u64,
-    /// The pointer or handle allocated or freed; 0 when none.
-    pub ptr: u64,
-    /// Op-specific (free bytes of a MemGetInfo, ...); 0 when none.
-    pub aux0: u64,
-    /// Op-specific (total bytes of a MemGetInfo, ...); 0 when none.
-    pub aux1: u64,
-    pub pid: u32,
-    pub tid: u32,
-    pub ret: i32,
-    /// The CUDA device, or [`NO_DEVICE`].
-    pub device: i32,
-    /// The call site (stacks.id), when traced with --stack.
-    pub stack: Option<StackId>,
-    pub op: Op,
-}
-
-/// [`Event::device`] when the call's device is not known.
-pub const NO_DEVICE: i32 = -1;
-
-/// A stacks.id (row ids start at 1, so the zero niche keeps `Option<StackId>` at 4 bytes).
-pub type StackId = std::num::NonZeroU32;
-
-/// The stack id of a stacks.id, if it fits (a database would need 4 billion call sites not to).
-pub fn stack_id(id: i64) -> Option<StackId> {
-    u32::try_from(id).ok().and_then(StackId::new)
-}
-
-impl Event {
-    pub fn class(&self) -> OpClass {
-        self.op.spec().class
-    }
-
-    pub fn space(&self) -> Space {
-        self.op.spec().space
-    }
-
-    pub fn end_ns(&self) -> i64 {
-        self.ts_ns + self.duration_ns as i64
-    }
-
-    pub fn device(&self) -> Option<i32> {
-        (self.device != NO_DEVICE).then_some(self.device)
-    }
-}
-
-/// The time range analysed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct Window {
-    pub from_ns: i64,
-    pub to_ns: i64,
-}
-
-impl Window {
-    pub fn contains(&self, ts: i64) -> bool {
-        ts >= self.from_ns && ts <= self.to_ns
-    }
-
-    pub fn secs(&self) -> f64 {
-        (self.to_ns - self.from_ns).max(1) as f64 / 1e9
-    }
-}
-
-/// Entry time of the first call and end time of the last one to end, of calls in time order.
-pub fn span(events: &[Event]) -> Option<(i64, i64)> {
-    let first = events.first()?.ts_ns;
-    Some((first, events.iter().map(Event::end_ns).max()?))
-}
 
 /// Exact quantile of sorted values (nearest rank): the reference for [`select_quantile`].
 #[cfg(test)]
@@ -289,7 +209,7 @@ fn group_by_pid(all: &[Event]) -> Grouped<'_> {
         })
         .collect();
     let mut out: Vec<Event> = Vec::with_capacity(all.len());
-    crate::store::events::advise_huge_pages(&mut out);
+    crate::model::advise_huge_pages(&mut out);
     // Process k's range is cut into one piece per share, in share order (which keeps time order).
     let mut pieces: Vec<Vec<&mut [std::mem::MaybeUninit<Event>]>> = (0..shares.len())
         .map(|_| Vec::with_capacity(pids.len()))
@@ -370,9 +290,6 @@ fn processes<'a>(
         })
         .collect()
 }
-
-/// Call sites by stacks.id: the first frame in the user's own code, as "train.py:74 (step)".
-pub type SiteLabels = HashMap<StackId, String>;
 
 /// The calls of one op from one call site.
 #[derive(Clone, Debug, Serialize)]

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use tracer_common::Op;
 
 use super::{rules::Severity, *};
+use crate::model::{stack_id, HostRecord, OffSlice};
 
 const MS: i64 = 1_000_000;
 const MIB: u64 = 1 << 20;
@@ -385,7 +386,11 @@ fn slow_syncs() -> Vec<Event> {
 }
 
 fn host_with(slices: Vec<OffSlice>) -> Host {
-    Host::new(slices, true, Some(2))
+    Host::new(HostRecord {
+        slices,
+        recorded: true,
+        cpus: Some(2),
+    })
 }
 
 #[test]
@@ -520,24 +525,20 @@ fn crowding_counts_the_process_trees_runnable_threads_during_the_calls() {
         wakeup_ns: wakeup.map(|w| w * MS),
         preempted,
     };
-    let host = Host::new(
-        vec![
-            // The caller: preempted at 1 ms, back at 8 ms, nothing recorded after: runnable
-            // from 1 to 8 ms (0.7 of the call).
-            slice(10, 11, 1, 8, None, true),
-            // A worker runnable throughout: preempted before the call, next off after it.
-            slice(10, 500, -5, -4, None, true),
-            slice(10, 500, 20, 21, None, true),
-            // A worker asleep until woken at 4 ms, on at 6, off again at 8: 0.4 of the call.
-            slice(10, 501, 2, 6, Some(4), false),
-            slice(10, 501, 8, 30, Some(29), false),
-            // Another traced process's busy thread.
-            slice(99, 990, -5, -4, None, true),
-            slice(99, 990, 20, 21, None, true),
-        ],
-        true,
-        Some(2),
-    );
+    let host = host_with(vec![
+        // The caller: preempted at 1 ms, back at 8 ms, nothing recorded after: runnable
+        // from 1 to 8 ms (0.7 of the call).
+        slice(10, 11, 1, 8, None, true),
+        // A worker runnable throughout: preempted before the call, next off after it.
+        slice(10, 500, -5, -4, None, true),
+        slice(10, 500, 20, 21, None, true),
+        // A worker asleep until woken at 4 ms, on at 6, off again at 8: 0.4 of the call.
+        slice(10, 501, 2, 6, Some(4), false),
+        slice(10, 501, 8, 30, Some(29), false),
+        // Another traced process's busy thread.
+        slice(99, 990, -5, -4, None, true),
+        slice(99, 990, 20, 21, None, true),
+    ]);
     let c = host.crowding(10, &[&call]).expect("recorded");
     assert!((c.mean - 2.1).abs() < 1e-9, "{c:?}");
     assert_eq!(c.peak, 3);

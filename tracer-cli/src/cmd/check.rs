@@ -1,13 +1,12 @@
 //! `tracer check`: what tracer needs, whether this machine has it, and the fix for each gap.
-//! As root it also proves tracing works: it loads the programs and probes tracer itself.
-
-use std::{io::Write as _, path::Path};
 
 use anyhow::Result;
 use clap::Args;
-use serde::Serialize;
-
-use crate::{discover, exit::Coded, paths, privileges, probes};
+use tracer_cli::{
+    exit::{Coded, NO_PRIVILEGE},
+    present,
+    record::check,
+};
 
 #[derive(Debug, Args)]
 pub struct CheckArgs {
@@ -19,266 +18,19 @@ pub struct CheckArgs {
     pub json: bool,
 }
 
-#[derive(Debug, Serialize)]
-struct Check {
-    name: &'static str,
-    ok: bool,
-    /// A failed required check makes `tracer check` exit non-zero.
-    required: bool,
-    detail: String,
-    fix: Option<String>,
-}
-
-#[derive(Debug, Serialize)]
-struct Library {
-    path: String,
-    origin: &'static str,
-    pids: Vec<u32>,
-}
-
-#[derive(Debug, Serialize)]
-struct CheckReport {
-    /// Every required check passed (with root, tracing itself was proven).
-    can_trace: bool,
-    checks: Vec<Check>,
-    libraries: Vec<Library>,
-}
-
-fn kernel_release() -> String {
-    nix::sys::utsname::uname()
-        .map(|u| u.release().to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
-
-fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
-    let mut parts = release
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|p| p.parse::<u32>().ok());
-    let (a, b) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    (a, b) >= (major, minor)
-}
-
-fn present(name: &'static str, path: &str, required: bool, what: &str, fix: &str) -> Check {
-    let ok = Path::new(path).exists();
-    Check {
-        name,
-        ok,
-        required,
-        detail: if ok {
-            format!("{what}: {path} present")
-        } else {
-            format!("{what}: no {path}")
-        },
-        fix: Some(fix.into()),
-    }
-}
-
-/// What the kernel offers, read from /proc and /sys (no privileges needed).
-fn kernel_checks() -> Vec<Check> {
-    let release = kernel_release();
-    let bpf_disabled =
-        std::fs::read_to_string("/proc/sys/kernel/unprivileged_bpf_disabled").unwrap_or_default();
-    let bpf = Path::new("/proc/sys/kernel/unprivileged_bpf_disabled").exists();
-    vec![
-        Check {
-            name: "kernel",
-            ok: kernel_at_least(&release, 5, 15),
-            required: true,
-            detail: format!("Linux {release} (needs 5.15+: ring buffer, BPF cookies on uprobes)"),
-            fix: Some("upgrade the kernel to 5.15 or newer".into()),
-        },
-        present(
-            "BTF",
-            "/sys/kernel/btf/vmlinux",
-            false,
-            "kernel type information",
-            "use a kernel built with CONFIG_DEBUG_INFO_BTF=y",
-        ),
-        present(
-            "uprobes",
-            "/sys/bus/event_source/devices/uprobe",
-            true,
-            "uprobe PMU",
-            "use a kernel built with CONFIG_UPROBE_EVENTS=y",
-        ),
-        Check {
-            name: "bpf syscall",
-            ok: bpf,
-            required: true,
-            detail: if bpf {
-                format!("BPF enabled (unprivileged_bpf_disabled={})", bpf_disabled.trim())
-            } else {
-                "no /proc/sys/kernel/unprivileged_bpf_disabled: the kernel has no BPF system call"
-                    .into()
-            },
-            fix: Some(
-                "use a kernel built with CONFIG_BPF_SYSCALL=y (sandboxed kernels such as gVisor have none)"
-                    .into(),
-            ),
-        },
-    ]
-}
-
-/// With privileges, tracing itself: the programs load and a uprobe on tracer fires.
-fn tracing_checks() -> Vec<Check> {
-    let privileged = privileges::can_trace();
-    let mut checks = vec![Check {
-        name: "privileges",
-        ok: privileged.is_ok(),
-        required: false,
-        detail: privileged.clone().map(str::to_owned).unwrap_or_else(|_| {
-            "not root, no CAP_BPF + CAP_PERFMON (query and explain work without)".into()
-        }),
-        fix: privileged.clone().err(),
-    }];
-    if privileged.is_ok() {
-        let result = probes::self_test();
-        checks.push(Check {
-            name: "tracing",
-            ok: result.is_ok(),
-            required: true,
-            detail: match &result {
-                Ok(ns) => format!(
-                    "programs loaded; a uprobe on tracer itself fired and its event came through the ring buffer ({ns} ns call)"
-                ),
-                Err(e) => format!("tracing does not work here: {e:#}"),
-            },
-            fix: Some(
-                "see the error: the kernel refused the programs or the probe (run `sudo dmesg | tail`)"
-                    .into(),
-            ),
-        });
-    }
-    checks
-}
-
-fn library_check(who: &paths::Invoker) -> (Check, Vec<discover::Candidate>) {
-    let homes: Vec<_> = who.home.iter().cloned().collect();
-    let mut static_cache = Default::default();
-    let mapped = discover::scan_processes(&discover::all_pids(), &mut static_cache);
-    let mut libraries: Vec<discover::Candidate> = mapped.clone();
-    for c in discover::scan_installed(&homes) {
-        if !libraries.iter().any(|m| m.id == c.id) {
-            libraries.push(c);
-        }
-    }
-    let check = Check {
-        name: "CUDA libraries",
-        ok: !libraries.is_empty(),
-        required: false,
-        detail: format!(
-            "{} found ({} in use by running processes)",
-            libraries.len(),
-            mapped.len()
-        ),
-        fix: Some("install the CUDA runtime (pip install nvidia-cuda-runtime-cu12) or pass --lib PATH to tracer trace".into()),
-    };
-    (check, libraries)
-}
-
-fn database_check(who: &paths::Invoker) -> Check {
-    let env = std::env::var_os(paths::DB_ENV).map(std::path::PathBuf::from);
-    let db = paths::db_path(env.as_deref(), who);
-    Check {
-        name: "database",
-        ok: db.is_ok(),
-        required: false,
-        detail: db
-            .as_ref()
-            .map(|p| {
-                let note = if p.exists() {
-                    ""
-                } else {
-                    " (created by the first trace)"
-                };
-                format!("{}{note}", p.display())
-            })
-            .unwrap_or_default(),
-        fix: Some("pass --db FILE or set TRACER_DB".into()),
-    }
-}
-
-fn render_text(report: &CheckReport, verbose: bool) -> Result<()> {
-    let mut out = std::io::stdout().lock();
-    for c in &report.checks {
-        let mark = match (c.ok, c.required) {
-            (true, _) => "ok  ",
-            (false, true) => "FAIL",
-            (false, false) => "warn",
-        };
-        writeln!(out, "[{mark}] {:<15} {}", c.name, c.detail)?;
-        if let (false, Some(fix)) = (c.ok, &c.fix) {
-            writeln!(out, "       fix: {fix}")?;
-        }
-    }
-    for lib in &report.libraries {
-        let pids: Vec<String> = lib.pids.iter().map(|p| p.to_string()).collect();
-        let users = if pids.is_empty() {
-            String::new()
-        } else if verbose || pids.len() <= 5 {
-            format!(" used by pid {}", pids.join(", "))
-        } else {
-            format!(" used by {} processes", pids.len())
-        };
-        writeln!(out, "       {} ({}){users}", lib.path, lib.origin)?;
-    }
-    Ok(())
-}
-
 pub fn run(args: CheckArgs) -> Result<()> {
-    let who = paths::invoker();
-    let mut checks = kernel_checks();
-    // Loading programs on a kernel without BPF or uprobes only repeats what failed above.
-    let kernel_ok = checks.iter().all(|c| c.ok || !c.required);
-    if kernel_ok {
-        checks.extend(tracing_checks());
-    } else {
-        checks.extend(
-            tracing_checks()
-                .into_iter()
-                .filter(|c| c.name == "privileges"),
-        );
-    }
-    let (libs, found) = library_check(&who);
-    checks.push(libs);
-    checks.push(database_check(&who));
-    let failed = checks.iter().filter(|c| c.required && !c.ok).count();
-    let report = CheckReport {
-        can_trace: failed == 0 && privileges::can_trace().is_ok(),
-        checks,
-        libraries: found
-            .iter()
-            .map(|c| Library {
-                path: c.shown.clone(),
-                origin: c.origin.name(),
-                pids: c.pids.iter().copied().collect(),
-            })
-            .collect(),
-    };
+    let report = check::run_checks();
     if args.json {
-        let mut out = std::io::stdout().lock();
-        serde_json::to_writer(&mut out, &report)?;
-        writeln!(out)?;
+        present::json::line(&report)?;
     } else {
-        render_text(&report, args.verbose)?;
+        present::check::text(&mut std::io::stdout().lock(), &report, args.verbose)?;
     }
-    if failed > 0 {
+    if report.failed > 0 {
         return Err(Coded {
-            code: crate::exit::NO_PRIVILEGE,
-            message: format!("{failed} required check(s) failed"),
+            code: NO_PRIVILEGE,
+            message: format!("{} required check(s) failed", report.failed),
         }
         .into());
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn kernel_versions() {
-        assert!(super::kernel_at_least("6.18.0-1-amd64", 5, 15));
-        assert!(super::kernel_at_least("5.15.0", 5, 15));
-        assert!(!super::kernel_at_least("5.4.0-100-generic", 5, 15));
-        assert!(!super::kernel_at_least("4.4.0", 5, 15));
-    }
 }

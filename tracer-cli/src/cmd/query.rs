@@ -5,9 +5,9 @@ use std::{io::Write as _, path::PathBuf};
 use anyhow::Result;
 use clap::Args;
 
-use crate::{
-    output::{Format, RowWriter},
+use tracer_cli::{
     paths,
+    present::rows::{Format, RowWriter},
     store::{readonly, Access, Store},
 };
 

@@ -5,14 +5,12 @@ use std::{io::Write as _, path::PathBuf};
 
 use anyhow::Result;
 use clap::Args;
-use tracer_common::Op;
-
-use crate::{
+use tracer_cli::{
     exit::user_error,
-    paths,
+    paths, present,
     store::{events, Access, Store},
-    units::bytes_column,
 };
+use tracer_common::Op;
 
 #[derive(Debug, Args)]
 pub struct StacksArgs {
@@ -49,12 +47,8 @@ pub fn run(args: StacksArgs) -> Result<()> {
     let store = Store::open(&path, Access::ReadOnly)?;
     let info = events::session(store.conn(), args.session)?;
     let stacks = events::stacks(store.conn(), info.id, op, args.pid, args.top)?;
-    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     if args.json {
-        serde_json::to_writer_pretty(&mut out, &stacks)?;
-        writeln!(out)?;
-        out.flush()?;
-        return Ok(());
+        return present::json::document(&stacks);
     }
     if stacks.is_empty() {
         return Err(user_error(format!(
@@ -67,32 +61,8 @@ pub fn run(args: StacksArgs) -> Result<()> {
             }
         )));
     }
-    for s in &stacks {
-        let bytes = bytes_column(s.bytes);
-        writeln!(
-            out,
-            "{} x{}{bytes} | pid {} | python: {} | native frames: {}",
-            s.op, s.calls, s.pid, s.python, s.native_depth
-        )?;
-        for f in &s.frames {
-            let place = match (&f.file, f.line) {
-                (Some(file), Some(line)) => format!("{file}:{line}"),
-                (Some(file), None) => file.clone(),
-                (None, _) => match (&f.module, f.address) {
-                    (Some(m), Some(a)) => format!("{m}+{a:#x}"),
-                    (Some(m), None) => m.clone(),
-                    _ => "?".into(),
-                },
-            };
-            writeln!(
-                out,
-                "    {:<6} {} ({place})",
-                f.kind,
-                f.function.as_deref().unwrap_or("??")
-            )?;
-        }
-        writeln!(out)?;
-    }
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    present::stacks::text(&mut out, &stacks)?;
     out.flush()?;
     Ok(())
 }

@@ -14,8 +14,8 @@
 use tracer_common::Op;
 
 use crate::{
-    analysis::{stack_id, Event, NO_DEVICE},
     decode::Call,
+    model::{stack_id, Event, NO_DEVICE},
 };
 
 /// The format written into `call_blocks.format`; a reader that does not know a block's format

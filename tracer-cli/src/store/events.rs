@@ -7,8 +7,8 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension as _};
 use tracer_common::Op;
 
 use crate::{
-    analysis::{stack_id, Event, Host, OffSlice, NO_DEVICE},
     exit::user_error,
+    model::{advise_huge_pages, stack_id, Event, HostRecord, OffSlice, SiteLabels, NO_DEVICE},
 };
 
 #[derive(Clone, Debug)]
@@ -261,25 +261,6 @@ fn read_blocks(
     Ok(())
 }
 
-/// Asks for transparent huge pages under a large vector about to be filled: a tenth of the
-/// page faults, and the kernel clears 2 MiB at a time.
-pub(crate) fn advise_huge_pages(v: &mut Vec<Event>) {
-    const HUGE: usize = 2 << 20;
-    let spare = v.spare_capacity_mut();
-    let bytes = std::mem::size_of_val(spare);
-    if bytes < 4 * HUGE {
-        return;
-    }
-    let start = spare.as_mut_ptr() as usize;
-    let aligned = start.next_multiple_of(HUGE);
-    let len = (start + bytes - aligned) / HUGE * HUGE;
-    // SAFETY: [aligned, aligned + len) lies inside the vector's own allocation, which nothing
-    // has read or written yet; MADV_HUGEPAGE only changes how the kernel backs those pages.
-    unsafe {
-        libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-    }
-}
-
 /// [`load`] from the rows, reading in parallel once the session spans `min_ids_to_split` ids.
 pub(super) fn load_split(
     path: &Path,
@@ -395,7 +376,7 @@ pub fn comms(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {
 }
 
 /// The scheduler's record of the session's traced threads (host context), up to `to_ns`.
-pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Host> {
+pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Result<HostRecord> {
     let state: Option<String> = conn
         .query_row(
             "SELECT host_context FROM sessions WHERE id = ?1",
@@ -426,7 +407,11 @@ pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Re
     let slices = rows
         .collect::<rusqlite::Result<Vec<_>>>()
         .context("read offcpu")?;
-    Ok(Host::new(slices, recorded, cpus))
+    Ok(HostRecord {
+        slices,
+        recorded,
+        cpus,
+    })
 }
 
 /// Path fragments of frames that are not the user's own code: installed packages and the
@@ -456,17 +441,13 @@ fn short_path(path: &str) -> String {
 
 /// The call site of each of the session's stacks: its first frame in the user's own code
 /// ("dir/train.py:74 (train_step)"), skipping frames whose file contains one of `skip`.
-pub fn site_labels(
-    conn: &Connection,
-    session: i64,
-    skip: &[String],
-) -> Result<crate::analysis::SiteLabels> {
+pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<SiteLabels> {
     let mut stmt = conn.prepare(
         "SELECT f.stack_id, f.kind, f.function, f.file, f.line, f.module FROM stack_frames f
          JOIN stacks s ON s.id = f.stack_id WHERE s.session_id = ?1 ORDER BY f.stack_id, f.idx",
     )?;
     let mut rows = stmt.query([session])?;
-    let mut labels = crate::analysis::SiteLabels::new();
+    let mut labels = SiteLabels::new();
     // Per stack: the chosen Python frame, else the first native one outside the runtime.
     let mut best: HashMap<i64, (u8, String)> = HashMap::new();
     while let Some(r) = rows.next().context("read stack_frames")? {

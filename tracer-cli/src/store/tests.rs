@@ -1,7 +1,7 @@
 use tracer_common::Op;
 
 use super::*;
-use crate::{analysis::stack_id, decode::Call, exit::code_of, store::readonly};
+use crate::{decode::Call, exit::code_of, model::stack_id, store::readonly};
 
 fn call(op: Op, ts: u64, size: Option<u64>, ptr: Option<u64>, ret: i32) -> Call {
     Call {
@@ -328,7 +328,7 @@ fn parallel_load_matches_one_ordered_query() {
         }
     }
     let path = dir.path().join("t.db");
-    let key = |e: &crate::analysis::Event| (e.ts_ns, e.pid, e.size);
+    let key = |e: &crate::model::Event| (e.ts_ns, e.pid, e.size);
     for (pid, to_ns) in [(None, i64::MAX), (Some(101), i64::MAX), (None, 1_011_020)] {
         let single = events::load_split(&path, second, to_ns, pid, i64::MAX).unwrap();
         let parallel = events::load_split(&path, second, to_ns, pid, 1).unwrap();
@@ -455,7 +455,7 @@ fn from_rows(
     session: i64,
     to_ns: i64,
     pid: Option<u32>,
-) -> Vec<crate::analysis::Event> {
+) -> Vec<crate::model::Event> {
     events::load_split(path, session, to_ns, pid, 1).unwrap()
 }
 
@@ -599,7 +599,7 @@ fn evicting_part_of_the_current_session_keeps_blocks_and_rows_equal() {
 /// (nearly sorted), and for calls in no order at all (where it falls back to the general sort).
 #[test]
 fn nearly_sorted_calls_are_put_in_time_order_stably() {
-    let mk = |ts: i64, id: u64| crate::analysis::Event {
+    let mk = |ts: i64, id: u64| crate::model::Event {
         ts_ns: ts,
         duration_ns: 0,
         size: id,

@@ -15,8 +15,8 @@ use serde::Serialize;
 use tracer_common::{maps as names, maps::Counter, Library};
 
 use crate::{
-    discover::{Candidate, FileId},
-    elf,
+    record::discover::{Candidate, FileId},
+    record::elf,
 };
 
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
@@ -444,7 +444,7 @@ impl Followed {
     /// make a CUDA call (DataLoader workers) still compete with those that do.
     pub fn process_tree(&mut self, pid: u32) -> usize {
         let mut added = 0;
-        for tid in crate::procinfo::thread_tree(pid) {
+        for tid in crate::record::procinfo::thread_tree(pid) {
             // A tid already followed keeps its process (a traced child stays its own).
             if self.map.get(&tid, 0).is_err() && self.map.insert(tid, pid, 0).is_ok() {
                 added += 1;
@@ -526,7 +526,7 @@ pub fn self_test() -> Result<u64> {
 /// The file holding this process's code at `addr`, and the address's offset in it.
 fn own_code_offset(addr: usize) -> Result<(std::path::PathBuf, u64)> {
     let addr = addr as u64;
-    let maps = crate::memmap::read(std::process::id()).context("read /proc/self/maps")?;
+    let maps = crate::record::memmap::read(std::process::id()).context("read /proc/self/maps")?;
     let m = maps
         .iter()
         .find(|m| m.executable && (m.start..m.end).contains(&addr))

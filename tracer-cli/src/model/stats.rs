@@ -5,13 +5,11 @@ use std::collections::BTreeMap;
 
 use tracer_common::{Op, OpClass};
 
-use crate::decode::Call;
-
 /// 8 sub-buckets per power of two, up to 2^40 ns.
 const SUB: usize = 8;
 const BUCKETS: usize = 41 * SUB;
 
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Histogram {
     counts: Box<[u64; BUCKETS]>,
     total: u64,
@@ -74,7 +72,7 @@ impl Histogram {
     }
 }
 
-#[derive(Clone, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct OpStats {
     pub calls: u64,
     pub errors: u64,
@@ -84,7 +82,7 @@ pub struct OpStats {
     pub max_ns: u64,
 }
 
-#[derive(Clone, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct LiveStats {
     pub ops: BTreeMap<Op, OpStats>,
     pub pids: std::collections::BTreeSet<u32>,
@@ -92,10 +90,6 @@ pub struct LiveStats {
 }
 
 impl LiveStats {
-    pub fn add(&mut self, call: &Call) {
-        self.add_one(call.pid, call.op, call.ret, call.size, call.duration_ns);
-    }
-
     /// One call, from any source (a decoded event or a stored row).
     pub fn add_one(&mut self, pid: u32, op: Op, ret: i32, size: Option<u64>, duration_ns: u64) {
         self.events += 1;

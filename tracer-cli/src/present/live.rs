@@ -3,7 +3,7 @@
 use std::{io::Write, time::Duration};
 
 use crate::{
-    stats::LiveStats,
+    model::stats::LiveStats,
     store::SessionCounters,
     units::{format_bytes, format_ns},
 };

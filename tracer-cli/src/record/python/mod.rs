@@ -14,7 +14,7 @@ use std::{
 use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
 use tracer_common::{PyOffsets, PyProcess};
 
-use crate::{decode::RawPyFrame, memmap};
+use crate::{decode::RawPyFrame, record::memmap};
 
 const NONE: u32 = PyOffsets::NONE;
 

@@ -13,8 +13,8 @@ use tracer_common::PyProcess;
 
 use crate::{
     decode::{PyStatus, RawSite},
-    memmap::{self, Mapping},
-    python,
+    record::memmap::{self, Mapping},
+    record::python,
     store::{StackFrame, StackRow, Store},
 };
 

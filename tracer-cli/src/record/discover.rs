@@ -3,13 +3,15 @@
 //! the runtime statically. Files are identified by device and inode, so each is probed once.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashSet},
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
     process::Command,
 };
 
-use crate::memmap;
+use anyhow::Result;
+
+use crate::{exit::user_error, record::memmap};
 
 /// (device, inode): the identity of a file, whatever path reaches it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -154,7 +156,7 @@ fn exports_runtime(exe: &Path) -> bool {
     {
         return false;
     }
-    crate::elf::read_symbols(exe)
+    crate::record::elf::read_symbols(exe)
         .map(|s| {
             s.targets
                 .iter()
@@ -275,6 +277,89 @@ pub fn scan_installed(homes: &[PathBuf]) -> Vec<Candidate> {
         );
     }
     found.into_values().collect()
+}
+
+/// Finds libraries to probe, now and during the trace.
+pub struct Scanner {
+    explicit: Vec<Candidate>,
+    pids: Option<Vec<u32>>,
+    homes: Vec<PathBuf>,
+    static_cache: BTreeMap<FileId, bool>,
+    seen: HashSet<FileId>,
+    ticks: u64,
+}
+
+impl Scanner {
+    pub fn new(
+        explicit: Vec<Candidate>,
+        pids: Option<Vec<u32>>,
+        who: &crate::paths::Invoker,
+    ) -> Self {
+        let mut homes: Vec<PathBuf> = who.home.iter().cloned().collect();
+        if let Some(h) = std::env::var_os("HOME").map(PathBuf::from) {
+            if !homes.contains(&h) {
+                homes.push(h);
+            }
+        }
+        Scanner {
+            explicit,
+            pids,
+            homes,
+            static_cache: BTreeMap::new(),
+            seen: HashSet::new(),
+            ticks: 0,
+        }
+    }
+
+    /// Candidates not returned before. With --lib, only those; with --pid, only what those map.
+    pub fn scan(&mut self, first: bool) -> Vec<Candidate> {
+        self.ticks += 1;
+        let mut found = Vec::new();
+        if !self.explicit.is_empty() {
+            if first {
+                found = self.explicit.clone();
+            }
+        } else {
+            let pids = self.pids.clone().unwrap_or_else(all_pids);
+            found.extend(scan_processes(&pids, &mut self.static_cache));
+            // Installed copies change rarely: look every 30 s, and not when scoped to pids.
+            if self.pids.is_none() && (first || self.ticks.is_multiple_of(30)) {
+                found.extend(scan_installed(&self.homes));
+            }
+        }
+        found.retain(|c| self.seen.insert(c.id));
+        found
+    }
+}
+
+/// The --lib files, checked: each must exist and export at least one probed call.
+pub fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
+    let mut out = Vec::new();
+    for path in libs {
+        let id = file_id(path).ok_or_else(|| {
+            user_error(format!(
+                "--lib {}: no such file (pass the path of libcudart.so.* or libcuda.so.*)",
+                path.display()
+            ))
+        })?;
+        let symbols = crate::record::elf::read_symbols(path)
+            .map_err(|e| user_error(format!("--lib {}: {e:#}", path.display())))?;
+        if symbols.targets.is_empty() {
+            return Err(user_error(format!(
+                "--lib {}: the file exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...): pass libcudart.so.* or libcuda.so.*",
+                path.display()
+            )));
+        }
+        let open_path = path.canonicalize().unwrap_or_else(|_| path.clone());
+        out.push(Candidate {
+            shown: open_path.display().to_string(),
+            open_path,
+            id,
+            origin: Origin::Explicit,
+            pids: Default::default(),
+        });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

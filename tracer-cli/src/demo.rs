@@ -1,0 +1,487 @@
+//! `tracer demo`: realistic training workloads on the simulated CUDA runtime, recorded live
+//! (with BPF privileges) or through the runtime's own event log (without), with the chains shown
+//! as they form, then explained.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    io::{IsTerminal as _, Read as _},
+    os::unix::process::CommandExt as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Context as _, Result};
+use tracer_common::maps::DEFAULT_RING_BYTES;
+
+use crate::{
+    analysis::{self, Host},
+    exit::user_error,
+    explain::{self, ExplainQuery},
+    model::{span, stats::LiveStats, Window},
+    paths,
+    present::{
+        self,
+        live::{self, LiveView},
+    },
+    record::{import::SimlogImporter, privileges, signals, RecordOptions, Recording, Stop},
+    store::{events, Access, Store},
+};
+
+struct Scenario {
+    name: &'static str,
+    about: &'static str,
+    /// The simulated device: capacity and latencies.
+    env: &'static [(&'static str, &'static str)],
+}
+
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "incident",
+        about: "variable sequence lengths fragment the cache until a request fails with memory \"free\" (background/000)",
+        env: &[
+            ("SIMCUDA_MEM", "3GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
+            ("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000"),
+        ],
+    },
+    Scenario {
+        name: "periodic-spike",
+        about: "a checkpoint every 25 steps empties the cache and allocates a large buffer",
+        env: &[
+            ("SIMCUDA_MEM", "8GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,default=2us"),
+            ("SIMCUDA_LATENCY_PER_MIB_NS", "5000"),
+        ],
+    },
+    Scenario {
+        name: "leak",
+        about: "losses kept on the GPU across steps",
+        env: &[("SIMCUDA_MEM", "8GiB"), ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,default=2us")],
+    },
+    Scenario {
+        name: "oom",
+        about: "the batch grows every step until the device is full",
+        env: &[("SIMCUDA_MEM", "2GiB"), ("SIMCUDA_LATENCY", "cudaMalloc=80us,cudaFree=10us,default=2us")],
+    },
+    Scenario {
+        name: "cpu-contention",
+        about: "six busy DataLoader workers on a small machine; the loop waits on the GPU and the CPU",
+        env: &[
+            ("SIMCUDA_MEM", "8GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,cudaStreamSynchronize=3ms,default=2us"),
+        ],
+    },
+];
+
+/// What to run, and where to store it.
+#[derive(Clone, Debug)]
+pub struct DemoOptions {
+    pub scenario: String,
+    /// Run the workload faster (2) or slower (0.5).
+    pub speed: f64,
+    /// How long the workload runs.
+    pub duration: Duration,
+    /// The database.
+    pub db: PathBuf,
+    /// Use the simulated runtime's own event log even when eBPF tracing is possible.
+    pub simulated: bool,
+}
+
+/// The scenarios, as (name, what it shows).
+pub fn scenarios() -> impl Iterator<Item = (&'static str, &'static str)> {
+    SCENARIOS.iter().map(|s| (s.name, s.about))
+}
+
+/// Where the demo's sources live: TRACER_DEMOS, else the source tree this binary was built from.
+fn demos_dir() -> Result<PathBuf> {
+    let candidates = [
+        std::env::var_os("TRACER_DEMOS").map(PathBuf::from),
+        Some(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join("demos"),
+        ),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|d| d.join("simcuda/build.sh").exists() && d.join("workloads/train.py").exists())
+        .ok_or_else(|| {
+            user_error(
+                "demo files not found: set TRACER_DEMOS to the demos/ folder of tracer's sources",
+            )
+        })
+}
+
+/// Where the simulated runtime is built: the source tree's target/ when this user can write
+/// there, else a private folder of this user's in the temporary directory.
+fn build_dir(demos: &Path) -> Result<PathBuf> {
+    let target = demos.join("..").join("target");
+    let in_tree = target.join("simcuda-demo");
+    let writable = |dir: &Path| nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK).is_ok();
+    if (in_tree.exists() && writable(&in_tree))
+        || (!in_tree.exists() && target.exists() && writable(&target))
+    {
+        return Ok(in_tree);
+    }
+    let uid = nix::unistd::Uid::effective();
+    let private = std::env::temp_dir().join(format!("tracer-simcuda-{uid}"));
+    match std::fs::create_dir(&private) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(anyhow!("create {}: {e}", private.display())),
+    }
+    // Refuse a folder someone else made: the demo loads libraries from it.
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let meta = std::fs::symlink_metadata(&private)
+        .with_context(|| format!("inspect {}", private.display()))?;
+    if !meta.is_dir() || meta.uid() != uid.as_raw() {
+        return Err(user_error(format!(
+            "{} is not a folder of yours: remove it, or set TRACER_DEMOS to a copy of demos/ you can write beside",
+            private.display()
+        )));
+    }
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700))?;
+    Ok(private)
+}
+
+/// Builds the simulated runtime when it is missing or older than its sources.
+fn simulated_runtime(demos: &Path) -> Result<PathBuf> {
+    let src = demos.join("simcuda");
+    let out = build_dir(demos)?;
+    let lib = out.join("libcudart.so.12");
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let newest_source = std::fs::read_dir(&src)?
+        .flatten()
+        .filter_map(|e| modified(&e.path()))
+        .max();
+    if modified(&lib).is_none() || newest_source > modified(&lib) {
+        eprintln!(
+            "demo: building the simulated CUDA runtime into {}",
+            out.display()
+        );
+        let status = Command::new("bash")
+            .arg(src.join("build.sh"))
+            .arg(&out)
+            .stdout(Stdio::null())
+            .status()
+            .context("run demos/simcuda/build.sh (needs a C compiler: apt-get install gcc)")?;
+        if !status.success() {
+            return Err(anyhow!(
+                "building the simulated CUDA runtime failed ({status})"
+            ));
+        }
+    }
+    Ok(out)
+}
+
+fn workload(
+    demos: &Path,
+    sim: &Path,
+    scenario: &Scenario,
+    opts: &DemoOptions,
+    events_log: Option<&Path>,
+) -> Command {
+    let mut cmd = Command::new("python3");
+    cmd.arg(demos.join("workloads/train.py"))
+        .arg(scenario.name)
+        .args([
+            "--duration",
+            &opts.duration.as_secs_f64().to_string(),
+            "--speed",
+            &opts.speed.to_string(),
+        ])
+        .arg("--cudart")
+        .arg(sim.join("libcudart.so.12"))
+        .envs(scenario.env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(log) = events_log {
+        cmd.env("SIMCUDA_EVENTS", log);
+    }
+    // Never run the workload as root on someone's behalf: it runs as the user who ran sudo.
+    if let Some((uid, gid)) = paths::invoker().owner {
+        cmd.uid(uid).gid(gid);
+    }
+    cmd
+}
+
+/// Runs the scenario, shows what forms, and ends with the explain report.
+pub fn run(opts: &DemoOptions) -> Result<()> {
+    let scenario = SCENARIOS
+        .iter()
+        .find(|s| s.name == opts.scenario)
+        .ok_or_else(|| {
+            let names: Vec<&str> = SCENARIOS.iter().map(|s| s.name).collect();
+            user_error(format!(
+                "unknown scenario {:?}: choose one of {}",
+                opts.scenario,
+                names.join(", ")
+            ))
+        })?;
+    if !(opts.speed > 0.0 && opts.speed.is_finite()) {
+        return Err(user_error(format!(
+            "--speed {} must be a positive number",
+            opts.speed
+        )));
+    }
+    let demos = demos_dir()?;
+    let sim = simulated_runtime(&demos)?;
+    let who = paths::invoker();
+    paths::create_parent_dirs(&opts.db, who.owner)?;
+    let live = !opts.simulated && privileges::can_trace().is_ok();
+    let started = Instant::now();
+    let (session, outcome) = if live {
+        run_traced(&sim, &demos, scenario, opts)?
+    } else {
+        if !opts.simulated {
+            eprintln!(
+                "demo: no BPF privileges, so the simulated runtime reports its own calls (session marked simulated); run with sudo to trace them live"
+            );
+        }
+        run_simulated(&sim, &demos, scenario, opts, who.owner)?
+    };
+    eprintln!(
+        "demo: {} finished in {:.0}s: {outcome}",
+        scenario.name,
+        started.elapsed().as_secs_f64()
+    );
+    final_report(&opts.db, session)
+}
+
+/// Shows what the session recorded so far: the live per-op table (redrawn in place on a
+/// terminal, every 10 s otherwise) and each causal chain as it forms.
+struct ChainWatch {
+    seen: BTreeSet<(String, u32)>,
+    view: LiveView,
+    looks: u64,
+}
+
+impl ChainWatch {
+    fn new() -> ChainWatch {
+        ChainWatch {
+            seen: BTreeSet::new(),
+            view: LiveView::new(std::io::stderr().is_terminal()),
+            looks: 0,
+        }
+    }
+
+    fn look(&mut self, db: &Path, session: i64) {
+        self.looks += 1;
+        let Ok(store) = Store::open(db, Access::ReadOnly) else {
+            return;
+        };
+        let Ok(all) = events::load(db, session, i64::MAX, None) else {
+            return;
+        };
+        let Some((first, last)) = span(&all) else {
+            return;
+        };
+        let Ok(host) = events::host(store.conn(), session, last, None) else {
+            return;
+        };
+        let host = Host::new(host);
+        let window = Window {
+            from_ns: first,
+            to_ns: last,
+        };
+        let report = analysis::analyze(
+            session,
+            &all,
+            &host,
+            window,
+            &HashMap::new(),
+            &HashMap::new(),
+        );
+        let mut stats = LiveStats::default();
+        for e in &all {
+            stats.add_one(
+                e.pid,
+                e.op,
+                e.ret,
+                (e.size != 0).then_some(e.size),
+                e.duration_ns,
+            );
+        }
+        let elapsed = Duration::from_nanos((last - first).max(0) as u64);
+        let mut table = vec![format!(
+            "demo {:>5.1}s | session {session} | {} processes | {} calls | {} chains",
+            elapsed.as_secs_f64(),
+            stats.pids.len(),
+            stats.events,
+            report.chains.len()
+        )];
+        table.extend(live::op_table(&stats, elapsed));
+        self.view.clear();
+        for chain in &report.chains {
+            if self.seen.insert((chain.rule.to_string(), chain.pid)) {
+                eprintln!(
+                    "demo: +{:>5.1}s chain formed: [{:?}] {} - {}",
+                    (last - first) as f64 / 1e9,
+                    chain.severity,
+                    chain.title,
+                    chain.root
+                );
+            }
+        }
+        // Off a terminal, a table every 10 s (each look is 2 s apart) keeps logs readable.
+        if self.view.is_tty() || self.looks % 5 == 1 {
+            self.view.redraw(&table);
+        }
+    }
+
+    /// The last table, left on the screen above what follows.
+    fn finish(&mut self, db: &Path, session: i64) {
+        self.looks = 0;
+        self.look(db, session);
+    }
+}
+
+/// Runs the workload, calling `tick` about every 2 s until it exits; returns its outcome.
+fn supervise(mut child: Child, mut tick: impl FnMut()) -> Result<String> {
+    let stderr = child.stderr.take();
+    let err_reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(mut s) = stderr {
+            let _ = s.read_to_string(&mut text);
+        }
+        text
+    });
+    let mut last = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if last.elapsed() >= Duration::from_secs(2) {
+            tick();
+            last = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let err = err_reader.join().unwrap_or_default();
+    let message = err
+        .lines()
+        .find(|l| l.contains("OutOfMemoryError"))
+        .map(str::to_owned);
+    Ok(match (status.success(), message) {
+        (true, _) => "the workload completed".into(),
+        (false, Some(m)) => format!("the workload died: {m}"),
+        (false, None) => format!("the workload failed ({status}): {}", err.trim()),
+    })
+}
+
+/// Records the workload live with eBPF, in this process: the workload is supervised on a thread
+/// of its own while the recording runs here; Ctrl-C stops both and still flushes.
+fn run_traced(
+    sim: &Path,
+    demos: &Path,
+    scenario: &Scenario,
+    opts: &DemoOptions,
+) -> Result<(i64, String)> {
+    let (stop_tx, stops) = mpsc::channel();
+    signals::stop_on_signals(stop_tx.clone())?;
+    let mut recording = Recording::start(RecordOptions {
+        libs: vec![sim.join("libcudart.so.12"), sim.join("libcuda.so.1")],
+        db: opts.db.clone(),
+        ring_bytes: DEFAULT_RING_BYTES as u64,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        ..Default::default()
+    })?;
+    let session = recording.started().session;
+    eprintln!(
+        "demo: tracing live with eBPF (session {session}); running the {} workload",
+        scenario.name
+    );
+    let child = workload(demos, sim, scenario, opts, None)
+        .spawn()
+        .context("start the workload (python3)")?;
+    let db = opts.db.clone();
+    let supervisor = std::thread::spawn(move || {
+        let mut watch = ChainWatch::new();
+        let outcome = supervise(child, || watch.look(&db, session));
+        let _ = stop_tx.send(Stop::done("the demo's workload ended"));
+        (outcome, watch)
+    });
+    let stop = recording.run(&stops, None, |_| {});
+    let finished = recording.finish(stop)?;
+    let (outcome, mut watch) = supervisor
+        .join()
+        .map_err(|_| anyhow!("the workload supervisor panicked"))?;
+    watch.finish(&opts.db, session);
+    finished.detach()?;
+    Ok((session, outcome?))
+}
+
+fn run_simulated(
+    sim: &Path,
+    demos: &Path,
+    scenario: &Scenario,
+    opts: &DemoOptions,
+    owner: Option<(u32, u32)>,
+) -> Result<(i64, String)> {
+    let db = opts.db.as_path();
+    let mut store = Store::open(db, Access::ReadWrite)?;
+    store.chown_files(owner)?;
+    let session = SimlogImporter::begin_session(&store)?;
+    let log_dir = tempfile_dir()?;
+    let log = log_dir.join("events.log");
+    if let Some((uid, gid)) = owner {
+        nix::unistd::chown(
+            &log_dir,
+            Some(nix::unistd::Uid::from_raw(uid)),
+            Some(nix::unistd::Gid::from_raw(gid)),
+        )?;
+    }
+    let child = workload(demos, sim, scenario, opts, Some(&log))
+        .spawn()
+        .context("start the workload (python3)")?;
+    let mut importer = SimlogImporter::new(true);
+    let mut watch = ChainWatch::new();
+    let mut failure = None;
+    let outcome = supervise(child, || {
+        if let Err(e) = importer.import(&log, &mut store, session) {
+            failure.get_or_insert(e);
+        }
+        watch.look(db, session);
+    })?;
+    if let Some(e) = failure {
+        return Err(e.context(format!(
+            "import the simulated runtime's events from {}",
+            log.display()
+        )));
+    }
+    importer.import(&log, &mut store, session)?;
+    importer.end_session(
+        &store,
+        session,
+        &format!("simulated: events reported by the simulated runtime; {outcome}"),
+        "complete",
+    )?;
+    store.chown_files(owner)?;
+    watch.finish(db, session);
+    let _ = std::fs::remove_dir_all(&log_dir);
+    Ok((session, outcome))
+}
+
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("tracer-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    Ok(dir)
+}
+
+fn final_report(db: &Path, session: i64) -> Result<()> {
+    println!();
+    let explained = explain::explain(
+        db,
+        &ExplainQuery {
+            session: Some(session),
+            ..Default::default()
+        },
+    )?;
+    present::explain::text(&mut std::io::stdout().lock(), &explained, true)?;
+    println!();
+    println!("Stored in {} (session {session}): explore with `tracer explain --db {} --json` or `tracer query`.", db.display(), db.display());
+    Ok(())
+}

@@ -1,0 +1,17 @@
+//! tracer: eBPF tracing of CUDA memory allocation calls, stored in SQLite and explained.
+//!
+//! The data path reads one way (ARCHITECTURE.md): probe tables (tracer-common) -> eBPF programs
+//! (tracer-ebpf) -> [`decode`] -> [`record`] -> [`store`] -> [`model`] / [`analysis`] ->
+//! [`present`].
+
+pub mod analysis;
+pub mod decode;
+pub mod demo;
+pub mod exit;
+pub mod explain;
+pub mod model;
+pub mod paths;
+pub mod present;
+pub mod record;
+pub mod store;
+pub mod units;

@@ -1,0 +1,132 @@
+//! `tracer explain`'s report as text (its JSON is the report itself, serialized).
+
+use std::io::Write;
+
+use anyhow::Result;
+
+use crate::{
+    explain::Explained,
+    units::{bytes_column, format_bytes, format_ns, format_utc},
+};
+
+/// The report as text: the window, per-process tables (`per_process`), the top call sites and
+/// the causal chains with their evidence.
+pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> Result<()> {
+    let r = &explained.report;
+    let ends = if explained.running {
+        "now: the trace is still running"
+    } else {
+        "the session's last event"
+    };
+    writeln!(
+        out,
+        "Session {}: {} .. {} ({:.0}s, ending at {ends}); {} calls in the window{}",
+        r.session,
+        format_utc(r.window.from_ns),
+        format_utc(r.window.to_ns),
+        r.window.secs(),
+        r.events_in_window,
+        if r.host_context {
+            ""
+        } else {
+            "; no scheduler record (host context), so CPU contention is not assessed"
+        }
+    )?;
+    if per_process {
+        for p in &r.processes {
+            writeln!(out)?;
+            writeln!(
+                out,
+                "Process: {} (PID {})",
+                p.comm.as_deref().unwrap_or("?"),
+                p.pid
+            )?;
+            for op in &p.ops {
+                let bytes = bytes_column(op.bytes);
+                let errors = if op.errors > 0 {
+                    format!(" | {} errors", op.errors)
+                } else {
+                    String::new()
+                };
+                writeln!(
+                    out,
+                    "  {:<24} | {:>8} calls | p50={} | p99={} | max={}{bytes}{errors}",
+                    op.op,
+                    op.calls,
+                    format_ns(op.p50_ns),
+                    format_ns(op.p99_ns),
+                    format_ns(op.max_ns)
+                )?;
+            }
+            for o in &p.outstanding {
+                writeln!(
+                    out,
+                    "  outstanding at the end: {} x{} ({})",
+                    o.op,
+                    o.count,
+                    format_bytes(o.bytes)
+                )?;
+            }
+            for w in &p.warnings {
+                writeln!(out, "  ! {w}")?;
+            }
+        }
+    }
+    let mut current_op = None;
+    for row in &r.call_sites {
+        if current_op != Some((row.op, row.pid)) {
+            current_op = Some((row.op, row.pid));
+            writeln!(out)?;
+            writeln!(out, "Top {} call sites (pid {}):", row.op, row.pid)?;
+        }
+        let bytes = bytes_column(row.bytes);
+        writeln!(
+            out,
+            "  {} -> {} | {} calls{bytes} | avg {} | p99 {}",
+            row.site,
+            row.op,
+            row.calls,
+            format_ns(row.avg_ns),
+            format_ns(row.p99_ns)
+        )?;
+    }
+    writeln!(out)?;
+    if r.chains.is_empty() {
+        writeln!(
+            out,
+            "No causal chain: the calls in this window show no fragmentation pressure, allocator retry, \
+             out-of-memory, leak, churn, driver bypass, synchronisation stall or periodic spike."
+        )?;
+        return Ok(());
+    }
+    writeln!(out, "Causal chains ({}):", r.chains.len())?;
+    for c in &r.chains {
+        writeln!(out, "{}", "-".repeat(72))?;
+        writeln!(out, "[{:?}] {}  (pid {})", c.severity, c.title, c.pid)?;
+        writeln!(out, "  Root:        {}", c.root)?;
+        writeln!(out, "  Effect:      {}", c.effect)?;
+        for comp in &c.compounding {
+            writeln!(out, "  Compounding: {comp}")?;
+        }
+        if !c.timeline.is_empty() {
+            writeln!(out, "  Timeline:")?;
+            for e in &c.timeline {
+                let rel = (e.ts_ns - r.window.from_ns) as f64 / 1e9;
+                writeln!(out, "    +{rel:>8.3}s  {}", e.text)?;
+            }
+        }
+        for (i, f) in c.fix.iter().enumerate() {
+            writeln!(
+                out,
+                "  {}{f}",
+                if i == 0 {
+                    "Fix:         "
+                } else {
+                    "             "
+                }
+            )?;
+        }
+        writeln!(out, "  Evidence:    {}", c.evidence)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! Presenters: how results reach people and programs, one module per output form. They take
+//! what the other rooms computed and only render it.
+
+pub mod check;
+pub mod explain;
+pub mod json;
+pub mod live;
+pub mod rows;
+pub mod stacks;
+pub mod summary;

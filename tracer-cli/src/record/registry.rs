@@ -1,0 +1,143 @@
+//! The process registry, beside the reader: what a call's numbers do not say, read while the
+//! process lives. At a process's first call: its /proc metadata, its threads for the scheduler
+//! programs, its interpreter for the Python frame walk; for each new call site: its code objects
+//! and native frames (--stack). Then the calls go on to the writer.
+
+use std::{
+    collections::HashSet,
+    sync::{
+        atomic::Ordering,
+        mpsc::{Receiver, SyncSender},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Result};
+
+use super::{
+    attach::{Followed, PyProcs},
+    procinfo,
+    session::Shared,
+    sites::Sites,
+    writer::Delivery,
+};
+use crate::decode::Record;
+
+/// How often running processes are looked at for interpreters started since (--stack).
+const PYTHON_SCAN_EVERY: Duration = Duration::from_secs(1);
+
+/// The interpreters the kernel walks, and what tracer knows of their call sites (--stack).
+pub struct Python {
+    pub procs: PyProcs,
+    pub sites: Sites,
+    /// The --pid scope, or every process.
+    pub scope: Option<Vec<u32>>,
+}
+
+impl Python {
+    /// Registers the interpreters running now (done before the recording is announced, so a
+    /// process told to go on by it has Python frames from its first call).
+    pub fn scan(&mut self) {
+        for pid in self.scope.clone().unwrap_or_else(super::discover::all_pids) {
+            self.register(pid);
+        }
+    }
+
+    /// Puts `pid`'s interpreter, if it runs one tracer can walk, where the kernel finds it.
+    fn register(&mut self, pid: u32) {
+        if let Some(interp) = self.sites.register(pid) {
+            if let Err(e) = self.procs.insert(pid, interp) {
+                eprintln!("tracer: {e:#}");
+            }
+        }
+    }
+}
+
+pub struct Registry {
+    pub followed: Option<Followed>,
+    pub python: Option<Python>,
+    pub wall_offset_ns: i64,
+}
+
+impl Registry {
+    /// Turns the reader's records into deliveries for the writer until the reader is done.
+    pub fn run(
+        mut self,
+        rx: Receiver<Vec<Record>>,
+        tx: SyncSender<Delivery>,
+        shared: &Shared,
+    ) -> Result<()> {
+        let result = (|| -> Result<()> {
+            let boot = procinfo::boot_time_ns();
+            let mut pids_seen: HashSet<u32> = HashSet::new();
+            let mut last_python_scan = Instant::now();
+            loop {
+                let records = match rx.recv_timeout(PYTHON_SCAN_EVERY) {
+                    Ok(records) => records,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Vec::new(),
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+                };
+                if let Some(python) = self.python.as_mut() {
+                    if last_python_scan.elapsed() >= PYTHON_SCAN_EVERY {
+                        last_python_scan = Instant::now();
+                        python.scan();
+                    }
+                }
+                if records.is_empty() {
+                    continue;
+                }
+                let delivery = self.enrich(records, &mut pids_seen, boot);
+                deliver(delivery, &tx, shared)?;
+            }
+        })();
+        if result.is_err() {
+            shared.stop.store(true, Ordering::SeqCst);
+        }
+        result
+    }
+
+    fn enrich(
+        &mut self,
+        records: Vec<Record>,
+        pids_seen: &mut HashSet<u32>,
+        boot: Option<i64>,
+    ) -> Delivery {
+        let mut out = Delivery::default();
+        for record in records {
+            match record {
+                Record::Call(mut call) => {
+                    if pids_seen.insert(call.pid) {
+                        let seen = call.ts_mono_ns as i64 + self.wall_offset_ns;
+                        out.processes
+                            .push(procinfo::read(call.pid, seen, &call.comm, boot));
+                        if let Some(f) = self.followed.as_mut() {
+                            f.process_tree(call.pid);
+                        }
+                        if let Some(python) = self.python.as_mut() {
+                            python.register(call.pid);
+                        }
+                    }
+                    if let (Some(site), Some(python)) = (call.site.take(), self.python.as_mut()) {
+                        call.stack = Some(python.sites.intern(call.pid, *site, &mut out.sites));
+                    }
+                    out.calls.push(call);
+                }
+                Record::OffCpu(off) => out.offcpu.push(off),
+            }
+        }
+        out
+    }
+}
+
+fn deliver(delivery: Delivery, tx: &SyncSender<Delivery>, shared: &Shared) -> Result<()> {
+    shared
+        .events_read
+        .fetch_add(delivery.calls.len() as u64, Ordering::SeqCst);
+    if let Ok(mut live) = shared.live.lock() {
+        for c in &delivery.calls {
+            live.add_one(c.pid, c.op, c.ret, c.size, c.duration_ns);
+        }
+    }
+    tx.send(delivery)
+        .map_err(|_| anyhow!("the database writer stopped"))
+}

@@ -1,0 +1,557 @@
+//! A recording from start to the final flush: attach, begin the session, run the reader, the
+//! registry and the writer on their threads, keep attaching what discovery finds, and on stop
+//! pause the probes, drain everything submitted, commit, and end the session.
+
+use std::{
+    collections::HashSet,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        mpsc::{self, Receiver, RecvTimeoutError},
+        Arc, Mutex,
+    },
+    thread::{self, JoinHandle},
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Context as _, Result};
+use serde::Serialize;
+use tracer_common::maps::Counter;
+
+use super::{
+    attach::{AttachedLibrary, LoadOptions, Probes},
+    discover::{self, Candidate, Origin, Scanner},
+    procinfo, reader,
+    registry::{Python, Registry},
+    sites::Sites,
+    writer::{self, WriterOptions},
+};
+use crate::{
+    exit::{privilege_error, user_error},
+    model::stats::LiveStats,
+    paths,
+    store::{Access, SessionCounters, SessionStart, Store},
+};
+
+/// What to record, and where.
+#[derive(Clone, Debug, Default)]
+pub struct RecordOptions {
+    /// Only these processes (their probes are scoped to them); empty: every process.
+    pub pids: Vec<u32>,
+    /// Probe these files instead of discovering the CUDA libraries.
+    pub libs: Vec<PathBuf>,
+    /// The database (its folders are created, owned by the invoking user).
+    pub db: PathBuf,
+    pub max_db: Option<u64>,
+    /// Ring buffer bytes: a power of two, 4 KiB to 2 GiB.
+    pub ring_bytes: u64,
+    /// Record each call's native stack and Python frames.
+    pub stack: bool,
+    /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
+    pub floor: bool,
+    /// The command line stored with the session.
+    pub command: String,
+}
+
+/// The recording, once its probes are attached and its session begun.
+#[derive(Clone, Debug, Serialize)]
+pub struct Started {
+    pub session: i64,
+    pub db: PathBuf,
+    pub probes: usize,
+    pub libraries: Vec<AttachedLibrary>,
+    pub pid_filter: Option<Vec<u32>>,
+    /// The scheduler tracepoints, or why not (`off: ...`).
+    pub host_context: String,
+}
+
+/// Why the recording ended; a signal marks the session "interrupted", anything else "complete".
+#[derive(Clone, Debug)]
+pub struct Stop {
+    pub reason: String,
+    pub by_signal: bool,
+}
+
+impl Stop {
+    pub fn signal(reason: &str) -> Stop {
+        Stop {
+            reason: reason.into(),
+            by_signal: true,
+        }
+    }
+
+    pub fn done(reason: impl Into<String>) -> Stop {
+        Stop {
+            reason: reason.into(),
+            by_signal: false,
+        }
+    }
+}
+
+/// What the recording's threads share.
+#[derive(Default)]
+pub struct Shared {
+    pub stop: AtomicBool,
+    pub live: Mutex<LiveStats>,
+    pub events_read: AtomicU64,
+    pub events_stored: AtomicU64,
+    pub decode_errors: AtomicU64,
+    /// The kernel counters as last read (for the writer's periodic session updates).
+    pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
+}
+
+impl Shared {
+    pub fn counters(&self, kernel: &[u64; Counter::COUNT as usize]) -> SessionCounters {
+        SessionCounters {
+            entries: kernel[Counter::Entries as usize],
+            submitted: kernel[Counter::Submitted as usize],
+            dropped_ring_full: kernel[Counter::RingFull as usize],
+            unmatched_returns: kernel[Counter::UnmatchedReturns as usize],
+            alloc_map_full: kernel[Counter::AllocMapFull as usize],
+            inflight_full: kernel[Counter::InflightFull as usize],
+            events_read: self.events_read.load(Ordering::SeqCst),
+            events_stored: self.events_stored.load(Ordering::SeqCst),
+            decode_errors: self.decode_errors.load(Ordering::SeqCst),
+            offcpu_submitted: kernel[Counter::SchedSubmitted as usize],
+            offcpu_dropped: kernel[Counter::SchedRingFull as usize],
+        }
+    }
+}
+
+/// Converts the kernel's CLOCK_MONOTONIC timestamps to wall-clock time.
+#[derive(Clone, Copy)]
+struct Clock {
+    offset_ns: i64,
+}
+
+impl Clock {
+    fn now() -> Self {
+        use nix::time::{clock_gettime, ClockId};
+        let ns = |id| {
+            clock_gettime(id)
+                .map(|t| t.tv_sec() * 1_000_000_000 + t.tv_nsec())
+                .unwrap_or(0)
+        };
+        // Bracket the realtime read with two monotonic reads; use their midpoint.
+        let m1 = ns(ClockId::CLOCK_MONOTONIC);
+        let r = ns(ClockId::CLOCK_REALTIME);
+        let m2 = ns(ClockId::CLOCK_MONOTONIC);
+        Clock {
+            offset_ns: r - (m1 + (m2 - m1) / 2),
+        }
+    }
+
+    fn wall_now(&self) -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as i64)
+            .unwrap_or(0)
+    }
+}
+
+/// How the recording stands, for a live view.
+pub struct Snapshot {
+    pub elapsed: Duration,
+    pub libraries: usize,
+    pub probes: usize,
+    pub stats: LiveStats,
+    pub counters: SessionCounters,
+}
+
+/// What a finished recording stored (printed by `tracer trace` at the end).
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub session: i64,
+    pub db: PathBuf,
+    /// complete, interrupted or failed.
+    pub status: &'static str,
+    pub reason: String,
+    pub elapsed_s: f64,
+    pub probes: usize,
+    pub libraries: Vec<AttachedLibrary>,
+    pub counters: SessionCounters,
+    #[serde(skip)]
+    pub stats: LiveStats,
+}
+
+/// A finished recording: everything is stored; the probes are still attached until
+/// [`Finished::detach`] (the kernel takes about 0.1 s per probe to remove them).
+pub struct Finished {
+    pub summary: Summary,
+    probes: Probes,
+    /// The first thing that went wrong, if anything did.
+    problem: Option<anyhow::Error>,
+}
+
+impl Finished {
+    /// Removes the probes; then the recording's outcome.
+    pub fn detach(mut self) -> Result<Summary> {
+        self.probes.detach_all()?;
+        match self.problem {
+            Some(e) => Err(e),
+            None => Ok(self.summary),
+        }
+    }
+}
+
+pub struct Recording {
+    probes: Probes,
+    scanner: Scanner,
+    pid_filter: Option<Vec<u32>>,
+    shared: Arc<Shared>,
+    reader: JoinHandle<Result<()>>,
+    registry: JoinHandle<Result<()>>,
+    writer: JoinHandle<(Store, Result<()>)>,
+    started: Started,
+    clock: Clock,
+    began: Instant,
+    gone: HashSet<u32>,
+}
+
+impl Recording {
+    /// Loads and attaches the probes, begins the session and starts the reader, the registry
+    /// and the writer. Returns once calls are being recorded.
+    pub fn start(opts: RecordOptions) -> Result<Recording> {
+        check_options(&opts)?;
+        let explicit = discover::explicit_libraries(&opts.libs)?;
+        let who = paths::invoker();
+        paths::create_parent_dirs(&opts.db, who.owner)?;
+        let store = Store::open(&opts.db, Access::ReadWrite)?;
+        store.chown_files(who.owner)?;
+        let mut probes = Probes::load(LoadOptions {
+            // At most 2 GiB: checked above.
+            ring_bytes: opts.ring_bytes as u32,
+            wakeup_bytes: (opts.ring_bytes / 4).min(1 << 20),
+            floor: opts.floor,
+            stack: opts.stack,
+        })
+        .map_err(|e| {
+            if format!("{e:#}").contains("Operation not permitted") {
+                privilege_error(format!(
+                    "{e:#}: loading BPF programs was refused; run with sudo"
+                ))
+            } else {
+                e
+            }
+        })?;
+        let pid_filter = (!opts.pids.is_empty()).then(|| opts.pids.clone());
+        let mut scanner = Scanner::new(explicit, pid_filter.clone(), &who);
+        for lib in scanner.scan(true) {
+            attach_reporting(&mut probes, &lib, pid_filter.as_deref())?;
+        }
+        if probes.probe_count() == 0 {
+            eprintln!("tracer: no CUDA library found yet; watching for processes that load one (rescanning every second)");
+        }
+        let clock = Clock::now();
+        let session = begin_session(&store, &clock, &opts, &pid_filter)?;
+        store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
+        let host_context = match &probes.host_context {
+            Ok(()) => format!(
+                "sched_switch, sched_wakeup, sched_process_fork; cpus={}",
+                procinfo::online_cpus().unwrap_or(0)
+            ),
+            Err(e) => {
+                eprintln!(
+                    "tracer: no host context (explain cannot tie slow calls to CPU contention): {e}"
+                );
+                format!("off: {e}")
+            }
+        };
+        store.set_host_context(session, &host_context)?;
+        eprintln!(
+            "tracer: session {session}: {} probes on {} libraries; writing to {}",
+            probes.probe_count(),
+            probes.library_count(),
+            opts.db.display()
+        );
+
+        let shared = Arc::new(Shared::default());
+        let ring = probes.take_ring()?;
+        let mut python = if opts.stack {
+            Some(Python {
+                procs: probes.take_py_procs()?,
+                sites: Sites::default(),
+                scope: pid_filter.clone(),
+            })
+        } else {
+            None
+        };
+        if let Some(python) = python.as_mut() {
+            python.scan();
+        }
+        let registry = Registry {
+            followed: probes.take_followed()?,
+            python,
+            wall_offset_ns: clock.offset_ns,
+        };
+        let (records_tx, records_rx) = mpsc::sync_channel(1024);
+        let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);
+        let reader = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name("tracer-reader".into())
+                .spawn(move || reader::read_loop(ring, records_tx, &shared))?
+        };
+        let registry = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name("tracer-registry".into())
+                .spawn(move || registry.run(records_rx, deliveries_tx, &shared))?
+        };
+        let writer_opts = WriterOptions {
+            session,
+            wall_offset_ns: clock.offset_ns,
+            max_db: opts.max_db,
+            owner: who.owner,
+        };
+        let writer = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name("tracer-writer".into())
+                .spawn(move || writer::write_loop(store, deliveries_rx, &shared, writer_opts))?
+        };
+        let started = Started {
+            session,
+            db: opts.db.clone(),
+            probes: probes.probe_count(),
+            libraries: probes.libraries(),
+            pid_filter: pid_filter.clone(),
+            host_context,
+        };
+        Ok(Recording {
+            probes,
+            scanner,
+            pid_filter,
+            shared,
+            reader,
+            registry,
+            writer,
+            started,
+            clock,
+            began: Instant::now(),
+            gone: HashSet::new(),
+        })
+    }
+
+    pub fn started(&self) -> &Started {
+        &self.started
+    }
+
+    /// Records until a stop arrives on `stops`, `duration` passes, every --pid process has
+    /// exited, or a thread fails; `on_tick` sees the recording each second.
+    pub fn run(
+        &mut self,
+        stops: &Receiver<Stop>,
+        duration: Option<Duration>,
+        mut on_tick: impl FnMut(&Snapshot),
+    ) -> Result<Stop> {
+        let deadline = duration.map(|d| Instant::now() + d);
+        let mut next_tick = Instant::now() + Duration::from_secs(1);
+        loop {
+            let wake = deadline.map_or(next_tick, |d| d.min(next_tick));
+            match stops.recv_timeout(wake.saturating_duration_since(Instant::now())) {
+                Ok(stop) => return Ok(stop),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Ok(Stop::done("the controlling program went away"))
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                let secs = duration.unwrap_or_default().as_secs_f64();
+                return Ok(Stop::done(format!("--duration {secs}s reached")));
+            }
+            if Instant::now() >= next_tick {
+                next_tick += Duration::from_secs(1);
+                if let Some(stop) = self.tick()? {
+                    return Ok(stop);
+                }
+                on_tick(&self.snapshot()?);
+            }
+        }
+    }
+
+    /// One second's housekeeping: attaches what discovery found since, reads the kernel's
+    /// counters, notices traced processes that exited.
+    fn tick(&mut self) -> Result<Option<Stop>> {
+        if self.shared.stop.load(Ordering::SeqCst) {
+            return Err(anyhow!("the reader, registry or writer stopped early"));
+        }
+        for lib in self.scanner.scan(false) {
+            attach_reporting(&mut self.probes, &lib, self.pid_filter.as_deref())?;
+        }
+        let kernel = self.probes.counters()?;
+        if let Ok(mut k) = self.shared.kernel.lock() {
+            *k = kernel;
+        }
+        if let Some(pids) = &self.pid_filter {
+            for &pid in pids {
+                if !procinfo::exists(pid) && self.gone.insert(pid) {
+                    eprintln!("tracer: process {pid} exited");
+                }
+            }
+            if self.gone.len() == pids.len() {
+                return Ok(Some(Stop::done("every traced process exited")));
+            }
+        }
+        Ok(None)
+    }
+
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        let kernel = self.probes.counters()?;
+        Ok(Snapshot {
+            elapsed: self.began.elapsed(),
+            libraries: self.probes.library_count(),
+            probes: self.probes.probe_count(),
+            stats: self
+                .shared
+                .live
+                .lock()
+                .map_err(|_| anyhow!("statistics lock poisoned"))?
+                .clone(),
+            counters: self.shared.counters(&kernel),
+        })
+    }
+
+    /// Stops recording new calls, lets calls in progress return, drains and stores everything
+    /// submitted, and ends the session; the probes stay attached until [`Finished::detach`].
+    pub fn finish(mut self, outcome: Result<Stop>) -> Result<Finished> {
+        let paused = self.probes.pause();
+        thread::sleep(Duration::from_millis(100));
+        let kernel = self.probes.counters()?;
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let read_result = join(self.reader, "ring-buffer reader")?;
+        let registry_result = join(self.registry, "process registry")?;
+        let (store, write_result) = self
+            .writer
+            .join()
+            .map_err(|_| anyhow!("the database writer thread panicked"))?;
+        let session = self.started.session;
+        let counters = self.shared.counters(&kernel);
+        store.set_counters(session, &counters)?;
+        let (status, reason) = match &outcome {
+            Ok(stop) if stop.by_signal => ("interrupted", stop.reason.clone()),
+            Ok(stop) => ("complete", stop.reason.clone()),
+            Err(e) => ("failed", format!("{e:#}")),
+        };
+        let mut problems: Vec<anyhow::Error> = [paused, read_result, registry_result, write_result]
+            .into_iter()
+            .filter_map(Result::err)
+            .collect();
+        store.append_note(session, &format!("stopped: {reason}"))?;
+        for p in &problems {
+            store.append_note(session, &format!("{p:#}"))?;
+        }
+        let libraries = self.probes.libraries();
+        store.set_libraries(session, &serde_json::to_string(&libraries)?)?;
+        store.end_session(session, self.clock.wall_now(), status)?;
+        store.chown_files(paths::invoker().owner)?;
+        drop(store);
+        eprintln!("tracer: stopped: {reason}");
+        let stats = self
+            .shared
+            .live
+            .lock()
+            .map_err(|_| anyhow!("statistics lock poisoned"))?
+            .clone();
+        if let Err(e) = outcome {
+            problems.push(e);
+        }
+        Ok(Finished {
+            summary: Summary {
+                session,
+                db: self.started.db.clone(),
+                status,
+                reason,
+                elapsed_s: self.began.elapsed().as_secs_f64(),
+                probes: self.probes.probe_count(),
+                libraries,
+                counters,
+                stats,
+            },
+            probes: self.probes,
+            problem: problems.into_iter().next(),
+        })
+    }
+}
+
+/// Refuses what cannot be recorded before anything is attached.
+fn check_options(opts: &RecordOptions) -> Result<()> {
+    super::privileges::can_trace().map_err(privilege_error)?;
+    let ring = opts.ring_bytes;
+    if !ring.is_power_of_two() || !(4096..=(1 << 31)).contains(&ring) {
+        return Err(user_error(format!(
+            "--ring-size {ring} must be a power of two between 4KiB and 2GiB (e.g. 16MiB)"
+        )));
+    }
+    for &pid in &opts.pids {
+        if pid == 0 || !procinfo::exists(pid) {
+            return Err(user_error(format!(
+                "process {pid} does not exist: check the pid with `ps -p {pid}`"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn join(handle: JoinHandle<Result<()>>, what: &str) -> Result<Result<()>> {
+    handle
+        .join()
+        .map_err(|_| anyhow!("the {what} thread panicked"))
+}
+
+fn begin_session(
+    store: &Store,
+    clock: &Clock,
+    opts: &RecordOptions,
+    pid_filter: &Option<Vec<u32>>,
+) -> Result<i64> {
+    let uname = nix::sys::utsname::uname().ok();
+    store
+        .begin_session(&SessionStart {
+            started_ns: clock.wall_now(),
+            source: "ebpf",
+            host: uname
+                .as_ref()
+                .map(|u| u.nodename().to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            kernel: uname
+                .as_ref()
+                .map(|u| u.release().to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            command: opts.command.clone(),
+            pid_filter: pid_filter.clone(),
+        })
+        .context("begin the session")
+}
+
+/// Attaches to a library found, saying so on stderr; a discovered library that fails is
+/// skipped, a --lib one is an error.
+fn attach_reporting(probes: &mut Probes, lib: &Candidate, pids: Option<&[u32]>) -> Result<()> {
+    match probes.attach(lib, pids) {
+        Ok(att) => {
+            eprintln!(
+                "tracer: probing {} ({}, {} symbols)",
+                att.path,
+                att.origin,
+                att.symbols.len()
+            );
+            if !att.missing.is_empty() {
+                eprintln!(
+                    "tracer:   not exported there (not traced): {}",
+                    att.missing.join(", ")
+                );
+            }
+            for f in &att.failed {
+                eprintln!("tracer:   failed to attach {f}");
+            }
+            Ok(())
+        }
+        Err(e) if lib.origin == Origin::Explicit => {
+            Err(e.context(format!("attach uprobes in {}", lib.shown)))
+        }
+        Err(e) => {
+            eprintln!("tracer: skipping {}: {e:#}", lib.shown);
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! The writer: batches what the registry hands over into transactions (every 200 ms or 50,000
+//! calls), stores new call sites before the calls that point at them, notes new threads, keeps
+//! the session's counters current and the database under --max-db.
+
+use std::{
+    collections::HashSet,
+    sync::{
+        atomic::Ordering,
+        mpsc::{Receiver, RecvTimeoutError},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Result};
+
+use super::{
+    procinfo::{self, ProcessInfo},
+    session::Shared,
+    sites::{Site, SiteWriter},
+};
+use crate::{
+    decode::{Call, OffCpu},
+    store::{Batch, Store},
+};
+
+const COMMIT_EVERY: Duration = Duration::from_millis(200);
+const COMMIT_ROWS: usize = 50_000;
+
+/// Calls read from the ring, with the processes first seen among them, and the traced
+/// threads' off-CPU intervals.
+#[derive(Default)]
+pub struct Delivery {
+    pub calls: Vec<Call>,
+    pub processes: Vec<ProcessInfo>,
+    pub offcpu: Vec<OffCpu>,
+    /// Call sites first seen in these calls (--stack).
+    pub sites: Vec<(i64, Site)>,
+}
+
+impl Delivery {
+    /// Adds `more` to what waits for the next commit. Its new call sites are stored at once and
+    /// its calls made to point at the stored ids.
+    fn absorb(
+        &mut self,
+        more: Delivery,
+        sites: &mut SiteWriter,
+        store: &mut Store,
+        session: i64,
+    ) -> Result<()> {
+        sites.store(store, session, &more.sites)?;
+        self.calls.extend(more.calls.into_iter().map(|mut c| {
+            c.stack = c.stack.and_then(|local| sites.stored_id(local));
+            c
+        }));
+        self.processes.extend(more.processes);
+        self.offcpu.extend(more.offcpu);
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct WriterOptions {
+    pub session: i64,
+    pub wall_offset_ns: i64,
+    pub max_db: Option<u64>,
+    pub owner: Option<(u32, u32)>,
+}
+
+/// Batches calls into transactions; notes new processes and threads; keeps the session's
+/// counters current and the database under --max-db. Returns the store for the final update.
+pub fn write_loop(
+    mut store: Store,
+    rx: Receiver<Delivery>,
+    shared: &Shared,
+    opts: WriterOptions,
+) -> (Store, Result<()>) {
+    let result = (|| -> Result<()> {
+        // What waits for the next commit: calls, processes and off-CPU records (sites are
+        // stored as they arrive, before the calls that point at them).
+        let mut pending = Delivery::default();
+        let mut threads_seen: HashSet<(u32, u32)> = HashSet::new();
+        let mut site_writer = SiteWriter::default();
+        let mut last_commit = Instant::now();
+        let mut last_housekeeping = Instant::now();
+        let mut owned = false;
+        loop {
+            let disconnected = match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(first) => {
+                    pending.absorb(first, &mut site_writer, &mut store, opts.session)?;
+                    while let Ok(more) = rx.try_recv() {
+                        pending.absorb(more, &mut site_writer, &mut store, opts.session)?;
+                        if pending.calls.len() >= COMMIT_ROWS {
+                            break;
+                        }
+                    }
+                    false
+                }
+                Err(RecvTimeoutError::Timeout) => false,
+                Err(RecvTimeoutError::Disconnected) => true,
+            };
+            if (!pending.calls.is_empty() || !pending.offcpu.is_empty())
+                && (disconnected
+                    || pending.calls.len() >= COMMIT_ROWS
+                    || last_commit.elapsed() >= COMMIT_EVERY)
+            {
+                let mut threads = Vec::new();
+                for call in &pending.calls {
+                    if threads_seen.insert((call.pid, call.tid)) {
+                        // The kernel sends a thread's name with its first event only; if that
+                        // one was lost, ask /proc.
+                        let comm = if call.comm.is_empty() {
+                            procinfo::thread_comm(call.pid, call.tid).unwrap_or_default()
+                        } else {
+                            call.comm.clone()
+                        };
+                        threads.push((call.pid, call.tid, comm));
+                    }
+                }
+                store.write_batch(&Batch {
+                    session: opts.session,
+                    wall_offset_ns: opts.wall_offset_ns,
+                    calls: &pending.calls,
+                    threads: &threads,
+                    processes: &pending.processes,
+                    offcpu: &pending.offcpu,
+                })?;
+                shared
+                    .events_stored
+                    .fetch_add(pending.calls.len() as u64, Ordering::SeqCst);
+                pending = Delivery::default();
+                last_commit = Instant::now();
+                if !owned {
+                    store.chown_files(opts.owner)?;
+                    owned = true;
+                }
+            }
+            if last_housekeeping.elapsed() >= Duration::from_secs(1) || disconnected {
+                last_housekeeping = Instant::now();
+                let kernel = *shared
+                    .kernel
+                    .lock()
+                    .map_err(|_| anyhow!("counter lock poisoned"))?;
+                store.set_counters(opts.session, &shared.counters(&kernel))?;
+                if let Some(max) = opts.max_db {
+                    for note in store.enforce_max_size(opts.session, max)? {
+                        eprintln!("tracer: {note}");
+                        store.append_note(opts.session, &note)?;
+                    }
+                }
+            }
+            if disconnected {
+                return Ok(());
+            }
+        }
+    })();
+    if result.is_err() {
+        shared.stop.store(true, Ordering::SeqCst);
+    }
+    (store, result)
+}

@@ -122,38 +122,98 @@ fn real_cudart() -> PathBuf {
 
 struct Trace {
     child: Child,
-    stderr: std::sync::Arc<Mutex<String>>,
+    /// The session, from the `started` line `tracer trace --json` prints once attached.
+    session: i64,
+    stdout: Lines,
+    stderr: Lines,
+}
+
+/// A pipe's lines, as they come.
+type Lines = std::sync::Arc<Mutex<Vec<String>>>;
+
+/// What a stopped trace printed: its JSON summary line, and its diagnostics.
+struct Stopped {
+    summary: Value,
+    stderr: String,
+}
+
+impl Stopped {
+    /// The libraries it probed, as (path, origin).
+    fn libraries(&self) -> Vec<(String, String)> {
+        self.summary["libraries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| {
+                (
+                    l["path"].as_str().unwrap().to_owned(),
+                    l["origin"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    fn counter(&self, name: &str) -> i64 {
+        self.summary["counters"][name]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no counter {name} in {:#}", self.summary))
+    }
+}
+
+/// Collects a pipe's lines on a thread, sending each to `tx` too.
+fn collect_lines(
+    pipe: impl std::io::Read + Send + 'static,
+    tx: std::sync::mpsc::Sender<String>,
+) -> Lines {
+    let lines = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let sink = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            sink.lock().unwrap().push(line);
+        }
+    });
+    lines
 }
 
 impl Trace {
-    /// Starts `tracer trace` and waits until its probes are attached.
+    /// Starts `tracer trace --json` and waits until its probes are attached.
     fn start(db: &Path, args: &[&str]) -> Trace {
         let mut child = Command::new(TRACER)
-            .arg("trace")
-            .arg("--db")
+            .args(["trace", "--json", "--db"])
             .arg(db)
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn tracer");
-        let stderr = std::sync::Arc::new(Mutex::new(String::new()));
         let (tx, rx) = std::sync::mpsc::channel();
-        let pipe = child.stderr.take().unwrap();
-        let sink = stderr.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                if line.contains("tracer: session") {
-                    let _ = tx.send(());
+        let stdout = collect_lines(child.stdout.take().unwrap(), tx);
+        let stderr = collect_lines(child.stderr.take().unwrap(), std::sync::mpsc::channel().0);
+        let started: Value = loop {
+            match rx.recv_timeout(Duration::from_secs(30)) {
+                Ok(line) => {
+                    let v: Value = serde_json::from_str(&line).expect("a JSON line");
+                    if v["event"] == "started" {
+                        break v;
+                    }
                 }
-                sink.lock().unwrap().push_str(&(line + "\n"));
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!(
+                        "tracer did not start: {}",
+                        stderr.lock().unwrap().join("\n")
+                    );
+                }
             }
-        });
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
-            let _ = child.kill();
-            panic!("tracer did not start: {}", stderr.lock().unwrap());
+        };
+        let session = started["session"].as_i64().unwrap();
+        Trace {
+            child,
+            session,
+            stdout,
+            stderr,
         }
-        Trace { child, stderr }
     }
 
     fn signal(&self, sig: i32) {
@@ -161,8 +221,8 @@ impl Trace {
         unsafe { libc_kill(self.child.id() as i32, sig) };
     }
 
-    /// Stops it with `sig` (0: wait for it to stop by itself) and returns (stdout, stderr).
-    fn stop(mut self, sig: i32) -> (String, String) {
+    /// Stops it with `sig` (0: wait for it to stop by itself); its summary and diagnostics.
+    fn stop(mut self, sig: i32) -> Stopped {
         if sig != 0 {
             self.signal(sig);
         }
@@ -174,19 +234,24 @@ impl Trace {
             assert!(
                 Instant::now() < deadline,
                 "tracer did not stop: {}",
-                self.stderr.lock().unwrap()
+                self.stderr.lock().unwrap().join("\n")
             );
             std::thread::sleep(Duration::from_millis(50));
         };
-        let mut stdout = String::new();
-        std::io::Read::read_to_string(self.child.stdout.as_mut().unwrap(), &mut stdout).unwrap();
         std::thread::sleep(Duration::from_millis(100));
-        let stderr = self.stderr.lock().unwrap().clone();
+        let stderr = self.stderr.lock().unwrap().join("\n");
+        let lines = self.stdout.lock().unwrap().clone();
         assert!(
             status.success(),
-            "tracer failed ({status}):\n{stderr}\n{stdout}"
+            "tracer failed ({status}):\n{stderr}\n{lines:?}"
         );
-        (stdout, stderr)
+        let summary: Value = lines
+            .iter()
+            .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line"))
+            .find(|v| v["event"] == "summary")
+            .unwrap_or_else(|| panic!("no summary line in {lines:?}"));
+        assert_eq!(summary["session"], self.session);
+        Stopped { summary, stderr }
     }
 }
 
@@ -291,7 +356,7 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
         .output()
         .unwrap(),
     );
-    let (stdout, _) = trace.stop(SIGINT);
+    let stopped = trace.stop(SIGINT);
     let pid = rep["pid"].as_i64().unwrap();
 
     // Exact counts per op and per return code.
@@ -389,12 +454,15 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     assert_eq!(s["events_stored"].as_i64().unwrap(), total);
     assert_eq!(s["dropped_ring_full"].as_i64().unwrap(), 0);
     assert_eq!(s["status"], "interrupted");
-    assert!(
-        stdout.contains(&format!(
-            "{total} submitted, {total} read, {total} stored; dropped (ring full): 0"
-        )),
-        "{stdout}"
-    );
+    for (counter, expected) in [
+        ("submitted", total),
+        ("events_read", total),
+        ("events_stored", total),
+        ("dropped_ring_full", 0),
+    ] {
+        assert_eq!(stopped.counter(counter), expected, "{counter}");
+    }
+    assert_eq!(stopped.summary["status"], "interrupted");
     // explain finds the out-of-memory failures and says the same in JSON
     // and in text.
     let explain = |args: &[&str]| {
@@ -478,11 +546,16 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
         .output()
         .unwrap(),
     );
-    let (_, stderr) = trace.stop(SIGTERM);
+    let stopped = trace.stop(SIGTERM);
     let pid = rep["pid"].as_i64().unwrap();
+    let libcudart = sim.join("libcudart.so.12").display().to_string();
     assert!(
-        stderr.contains(&format!("{}", sim.join("libcudart.so.12").display())),
-        "{stderr}"
+        stopped
+            .libraries()
+            .iter()
+            .any(|(path, _)| *path == libcudart),
+        "{:?}",
+        stopped.libraries()
     );
     assert_eq!(
         scalar(
@@ -520,10 +593,17 @@ fn a_statically_linked_program_is_found_in_its_own_symbols() {
         .args(["100", "2500"])
         .output()
         .unwrap();
-    let (_, stderr) = trace.stop(SIGINT);
+    let stopped = trace.stop(SIGINT);
     let rep = report(out);
     let pid = rep["pid"].as_i64().unwrap();
-    assert!(stderr.contains("staticapp (static, "), "{stderr}");
+    assert!(
+        stopped
+            .libraries()
+            .iter()
+            .any(|(path, origin)| path.ends_with("/staticapp") && origin == "static"),
+        "{:?}",
+        stopped.libraries()
+    );
     for op in ["cudaMalloc", "cudaFree"] {
         let n = scalar(db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op = '{op}' AND ret = 0 AND size = 4096"));
         assert_eq!(n, 100, "{op}");
@@ -551,16 +631,21 @@ fn a_library_inside_another_mount_namespace_is_found_through_proc_root() {
         .args(["--mount", "--propagation", "private", "sh", "-c", &script])
         .output()
         .unwrap();
-    let (_, stderr) = trace.stop(SIGINT);
+    let stopped = trace.stop(SIGINT);
     let rep = report(out);
     let pid = rep["pid"].as_i64().unwrap();
     assert!(
         !mountpoint.join("libcudart.so.12").exists(),
         "the host must not see the container's files"
     );
+    let inside = format!("{m}/libcudart.so.12");
     assert!(
-        stderr.contains(&format!("probing {m}/libcudart.so.12 (mapped")),
-        "{stderr}"
+        stopped
+            .libraries()
+            .iter()
+            .any(|(path, origin)| *path == inside && origin == "mapped"),
+        "{:?}",
+        stopped.libraries()
     );
     assert_eq!(
         scalar(
@@ -597,10 +682,14 @@ fn max_db_deletes_the_oldest_session_and_says_so() {
             .output()
             .unwrap(),
     );
-    let (_, stderr) = trace.stop(SIGINT);
+    let stopped = trace.stop(SIGINT);
+    // Said on stderr as it happens, and kept in the session's note (below).
     assert!(
-        stderr.contains("--max-db: deleted session 1 (60000 events)"),
-        "{stderr}"
+        stopped
+            .stderr
+            .contains("--max-db: deleted session 1 (60000 events)"),
+        "{}",
+        stopped.stderr
     );
     let sessions = query(db, "SELECT id, note, events_stored FROM sessions");
     assert_eq!(sessions.len(), 1);
@@ -647,8 +736,9 @@ fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
     report(traced.wait_with_output().unwrap());
     report(other.wait_with_output().unwrap());
     // The traced process exited: the tracer stops by itself and keeps what it recorded.
-    let (_, stderr) = trace.stop(0);
-    assert!(stderr.contains("every traced process exited"), "{stderr}");
+    let stopped = trace.stop(0);
+    assert_eq!(stopped.summary["reason"], "every traced process exited");
+    assert_eq!(stopped.summary["status"], "complete");
     assert_eq!(
         scalar(
             db,
@@ -697,7 +787,7 @@ fn the_real_cuda_runtime_without_a_gpu_reports_error_35() {
         .output()
         .unwrap(),
     );
-    let (_, stderr) = trace.stop(SIGINT);
+    let stopped = trace.stop(SIGINT);
     assert_eq!(rep["ops"]["cudaMalloc"]["rets"]["35"], 20);
     let pid = rep["pid"].as_i64().unwrap();
     assert_eq!(scalar(&db, &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op = 'cudaMalloc' AND ret = 35 AND size = 1048576")), 20);
@@ -708,7 +798,14 @@ fn the_real_cuda_runtime_without_a_gpu_reports_error_35() {
         ),
         0
     );
-    assert!(stderr.contains("libcudart.so.12 (--lib, "), "{stderr}");
+    assert!(
+        stopped
+            .libraries()
+            .iter()
+            .any(|(path, origin)| path.ends_with("/libcudart.so.12") && origin == "--lib"),
+        "{:?}",
+        stopped.libraries()
+    );
 }
 
 #[test]
@@ -738,7 +835,7 @@ fn a_full_ring_is_counted_and_reported_never_silent() {
         .output()
         .unwrap(),
     );
-    let (stdout, _) = trace.stop(SIGINT);
+    let stopped = trace.stop(SIGINT);
     let calls = total_calls(&rep);
     assert_eq!(calls, 120_000);
     let s = &query(db, "SELECT * FROM sessions")[0];
@@ -754,11 +851,8 @@ fn a_full_ring_is_counted_and_reported_never_silent() {
     assert!(dropped > 0, "a 4 KiB ring should overflow at this rate");
     assert_eq!(s["events_stored"].as_i64().unwrap(), submitted);
     assert_eq!(scalar(db, "SELECT count(*) FROM events"), submitted);
-    assert!(
-        stdout.contains(&format!("dropped (ring full): {dropped}")),
-        "{stdout}"
-    );
-    assert!(stdout.contains("raise --ring-size"), "{stdout}");
+    assert_eq!(stopped.counter("dropped_ring_full"), dropped);
+    assert_eq!(stopped.counter("submitted"), submitted);
 }
 
 fn tracer_as(uid: Option<u32>, args: &[&str]) -> Output {
@@ -1227,6 +1321,9 @@ fn gpu_check_without_a_gpu_says_so_and_bad_arguments_fail() {
 
 /// Runs `tracer demo SCENARIO` and returns (stdout, stderr, the explain report as JSON).
 fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
+    // One at a time: the scenarios measure latencies and CPU contention on a 2-CPU machine,
+    // which another test's busy workers would blur.
+    let _guard = serial();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("demo.db");
     let mut cmd = Command::new(TRACER);
@@ -1776,7 +1873,7 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
         .unwrap(),
     );
     let out = Command::new(TRACER)
-        .args(["import", log_str, "--db"])
+        .args(["import", "--json", log_str, "--db"])
         .arg(&db)
         .output()
         .unwrap();
@@ -1797,10 +1894,10 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
     assert_eq!(runtime_ops.len(), 14, "{runtime_ops:?}");
     let total: i64 = runtime_ops.iter().map(|(_, n)| n).sum();
     assert!(total > 1000, "{total}");
-    assert!(
-        stdout.contains(&format!("session 1: {total} calls imported")),
-        "{stdout}"
-    );
+    let imported: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(imported["session"], 1, "{imported}");
+    assert_eq!(imported["calls"], total, "{imported}");
+    assert_eq!(imported["skipped_lines"], 0, "{imported}");
     for (op, calls) in runtime_ops {
         let stored = scalar(
             &db,

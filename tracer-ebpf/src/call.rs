@@ -153,6 +153,181 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
     0
 }
 
+/// What the return program learns of a call beyond its arguments.
+struct Outcome {
+    size: u64,
+    ptr: u64,
+    aux0: u64,
+    aux1: u64,
+    device: i32,
+    flags: u32,
+}
+
+/// Takes the thread's in-flight slot for `op` (marking it consumed), or counts an unmatched
+/// return.
+#[inline(always)]
+fn take_inflight(tid: u32, op: u32) -> Option<Inflight> {
+    let Some(slot) = INFLIGHT.get_ptr_mut(&InflightKey { tid, op }) else {
+        bump(Counter::UnmatchedReturns);
+        return None;
+    };
+    // SAFETY: as in call_entry: the slot is this thread's; copy it, then mark it consumed.
+    let state = unsafe { *slot };
+    if state.ts_ns == 0 {
+        bump(Counter::UnmatchedReturns);
+        return None;
+    }
+    // SAFETY: as above.
+    unsafe { (*slot).ts_ns = 0 };
+    Some(state)
+}
+
+/// Reads a user-space u64 out-parameter into `dst`, or flags the failed read.
+#[inline(always)]
+fn read_out(addr: Option<u64>, dst: &mut u64, flags_out: &mut u32) -> bool {
+    let Some(out) = addr else {
+        return false;
+    };
+    match read_user_u64(out) {
+        Some(v) => {
+            *dst = v;
+            true
+        }
+        None => {
+            *flags_out |= flags::READ_FAILED;
+            false
+        }
+    }
+}
+
+/// Size, pointer, auxiliary values and device from the arguments and, for a successful call,
+/// its out-parameters.
+#[inline(always)]
+fn outcome(args: &[u64; MAX_ARGS], plan: &OpPlan, ok: bool, thread_device: i32) -> Outcome {
+    let mut o = Outcome {
+        size: 0,
+        ptr: 0,
+        aux0: arg_at(args, plan.aux0_arg).unwrap_or(0),
+        aux1: arg_at(args, plan.aux1_arg).unwrap_or(0),
+        device: thread_device,
+        flags: 0,
+    };
+    if let Some(s) = arg_at(args, plan.size_arg) {
+        o.size = s;
+        o.flags |= flags::SIZE_KNOWN;
+    }
+    if let Some(p) = arg_at(args, plan.ptr_arg) {
+        o.ptr = p;
+        o.flags |= flags::PTR_KNOWN;
+    }
+    if !ok {
+        if let Some(d) = arg_at(args, plan.device_arg) {
+            // A failed cudaSetDevice still says which device was asked for.
+            o.aux0 = d;
+        }
+        return o;
+    }
+    if read_out(arg_at(args, plan.ptr_out_arg), &mut o.ptr, &mut o.flags) {
+        o.flags |= flags::PTR_KNOWN;
+    }
+    let mut pitch = 0;
+    if read_out(arg_at(args, plan.pitch_out_arg), &mut pitch, &mut o.flags) {
+        o.aux0 = pitch;
+        o.size = pitch.wrapping_mul(arg_at(args, plan.height_arg).unwrap_or(0));
+        o.flags |= flags::SIZE_KNOWN;
+    }
+    read_out(arg_at(args, plan.free_out_arg), &mut o.aux0, &mut o.flags);
+    read_out(arg_at(args, plan.total_out_arg), &mut o.aux1, &mut o.flags);
+    if let Some(d) = arg_at(args, plan.device_arg) {
+        o.device = d as i32;
+    }
+    // cuMemCreate names the device in its properties, whatever the thread's context.
+    if let Some(prop) = arg_at(args, plan.prop_arg).filter(|&p| p != 0) {
+        let at = (prop + ALLOC_PROP_DEVICE_OFFSET) as *const i32;
+        // SAFETY: bpf_probe_read_user validates the address; a fault returns an error.
+        match unsafe { bpf_probe_read_user(at) } {
+            Ok(d) => o.device = d,
+            Err(_) => o.flags |= flags::READ_FAILED,
+        }
+    }
+    o
+}
+
+/// Keeps the (process, pointer) -> size map: an allocation adds its pointer, a free takes the
+/// size found at entry and removes the pointer.
+#[inline(always)]
+fn track_allocation(pid: u32, plan: &OpPlan, ok: bool, state: &Inflight, o: &mut Outcome) {
+    let key = AllocKey {
+        pid,
+        space: plan.space,
+        ptr: o.ptr,
+    };
+    if plan.class == OpClass::Free as u32 {
+        if state.freed_found != 0 {
+            o.size = state.freed_size;
+            o.device = state.freed_device;
+            o.flags |= flags::SIZE_KNOWN;
+        } else if o.ptr != 0 {
+            o.flags |= flags::FREE_UNMATCHED;
+        }
+        if ok && o.ptr != 0 {
+            let _ = ALLOCS.remove(&key);
+        }
+    } else if plan.class == OpClass::Alloc as u32 && ok && o.ptr != 0 {
+        let info = AllocInfo {
+            size: o.size,
+            device: o.device,
+            _pad: 0,
+        };
+        if ALLOCS.insert(&key, &info, BPF_ANY as u64).is_err() {
+            bump(Counter::AllocMapFull);
+        }
+    }
+}
+
+/// Remembers the thread's device after a successful cudaSetDevice, and that its name was sent;
+/// a thread's first event also makes the scheduler programs follow it.
+#[inline(always)]
+fn update_thread(
+    pid: u32,
+    tid: u32,
+    thread: Option<*mut ThreadState>,
+    known: Option<ThreadState>,
+    set_device: Option<u64>,
+    first_event: bool,
+) {
+    if first_event {
+        let _ = crate::sched::SCHED_TIDS.insert(&tid, &pid, BPF_ANY as u64);
+    }
+    if !first_event && set_device.is_none() {
+        return;
+    }
+    let next = ThreadState {
+        device: set_device.map_or(known.map_or(DEVICE_UNKNOWN, |t| t.device), |d| d as i32),
+        comm_sent: 1,
+    };
+    match thread {
+        // SAFETY: a pointer into the map, valid for this run; only this thread writes its slot.
+        Some(slot) => unsafe { *slot = next },
+        None => {
+            let thread_key = ((pid as u64) << 32) | tid as u64;
+            let _ = THREADS.insert(&thread_key, &next, BPF_ANY as u64);
+        }
+    }
+}
+
+/// The ring's wake-up flag: waking the reader costs about a third of a traced call, so it is
+/// woken only when a batch waits.
+#[inline(always)]
+fn wakeup_flag() -> u32 {
+    let wakeup = global(&WAKEUP_BYTES);
+    if wakeup == 0 || EVENTS.query(0) >= wakeup {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    }
+}
+
 #[uretprobe]
 pub fn call_return(ctx: RetProbeContext) -> u32 {
     if global(&FLOOR_MODE) != 0 {
@@ -164,130 +339,25 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         return 0;
     };
     let (pid, tid) = current_ids();
-    let key = InflightKey { tid, op };
-    let Some(slot) = INFLIGHT.get_ptr_mut(&key) else {
-        bump(Counter::UnmatchedReturns);
+    let Some(state) = take_inflight(tid, op) else {
         return 0;
     };
-    // SAFETY: as in call_entry: the slot is this thread's; copy it, then mark it consumed.
-    let state = unsafe { *slot };
-    if state.ts_ns == 0 {
-        bump(Counter::UnmatchedReturns);
-        return 0;
-    }
-    // SAFETY: as above.
-    unsafe { (*slot).ts_ns = 0 };
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i32 = ctx.ret::<u64>() as i32;
     let ok = ret == 0;
-    let args = &state.args;
-
-    let mut ev_flags = 0u32;
-    let mut size = 0u64;
-    let mut ptr = 0u64;
-    let mut aux0 = arg_at(args, plan.aux0_arg).unwrap_or(0);
-    let mut aux1 = arg_at(args, plan.aux1_arg).unwrap_or(0);
     let thread_key = ((pid as u64) << 32) | tid as u64;
     let thread = THREADS.get_ptr_mut(&thread_key);
     // SAFETY: a pointer into the map, valid for this run; only this thread writes its slot.
     let known = thread.map(|t| unsafe { *t });
-    let mut device = known.map_or(DEVICE_UNKNOWN, |t| t.device);
     let send_comm = known.is_none_or(|t| t.comm_sent == 0);
-
-    if let Some(s) = arg_at(args, plan.size_arg) {
-        size = s;
-        ev_flags |= flags::SIZE_KNOWN;
-    }
-    if let Some(p) = arg_at(args, plan.ptr_arg) {
-        ptr = p;
-        ev_flags |= flags::PTR_KNOWN;
-    }
-    if ok {
-        if let Some(out) = arg_at(args, plan.ptr_out_arg) {
-            match read_user_u64(out) {
-                Some(p) => {
-                    ptr = p;
-                    ev_flags |= flags::PTR_KNOWN;
-                }
-                None => ev_flags |= flags::READ_FAILED,
-            }
-        }
-        if let Some(out) = arg_at(args, plan.pitch_out_arg) {
-            match read_user_u64(out) {
-                Some(pitch) => {
-                    aux0 = pitch;
-                    size = pitch.wrapping_mul(arg_at(args, plan.height_arg).unwrap_or(0));
-                    ev_flags |= flags::SIZE_KNOWN;
-                }
-                None => ev_flags |= flags::READ_FAILED,
-            }
-        }
-        if let Some(out) = arg_at(args, plan.free_out_arg) {
-            match read_user_u64(out) {
-                Some(v) => aux0 = v,
-                None => ev_flags |= flags::READ_FAILED,
-            }
-        }
-        if let Some(out) = arg_at(args, plan.total_out_arg) {
-            match read_user_u64(out) {
-                Some(v) => aux1 = v,
-                None => ev_flags |= flags::READ_FAILED,
-            }
-        }
-        if let Some(d) = arg_at(args, plan.device_arg) {
-            device = d as i32;
-        }
-        // cuMemCreate names the device in its properties, whatever the thread's context.
-        if let Some(prop) = arg_at(args, plan.prop_arg).filter(|&p| p != 0) {
-            let at = (prop + ALLOC_PROP_DEVICE_OFFSET) as *const i32;
-            // SAFETY: bpf_probe_read_user validates the address; a fault returns an error.
-            match unsafe { bpf_probe_read_user(at) } {
-                Ok(d) => device = d,
-                Err(_) => ev_flags |= flags::READ_FAILED,
-            }
-        }
-    } else if let Some(d) = arg_at(args, plan.device_arg) {
-        // A failed cudaSetDevice still says which device was asked for.
-        aux0 = d;
-    }
-
-    if plan.class == OpClass::Free as u32 {
-        if state.freed_found != 0 {
-            size = state.freed_size;
-            device = state.freed_device;
-            ev_flags |= flags::SIZE_KNOWN;
-        } else if ptr != 0 {
-            ev_flags |= flags::FREE_UNMATCHED;
-        }
-        if ok && ptr != 0 {
-            let _ = ALLOCS.remove(&AllocKey {
-                pid,
-                space: plan.space,
-                ptr,
-            });
-        }
-    } else if plan.class == OpClass::Alloc as u32 && ok && ptr != 0 {
-        let info = AllocInfo {
-            size,
-            device,
-            _pad: 0,
-        };
-        if ALLOCS
-            .insert(
-                &AllocKey {
-                    pid,
-                    space: plan.space,
-                    ptr,
-                },
-                &info,
-                BPF_ANY as u64,
-            )
-            .is_err()
-        {
-            bump(Counter::AllocMapFull);
-        }
-    }
+    let mut o = outcome(
+        &state.args,
+        plan,
+        ok,
+        known.map_or(DEVICE_UNKNOWN, |t| t.device),
+    );
+    track_allocation(pid, plan, ok, &state, &mut o);
 
     let comm = if send_comm {
         bpf_get_current_comm().unwrap_or([0; 16])
@@ -303,24 +373,18 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
             tid,
         },
         op,
-        device,
+        device: o.device,
         ret,
-        flags: ev_flags,
+        flags: o.flags,
         duration_ns: now.wrapping_sub(state.ts_ns),
-        size,
-        ptr,
-        aux0,
-        aux1,
+        size: o.size,
+        ptr: o.ptr,
+        aux0: o.aux0,
+        aux1: o.aux1,
         stack_id: -1,
         comm,
     };
-    // Waking the reader costs about a third of a traced call: wake it only when a batch waits.
-    let wakeup = global(&WAKEUP_BYTES);
-    let flag = if wakeup == 0 || EVENTS.query(0) >= wakeup {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    };
+    let flag = wakeup_flag();
     let stack_mode = crate::stack::enabled();
     if !stack_mode {
         let Some(mut entry) = EVENTS.reserve::<CallEvent>(0) else {
@@ -333,27 +397,11 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         bump(Counter::Submitted);
     }
     let set_device = if ok {
-        arg_at(args, plan.device_arg)
+        arg_at(&state.args, plan.device_arg)
     } else {
         None
     };
-    if send_comm {
-        // First event of this thread: let the scheduler programs follow it.
-        let _ = crate::sched::SCHED_TIDS.insert(&tid, &pid, BPF_ANY as u64);
-    }
-    if send_comm || set_device.is_some() {
-        let next = ThreadState {
-            device: set_device.map_or(known.map_or(DEVICE_UNKNOWN, |t| t.device), |d| d as i32),
-            comm_sent: 1,
-        };
-        match thread {
-            // SAFETY: as above.
-            Some(slot) => unsafe { *slot = next },
-            None => {
-                let _ = THREADS.insert(&thread_key, &next, BPF_ANY as u64);
-            }
-        }
-    }
+    update_thread(pid, tid, thread, known, set_device, send_comm);
     if stack_mode {
         // call_site sends the event (and counts it); the wake-up flag rides in stack_id.
         crate::stack::tail_call_site(

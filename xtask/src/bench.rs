@@ -442,7 +442,7 @@ pub fn explain(args: ExplainBenchArgs) -> Result<()> {
     // Stored by tracer's own writer, rows and call blocks, as a trace stores them.
     let import_started = std::time::Instant::now();
     let imported = Command::new(&tracer)
-        .arg("import")
+        .args(["import", "--json"])
         .arg(&log)
         .arg("--db")
         .arg(&db)
@@ -452,15 +452,16 @@ pub fn explain(args: ExplainBenchArgs) -> Result<()> {
         "tracer import failed: {}",
         String::from_utf8_lossy(&imported.stderr)
     );
-    let summary = String::from_utf8_lossy(&imported.stdout);
+    let summary: Value =
+        serde_json::from_slice(&imported.stdout).context("read tracer import's JSON line")?;
     eprintln!(
-        "bench: {} ({:.1} s)",
-        summary.trim(),
+        "bench: session {}: {} calls imported ({:.1} s)",
+        summary["session"],
+        summary["calls"],
         import_started.elapsed().as_secs_f64()
     );
-    let session = summary
-        .strip_prefix("session ")
-        .and_then(|s| s.split(':').next())
+    let session = summary["session"]
+        .as_i64()
         .context("read the session number from tracer import")?
         .to_string();
     let _ = std::fs::remove_file(&log);

@@ -185,6 +185,26 @@ impl AllocTimes {
     }
 }
 
+/// The median allocation latency of each time bucket with at least 3 allocations, as (bucket,
+/// median); None when fewer than 4 buckets have one.
+fn bucket_medians(durations: &mut [Vec<u64>]) -> Option<Vec<(usize, u64)>> {
+    let medians: Vec<(usize, u64)> = durations
+        .iter_mut()
+        .enumerate()
+        .filter(|(_, d)| d.len() >= 3)
+        .map(|(i, d)| (i, select_quantile(d, 0.5)))
+        .collect();
+    (medians.len() >= 4).then_some(medians)
+}
+
+/// A trend, not an outlier: the last median at least twice the first, and rising in at least
+/// three steps of five.
+fn rising(medians: &[(usize, u64)]) -> bool {
+    let (first, last) = (medians[0].1.max(1), medians[medians.len() - 1].1);
+    let rises = medians.windows(2).filter(|w| w[1].1 > w[0].1).count();
+    last as f64 >= 2.0 * first as f64 && rises * 5 >= (medians.len() - 1) * 3
+}
+
 /// Rule 1: allocation latency climbing over the window (bucket medians, not one outlier) while
 /// the bytes held grow.
 fn fragmentation_pressure(
@@ -206,22 +226,12 @@ fn fragmentation_pressure(
     if count < 30 {
         return None;
     }
-    let medians: Vec<(usize, u64)> = durations
-        .iter_mut()
-        .enumerate()
-        .filter(|(_, d)| d.len() >= 3)
-        .map(|(i, d)| (i, select_quantile(d, 0.5)))
-        .collect();
-    if medians.len() < 4 {
-        return None;
-    }
+    let medians = bucket_medians(durations)?;
     let (first, last) = (medians[0].1.max(1), medians[medians.len() - 1].1);
-    let rises = medians.windows(2).filter(|w| w[1].1 > w[0].1).count();
-    let rising = last as f64 >= 2.0 * first as f64 && rises * 5 >= (medians.len() - 1) * 3;
     // Memory held, as the peak of each bucket (a point sample would catch a transient).
     let held_first = peaks[medians[0].0];
     let held_last = peaks[medians[medians.len() - 1].0];
-    if !rising || held_last <= held_first {
+    if !rising(&medians) || held_last <= held_first {
         return None;
     }
     let mut d: Vec<u64> = durations.concat();
@@ -354,17 +364,8 @@ fn allocator_retry(pid: u32, evs: &[Event], failed: &[&Event]) -> Option<Chain> 
     })
 }
 
-/// Rule 3: an allocation that failed for good, with what the process and the device held and
-/// what cudaMemGetInfo (nvidia-smi's view) last told the process.
-fn oom(p: &Proc<'_>, procs: &[Proc<'_>], failed: &[&Event], sites: &SiteLabels) -> Option<Chain> {
-    let (pid, evs) = (p.pid, p.all);
-    let fatal: Vec<&Event> = failed
-        .iter()
-        .copied()
-        .filter(|f| recovery(f, p.window).is_none())
-        .collect();
-    let f = *fatal.first()?;
-    let requested = f.size;
+/// What the process, and every traced process, held on the failed call's device.
+fn held_at_failure(f: &Event, evs: &[Event], procs: &[Proc<'_>]) -> String {
     let held = replay::held_bytes_at(evs, f.ts_ns);
     let held_on_device =
         replay::held_bytes_at(evs.iter().filter(|e| e.device == f.device), f.ts_ns);
@@ -380,19 +381,53 @@ fn oom(p: &Proc<'_>, procs: &[Proc<'_>], failed: &[&Event], sites: &SiteLabels) 
             )
         })
         .sum();
-    let info = evs
-        .iter()
-        .rev()
-        .find(|e| e.ts_ns < f.ts_ns && e.class() == OpClass::MemInfo && e.ret == 0);
     let device = f
         .device()
         .map_or("an unknown device".to_string(), |d| format!("device {d}"));
-    let mut effect = format!(
+    format!(
         "the process held {} on {device} ({} on all devices); all traced processes held {} on {device}",
         b(held_on_device),
         b(held),
         b(device_held),
+    )
+}
+
+/// What the last memory-info call told the process before the failure `f`, and whether that
+/// was enough for the request (then one contiguous block was missing).
+fn memory_info_said(f: &Event, info: &Event) -> String {
+    let (free, total) = (info.aux0, info.aux1);
+    let mut said = format!(
+        "; {} last reported {} free of {} ({} before the failure) - what nvidia-smi would show",
+        info.op.name(),
+        b(free),
+        b(total),
+        t((f.ts_ns - info.ts_ns).max(0) as u64)
     );
+    if free >= f.size {
+        said.push_str(&format!(
+            "; that was enough for the {} request, so it failed for want of one contiguous block (fragmentation)",
+            b(f.size)
+        ));
+    }
+    said
+}
+
+/// Rule 3: an allocation that failed for good, with what the process and the device held and
+/// what cudaMemGetInfo (nvidia-smi's view) last told the process.
+fn oom(p: &Proc<'_>, procs: &[Proc<'_>], failed: &[&Event], sites: &SiteLabels) -> Option<Chain> {
+    let (pid, evs) = (p.pid, p.all);
+    let fatal: Vec<&Event> = failed
+        .iter()
+        .copied()
+        .filter(|f| recovery(f, p.window).is_none())
+        .collect();
+    let f = *fatal.first()?;
+    let requested = f.size;
+    let info = evs
+        .iter()
+        .rev()
+        .find(|e| e.ts_ns < f.ts_ns && e.class() == OpClass::MemInfo && e.ret == 0);
+    let mut effect = held_at_failure(f, evs, procs);
     let mut timeline = Vec::new();
     if let Some(i) = info {
         let (free, total) = (i.aux0, i.aux1);
@@ -400,19 +435,7 @@ fn oom(p: &Proc<'_>, procs: &[Proc<'_>], failed: &[&Event], sites: &SiteLabels) 
             i.ts_ns,
             format!("{} reports {} free of {}", i.op.name(), b(free), b(total)),
         ));
-        effect.push_str(&format!(
-            "; {} last reported {} free of {} ({} before the failure) - what nvidia-smi would show",
-            i.op.name(),
-            b(free),
-            b(total),
-            t((f.ts_ns - i.ts_ns).max(0) as u64)
-        ));
-        if free >= requested {
-            effect.push_str(&format!(
-                "; that was enough for the {} request, so it failed for want of one contiguous block (fragmentation)",
-                b(requested)
-            ));
-        }
+        effect.push_str(&memory_info_said(f, i));
     }
     timeline.push(entry(
         f.ts_ns,
@@ -449,6 +472,45 @@ fn leak_samples(window: Window) -> Vec<i64> {
         .collect()
 }
 
+/// The allocations made in the window and never freed, by op and by their top call sites.
+fn unfreed(live: &[&Event], window: Window, sites: &SiteLabels) -> String {
+    let mut by_op: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    let mut by_site: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    for e in live.iter().filter(|e| window.contains(e.ts_ns)) {
+        let o = by_op.entry(e.op.name()).or_default();
+        o.0 += 1;
+        o.1 += e.size;
+        if let Some(site) = e.stack.and_then(|id| sites.get(&id)) {
+            let s = by_site.entry(site.as_str()).or_default();
+            s.0 += 1;
+            s.1 += e.size;
+        }
+    }
+    let mut top_sites: Vec<(&str, (u64, u64))> = by_site.into_iter().collect();
+    top_sites.sort_by_key(|(_, (_, bytes))| std::cmp::Reverse(*bytes));
+    let ops: Vec<String> = by_op
+        .iter()
+        .map(|(op, (n, bytes))| format!("{op}: {n} allocations, {}", b(*bytes)))
+        .collect();
+    format!(
+        "allocations made in the window and never freed: {}{}",
+        ops.join("; "),
+        if top_sites.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; from {}",
+                top_sites
+                    .iter()
+                    .take(3)
+                    .map(|(site, (n, bytes))| format!("{site} ({n} allocations, {})", b(*bytes)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    )
+}
+
 /// Rule 4: bytes held growing steadily over the window.
 fn leak(
     p: &Proc<'_>,
@@ -482,25 +544,7 @@ fn leak(
     if window.secs() < 5.0 || allocs < 50 {
         return None;
     }
-    let mut by_op: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-    let mut by_site: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-    for e in r.live.iter().filter(|e| window.contains(e.ts_ns)) {
-        let o = by_op.entry(e.op.name()).or_default();
-        o.0 += 1;
-        o.1 += e.size;
-        if let Some(site) = e.stack.and_then(|id| sites.get(&id)) {
-            let s = by_site.entry(site.as_str()).or_default();
-            s.0 += 1;
-            s.1 += e.size;
-        }
-    }
-    let mut top_sites: Vec<(&str, (u64, u64))> = by_site.into_iter().collect();
-    top_sites.sort_by_key(|(_, (_, bytes))| std::cmp::Reverse(*bytes));
     let per_min = (last - first) as f64 / window.secs() * 60.0;
-    let ops: Vec<String> = by_op
-        .iter()
-        .map(|(op, (n, bytes))| format!("{op}: {n} allocations, {}", b(*bytes)))
-        .collect();
     Some(Chain {
         rule: "leak",
         severity: if last >= 2 * first.max(1) { Severity::High } else { Severity::Medium },
@@ -514,23 +558,7 @@ fn leak(
             b(per_min as u64),
             SAMPLES
         ),
-        effect: format!(
-            "allocations made in the window and never freed: {}{}",
-            ops.join("; "),
-            if top_sites.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "; from {}",
-                    top_sites
-                        .iter()
-                        .take(3)
-                        .map(|(site, (n, bytes))| format!("{site} ({n} allocations, {})", b(*bytes)))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            }
-        ),
+        effect: unfreed(&r.live, window, sites),
         compounding: Vec::new(),
         timeline: points.iter().map(|(ts, v)| entry(*ts, format!("held {}", b(*v)))).collect(),
         fix: vec![

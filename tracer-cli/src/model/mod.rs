@@ -2,9 +2,11 @@
 //! labels, and the live per-op statistics. (The allocator layout model comes here too.)
 
 mod event;
+mod process;
 pub mod stats;
 
 pub use event::{
     advise_huge_pages, span, stack_id, Event, FastMap, HostRecord, OffSlice, SiteLabels, StackId,
     Window, NO_DEVICE,
 };
+pub use process::ProcessInfo;

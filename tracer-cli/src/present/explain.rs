@@ -5,6 +5,7 @@ use std::io::Write;
 use anyhow::Result;
 
 use crate::{
+    analysis::Report,
     explain::Explained,
     units::{bytes_column, format_bytes, format_ns, format_utc},
 };
@@ -33,45 +34,58 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
         }
     )?;
     if per_process {
-        for p in &r.processes {
-            writeln!(out)?;
+        process_tables(out, r)?;
+    }
+    call_sites(out, r)?;
+    writeln!(out)?;
+    chains(out, r)
+}
+
+/// Per process: each op's calls, latency and bytes, outstanding allocations, warnings.
+fn process_tables(out: &mut impl Write, r: &Report) -> Result<()> {
+    for p in &r.processes {
+        writeln!(out)?;
+        writeln!(
+            out,
+            "Process: {} (PID {})",
+            p.comm.as_deref().unwrap_or("?"),
+            p.pid
+        )?;
+        for op in &p.ops {
+            let bytes = bytes_column(op.bytes);
+            let errors = if op.errors > 0 {
+                format!(" | {} errors", op.errors)
+            } else {
+                String::new()
+            };
             writeln!(
                 out,
-                "Process: {} (PID {})",
-                p.comm.as_deref().unwrap_or("?"),
-                p.pid
+                "  {:<24} | {:>8} calls | p50={} | p99={} | max={}{bytes}{errors}",
+                op.op,
+                op.calls,
+                format_ns(op.p50_ns),
+                format_ns(op.p99_ns),
+                format_ns(op.max_ns)
             )?;
-            for op in &p.ops {
-                let bytes = bytes_column(op.bytes);
-                let errors = if op.errors > 0 {
-                    format!(" | {} errors", op.errors)
-                } else {
-                    String::new()
-                };
-                writeln!(
-                    out,
-                    "  {:<24} | {:>8} calls | p50={} | p99={} | max={}{bytes}{errors}",
-                    op.op,
-                    op.calls,
-                    format_ns(op.p50_ns),
-                    format_ns(op.p99_ns),
-                    format_ns(op.max_ns)
-                )?;
-            }
-            for o in &p.outstanding {
-                writeln!(
-                    out,
-                    "  outstanding at the end: {} x{} ({})",
-                    o.op,
-                    o.count,
-                    format_bytes(o.bytes)
-                )?;
-            }
-            for w in &p.warnings {
-                writeln!(out, "  ! {w}")?;
-            }
+        }
+        for o in &p.outstanding {
+            writeln!(
+                out,
+                "  outstanding at the end: {} x{} ({})",
+                o.op,
+                o.count,
+                format_bytes(o.bytes)
+            )?;
+        }
+        for w in &p.warnings {
+            writeln!(out, "  ! {w}")?;
         }
     }
+    Ok(())
+}
+
+/// The busiest call sites of each op (--stack sessions).
+fn call_sites(out: &mut impl Write, r: &Report) -> Result<()> {
     let mut current_op = None;
     for row in &r.call_sites {
         if current_op != Some((row.op, row.pid)) {
@@ -90,7 +104,11 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
             format_ns(row.p99_ns)
         )?;
     }
-    writeln!(out)?;
+    Ok(())
+}
+
+/// The causal chains, most severe first, with their evidence.
+fn chains(out: &mut impl Write, r: &Report) -> Result<()> {
     if r.chains.is_empty() {
         writeln!(
             out,

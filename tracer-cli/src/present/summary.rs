@@ -62,3 +62,71 @@ pub fn json(s: &Summary) -> Value {
     }
     value
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{model::stats::LiveStats, store::SessionCounters};
+    use tracer_common::Op;
+
+    fn summary(dropped: u64, map_full: u64) -> Summary {
+        let mut stats = LiveStats::default();
+        stats.add_one(7, Op::CudaMalloc, 0, Some(4096), 1500);
+        stats.add_one(7, Op::CudaFree, 0, Some(4096), 700);
+        Summary {
+            session: 3,
+            db: "/tmp/t.db".into(),
+            status: "interrupted",
+            reason: "interrupted (SIGINT)".into(),
+            elapsed_s: 2.0,
+            probes: 4,
+            libraries: Vec::new(),
+            counters: SessionCounters {
+                submitted: 2,
+                events_read: 2,
+                events_stored: 2,
+                dropped_ring_full: dropped,
+                alloc_map_full: map_full,
+                ..Default::default()
+            },
+            stats,
+        }
+    }
+
+    #[test]
+    fn text_counts_every_loss_and_says_what_to_do() {
+        let mut out = Vec::new();
+        text(&mut out, &summary(5, 1)).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(
+            out.starts_with("session 3: 2.0s, 0 libraries, 4 probes, 1 processes"),
+            "{out}"
+        );
+        assert!(
+            out.contains("events: 2 submitted, 2 read, 2 stored; dropped (ring full): 5"),
+            "{out}"
+        );
+        assert!(
+            out.contains("5 events were lost because the ring buffer was full: raise --ring-size"),
+            "{out}"
+        );
+        assert!(out.contains("1 allocations were not tracked"), "{out}");
+        let mut clean = Vec::new();
+        text(&mut clean, &summary(0, 0)).unwrap();
+        assert!(!String::from_utf8(clean).unwrap().contains("warning"));
+    }
+
+    #[test]
+    fn json_carries_the_session_ops_and_counters() {
+        let v = json(&summary(5, 0));
+        assert_eq!(v["event"], "summary");
+        assert_eq!(v["session"], 3);
+        assert_eq!(v["status"], "interrupted");
+        assert_eq!(v["counters"]["dropped_ring_full"], 5);
+        assert_eq!(v["processes"], serde_json::json!([7]));
+        let ops = v["ops"].as_array().unwrap();
+        assert_eq!(ops.len(), 2);
+        assert_eq!(ops[0]["op"], "cudaMalloc");
+        assert_eq!(ops[0]["bytes"], 4096);
+    }
+}

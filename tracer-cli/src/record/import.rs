@@ -169,7 +169,7 @@ impl SimlogImporter {
                     procinfo::read(call.pid, call.ts_mono_ns as i64, "python3", self.boot)
                 } else {
                     // The pid may belong to another process by now: name only what the log says.
-                    procinfo::ProcessInfo {
+                    crate::model::ProcessInfo {
                         pid: call.pid,
                         start_time_ns: None,
                         first_seen_ns: call.ts_mono_ns as i64,

@@ -17,6 +17,7 @@ pub mod python;
 mod reader;
 mod registry;
 pub mod session;
+mod shared;
 pub mod signals;
 pub mod sites;
 mod writer;

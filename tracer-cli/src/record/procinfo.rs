@@ -2,17 +2,7 @@
 
 use std::path::Path;
 
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ProcessInfo {
-    pub pid: u32,
-    /// Wall-clock start time (from /proc/PID/stat and the boot time).
-    pub start_time_ns: Option<i64>,
-    pub first_seen_ns: i64,
-    pub comm: Option<String>,
-    pub cmdline: Option<String>,
-    pub exe: Option<String>,
-    pub cgroup: Option<String>,
-}
+use crate::model::ProcessInfo;
 
 /// Reads /proc/PID; a process that has already exited gives what the event itself carried.
 pub fn read(

@@ -11,7 +11,7 @@ use anyhow::{anyhow, Result};
 use aya::maps::{MapData, RingBuf};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
-use super::session::Shared;
+use super::shared::Shared;
 use crate::decode::{self, Record};
 
 /// How long events may wait in the ring before the reader looks (the delivery bound).

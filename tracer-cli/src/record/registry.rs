@@ -17,7 +17,7 @@ use anyhow::{anyhow, Result};
 use super::{
     attach::{Followed, PyProcs},
     procinfo,
-    session::Shared,
+    shared::Shared,
     sites::Sites,
     writer::Delivery,
 };

@@ -6,9 +6,9 @@ use std::{
     collections::HashSet,
     path::PathBuf,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::Ordering,
         mpsc::{self, Receiver, RecvTimeoutError},
-        Arc, Mutex,
+        Arc,
     },
     thread::{self, JoinHandle},
     time::{Duration, Instant},
@@ -16,13 +16,13 @@ use std::{
 
 use anyhow::{anyhow, Context as _, Result};
 use serde::Serialize;
-use tracer_common::maps::Counter;
 
 use super::{
     attach::{AttachedLibrary, LoadOptions, Probes},
     discover::{self, Candidate, Origin, Scanner},
     procinfo, reader,
     registry::{Python, Registry},
+    shared::Shared,
     sites::Sites,
     writer::{self, WriterOptions},
 };
@@ -84,36 +84,6 @@ impl Stop {
         Stop {
             reason: reason.into(),
             by_signal: false,
-        }
-    }
-}
-
-/// What the recording's threads share.
-#[derive(Default)]
-pub struct Shared {
-    pub stop: AtomicBool,
-    pub live: Mutex<LiveStats>,
-    pub events_read: AtomicU64,
-    pub events_stored: AtomicU64,
-    pub decode_errors: AtomicU64,
-    /// The kernel counters as last read (for the writer's periodic session updates).
-    pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
-}
-
-impl Shared {
-    pub fn counters(&self, kernel: &[u64; Counter::COUNT as usize]) -> SessionCounters {
-        SessionCounters {
-            entries: kernel[Counter::Entries as usize],
-            submitted: kernel[Counter::Submitted as usize],
-            dropped_ring_full: kernel[Counter::RingFull as usize],
-            unmatched_returns: kernel[Counter::UnmatchedReturns as usize],
-            alloc_map_full: kernel[Counter::AllocMapFull as usize],
-            inflight_full: kernel[Counter::InflightFull as usize],
-            events_read: self.events_read.load(Ordering::SeqCst),
-            events_stored: self.events_stored.load(Ordering::SeqCst),
-            decode_errors: self.decode_errors.load(Ordering::SeqCst),
-            offcpu_submitted: kernel[Counter::SchedSubmitted as usize],
-            offcpu_dropped: kernel[Counter::SchedRingFull as usize],
         }
     }
 }
@@ -245,18 +215,7 @@ impl Recording {
         let clock = Clock::now();
         let session = begin_session(&store, &clock, &opts, &pid_filter)?;
         store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
-        let host_context = match &probes.host_context {
-            Ok(()) => format!(
-                "sched_switch, sched_wakeup, sched_process_fork; cpus={}",
-                procinfo::online_cpus().unwrap_or(0)
-            ),
-            Err(e) => {
-                eprintln!(
-                    "tracer: no host context (explain cannot tie slow calls to CPU contention): {e}"
-                );
-                format!("off: {e}")
-            }
-        };
+        let host_context = host_context_state(&probes);
         store.set_host_context(session, &host_context)?;
         eprintln!(
             "tracer: session {session}: {} probes on {} libraries; writing to {}",
@@ -266,50 +225,15 @@ impl Recording {
         );
 
         let shared = Arc::new(Shared::default());
-        let ring = probes.take_ring()?;
-        let mut python = if opts.stack {
-            Some(Python {
-                procs: probes.take_py_procs()?,
-                sites: Sites::default(),
-                scope: pid_filter.clone(),
-            })
-        } else {
-            None
-        };
-        if let Some(python) = python.as_mut() {
-            python.scan();
-        }
-        let registry = Registry {
-            followed: probes.take_followed()?,
-            python,
-            wall_offset_ns: clock.offset_ns,
-        };
-        let (records_tx, records_rx) = mpsc::sync_channel(1024);
-        let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);
-        let reader = {
-            let shared = shared.clone();
-            thread::Builder::new()
-                .name("tracer-reader".into())
-                .spawn(move || reader::read_loop(ring, records_tx, &shared))?
-        };
-        let registry = {
-            let shared = shared.clone();
-            thread::Builder::new()
-                .name("tracer-registry".into())
-                .spawn(move || registry.run(records_rx, deliveries_tx, &shared))?
-        };
-        let writer_opts = WriterOptions {
+        let threads = spawn_pipeline(
+            &mut probes,
+            &opts,
+            &pid_filter,
+            &shared,
+            store,
             session,
-            wall_offset_ns: clock.offset_ns,
-            max_db: opts.max_db,
-            owner: who.owner,
-        };
-        let writer = {
-            let shared = shared.clone();
-            thread::Builder::new()
-                .name("tracer-writer".into())
-                .spawn(move || writer::write_loop(store, deliveries_rx, &shared, writer_opts))?
-        };
+            clock,
+        )?;
         let started = Started {
             session,
             db: opts.db.clone(),
@@ -323,9 +247,9 @@ impl Recording {
             scanner,
             pid_filter,
             shared,
-            reader,
-            registry,
-            writer,
+            reader: threads.reader,
+            registry: threads.registry,
+            writer: threads.writer,
             started,
             clock,
             began: Instant::now(),
@@ -497,6 +421,91 @@ fn join(handle: JoinHandle<Result<()>>, what: &str) -> Result<Result<()>> {
     handle
         .join()
         .map_err(|_| anyhow!("the {what} thread panicked"))
+}
+
+/// The recording's three threads.
+struct Threads {
+    reader: JoinHandle<Result<()>>,
+    registry: JoinHandle<Result<()>>,
+    writer: JoinHandle<(Store, Result<()>)>,
+}
+
+/// Starts the reader (ring -> records), the registry (records -> deliveries, with what /proc
+/// and the interpreters say) and the writer (deliveries -> the database).
+fn spawn_pipeline(
+    probes: &mut Probes,
+    opts: &RecordOptions,
+    pid_filter: &Option<Vec<u32>>,
+    shared: &Arc<Shared>,
+    store: Store,
+    session: i64,
+    clock: Clock,
+) -> Result<Threads> {
+    let ring = probes.take_ring()?;
+    let mut python = if opts.stack {
+        Some(Python {
+            procs: probes.take_py_procs()?,
+            sites: Sites::default(),
+            scope: pid_filter.clone(),
+        })
+    } else {
+        None
+    };
+    if let Some(python) = python.as_mut() {
+        python.scan();
+    }
+    let registry = Registry {
+        followed: probes.take_followed()?,
+        python,
+        wall_offset_ns: clock.offset_ns,
+    };
+    let (records_tx, records_rx) = mpsc::sync_channel(1024);
+    let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);
+    let reader = {
+        let shared = shared.clone();
+        thread::Builder::new()
+            .name("tracer-reader".into())
+            .spawn(move || reader::read_loop(ring, records_tx, &shared))?
+    };
+    let registry = {
+        let shared = shared.clone();
+        thread::Builder::new()
+            .name("tracer-registry".into())
+            .spawn(move || registry.run(records_rx, deliveries_tx, &shared))?
+    };
+    let writer_opts = WriterOptions {
+        session,
+        wall_offset_ns: clock.offset_ns,
+        max_db: opts.max_db,
+        owner: paths::invoker().owner,
+    };
+    let writer = {
+        let shared = shared.clone();
+        thread::Builder::new()
+            .name("tracer-writer".into())
+            .spawn(move || writer::write_loop(store, deliveries_rx, &shared, writer_opts))?
+    };
+    Ok(Threads {
+        reader,
+        registry,
+        writer,
+    })
+}
+
+/// The session's host-context state: the scheduler tracepoints with the CPU count, or why not.
+fn host_context_state(probes: &Probes) -> String {
+    match &probes.host_context {
+        Ok(()) => format!(
+            "sched_switch, sched_wakeup, sched_process_fork; cpus={}",
+            procinfo::online_cpus().unwrap_or(0)
+        ),
+        Err(e) => {
+            eprintln!(
+                "tracer: no host context (explain cannot tie slow calls to CPU contention): {e}"
+            );
+            format!("off: {e}")
+        }
+    }
 }
 
 fn begin_session(

@@ -14,12 +14,13 @@ use std::{
 use anyhow::{anyhow, Result};
 
 use super::{
-    procinfo::{self, ProcessInfo},
-    session::Shared,
+    procinfo,
+    shared::Shared,
     sites::{Site, SiteWriter},
 };
 use crate::{
     decode::{Call, OffCpu},
+    model::ProcessInfo,
     store::{Batch, Store},
 };
 

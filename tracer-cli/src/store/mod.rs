@@ -14,7 +14,7 @@ use tracer_common::{Op, OpClass};
 
 pub use schema::SCHEMA_VERSION;
 
-use crate::{decode::Call, exit::user_error, record::procinfo::ProcessInfo};
+use crate::{decode::Call, exit::user_error, model::ProcessInfo};
 
 pub struct Store {
     conn: Connection,

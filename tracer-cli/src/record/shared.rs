@@ -1,0 +1,40 @@
+//! What the recording's threads share: the stop flag, the live statistics and the counters.
+
+use std::sync::{
+    atomic::{AtomicBool, AtomicU64, Ordering},
+    Mutex,
+};
+
+use tracer_common::maps::Counter;
+
+use crate::{model::stats::LiveStats, store::SessionCounters};
+
+/// What the recording's threads share.
+#[derive(Default)]
+pub struct Shared {
+    pub stop: AtomicBool,
+    pub live: Mutex<LiveStats>,
+    pub events_read: AtomicU64,
+    pub events_stored: AtomicU64,
+    pub decode_errors: AtomicU64,
+    /// The kernel counters as last read (for the writer's periodic session updates).
+    pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
+}
+
+impl Shared {
+    pub fn counters(&self, kernel: &[u64; Counter::COUNT as usize]) -> SessionCounters {
+        SessionCounters {
+            entries: kernel[Counter::Entries as usize],
+            submitted: kernel[Counter::Submitted as usize],
+            dropped_ring_full: kernel[Counter::RingFull as usize],
+            unmatched_returns: kernel[Counter::UnmatchedReturns as usize],
+            alloc_map_full: kernel[Counter::AllocMapFull as usize],
+            inflight_full: kernel[Counter::InflightFull as usize],
+            events_read: self.events_read.load(Ordering::SeqCst),
+            events_stored: self.events_stored.load(Ordering::SeqCst),
+            decode_errors: self.decode_errors.load(Ordering::SeqCst),
+            offcpu_submitted: kernel[Counter::SchedSubmitted as usize],
+            offcpu_dropped: kernel[Counter::SchedRingFull as usize],
+        }
+    }
+}

@@ -44,6 +44,10 @@ pub struct TraceArgs {
     /// the session id) and one at the end (`"event":"summary"`) instead of the text summary.
     #[arg(long)]
     pub json: bool,
+    /// Also measure tracer's own programs (kernel BPF statistics, a few tens of ns a call more
+    /// while on): their runs and run time go into the summary.
+    #[arg(long)]
+    pub program_stats: bool,
     /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
     #[arg(long, hide = true)]
     pub floor: bool,
@@ -62,6 +66,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
         ring_bytes: args.ring_size,
         stack: args.stack,
         floor: args.floor,
+        program_stats: args.program_stats,
         command: std::env::args().collect::<Vec<_>>().join(" "),
     })?;
     if args.json {

@@ -37,6 +37,13 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
     if c.alloc_map_full > 0 {
         writeln!(out, "warning: {} allocations were not tracked (allocation map full): their frees lack a size", c.alloc_map_full)?;
     }
+    for p in &s.programs {
+        writeln!(
+            out,
+            "program {}: {} runs, {:.0} ns a run",
+            p.name, p.runs, p.ns_per_run
+        )?;
+    }
     writeln!(out, "database: {}", s.db.display())?;
     Ok(())
 }
@@ -81,6 +88,7 @@ mod tests {
             elapsed_s: 2.0,
             probes: 4,
             libraries: Vec::new(),
+            programs: Vec::new(),
             counters: SessionCounters {
                 submitted: 2,
                 events_read: 2,

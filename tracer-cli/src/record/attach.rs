@@ -46,6 +46,21 @@ pub struct AttachedLibrary {
     pub failed: Vec<String>,
 }
 
+/// One program's own cost (kernel BPF statistics).
+#[derive(Clone, Debug, Serialize)]
+pub struct ProgramStat {
+    pub name: &'static str,
+    pub runs: u64,
+    pub run_time_ns: u64,
+    pub ns_per_run: f64,
+}
+
+/// Makes the kernel count every BPF program's runs and run time until the descriptor is
+/// dropped (kernel.bpf_stats_enabled; about 20-40 ns a run more while on).
+pub fn enable_program_stats() -> Result<std::os::fd::OwnedFd> {
+    aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enable BPF run-time statistics")
+}
+
 pub struct Probes {
     ebpf: Ebpf,
     counters: PerCpuArray<MapData, u64>,
@@ -377,6 +392,37 @@ impl Probes {
         let link = program.attach(point, path, scope)?;
         self.links.push((prog_name, link));
         Ok(())
+    }
+
+    /// Each loaded program's own cost so far: how often it ran and for how long (the kernel
+    /// counts only while BPF statistics are enabled, see [`enable_program_stats`]).
+    pub fn program_stats(&self) -> Vec<ProgramStat> {
+        let names = [
+            names::PROG_ENTRY,
+            names::PROG_RETURN,
+            names::PROG_CALL_SITE,
+            names::PROG_SCHED_SWITCH,
+            names::PROG_SCHED_WAKEUP,
+            names::PROG_SCHED_FORK,
+        ];
+        names
+            .into_iter()
+            .filter_map(|name| {
+                let info = self.ebpf.program(name)?.info().ok()?;
+                let runs = info.run_count();
+                let run_time_ns = info.run_time().as_nanos() as u64;
+                Some(ProgramStat {
+                    name,
+                    runs,
+                    run_time_ns,
+                    ns_per_run: if runs > 0 {
+                        run_time_ns as f64 / runs as f64
+                    } else {
+                        0.0
+                    },
+                })
+            })
+            .collect()
     }
 
     /// Sums the per-CPU counters.

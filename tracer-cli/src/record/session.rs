@@ -18,7 +18,7 @@ use anyhow::{anyhow, Context as _, Result};
 use serde::Serialize;
 
 use super::{
-    attach::{AttachedLibrary, LoadOptions, Probes},
+    attach::{self, AttachedLibrary, LoadOptions, Probes, ProgramStat},
     discover::{self, Candidate, Origin, Scanner},
     procinfo, reader,
     registry::{Python, Registry},
@@ -49,6 +49,8 @@ pub struct RecordOptions {
     pub stack: bool,
     /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
     pub floor: bool,
+    /// Measure the programs' own run time (kernel BPF statistics) for the summary.
+    pub program_stats: bool,
     /// The command line stored with the session.
     pub command: String,
 }
@@ -140,6 +142,9 @@ pub struct Summary {
     pub probes: usize,
     pub libraries: Vec<AttachedLibrary>,
     pub counters: SessionCounters,
+    /// The programs' own cost, with --program-stats.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub programs: Vec<ProgramStat>,
     #[serde(skip)]
     pub stats: LiveStats,
 }
@@ -176,6 +181,8 @@ pub struct Recording {
     clock: Clock,
     began: Instant,
     gone: HashSet<u32>,
+    /// Keeps the kernel's BPF statistics on (--program-stats).
+    program_stats: Option<std::os::fd::OwnedFd>,
 }
 
 impl Recording {
@@ -234,6 +241,11 @@ impl Recording {
             session,
             clock,
         )?;
+        let program_stats = if opts.program_stats {
+            Some(attach::enable_program_stats()?)
+        } else {
+            None
+        };
         let started = Started {
             session,
             db: opts.db.clone(),
@@ -254,6 +266,7 @@ impl Recording {
             clock,
             began: Instant::now(),
             gone: HashSet::new(),
+            program_stats,
         })
     }
 
@@ -366,6 +379,11 @@ impl Recording {
             store.append_note(session, &format!("{p:#}"))?;
         }
         let libraries = self.probes.libraries();
+        let programs = if self.program_stats.is_some() {
+            self.probes.program_stats()
+        } else {
+            Vec::new()
+        };
         store.set_libraries(session, &serde_json::to_string(&libraries)?)?;
         store.end_session(session, self.clock.wall_now(), status)?;
         store.chown_files(paths::invoker().owner)?;
@@ -390,6 +408,7 @@ impl Recording {
                 probes: self.probes.probe_count(),
                 libraries,
                 counters,
+                programs,
                 stats,
             },
             probes: self.probes,

@@ -104,19 +104,7 @@ pub fn write_loop(
                     || pending.calls.len() >= COMMIT_ROWS
                     || last_commit.elapsed() >= COMMIT_EVERY)
             {
-                let mut threads = Vec::new();
-                for call in &pending.calls {
-                    if threads_seen.insert((call.pid, call.tid)) {
-                        // The kernel sends a thread's name with its first event only; if that
-                        // one was lost, ask /proc.
-                        let comm = if call.comm.is_empty() {
-                            procinfo::thread_comm(call.pid, call.tid).unwrap_or_default()
-                        } else {
-                            call.comm.clone()
-                        };
-                        threads.push((call.pid, call.tid, comm));
-                    }
-                }
+                let threads = new_threads(&pending.calls, &mut threads_seen);
                 store.write_batch(&Batch {
                     session: opts.session,
                     wall_offset_ns: opts.wall_offset_ns,
@@ -137,17 +125,7 @@ pub fn write_loop(
             }
             if last_housekeeping.elapsed() >= Duration::from_secs(1) || disconnected {
                 last_housekeeping = Instant::now();
-                let kernel = *shared
-                    .kernel
-                    .lock()
-                    .map_err(|_| anyhow!("counter lock poisoned"))?;
-                store.set_counters(opts.session, &shared.counters(&kernel))?;
-                if let Some(max) = opts.max_db {
-                    for note in store.enforce_max_size(opts.session, max)? {
-                        eprintln!("tracer: {note}");
-                        store.append_note(opts.session, &note)?;
-                    }
-                }
+                housekeeping(&mut store, shared, opts)?;
             }
             if disconnected {
                 return Ok(());
@@ -158,4 +136,38 @@ pub fn write_loop(
         shared.stop.store(true, Ordering::SeqCst);
     }
     (store, result)
+}
+
+/// Threads seen for the first time in `calls`, with their names.
+fn new_threads(calls: &[Call], seen: &mut HashSet<(u32, u32)>) -> Vec<(u32, u32, String)> {
+    let mut threads = Vec::new();
+    for call in calls {
+        if seen.insert((call.pid, call.tid)) {
+            // The kernel sends a thread's name with its first event only; if that one was
+            // lost, ask /proc.
+            let comm = if call.comm.is_empty() {
+                procinfo::thread_comm(call.pid, call.tid).unwrap_or_default()
+            } else {
+                call.comm.clone()
+            };
+            threads.push((call.pid, call.tid, comm));
+        }
+    }
+    threads
+}
+
+/// Once a second: the session's counters, and the database under --max-db.
+fn housekeeping(store: &mut Store, shared: &Shared, opts: WriterOptions) -> Result<()> {
+    let kernel = *shared
+        .kernel
+        .lock()
+        .map_err(|_| anyhow!("counter lock poisoned"))?;
+    store.set_counters(opts.session, &shared.counters(&kernel))?;
+    if let Some(max) = opts.max_db {
+        for note in store.enforce_max_size(opts.session, max)? {
+            eprintln!("tracer: {note}");
+            store.append_note(opts.session, &note)?;
+        }
+    }
+    Ok(())
 }

@@ -1321,9 +1321,6 @@ fn gpu_check_without_a_gpu_says_so_and_bad_arguments_fail() {
 
 /// Runs `tracer demo SCENARIO` and returns (stdout, stderr, the explain report as JSON).
 fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
-    // One at a time: the scenarios measure latencies and CPU contention on a 2-CPU machine,
-    // which another test's busy workers would blur.
-    let _guard = serial();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("demo.db");
     let mut cmd = Command::new(TRACER);

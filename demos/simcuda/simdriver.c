@@ -116,7 +116,18 @@ static void run_pairs(struct stats *s) {
     }
 }
 
-/* The real runtime without a GPU: every call fails (35), the probes still fire. */
+/* The real runtime without a GPU: every call fails (35), the probes still fire. cudaMalloc then
+ * cudaFree, as `pairs` does, at the real entry and return sites (on their error path). */
+static void run_real_pairs(struct stats *s) {
+    fn_ptr_size cudaMalloc = sym(rt, "cudaMalloc");
+    fn_ptr cudaFree = sym(rt, "cudaFree");
+    for (long i = 0; i < opt.iters; i++) {
+        void *p = NULL;
+        CALL(s, "cudaMalloc", opt.size, cudaMalloc(&p, opt.size));
+        CALL(s, "cudaFree", opt.size, cudaFree(p));
+    }
+}
+
 static void run_real(struct stats *s) {
     fn_ptr_size cudaMalloc = sym(rt, "cudaMalloc");
     for (long i = 0; i < opt.iters; i++) {
@@ -223,13 +234,14 @@ static void *worker(void *arg) {
     if (!strcmp(opt.mix, "pairs")) run_pairs(s);
     else if (!strcmp(opt.mix, "all")) run_all(s, device);
     else if (!strcmp(opt.mix, "real")) run_real(s);
-    else { fprintf(stderr, "simdriver: unknown --mix %s (pairs, all, real)\n", opt.mix); exit(2); }
+    else if (!strcmp(opt.mix, "real-pairs")) run_real_pairs(s);
+    else { fprintf(stderr, "simdriver: unknown --mix %s (pairs, all, real, real-pairs)\n", opt.mix); exit(2); }
     return NULL;
 }
 
 static void usage(void) {
     fprintf(stderr,
-            "usage: simdriver [--cudart PATH] [--cuda PATH|none] [--mix pairs|all|real] [--threads N]\n"
+            "usage: simdriver [--cudart PATH] [--cuda PATH|none] [--mix pairs|all|real|real-pairs] [--threads N]\n"
             "                 [--iters N] [--size BYTES] [--device D] [--start-delay-ms N] [--hold-ms N]\n                 [--duration-ms N (pairs: run this long instead of --iters)]\n");
     exit(2);
 }
@@ -270,7 +282,7 @@ int main(int argc, char **argv) {
         if (!drv) { fprintf(stderr, "simdriver: cannot load %s: %s\n", opt.cuda, dlerror()); return 2; }
     }
     fn_intp cudaGetDeviceCount = (fn_intp)dlsym(rt, "cudaGetDeviceCount");
-    if (cudaGetDeviceCount && strcmp(opt.mix, "real") && cudaGetDeviceCount(&device_count) != 0) device_count = 1;
+    if (cudaGetDeviceCount && strncmp(opt.mix, "real", 4) && cudaGetDeviceCount(&device_count) != 0) device_count = 1;
     if (device_count < 1) device_count = 1;
     if (opt.start_delay_ms) usleep((useconds_t)opt.start_delay_ms * 1000);
 

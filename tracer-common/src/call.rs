@@ -7,7 +7,7 @@ pub const DEVICE_UNKNOWN: i32 = -1;
 
 /// Bits of [`CallEvent::flags`].
 pub mod flags {
-    /// `size` is known (from an argument, an out-parameter or the allocation map).
+    /// `size` is known (from an argument or an out-parameter; frees get theirs in userspace).
     pub const SIZE_KNOWN: u32 = 1 << 0;
     /// `ptr` is known.
     pub const PTR_KNOWN: u32 = 1 << 1;
@@ -23,7 +23,8 @@ pub struct CallEvent {
     pub header: EventHeader,
     /// An [`crate::Op`] value.
     pub op: u32,
-    /// CUDA device ordinal, or [`DEVICE_UNKNOWN`].
+    /// CUDA device ordinal when the call names it (cudaSetDevice, cuMemCreate's properties), or
+    /// [`DEVICE_UNKNOWN`]: userspace fills in the thread's device and a free's allocation's.
     pub device: i32,
     /// cudaError_t / CUresult returned by the call.
     pub ret: i32,
@@ -31,7 +32,7 @@ pub struct CallEvent {
     pub flags: u32,
     /// Return time minus entry time, measured in the kernel.
     pub duration_ns: u64,
-    /// Bytes requested (allocations) or released (frees, from the allocation map).
+    /// Bytes requested (allocations); frees get the size of what they release in userspace.
     pub size: u64,
     /// Device/host pointer or handle returned or passed.
     pub ptr: u64,
@@ -42,8 +43,8 @@ pub struct CallEvent {
     pub aux1: u64,
     /// Unused in the kernel's records (-1); the call site travels in [`crate::CallStackEvent`].
     pub stack_id: i64,
-    /// The calling thread's name (task comm), NUL-padded; sent with a thread's first event
-    /// only (all zero afterwards).
+    /// The calling thread's name (task comm), NUL-padded; sent with the first event of each
+    /// (thread, op) only (all zero afterwards).
     pub comm: [u8; 16],
 }
 

@@ -4,13 +4,12 @@
 pub const EVENTS: &str = "EVENTS";
 /// Per-CPU `u64` counters indexed by [`Counter`].
 pub const COUNTERS: &str = "COUNTERS";
-/// (thread, op) -> entry state, between a uprobe and its uretprobe.
+/// Array of [`Slot`]s indexed by a hash of (thread, op): a call's entry state, between its uprobe
+/// and its uretprobe. An array slot costs a fraction of a hash-map lookup; two threads whose
+/// pairs share a slot fall back to [`INFLIGHT`].
+pub const SLOTS: &str = "SLOTS";
+/// (thread, op) -> entry state, for calls whose slot another thread's call holds.
 pub const INFLIGHT: &str = "INFLIGHT";
-/// (process, space, pointer) -> size and device of live allocations.
-pub const ALLOCS: &str = "ALLOCS";
-/// (pid << 32 | tid) -> [`ThreadState`]: the device set by cudaSetDevice, and whether the
-/// thread's name was already sent.
-pub const THREADS: &str = "THREADS";
 
 /// Array of one `u32`: set to 1 to stop recording new calls before detaching.
 pub const CONTROL: &str = "CONTROL";
@@ -64,8 +63,17 @@ pub const GLOBAL_FLOOR_MODE: &str = "FLOOR_MODE";
 /// Default ring size: about 160 k call records, 0.15 s of two threads at full speed.
 pub const DEFAULT_RING_BYTES: u32 = 16 << 20;
 pub const INFLIGHT_ENTRIES: u32 = 1 << 16;
+/// A power of two.
+pub const SLOT_COUNT: u32 = 1 << 16;
+/// Live allocations whose size userspace keeps for their frees; more are counted in
+/// [`Counter::AllocMapFull`] and their frees lack a size.
 pub const ALLOCS_ENTRIES: u32 = 1 << 20;
-pub const THREADS_ENTRIES: u32 = 1 << 16;
+
+/// The [`SLOTS`] index of (thread, op).
+#[inline(always)]
+pub const fn slot_index(tid: u32, op: u32) -> u32 {
+    (tid.wrapping_mul(0x9E37_79B1) ^ op.wrapping_mul(0x85EB_CA77)) & (SLOT_COUNT - 1)
+}
 
 /// Slots of the [`COUNTERS`] map. Stable: stored with each session.
 #[repr(u32)]
@@ -124,47 +132,26 @@ pub struct InflightKey {
     pub op: u32,
 }
 
-/// Value of [`INFLIGHT`].
+/// Value of [`INFLIGHT`]: what the entry program saw.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Inflight {
+    /// Entry time; 0 once the return consumed it.
     pub ts_ns: u64,
     pub args: [u64; crate::probes::MAX_ARGS],
-    /// For frees: the size and device found in [`ALLOCS`] at entry.
-    pub freed_size: u64,
-    pub freed_device: i32,
-    /// 1 when `freed_size` is valid.
-    pub freed_found: u32,
 }
 
-/// Key of [`ALLOCS`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AllocKey {
-    pub pid: u32,
-    /// A [`crate::Space`] value: pointers of different kinds never collide.
-    pub space: u32,
-    pub ptr: u64,
-}
-
-/// Value of [`ALLOCS`].
+/// Value of [`SLOTS`]: the entry state of the (thread, op) that holds the slot.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct AllocInfo {
-    pub size: u64,
-    pub device: i32,
-    pub _pad: u32,
-}
-
-/// Value of [`THREADS`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ThreadState {
-    /// Device set by the thread's last successful cudaSetDevice, or -1.
-    pub device: i32,
-    /// 1 once an event of this thread carried its name (task comm): later events leave it
-    /// empty, since reading it costs about a sixth of a traced call.
+pub struct Slot {
+    pub tid: u32,
+    pub op: u32,
+    /// 1 once an event of this (thread, op) carried the thread's name (task comm); later
+    /// events of the pair leave it empty. Reset when another pair takes the slot.
     pub comm_sent: u32,
+    pub _pad: u32,
+    pub state: Inflight,
 }
 
 #[cfg(feature = "user")]
@@ -174,9 +161,5 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for super::Inflight {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for super::AllocKey {}
-    // SAFETY: as above.
-    unsafe impl aya::Pod for super::AllocInfo {}
-    // SAFETY: as above.
-    unsafe impl aya::Pod for super::ThreadState {}
+    unsafe impl aya::Pod for super::Slot {}
 }

@@ -1,5 +1,8 @@
 //! One entry and one return program serve every API in the probe table: the attach cookie says
-//! which op fired, and `PLANS` says which argument means what.
+//! which op fired, and `PLANS` says which argument means what. They do only what must be done
+//! at the call: save the arguments, read the out-parameters, time it, send it. Joining a free
+//! to its allocation's size and a call to its thread's device happens in userspace, from the
+//! events themselves, which are all delivered in order.
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
@@ -8,15 +11,15 @@ use aya_ebpf::{
         bpf_probe_read_user,
     },
     macros::{map, uprobe, uretprobe},
-    maps::{Array, HashMap, LruHashMap, RingBuf},
+    maps::{Array, LruHashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
     EbpfContext,
 };
 use tracer_common::{
     call::{flags, DEVICE_UNKNOWN},
-    maps::{self as names, AllocInfo, AllocKey, Counter, Inflight, InflightKey, ThreadState},
+    maps::{self as names, slot_index, Counter, Inflight, InflightKey, Slot},
     probes::{ALLOC_PROP_DEVICE_OFFSET, MAX_ARGS, NO_ARG, OP_COUNT},
-    CallEvent, EventHeader, OpClass, OpPlan, PLANS,
+    CallEvent, EventHeader, OpPlan, PLANS,
 };
 
 use crate::counters::bump;
@@ -24,18 +27,15 @@ use crate::counters::bump;
 #[map(name = "EVENTS")]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(names::DEFAULT_RING_BYTES, 0);
 
-// LRU: slots of threads that are gone must not fill the map.
+// Indexed by a hash of (tid, op): a slot is reused in place from call to call.
+#[map(name = "SLOTS")]
+static SLOTS: Array<Slot> = Array::with_max_entries(names::SLOT_COUNT, 0);
+
+// The fallback for a (tid, op) whose slot holds another pair's call in flight. LRU: entries of
+// threads that are gone must not fill the map.
 #[map(name = "INFLIGHT")]
 static INFLIGHT: LruHashMap<InflightKey, Inflight> =
     LruHashMap::with_max_entries(names::INFLIGHT_ENTRIES, 0);
-
-#[map(name = "ALLOCS")]
-static ALLOCS: HashMap<AllocKey, AllocInfo> = HashMap::with_max_entries(names::ALLOCS_ENTRIES, 0);
-
-// Keyed by pid and tid, so a tid reused by another process does not inherit the state.
-#[map(name = "THREADS")]
-static THREADS: LruHashMap<u64, ThreadState> =
-    LruHashMap::with_max_entries(names::THREADS_ENTRIES, 0);
 
 /// Slot 0: non-zero once userspace is stopping; new calls are then ignored (their returns
 /// still complete, so the final drain sees every call that had started).
@@ -102,55 +102,52 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
     }
     // SAFETY: the helper only reads the cookie of the perf link that fired.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
-    let Some((op, plan)) = plan_for(cookie) else {
+    let Some((op, _plan)) = plan_for(cookie) else {
         return 0;
     };
-    let (pid, tid) = current_ids();
-
+    let tid = bpf_get_current_pid_tgid() as u32;
     let mut state = Inflight {
         // SAFETY: no preconditions.
         ts_ns: unsafe { bpf_ktime_get_ns() },
         args: [0; MAX_ARGS],
-        freed_size: 0,
-        freed_device: DEVICE_UNKNOWN,
-        freed_found: 0,
     };
     let mut i = 0;
     while i < MAX_ARGS {
         state.args[i] = ctx.arg::<u64>(i).unwrap_or(0);
         i += 1;
     }
-    // Look the size up at entry: a nested free of the same pointer (runtime -> driver) removes
-    // it before the outer call returns.
-    if plan.class == OpClass::Free as u32 {
-        if let Some(ptr) = arg_at(&state.args, plan.ptr_arg) {
-            let key = AllocKey {
-                pid,
-                space: plan.space,
-                ptr,
-            };
-            // SAFETY: the value is copied out at once.
-            if let Some(info) = unsafe { ALLOCS.get(&key) } {
-                state.freed_size = info.size;
-                state.freed_device = info.device;
-                state.freed_found = 1;
-            }
-        }
-    }
-    // A thread's slot is reused from call to call: writing in place is cheaper than a map
-    // update, and the return marks it consumed (ts_ns = 0) instead of deleting it.
-    let key = InflightKey { tid, op };
-    match INFLIGHT.get_ptr_mut(&key) {
-        // SAFETY: only this thread uses the (tid, op) slot, and the pointer is valid for this
-        // program run.
-        Some(slot) => unsafe { *slot = state },
-        None => {
-            if INFLIGHT.insert(&key, &state, BPF_ANY as u64).is_err() {
-                bump(Counter::InflightFull);
-            }
-        }
-    }
+    save_inflight(tid, op, &state);
     0
+}
+
+/// Keeps the entry state in the (tid, op)'s slot, written in place; when another pair's call is
+/// in flight there, in the fallback map.
+#[inline(always)]
+fn save_inflight(tid: u32, op: u32, state: &Inflight) {
+    let Some(slot) = SLOTS.get_ptr_mut(slot_index(tid, op)) else {
+        return;
+    };
+    // SAFETY: a pointer into the array, valid for this run. Only the thread whose pair holds
+    // the slot writes it while its call is in flight (ts_ns != 0); a pair takes a slot only
+    // when it is free or already its own.
+    unsafe {
+        let mine = (*slot).tid == tid && (*slot).op == op;
+        if mine || (*slot).state.ts_ns == 0 {
+            if !mine {
+                (*slot).tid = tid;
+                (*slot).op = op;
+                (*slot).comm_sent = 0;
+            }
+            (*slot).state = *state;
+            return;
+        }
+    }
+    if INFLIGHT
+        .insert(&InflightKey { tid, op }, state, BPF_ANY as u64)
+        .is_err()
+    {
+        bump(Counter::InflightFull);
+    }
 }
 
 /// What the return program learns of a call beyond its arguments.
@@ -163,23 +160,47 @@ struct Outcome {
     flags: u32,
 }
 
-/// Takes the thread's in-flight slot for `op` (marking it consumed), or counts an unmatched
-/// return.
+/// Takes the (tid, op)'s entry state, marking it consumed, with whether the thread's name is
+/// still to be sent; counts a return without an entry.
 #[inline(always)]
-fn take_inflight(tid: u32, op: u32) -> Option<Inflight> {
-    let Some(slot) = INFLIGHT.get_ptr_mut(&InflightKey { tid, op }) else {
+fn take_inflight(tid: u32, op: u32) -> Option<(Inflight, bool)> {
+    if let Some(slot) = SLOTS.get_ptr_mut(slot_index(tid, op)) {
+        // SAFETY: as in save_inflight: the slot is this pair's while its call is in flight.
+        unsafe {
+            if (*slot).tid == tid && (*slot).op == op && (*slot).state.ts_ns != 0 {
+                let state = (*slot).state;
+                let send_comm = (*slot).comm_sent == 0;
+                (*slot).state.ts_ns = 0;
+                (*slot).comm_sent = 1;
+                return Some((state, send_comm));
+            }
+        }
+    }
+    let Some(entry) = INFLIGHT.get_ptr_mut(&InflightKey { tid, op }) else {
         bump(Counter::UnmatchedReturns);
         return None;
     };
-    // SAFETY: as in call_entry: the slot is this thread's; copy it, then mark it consumed.
-    let state = unsafe { *slot };
+    // SAFETY: the entry is this thread's; copy it, then mark it consumed.
+    let state = unsafe { *entry };
     if state.ts_ns == 0 {
         bump(Counter::UnmatchedReturns);
         return None;
     }
     // SAFETY: as above.
-    unsafe { (*slot).ts_ns = 0 };
-    Some(state)
+    unsafe { (*entry).ts_ns = 0 };
+    Some((state, true))
+}
+
+#[inline(always)]
+fn comm_unsent(tid: u32, op: u32) {
+    if let Some(slot) = SLOTS.get_ptr_mut(slot_index(tid, op)) {
+        // SAFETY: as in save_inflight.
+        unsafe {
+            if (*slot).tid == tid && (*slot).op == op {
+                (*slot).comm_sent = 0;
+            }
+        }
+    }
 }
 
 /// Reads a user-space u64 out-parameter into `dst`, or flags the failed read.
@@ -200,16 +221,16 @@ fn read_out(addr: Option<u64>, dst: &mut u64, flags_out: &mut u32) -> bool {
     }
 }
 
-/// Size, pointer, auxiliary values and device from the arguments and, for a successful call,
-/// its out-parameters.
+/// Size, pointer, auxiliary values and the device the call names, from the arguments and, for
+/// a successful call, its out-parameters.
 #[inline(always)]
-fn outcome(args: &[u64; MAX_ARGS], plan: &OpPlan, ok: bool, thread_device: i32) -> Outcome {
+fn outcome(args: &[u64; MAX_ARGS], plan: &OpPlan, ok: bool) -> Outcome {
     let mut o = Outcome {
         size: 0,
         ptr: 0,
         aux0: arg_at(args, plan.aux0_arg).unwrap_or(0),
         aux1: arg_at(args, plan.aux1_arg).unwrap_or(0),
-        device: thread_device,
+        device: DEVICE_UNKNOWN,
         flags: 0,
     };
     if let Some(s) = arg_at(args, plan.size_arg) {
@@ -253,75 +274,18 @@ fn outcome(args: &[u64; MAX_ARGS], plan: &OpPlan, ok: bool, thread_device: i32) 
     o
 }
 
-/// Keeps the (process, pointer) -> size map: an allocation adds its pointer, a free takes the
-/// size found at entry and removes the pointer.
-#[inline(always)]
-fn track_allocation(pid: u32, plan: &OpPlan, ok: bool, state: &Inflight, o: &mut Outcome) {
-    let key = AllocKey {
-        pid,
-        space: plan.space,
-        ptr: o.ptr,
-    };
-    if plan.class == OpClass::Free as u32 {
-        if state.freed_found != 0 {
-            o.size = state.freed_size;
-            o.device = state.freed_device;
-            o.flags |= flags::SIZE_KNOWN;
-        } else if o.ptr != 0 {
-            o.flags |= flags::FREE_UNMATCHED;
-        }
-        if ok && o.ptr != 0 {
-            let _ = ALLOCS.remove(&key);
-        }
-    } else if plan.class == OpClass::Alloc as u32 && ok && o.ptr != 0 {
-        let info = AllocInfo {
-            size: o.size,
-            device: o.device,
-            _pad: 0,
-        };
-        if ALLOCS.insert(&key, &info, BPF_ANY as u64).is_err() {
-            bump(Counter::AllocMapFull);
-        }
-    }
-}
+/// Events a CPU submits between two looks at how much waits in the ring.
+const WAKEUP_CHECK_EVERY: u64 = 64;
 
-/// Remembers the thread's device after a successful cudaSetDevice, and that its name was sent;
-/// a thread's first event also makes the scheduler programs follow it.
+/// The ring's wake-up flag for the `submitted`-th event of this CPU: waking the reader costs
+/// about a third of a traced call and even asking how much waits costs a tenth, so every 64th
+/// event looks, and wakes the reader when a batch waits (it also looks every 10 ms by itself).
 #[inline(always)]
-fn update_thread(
-    pid: u32,
-    tid: u32,
-    thread: Option<*mut ThreadState>,
-    known: Option<ThreadState>,
-    set_device: Option<u64>,
-    first_event: bool,
-) {
-    if first_event {
-        let _ = crate::sched::SCHED_TIDS.insert(&tid, &pid, BPF_ANY as u64);
-    }
-    if !first_event && set_device.is_none() {
-        return;
-    }
-    let next = ThreadState {
-        device: set_device.map_or(known.map_or(DEVICE_UNKNOWN, |t| t.device), |d| d as i32),
-        comm_sent: 1,
-    };
-    match thread {
-        // SAFETY: a pointer into the map, valid for this run; only this thread writes its slot.
-        Some(slot) => unsafe { *slot = next },
-        None => {
-            let thread_key = ((pid as u64) << 32) | tid as u64;
-            let _ = THREADS.insert(&thread_key, &next, BPF_ANY as u64);
-        }
-    }
-}
-
-/// The ring's wake-up flag: waking the reader costs about a third of a traced call, so it is
-/// woken only when a batch waits.
-#[inline(always)]
-fn wakeup_flag() -> u32 {
+fn wakeup_flag(submitted: u64) -> u32 {
     let wakeup = global(&WAKEUP_BYTES);
-    if wakeup == 0 || EVENTS.query(0) >= wakeup {
+    if wakeup == 0
+        || (submitted % WAKEUP_CHECK_EVERY == WAKEUP_CHECK_EVERY - 1 && EVENTS.query(0) >= wakeup)
+    {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP
@@ -339,27 +303,16 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         return 0;
     };
     let (pid, tid) = current_ids();
-    let Some(state) = take_inflight(tid, op) else {
+    let Some((state, send_comm)) = take_inflight(tid, op) else {
         return 0;
     };
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i32 = ctx.ret::<u64>() as i32;
-    let ok = ret == 0;
-    let thread_key = ((pid as u64) << 32) | tid as u64;
-    let thread = THREADS.get_ptr_mut(&thread_key);
-    // SAFETY: a pointer into the map, valid for this run; only this thread writes its slot.
-    let known = thread.map(|t| unsafe { *t });
-    let send_comm = known.is_none_or(|t| t.comm_sent == 0);
-    let mut o = outcome(
-        &state.args,
-        plan,
-        ok,
-        known.map_or(DEVICE_UNKNOWN, |t| t.device),
-    );
-    track_allocation(pid, plan, ok, &state, &mut o);
-
+    let o = outcome(&state.args, plan, ret == 0);
     let comm = if send_comm {
+        // First event of this (thread, op): let the scheduler programs follow the thread.
+        let _ = crate::sched::SCHED_TIDS.insert(&tid, &pid, BPF_ANY as u64);
         bpf_get_current_comm().unwrap_or([0; 16])
     } else {
         [0; 16]
@@ -384,25 +337,10 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         stack_id: -1,
         comm,
     };
-    let flag = wakeup_flag();
-    let stack_mode = crate::stack::enabled();
-    if !stack_mode {
-        let Some(mut entry) = EVENTS.reserve::<CallEvent>(0) else {
-            // The thread's name is sent again with its next event.
-            bump(Counter::RingFull);
-            return 0;
-        };
-        entry.write(event);
-        entry.submit(flag as u64);
-        bump(Counter::Submitted);
-    }
-    let set_device = if ok {
-        arg_at(&state.args, plan.device_arg)
-    } else {
-        None
-    };
-    update_thread(pid, tid, thread, known, set_device, send_comm);
-    if stack_mode {
+    let submitted = crate::counters::slot(Counter::Submitted);
+    // SAFETY: this CPU's counter slot, valid for this run.
+    let flag = wakeup_flag(submitted.map_or(0, |n| unsafe { *n }));
+    if crate::stack::enabled() {
         // call_site sends the event (and counts it); the wake-up flag rides in stack_id.
         crate::stack::tail_call_site(
             &ctx,
@@ -413,6 +351,19 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         );
         // Only a failed tail call gets here: the event is lost, and counted with the drops.
         bump(Counter::RingFull);
+        return 0;
+    }
+    if EVENTS.output::<CallEvent>(&event, flag as u64).is_err() {
+        bump(Counter::RingFull);
+        if send_comm {
+            // The thread's name goes with the pair's next event instead.
+            comm_unsent(tid, op);
+        }
+        return 0;
+    }
+    if let Some(n) = submitted {
+        // SAFETY: as above; a CPU runs one program at a time, so the increment is race-free.
+        unsafe { *n += 1 };
     }
     0
 }

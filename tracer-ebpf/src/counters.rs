@@ -6,6 +6,12 @@ use tracer_common::maps::Counter;
 #[map(name = "COUNTERS")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
+/// The counter's slot of this CPU.
+#[inline(always)]
+pub fn slot(counter: Counter) -> Option<*mut u64> {
+    COUNTERS.get_ptr_mut(counter as u32)
+}
+
 #[inline(always)]
 pub fn bump(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {

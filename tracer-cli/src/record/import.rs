@@ -3,32 +3,31 @@
 //! privileges. `tracer import` stores a finished log; `tracer demo` imports a growing one.
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::BTreeSet,
     io::{Read as _, Seek as _, SeekFrom},
     path::Path,
 };
 
 use anyhow::{Context as _, Result};
 use serde::Serialize;
-use tracer_common::{OpClass, Space};
 
 use crate::{
     decode::simlog,
     exit::user_error,
     paths,
-    record::procinfo,
+    record::{join::Join, procinfo},
     store::{Access, Batch, SessionCounters, SessionStart, Store},
 };
 
 /// Bytes of log read per write transaction: bounds memory whatever the log's size.
 const CHUNK_BYTES: usize = 8 << 20;
 
-/// Imports the new lines of a growing log. Keeps the pointer -> size map that the kernel keeps
-/// when tracing live, so frees carry their size.
+/// Imports the new lines of a growing log. Frees get their allocation's size as when tracing
+/// live (the same join).
 pub struct SimlogImporter {
     offset: u64,
     partial: Vec<u8>,
-    allocs: HashMap<(u32, u32, u64), (u64, Option<i32>)>,
+    join: Join,
     threads: BTreeSet<(u32, u32)>,
     pids: BTreeSet<u32>,
     /// The log's processes are running now: their names come from /proc.
@@ -43,7 +42,7 @@ impl SimlogImporter {
         SimlogImporter {
             offset: 0,
             partial: Vec::new(),
-            allocs: HashMap::new(),
+            join: Join::for_log(),
             threads: BTreeSet::new(),
             pids: BTreeSet::new(),
             live,
@@ -90,6 +89,7 @@ impl SimlogImporter {
                 events_read: stored + self.unreadable_lines,
                 events_stored: stored,
                 decode_errors: self.unreadable_lines,
+                alloc_map_full: self.join.not_tracked,
                 ..Default::default()
             },
         )?;
@@ -134,28 +134,7 @@ impl SimlogImporter {
                 self.unreadable_lines += 1;
                 continue;
             };
-            let spec = call.op.spec();
-            if let Some(ptr) = call.ptr {
-                let key = (call.pid, spec.space as u32, ptr);
-                match (spec.class, call.ret) {
-                    (OpClass::Alloc, 0) if spec.space != Space::None => {
-                        self.allocs
-                            .insert(key, (call.size.unwrap_or(0), call.device));
-                    }
-                    (OpClass::Free, ret) => {
-                        let found = if ret == 0 {
-                            self.allocs.remove(&key)
-                        } else {
-                            self.allocs.get(&key).copied()
-                        };
-                        if let Some((size, device)) = found {
-                            call.size = Some(size);
-                            call.device = device;
-                        }
-                    }
-                    _ => {}
-                }
-            }
+            self.join.apply(&mut call);
             if self.threads.insert((call.pid, call.tid)) {
                 let comm = self
                     .live

@@ -10,6 +10,7 @@ pub mod check;
 pub mod discover;
 pub mod elf;
 pub mod import;
+pub mod join;
 pub mod memmap;
 pub mod privileges;
 pub mod procinfo;

@@ -16,6 +16,7 @@ use anyhow::{anyhow, Result};
 
 use super::{
     attach::{Followed, PyProcs},
+    join::Join,
     procinfo,
     shared::Shared,
     sites::Sites,
@@ -54,6 +55,7 @@ impl Python {
 }
 
 pub struct Registry {
+    pub join: Join,
     pub followed: Option<Followed>,
     pub python: Option<Python>,
     pub wall_offset_ns: i64,
@@ -87,6 +89,9 @@ impl Registry {
                     continue;
                 }
                 let delivery = self.enrich(records, &mut pids_seen, boot);
+                shared
+                    .allocs_not_tracked
+                    .store(self.join.not_tracked, Ordering::SeqCst);
                 deliver(delivery, &tx, shared)?;
             }
         })();
@@ -117,6 +122,7 @@ impl Registry {
                             python.register(call.pid);
                         }
                     }
+                    self.join.apply(&mut call);
                     if let (Some(site), Some(python)) = (call.site.take(), self.python.as_mut()) {
                         call.stack = Some(python.sites.intern(call.pid, *site, &mut out.sites));
                     }

@@ -474,6 +474,7 @@ fn spawn_pipeline(
         python.scan();
     }
     let registry = Registry {
+        join: super::join::Join::live(),
         followed: probes.take_followed()?,
         python,
         wall_offset_ns: clock.offset_ns,

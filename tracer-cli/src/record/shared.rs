@@ -17,6 +17,8 @@ pub struct Shared {
     pub events_read: AtomicU64,
     pub events_stored: AtomicU64,
     pub decode_errors: AtomicU64,
+    /// Allocations whose size userspace could not keep (too many live): their frees lack one.
+    pub allocs_not_tracked: AtomicU64,
     /// The kernel counters as last read (for the writer's periodic session updates).
     pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
 }
@@ -28,7 +30,8 @@ impl Shared {
             submitted: kernel[Counter::Submitted as usize],
             dropped_ring_full: kernel[Counter::RingFull as usize],
             unmatched_returns: kernel[Counter::UnmatchedReturns as usize],
-            alloc_map_full: kernel[Counter::AllocMapFull as usize],
+            alloc_map_full: kernel[Counter::AllocMapFull as usize]
+                + self.allocs_not_tracked.load(Ordering::SeqCst),
             inflight_full: kernel[Counter::InflightFull as usize],
             events_read: self.events_read.load(Ordering::SeqCst),
             events_stored: self.events_stored.load(Ordering::SeqCst),

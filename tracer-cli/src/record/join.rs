@@ -1,0 +1,241 @@
+//! What a call's own record does not say, joined from the records before it: the size and
+//! device of the allocation a free releases, and the device of the calling thread (its last
+//! successful cudaSetDevice). The kernel keeps neither (a map update per call cost more than
+//! the rest of a traced call); every record reaches userspace, in the order the calls returned,
+//! so the join is exact here.
+
+use std::collections::HashMap;
+
+use tracer_common::{call::flags, maps::ALLOCS_ENTRIES, OpClass, Space};
+
+use crate::decode::Call;
+
+/// (process, pointer space, pointer).
+type Key = (u32, u32, u64);
+
+/// A free that released a pointer: the enclosing free of a nested pair (cudaFree calling the
+/// driver's cuMemFree_v2 on the same pointer) returns after it and takes its size.
+#[derive(Clone, Copy)]
+struct Released {
+    key: Key,
+    size: u64,
+    device: Option<i32>,
+    ts: u64,
+    end: u64,
+}
+
+pub struct Join {
+    live: HashMap<Key, (u64, Option<i32>)>,
+    devices: HashMap<(u32, u32), i32>,
+    last_free: HashMap<(u32, u32), Released>,
+    /// Thread devices come from cudaSetDevice calls (live), or with each record (a log).
+    track_devices: bool,
+    /// Allocations not kept because [`ALLOCS_ENTRIES`] were live: their frees lack a size.
+    pub not_tracked: u64,
+}
+
+impl Join {
+    /// For records from the kernel: they name a device only when the call itself does.
+    pub fn live() -> Join {
+        Join::new(true)
+    }
+
+    /// For the simulated runtime's log, whose lines carry each call's device.
+    pub fn for_log() -> Join {
+        Join::new(false)
+    }
+
+    fn new(track_devices: bool) -> Join {
+        Join {
+            live: HashMap::new(),
+            devices: HashMap::new(),
+            last_free: HashMap::new(),
+            track_devices,
+            not_tracked: 0,
+        }
+    }
+
+    /// Completes `call` from what came before, and remembers what it allocated or set.
+    pub fn apply(&mut self, call: &mut Call) {
+        let spec = call.op.spec();
+        if self.track_devices {
+            let thread = (call.pid, call.tid);
+            match (spec.class, call.device) {
+                (OpClass::SetDevice, Some(d)) if call.ret == 0 => {
+                    self.devices.insert(thread, d);
+                }
+                (_, None) => call.device = self.devices.get(&thread).copied(),
+                _ => {}
+            }
+        }
+        let Some(ptr) = call.ptr else {
+            return;
+        };
+        if spec.space == Space::None {
+            return;
+        }
+        let key = (call.pid, spec.space as u32, ptr);
+        match spec.class {
+            OpClass::Alloc if call.ret == 0 && ptr != 0 => self.allocated(key, call),
+            OpClass::Free => self.freed(key, call),
+            _ => {}
+        }
+    }
+
+    fn allocated(&mut self, key: Key, call: &Call) {
+        if self.live.len() >= ALLOCS_ENTRIES as usize && !self.live.contains_key(&key) {
+            self.not_tracked += 1;
+            return;
+        }
+        self.live.insert(key, (call.size.unwrap_or(0), call.device));
+    }
+
+    fn freed(&mut self, key: Key, call: &mut Call) {
+        let thread = (call.pid, call.tid);
+        let end = call.ts_mono_ns + call.duration_ns;
+        let from_live = if call.ret == 0 {
+            self.live.remove(&key)
+        } else {
+            self.live.get(&key).copied()
+        };
+        let found = from_live.or_else(|| {
+            let inner = self.last_free.get(&thread).copied()?;
+            let nested = inner.key == key && inner.ts >= call.ts_mono_ns && inner.end <= end;
+            nested.then(|| {
+                self.last_free.remove(&thread);
+                (inner.size, inner.device)
+            })
+        });
+        match found {
+            Some((size, device)) => {
+                call.size = Some(size);
+                call.device = device;
+                call.flags |= flags::SIZE_KNOWN;
+            }
+            None if key.2 != 0 => call.flags |= flags::FREE_UNMATCHED,
+            None => {}
+        }
+        if let (Some((size, device)), 0) = (from_live, call.ret) {
+            self.last_free.insert(
+                thread,
+                Released {
+                    key,
+                    size,
+                    device,
+                    ts: call.ts_mono_ns,
+                    end,
+                },
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::Op;
+
+    use super::*;
+
+    fn call(op: Op, tid: u32, ts: u64, dur: u64, size: Option<u64>, ptr: u64, ret: i32) -> Call {
+        Call {
+            ts_mono_ns: ts,
+            pid: 7,
+            tid,
+            op,
+            device: None,
+            ret,
+            duration_ns: dur,
+            size,
+            ptr: Some(ptr),
+            aux0: 0,
+            aux1: 0,
+            flags: 0,
+            comm: String::new(),
+            site: None,
+            stack: None,
+        }
+    }
+
+    fn set_device(tid: u32, d: i32) -> Call {
+        let mut c = call(Op::CudaSetDevice, tid, 1, 1, None, 0, 0);
+        c.ptr = None;
+        c.device = Some(d);
+        c
+    }
+
+    #[test]
+    fn frees_carry_their_allocations_size_and_device() {
+        let mut j = Join::live();
+        j.apply(&mut set_device(1, 3));
+        let mut a = call(Op::CudaMalloc, 1, 10, 5, Some(4096), 0x1000, 0);
+        j.apply(&mut a);
+        assert_eq!(a.device, Some(3), "the thread's device");
+        // Freed by another thread, whose device is unknown: the allocation's device.
+        let mut f = call(Op::CudaFree, 2, 20, 5, None, 0x1000, 0);
+        j.apply(&mut f);
+        assert_eq!((f.size, f.device), (Some(4096), Some(3)));
+        assert_eq!(f.flags & flags::FREE_UNMATCHED, 0);
+        // Freed again: unmatched.
+        let mut again = call(Op::CudaFree, 2, 30, 5, None, 0x1000, 1);
+        j.apply(&mut again);
+        assert_eq!(again.size, None);
+        assert_ne!(again.flags & flags::FREE_UNMATCHED, 0);
+    }
+
+    #[test]
+    fn a_failed_free_keeps_the_allocation_live() {
+        let mut j = Join::live();
+        j.apply(&mut call(Op::CudaMalloc, 1, 10, 5, Some(512), 0x2000, 0));
+        let mut failed = call(Op::CudaFree, 1, 20, 5, None, 0x2000, 400);
+        j.apply(&mut failed);
+        assert_eq!(failed.size, Some(512));
+        let mut ok = call(Op::CudaFree, 1, 30, 5, None, 0x2000, 0);
+        j.apply(&mut ok);
+        assert_eq!(ok.size, Some(512));
+    }
+
+    #[test]
+    fn a_nested_free_of_the_same_pointer_gives_both_the_size() {
+        let mut j = Join::live();
+        j.apply(&mut call(
+            Op::CudaMalloc,
+            1,
+            10,
+            5,
+            Some(1 << 20),
+            0x3000,
+            0,
+        ));
+        // cudaFree enters at 100 and calls cuMemFree_v2 (100..150), which returns first.
+        let mut inner = call(Op::CuMemFree, 1, 110, 40, None, 0x3000, 0);
+        j.apply(&mut inner);
+        let mut outer = call(Op::CudaFree, 1, 100, 60, None, 0x3000, 0);
+        j.apply(&mut outer);
+        assert_eq!((inner.size, outer.size), (Some(1 << 20), Some(1 << 20)));
+        // A later, unrelated free of the pointer is not nested: unmatched.
+        let mut later = call(Op::CudaFree, 1, 300, 10, None, 0x3000, 0);
+        j.apply(&mut later);
+        assert_eq!(later.size, None);
+    }
+
+    #[test]
+    fn spaces_keep_pointers_apart_and_the_call_named_device_wins() {
+        let mut j = Join::live();
+        j.apply(&mut set_device(1, 0));
+        let mut create = call(Op::CuMemCreate, 1, 10, 5, Some(2 << 20), 0x1, 0);
+        create.device = Some(1);
+        j.apply(&mut create);
+        assert_eq!(
+            create.device,
+            Some(1),
+            "cuMemCreate's properties name device 1"
+        );
+        j.apply(&mut call(Op::CudaMalloc, 1, 20, 5, Some(64), 0x1, 0));
+        let mut release = call(Op::CuMemRelease, 1, 30, 5, None, 0x1, 0);
+        j.apply(&mut release);
+        assert_eq!((release.size, release.device), (Some(2 << 20), Some(1)));
+        let mut free = call(Op::CudaFree, 1, 40, 5, None, 0x1, 0);
+        j.apply(&mut free);
+        assert_eq!((free.size, free.device), (Some(64), Some(0)));
+    }
+}

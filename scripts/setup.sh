@@ -42,6 +42,8 @@ fi
 command -v cc >/dev/null 2>&1 || apt_install gcc
 command -v python3 >/dev/null 2>&1 || apt_install python3
 command -v bpftrace >/dev/null 2>&1 || apt_install bpftrace
+# sys/sdt.h: USDT test programs (the benchmark's USDT site, the USDT parser's tests).
+[ -f /usr/include/x86_64-linux-gnu/sys/sdt.h ] || [ -f /usr/include/sys/sdt.h ] || apt_install systemtap-sdt-dev
 
 # The real CUDA 12 runtime, from its PyPI wheel, for the real-runtime test.
 real_dir="${TRACER_REAL_CUDART_DIR:-$HOME/.cache/tracer/cuda-runtime-cu12}"

@@ -46,9 +46,19 @@ pub static CONTROL: Array<u32> = Array::with_max_entries(1, 0);
 #[unsafe(no_mangle)]
 static WAKEUP_BYTES: u64 = 0;
 
-/// Non-zero: count entries only (the benchmark's floor: same probes, empty work).
+/// Non-zero: the benchmark's floors, the same probes with no work: 1 counts entries only; 2 also
+/// reads the clock at entry and return, as timing a call needs.
 #[unsafe(no_mangle)]
 static FLOOR_MODE: u32 = 0;
+
+/// The floor's work: nothing, or one clock read (kept from being optimized away).
+#[inline(always)]
+fn floor_work(mode: u32) {
+    // SAFETY: no preconditions.
+    if mode == 2 && unsafe { bpf_ktime_get_ns() } == 0 {
+        bump(Counter::UnmatchedReturns);
+    }
+}
 
 #[inline(always)]
 pub fn global<T: Copy>(value: &T) -> T {
@@ -97,7 +107,9 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
         return 0;
     }
     bump(Counter::Entries);
-    if global(&FLOOR_MODE) != 0 {
+    let floor = global(&FLOOR_MODE);
+    if floor != 0 {
+        floor_work(floor);
         return 0;
     }
     // SAFETY: the helper only reads the cookie of the perf link that fired.
@@ -294,7 +306,9 @@ fn wakeup_flag(submitted: u64) -> u32 {
 
 #[uretprobe]
 pub fn call_return(ctx: RetProbeContext) -> u32 {
-    if global(&FLOOR_MODE) != 0 {
+    let floor = global(&FLOOR_MODE);
+    if floor != 0 {
+        floor_work(floor);
         return 0;
     }
     // SAFETY: as in call_entry.

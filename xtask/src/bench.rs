@@ -1,10 +1,17 @@
-//! Benchmarks, measured side by side in one run:
-//! - the cost of a cudaMalloc + cudaFree pair on the simulated runtime (zero simulated latency):
-//!   untraced, the floor (same probes, programs that only count), traced by tracer, and traced by
-//!   bpftrace doing comparable work (pair entry/return, read the out-pointer, keep a pointer->size
-//!   map, emit one record per call);
-//! - two producer threads at full speed: events stored per second, drops, tracer CPU per million
-//!   events, bytes per event on disk.
+//! `cargo xtask bench`: what tracing costs, measured side by side in one run, at the probe sites
+//! users have (every probed site's first instruction is checked: a ratio over a single-stepped
+//! site is refused). Rounds interleave every setup of every workload:
+//! - cudaMalloc + cudaFree pairs on the simulated runtime (zero simulated latency): untraced, the
+//!   floor (the same probes, programs that only count), the floor with the two clock reads a
+//!   call's duration needs, tracer, tracer --stack, and bpftrace doing comparable work;
+//! - the same loop over the real libcudart.so.12 from PyPI (no GPU: every call returns 35, so the
+//!   real entry and return sites on the error path): untraced, floor, tracer;
+//! - the pairs from Python (ctypes) 20 frames deep: untraced, floor, tracer, tracer --stack;
+//! - a USDT site built with sys/sdt.h (semaphore-gated, as PyTorch's): untraced, and the floor
+//!   for such a site (bpftrace attached with an empty action);
+//! then the eBPF programs' own time per pair (kernel BPF statistics, runs of their own), and two
+//! producer threads at full speed: events stored per second, drops, tracer CPU, bytes per event.
+//! Costs are the workload's CPU time (user + kernel: the probes run in it).
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -14,16 +21,18 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{anyhow, bail, ensure, Context as _, Result};
+use anyhow::{anyhow, ensure, Context as _, Result};
 use clap::Args;
 use serde_json::Value;
 
+use crate::prologue;
+
 #[derive(Args)]
 pub struct BenchArgs {
-    /// cudaMalloc + cudaFree pairs per latency run.
+    /// cudaMalloc + cudaFree pairs per run (Python runs a quarter, the USDT loop 4x as many hits).
     #[arg(long, default_value_t = 1_000_000)]
     iters: u64,
-    /// Runs per setup, interleaved (the median and the minimum are reported).
+    /// Rounds, each running every setup once (the median and the minimum are reported).
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// Seconds of the two-thread throughput run.
@@ -31,138 +40,167 @@ pub struct BenchArgs {
     throughput_secs: u64,
 }
 
-fn root() -> PathBuf {
+pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("workspace root")
         .to_owned()
 }
 
-fn run_ok(cmd: &mut Command) -> Result<()> {
+pub fn run_ok(cmd: &mut Command) -> Result<()> {
     let status = cmd.status().with_context(|| format!("run {cmd:?}"))?;
     ensure!(status.success(), "{cmd:?} failed: {status}");
     Ok(())
 }
 
+pub fn build_release(root: &Path) -> Result<()> {
+    run_ok(
+        Command::new("cargo")
+            .args(["build", "--release", "--locked", "-p", "tracer-cli"])
+            .current_dir(root),
+    )
+}
+
 struct Paths {
     tracer: PathBuf,
     sim: PathBuf,
+    real: PathBuf,
+    usdt: PathBuf,
     tmp: PathBuf,
 }
 
-fn driver(p: &Paths, args: &[&str]) -> Result<Value> {
-    let out = Command::new(p.sim.join("simdriver"))
-        .args(args)
-        .env("SIMCUDA_LATENCY", "default=0")
-        .output()
-        .context("run simdriver")?;
+impl Paths {
+    fn sim_lib(&self) -> PathBuf {
+        self.sim.join("libcudart.so.12")
+    }
+}
+
+/// A workload: what it runs, and how to count its cost.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Workload {
+    /// simdriver pairs on the simulated runtime.
+    Sim,
+    /// simdriver pairs on the real runtime (error path).
+    Real,
+    /// Python ctypes pairs, 20 frames deep.
+    Python,
+}
+
+fn json_of(out: std::process::Output, what: &str) -> Result<Value> {
     ensure!(
         out.status.success(),
-        "simdriver failed: {}",
+        "{what} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Ok(serde_json::from_slice(&out.stdout)?)
+    serde_json::from_slice(&out.stdout).with_context(|| format!("read {what}'s JSON"))
 }
 
-fn pair_ns(p: &Paths, iters: u64) -> Result<f64> {
-    let rep = driver(p, &["--mix", "pairs", "--iters", &iters.to_string()])?;
-    Ok(rep["elapsed_s"]
-        .as_f64()
-        .ok_or_else(|| anyhow!("no elapsed_s"))?
-        * 1e9
-        / iters as f64)
-}
-
-/// Starts a command and waits until a line of its stderr contains `ready`.
-fn start_until(cmd: &mut Command, ready: &'static str) -> Result<Child> {
-    let mut child = cmd
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("spawn {cmd:?}"))?;
-    let stderr = child.stderr.take().ok_or_else(|| anyhow!("no stderr"))?;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains(ready) {
-                let _ = tx.send(());
+/// CPU ns per pair (per hit for the USDT loop) of one run of the workload.
+fn workload_ns(p: &Paths, w: Workload, iters: u64) -> Result<f64> {
+    let (out, per) = match w {
+        Workload::Sim | Workload::Real => {
+            let mut cmd = Command::new(p.sim.join("simdriver"));
+            cmd.env("SIMCUDA_LATENCY", "default=0")
+                .args(["--iters", &iters.to_string()]);
+            if w == Workload::Real {
+                cmd.arg("--cudart")
+                    .arg(&p.real)
+                    .args(["--cuda", "none", "--mix", "real-pairs"]);
+            } else {
+                cmd.args(["--mix", "pairs"]);
             }
+            (cmd.output().context("run simdriver")?, iters)
         }
-    });
-    if rx.recv_timeout(Duration::from_secs(60)).is_err() {
-        let _ = child.kill();
-        bail!("{cmd:?} did not print {ready:?}");
-    }
-    Ok(child)
-}
-
-fn interrupt(child: &mut Child) -> Result<()> {
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let status = child.wait()?;
-    ensure!(
-        status.success() || status.code().is_none(),
-        "traced run ended with {status}"
-    );
-    Ok(())
-}
-
-fn tracer_cmd(p: &Paths, db: &Path, extra: &[&str]) -> Command {
-    let mut cmd = Command::new(&p.tracer);
-    cmd.args(["trace", "--quiet", "--lib"])
-        .arg(p.sim.join("libcudart.so.12"))
-        .arg("--db")
-        .arg(db)
-        .args(extra)
-        .stdout(Stdio::null());
-    cmd
-}
-
-/// CPU ns per pair of a Python loop (ctypes) 20 frames deep, traced with `extra` (None: not
-/// traced).
-fn python_pair_ns(p: &Paths, iters: u64, extra: Option<&[&str]>) -> Result<f64> {
-    let db = p.tmp.join("latency-py.db");
-    let _ = std::fs::remove_file(&db);
-    let mut tracer = match extra {
-        Some(extra) => Some(start_until(
-            &mut tracer_cmd(p, &db, extra),
-            "tracer: session",
-        )?),
-        None => None,
+        Workload::Python => {
+            let n = (iters / 4).max(1000);
+            let out = Command::new("python3")
+                .arg(root().join("xtask/scripts/py_pairs.py"))
+                .arg(p.sim_lib())
+                .arg(n.to_string())
+                .args(["20", "1.5"])
+                .output()
+                .context("run xtask/scripts/py_pairs.py")?;
+            (out, n)
+        }
     };
-    let script = root().join("xtask/scripts/py_pairs.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .arg(p.sim.join("libcudart.so.12"))
-        .arg(iters.to_string())
-        .arg("20")
-        .arg("1.5")
-        .output()
-        .context("run xtask/scripts/py_pairs.py")?;
-    if let Some(t) = tracer.as_mut() {
-        interrupt(t)?;
+    let rep = json_of(out, "the workload")?;
+    Ok(rep["cpu_s"].as_f64().ok_or_else(|| anyhow!("no cpu_s"))? * 1e9 / per as f64)
+}
+
+/// A running `tracer trace --json`, attached.
+struct Tracer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Tracer {
+    fn start(p: &Paths, lib: &Path, extra: &[&str]) -> Result<Tracer> {
+        let db = p.tmp.join("bench.db");
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
+        }
+        let mut child = Command::new(&p.tracer)
+            .args(["trace", "--quiet", "--json", "--lib"])
+            .arg(lib)
+            .arg("--db")
+            .arg(&db)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start tracer trace")?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let started = lines
+            .recv_timeout(Duration::from_secs(60))
+            .context("tracer trace did not start")?;
+        ensure!(
+            started.contains("\"started\""),
+            "tracer trace printed {started}"
+        );
+        Ok(Tracer { child, lines })
     }
-    ensure!(
-        out.status.success(),
-        "py_pairs.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rep: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    Ok(rep["cpu_s"].as_f64().ok_or_else(|| anyhow!("no cpu_s"))? * 1e9 / iters as f64)
+
+    /// Stops it; its summary.
+    fn stop(mut self) -> Result<Value> {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let status = self.child.wait()?;
+        ensure!(status.success(), "tracer trace ended with {status}");
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(10))
+            .context("tracer trace printed no summary")?;
+        Ok(serde_json::from_str(&line)?)
+    }
 }
 
-fn traced_pair_ns(p: &Paths, iters: u64, extra: &[&str]) -> Result<f64> {
-    let db = p.tmp.join("latency.db");
-    let _ = std::fs::remove_file(&db);
-    let mut tracer = start_until(&mut tracer_cmd(p, &db, extra), "tracer: session")?;
-    let ns = pair_ns(p, iters);
-    interrupt(&mut tracer)?;
-    ns
+/// One run of the workload under a tracer setup (`None`: untraced); its cost and the tracer's
+/// summary.
+fn run_setup(p: &Paths, w: Workload, iters: u64, setup: Option<&[&str]>) -> Result<(f64, Value)> {
+    let lib = if w == Workload::Real {
+        p.real.clone()
+    } else {
+        p.sim_lib()
+    };
+    let Some(extra) = setup else {
+        return Ok((workload_ns(p, w, iters)?, Value::Null));
+    };
+    let tracer = Tracer::start(p, &lib, extra)?;
+    let ns = workload_ns(p, w, iters);
+    let summary = tracer.stop()?;
+    Ok((ns?, summary))
 }
 
-/// Returns ns per pair and the number of calls bpftrace printed (it may drop some when its perf
-/// buffers fill; it says "Lost N events").
+/// bpftrace doing comparable work on the simulated runtime (pair entry and return, read the
+/// out-pointer, a pointer -> size map, a line per call): ns per pair, and the calls it printed.
 fn bpftrace_pair_ns(p: &Paths, iters: u64) -> Result<(f64, u64)> {
-    let lib = p.sim.join("libcudart.so.12");
+    let lib = p.sim_lib();
     let lib = lib.display();
     let script = format!(
         r#"
@@ -180,12 +218,29 @@ uretprobe:{lib}:cudaFree /@ft[tid]/ {{
 }}
 "#
     );
+    let out = p.tmp.join("peer.out");
+    let ns = with_bpftrace(p, &script, &out, || workload_ns(p, Workload::Sim, iters))?;
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    let recorded = text
+        .lines()
+        .filter(|l| l.contains(" cudaMalloc ") || l.contains(" cudaFree "))
+        .count() as u64;
+    Ok((ns, recorded))
+}
+
+/// Runs `f` while bpftrace runs `script` (output to `out`).
+fn with_bpftrace<T>(
+    p: &Paths,
+    script: &str,
+    out: &Path,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
     let script_path = p.tmp.join("peer.bt");
     std::fs::write(&script_path, script)?;
-    let out = p.tmp.join("peer.out");
+    let _ = std::fs::remove_file(out);
     let mut child = Command::new("bpftrace")
         .arg("-o")
-        .arg(&out)
+        .arg(out)
         .arg(&script_path)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -193,61 +248,132 @@ uretprobe:{lib}:cudaFree /@ft[tid]/ {{
         .context("spawn bpftrace (apt-get install bpftrace)")?;
     // bpftrace writes "Attaching N probes..." to its output file once attached.
     for _ in 0..600 {
-        if std::fs::read_to_string(&out)
-            .map(|s| s.contains("Attaching"))
-            .unwrap_or(false)
-        {
+        if std::fs::read_to_string(out).is_ok_and(|s| s.contains("Attaching")) {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(500));
-    let ns = pair_ns(p, iters);
-    interrupt(&mut child)?;
-    let text = std::fs::read_to_string(&out).unwrap_or_default();
-    let recorded = text
-        .lines()
-        .filter(|l| l.contains(" cudaMalloc ") || l.contains(" cudaFree "))
-        .count() as u64;
-    Ok((ns?, recorded))
+    let result = f();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    child.wait()?;
+    result
+}
+
+/// CPU ns per hit of the USDT loop, untraced or with bpftrace's empty program at the site.
+fn usdt_hit_ns(p: &Paths, hits: u64, traced: bool) -> Result<f64> {
+    let run = || -> Result<f64> {
+        let out = Command::new(&p.usdt)
+            .arg(hits.to_string())
+            .arg(if traced { "0.5" } else { "0" })
+            .output()
+            .context("run the USDT loop")?;
+        let rep = json_of(out, "the USDT loop")?;
+        ensure!(
+            rep["semaphore"].as_i64() == Some(i64::from(traced)),
+            "the USDT semaphore was {} (expected {}): the site did not fire as asked",
+            rep["semaphore"],
+            i64::from(traced)
+        );
+        Ok(rep["cpu_s"].as_f64().ok_or_else(|| anyhow!("no cpu_s"))? * 1e9 / hits as f64)
+    };
+    if !traced {
+        return run();
+    }
+    let script = format!("usdt:{}:tracer_bench:hit {{ }}\n", p.usdt.display());
+    with_bpftrace(p, &script, &p.tmp.join("usdt.out"), run)
 }
 
 /// (median, minimum).
-fn summary(mut v: Vec<f64>) -> (f64, f64) {
+fn stats(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(|a, b| a.total_cmp(b));
     (v[v.len() / 2], v[0])
 }
 
-fn children_cpu_s() -> f64 {
-    // SAFETY: getrusage fills the struct we pass.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+/// Samples of one setup over the rounds.
+#[derive(Default)]
+struct Samples(Vec<f64>);
+
+impl Samples {
+    fn push(&mut self, v: f64) {
+        self.0.push(v);
+    }
+
+    fn get(&self) -> (f64, f64) {
+        stats(self.0.clone())
+    }
 }
 
-fn query_json(p: &Paths, db: &Path, sql: &str) -> Result<Value> {
-    let out = Command::new(&p.tracer)
-        .args(["query", "--format", "json", "--db"])
-        .arg(db)
-        .arg(sql)
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "query failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+fn row(name: &str, s: &Samples, note: &str) {
+    let (med, min) = s.get();
+    println!("  {name:<22} {med:>10.0} {min:>10.0}   {note}");
+}
+
+fn ratio(name: &str, a: &Samples, b: &Samples, note: &str) {
+    let (a, b) = (a.get(), b.get());
+    println!(
+        "  {name:<22} {:>10.2} {:>10.2}   {note}",
+        a.0 / b.0,
+        a.1 / b.1
     );
-    Ok(serde_json::from_slice(&out.stdout)?)
 }
 
-fn build_release(root: &Path) -> Result<()> {
-    run_ok(
-        Command::new("cargo")
-            .args(["build", "--release", "--locked", "-p", "tracer-cli"])
-            .current_dir(root),
-    )
+/// The per-pair figures of one workload, or why its ratios are refused.
+fn prologue_verdict(sites: &[prologue::Site]) -> Option<String> {
+    let bad: Vec<String> = sites
+        .iter()
+        .filter(|s| !s.emulated)
+        .map(|s| s.to_string())
+        .collect();
+    (!bad.is_empty()).then(|| {
+        format!(
+            "refused: {} - uprobes single-step that out of line (about 12x dearer than an emulated push or nop), which no user of the real library pays",
+            bad.join("; ")
+        )
+    })
 }
+
+fn print_sites(sites: &[prologue::Site]) {
+    for s in sites {
+        println!("  site  {s}");
+    }
+}
+
+/// The call programs' own time per pair from a --program-stats summary, with each program's
+/// ns a run.
+fn program_ns(summary: &Value, pairs: u64) -> (f64, String) {
+    let programs = summary["programs"].as_array().cloned().unwrap_or_default();
+    let calls: Vec<&Value> = programs
+        .iter()
+        .filter(|p| {
+            matches!(
+                p["name"].as_str(),
+                Some("call_entry" | "call_return" | "call_site")
+            )
+        })
+        .collect();
+    let total: f64 = calls
+        .iter()
+        .map(|p| p["run_time_ns"].as_f64().unwrap_or(0.0))
+        .sum();
+    let each: Vec<String> = calls
+        .iter()
+        .map(|p| {
+            format!(
+                "{} {:.0}",
+                p["name"].as_str().unwrap_or("?"),
+                p["ns_per_run"].as_f64().unwrap_or(0.0)
+            )
+        })
+        .collect();
+    (total / pairs.max(1) as f64, each.join(", "))
+}
+
+const FLOOR: &[&str] = &["--floor"];
+const FLOOR_CLOCK: &[&str] = &["--floor-clock"];
+const TRACER: &[&str] = &[];
+const STACK: &[&str] = &["--stack"];
 
 pub fn run(args: BenchArgs) -> Result<()> {
     let root = root();
@@ -261,243 +387,267 @@ pub fn run(args: BenchArgs) -> Result<()> {
     )?;
     let tmp = root.join("target/bench");
     std::fs::create_dir_all(&tmp)?;
+    let usdt = tmp.join("usdt_loop");
+    run_ok(
+        Command::new("cc")
+            .args(["-O2", "-o"])
+            .arg(&usdt)
+            .arg(root.join("xtask/scripts/usdt_loop.c")),
+    )
+    .context("build the USDT loop (needs sys/sdt.h: apt-get install systemtap-sdt-dev)")?;
+    let real = std::env::var_os("TRACER_REAL_CUDART_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/tracer/cuda-runtime-cu12")
+        })
+        .join("libcudart.so.12");
+    ensure!(
+        real.exists(),
+        "{} missing: run scripts/setup.sh",
+        real.display()
+    );
     let p = Paths {
         tracer: root.join("target/release/tracer"),
         sim,
+        real,
+        usdt,
         tmp,
     };
 
-    let n = args.iters;
-    let mut untraced = Vec::new();
-    let mut floor = Vec::new();
-    let mut traced = Vec::new();
-    let mut stacked = Vec::new();
-    let (mut py_untraced, mut py_traced, mut py_stacked) = (Vec::new(), Vec::new(), Vec::new());
-    let py_n = (n / 4).max(1000);
-    let mut peer = Vec::new();
-    let mut peer_recorded = Vec::new();
-    for run in 0..args.runs {
-        eprintln!("bench: latency run {}/{}", run + 1, args.runs);
-        untraced.push(pair_ns(&p, n)?);
-        floor.push(traced_pair_ns(&p, n, &["--floor"])?);
-        traced.push(traced_pair_ns(&p, n, &[])?);
-        stacked.push(traced_pair_ns(&p, n, &["--stack"])?);
-        py_untraced.push(python_pair_ns(&p, py_n, None)?);
-        py_traced.push(python_pair_ns(&p, py_n, Some(&[]))?);
-        py_stacked.push(python_pair_ns(&p, py_n, Some(&["--stack"]))?);
-        let (ns, recorded) = bpftrace_pair_ns(&p, n)?;
-        peer.push(ns);
-        peer_recorded.push(recorded);
-    }
-    let (u, f, t, b) = (
-        summary(untraced),
-        summary(floor),
-        summary(traced),
-        summary(peer),
-    );
-    let st = summary(stacked);
-    let (pu, pt, ps) = (
-        summary(py_untraced),
-        summary(py_traced),
-        summary(py_stacked),
-    );
+    // The sites every setup probes, checked before anything is measured.
+    let sim_sites = prologue::symbols(&p.sim_lib(), &["cudaMalloc", "cudaFree"])?;
+    let real_sites = prologue::symbols(&p.real, &["cudaMalloc", "cudaFree"])?;
+    let usdt_sites = prologue::usdt_sites(&p.usdt)?;
 
-    eprintln!(
-        "bench: throughput run ({} s, 2 threads)",
-        args.throughput_secs
-    );
-    let db = p.tmp.join("throughput.db");
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
+    let n = args.iters;
+    let mut sim: [Samples; 6] = Default::default();
+    let mut real: [Samples; 3] = Default::default();
+    let mut py: [Samples; 4] = Default::default();
+    let mut usdt_s: [Samples; 2] = Default::default();
+    let mut peer_recorded = Vec::new();
+    for round in 0..args.runs {
+        eprintln!("bench: round {}/{}", round + 1, args.runs);
+        for (i, setup) in [
+            None,
+            Some(FLOOR),
+            Some(FLOOR_CLOCK),
+            Some(TRACER),
+            Some(STACK),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            sim[i].push(run_setup(&p, Workload::Sim, n, setup)?.0);
+        }
+        let (ns, recorded) = bpftrace_pair_ns(&p, n)?;
+        sim[5].push(ns);
+        peer_recorded.push(recorded);
+        for (i, setup) in [None, Some(FLOOR), Some(TRACER)].into_iter().enumerate() {
+            real[i].push(run_setup(&p, Workload::Real, n, setup)?.0);
+        }
+        for (i, setup) in [None, Some(FLOOR), Some(TRACER), Some(STACK)]
+            .into_iter()
+            .enumerate()
+        {
+            py[i].push(run_setup(&p, Workload::Python, n, setup)?.0);
+        }
+        usdt_s[0].push(usdt_hit_ns(&p, 4 * n, false)?);
+        usdt_s[1].push(usdt_hit_ns(&p, 4 * n, true)?);
     }
-    let mut tracer = start_until(&mut tracer_cmd(&p, &db, &[]), "tracer: session")?;
-    let ms = (args.throughput_secs * 1000).to_string();
-    let rep = driver(
-        &p,
-        &["--mix", "pairs", "--threads", "2", "--duration-ms", &ms],
-    )?;
-    let cpu_driver = children_cpu_s();
-    interrupt(&mut tracer)?;
-    let tracer_cpu = children_cpu_s() - cpu_driver;
-    let elapsed = rep["elapsed_s"].as_f64().unwrap_or(1.0);
+
+    // The programs' own time: runs of their own, since the kernel's statistics cost a little.
+    eprintln!("bench: the programs' own time (kernel BPF statistics)");
+    let stat_n = (n / 5).max(10_000);
+    let mut own = Vec::new();
+    for (name, w, setup) in [
+        ("floor (simulated)", Workload::Sim, FLOOR),
+        ("floor + clock", Workload::Sim, FLOOR_CLOCK),
+        ("tracer (simulated)", Workload::Sim, TRACER),
+        ("tracer --stack (C)", Workload::Sim, STACK),
+        ("tracer (real, error path)", Workload::Real, TRACER),
+        ("tracer (Python)", Workload::Python, TRACER),
+        ("tracer --stack (Python)", Workload::Python, STACK),
+    ] {
+        let mut with_stats = setup.to_vec();
+        with_stats.push("--program-stats");
+        let (_, summary) = run_setup(&p, w, stat_n, Some(&with_stats))?;
+        let pairs = if w == Workload::Python {
+            (stat_n / 4).max(1000)
+        } else {
+            stat_n
+        };
+        own.push((name, program_ns(&summary, pairs)));
+    }
+
+    let throughput = throughput(&p, args.throughput_secs)?;
+
+    println!(
+        "cudaMalloc + cudaFree, CPU ns per pair (workload's user + kernel time), {} interleaved rounds",
+        args.runs
+    );
+    println!("\nsimulated runtime, C loop, {n} pairs");
+    print_sites(&sim_sites);
+    println!("  {:<22} {:>10} {:>10}", "setup", "median", "min");
+    row("untraced", &sim[0], "");
+    row("floor", &sim[1], "same probes, programs that only count");
+    row(
+        "floor + clock",
+        &sim[2],
+        "the floor reading the clock at entry and return",
+    );
+    row("tracer", &sim[3], "");
+    row("tracer --stack", &sim[4], "native stack (no Python)");
+    row(
+        "bpftrace (peer)",
+        &sim[5],
+        &format!("printed {peer_recorded:?} of {} calls per run", 2 * n),
+    );
+    match prologue_verdict(&sim_sites) {
+        Some(why) => println!("  ratios {why}"),
+        None => {
+            ratio("tracer / floor", &sim[3], &sim[1], "target <= 1.25");
+            ratio("tracer / floor+clock", &sim[3], &sim[2], "");
+            ratio("--stack / tracer", &sim[4], &sim[3], "target <= 2");
+            ratio("bpftrace / tracer", &sim[5], &sim[3], "> 1: tracer cheaper");
+            ratio("tracer / untraced", &sim[3], &sim[0], "");
+        }
+    }
+    println!("\nreal libcudart.so.12 (PyPI), no GPU: every call returns 35, {n} pairs");
+    print_sites(&real_sites);
+    row("untraced", &real[0], "");
+    row("floor", &real[1], "");
+    row(
+        "tracer",
+        &real[2],
+        "no out-pointer to read, nothing allocated",
+    );
+    match prologue_verdict(&real_sites) {
+        Some(why) => println!("  ratios {why}"),
+        None => ratio("tracer / floor", &real[2], &real[1], "target <= 1.25"),
+    }
+    println!(
+        "\nPython (ctypes), 20 frames deep, {} pairs, the simulated runtime",
+        (n / 4).max(1000)
+    );
+    row("untraced", &py[0], "");
+    row("floor", &py[1], "");
+    row("tracer", &py[2], "");
+    row("tracer --stack", &py[3], "native + Python frames");
+    match prologue_verdict(&sim_sites) {
+        Some(why) => println!("  ratios {why}"),
+        None => {
+            ratio("tracer / floor", &py[2], &py[1], "");
+            ratio("--stack / floor", &py[3], &py[1], "");
+            ratio("--stack / tracer", &py[3], &py[2], "target <= 2");
+        }
+    }
+    println!(
+        "\nUSDT site (sys/sdt.h, semaphore-gated), {} hits, CPU ns per hit",
+        4 * n
+    );
+    print_sites(&usdt_sites);
+    row("untraced", &usdt_s[0], "semaphore 0: the site does not run");
+    row(
+        "floor",
+        &usdt_s[1],
+        "bpftrace, empty action: the probe hit alone",
+    );
+    if let Some(why) = prologue_verdict(&usdt_sites) {
+        println!("  floor {why}");
+    }
+    println!(
+        "\nthe eBPF programs' own time (kernel.bpf_stats: run_time_ns / pairs), {stat_n} pairs"
+    );
+    for (name, (per_pair, each)) in &own {
+        println!("  {name:<26} {per_pair:>8.0} ns per pair   ({each} ns a run)");
+    }
+    println!("  target: tracer <= 600 ns per pair");
+    throughput.print();
+    Ok(())
+}
+
+/// Two producer threads at full speed, traced.
+struct Throughput {
+    secs: f64,
+    calls: i64,
+    stored: i64,
+    dropped: i64,
+    tracer_cpu: f64,
+    bytes: u64,
+}
+
+impl Throughput {
+    fn print(&self) {
+        println!("\nthroughput: 2 producer threads, {:.1} s", self.secs);
+        println!("  calls made          {}", self.calls);
+        println!(
+            "  events stored       {} ({:.0} events/s), dropped {}",
+            self.stored,
+            self.stored as f64 / self.secs,
+            self.dropped
+        );
+        println!(
+            "  tracer CPU          {:.2} s = {:.2} s per million events",
+            self.tracer_cpu,
+            self.tracer_cpu / (self.stored as f64 / 1e6)
+        );
+        println!(
+            "  database            {} bytes = {:.1} bytes/event",
+            self.bytes,
+            self.bytes as f64 / self.stored.max(1) as f64
+        );
+    }
+}
+
+fn children_cpu_s() -> f64 {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+fn throughput(p: &Paths, secs: u64) -> Result<Throughput> {
+    eprintln!("bench: throughput run ({secs} s, 2 threads)");
+    let tracer = Tracer::start(p, &p.sim_lib(), &[])?;
+    let cpu_before = children_cpu_s();
+    let out = Command::new(p.sim.join("simdriver"))
+        .env("SIMCUDA_LATENCY", "default=0")
+        .args([
+            "--mix",
+            "pairs",
+            "--threads",
+            "2",
+            "--duration-ms",
+            &(secs * 1000).to_string(),
+        ])
+        .output()
+        .context("run simdriver")?;
+    let rep = json_of(out, "simdriver")?;
+    let cpu_driver = children_cpu_s() - cpu_before;
+    let summary = tracer.stop()?;
+    let tracer_cpu = children_cpu_s() - cpu_before - cpu_driver;
     let calls: i64 = rep["ops"]
         .as_object()
         .map(|o| o.values().map(|v| v["calls"].as_i64().unwrap_or(0)).sum())
         .unwrap_or(0);
-    let s = &query_json(
-        &p,
-        &db,
-        "SELECT submitted, dropped_ring_full, events_stored FROM sessions",
-    )?[0];
-    let stored = s["events_stored"].as_i64().unwrap_or(0);
-    let dropped = s["dropped_ring_full"].as_i64().unwrap_or(-1);
-    let bytes = std::fs::metadata(&db)?.len();
-
-    println!(
-        "cudaMalloc + cudaFree pair on the simulated runtime, {n} pairs, CPU time of the workload, {} interleaved runs",
-        args.runs
-    );
-    println!("  setup               median ns/pair   min ns/pair");
-    println!("  untraced            {:>14.0} {:>13.0}", u.0, u.1);
-    println!("  floor (empty progs) {:>14.0} {:>13.0}", f.0, f.1);
-    println!("  tracer              {:>14.0} {:>13.0}", t.0, t.1);
-    println!(
-        "  bpftrace (peer)     {:>14.0} {:>13.0}   (recorded {:?} of {} calls per run)",
-        b.0,
-        b.1,
-        peer_recorded,
-        2 * n
-    );
-    println!(
-        "  tracer / floor      {:>14.2} {:>13.2}   (target <= 1.25)",
-        t.0 / f.0,
-        t.1 / f.1
-    );
-    println!(
-        "  tracer / untraced   {:>14.1} {:>13.1}",
-        t.0 / u.0,
-        t.1 / u.1
-    );
-    println!(
-        "  bpftrace / tracer   {:>14.2} {:>13.2}   (target > 1: tracer cheaper)",
-        b.0 / t.0,
-        b.1 / t.1
-    );
-    println!(
-        "  tracer --stack      {:>14.0} {:>13.0}   (native stack; C program, no Python)",
-        st.0, st.1
-    );
-    println!(
-        "  --stack / tracer    {:>14.2} {:>13.2}   (target <= 2)",
-        st.0 / t.0,
-        st.1 / t.1
-    );
-    println!("the same pairs from Python (ctypes), 20 frames deep, {py_n} pairs, CPU time of the interpreter");
-    println!("  untraced            {:>14.0} {:>13.0}", pu.0, pu.1);
-    println!("  tracer              {:>14.0} {:>13.0}", pt.0, pt.1);
-    println!(
-        "  tracer --stack      {:>14.0} {:>13.0}   (native + Python frames)",
-        ps.0, ps.1
-    );
-    println!(
-        "  --stack / tracer    {:>14.2} {:>13.2}   (target <= 2)",
-        ps.0 / pt.0,
-        ps.1 / pt.1
-    );
-    println!("throughput: 2 producer threads, {elapsed:.1} s");
-    println!("  calls made          {calls}");
-    println!(
-        "  events stored       {stored} ({:.0} events/s), dropped {dropped}",
-        stored as f64 / elapsed
-    );
-    println!(
-        "  tracer CPU          {tracer_cpu:.2} s = {:.2} s per million events",
-        tracer_cpu / (stored as f64 / 1e6)
-    );
-    println!(
-        "  database            {bytes} bytes = {:.1} bytes/event",
-        bytes as f64 / stored.max(1) as f64
-    );
+    let counters = &summary["counters"];
+    let t = Throughput {
+        secs: rep["elapsed_s"].as_f64().unwrap_or(1.0),
+        calls,
+        stored: counters["events_stored"].as_i64().unwrap_or(0),
+        dropped: counters["dropped_ring_full"].as_i64().unwrap_or(-1),
+        tracer_cpu,
+        bytes: std::fs::metadata(p.tmp.join("bench.db"))?.len(),
+    };
     ensure!(
-        stored == calls && dropped == 0,
-        "throughput run lost events: {calls} calls, {stored} stored, {dropped} dropped"
+        t.stored == t.calls && t.dropped == 0,
+        "throughput run lost events: {} calls, {} stored, {} dropped",
+        t.calls,
+        t.stored,
+        t.dropped
     );
-    Ok(())
-}
-
-#[derive(Args)]
-pub struct ExplainBenchArgs {
-    /// Calls in the synthetic session.
-    #[arg(long, default_value_t = 10_000_000)]
-    events: u64,
-    /// Processes making them (their calls interleaved).
-    #[arg(long, default_value_t = 1)]
-    processes: u32,
-}
-
-/// Builds a database with one session of `events` synthetic calls and times `tracer explain`.
-pub fn explain(args: ExplainBenchArgs) -> Result<()> {
-    let root = root();
-    build_release(&root)?;
-    let tracer = root.join("target/release/tracer");
-    let tmp = root.join("target/bench");
-    std::fs::create_dir_all(&tmp)?;
-    let db = tmp.join("explain.db");
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
-    }
-    let log = tmp.join("explain-events.log");
-    eprintln!(
-        "bench: writing {} synthetic calls to {}",
-        args.events,
-        log.display()
-    );
-    run_ok(
-        Command::new("python3")
-            .arg(root.join("xtask/scripts/gen_events.py"))
-            .arg(&log)
-            .arg(args.events.to_string())
-            .arg(args.processes.to_string()),
-    )?;
-    // Stored by tracer's own writer, rows and call blocks, as a trace stores them.
-    let import_started = std::time::Instant::now();
-    let imported = Command::new(&tracer)
-        .args(["import", "--json"])
-        .arg(&log)
-        .arg("--db")
-        .arg(&db)
-        .output()?;
-    ensure!(
-        imported.status.success(),
-        "tracer import failed: {}",
-        String::from_utf8_lossy(&imported.stderr)
-    );
-    let summary: Value =
-        serde_json::from_slice(&imported.stdout).context("read tracer import's JSON line")?;
-    eprintln!(
-        "bench: session {}: {} calls imported ({:.1} s)",
-        summary["session"],
-        summary["calls"],
-        import_started.elapsed().as_secs_f64()
-    );
-    let session = summary["session"]
-        .as_i64()
-        .context("read the session number from tracer import")?
-        .to_string();
-    let _ = std::fs::remove_file(&log);
-    // Three runs: the first may read the database from disk, the others from the page cache.
-    let mut walls = Vec::new();
-    for run in 1..=3 {
-        let started = std::time::Instant::now();
-        let out = Command::new(&tracer)
-            .args(["explain", "--session", &session, "--per-process", "--db"])
-            .arg(&db)
-            .env("TRACER_TIMING", "1")
-            .output()?;
-        let wall = started.elapsed().as_secs_f64();
-        ensure!(
-            out.status.success(),
-            "explain failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let timing = String::from_utf8_lossy(&out.stderr);
-        let chains = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.starts_with('['))
-            .count();
-        println!(
-            "run {run}: tracer explain over {} events of {} process(es): {wall:.2} s wall ({}), {chains} chains",
-            args.events,
-            args.processes,
-            timing.trim()
-        );
-        walls.push(wall);
-    }
-    walls.sort_by(f64::total_cmp);
-    let median = walls[walls.len() / 2];
-    println!(
-        "median {median:.2} s; target: 10,000,000 events in at most 2 s; this scales to {:.2} s per 10M events",
-        median * 1e7 / args.events as f64
-    );
-    Ok(())
+    Ok(t)
 }

@@ -1,6 +1,8 @@
 //! Project tasks: `cargo xtask bench` (needs root: it runs the tracer and bpftrace).
 
 mod bench;
+mod explain_bench;
+mod prologue;
 
 use clap::{Parser, Subcommand};
 
@@ -15,12 +17,12 @@ enum Task {
     /// Measure the cost of tracing side by side: untraced, floor, traced, bpftrace; and throughput.
     Bench(bench::BenchArgs),
     /// Time `tracer explain` over a session of N synthetic events.
-    BenchExplain(bench::ExplainBenchArgs),
+    BenchExplain(explain_bench::ExplainBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().task {
         Task::Bench(args) => bench::run(args),
-        Task::BenchExplain(args) => bench::explain(args),
+        Task::BenchExplain(args) => explain_bench::explain(args),
     }
 }

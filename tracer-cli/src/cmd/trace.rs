@@ -51,6 +51,9 @@ pub struct TraceArgs {
     /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
     #[arg(long, hide = true)]
     pub floor: bool,
+    /// Benchmark floor that also reads the clock at entry and return, as timing a call needs.
+    #[arg(long, hide = true, conflicts_with = "floor")]
+    pub floor_clock: bool,
 }
 
 pub fn run(args: TraceArgs) -> Result<()> {
@@ -65,7 +68,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
         max_db: args.max_db,
         ring_bytes: args.ring_size,
         stack: args.stack,
-        floor: args.floor,
+        floor: if args.floor_clock {
+            2
+        } else {
+            u32::from(args.floor)
+        },
         program_stats: args.program_stats,
         command: std::env::args().collect::<Vec<_>>().join(" "),
     })?;

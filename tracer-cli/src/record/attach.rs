@@ -26,8 +26,8 @@ pub struct LoadOptions {
     pub ring_bytes: u32,
     /// Bytes waiting before the kernel wakes the reader.
     pub wakeup_bytes: u64,
-    /// Count calls only (the benchmark floor).
-    pub floor: bool,
+    /// The benchmark floor: 0 off; 1 count calls only; 2 also read the clock twice a call.
+    pub floor: u32,
     /// Capture each call's native and Python call site (--stack).
     pub stack: bool,
 }
@@ -187,7 +187,7 @@ fn attach_sched(ebpf: &mut Ebpf) -> Result<(), String> {
 
 impl Probes {
     pub fn load(opts: LoadOptions) -> Result<Probes> {
-        let floor: u32 = opts.floor.into();
+        let floor = opts.floor;
         let stack: u32 = opts.stack.into();
         let sched = sched_offsets();
         let offsets = sched.as_ref().map_or(SchedOffsets::default(), |o| *o);
@@ -252,7 +252,7 @@ impl Probes {
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::COUNTERS))?;
         let counters = PerCpuArray::try_from(counters).context("open the counters map")?;
         let host_context = match sched {
-            Ok(_) if !opts.floor => attach_sched(&mut ebpf),
+            Ok(_) if opts.floor == 0 => attach_sched(&mut ebpf),
             Ok(_) => Err("not in --floor mode".into()),
             Err(e) => Err(e),
         };
@@ -527,7 +527,7 @@ pub fn self_test() -> Result<u64> {
     let mut probes = Probes::load(LoadOptions {
         ring_bytes: 1 << 16,
         wakeup_bytes: 1,
-        floor: false,
+        floor: 0,
         stack: false,
     })?;
     let mut ring = probes.take_ring()?;

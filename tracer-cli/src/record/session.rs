@@ -47,8 +47,9 @@ pub struct RecordOptions {
     pub ring_bytes: u64,
     /// Record each call's native stack and Python frames.
     pub stack: bool,
-    /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
-    pub floor: bool,
+    /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing
+    /// (0 off, 1 empty, 2 with the clock reads that timing a call needs).
+    pub floor: u32,
     /// Measure the programs' own run time (kernel BPF statistics) for the summary.
     pub program_stats: bool,
     /// The command line stored with the session.

@@ -8,8 +8,9 @@
 //!   real entry and return sites on the error path): untraced, floor, tracer;
 //! - the pairs from Python (ctypes) 20 frames deep: untraced, floor, tracer, tracer --stack;
 //! - a USDT site built with sys/sdt.h (semaphore-gated, as PyTorch's): untraced, and the floor
-//!   for such a site (bpftrace attached with an empty action);
-//! then the eBPF programs' own time per pair (kernel BPF statistics, runs of their own), and two
+//!   for such a site (bpftrace attached with an empty action).
+//!
+//! Then the eBPF programs' own time per pair (kernel BPF statistics, runs of their own), and two
 //! producer threads at full speed: events stored per second, drops, tracer CPU, bytes per event.
 //! Costs are the workload's CPU time (user + kernel: the probes run in it).
 

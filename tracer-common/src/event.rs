@@ -10,6 +10,9 @@ pub enum EventKind {
     Sched = 2,
     /// A call with its native and Python call site ([`crate::CallStackEvent`], --stack).
     CallStack = 3,
+    /// A text the traced program produced, e.g. PyTorch's out-of-memory message
+    /// ([`crate::usdt::MessageEvent`]).
+    Message = 4,
 }
 
 impl EventKind {
@@ -18,6 +21,7 @@ impl EventKind {
             1 => Some(Self::Call),
             2 => Some(Self::Sched),
             3 => Some(Self::CallStack),
+            4 => Some(Self::Message),
             _ => None,
         }
     }

@@ -10,6 +10,7 @@ pub mod maps;
 pub mod probes;
 pub mod sched;
 pub mod stack;
+pub mod usdt;
 
 pub use call::CallEvent;
 pub use event::{EventHeader, EventKind};

@@ -11,6 +11,13 @@ pub const SLOTS: &str = "SLOTS";
 /// (thread, op) -> entry state, for calls whose slot another thread's call holds.
 pub const INFLIGHT: &str = "INFLIGHT";
 
+/// Array of [`crate::usdt::UsdtPlan`] indexed by the attach cookie of a USDT site.
+pub const USDT_PLANS: &str = "USDT_PLANS";
+/// The program attached at every USDT site (one perf event and link per site).
+pub const PROG_USDT: &str = "usdt_hit";
+/// The uprobe at PyTorch's OutOfMemoryError constructor: sends the message.
+pub const PROG_TORCH_OOM: &str = "torch_oom";
+
 /// Array of one `u32`: set to 1 to stop recording new calls before detaching.
 pub const CONTROL: &str = "CONTROL";
 

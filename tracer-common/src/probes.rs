@@ -14,6 +14,9 @@ pub enum Library {
     Runtime = 0,
     /// libcuda, the driver API.
     Driver = 1,
+    /// PyTorch's own probes: the USDT sites of libc10_cuda (its caching allocator) and the
+    /// OutOfMemoryError constructor of libc10.
+    Torch = 2,
 }
 
 impl Library {
@@ -21,6 +24,7 @@ impl Library {
         match self {
             Library::Runtime => "libcudart",
             Library::Driver => "libcuda",
+            Library::Torch => "pytorch",
         }
     }
 }
@@ -40,6 +44,8 @@ pub enum Space {
     AddressRange = 4,
     /// Mappings of handles into ranges: cuMemMap / cuMemUnmap.
     Mapping = 5,
+    /// Blocks the framework's caching allocator hands out inside its segments.
+    Block = 6,
 }
 
 /// What a call does, for the probes and for analysis.
@@ -52,6 +58,12 @@ pub enum OpClass {
     MemInfo = 3,
     SetDevice = 4,
     Sync = 5,
+    /// The framework's allocator handed out a block (pytorch:malloc): not device memory of its own.
+    BlockAlloc = 6,
+    /// The framework's allocator took a block back into its cache (pytorch:free).
+    BlockFree = 7,
+    /// The framework raised out-of-memory (c10::OutOfMemoryError), with its message.
+    Oom = 8,
 }
 
 /// The meaning of one argument.
@@ -90,7 +102,10 @@ pub enum ArgRole {
 #[derive(Clone, Copy, Debug)]
 pub struct ProbeSpec {
     pub op: Op,
+    /// The name stored and shown: the base symbol, or `provider:name` of a USDT probe.
+    pub name: &'static str,
     /// The base symbol; exported variants `<symbol>_ptsz` and `<symbol>_ptds` are attached too.
+    /// Empty for USDT probes, which are found by their notes (see [`crate::usdt`]).
     pub symbol: &'static str,
     pub library: Library,
     pub class: OpClass,
@@ -149,12 +164,15 @@ ops! {
     CuMemMap = 24,
     CuMemUnmap = 25,
     CuMemAllocFromPoolAsync = 26,
+    TorchMalloc = 27,
+    TorchFree = 28,
+    TorchOom = 29,
 }
 
-pub const OP_COUNT: usize = 27;
+pub const OP_COUNT: usize = 30;
 
 use ArgRole::*;
-use Library::{Driver, Runtime};
+use Library::{Driver, Runtime, Torch};
 
 const fn probe(
     op: Op,
@@ -166,6 +184,7 @@ const fn probe(
 ) -> ProbeSpec {
     ProbeSpec {
         op,
+        name: symbol,
         symbol,
         library,
         class,
@@ -173,6 +192,25 @@ const fn probe(
         args,
     }
 }
+
+/// A USDT probe: no symbol, found by its note; `args` in the order the note lists them.
+const fn usdt(op: Op, name: &'static str, class: OpClass, args: &'static [ArgRole]) -> ProbeSpec {
+    ProbeSpec {
+        op,
+        name,
+        symbol: "",
+        library: Torch,
+        class,
+        space: Space::Block,
+        args,
+    }
+}
+
+/// `c10::OutOfMemoryError::OutOfMemoryError(c10::SourceLocation, std::string)` (the complete
+/// object constructor): `this` in the first register, the 24-byte SourceLocation on the stack,
+/// so the message (a std::string, passed by reference) is the second register argument.
+pub const TORCH_OOM_SYMBOL: &str =
+    "_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE";
 
 /// The table. Indexed by `Op as usize` (checked at compile time below).
 pub const PROBES: [ProbeSpec; OP_COUNT] = [
@@ -392,6 +430,24 @@ pub const PROBES: [ProbeSpec; OP_COUNT] = [
         Space::Device,
         &[PtrOut, Size, Ignored, Stream],
     ),
+    // PyTorch's caching allocator (libc10_cuda.so, provider `pytorch`): a block handed out, with
+    // the size requested (before rounding), at the end of allocate; a block taken back.
+    usdt(
+        Op::TorchMalloc,
+        "pytorch:malloc",
+        OpClass::BlockAlloc,
+        &[Ptr, Device, Size, Stream],
+    ),
+    usdt(Op::TorchFree, "pytorch:free", OpClass::BlockFree, &[Ptr]),
+    ProbeSpec {
+        op: Op::TorchOom,
+        name: "pytorch:oom",
+        symbol: TORCH_OOM_SYMBOL,
+        library: Torch,
+        class: OpClass::Oom,
+        space: Space::None,
+        args: &[Ignored, Ignored],
+    },
 ];
 
 const _: () = {
@@ -409,9 +465,10 @@ impl Op {
         &PROBES[self as usize]
     }
 
-    /// The name stored in the database and shown to users: the base symbol.
+    /// The name stored in the database and shown to users: the base symbol, or the USDT
+    /// probe's `provider:name`.
     pub const fn name(self) -> &'static str {
-        self.spec().symbol
+        self.spec().name
     }
 }
 

@@ -6,6 +6,7 @@ mod call;
 mod counters;
 mod sched;
 mod stack;
+mod usdt;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -5,18 +5,23 @@ mod call;
 mod sched;
 pub mod simlog;
 mod stack;
+mod usdt;
 
 pub use call::Call;
 pub use sched::OffCpu;
 pub use stack::{PyStatus, RawPyFrame, RawSite};
+pub use usdt::Message;
 
-use tracer_common::{CallEvent, CallStackEvent, EventHeader, EventKind, SchedEvent};
+use tracer_common::{
+    usdt::MessageEvent, CallEvent, CallStackEvent, EventHeader, EventKind, SchedEvent,
+};
 
 /// A decoded record.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
     Call(Call),
     OffCpu(OffCpu),
+    Message(Message),
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -69,6 +74,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         EventKind::Call => std::mem::size_of::<CallEvent>(),
         EventKind::Sched => std::mem::size_of::<SchedEvent>(),
         EventKind::CallStack => std::mem::size_of::<CallStackEvent>(),
+        EventKind::Message => std::mem::size_of::<MessageEvent>(),
     };
     // The ring buffer may round a record up; the header's length is the truth.
     if header.len as usize != expected || bytes.len() < expected {
@@ -94,6 +100,11 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             let raw: CallStackEvent =
                 read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
             stack::from_raw(&raw).map(Record::Call)
+        }
+        EventKind::Message => {
+            let raw: MessageEvent =
+                read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+            Message::from_raw(&raw).map(Record::Message)
         }
     }
 }

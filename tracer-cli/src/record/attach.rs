@@ -1,6 +1,13 @@
-//! Loading the eBPF object and attaching its two programs to every probed symbol of a library.
+//! Loading the eBPF object and attaching its programs: the entry and return programs to every
+//! probed symbol of a library, the USDT program to every PyTorch probe site, the OOM uprobe to
+//! PyTorch's OutOfMemoryError constructor.
 
-use std::{collections::BTreeMap, num::NonZeroU32, path::Path};
+use std::{
+    collections::BTreeMap,
+    num::NonZeroU32,
+    os::fd::{AsFd as _, OwnedFd},
+    path::Path,
+};
 
 use anyhow::{anyhow, Context as _, Result};
 use aya::{
@@ -12,11 +19,11 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use serde::Serialize;
-use tracer_common::{maps as names, maps::Counter, Library};
+use tracer_common::{maps as names, maps::Counter, Library, Op};
 
-use crate::{
-    record::discover::{Candidate, FileId},
-    record::elf,
+use crate::record::{
+    discover::{Candidate, FileId},
+    elf, perf, usdt,
 };
 
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
@@ -66,6 +73,12 @@ pub struct Probes {
     counters: PerCpuArray<MapData, u64>,
     attached: BTreeMap<FileId, AttachedLibrary>,
     links: Vec<(&'static str, UProbeLinkId)>,
+    /// USDT sites: each a perf event (the uprobe, holding its semaphore up) and its link.
+    usdt_links: Vec<(OwnedFd, OwnedFd)>,
+    /// The next free slot of the USDT plan map.
+    usdt_next: u32,
+    /// Whether PyTorch's probes can be attached (their programs loaded), or why not.
+    pub torch_probes: Result<(), String>,
     /// Whether the scheduler tracepoints are attached (host context), or why not.
     pub host_context: Result<(), String>,
 }
@@ -166,6 +179,19 @@ fn sched_offsets() -> Result<SchedOffsets, String> {
     })
 }
 
+/// Loads the USDT program and the OOM uprobe (verified now, attached per library later).
+fn load_torch_programs(ebpf: &mut Ebpf) -> Result<(), String> {
+    for name in [names::PROG_USDT, names::PROG_TORCH_OOM] {
+        let program: &mut UProbe = ebpf
+            .program_mut(name)
+            .ok_or_else(|| format!("eBPF object lacks program {name}"))?
+            .try_into()
+            .map_err(|e| format!("{name}: {e}"))?;
+        program.load().map_err(|e| format!("load {name}: {e}"))?;
+    }
+    Ok(())
+}
+
 fn attach_sched(ebpf: &mut Ebpf) -> Result<(), String> {
     for (name, event) in [
         (names::PROG_SCHED_SWITCH, "sched_switch"),
@@ -256,12 +282,20 @@ impl Probes {
             Ok(_) => Err("not in --floor mode".into()),
             Err(e) => Err(e),
         };
+        let torch_probes = if opts.floor == 0 {
+            load_torch_programs(&mut ebpf)
+        } else {
+            Err("not in --floor mode".into())
+        };
         Ok(Probes {
             ebpf,
             counters,
             attached: BTreeMap::new(),
             links: Vec::new(),
+            usdt_links: Vec::new(),
+            usdt_next: 0,
             host_context,
+            torch_probes,
         })
     }
 
@@ -308,13 +342,19 @@ impl Probes {
         self.attached.values().map(|l| l.symbols.len()).sum()
     }
 
-    /// Attaches entry and return probes to every probed symbol in `lib`, for all processes or
-    /// only `pids`. A library without any probed symbol is an error; missing APIs are reported.
+    /// Attaches entry and return probes to every probed symbol in `lib`, the USDT program to
+    /// every PyTorch probe site it has, and the OOM uprobe to PyTorch's OutOfMemoryError
+    /// constructor, for all processes or only `pids`. A library with nothing to probe is an
+    /// error; missing APIs are reported.
     pub fn attach(&mut self, lib: &Candidate, pids: Option<&[u32]>) -> Result<&AttachedLibrary> {
         let symbols = elf::read_symbols(&lib.open_path)?;
-        if symbols.targets.is_empty() {
+        let sites: Vec<usdt::Site> = usdt::read_sites(&lib.open_path)?
+            .into_iter()
+            .filter(|s| s.plan().is_some())
+            .collect();
+        if symbols.targets.is_empty() && sites.is_empty() {
             return Err(crate::exit::user_error(format!(
-                "{} exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...): pass libcudart.so or libcuda.so",
+                "{} exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...) and has no PyTorch probes: pass libcudart.so, libcuda.so or libc10_cuda.so",
                 lib.shown
             )));
         }
@@ -335,24 +375,37 @@ impl Probes {
         let mut attached = Vec::new();
         let mut failed = Vec::new();
         for target in &symbols.targets {
+            let programs: &[&'static str] = if target.op == Op::TorchOom {
+                &[names::PROG_TORCH_OOM]
+            } else {
+                &[names::PROG_ENTRY, names::PROG_RETURN]
+            };
             let mut ok = true;
-            for prog_name in [names::PROG_ENTRY, names::PROG_RETURN] {
+            for &prog_name in programs {
                 for scope in &scopes {
-                    if let Err(e) =
+                    let result = self.torch_ready(target.op).and_then(|()| {
                         self.attach_one(prog_name, &lib.open_path, target.offset, target.op, *scope)
-                    {
+                    });
+                    if let Err(e) = result {
                         ok = false;
                         failed.push(format!("{} ({prog_name}): {e:#}", target.symbol));
                     }
                 }
             }
             if ok {
-                attached.push(target.symbol.clone());
+                attached.push(target.op.name().to_owned());
+            }
+        }
+        for site in &sites {
+            let what = format!("{}:{} at {:#x}", site.provider, site.name, site.offset);
+            match self.attach_usdt(&lib.open_path, site, pids) {
+                Ok(()) => attached.push(what),
+                Err(e) => failed.push(format!("{what}: {e:#}")),
             }
         }
         if attached.is_empty() {
             return Err(anyhow!(
-                "attach uprobes in {}: every symbol failed: {}",
+                "attach uprobes in {}: every probe failed: {}",
                 lib.shown,
                 failed
                     .first()
@@ -369,6 +422,58 @@ impl Probes {
             failed,
         };
         Ok(self.attached.entry(lib.id).or_insert(record))
+    }
+
+    /// PyTorch's probes need their programs loaded.
+    fn torch_ready(&self, op: Op) -> Result<()> {
+        match (&self.torch_probes, op.spec().library) {
+            (Err(why), Library::Torch) => Err(anyhow!("PyTorch's probes are off: {why}")),
+            _ => Ok(()),
+        }
+    }
+
+    /// Attaches the USDT program at one site: its plan goes into the next slot of the plan map
+    /// (the attach cookie), and the uprobe is created with the site's semaphore as its
+    /// reference counter, so the kernel raises it in every process mapping the file.
+    fn attach_usdt(&mut self, path: &Path, site: &usdt::Site, pids: Option<&[u32]>) -> Result<()> {
+        let plan = site
+            .plan()
+            .ok_or_else(|| anyhow!("no probe table entry"))??;
+        self.torch_ready(Op::TorchMalloc)?;
+        if self.usdt_next >= tracer_common::usdt::MAX_USDT_SITES {
+            return Err(anyhow!(
+                "more than {} USDT sites",
+                tracer_common::usdt::MAX_USDT_SITES
+            ));
+        }
+        let slot = self.usdt_next;
+        let map = self
+            .ebpf
+            .map_mut(names::USDT_PLANS)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::USDT_PLANS))?;
+        let mut plans: Array<_, tracer_common::usdt::UsdtPlan> =
+            Array::try_from(map).context("open the USDT plan map")?;
+        plans.set(slot, plan, 0).context("store the site's plan")?;
+        let program: &UProbe = self
+            .ebpf
+            .program(names::PROG_USDT)
+            .ok_or_else(|| anyhow!("eBPF object lacks program {}", names::PROG_USDT))?
+            .try_into()?;
+        let prog_fd = program
+            .fd()
+            .context("the USDT program is not loaded")?
+            .as_fd();
+        let targets: Vec<Option<u32>> = match pids {
+            None => vec![None],
+            Some(pids) => pids.iter().map(|&p| Some(p)).collect(),
+        };
+        for pid in targets {
+            let perf = perf::uprobe(path, site.offset, site.semaphore, pid)?;
+            let link = perf::link(prog_fd, perf.as_fd(), u64::from(slot))?;
+            self.usdt_links.push((perf, link));
+        }
+        self.usdt_next += 1;
+        Ok(())
     }
 
     /// Attaches one of the two call programs at `offset` in `path`, its cookie naming `op`.
@@ -401,6 +506,8 @@ impl Probes {
             names::PROG_ENTRY,
             names::PROG_RETURN,
             names::PROG_CALL_SITE,
+            names::PROG_USDT,
+            names::PROG_TORCH_OOM,
             names::PROG_SCHED_SWITCH,
             names::PROG_SCHED_WAKEUP,
             names::PROG_SCHED_FORK,
@@ -453,6 +560,8 @@ impl Probes {
     /// RCU grace period per uprobe it removes; dropping the links from many threads lets those
     /// waits overlap (sequentially, 64 probes took about 7 s here).
     pub fn detach_all(&mut self) -> Result<()> {
+        // Closing a site's link and perf event detaches it and lowers its semaphore.
+        let usdt = std::mem::take(&mut self.usdt_links);
         let mut links: Vec<UProbeLink> = Vec::with_capacity(self.links.len());
         for (name, id) in std::mem::take(&mut self.links) {
             let program: &mut UProbe = self
@@ -466,6 +575,7 @@ impl Probes {
                     .with_context(|| format!("take a link of {name}"))?,
             );
         }
+        drop(usdt);
         const DETACH_THREADS: usize = 64;
         let chunk = links.len().div_ceil(DETACH_THREADS).max(1);
         std::thread::scope(|scope| {

@@ -28,7 +28,11 @@ impl Symbols {
     pub fn missing(&self, library: Library) -> Vec<&'static str> {
         PROBES
             .iter()
-            .filter(|p| p.library == library && !self.targets.iter().any(|t| t.op == p.op))
+            .filter(|p| {
+                p.library == library
+                    && !p.symbol.is_empty()
+                    && !self.targets.iter().any(|t| t.op == p.op)
+            })
             .map(|p| p.symbol)
             .collect()
     }
@@ -41,10 +45,13 @@ impl Symbols {
 /// The op a symbol name stands for: the base name or a per-thread-stream variant of it.
 pub fn op_for_symbol(name: &str) -> Option<Op> {
     let name = name.split('@').next().unwrap_or(name);
-    PROBES.iter().find_map(|p| {
-        let rest = name.strip_prefix(p.symbol)?;
-        (rest.is_empty() || VARIANT_SUFFIXES.contains(&rest)).then_some(p.op)
-    })
+    PROBES
+        .iter()
+        .filter(|p| !p.symbol.is_empty())
+        .find_map(|p| {
+            let rest = name.strip_prefix(p.symbol)?;
+            (rest.is_empty() || VARIANT_SUFFIXES.contains(&rest)).then_some(p.op)
+        })
 }
 
 pub fn read_symbols(path: &Path) -> Result<Symbols> {

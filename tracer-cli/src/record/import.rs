@@ -168,6 +168,7 @@ impl SimlogImporter {
             threads: &threads,
             processes: &processes,
             offcpu: &[],
+            messages: &[],
         })?;
         Ok(calls.len() as u64)
     }

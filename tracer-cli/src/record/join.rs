@@ -1,5 +1,5 @@
 //! What a call's own record does not say, joined from the records before it: the size and
-//! device of the allocation a free releases, and the device of the calling thread (its last
+//! device of the allocation (or the framework's block) a free releases, and the device of the calling thread (its last
 //! successful cudaSetDevice). The kernel keeps neither (a map update per call cost more than
 //! the rest of a traced call); every record reaches userspace, in the order the calls returned,
 //! so the join is exact here.
@@ -76,8 +76,10 @@ impl Join {
         }
         let key = (call.pid, spec.space as u32, ptr);
         match spec.class {
-            OpClass::Alloc if call.ret == 0 && ptr != 0 => self.allocated(key, call),
-            OpClass::Free => self.freed(key, call),
+            OpClass::Alloc | OpClass::BlockAlloc if call.ret == 0 && ptr != 0 => {
+                self.allocated(key, call)
+            }
+            OpClass::Free | OpClass::BlockFree => self.freed(key, call),
             _ => {}
         }
     }

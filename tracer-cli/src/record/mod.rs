@@ -12,6 +12,7 @@ pub mod elf;
 pub mod import;
 pub mod join;
 pub mod memmap;
+mod perf;
 pub mod privileges;
 pub mod procinfo;
 pub mod python;
@@ -21,6 +22,7 @@ pub mod session;
 mod shared;
 pub mod signals;
 pub mod sites;
+pub mod usdt;
 mod writer;
 
 pub use session::{Finished, RecordOptions, Recording, Snapshot, Started, Stop, Summary};

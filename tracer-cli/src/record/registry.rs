@@ -129,6 +129,7 @@ impl Registry {
                     out.calls.push(call);
                 }
                 Record::OffCpu(off) => out.offcpu.push(off),
+                Record::Message(m) => out.messages.push(m),
             }
         }
         out

@@ -19,7 +19,7 @@ use super::{
     sites::{Site, SiteWriter},
 };
 use crate::{
-    decode::{Call, OffCpu},
+    decode::{Call, Message, OffCpu},
     model::ProcessInfo,
     store::{Batch, Store},
 };
@@ -34,6 +34,8 @@ pub struct Delivery {
     pub calls: Vec<Call>,
     pub processes: Vec<ProcessInfo>,
     pub offcpu: Vec<OffCpu>,
+    /// Texts the traced programs produced (PyTorch's out-of-memory messages).
+    pub messages: Vec<Message>,
     /// Call sites first seen in these calls (--stack).
     pub sites: Vec<(i64, Site)>,
 }
@@ -55,6 +57,7 @@ impl Delivery {
         }));
         self.processes.extend(more.processes);
         self.offcpu.extend(more.offcpu);
+        self.messages.extend(more.messages);
         Ok(())
     }
 }
@@ -99,7 +102,9 @@ pub fn write_loop(
                 Err(RecvTimeoutError::Timeout) => false,
                 Err(RecvTimeoutError::Disconnected) => true,
             };
-            if (!pending.calls.is_empty() || !pending.offcpu.is_empty())
+            if (!pending.calls.is_empty()
+                || !pending.offcpu.is_empty()
+                || !pending.messages.is_empty())
                 && (disconnected
                     || pending.calls.len() >= COMMIT_ROWS
                     || last_commit.elapsed() >= COMMIT_EVERY)
@@ -112,6 +117,7 @@ pub fn write_loop(
                     threads: &threads,
                     processes: &pending.processes,
                     offcpu: &pending.offcpu,
+                    messages: &pending.messages,
                 })?;
                 shared
                     .events_stored

@@ -61,6 +61,9 @@ pub fn class_name(class: OpClass) -> &'static str {
         OpClass::MemInfo => "meminfo",
         OpClass::SetDevice => "setdevice",
         OpClass::Sync => "sync",
+        OpClass::BlockAlloc => "block_alloc",
+        OpClass::BlockFree => "block_free",
+        OpClass::Oom => "oom",
     }
 }
 
@@ -318,6 +321,20 @@ impl Store {
                     p.cgroup
                 ])?;
             }
+            let mut msg_stmt = tx.prepare_cached(
+                "INSERT INTO messages (session_id, ts_ns, pid, tid, op_id, text, truncated) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )?;
+            for m in batch.messages {
+                msg_stmt.execute(params![
+                    batch.session,
+                    m.ts_mono_ns as i64 + batch.wall_offset_ns,
+                    m.pid,
+                    m.tid,
+                    m.op as u32,
+                    m.text,
+                    m.truncated
+                ])?;
+            }
             let mut off_stmt = tx.prepare_cached(
                 "INSERT INTO offcpu (session_id, pid, tid, off_ns, on_ns, wakeup_ns, preempted) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
             )?;
@@ -449,6 +466,7 @@ impl Store {
                 tx.execute("DELETE FROM call_blocks WHERE session_id = ?1", [id])?;
                 tx.execute("DELETE FROM threads WHERE session_id = ?1", [id])?;
                 tx.execute("DELETE FROM offcpu WHERE session_id = ?1", [id])?;
+                tx.execute("DELETE FROM messages WHERE session_id = ?1", [id])?;
                 tx.execute(
                     "DELETE FROM stack_frames WHERE stack_id IN (SELECT id FROM stacks WHERE session_id = ?1)",
                     [id],
@@ -583,6 +601,7 @@ pub struct Batch<'a> {
     pub threads: &'a [(u32, u32, String)],
     pub processes: &'a [ProcessInfo],
     pub offcpu: &'a [crate::decode::OffCpu],
+    pub messages: &'a [crate::decode::Message],
 }
 
 fn check_readable(path: &Path, access: Access) -> Result<()> {

@@ -3,7 +3,7 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -143,5 +143,18 @@ CREATE TABLE call_blocks (
 );
 CREATE INDEX call_blocks_session ON call_blocks(session_id, id);
 ALTER TABLE sessions ADD COLUMN call_blocks INTEGER NOT NULL DEFAULT 0;
+"#,
+    // 5: texts the traced programs produced at a probe (PyTorch's out-of-memory message).
+    r#"
+CREATE TABLE messages (
+    session_id INTEGER NOT NULL,
+    ts_ns      INTEGER NOT NULL,
+    pid        INTEGER NOT NULL,
+    tid        INTEGER NOT NULL,
+    op_id      INTEGER NOT NULL,
+    text       TEXT NOT NULL,
+    truncated  INTEGER NOT NULL
+);
+CREATE INDEX messages_session ON messages(session_id, ts_ns);
 "#,
 ];

@@ -48,6 +48,7 @@ fn write(store: &mut Store, session: i64, calls: &[Call]) {
             threads: &threads,
             processes: &[],
             offcpu: &[],
+            messages: &[],
         })
         .unwrap();
 }

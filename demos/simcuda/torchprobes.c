@@ -1,0 +1,49 @@
+/* PyTorch's own probes, for the simulated allocator (demos/workloads/caching_allocator.py):
+ * the same USDT sites as libc10_cuda.so (provider `pytorch`, `malloc(ptr, device, size,
+ * stream)` at the end of an allocation, `free(ptr)`), each gated by its semaphore as PyTorch's
+ * are, and a function with the exported name, arguments and layout of
+ * c10::OutOfMemoryError's constructor (libc10.so), called with the message when the allocator
+ * raises out-of-memory. Built with sys/sdt.h (systemtap-sdt-dev). */
+#define _SDT_HAS_SEMAPHORES 1
+#include <stdint.h>
+#include <string.h>
+#include <sys/sdt.h>
+
+#define API __attribute__((visibility("default")))
+
+__extension__ unsigned short pytorch_malloc_semaphore __attribute__((unused)) __attribute__((section(".probes")));
+__extension__ unsigned short pytorch_free_semaphore __attribute__((unused)) __attribute__((section(".probes")));
+
+/* As PyTorch: the device is a signed byte (c10::DeviceIndex), the rest 8-byte values. */
+API void simtorch_malloc(uint64_t ptr, int8_t device, uint64_t size, uint64_t stream) {
+    if (pytorch_malloc_semaphore) STAP_PROBE4(pytorch, malloc, ptr, device, size, stream);
+}
+
+API void simtorch_free(uint64_t ptr) {
+    if (pytorch_free_semaphore) STAP_PROBE1(pytorch, free, ptr);
+}
+
+/* Whether the probes would run (what PyTorch's `if (semaphore)` reads): for tests. */
+API int simtorch_semaphores(void) { return pytorch_malloc_semaphore + pytorch_free_semaphore; }
+
+/* c10::SourceLocation (24 bytes: passed on the stack) and libstdc++'s std::string. */
+struct source_location { const char *function, *file; uint32_t line; };
+struct cxx_string { const char *data; uint64_t size; union { char local[16]; uint64_t capacity; }; };
+
+static volatile uint64_t last_message_size;
+
+/* c10::OutOfMemoryError::OutOfMemoryError(c10::SourceLocation, std::string) */
+API __attribute__((noinline)) void oom_error_ctor(void *self, struct source_location loc, const struct cxx_string *msg)
+    __asm__("_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
+void oom_error_ctor(void *self, struct source_location loc, const struct cxx_string *msg) {
+    (void)self; (void)loc;
+    last_message_size = msg->size;
+}
+
+/* Raises the simulated allocator's out-of-memory: constructs the error with `text`. */
+API void simtorch_oom(const char *text) {
+    char self[64];
+    struct source_location loc = {"malloc", "CUDACachingAllocator.cpp", 1};
+    struct cxx_string msg = {text, strlen(text), {{0}}};
+    oom_error_ctor(self, loc, &msg);
+}

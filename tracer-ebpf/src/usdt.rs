@@ -1,0 +1,226 @@
+//! One program serves every USDT site: the attach cookie indexes the site's plan, which says
+//! where each argument lives (a register, memory at a register plus a displacement, or a
+//! constant; how wide; signed or not) and what it means. And the uprobe at PyTorch's
+//! OutOfMemoryError constructor, which sends the message the user sees.
+
+use aya_ebpf::{
+    bindings::BPF_RB_NO_WAKEUP,
+    helpers::{
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
+    },
+    macros::{map, uprobe},
+    maps::{Array, PerCpuArray},
+    programs::ProbeContext,
+    EbpfContext,
+};
+use tracer_common::{
+    call::DEVICE_UNKNOWN,
+    maps::Counter,
+    usdt::{
+        arg_kind, role, MessageEvent, UsdtArg, UsdtPlan, MAX_USDT_ARGS, MAX_USDT_SITES,
+        MESSAGE_BYTES,
+    },
+    CallEvent, EventHeader, Op,
+};
+
+use crate::{
+    call::{CONTROL, EVENTS},
+    counters::bump,
+};
+
+#[map(name = "USDT_PLANS")]
+static USDT_PLANS: Array<UsdtPlan> = Array::with_max_entries(MAX_USDT_SITES, 0);
+
+/// A message is built here (too large for the stack) before it is copied to the ring.
+#[map(name = "MESSAGE_BUF")]
+static MESSAGE_BUF: PerCpuArray<MessageEvent> = PerCpuArray::with_max_entries(1, 0);
+
+/// Register `reg` (a pt_regs index) of the probed thread.
+#[inline(always)]
+fn register(ctx: &ProbeContext, reg: u8) -> u64 {
+    // SAFETY: the context's registers, valid for this run; each arm reads one fixed field.
+    let r = unsafe { &*ctx.regs };
+    match reg {
+        0 => r.r15,
+        1 => r.r14,
+        2 => r.r13,
+        3 => r.r12,
+        4 => r.rbp,
+        5 => r.rbx,
+        6 => r.r11,
+        7 => r.r10,
+        8 => r.r9,
+        9 => r.r8,
+        10 => r.rax,
+        11 => r.rcx,
+        12 => r.rdx,
+        13 => r.rsi,
+        14 => r.rdi,
+        16 => r.rip,
+        19 => r.rsp,
+        _ => 0,
+    }
+}
+
+/// `size` bytes of user memory at `addr`, zero-extended.
+#[inline(always)]
+fn read_user(addr: u64, size: u8) -> Option<u64> {
+    // SAFETY: bpf_probe_read_user validates the address; a fault returns an error.
+    unsafe {
+        match size {
+            1 => bpf_probe_read_user(addr as *const u8).ok().map(u64::from),
+            2 => bpf_probe_read_user(addr as *const u16).ok().map(u64::from),
+            4 => bpf_probe_read_user(addr as *const u32).ok().map(u64::from),
+            _ => bpf_probe_read_user(addr as *const u64).ok(),
+        }
+    }
+}
+
+/// The argument's value, narrowed to its size and sign-extended when signed.
+#[inline(always)]
+fn fetch(ctx: &ProbeContext, a: &UsdtArg) -> Option<u64> {
+    let raw = match a.kind {
+        arg_kind::CONST => a.offset as u64,
+        arg_kind::REG => register(ctx, a.reg),
+        arg_kind::MEM => read_user(register(ctx, a.reg).wrapping_add(a.offset as u64), a.size)?,
+        _ => return None,
+    };
+    Some(match (a.size, a.signed != 0) {
+        (1, true) => raw as i8 as i64 as u64,
+        (1, false) => raw as u8 as u64,
+        (2, true) => raw as i16 as i64 as u64,
+        (2, false) => raw as u16 as u64,
+        (4, true) => raw as i32 as i64 as u64,
+        (4, false) => raw as u32 as u64,
+        _ => raw,
+    })
+}
+
+#[uprobe]
+pub fn usdt_hit(ctx: ProbeContext) -> u32 {
+    if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
+        return 0;
+    }
+    bump(Counter::Entries);
+    // SAFETY: the helper only reads the cookie of the perf link that fired.
+    let site = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let Some(plan) = USDT_PLANS.get(site) else {
+        return 0;
+    };
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let mut event = CallEvent {
+        header: EventHeader {
+            kind: CallEvent::KIND as u32,
+            len: CallEvent::LEN,
+            // SAFETY: no preconditions.
+            ts_ns: unsafe { bpf_ktime_get_ns() },
+            pid: (pid_tgid >> 32) as u32,
+            tid: pid_tgid as u32,
+        },
+        op: plan.op,
+        device: DEVICE_UNKNOWN,
+        ret: 0,
+        flags: 0,
+        duration_ns: 0,
+        size: 0,
+        ptr: 0,
+        aux0: 0,
+        aux1: 0,
+        stack_id: -1,
+        comm: [0; 16],
+    };
+    let mut i = 0;
+    while i < MAX_USDT_ARGS {
+        if i as u32 >= plan.nargs {
+            break;
+        }
+        let Some(v) = fetch(&ctx, &plan.args[i]) else {
+            event.flags |= tracer_common::call::flags::READ_FAILED;
+            i += 1;
+            continue;
+        };
+        match plan.roles[i] {
+            role::PTR => {
+                event.ptr = v;
+                event.flags |= tracer_common::call::flags::PTR_KNOWN;
+            }
+            role::DEVICE => event.device = v as i32,
+            role::SIZE => {
+                event.size = v;
+                event.flags |= tracer_common::call::flags::SIZE_KNOWN;
+            }
+            role::STREAM => event.aux0 = v,
+            _ => {}
+        }
+        i += 1;
+    }
+    if EVENTS
+        .output::<CallEvent>(&event, BPF_RB_NO_WAKEUP as u64)
+        .is_err()
+    {
+        bump(Counter::RingFull);
+        return 0;
+    }
+    bump(Counter::Submitted);
+    0
+}
+
+/// `c10::OutOfMemoryError::OutOfMemoryError(SourceLocation, std::string)`: the second register
+/// argument points at the message, a libstdc++ std::string (data pointer, then length).
+#[uprobe]
+pub fn torch_oom(ctx: ProbeContext) -> u32 {
+    if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
+        return 0;
+    }
+    bump(Counter::Entries);
+    let Some(buf) = MESSAGE_BUF.get_ptr_mut(0) else {
+        return 0;
+    };
+    let msg: u64 = ctx.arg(1).unwrap_or(0);
+    let data = read_user(msg, 8).unwrap_or(0);
+    let full_len = read_user(msg.wrapping_add(8), 8).unwrap_or(0);
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: this CPU's buffer, valid for this run.
+    let ev = unsafe { &mut *buf };
+    ev.header = EventHeader {
+        kind: MessageEvent::KIND as u32,
+        len: MessageEvent::LEN,
+        // SAFETY: no preconditions.
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        pid: (pid_tgid >> 32) as u32,
+        tid: pid_tgid as u32,
+    };
+    ev.op = Op::TorchOom as u32;
+    ev.full_len = full_len;
+    let len = if full_len < MESSAGE_BYTES as u64 {
+        full_len as usize
+    } else {
+        MESSAGE_BYTES
+    };
+    // The verifier needs the length bounded and non-zero for the helper.
+    let len = len & (MESSAGE_BYTES * 2 - 1);
+    ev.len = 0;
+    if data != 0 && len > 0 && len <= MESSAGE_BYTES {
+        // SAFETY: the destination is the buffer's own text array, at least `len` bytes; the
+        // helper validates the user address.
+        let read = unsafe {
+            aya_ebpf::helpers::generated::bpf_probe_read_user(
+                ev.text.as_mut_ptr() as *mut _,
+                len as u32,
+                data as *const _,
+            )
+        };
+        if read == 0 {
+            ev.len = len as u32;
+        }
+    }
+    if EVENTS
+        .output::<MessageEvent>(&*ev, BPF_RB_NO_WAKEUP as u64)
+        .is_err()
+    {
+        bump(Counter::RingFull);
+        return 0;
+    }
+    bump(Counter::Submitted);
+    0
+}

@@ -288,13 +288,11 @@ def library_rows(s):
         name = os.path.basename(path)
         # The same file by identity while it exists, by path once it is gone.
         is_probed = path in probed_paths or (file_id(path) or 0) in probed_ids
-        if name.startswith(("libcudart", "libcuda.so")):
-            rows.append(row(f"library {name}", "probed" if is_probed else "not probed", "mapped",
-                            "equal" if is_probed else "DIFFERS", path))
-        else:
-            rows.append(row(f"library {name}", "probed" if is_probed else "not probed", "mapped",
-                            "equal" if is_probed else "explained",
-                            path + ("" if is_probed else " (tracer does not read PyTorch's own USDT probes yet)")))
+        what = {"libcudart": "the runtime's calls", "libcuda.": "the driver's calls",
+                "libc10_cuda": "the caching allocator's USDT probes", "libc10.": "the OutOfMemoryError constructor"}
+        why = next((v for k, v in what.items() if name.startswith(k)), "")
+        rows.append(row(f"library {name}", "probed" if is_probed else "not probed", "mapped",
+                        "equal" if is_probed else "DIFFERS", f"{path} ({why})"))
     return rows
 
 

@@ -393,7 +393,12 @@ impl Probes {
                 }
             }
             if ok {
-                attached.push(target.op.name().to_owned());
+                // The OOM constructor's mangled name says less than the probe's.
+                attached.push(if target.op == Op::TorchOom {
+                    target.op.name().to_owned()
+                } else {
+                    target.symbol.clone()
+                });
             }
         }
         for site in &sites {

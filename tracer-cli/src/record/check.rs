@@ -147,8 +147,8 @@ fn tracing_checks() -> Vec<Check> {
 
 fn library_check(who: &paths::Invoker) -> (Check, Vec<discover::Candidate>) {
     let homes: Vec<_> = who.home.iter().cloned().collect();
-    let mut static_cache = Default::default();
-    let mapped = discover::scan_processes(&discover::all_pids(), &mut static_cache);
+    let mut cache = discover::FileCache::default();
+    let mapped = discover::scan_processes(&discover::all_pids(), &mut cache);
     let mut libraries: Vec<discover::Candidate> = mapped.clone();
     for c in discover::scan_installed(&homes) {
         if !libraries.iter().any(|m| m.id == c.id) {

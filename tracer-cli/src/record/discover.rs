@@ -97,9 +97,17 @@ pub fn all_pids() -> Vec<u32> {
         .collect()
 }
 
-/// Libraries mapped by `pids`, and their executables when those export the runtime (static).
-/// `static_cache` remembers, per executable, whether it does.
-pub fn scan_processes(pids: &[u32], static_cache: &mut BTreeMap<FileId, bool>) -> Vec<Candidate> {
+/// What was learned of files once: whether an executable links the CUDA runtime statically, and
+/// whether a library carries PyTorch's probes.
+#[derive(Default)]
+pub struct FileCache {
+    statics: BTreeMap<FileId, bool>,
+    torch: BTreeMap<FileId, bool>,
+}
+
+/// Libraries mapped by `pids` (CUDA's, and those with PyTorch's probes), and their executables
+/// when those export the runtime (static).
+pub fn scan_processes(pids: &[u32], cache: &mut FileCache) -> Vec<Candidate> {
     let me = std::process::id();
     let mut found = BTreeMap::new();
     for &pid in pids {
@@ -117,10 +125,20 @@ pub fn scan_processes(pids: &[u32], static_cache: &mut BTreeMap<FileId, bool>) -
                 continue;
             }
             let name = m.path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            if is_cuda_library_name(name) {
+            let open_path = root.join(m.path.strip_prefix("/").unwrap_or(&m.path));
+            let mut torch = || {
+                name.contains(".so")
+                    && file_id(&open_path).is_some_and(|id| {
+                        *cache
+                            .torch
+                            .entry(id)
+                            .or_insert_with(|| crate::record::elf::has_torch_probes(&open_path))
+                    })
+            };
+            if is_cuda_library_name(name) || torch() {
                 add(
                     &mut found,
-                    root.join(m.path.strip_prefix("/").unwrap_or(&m.path)),
+                    open_path,
                     m.path.display().to_string(),
                     Origin::Mapped,
                     Some(pid),
@@ -129,7 +147,8 @@ pub fn scan_processes(pids: &[u32], static_cache: &mut BTreeMap<FileId, bool>) -
         }
         let exe = proc_dir.join("exe");
         if let (Some(id), Ok(target)) = (file_id(&exe), std::fs::read_link(&exe)) {
-            let is_static = *static_cache
+            let is_static = *cache
+                .statics
                 .entry(id)
                 .or_insert_with(|| exports_runtime(&exe));
             if is_static {
@@ -284,7 +303,7 @@ pub struct Scanner {
     explicit: Vec<Candidate>,
     pids: Option<Vec<u32>>,
     homes: Vec<PathBuf>,
-    static_cache: BTreeMap<FileId, bool>,
+    cache: FileCache,
     seen: HashSet<FileId>,
     ticks: u64,
 }
@@ -305,7 +324,7 @@ impl Scanner {
             explicit,
             pids,
             homes,
-            static_cache: BTreeMap::new(),
+            cache: FileCache::default(),
             seen: HashSet::new(),
             ticks: 0,
         }
@@ -321,7 +340,7 @@ impl Scanner {
             }
         } else {
             let pids = self.pids.clone().unwrap_or_else(all_pids);
-            found.extend(scan_processes(&pids, &mut self.static_cache));
+            found.extend(scan_processes(&pids, &mut self.cache));
             // Installed copies change rarely: look every 30 s, and not when scoped to pids.
             if self.pids.is_none() && (first || self.ticks.is_multiple_of(30)) {
                 found.extend(scan_installed(&self.homes));

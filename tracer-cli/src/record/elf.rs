@@ -3,7 +3,7 @@
 use std::{collections::BTreeMap, fs::File, path::Path};
 
 use anyhow::{Context as _, Result};
-use object::{Object as _, ObjectSegment as _, ObjectSymbol as _, SymbolKind};
+use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _, SymbolKind};
 use tracer_common::{probes::VARIANT_SUFFIXES, Library, Op, PROBES};
 
 use crate::exit::user_error;
@@ -104,6 +104,30 @@ pub fn read_symbols(path: &Path) -> Result<Symbols> {
     let mut targets: Vec<Target> = by_offset.into_values().collect();
     targets.sort_by(|a, b| (a.op, &a.symbol).cmp(&(b.op, &b.symbol)));
     Ok(Symbols { targets })
+}
+
+/// Whether a shared library carries PyTorch's own probes: USDT sites of provider `pytorch`
+/// (libc10_cuda) or c10::OutOfMemoryError's constructor (libc10). Reads only the section
+/// headers, the notes and the dynamic symbols.
+pub fn has_torch_probes(path: &Path) -> bool {
+    let Ok(file) = File::open(path) else {
+        return false;
+    };
+    // SAFETY: as in read_symbols: a private read-only map of a library.
+    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
+        return false;
+    };
+    let Ok(obj) = object::File::parse(&*map) else {
+        return false;
+    };
+    let notes_name_pytorch = obj
+        .section_by_name(".note.stapsdt")
+        .and_then(|s| s.data().ok())
+        .is_some_and(|d| d.windows(8).any(|w| w == b"pytorch\0"));
+    notes_name_pytorch
+        || obj
+            .dynamic_symbols()
+            .any(|s| s.is_definition() && s.name() == Ok(tracer_common::probes::TORCH_OOM_SYMBOL))
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 /* The device-memory model behind the simulated CUDA libraries.
  *
- * Each device has a capacity and an address range; allocations are placed first-fit in a sorted
- * free list and coalesced on free, so requests fail with out-of-memory when no free range is
- * large enough, even if the free bytes add up: fragmentation comes out of the model.
+ * Each device has a capacity and, as a real GPU, a virtual address range much larger than it:
+ * device memory is paged, so a request fails with out-of-memory only when the free bytes cannot
+ * cover it (rounded to 2 MiB pages), never for want of a physically contiguous range.
+ * Allocations are placed first-fit in the device's address range and coalesced on free; the
+ * free ranges count toward the allocation latency model (SIMCUDA_LATENCY_PER_FRAGMENT_NS).
  *
  * Configuration (environment, read once):
  *   SIMCUDA_DEVICES      number of devices (default 1)
@@ -29,6 +31,7 @@
 #define ALIGN 512ULL
 #define DEVICE_BASE 0x7f0000000000ULL
 #define DEVICE_STRIDE 0x10000000000ULL /* 1 TiB of address space per device */
+#define PAGE (2ULL << 20)                /* device memory is backed in 2 MiB pages */
 #define VA_BASE 0x600000000000ULL
 #define MAX_LATENCIES 64
 
@@ -151,7 +154,7 @@ static void init(void) {
     uint64_t capacity = parse_size(getenv("SIMCUDA_MEM"), 16ULL << 30);
     for (int d = 0; d < device_count; d++) {
         devices[d].capacity = capacity;
-        give_range(&devices[d].free_ranges, DEVICE_BASE + (uint64_t)d * DEVICE_STRIDE, capacity);
+        give_range(&devices[d].free_ranges, DEVICE_BASE + (uint64_t)d * DEVICE_STRIDE, DEVICE_STRIDE);
     }
     give_range(&va_free, VA_BASE, 1ULL << 44);
     const char *per_live = getenv("SIMCUDA_LATENCY_PER_LIVE_NS");
@@ -212,6 +215,7 @@ int sim_set_device(int device) {
 int sim_get_device(void) { return current_device; }
 
 static uint64_t round_up(uint64_t size) { return (size + ALIGN - 1) & ~(ALIGN - 1); }
+static uint64_t pages(uint64_t size) { return (size + PAGE - 1) & ~(PAGE - 1); }
 
 int sim_alloc(enum sim_space space, size_t size, uint64_t *out) {
     ensure_init();
@@ -233,13 +237,13 @@ int sim_alloc(enum sim_space space, size_t size, uint64_t *out) {
         /* The search gets slower as memory fragments: latency comes out of the model's state. */
         extra_ns = latency_per_live_ns * dev->live.len + latency_per_fragment_ns * dev->free_ranges.len +
                    latency_per_mib_ns * (rounded >> 20);
-        uint64_t align = rounded >= (2ULL << 20) ? (2ULL << 20) : ALIGN;
-        uint64_t addr = take_range(&dev->free_ranges, rounded, align);
+        uint64_t align = rounded >= PAGE ? PAGE : ALIGN;
+        uint64_t addr = dev->used + pages(rounded) > dev->capacity ? 0 : take_range(&dev->free_ranges, rounded, align);
         if (!addr) status = SIM_OOM;
         else {
             size_t at = lower_bound(&dev->live, addr);
             vec_insert(&dev->live, at, (struct range){addr, rounded});
-            dev->used += rounded;
+            dev->used += pages(rounded);
             *out = addr;
         }
     }
@@ -267,7 +271,7 @@ int sim_free(enum sim_space space, uint64_t ptr) {
                 struct range r = dev->live.items[at];
                 vec_remove(&dev->live, at);
                 give_range(&dev->free_ranges, r.addr, r.size);
-                dev->used -= r.size;
+                dev->used -= pages(r.size);
                 status = SIM_OK;
                 break;
             }

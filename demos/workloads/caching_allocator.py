@@ -11,9 +11,17 @@ one reserved address range per pool (cuMemAddressReserve), mapped and unmapped i
 (small pool) or 20 MiB (large pool) with cuMemCreate + cuMemMap and cuMemUnmap + cuMemRelease.
 stats() reports the allocator's own truth (allocated, reserved, blocks, largest free block) for
 tests, memory_stats() the counters torch.cuda.memory_stats() has, under the same keys.
+
+As PyTorch's allocator, it fires the USDT probes `pytorch:malloc(ptr, device, size, stream)` and
+`pytorch:free(ptr)` and constructs c10::OutOfMemoryError with its message: through
+libsimtorch.so (demos/simcuda/torchprobes.c, beside the runtime), whose probe sites are C built
+with sys/sdt.h. With SIMTORCH_TRUTH=FILE it writes its own layout after every malloc and free
+(one JSON line each), which tests compare with what tracer reconstructs from the probes.
 """
 
 import ctypes
+import json
+import os
 import threading
 
 KIB = 1024
@@ -67,6 +75,17 @@ def round_up(n, unit):
     return (n + unit - 1) // unit * unit
 
 
+def format_size(n):
+    """As PyTorch's format_size."""
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= 1024 * 1024:
+        return f"{n / 1024:.2f} KiB"
+    if n <= 1024 * 1024 * 1024:
+        return f"{n / MIB:.2f} MiB"
+    return f"{n / (1024 * MIB):.2f} GiB"
+
+
 def round_size(size):
     return max(MIN_BLOCK, (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK)
 
@@ -99,9 +118,16 @@ class CachingAllocator:
         self.reserved_peak = 0
         self.check(self.rt.cudaSetDevice(device), "cudaSetDevice")
         self.expandable = expandable
+        probes = os.path.join(os.path.dirname(os.path.abspath(cudart_path)), "libsimtorch.so")
+        self.probes = ctypes.CDLL(probes) if os.path.exists(probes) else None
+        if self.probes:
+            self.probes.simtorch_malloc.argtypes = [ctypes.c_uint64, ctypes.c_int8, ctypes.c_uint64, ctypes.c_uint64]
+            self.probes.simtorch_free.argtypes = [ctypes.c_uint64]
+            self.probes.simtorch_oom.argtypes = [ctypes.c_char_p]
+        truth = os.environ.get("SIMTORCH_TRUTH")
+        self.truth = open(truth, "a", buffering=1) if truth else None
         self.drv = None
         if expandable:
-            import os
             self.drv = ctypes.CDLL(driver_path or os.path.join(os.path.dirname(cudart_path), "libcuda.so.1"))
             u64, size_t = ctypes.c_uint64, ctypes.c_size_t
             self.drv.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), size_t, size_t, u64, ctypes.c_ulonglong]
@@ -181,6 +207,7 @@ class CachingAllocator:
 
     def malloc(self, size):
         with self.lock:
+            requested = size
             size = round_size(size)
             small = size <= SMALL_SIZE
             block = self._best_fit(size, small)
@@ -193,17 +220,51 @@ class CachingAllocator:
                 block = self._grow(size, small)
             if block is None:
                 self.num_ooms += 1
-                free, total = self.mem_get_info()
-                s = self.stats()
-                raise OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {size / MIB:.2f} MiB (GPU {self.device}; "
-                    f"{total / MIB:.2f} MiB total capacity; {s['allocated'] / MIB:.2f} MiB already allocated; "
-                    f"{free / MIB:.2f} MiB free; {s['reserved'] / MIB:.2f} MiB reserved in total by the allocator)"
-                )
+                message = self._oom_message(size)
+                if self.probes:
+                    self.probes.simtorch_oom(message.encode())
+                raise OutOfMemoryError(message)
             self._split(block, size, small)
             block.free = False
             block.requested = size
+            if self.probes:
+                self.probes.simtorch_malloc(block.ptr, self.device, requested, 0)
+            self._record_truth("malloc", block.ptr, requested)
             return block
+
+    def _oom_message(self, size):
+        """The message current PyTorch raises, with this allocator's figures."""
+        free, total = self.mem_get_info()
+        s = self.stats()
+        return (
+            f"CUDA out of memory. Tried to allocate {format_size(size)}. GPU {self.device} has a total capacity "
+            f"of {format_size(total)} of which {format_size(free)} is free. Including non-PyTorch memory, this "
+            f"process has {format_size(total - free)} memory in use. Of the allocated memory "
+            f"{format_size(s['allocated'])} is allocated by PyTorch, and {format_size(s['reserved'] - s['allocated'])} "
+            "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+            "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+        )
+
+    def _record_truth(self, op, ptr, requested):
+        if not self.truth:
+            return
+        s = self.stats()
+        pools = {}
+        for name, small in (("small", True), ("large", False)):
+            segs = [seg for seg in self.segments if seg.small == small]
+            free = [b.size for seg in segs for b in seg.blocks if b.free and b.mapped]
+            pools[name] = {
+                "allocated": sum(b.size for seg in segs for b in seg.blocks if not b.free),
+                "reserved": sum(seg.mapped_bytes() for seg in segs),
+                "free_blocks": len(free),
+                "largest_free": max(free, default=0),
+            }
+        self.truth.write(json.dumps({
+            "op": op, "ptr": ptr, "requested": requested, "allocated": s["allocated"],
+            "reserved": s["reserved"], "free_blocks": len([1 for seg in self.segments for b in seg.blocks if b.free and b.mapped]),
+            "largest_free": s["largest_free_block"], "pools": pools,
+        }) + "\n")
 
     # Expandable segments -------------------------------------------------------------------
 
@@ -309,7 +370,9 @@ class CachingAllocator:
 
     def _split(self, block, size, small):
         remaining = block.size - size
-        if remaining >= (MIN_BLOCK if small else SMALL_SIZE + 1):
+        # As PyTorch: small blocks split off 512 B or more, large ones more than 1 MiB; in an
+        # expandable segment any remainder of 512 B or more is split.
+        if remaining >= (MIN_BLOCK if small or block.segment.chunk else SMALL_SIZE + 1):
             seg = block.segment
             rest = Block(seg, block.offset + size, remaining)
             seg.blocks.insert(seg.blocks.index(block) + 1, rest)
@@ -317,6 +380,8 @@ class CachingAllocator:
 
     def free(self, block):
         with self.lock:
+            if self.probes:
+                self.probes.simtorch_free(block.ptr)
             block.free = True
             block.requested = 0
             blocks = block.segment.blocks
@@ -327,6 +392,7 @@ class CachingAllocator:
             if i > 0 and blocks[i - 1].free and blocks[i - 1].mapped:
                 blocks[i - 1].size += block.size
                 del blocks[i]
+            self._record_truth("free", block.ptr, 0)
 
     def empty_cache(self):
         with self.lock:

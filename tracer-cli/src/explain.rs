@@ -95,3 +95,214 @@ pub fn explain(db: &Path, q: &ExplainQuery) -> Result<Explained> {
         analysis_time: t1.elapsed(),
     })
 }
+
+/// The moment a layout is shown at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum At {
+    /// The session's last event.
+    End,
+    /// A wall-clock time, ns since the epoch.
+    Time(i64),
+    /// The first out-of-memory: PyTorch's message, else the first failed allocation.
+    Oom,
+}
+
+/// Which layout to show.
+#[derive(Clone, Debug)]
+pub struct LayoutQuery {
+    pub session: Option<i64>,
+    pub pid: Option<u32>,
+    pub device: Option<i32>,
+    pub at: At,
+}
+
+/// One process's layout at a moment.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ProcessLayout {
+    pub pid: u32,
+    pub comm: Option<String>,
+    pub at_ns: i64,
+    /// "allocator": PyTorch's probes were seen, the blocks are known; "segments": only the
+    /// device allocations are (no probes: another framework, an older PyTorch, the
+    /// cudaMallocAsync backend).
+    pub view: &'static str,
+    pub devices: Vec<DeviceLayout>,
+    pub unexplained: crate::model::layout::Unexplained,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub segments: Vec<crate::model::layout::SegmentMap>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceLayout {
+    pub device: i32,
+    pub total: crate::model::layout::PoolStats,
+    pub pools: Vec<(crate::model::layout::Pool, crate::model::layout::PoolStats)>,
+    /// Device memory allocated outside the allocator's segments.
+    pub outside: u64,
+}
+
+/// The session's processes' layouts at `q.at` (processes with device allocations only).
+pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
+    use crate::model::layout::{AllocConf, Layout};
+    let store = Store::open(db, Access::ReadOnly)?;
+    let info = events::session(store.conn(), q.session)?;
+    let at_ns = match q.at {
+        At::End => i64::MAX,
+        At::Time(t) => t,
+        At::Oom => oom_time(db, store.conn(), info.id, q.pid)?.ok_or_else(|| {
+            user_error(format!(
+                "session {} recorded no out-of-memory: no failed allocation and no PyTorch OOM",
+                info.id
+            ))
+        })?,
+    };
+    let all = events::load(db, info.id, at_ns, q.pid)?;
+    let comms = events::comms(store.conn(), info.id)?;
+    let confs = events::alloc_confs(store.conn(), info.id)?;
+    let mut layouts: std::collections::BTreeMap<u32, (Layout, i64)> = Default::default();
+    for e in &all {
+        let (l, last) = layouts.entry(e.pid).or_insert_with(|| {
+            let conf = confs
+                .get(&e.pid)
+                .map_or_else(AllocConf::default, |c| AllocConf::parse(c));
+            (Layout::new(conf), e.ts_ns)
+        });
+        l.apply(e);
+        *last = e.ts_ns;
+    }
+    let out = layouts
+        .into_iter()
+        .filter(|(_, (l, _))| {
+            !l.stats().is_empty() || !l.segments().is_empty() || l.blocks_seen > 0
+        })
+        .map(|(pid, (l, last))| {
+            process_layout(pid, comms.get(&pid).cloned(), &l, last.min(at_ns), q.device)
+        })
+        .collect();
+    Ok((info.id, out))
+}
+
+fn process_layout(
+    pid: u32,
+    comm: Option<String>,
+    l: &crate::model::layout::Layout,
+    at_ns: i64,
+    device: Option<i32>,
+) -> ProcessLayout {
+    let mut devices: Vec<i32> = l.stats().keys().map(|(d, _)| *d).collect();
+    devices.dedup();
+    devices.retain(|d| device.is_none_or(|want| want == *d));
+    ProcessLayout {
+        pid,
+        comm,
+        at_ns,
+        view: if l.blocks_seen > 0 {
+            "allocator"
+        } else {
+            "segments"
+        },
+        devices: devices
+            .into_iter()
+            .map(|d| DeviceLayout {
+                device: d,
+                total: l.device_total(d),
+                pools: l
+                    .stats()
+                    .iter()
+                    .filter(|((dev, _), _)| *dev == d)
+                    .map(|((_, pool), s)| (*pool, *s))
+                    .collect(),
+                outside: l.outside(d),
+            })
+            .collect(),
+        unexplained: l.unexplained,
+        segments: l
+            .segments()
+            .into_iter()
+            .filter(|s| device.is_none_or(|d| d == s.device))
+            .collect(),
+    }
+}
+
+/// When the first out-of-memory happened: PyTorch's message, else the first failed allocation.
+fn oom_time(
+    db: &Path,
+    conn: &rusqlite::Connection,
+    session: i64,
+    pid: Option<u32>,
+) -> Result<Option<i64>> {
+    let message = events::messages(conn, session)?
+        .into_iter()
+        .find(|m| m.op == tracer_common::Op::TorchOom.name() && pid.is_none_or(|p| p == m.pid))
+        .map(|m| m.ts_ns);
+    if message.is_some() {
+        return Ok(message);
+    }
+    Ok(events::load(db, session, i64::MAX, pid)?
+        .iter()
+        .find(|e| e.ret != 0 && e.class() == tracer_common::OpClass::Alloc)
+        .map(|e| e.ts_ns))
+}
+
+/// The figures after one of PyTorch's block events.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LayoutPoint {
+    pub ts_ns: i64,
+    pub pid: u32,
+    pub op: &'static str,
+    pub ptr: u64,
+    pub total: crate::model::layout::PoolStats,
+    pub pools: std::collections::BTreeMap<String, crate::model::layout::PoolStats>,
+}
+
+/// The layout's figures after every block event of the session (one process, or all).
+pub fn layout_timeline(
+    db: &Path,
+    session: Option<i64>,
+    pid: Option<u32>,
+) -> Result<Vec<LayoutPoint>> {
+    use crate::model::layout::{AllocConf, Layout, Pool};
+    let store = Store::open(db, Access::ReadOnly)?;
+    let info = events::session(store.conn(), session)?;
+    let confs = events::alloc_confs(store.conn(), info.id)?;
+    let mut layouts: std::collections::HashMap<u32, Layout> = Default::default();
+    let mut points = Vec::new();
+    for e in events::load(db, info.id, i64::MAX, pid)? {
+        let l = layouts.entry(e.pid).or_insert_with(|| {
+            Layout::new(
+                confs
+                    .get(&e.pid)
+                    .map_or_else(AllocConf::default, |c| AllocConf::parse(c)),
+            )
+        });
+        l.apply(&e);
+        if matches!(
+            e.class(),
+            tracer_common::OpClass::BlockAlloc | tracer_common::OpClass::BlockFree
+        ) {
+            let mut pools = std::collections::BTreeMap::new();
+            for ((_, pool), s) in l.stats() {
+                let name = if *pool == Pool::Small {
+                    "small"
+                } else {
+                    "large"
+                };
+                let p: &mut crate::model::layout::PoolStats =
+                    pools.entry(name.to_owned()).or_default();
+                p.allocated += s.allocated;
+                p.reserved += s.reserved;
+                p.free_blocks += s.free_blocks;
+                p.largest_free = p.largest_free.max(s.largest_free);
+            }
+            points.push(LayoutPoint {
+                ts_ns: e.ts_ns,
+                pid: e.pid,
+                op: e.op.name(),
+                ptr: e.ptr,
+                total: l.total(),
+                pools,
+            });
+        }
+    }
+    Ok(points)
+}

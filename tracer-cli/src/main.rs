@@ -36,6 +36,8 @@ enum Command {
     Demo(cmd::demo::DemoArgs),
     /// Store the simulated CUDA runtime's own event log (SIMCUDA_EVENTS) as a session to explain.
     Import(cmd::import::ImportArgs),
+    /// Show the allocator's segments and blocks at a moment (rebuilt from PyTorch's own probes).
+    Layout(cmd::layout::LayoutArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => cmd::demo::run(args),
         Command::Stacks(args) => cmd::stacks::run(args),
         Command::Import(args) => cmd::import::run(args),
+        Command::Layout(args) => cmd::layout::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,6 +2,7 @@
 //! labels, and the live per-op statistics. (The allocator layout model comes here too.)
 
 mod event;
+pub mod layout;
 mod process;
 pub mod stats;
 
@@ -9,4 +10,4 @@ pub use event::{
     advise_huge_pages, span, stack_id, Event, FastMap, HostRecord, OffSlice, SiteLabels, StackId,
     Window, NO_DEVICE,
 };
-pub use process::ProcessInfo;
+pub use process::{ProcessInfo, KEPT_ENV};

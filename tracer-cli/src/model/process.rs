@@ -11,4 +11,17 @@ pub struct ProcessInfo {
     pub cmdline: Option<String>,
     pub exe: Option<String>,
     pub cgroup: Option<String>,
+    /// The few environment variables tracer reads (JSON object): the allocator's settings
+    /// (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF) and the job's rank (RANK, LOCAL_RANK,
+    /// WORLD_SIZE). Nothing else of the environment is kept.
+    pub env: Option<String>,
 }
+
+/// The environment variables [`ProcessInfo::env`] keeps.
+pub const KEPT_ENV: [&str; 5] = [
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+];

@@ -4,6 +4,7 @@
 pub mod check;
 pub mod explain;
 pub mod json;
+pub mod layout;
 pub mod live;
 pub mod rows;
 pub mod stacks;

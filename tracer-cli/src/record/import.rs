@@ -156,6 +156,7 @@ impl SimlogImporter {
                         cmdline: None,
                         exe: None,
                         cgroup: None,
+                        env: None,
                     }
                 });
             }

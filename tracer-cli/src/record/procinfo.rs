@@ -2,7 +2,10 @@
 
 use std::path::Path;
 
-use crate::model::ProcessInfo;
+use crate::model::{ProcessInfo, KEPT_ENV};
+
+/// Bytes of /proc/PID/environ read at most (the variables kept come early in practice).
+const ENVIRON_LIMIT: u64 = 1 << 20;
 
 /// Reads /proc/PID; a process that has already exited gives what the event itself carried.
 pub fn read(
@@ -45,7 +48,34 @@ pub fn read(
         cmdline,
         exe,
         cgroup,
+        env: kept_env(&dir),
     }
+}
+
+/// The kept variables of the process's environment, as a JSON object (None when it has none
+/// of them or cannot be read). A bounded read: the environment is the process's to make huge.
+fn kept_env(dir: &Path) -> Option<String> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    std::fs::File::open(dir.join("environ"))
+        .ok()?
+        .take(ENVIRON_LIMIT)
+        .read_to_end(&mut bytes)
+        .ok()?;
+    let kept = parse_kept_env(&bytes);
+    (!kept.is_empty()).then(|| serde_json::to_string(&kept).unwrap_or_default())
+}
+
+/// The kept variables of a NUL-separated environment block.
+pub fn parse_kept_env(block: &[u8]) -> std::collections::BTreeMap<String, String> {
+    block
+        .split(|&b| b == 0)
+        .filter_map(|kv| {
+            let kv = std::str::from_utf8(kv).ok()?;
+            let (k, v) = kv.split_once('=')?;
+            KEPT_ENV.contains(&k).then(|| (k.to_owned(), v.to_owned()))
+        })
+        .collect()
 }
 
 /// Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold spaces).
@@ -168,5 +198,18 @@ mod cpu_list_tests {
         assert_eq!(super::count_cpu_list("0-3,6,8-9"), Some(7));
         assert_eq!(super::count_cpu_list("0"), Some(1));
         assert_eq!(super::count_cpu_list("x"), None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_the_kept_variables_are_read() {
+        let block = b"HOME=/root\0PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\0RANK=3\0SECRET_TOKEN=x\0WORLD_SIZE=8\0";
+        let kept = super::parse_kept_env(block);
+        assert_eq!(kept.len(), 3);
+        assert_eq!(kept["PYTORCH_CUDA_ALLOC_CONF"], "expandable_segments:True");
+        assert_eq!(kept["RANK"], "3");
+        assert!(!kept.contains_key("SECRET_TOKEN"));
     }
 }

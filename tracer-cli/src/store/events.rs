@@ -375,6 +375,90 @@ pub fn comms(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {
         .context("read processes")
 }
 
+/// Each process's allocator settings (PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF), as
+/// recorded from its environment.
+pub fn alloc_confs(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {
+    Ok(envs(conn, session)?
+        .into_iter()
+        .filter_map(|(pid, env)| {
+            let conf = env
+                .get("PYTORCH_CUDA_ALLOC_CONF")
+                .or_else(|| env.get("PYTORCH_ALLOC_CONF"))?;
+            Some((pid, conf.clone()))
+        })
+        .collect())
+}
+
+/// Each process's kept environment variables (databases before schema 5 have none).
+pub fn envs(conn: &Connection, session: i64) -> Result<HashMap<u32, HashMap<String, String>>> {
+    let has_column: bool = conn
+        .query_row(
+            "SELECT count(*) FROM pragma_table_info('processes') WHERE name = 'env'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )
+        .context("look for processes.env")?
+        > 0;
+    if !has_column {
+        return Ok(HashMap::new());
+    }
+    let mut stmt =
+        conn.prepare("SELECT pid, env FROM processes WHERE session_id = ?1 AND env IS NOT NULL")?;
+    let rows = stmt.query_map([session], |r| {
+        Ok((r.get::<_, u32>(0)?, r.get::<_, String>(1)?))
+    })?;
+    let mut out = HashMap::new();
+    for row in rows {
+        let (pid, json) = row.context("read processes")?;
+        if let Ok(env) = serde_json::from_str(&json) {
+            out.insert(pid, env);
+        }
+    }
+    Ok(out)
+}
+
+/// A text a traced program produced (PyTorch's out-of-memory message).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MessageRow {
+    pub ts_ns: i64,
+    pub pid: u32,
+    pub tid: u32,
+    pub op: String,
+    pub text: String,
+    pub truncated: bool,
+}
+
+/// The session's messages in time order (databases before schema 5 have none).
+pub fn messages(conn: &Connection, session: i64) -> Result<Vec<MessageRow>> {
+    let has_table: bool = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'messages'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )
+        .context("look for the messages table")?
+        > 0;
+    if !has_table {
+        return Ok(Vec::new());
+    }
+    let mut stmt = conn.prepare(
+        "SELECT m.ts_ns, m.pid, m.tid, o.name, m.text, m.truncated FROM messages m
+         JOIN ops o ON o.id = m.op_id WHERE m.session_id = ?1 ORDER BY m.ts_ns",
+    )?;
+    let rows = stmt.query_map([session], |r| {
+        Ok(MessageRow {
+            ts_ns: r.get(0)?,
+            pid: r.get(1)?,
+            tid: r.get(2)?,
+            op: r.get(3)?,
+            text: r.get(4)?,
+            truncated: r.get::<_, i64>(5)? != 0,
+        })
+    })?;
+    rows.collect::<rusqlite::Result<_>>()
+        .context("read messages")
+}
+
 /// The scheduler's record of the session's traced threads (host context), up to `to_ns`.
 pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Result<HostRecord> {
     let state: Option<String> = conn

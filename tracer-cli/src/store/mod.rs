@@ -306,8 +306,8 @@ impl Store {
             .context("begin a write transaction")?;
         {
             let mut proc_stmt = tx.prepare_cached(
-                "INSERT OR IGNORE INTO processes (session_id, pid, start_time_ns, first_seen_ns, comm, cmdline, exe, cgroup)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+                "INSERT OR IGNORE INTO processes (session_id, pid, start_time_ns, first_seen_ns, comm, cmdline, exe, cgroup, env)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
             )?;
             for p in batch.processes {
                 proc_stmt.execute(params![
@@ -318,7 +318,8 @@ impl Store {
                     p.comm,
                     p.cmdline,
                     p.exe,
-                    p.cgroup
+                    p.cgroup,
+                    p.env
                 ])?;
             }
             let mut msg_stmt = tx.prepare_cached(

@@ -156,5 +156,6 @@ CREATE TABLE messages (
     truncated  INTEGER NOT NULL
 );
 CREATE INDEX messages_session ON messages(session_id, ts_ns);
+ALTER TABLE processes ADD COLUMN env TEXT;
 "#,
 ];

@@ -1,0 +1,777 @@
+//! The caching allocator's layout, rebuilt from what was traced: segments from the device
+//! allocations (cudaMalloc/cudaFree, or the reserved ranges and mapped chunks of expandable
+//! segments), blocks from PyTorch's own probes (pytorch:malloc/free) placed inside them with the
+//! allocator's rounding and split rules. From it, per device and pool, the figures PyTorch
+//! itself would report: allocated, reserved, the free blocks and the largest one.
+//!
+//! Feed events in the order they happened ([`Layout::apply`]); read [`Layout::stats`] at any
+//! moment, or [`Layout::segments`] for the map.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use tracer_common::{Op, OpClass, Space};
+
+use super::Event;
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+/// The smallest block, and the unit sizes are rounded to.
+pub const MIN_BLOCK: u64 = 512;
+/// Requests up to this size go to the small pool (2 MiB segments).
+pub const SMALL_SIZE: u64 = MIB;
+pub const SMALL_SEGMENT: u64 = 2 * MIB;
+pub const LARGE_SEGMENT: u64 = 20 * MIB;
+pub const MIN_LARGE_ALLOC: u64 = 10 * MIB;
+pub const ROUND_LARGE: u64 = 2 * MIB;
+
+/// The allocator's settings (PYTORCH_CUDA_ALLOC_CONF) that shape the layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocConf {
+    /// Blocks at least this large are never split (max_split_size_mb; default: no limit).
+    pub max_split_size: u64,
+    /// roundup_power2_divisions (0: plain 512-byte rounding).
+    pub roundup_power2_divisions: u64,
+}
+
+impl Default for AllocConf {
+    fn default() -> Self {
+        AllocConf {
+            max_split_size: u64::MAX,
+            roundup_power2_divisions: 0,
+        }
+    }
+}
+
+impl AllocConf {
+    /// From a PYTORCH_CUDA_ALLOC_CONF value ("expandable_segments:True,max_split_size_mb:128").
+    pub fn parse(value: &str) -> AllocConf {
+        let mut conf = AllocConf::default();
+        for item in value.split(',') {
+            let Some((key, v)) = item.split_once(':') else {
+                continue;
+            };
+            match key.trim() {
+                "max_split_size_mb" => {
+                    if let Ok(mb) = v.trim().parse::<u64>() {
+                        conf.max_split_size = mb.saturating_mul(MIB);
+                    }
+                }
+                "roundup_power2_divisions" => {
+                    if let Ok(d) = v.trim().parse::<u64>() {
+                        conf.roundup_power2_divisions = d;
+                    }
+                }
+                _ => {}
+            }
+        }
+        conf
+    }
+
+    /// The block size a request gets (PyTorch's round_size).
+    pub fn round_size(&self, size: u64) -> u64 {
+        if size < MIN_BLOCK {
+            return MIN_BLOCK;
+        }
+        let divisions = self.roundup_power2_divisions;
+        if divisions > 1 && size > MIN_BLOCK * divisions {
+            // The next of `divisions` equal steps between two powers of two.
+            if size.is_power_of_two() {
+                return size;
+            }
+            let floor = 1u64 << (63 - size.leading_zeros());
+            let step = floor >> (63 - divisions.leading_zeros());
+            if step == 0 {
+                return floor << 1;
+            }
+            let down = size & !(step - 1);
+            return if down == size { size } else { down + step };
+        }
+        size.div_ceil(MIN_BLOCK) * MIN_BLOCK
+    }
+}
+
+/// PyTorch's two pools: small requests (up to 1 MiB) share 2 MiB segments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pool {
+    Small,
+    Large,
+}
+
+/// The figures of one pool (or of all pools) at a moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PoolStats {
+    /// Bytes in blocks handed out (block sizes, as PyTorch counts them).
+    pub allocated: u64,
+    /// Bytes of device memory the allocator holds (segments, or mapped chunks).
+    pub reserved: u64,
+    /// Free blocks inside the reserved memory.
+    pub free_blocks: u64,
+    pub largest_free: u64,
+}
+
+impl PoolStats {
+    /// Reserved but not allocated: the allocator's cache.
+    pub fn cached(&self) -> u64 {
+        self.reserved.saturating_sub(self.allocated)
+    }
+
+    /// The community's ratio: (reserved - allocated) / reserved.
+    pub fn slack_ratio(&self) -> f64 {
+        if self.reserved == 0 {
+            0.0
+        } else {
+            self.cached() as f64 / self.reserved as f64
+        }
+    }
+
+    /// Fragmentation proper: 1 - largest free block / cached bytes (0 when the cache is one
+    /// block, near 1 when it is dust).
+    pub fn fragmentation(&self) -> f64 {
+        if self.cached() == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free as f64 / self.cached() as f64
+        }
+    }
+
+    fn add(&mut self, other: &PoolStats) {
+        self.allocated += other.allocated;
+        self.reserved += other.reserved;
+        self.free_blocks += other.free_blocks;
+        self.largest_free = self.largest_free.max(other.largest_free);
+    }
+}
+
+/// A run of a segment: allocated block, free block, or unmapped address space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunKind {
+    Allocated,
+    Free,
+    Unmapped,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Run {
+    pub addr: u64,
+    pub size: u64,
+    pub kind: RunKind,
+    /// For allocated blocks: the size requested.
+    pub requested: u64,
+    /// For allocated blocks: the call site of the pytorch:malloc (--stack).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stack: Option<u32>,
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    size: u64,
+    requested: u64,
+    stack: Option<u32>,
+}
+
+#[derive(Clone, Debug)]
+struct Segment {
+    size: u64,
+    device: i32,
+    /// Expandable segments: the mapped ranges (start -> end); None for cudaMalloc'ed ones.
+    mapped: Option<BTreeMap<u64, u64>>,
+    /// Its pool, once known (a block or a mapping said).
+    pool: Option<Pool>,
+    blocks: BTreeMap<u64, Block>,
+    /// The free gaps' sizes, as last counted into the pool's multiset.
+    gaps: Vec<u64>,
+}
+
+/// One segment as a map, for `tracer layout`.
+#[derive(Clone, Debug, Serialize)]
+pub struct SegmentMap {
+    pub addr: u64,
+    pub size: u64,
+    pub device: i32,
+    pub pool: Option<Pool>,
+    pub expandable: bool,
+    pub runs: Vec<Run>,
+}
+
+/// What the layout cannot explain: said, never guessed over.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Unexplained {
+    /// Blocks whose address lies in no segment seen (allocated before the trace began).
+    pub blocks_outside_segments: u64,
+    /// Frees of blocks never seen allocated.
+    pub unmatched_frees: u64,
+    /// Blocks overlapping one already there.
+    pub overlapping_blocks: u64,
+    /// Segments released while blocks were still allocated in them.
+    pub segments_freed_with_blocks: u64,
+}
+
+/// The layout of one process.
+#[derive(Clone, Debug, Default)]
+pub struct Layout {
+    conf: AllocConf,
+    segments: BTreeMap<u64, Segment>,
+    /// Per (device, pool): free gap sizes -> count.
+    gaps: BTreeMap<(i32, Pool), BTreeMap<u64, u64>>,
+    totals: BTreeMap<(i32, Pool), PoolStats>,
+    /// Blocks seen at all: the allocator's probes are visible.
+    pub blocks_seen: u64,
+    pub unexplained: Unexplained,
+    /// Device bytes allocated that belong to no segment of the allocator (yet): libraries'
+    /// own cudaMalloc (cuBLAS workspaces, NCCL), or a segment no block has landed in.
+    outside: BTreeMap<i32, u64>,
+}
+
+impl Layout {
+    pub fn new(conf: AllocConf) -> Layout {
+        Layout {
+            conf,
+            ..Default::default()
+        }
+    }
+
+    pub fn conf(&self) -> AllocConf {
+        self.conf
+    }
+
+    /// Applies one event (the process's events in time order).
+    pub fn apply(&mut self, e: &Event) {
+        let spec = e.op.spec();
+        match (spec.class, spec.space) {
+            (OpClass::BlockAlloc, _) if e.ptr != 0 => self.block_alloc(e),
+            (OpClass::BlockFree, _) if e.ptr != 0 => self.block_free(e),
+            (OpClass::Alloc, Space::Device) if e.ret == 0 && e.ptr != 0 && is_segment_op(e.op) => {
+                self.segment_alloc(e.ptr, e.size, e.device, None)
+            }
+            (OpClass::Free, Space::Device) if e.ret == 0 && is_segment_op(e.op) => {
+                self.segment_free(e.ptr)
+            }
+            (OpClass::Alloc, Space::AddressRange) if e.ret == 0 && e.ptr != 0 => {
+                self.segment_alloc(e.ptr, e.size, e.device, Some(BTreeMap::new()))
+            }
+            (OpClass::Free, Space::AddressRange) if e.ret == 0 => self.segment_free(e.ptr),
+            (OpClass::Alloc, Space::Mapping) if e.ret == 0 => self.map(e.ptr, e.size, true),
+            (OpClass::Free, Space::Mapping) if e.ret == 0 => self.map(e.ptr, e.size, false),
+            _ => {}
+        }
+    }
+
+    /// Per device and pool.
+    pub fn stats(&self) -> &BTreeMap<(i32, Pool), PoolStats> {
+        &self.totals
+    }
+
+    /// All pools of all devices together.
+    pub fn total(&self) -> PoolStats {
+        let mut t = PoolStats::default();
+        for s in self.totals.values() {
+            t.add(s);
+        }
+        t
+    }
+
+    /// One device's pools together.
+    pub fn device_total(&self, device: i32) -> PoolStats {
+        let mut t = PoolStats::default();
+        for (_, s) in self
+            .totals
+            .range((device, Pool::Small)..=(device, Pool::Large))
+        {
+            t.add(s);
+        }
+        t
+    }
+
+    /// Device memory allocated outside the allocator's segments, per device.
+    pub fn outside(&self, device: i32) -> u64 {
+        self.outside.get(&device).copied().unwrap_or(0)
+    }
+
+    /// The segments as maps of runs.
+    pub fn segments(&self) -> Vec<SegmentMap> {
+        self.segments
+            .iter()
+            .filter(|(_, s)| s.pool.is_some())
+            .map(|(&addr, s)| SegmentMap {
+                addr,
+                size: s.size,
+                device: s.device,
+                pool: s.pool,
+                expandable: s.mapped.is_some(),
+                runs: runs_of(addr, s),
+            })
+            .collect()
+    }
+
+    /// The segment holding `ptr`, by its start address.
+    fn segment_at(&self, ptr: u64) -> Option<u64> {
+        let (&addr, seg) = self.segments.range(..=ptr).next_back()?;
+        (ptr < addr + seg.size).then_some(addr)
+    }
+
+    fn segment_alloc(
+        &mut self,
+        addr: u64,
+        size: u64,
+        device: i32,
+        mapped: Option<BTreeMap<u64, u64>>,
+    ) {
+        if self.segments.contains_key(&addr) {
+            // A driver allocation nested in the runtime's, for the same segment.
+            return;
+        }
+        let expandable = mapped.is_some();
+        self.segments.insert(
+            addr,
+            Segment {
+                size,
+                device,
+                mapped,
+                pool: None,
+                blocks: BTreeMap::new(),
+                gaps: Vec::new(),
+            },
+        );
+        if !expandable {
+            // Outside the allocator until a block lands in it.
+            *self.outside.entry(device).or_default() += size;
+        }
+    }
+
+    fn segment_free(&mut self, addr: u64) {
+        let Some(seg) = self.segments.remove(&addr) else {
+            return;
+        };
+        if !seg.blocks.is_empty() {
+            self.unexplained.segments_freed_with_blocks += 1;
+        }
+        match seg.pool {
+            Some(pool) => {
+                let key = (seg.device, pool);
+                self.count_gaps(key, &seg.gaps, false);
+                let t = self.totals.entry(key).or_default();
+                t.reserved = t.reserved.saturating_sub(reserved_of(&seg));
+                t.allocated = t
+                    .allocated
+                    .saturating_sub(seg.blocks.values().map(|b| b.size).sum());
+                self.refresh_largest(key);
+            }
+            None if seg.mapped.is_none() => {
+                let o = self.outside.entry(seg.device).or_default();
+                *o = o.saturating_sub(seg.size);
+            }
+            None => {}
+        }
+    }
+
+    /// A chunk mapped into (or unmapped from) an expandable segment.
+    fn map(&mut self, ptr: u64, size: u64, mapped: bool) {
+        let Some(addr) = self.segment_at(ptr) else {
+            return;
+        };
+        let Some(seg) = self.segments.get_mut(&addr) else {
+            return;
+        };
+        let Some(ranges) = seg.mapped.as_mut() else {
+            return;
+        };
+        if mapped {
+            insert_range(ranges, ptr, ptr + size);
+            if seg.pool.is_none() {
+                seg.pool = Some(if size <= SMALL_SEGMENT {
+                    Pool::Small
+                } else {
+                    Pool::Large
+                });
+            }
+        } else {
+            remove_range(ranges, ptr, ptr + size);
+        }
+        if let Some(pool) = seg.pool {
+            let key = (seg.device, pool);
+            let delta = size as i64 * if mapped { 1 } else { -1 };
+            let t = self.totals.entry(key).or_default();
+            t.reserved = (t.reserved as i64 + delta).max(0) as u64;
+            self.regap(addr);
+        }
+    }
+
+    fn block_alloc(&mut self, e: &Event) {
+        self.blocks_seen += 1;
+        let Some(addr) = self.segment_at(e.ptr) else {
+            self.unexplained.blocks_outside_segments += 1;
+            return;
+        };
+        let conf = self.conf;
+        let Some(seg) = self.segments.get_mut(&addr) else {
+            return;
+        };
+        let rounded = conf.round_size(e.size);
+        if seg.pool.is_none() {
+            // cudaMalloc'ed: 2 MiB segments serve the small pool; expandable: the first
+            // mapping said, else the request's size does.
+            let small = match seg.mapped {
+                None => seg.size == SMALL_SEGMENT,
+                Some(_) => rounded <= SMALL_SIZE,
+            };
+            seg.pool = Some(if small { Pool::Small } else { Pool::Large });
+            if seg.mapped.is_none() {
+                let o = self.outside.entry(seg.device).or_default();
+                *o = o.saturating_sub(seg.size);
+            }
+            let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
+            self.totals.entry(key).or_default().reserved += reserved_of(seg);
+            self.regap(addr);
+        }
+        let Some(seg) = self.segments.get_mut(&addr) else {
+            return;
+        };
+        let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
+        let gap_end = free_end(addr, seg, e.ptr);
+        let Some(gap_end) = gap_end else {
+            self.unexplained.overlapping_blocks += 1;
+            return;
+        };
+        let remaining = gap_end.saturating_sub(e.ptr).saturating_sub(rounded);
+        let split = if seg.mapped.is_some() || key.1 == Pool::Small {
+            remaining >= MIN_BLOCK
+        } else {
+            rounded < conf.max_split_size && remaining > SMALL_SIZE
+        };
+        let size = if split {
+            rounded
+        } else {
+            gap_end.saturating_sub(e.ptr).max(rounded)
+        };
+        seg.blocks.insert(
+            e.ptr,
+            Block {
+                size,
+                requested: e.size,
+                stack: e.stack.map(|s| s.get()),
+            },
+        );
+        self.totals.entry(key).or_default().allocated += size;
+        self.regap(addr);
+    }
+
+    fn block_free(&mut self, e: &Event) {
+        let found = self.segment_at(e.ptr).and_then(|addr| {
+            let seg = self.segments.get_mut(&addr)?;
+            let block = seg.blocks.remove(&e.ptr)?;
+            Some((addr, (seg.device, seg.pool.unwrap_or(Pool::Large)), block))
+        });
+        let Some((addr, key, block)) = found else {
+            self.unexplained.unmatched_frees += 1;
+            return;
+        };
+        let t = self.totals.entry(key).or_default();
+        t.allocated = t.allocated.saturating_sub(block.size);
+        self.regap(addr);
+    }
+
+    /// Recounts a segment's free gaps into its pool's multiset.
+    fn regap(&mut self, addr: u64) {
+        let Some(seg) = self.segments.get_mut(&addr) else {
+            return;
+        };
+        let Some(pool) = seg.pool else {
+            return;
+        };
+        let key = (seg.device, pool);
+        let old = std::mem::take(&mut seg.gaps);
+        let new: Vec<u64> = runs_of(addr, seg)
+            .into_iter()
+            .filter(|r| r.kind == RunKind::Free)
+            .map(|r| r.size)
+            .collect();
+        seg.gaps = new.clone();
+        self.count_gaps(key, &old, false);
+        self.count_gaps(key, &new, true);
+    }
+
+    fn count_gaps(&mut self, key: (i32, Pool), gaps: &[u64], add: bool) {
+        let set = self.gaps.entry(key).or_default();
+        for &g in gaps {
+            if add {
+                *set.entry(g).or_default() += 1;
+            } else if let Some(n) = set.get_mut(&g) {
+                *n -= 1;
+                if *n == 0 {
+                    set.remove(&g);
+                }
+            }
+        }
+        self.refresh_largest(key);
+    }
+
+    fn refresh_largest(&mut self, key: (i32, Pool)) {
+        let set = self.gaps.get(&key);
+        let t = self.totals.entry(key).or_default();
+        t.largest_free = set.and_then(|s| s.keys().next_back().copied()).unwrap_or(0);
+        t.free_blocks = set.map_or(0, |s| s.values().sum());
+    }
+}
+
+/// The runtime's and driver's device allocations (and frees) that can be the allocator's
+/// segments (not the async pools', nor managed memory).
+fn is_segment_op(op: Op) -> bool {
+    matches!(
+        op,
+        Op::CudaMalloc | Op::CuMemAlloc | Op::CudaFree | Op::CuMemFree
+    )
+}
+
+fn reserved_of(seg: &Segment) -> u64 {
+    match &seg.mapped {
+        Some(ranges) => ranges.iter().map(|(s, e)| e - s).sum(),
+        None => seg.size,
+    }
+}
+
+/// Where the free run starting at `ptr` ends: the next block, the segment's end, or the end of
+/// the mapped range holding it. None when `ptr` is inside a block or not mapped.
+fn free_end(addr: u64, seg: &Segment, ptr: u64) -> Option<u64> {
+    if let Some((&b, block)) = seg.blocks.range(..=ptr).next_back() {
+        if ptr < b + block.size {
+            return None;
+        }
+    }
+    let mut end = addr + seg.size;
+    if let Some(ranges) = &seg.mapped {
+        let (_, &range_end) = ranges.range(..=ptr).next_back().filter(|(_, &e)| ptr < e)?;
+        end = end.min(range_end);
+    }
+    if let Some((&next, _)) = seg.blocks.range(ptr + 1..).next() {
+        end = end.min(next);
+    }
+    Some(end)
+}
+
+/// The segment's runs in address order.
+fn runs_of(addr: u64, seg: &Segment) -> Vec<Run> {
+    let end = addr + seg.size;
+    // Mapped ranges (the whole segment when not expandable).
+    let mapped: Vec<(u64, u64)> = match &seg.mapped {
+        Some(r) => r.iter().map(|(&s, &e)| (s, e)).collect(),
+        None => vec![(addr, end)],
+    };
+    let mut runs = Vec::new();
+    let mut at = addr;
+    let push_free = |runs: &mut Vec<Run>, from: u64, to: u64| {
+        // Free space between `from` and `to`, split where it is not mapped.
+        let mut cur = from;
+        for &(s, e) in &mapped {
+            let (s, e) = (s.max(from), e.min(to));
+            if s >= e {
+                continue;
+            }
+            if s > cur {
+                runs.push(run(cur, s - cur, RunKind::Unmapped));
+            }
+            runs.push(run(s, e - s, RunKind::Free));
+            cur = e;
+        }
+        if cur < to {
+            runs.push(run(cur, to - cur, RunKind::Unmapped));
+        }
+    };
+    for (&b, block) in &seg.blocks {
+        if b > at {
+            push_free(&mut runs, at, b);
+        }
+        runs.push(Run {
+            addr: b,
+            size: block.size,
+            kind: RunKind::Allocated,
+            requested: block.requested,
+            stack: block.stack,
+        });
+        at = at.max(b + block.size);
+    }
+    if at < end {
+        push_free(&mut runs, at, end);
+    }
+    runs
+}
+
+fn run(addr: u64, size: u64, kind: RunKind) -> Run {
+    Run {
+        addr,
+        size,
+        kind,
+        requested: 0,
+        stack: None,
+    }
+}
+
+/// Adds [s, e) to disjoint ranges, merging neighbours.
+fn insert_range(ranges: &mut BTreeMap<u64, u64>, mut s: u64, mut e: u64) {
+    let touching: Vec<(u64, u64)> = ranges
+        .range(..=e)
+        .filter(|(&rs, &re)| re >= s && rs <= e)
+        .map(|(&rs, &re)| (rs, re))
+        .collect();
+    for (rs, re) in touching {
+        ranges.remove(&rs);
+        s = s.min(rs);
+        e = e.max(re);
+    }
+    ranges.insert(s, e);
+}
+
+/// Removes [s, e) from disjoint ranges.
+fn remove_range(ranges: &mut BTreeMap<u64, u64>, s: u64, e: u64) {
+    let overlapping: Vec<(u64, u64)> = ranges
+        .range(..e)
+        .filter(|(_, &re)| re > s)
+        .map(|(&rs, &re)| (rs, re))
+        .collect();
+    for (rs, re) in overlapping {
+        ranges.remove(&rs);
+        if rs < s {
+            ranges.insert(rs, s);
+        }
+        if re > e {
+            ranges.insert(e, re);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::NO_DEVICE;
+
+    fn ev(op: Op, ptr: u64, size: u64) -> Event {
+        Event {
+            ts_ns: 0,
+            duration_ns: 0,
+            size,
+            ptr,
+            aux0: 0,
+            aux1: 0,
+            pid: 1,
+            tid: 1,
+            ret: 0,
+            device: 0,
+            stack: None,
+            op,
+        }
+    }
+
+    const SEG: u64 = 0x7f00_0000_0000;
+
+    #[test]
+    fn small_pool_splits_and_merges_as_pytorch() {
+        let mut l = Layout::default();
+        l.apply(&ev(Op::CudaMalloc, SEG, SMALL_SEGMENT));
+        assert_eq!(
+            l.outside(0),
+            SMALL_SEGMENT,
+            "no block yet: outside the allocator"
+        );
+        l.apply(&ev(Op::TorchMalloc, SEG, 1000));
+        assert_eq!(l.outside(0), 0);
+        let s = l.stats()[&(0, Pool::Small)];
+        assert_eq!((s.allocated, s.reserved), (1024, SMALL_SEGMENT));
+        assert_eq!((s.free_blocks, s.largest_free), (1, SMALL_SEGMENT - 1024));
+        l.apply(&ev(Op::TorchMalloc, SEG + 1024, 4096));
+        l.apply(&ev(Op::TorchFree, SEG, 0));
+        let s = l.stats()[&(0, Pool::Small)];
+        assert_eq!(
+            (s.allocated, s.free_blocks, s.largest_free),
+            (4096, 2, SMALL_SEGMENT - 5120)
+        );
+        assert!(
+            (s.fragmentation()
+                - (1.0 - (SMALL_SEGMENT - 5120) as f64 / (SMALL_SEGMENT - 4096) as f64))
+                .abs()
+                < 1e-12
+        );
+        l.apply(&ev(Op::TorchFree, SEG + 1024, 0));
+        let s = l.stats()[&(0, Pool::Small)];
+        assert_eq!(
+            (s.allocated, s.free_blocks, s.largest_free),
+            (0, 1, SMALL_SEGMENT)
+        );
+        l.apply(&ev(Op::CudaFree, SEG, 0));
+        assert_eq!(l.total(), PoolStats::default());
+        assert_eq!(l.unexplained, Unexplained::default());
+    }
+
+    #[test]
+    fn large_remainders_of_a_mib_or_less_are_not_split() {
+        let mut l = Layout::default();
+        l.apply(&ev(Op::CudaMalloc, SEG, LARGE_SEGMENT));
+        // 19.5 MiB in a 20 MiB segment: 0.5 MiB left, not split: the block is the whole segment.
+        l.apply(&ev(Op::TorchMalloc, SEG, 19 * MIB + MIB / 2));
+        let s = l.stats()[&(0, Pool::Large)];
+        assert_eq!((s.allocated, s.free_blocks), (LARGE_SEGMENT, 0));
+        l.apply(&ev(Op::TorchFree, SEG, 0));
+        l.apply(&ev(Op::TorchMalloc, SEG, 8 * MIB));
+        let s = l.stats()[&(0, Pool::Large)];
+        assert_eq!((s.allocated, s.largest_free), (8 * MIB, 12 * MIB));
+        // max_split_size: a block at or above it is never split.
+        let mut l = Layout::new(AllocConf::parse("max_split_size_mb:4"));
+        l.apply(&ev(Op::CudaMalloc, SEG, LARGE_SEGMENT));
+        l.apply(&ev(Op::TorchMalloc, SEG, 8 * MIB));
+        assert_eq!(l.stats()[&(0, Pool::Large)].allocated, LARGE_SEGMENT);
+    }
+
+    #[test]
+    fn expandable_segments_map_in_chunks_and_split_any_512_bytes() {
+        let mut l = Layout::default();
+        let va = 0x6000_0000_0000;
+        l.apply(&ev(Op::CuMemAddressReserve, va, 1 << 34));
+        for i in 0..2 {
+            l.apply(&ev(Op::CuMemMap, va + i * LARGE_SEGMENT, LARGE_SEGMENT));
+        }
+        l.apply(&ev(Op::TorchMalloc, va, 39 * MIB + MIB / 2));
+        let s = l.stats()[&(0, Pool::Large)];
+        assert_eq!(
+            (s.reserved, s.allocated),
+            (2 * LARGE_SEGMENT, 39 * MIB + MIB / 2)
+        );
+        assert_eq!((s.free_blocks, s.largest_free), (1, MIB / 2));
+        l.apply(&ev(Op::TorchFree, va, 0));
+        l.apply(&ev(Op::CuMemUnmap, va + LARGE_SEGMENT, LARGE_SEGMENT));
+        let s = l.stats()[&(0, Pool::Large)];
+        assert_eq!(
+            (s.reserved, s.allocated, s.largest_free),
+            (LARGE_SEGMENT, 0, LARGE_SEGMENT)
+        );
+        let map = l.segments();
+        assert_eq!(
+            map[0].runs.iter().map(|r| r.kind).collect::<Vec<_>>(),
+            [RunKind::Free, RunKind::Unmapped]
+        );
+    }
+
+    #[test]
+    fn what_cannot_be_seen_is_counted() {
+        let mut l = Layout::default();
+        l.apply(&ev(Op::TorchMalloc, SEG, 4096));
+        l.apply(&ev(Op::TorchFree, SEG + 8192, 0));
+        assert_eq!(l.unexplained.blocks_outside_segments, 1);
+        assert_eq!(l.unexplained.unmatched_frees, 1);
+        let mut e = ev(Op::CudaMalloc, SEG, LARGE_SEGMENT);
+        e.device = NO_DEVICE;
+        l.apply(&e);
+        assert_eq!(l.outside(NO_DEVICE), LARGE_SEGMENT);
+    }
+
+    #[test]
+    fn rounding_follows_round_size() {
+        let plain = AllocConf::default();
+        assert_eq!(plain.round_size(1), 512);
+        assert_eq!(plain.round_size(513), 1024);
+        assert_eq!(plain.round_size(3 * MIB + 1), 3 * MIB + 512);
+        let p2 = AllocConf::parse("roundup_power2_divisions:4");
+        assert_eq!(p2.round_size(5 * MIB), 5 * MIB);
+        assert_eq!(p2.round_size(5 * MIB + 1), 6 * MIB);
+    }
+}

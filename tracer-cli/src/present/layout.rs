@@ -1,0 +1,110 @@
+//! `tracer layout` as text: per process and device the allocator's figures, then each segment
+//! as a bar (`#` allocated, `.` free, space unmapped) with its largest free block.
+
+use std::io::Write;
+
+use anyhow::Result;
+
+use crate::{
+    explain::ProcessLayout,
+    model::layout::{PoolStats, RunKind, SegmentMap},
+    units::{format_bytes as b, format_utc},
+};
+
+const BAR: usize = 64;
+
+fn figures(s: &PoolStats) -> String {
+    format!(
+        "allocated {}, reserved {}, cached {} in {} free blocks, largest {}; fragmentation {:.0} %, slack {:.0} %",
+        b(s.allocated),
+        b(s.reserved),
+        b(s.cached()),
+        s.free_blocks,
+        b(s.largest_free),
+        s.fragmentation() * 100.0,
+        s.slack_ratio() * 100.0
+    )
+}
+
+/// A segment as a bar of BAR characters, each showing what most of its bytes are.
+fn bar(seg: &SegmentMap) -> String {
+    let per = (seg.size as f64 / BAR as f64).max(1.0);
+    (0..BAR)
+        .map(|i| {
+            let (from, to) = (
+                seg.addr + (i as f64 * per) as u64,
+                seg.addr + ((i + 1) as f64 * per) as u64,
+            );
+            let mut by_kind = [0u64; 3];
+            for r in &seg.runs {
+                let (s, e) = (r.addr.max(from), (r.addr + r.size).min(to));
+                if s < e {
+                    by_kind[r.kind as usize] += e - s;
+                }
+            }
+            let most = (0..3).max_by_key(|&k| by_kind[k]).unwrap_or(0);
+            match most {
+                0 => '#',
+                1 => '.',
+                _ => ' ',
+            }
+        })
+        .collect()
+}
+
+pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Result<()> {
+    for p in layouts {
+        writeln!(
+            out,
+            "Session {session}, process {} (PID {}) at {} ({} view)",
+            p.comm.as_deref().unwrap_or("?"),
+            p.pid,
+            format_utc(p.at_ns),
+            p.view
+        )?;
+        for d in &p.devices {
+            writeln!(out, "  device {}: {}", d.device, figures(&d.total))?;
+            for (pool, s) in &d.pools {
+                writeln!(out, "    {:?} pool: {}", pool, figures(s))?;
+            }
+            if d.outside > 0 {
+                writeln!(out, "    outside the allocator: {}", b(d.outside))?;
+            }
+        }
+        let u = p.unexplained;
+        if u != Default::default() {
+            writeln!(
+                out,
+                "  not explained by the trace: {} blocks outside known segments (allocated before the trace began), {} frees of unseen blocks, {} overlapping blocks, {} segments freed with blocks in them",
+                u.blocks_outside_segments, u.unmatched_frees, u.overlapping_blocks, u.segments_freed_with_blocks
+            )?;
+        }
+        for seg in &p.segments {
+            let largest = seg
+                .runs
+                .iter()
+                .filter(|r| r.kind == RunKind::Free)
+                .map(|r| r.size)
+                .max()
+                .unwrap_or(0);
+            let used: u64 = seg
+                .runs
+                .iter()
+                .filter(|r| r.kind == RunKind::Allocated)
+                .map(|r| r.size)
+                .sum();
+            writeln!(
+                out,
+                "  {:#014x} {:>10} [{}] {:>10} used, largest free {}{}",
+                seg.addr,
+                b(seg.size),
+                bar(seg),
+                b(used),
+                b(largest),
+                if seg.expandable { " (expandable)" } else { "" }
+            )?;
+        }
+        writeln!(out)?;
+    }
+    Ok(())
+}

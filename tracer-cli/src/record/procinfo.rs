@@ -140,6 +140,16 @@ mod tests {
         assert!(info.cmdline.is_some());
         assert!(info.start_time_ns.unwrap() > 1_600_000_000_000_000_000);
     }
+
+    #[test]
+    fn only_the_kept_variables_are_read() {
+        let block = b"HOME=/root\0PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\0RANK=3\0SECRET_TOKEN=x\0WORLD_SIZE=8\0";
+        let kept = super::parse_kept_env(block);
+        assert_eq!(kept.len(), 3);
+        assert_eq!(kept["PYTORCH_CUDA_ALLOC_CONF"], "expandable_segments:True");
+        assert_eq!(kept["RANK"], "3");
+        assert!(!kept.contains_key("SECRET_TOKEN"));
+    }
 }
 
 /// The threads of `pid` and of all its descendant processes (from /proc/PID/task/TID/children),
@@ -198,18 +208,5 @@ mod cpu_list_tests {
         assert_eq!(super::count_cpu_list("0-3,6,8-9"), Some(7));
         assert_eq!(super::count_cpu_list("0"), Some(1));
         assert_eq!(super::count_cpu_list("x"), None);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn only_the_kept_variables_are_read() {
-        let block = b"HOME=/root\0PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\0RANK=3\0SECRET_TOKEN=x\0WORLD_SIZE=8\0";
-        let kept = super::parse_kept_env(block);
-        assert_eq!(kept.len(), 3);
-        assert_eq!(kept["PYTORCH_CUDA_ALLOC_CONF"], "expandable_segments:True");
-        assert_eq!(kept["RANK"], "3");
-        assert!(!kept.contains_key("SECRET_TOKEN"));
     }
 }

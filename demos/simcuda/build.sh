@@ -14,7 +14,8 @@ cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcuda.so.1" -Wl,-soname
 cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcudart.so.12" -Wl,-soname,libcudart.so.12 \
   -Wl,--version-script="$src/libcudart.map" "$src/runtime.c" -L"$out" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
 # PyTorch's own probes (USDT, sys/sdt.h) for the simulated caching allocator.
-cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libsimtorch.so" "$src/torchprobes.c"
+cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libsimtorch.so" "$src/torchprobes.c" \
+  -L"$out" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
 cc "${cflags[@]}" -o "$out/simdriver" "$src/simdriver.c" -ldl -lpthread
 # The same runtime linked into an executable, as statically linked CUDA programs do.
 cc "${cflags[@]}" -o "$out/staticapp" "$src/staticapp.c" "$src/runtime.c" "$src/model.c" "$src/driver_api.c" -lpthread

@@ -9,18 +9,25 @@
 #include <string.h>
 #include <sys/sdt.h>
 
+#include "simcuda.h"
+
 #define API __attribute__((visibility("default")))
 
 __extension__ unsigned short pytorch_malloc_semaphore __attribute__((unused)) __attribute__((section(".probes")));
 __extension__ unsigned short pytorch_free_semaphore __attribute__((unused)) __attribute__((section(".probes")));
 
 /* As PyTorch: the device is a signed byte (c10::DeviceIndex), the rest 8-byte values. */
+/* Also logged with the runtime's calls (SIMCUDA_EVENTS), for runs without eBPF. */
 API void simtorch_malloc(uint64_t ptr, int8_t device, uint64_t size, uint64_t stream) {
     if (pytorch_malloc_semaphore) STAP_PROBE4(pytorch, malloc, ptr, device, size, stream);
+    uint64_t now = sim_mono_ns();
+    sim_record("pytorch:malloc", sim_realtime_ns(), now, 0, size, ptr, stream, SIM_NONE);
 }
 
 API void simtorch_free(uint64_t ptr) {
     if (pytorch_free_semaphore) STAP_PROBE1(pytorch, free, ptr);
+    uint64_t now = sim_mono_ns();
+    sim_record("pytorch:free", sim_realtime_ns(), now, 0, SIM_NONE, ptr, SIM_NONE, SIM_NONE);
 }
 
 /* Whether the probes would run (what PyTorch's `if (semaphore)` reads): for tests. */

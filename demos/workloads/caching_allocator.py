@@ -425,6 +425,10 @@ class CachingAllocator:
             "segments": len(self.segments),
             "blocks": sum(len(s.blocks) for s in self.segments),
             "largest_free_block": max(free_blocks, default=0),
+            # What a cache flush would give back: segments (or chunks) with nothing allocated.
+            "releasable": sum(
+                s.mapped_bytes() for s in self.segments if all(b.free for b in s.blocks) and not s.chunk
+            ),
             "inactive_split": sum(free_blocks),
             "num_alloc_retries": self.num_alloc_retries,
             "num_ooms": self.num_ooms,

@@ -40,9 +40,11 @@ def step_pause(args, seconds):
 
 
 def incident(alloc, args, rng):
-    """Variable sequence lengths fragment the cache, empty_cache() returns segments from between
-    live ones, DataLoader workers compete for the CPU; at the end a request of half the free
-    memory fails although cudaMemGetInfo reports it free: no hole is large enough."""
+    """Variable sequence lengths fragment the cache: long-lived activations (gradient
+    accumulation, a KV cache) pin segments that short-lived ones of other sizes leave full of
+    holes, empty_cache() returns the segments between them, DataLoader workers compete for the
+    CPU. The device fills; at the end a request larger than any cached block, and than what the
+    device has left, fails although the cache holds more than it in free bytes."""
     workers = start_workers(4, args.duration)
     kept = collections.deque()
     end = time.time() + args.duration * 0.85
@@ -53,9 +55,10 @@ def incident(alloc, args, rng):
         # blocks seldom fit and new segments keep being reserved.
         tensors = [alloc.malloc(seq * rng.randint(20, 48) * 1024) for _ in range(3)]
         tensors += [alloc.malloc(rng.randint(1, 900) * 1024) for _ in range(4)]
-        # One activation per step lives on for a while (gradient accumulation, a KV cache).
-        kept.append(tensors.pop(rng.randrange(3)))
-        if len(kept) > 120:
+        # One activation per step lives on (two per step while the working set fills up).
+        for _ in range(2 if len(kept) < KEPT else 1):
+            kept.append(tensors.pop(rng.randrange(len(tensors) - 4)) if len(tensors) > 5 else alloc.malloc(seq * 32 * 1024))
+        while len(kept) > KEPT:
             alloc.free(kept.popleft())
         for t in tensors:
             alloc.free(t)
@@ -66,15 +69,27 @@ def incident(alloc, args, rng):
         alloc.rt.cudaStreamSynchronize(None)
         step_pause(args, 0.03)
         step += 1
-    alloc.empty_cache()
+    alloc.empty_cache()  # what is left in the cache is pinned between live blocks
     free, _total = alloc.mem_get_info()
-    request = int(free * 0.5)
+    request = fragmented_request(alloc.stats(), free)
     print(f"step {step}: cudaMemGetInfo reports {free / MIB:.0f} MiB free; allocating {request / MIB:.0f} MiB", flush=True)
     try:
         alloc.malloc(request)
     finally:
         for w in workers:
             w.terminate()
+
+
+# Long-lived activations the incident keeps: enough to fill its 3 GiB device.
+KEPT = 150
+
+
+def fragmented_request(stats, device_free):
+    """A request no cached block holds and the device cannot serve in a new segment, yet smaller
+    than the free bytes inside the cached segments when the cache is that fragmented."""
+    largest, cached = stats["largest_free_block"], stats["reserved"] - stats["allocated"]
+    floor = max(largest, device_free + stats["releasable"]) + 2 * MIB
+    return max(floor, min(cached - MIB, floor + 16 * MIB))
 
 
 def periodic_spike(alloc, args, rng):

@@ -287,13 +287,13 @@ impl ChainWatch {
             from_ns: first,
             to_ns: last,
         };
+        let (comms, sites) = (HashMap::new(), HashMap::new());
         let report = analysis::analyze(
             session,
             &all,
             &host,
             window,
-            &HashMap::new(),
-            &HashMap::new(),
+            &analysis::Inputs::new(&comms, &sites),
         );
         let mut stats = LiveStats::default();
         for e in &all {
@@ -383,7 +383,11 @@ fn run_traced(
     let (stop_tx, stops) = mpsc::channel();
     signals::stop_on_signals(stop_tx.clone())?;
     let mut recording = Recording::start(RecordOptions {
-        libs: vec![sim.join("libcudart.so.12"), sim.join("libcuda.so.1")],
+        libs: vec![
+            sim.join("libcudart.so.12"),
+            sim.join("libcuda.so.1"),
+            sim.join("libsimtorch.so"),
+        ],
         db: opts.db.clone(),
         ring_bytes: DEFAULT_RING_BYTES as u64,
         command: std::env::args().collect::<Vec<_>>().join(" "),

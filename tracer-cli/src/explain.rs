@@ -87,7 +87,18 @@ pub fn explain(db: &Path, q: &ExplainQuery) -> Result<Explained> {
     let sites = events::site_labels(store.conn(), info.id, &q.skip_frames)?;
     let t1 = std::time::Instant::now();
     let host = Host::new(events::host(store.conn(), info.id, window.to_ns, q.pid)?);
-    let report = analysis::analyze(info.id, &all, &host, window, &comms, &sites);
+    let confs = events::alloc_confs(store.conn(), info.id)?
+        .into_iter()
+        .map(|(pid, conf)| (pid, crate::model::layout::AllocConf::parse(&conf)))
+        .collect();
+    let messages = events::messages(store.conn(), info.id)?;
+    let inputs = analysis::Inputs {
+        comms: &comms,
+        sites: &sites,
+        confs: &confs,
+        messages: &messages,
+    };
+    let report = analysis::analyze(info.id, &all, &host, window, &inputs);
     Ok(Explained {
         report,
         running,

@@ -1,6 +1,7 @@
 //! Analysis of recorded calls: per-process tables, outstanding allocations, and causal chains.
 //! Pure functions over [`Event`] lists, so every rule is unit-tested on constructed data.
 
+pub mod allocator;
 mod host;
 mod replay;
 mod rules;
@@ -15,7 +16,7 @@ use std::{
 use serde::Serialize;
 use tracer_common::{Op, OpClass};
 
-use crate::model::{Event, FastMap, SiteLabels, StackId, Window};
+use crate::model::{layout::AllocConf, Event, FastMap, SiteLabels, StackId, Window};
 pub use host::Host;
 pub use rules::Chain;
 use rules::Proc;
@@ -68,6 +69,9 @@ pub struct ProcessReport {
     /// Allocations made (since the session began) and not freed by the end of the window.
     pub outstanding: Vec<Outstanding>,
     pub warnings: Vec<String>,
+    /// The allocator's own figures, when PyTorch's probes were seen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocator: Option<AllocatorFigures>,
 }
 
 /// Per op of one process's calls: count, errors, latency quantiles and bytes.
@@ -127,6 +131,7 @@ fn process_table(p: &Proc<'_>, scan: &mut Scan<'_>, comms: &HashMap<u32, String>
         ops,
         outstanding: Vec::new(),
         warnings,
+        allocator: None,
     }
 }
 
@@ -358,6 +363,84 @@ fn call_sites(procs: &[Proc<'_>], labels: &SiteLabels) -> Vec<CallSiteRow> {
     rows
 }
 
+/// The allocator's figures at the window's end, per device and pool (PyTorch's probes seen).
+#[derive(Clone, Debug, Serialize)]
+pub struct AllocatorFigures {
+    pub pools: Vec<PoolFigures>,
+    /// New segments reserved while the cache held the bytes but no block that fit.
+    pub forced_segments: u64,
+    pub forced_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PoolFigures {
+    pub device: i32,
+    pub pool: crate::model::layout::Pool,
+    pub allocated: u64,
+    pub reserved: u64,
+    pub free_blocks: u64,
+    pub largest_free: u64,
+    pub fragmentation: f64,
+    pub slack: f64,
+}
+
+fn allocator_figures(f: &allocator::Findings) -> AllocatorFigures {
+    AllocatorFigures {
+        pools: f
+            .end
+            .iter()
+            .map(|((device, pool), s)| PoolFigures {
+                device: *device,
+                pool: *pool,
+                allocated: s.allocated,
+                reserved: s.reserved,
+                free_blocks: s.free_blocks,
+                largest_free: s.largest_free,
+                fragmentation: s.fragmentation(),
+                slack: s.slack_ratio(),
+            })
+            .collect(),
+        forced_segments: f.forced.count,
+        forced_bytes: f.forced.bytes,
+    }
+}
+
+/// The early warning, and the OOM chain told from the layout at the failure.
+fn allocator_chains(
+    p: &Proc<'_>,
+    f: &allocator::Findings,
+    messages: &[crate::model::MessageRow],
+    chains: &mut Vec<Chain>,
+) {
+    if !f.visible {
+        return;
+    }
+    // The failure that was not recovered: the OOM chain's last timeline entry.
+    let oom = chains
+        .iter()
+        .position(|c| c.rule == "oom" && c.pid == p.pid);
+    let fatal_ns = oom.and_then(|i| chains[i].timeline.last()).map(|t| t.ts_ns);
+    chains.extend(allocator::warning_chain(p.pid, f, fatal_ns));
+    let (Some(i), Some(fatal_ns)) = (oom, fatal_ns) else {
+        return;
+    };
+    let message = messages
+        .iter()
+        .find(|m| {
+            m.pid == p.pid && m.op == tracer_common::Op::TorchOom.name() && m.ts_ns >= fatal_ns
+        })
+        .map(|m| m.text.as_str());
+    let Some((forensics, fixes)) = allocator::oom_forensics(f, fatal_ns, message) else {
+        return;
+    };
+    let c = &mut chains[i];
+    c.effect = forensics;
+    c.fix = fixes;
+    if let Some(m) = message {
+        c.evidence.push_str(&format!("; PyTorch raised: {m}"));
+    }
+}
+
 /// Everything explain shows.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -372,6 +455,29 @@ pub struct Report {
     pub call_sites: Vec<CallSiteRow>,
 }
 
+/// What explain knows of a session beside its calls.
+pub struct Inputs<'a> {
+    pub comms: &'a HashMap<u32, String>,
+    pub sites: &'a SiteLabels,
+    /// Each process's allocator settings (PYTORCH_CUDA_ALLOC_CONF).
+    pub confs: &'a HashMap<u32, AllocConf>,
+    /// PyTorch's out-of-memory messages.
+    pub messages: &'a [crate::model::MessageRow],
+}
+
+impl<'a> Inputs<'a> {
+    /// Names and call sites only: default allocator settings, no messages.
+    pub fn new(comms: &'a HashMap<u32, String>, sites: &'a SiteLabels) -> Inputs<'a> {
+        static NO_CONFS: std::sync::OnceLock<HashMap<u32, AllocConf>> = std::sync::OnceLock::new();
+        Inputs {
+            comms,
+            sites,
+            confs: NO_CONFS.get_or_init(HashMap::new),
+            messages: &[],
+        }
+    }
+}
+
 /// `all` holds the session's events up to the window's end, in time order (earlier events are
 /// needed to know which allocations are live).
 pub fn analyze(
@@ -379,9 +485,9 @@ pub fn analyze(
     all: &[Event],
     host: &Host,
     window: Window,
-    comms: &HashMap<u32, String>,
-    sites: &SiteLabels,
+    inputs: &Inputs<'_>,
 ) -> Report {
+    let (comms, sites) = (inputs.comms, inputs.sites);
     let (grouped, ranges) = group_by_pid(all);
     let everyone = processes(&grouped, &ranges, window);
     let active: Vec<Proc<'_>> = everyone
@@ -403,17 +509,37 @@ pub fn analyze(
             (tables, direct, call_sites(&active, sites))
         });
         let replayed = rules::replayed(&active, window, host, sites);
+        let layouts: Vec<allocator::Findings> = active
+            .iter()
+            .map(|p| {
+                let conf = inputs.confs.get(&p.pid).copied().unwrap_or_default();
+                allocator::replay(p.all, window, conf, sites)
+            })
+            .collect();
         let others = others
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        (replayed, others)
+        ((replayed, layouts), others)
     });
+    let (replayed, layouts) = replayed;
     let mut replay_chains = Vec::with_capacity(replayed.len());
-    for (table, (chains, live)) in processes.iter_mut().zip(replayed) {
+    for ((table, (mut chains, live)), findings) in processes.iter_mut().zip(replayed).zip(&layouts)
+    {
         table.outstanding = outstanding(&live);
+        if findings.visible {
+            // The allocator's own layout replaces the inference from latencies.
+            chains.replace_with_measured(
+                allocator::fragmentation_chain(table.pid, findings),
+                allocator::leak_chain(table.pid, findings, window),
+            );
+            table.allocator = Some(allocator_figures(findings));
+        }
         replay_chains.push(chains);
     }
     let mut chains = rules::merge(replay_chains, direct);
+    for (p, findings) in active.iter().zip(&layouts) {
+        allocator_chains(p, findings, inputs.messages, &mut chains);
+    }
     chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
     Report {
         session,

@@ -97,6 +97,15 @@ pub struct ReplayChains {
     churn: Option<Chain>,
 }
 
+impl ReplayChains {
+    /// Puts what the allocator's own layout measured in place of what the segments suggest:
+    /// fragmentation from its blocks, a leak in tensors rather than in its cache.
+    pub fn replace_with_measured(&mut self, fragmentation: Option<Chain>, leak: Option<Chain>) {
+        self.fragmentation = fragmentation;
+        self.leak = leak;
+    }
+}
+
 /// The chains of the rules that need no replay, for one process, from one scan of its calls.
 pub fn direct(
     p: &Proc<'_>,
@@ -224,6 +233,16 @@ fn fragmentation_pressure(
         .collect();
     let durations = &mut allocs.durations;
     if count < 30 {
+        return None;
+    }
+    // Without holes (frees between live allocations) memory cannot fragment: a workload that
+    // only grows is growth, or a leak, whatever its latencies do.
+    let frees = p
+        .window
+        .iter()
+        .filter(|e| e.class() == OpClass::Free && e.ret == 0 && e.space() == Space::Device)
+        .count();
+    if frees * 20 < count {
         return None;
     }
     let medians = bucket_medians(durations)?;

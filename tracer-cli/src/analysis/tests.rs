@@ -33,7 +33,14 @@ fn per_process(
     window: Window,
     comms: &HashMap<u32, String>,
 ) -> Vec<ProcessReport> {
-    analyze(1, events, &Host::default(), window, comms, &HashMap::new()).processes
+    analyze(
+        1,
+        events,
+        &Host::default(),
+        window,
+        &Inputs::new(comms, &HashMap::new()),
+    )
+    .processes
 }
 
 fn window_of(events: &[Event]) -> Window {
@@ -49,8 +56,7 @@ fn chains(events: &[Event]) -> Vec<Chain> {
         events,
         &Host::default(),
         window_of(events),
-        &HashMap::new(),
-        &HashMap::new(),
+        &Inputs::new(&HashMap::new(), &HashMap::new()),
     )
     .chains
 }
@@ -79,19 +85,43 @@ fn growing(latency_growth: bool, free_each: bool) -> Vec<Event> {
     v
 }
 
+/// Growth with holes: each step allocates two buffers and frees one of them, so held memory
+/// grows with frees between the live allocations.
+fn growing_with_holes() -> Vec<Event> {
+    let mut v = Vec::new();
+    for i in 0..120u64 {
+        let ptr = 0x1000_0000 + i * 0x20_0000;
+        let t = i as f64 * 100.0;
+        v.push(ev(t, Op::CudaMalloc, MIB, ptr, 0, 50 + i * 10));
+        v.push(ev(
+            t + 10.0,
+            Op::CudaMalloc,
+            MIB,
+            ptr + 0x10_0000,
+            0,
+            50 + i * 10,
+        ));
+        v.push(ev(t + 50.0, Op::CudaFree, MIB, ptr + 0x10_0000, 0, 5));
+    }
+    v
+}
+
 #[test]
-fn fragmentation_pressure_needs_a_trend_and_growing_reserved_bytes() {
-    let c = chains(&growing(true, false));
+fn fragmentation_pressure_needs_a_trend_holes_and_growing_reserved_bytes() {
+    let c = chains(&growing_with_holes());
     let frag = c
         .iter()
         .find(|c| c.rule == "fragmentation_pressure")
         .expect("fires");
     assert_eq!(frag.severity, Severity::High);
     assert!(frag.effect.contains("climbed from"), "{}", frag.effect);
-    assert!(frag.root.contains("120 allocations"), "{}", frag.root);
+    assert!(frag.root.contains("240 allocations"), "{}", frag.root);
     // Flat latency: no chain. Rising latency but nothing held (each freed): no chain either.
     assert!(!rules_fired(&growing(false, false)).contains(&"fragmentation_pressure"));
     assert!(!rules_fired(&growing(true, true)).contains(&"fragmentation_pressure"));
+    // A workload that only grows (nothing ever freed, latency rising with the live
+    // allocations) has no holes: not fragmentation, whatever its latencies do.
+    assert!(!rules_fired(&growing(true, false)).contains(&"fragmentation_pressure"));
 }
 
 #[test]
@@ -414,8 +444,7 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
         &v,
         &host_with(inside.clone()),
         w,
-        &HashMap::new(),
-        &HashMap::new(),
+        &Inputs::new(&HashMap::new(), &HashMap::new()),
     )
     .chains;
     let cpu = c
@@ -459,8 +488,7 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
         &v,
         &host_with(between),
         w,
-        &HashMap::new(),
-        &HashMap::new(),
+        &Inputs::new(&HashMap::new(), &HashMap::new()),
     )
     .chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
@@ -485,13 +513,19 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
         &v,
         &host_with(blocked),
         w,
-        &HashMap::new(),
-        &HashMap::new(),
+        &Inputs::new(&HashMap::new(), &HashMap::new()),
     )
     .chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
     // Without a scheduler record there is nothing to say.
-    let c = analyze(1, &v, &Host::default(), w, &HashMap::new(), &HashMap::new()).chains;
+    let c = analyze(
+        1,
+        &v,
+        &Host::default(),
+        w,
+        &Inputs::new(&HashMap::new(), &HashMap::new()),
+    )
+    .chains;
     assert!(!c.iter().any(|c| c.rule == "cpu_contention"));
 }
 
@@ -569,7 +603,13 @@ fn call_sites_name_the_leak_and_rank_the_callers() {
     .map(|(id, label)| (stack_id(id).unwrap(), label))
     .collect();
     let w = window_of(&v);
-    let report = analyze(1, &v, &Host::default(), w, &HashMap::new(), &labels);
+    let report = analyze(
+        1,
+        &v,
+        &Host::default(),
+        w,
+        &Inputs::new(&HashMap::new(), &labels),
+    );
     let leak = report
         .chains
         .iter()
@@ -600,11 +640,15 @@ fn call_sites_name_the_leak_and_rank_the_callers() {
         ("data.py:12 (load)", from_loader as u64)
     );
     // Without labels (no --stack) there is no call-site table.
-    assert!(
-        analyze(1, &v, &Host::default(), w, &HashMap::new(), &HashMap::new())
-            .call_sites
-            .is_empty()
-    );
+    assert!(analyze(
+        1,
+        &v,
+        &Host::default(),
+        w,
+        &Inputs::new(&HashMap::new(), &HashMap::new())
+    )
+    .call_sites
+    .is_empty());
 }
 
 /// Grouping by process is a stable sort by pid (each process's calls keep their time order),

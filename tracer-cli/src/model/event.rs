@@ -105,6 +105,17 @@ pub struct OffSlice {
     pub preempted: bool,
 }
 
+/// A text a traced program produced (PyTorch's out-of-memory message).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MessageRow {
+    pub ts_ns: i64,
+    pub pid: u32,
+    pub tid: u32,
+    pub op: String,
+    pub text: String,
+    pub truncated: bool,
+}
+
 /// What the scheduler recorded of a session's traced threads (host context).
 #[derive(Clone, Debug, Default)]
 pub struct HostRecord {

@@ -163,6 +163,9 @@ pub struct Run {
     /// For allocated blocks: the call site of the pytorch:malloc (--stack).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stack: Option<u32>,
+    /// For allocated blocks: when they were handed out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since_ns: Option<i64>,
 }
 
 #[derive(Clone, Debug)]
@@ -170,6 +173,7 @@ struct Block {
     size: u64,
     requested: u64,
     stack: Option<u32>,
+    ts_ns: i64,
 }
 
 #[derive(Clone, Debug)]
@@ -452,6 +456,7 @@ impl Layout {
                 size,
                 requested: e.size,
                 stack: e.stack.map(|s| s.get()),
+                ts_ns: e.ts_ns,
             },
         );
         self.totals.entry(key).or_default().allocated += size;
@@ -589,6 +594,7 @@ fn runs_of(addr: u64, seg: &Segment) -> Vec<Run> {
             kind: RunKind::Allocated,
             requested: block.requested,
             stack: block.stack,
+            since_ns: Some(block.ts_ns),
         });
         at = at.max(b + block.size);
     }
@@ -605,6 +611,7 @@ fn run(addr: u64, size: u64, kind: RunKind) -> Run {
         kind,
         requested: 0,
         stack: None,
+        since_ns: None,
     }
 }
 

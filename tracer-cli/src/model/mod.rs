@@ -7,7 +7,7 @@ mod process;
 pub mod stats;
 
 pub use event::{
-    advise_huge_pages, span, stack_id, Event, FastMap, HostRecord, OffSlice, SiteLabels, StackId,
-    Window, NO_DEVICE,
+    advise_huge_pages, span, stack_id, Event, FastMap, HostRecord, MessageRow, OffSlice,
+    SiteLabels, StackId, Window, NO_DEVICE,
 };
 pub use process::{ProcessInfo, KEPT_ENV};

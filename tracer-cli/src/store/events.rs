@@ -8,7 +8,9 @@ use tracer_common::Op;
 
 use crate::{
     exit::user_error,
-    model::{advise_huge_pages, stack_id, Event, HostRecord, OffSlice, SiteLabels, NO_DEVICE},
+    model::{
+        advise_huge_pages, stack_id, Event, HostRecord, MessageRow, OffSlice, SiteLabels, NO_DEVICE,
+    },
 };
 
 #[derive(Clone, Debug)]
@@ -415,17 +417,6 @@ pub fn envs(conn: &Connection, session: i64) -> Result<HashMap<u32, HashMap<Stri
         }
     }
     Ok(out)
-}
-
-/// A text a traced program produced (PyTorch's out-of-memory message).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct MessageRow {
-    pub ts_ns: i64,
-    pub pid: u32,
-    pub tid: u32,
-    pub op: String,
-    pub text: String,
-    pub truncated: bool,
 }
 
 /// The session's messages in time order (databases before schema 5 have none).

@@ -1,0 +1,549 @@
+//! What the allocator's own layout says (PyTorch's probes seen): fragmentation measured from
+//! its blocks, the early warning before an out-of-memory, and the layout at each failure.
+//! One replay of the process's calls through [`Layout`].
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::Serialize;
+use tracer_common::{OpClass, Space};
+
+use super::{
+    rules::{Chain, Severity, TimelineEntry},
+    Event, SiteLabels, Window,
+};
+use crate::{
+    model::layout::{
+        AllocConf, Layout, Pool, PoolStats, RunKind, LARGE_SEGMENT, MIN_LARGE_ALLOC, ROUND_LARGE,
+        SMALL_SEGMENT, SMALL_SIZE,
+    },
+    units::{format_bytes as b, format_ns as t},
+};
+
+/// Requests remembered per pool: the early warning asks whether the sizes being requested
+/// still fit.
+const RECENT_REQUESTS: usize = 64;
+/// Samples of the figures over the window, for the fragmentation chain's timeline.
+const SAMPLES: i64 = 8;
+
+/// The device segment a request of `rounded` bytes needs (PyTorch's get_allocation_size).
+pub fn segment_size(rounded: u64) -> u64 {
+    if rounded <= SMALL_SIZE {
+        SMALL_SEGMENT
+    } else if rounded < MIN_LARGE_ALLOC {
+        LARGE_SEGMENT
+    } else {
+        rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
+    }
+}
+
+/// The device's free memory as last reported by cudaMemGetInfo, then kept current with the
+/// process's own segment allocations and frees.
+#[derive(Clone, Copy, Debug, Default)]
+struct DeviceFree {
+    free: i64,
+    /// When cudaMemGetInfo last said.
+    reported_ns: i64,
+}
+
+/// The layout when an allocation failed.
+#[derive(Clone, Debug, Serialize)]
+pub struct Forensics {
+    pub ts_ns: i64,
+    pub device: i32,
+    /// What the failed call asked the device for.
+    pub requested: u64,
+    pub total: PoolStats,
+    pub outside: u64,
+    /// The device's free memory (cudaMemGetInfo, kept current), when known.
+    pub device_free: Option<u64>,
+    /// The cached free bytes could have held the request: it failed for want of one block.
+    pub fragmentation: bool,
+}
+
+/// The state in which the next request of the sizes being made fails.
+#[derive(Clone, Debug, Serialize)]
+pub struct Warning {
+    pub ts_ns: i64,
+    pub device: i32,
+    pub pool: Pool,
+    /// The largest block requested lately in the pool.
+    pub request: u64,
+    pub stats: PoolStats,
+    pub device_free: u64,
+    /// The segment such a request needs.
+    pub segment: u64,
+    /// Call sites of the blocks that pin the pool's partly free segments, most bytes first.
+    pub pinning: Vec<(String, u64, u64)>,
+}
+
+/// New segments requested while the pool's cache held enough bytes, but no block that fit.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Forced {
+    pub count: u64,
+    pub bytes: u64,
+    pub first_ns: Option<i64>,
+}
+
+/// Everything the replay found for one process.
+#[derive(Clone, Debug, Default)]
+pub struct Findings {
+    /// PyTorch's probes were seen: the figures are the allocator's own.
+    pub visible: bool,
+    pub end: BTreeMap<(i32, Pool), PoolStats>,
+    /// The worst moment: the highest fragmentation with at least a segment's worth cached.
+    pub worst: Option<(i64, i32, Pool, PoolStats)>,
+    pub samples: Vec<(i64, PoolStats)>,
+    pub forced: Forced,
+    pub warning: Option<Warning>,
+    pub forensics: Vec<Forensics>,
+    pub block_events: u64,
+    /// Blocks allocated in the window and still held at its end, by call site: (label,
+    /// blocks, bytes), most bytes first.
+    pub live_in_window: Vec<(String, u64, u64)>,
+    /// Block allocations in the window.
+    pub allocs_in_window: u64,
+}
+
+/// Replays the process's calls up to the window's end.
+pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels) -> Findings {
+    let mut layout = Layout::new(conf);
+    let mut f = Findings::default();
+    let mut free: BTreeMap<i32, DeviceFree> = BTreeMap::new();
+    let mut recent: BTreeMap<(i32, Pool), VecDeque<u64>> = BTreeMap::new();
+    // A segment just reserved, and the pool's figures before it: settled at the next block.
+    let mut pending: Option<(i64, u64, BTreeMap<(i32, Pool), PoolStats>)> = None;
+    let mut next_sample = 0;
+    let sample_at = |i: i64| window.from_ns + (window.to_ns - window.from_ns) * i / SAMPLES;
+    for e in all {
+        while next_sample <= SAMPLES && e.ts_ns > sample_at(next_sample) {
+            f.samples.push((sample_at(next_sample), layout.total()));
+            next_sample += 1;
+        }
+        let spec = e.op.spec();
+        let class = spec.class;
+        if class == OpClass::MemInfo && e.ret == 0 && e.aux1 > 0 {
+            free.insert(
+                e.device,
+                DeviceFree {
+                    free: e.aux0 as i64,
+                    reported_ns: e.ts_ns,
+                },
+            );
+        }
+        let segment_change = match (class, spec.space) {
+            (OpClass::Alloc, Space::Device | Space::Handle) if e.ret == 0 => e.size as i64,
+            (OpClass::Free, Space::Device | Space::Handle) if e.ret == 0 => -(e.size as i64),
+            _ => 0,
+        };
+        if segment_change != 0 {
+            if let Some(d) = free.get_mut(&e.device) {
+                if e.ts_ns > d.reported_ns {
+                    d.free -= segment_change;
+                }
+            }
+        }
+        if segment_change > 0 && matches!(spec.space, Space::Device | Space::Handle) {
+            pending = Some((e.ts_ns, e.size, layout.stats().clone()));
+        }
+        let failed = class == OpClass::Alloc
+            && e.ret != 0
+            && matches!(spec.space, Space::Device | Space::Handle)
+            && window.contains(e.ts_ns);
+        if failed {
+            f.forensics.push(forensics(e, &layout, free.get(&e.device)));
+        }
+        layout.apply(e);
+        if class != OpClass::BlockAlloc {
+            continue;
+        }
+        f.block_events += 1;
+        f.visible = true;
+        if window.contains(e.ts_ns) {
+            f.allocs_in_window += 1;
+        }
+        let rounded = conf.round_size(e.size);
+        let pool = if rounded <= SMALL_SIZE {
+            Pool::Small
+        } else {
+            Pool::Large
+        };
+        let key = (e.device, pool);
+        if let Some((ts, size, before)) = pending.take() {
+            let s = before.get(&key).copied().unwrap_or_default();
+            if s.cached() >= rounded && s.largest_free < rounded && window.contains(ts) {
+                f.forced.count += 1;
+                f.forced.bytes += size;
+                f.forced.first_ns.get_or_insert(ts);
+            }
+        }
+        let r = recent.entry(key).or_default();
+        r.push_back(rounded);
+        if r.len() > RECENT_REQUESTS {
+            r.pop_front();
+        }
+        let s = layout.stats().get(&key).copied().unwrap_or_default();
+        if window.contains(e.ts_ns)
+            && s.cached() >= SMALL_SEGMENT
+            && f.worst
+                .as_ref()
+                .is_none_or(|w| s.fragmentation() > w.3.fragmentation())
+        {
+            f.worst = Some((e.ts_ns, e.device, pool, s));
+        }
+        if f.warning.is_none() && window.contains(e.ts_ns) {
+            let need = r.iter().copied().max().unwrap_or(rounded);
+            if let Some(d) = free.get(&e.device) {
+                let segment = segment_size(need);
+                // The bytes are cached, no block holds the request, and the device cannot give
+                // the segment it would need: fragmentation, not a cache that simply fills.
+                if s.cached() >= need && s.largest_free < need && d.free < segment as i64 {
+                    f.warning = Some(Warning {
+                        ts_ns: e.ts_ns,
+                        device: e.device,
+                        pool,
+                        request: need,
+                        stats: s,
+                        device_free: d.free.max(0) as u64,
+                        segment,
+                        pinning: pinning(&layout, e.device, pool, sites),
+                    });
+                }
+            }
+        }
+    }
+    while next_sample <= SAMPLES {
+        f.samples.push((sample_at(next_sample), layout.total()));
+        next_sample += 1;
+    }
+    f.end = layout.stats().clone();
+    f.live_in_window = held_by_site(&layout, window, sites);
+    f
+}
+
+/// The blocks allocated in the window and still held, by call site.
+fn held_by_site(layout: &Layout, window: Window, sites: &SiteLabels) -> Vec<(String, u64, u64)> {
+    let mut by_site: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for seg in layout.segments() {
+        for r in seg.runs.iter().filter(|r| r.kind == RunKind::Allocated) {
+            if !r.since_ns.is_some_and(|ts| window.contains(ts)) {
+                continue;
+            }
+            let label = r
+                .stack
+                .and_then(crate::model::StackId::new)
+                .and_then(|id| sites.get(&id).cloned())
+                .unwrap_or_else(|| "(no call site: trace with --stack)".into());
+            let entry = by_site.entry(label).or_default();
+            entry.0 += 1;
+            entry.1 += r.size;
+        }
+    }
+    let mut out: Vec<(String, u64, u64)> =
+        by_site.into_iter().map(|(s, (n, b))| (s, n, b)).collect();
+    out.sort_by_key(|(_, _, bytes)| std::cmp::Reverse(*bytes));
+    out.truncate(5);
+    out
+}
+
+/// A leak measured in tensors: the bytes the allocator hands out (not its cache) growing
+/// steadily, still growing in the second half of the window.
+pub fn leak_chain(pid: u32, f: &Findings, window: Window) -> Option<Chain> {
+    let held: Vec<(i64, u64)> = f.samples.iter().map(|(ts, s)| (*ts, s.allocated)).collect();
+    if held.len() < 3 || window.secs() < 5.0 || f.allocs_in_window < 50 {
+        return None;
+    }
+    let steps = held.windows(2);
+    let up = steps.clone().filter(|w| w[1].1 > w[0].1).count();
+    let big_drop = steps
+        .clone()
+        .any(|w| (w[1].1 as f64) < w[0].1 as f64 * 0.95);
+    let (first, mid, last) = (held[0].1, held[held.len() / 2].1, held[held.len() - 1].1);
+    // A working set that filled up and levelled off is not a leak.
+    let still_growing = last.saturating_sub(mid) as f64 >= last as f64 * 0.1;
+    if up < (held.len() - 1) * 3 / 4 || big_drop || last <= first || !still_growing {
+        return None;
+    }
+    let per_min = (last - first) as f64 / window.secs() * 60.0;
+    let sites: Vec<String> = f
+        .live_in_window
+        .iter()
+        .map(|(site, n, bytes)| format!("{site} ({n} blocks, {})", b(*bytes)))
+        .collect();
+    Some(Chain {
+        rule: "leak",
+        severity: if last >= 2 * first.max(1) { Severity::High } else { Severity::Medium },
+        pid,
+        title: "tensors held grow steadily -> leak".into(),
+        root: format!(
+            "the allocator's allocated bytes grew from {} to {} over {:.0}s ({}/min), rising in {up} of {} intervals and still rising at the end",
+            b(first),
+            b(last),
+            window.secs(),
+            b(per_min as u64),
+            held.len() - 1
+        ),
+        effect: if sites.is_empty() {
+            "blocks allocated in the window are still held".into()
+        } else {
+            format!("blocks allocated in the window and still held: {}", sites.join(", "))
+        },
+        compounding: Vec::new(),
+        timeline: held
+            .iter()
+            .map(|(ts, v)| TimelineEntry {
+                ts_ns: *ts,
+                text: format!("allocated {}", b(*v)),
+            })
+            .collect(),
+        fix: vec![
+            "look for tensors kept across iterations (losses appended without .item(), cached outputs, growing lists)".into(),
+            "torch.cuda.memory._record_memory_history() around the loop shows who holds them".into(),
+        ],
+        evidence: format!(
+            "{} samples of the allocator's allocated bytes (PyTorch's probes), not its cache",
+            held.len()
+        ),
+    })
+}
+
+fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics {
+    let total = layout.device_total(e.device);
+    Forensics {
+        ts_ns: e.ts_ns,
+        device: e.device,
+        requested: e.size,
+        total,
+        outside: layout.outside(e.device),
+        device_free: free.map(|d| d.free.max(0) as u64),
+        fragmentation: total.cached() >= e.size,
+    }
+}
+
+/// The call sites of the allocated blocks in the pool's segments that have free space.
+fn pinning(
+    layout: &Layout,
+    device: i32,
+    pool: Pool,
+    sites: &SiteLabels,
+) -> Vec<(String, u64, u64)> {
+    let mut by_site: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for seg in layout.segments() {
+        if seg.device != device || seg.pool != Some(pool) {
+            continue;
+        }
+        if !seg.runs.iter().any(|r| r.kind == RunKind::Free) {
+            continue;
+        }
+        for r in seg.runs.iter().filter(|r| r.kind == RunKind::Allocated) {
+            let label = r
+                .stack
+                .and_then(crate::model::StackId::new)
+                .and_then(|id| sites.get(&id).cloned())
+                .unwrap_or_else(|| "(no call site: trace with --stack)".into());
+            let entry = by_site.entry(label).or_default();
+            entry.0 += 1;
+            entry.1 += r.size;
+        }
+    }
+    let mut out: Vec<(String, u64, u64)> = by_site
+        .into_iter()
+        .map(|(s, (n, bytes))| (s, n, bytes))
+        .collect();
+    out.sort_by_key(|(_, _, bytes)| std::cmp::Reverse(*bytes));
+    out.truncate(5);
+    out
+}
+
+fn figures(s: &PoolStats) -> String {
+    format!(
+        "{} cached in {} free blocks, largest {} (fragmentation {:.0} %); reserved {}, allocated {}",
+        b(s.cached()),
+        s.free_blocks,
+        b(s.largest_free),
+        s.fragmentation() * 100.0,
+        b(s.reserved),
+        b(s.allocated)
+    )
+}
+
+const FIX_EXPANDABLE: &str = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: segments grow in place, so the free bytes stay in one block";
+const FIX_MAX_SPLIT: &str = "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: large cached blocks are not cut for small tensors";
+
+/// Fragmentation inside the cached segments, measured: new segments the cache could have held
+/// in bytes but not in one block, and the worst moment's layout.
+pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
+    let worst = f.worst.clone();
+    if f.forced.count == 0 && worst.as_ref().is_none_or(|w| w.3.fragmentation() < 0.5) {
+        return None;
+    }
+    let (ts, device, pool, s) = worst.or_else(|| {
+        f.end
+            .iter()
+            .max_by_key(|(_, s)| s.cached())
+            .map(|((d, p), s)| (0, *d, *p, *s))
+    })?;
+    let mut root = format!(
+        "at the worst moment the {pool:?} pool of device {device} held {}",
+        figures(&s)
+    );
+    if f.forced.count > 0 {
+        root.push_str(&format!(
+            "; {} new segment(s) ({}) were reserved while the cache held enough free bytes for the request but no block that fit",
+            f.forced.count,
+            b(f.forced.bytes)
+        ));
+    }
+    Some(Chain {
+        rule: "fragmentation",
+        severity: if f.forced.count >= 3 || s.fragmentation() >= 0.8 {
+            Severity::High
+        } else {
+            Severity::Medium
+        },
+        pid,
+        title: "fragmentation inside the allocator's cached segments".into(),
+        root,
+        effect: format!(
+            "{} of reserved memory was free but scattered in {} blocks: requests larger than {} need new segments from the device, and fail when it has no room",
+            b(s.cached()),
+            s.free_blocks,
+            b(s.largest_free)
+        ),
+        compounding: Vec::new(),
+        timeline: f
+            .samples
+            .iter()
+            .map(|(ts, s)| TimelineEntry {
+                ts_ns: *ts,
+                text: format!(
+                    "reserved {}, allocated {}, cached {} in {} blocks, largest {}",
+                    b(s.reserved),
+                    b(s.allocated),
+                    b(s.cached()),
+                    s.free_blocks,
+                    b(s.largest_free)
+                ),
+            })
+            .chain(std::iter::once(TimelineEntry {
+                ts_ns: ts,
+                text: format!("worst: fragmentation {:.0} % in the {pool:?} pool", s.fragmentation() * 100.0),
+            }))
+            .collect(),
+        fix: vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into()],
+        evidence: format!(
+            "the allocator's own layout, rebuilt from {} pytorch:malloc/free events and the device allocations",
+            f.block_events
+        ),
+    })
+}
+
+/// The early warning: the layout in which the next request of the sizes being made fails;
+/// none when it came no earlier than the out-of-memory (`first_failure`: the OOM chain tells).
+pub fn warning_chain(pid: u32, f: &Findings, first_failure: Option<i64>) -> Option<Chain> {
+    let w = f.warning.as_ref()?;
+    if first_failure.is_some_and(|fail| fail <= w.ts_ns) {
+        // Not early: the failure came first (or with it); the OOM chain tells it.
+        return None;
+    }
+    let mut timeline = vec![TimelineEntry {
+        ts_ns: w.ts_ns,
+        text: format!(
+            "{:?} pool: largest free block {} < {} requested; the device has {} free, the new segment needs {}",
+            w.pool,
+            b(w.stats.largest_free),
+            b(w.request),
+            b(w.device_free),
+            b(w.segment)
+        ),
+    }];
+    if let Some(fail) = first_failure {
+        timeline.push(TimelineEntry {
+            ts_ns: fail,
+            text: format!(
+                "the out-of-memory came {} later",
+                t((fail - w.ts_ns).max(0) as u64)
+            ),
+        });
+    }
+    let pinning: Vec<String> = w
+        .pinning
+        .iter()
+        .map(|(site, n, bytes)| format!("{site} ({n} blocks, {})", b(*bytes)))
+        .collect();
+    Some(Chain {
+        rule: "early_warning",
+        severity: Severity::High,
+        pid,
+        title: format!(
+            "early warning: the next {} request on device {} will fail",
+            b(w.request),
+            w.device
+        ),
+        root: format!(
+            "the {:?} pool holds {} but no block of {}, and the device has only {} free for the {} segment such a request needs",
+            w.pool,
+            figures(&w.stats),
+            b(w.request),
+            b(w.device_free),
+            b(w.segment)
+        ),
+        effect: if pinning.is_empty() {
+            "the free bytes are pinned between live blocks in partly used segments".into()
+        } else {
+            format!("the partly free segments are pinned by blocks from {}", pinning.join(", "))
+        },
+        compounding: Vec::new(),
+        timeline,
+        fix: vec![
+            "checkpoint now, or free what the pinning blocks hold".into(),
+            FIX_EXPANDABLE.into(),
+            FIX_MAX_SPLIT.into(),
+        ],
+        evidence: "the allocator's layout at that moment and cudaMemGetInfo kept current with the segments since".into(),
+    })
+}
+
+/// The layout at the out-of-memory that was not recovered (the failure at `fatal_ns`, or the
+/// allocator's retry of it within a second: PyTorch's message describes the state after its
+/// cache flush), and the fixes that fit it.
+pub fn oom_forensics(
+    f: &Findings,
+    fatal_ns: i64,
+    message: Option<&str>,
+) -> Option<(String, Vec<String>)> {
+    let x = f
+        .forensics
+        .iter()
+        .filter(|x| x.ts_ns >= fatal_ns && x.ts_ns - fatal_ns < 1_000_000_000)
+        .last()?;
+    // "... Tried to allocate 46.00 MiB. GPU 0 has ...": the size PyTorch itself names.
+    let tried = message
+        .and_then(|m| m.split_once("Tried to allocate "))
+        .and_then(|(_, rest)| rest.split(". ").next())
+        .filter(|s| !s.is_empty())
+        .map_or_else(|| b(x.requested), str::to_owned);
+    let mut text = format!(
+        "Tried to allocate {tried} (a {} segment): {} free inside cached segments in {} blocks, largest {}; reserved {}, allocated {}; {} outside PyTorch",
+        b(x.requested),
+        b(x.total.cached()),
+        x.total.free_blocks,
+        b(x.total.largest_free),
+        b(x.total.reserved),
+        b(x.total.allocated),
+        b(x.outside)
+    );
+    if let Some(free) = x.device_free {
+        text.push_str(&format!("; the device had {} free", b(free)));
+    }
+    let fixes = if x.fragmentation {
+        text.push_str(": the cache held the bytes, not one block that fit (fragmentation)");
+        vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into()]
+    } else {
+        text.push_str(": the memory is in use, not lost to fragmentation (capacity)");
+        vec![
+            "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
+            "leave the device to this job (other processes hold memory on it)".into(),
+        ]
+    };
+    Some((text, fixes))
+}

@@ -104,6 +104,9 @@ pub struct Findings {
     pub allocs_in_window: u64,
 }
 
+/// A segment just reserved (when, how large), and the pools' figures before it.
+type NewSegment = (i64, u64, BTreeMap<(i32, Pool), PoolStats>);
+
 /// Replays the process's calls up to the window's end.
 pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels) -> Findings {
     let mut layout = Layout::new(conf);
@@ -111,7 +114,7 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
     let mut free: BTreeMap<i32, DeviceFree> = BTreeMap::new();
     let mut recent: BTreeMap<(i32, Pool), VecDeque<u64>> = BTreeMap::new();
     // A segment just reserved, and the pool's figures before it: settled at the next block.
-    let mut pending: Option<(i64, u64, BTreeMap<(i32, Pool), PoolStats>)> = None;
+    let mut pending: Option<NewSegment> = None;
     let mut next_sample = 0;
     let sample_at = |i: i64| window.from_ns + (window.to_ns - window.from_ns) * i / SAMPLES;
     for e in all {
@@ -372,7 +375,7 @@ const FIX_MAX_SPLIT: &str = "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: larg
 /// Fragmentation inside the cached segments, measured: new segments the cache could have held
 /// in bytes but not in one block, and the worst moment's layout.
 pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
-    let worst = f.worst.clone();
+    let worst = f.worst;
     if f.forced.count == 0 && worst.as_ref().is_none_or(|w| w.3.fragmentation() < 0.5) {
         return None;
     }
@@ -515,7 +518,7 @@ pub fn oom_forensics(
         .forensics
         .iter()
         .filter(|x| x.ts_ns >= fatal_ns && x.ts_ns - fatal_ns < 1_000_000_000)
-        .last()?;
+        .next_back()?;
     // "... Tried to allocate 46.00 MiB. GPU 0 has ...": the size PyTorch itself names.
     let tried = message
         .and_then(|m| m.split_once("Tried to allocate "))

@@ -1375,36 +1375,85 @@ fn chain<'a>(report: &'a Value, rule: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {rule} chain in {report:#}"))
 }
 
+/// A size PyTorch's message writes ("328.93 MiB", "3.00 GiB") in MiB, after `label`.
+fn mib_after(text: &str, label: &str) -> f64 {
+    let rest = &text[text
+        .find(label)
+        .unwrap_or_else(|| panic!("no {label:?} in {text}"))
+        + label.len()..];
+    let mut words = rest.split_whitespace();
+    let n: f64 = words.next().unwrap().parse().unwrap();
+    match words.next().unwrap().trim_end_matches(['.', ',', ';']) {
+        "GiB" => n * 1024.0,
+        "KiB" => n / 1024.0,
+        "B" | "bytes" => n / 1048576.0,
+        _ => n,
+    }
+}
+
 fn check_demos(simulated: bool) {
-    // incident: fragmentation pressure, and an OOM with memory reported free.
+    // incident: fragmentation inside the cached segments, the early warning, and an OOM with
+    // the cache holding the bytes but no block.
     let (stdout, stderr, r) = demo("incident", simulated);
     assert!(
         stderr.contains("chain formed: ["),
         "chains are printed as they form: {stderr}"
     );
-    assert!(stderr.contains("torch.cuda.OutOfMemoryError"), "{stderr}");
-    let frag = chain(&r, "fragmentation_pressure");
+    let message = stderr
+        .lines()
+        .find(|l| l.contains("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate"))
+        .unwrap_or_else(|| panic!("no OOM: {stderr}"));
+    let frag = chain(&r, "fragmentation");
     assert!(
-        frag["effect"]
-            .as_str()
-            .unwrap()
-            .contains("median allocation latency climbed from"),
+        frag["root"].as_str().unwrap().contains("new segment(s)")
+            && frag["effect"].as_str().unwrap().contains("scattered in"),
         "{frag}"
     );
     let oom = chain(&r, "oom");
     assert_eq!(oom["severity"], "HIGH");
+    let effect = oom["effect"].as_str().unwrap();
+    assert!(effect.contains("(fragmentation)"), "{oom}");
     assert!(
-        oom["effect"]
+        oom["fix"][0]
             .as_str()
             .unwrap()
-            .contains("contiguous block (fragmentation)"),
+            .contains("expandable_segments:True"),
         "{oom}"
     );
+    // The forensics are the allocator's own state at the failure, as PyTorch's message says it.
+    let cached = mib_after(effect, "): ");
+    let unallocated = mib_after(message, "is allocated by PyTorch, and ");
+    assert!((cached - unallocated).abs() < 0.06, "{effect} vs {message}");
+    let device_free = mib_after(effect, "the device had ");
+    let said_free = mib_after(message, "of which ");
+    assert!(
+        (device_free - said_free).abs() < 0.06,
+        "{effect} vs {message}"
+    );
+    // The warning came before the failure.
+    let warning = chain(&r, "early_warning");
+    let warned = warning["timeline"][0]["ts_ns"].as_i64().unwrap();
+    let failed = oom["timeline"].as_array().unwrap().last().unwrap()["ts_ns"]
+        .as_i64()
+        .unwrap();
+    assert!(warned < failed, "{warning} {oom}");
     assert!(
         stdout.contains(&format!("[High] {}", oom["title"].as_str().unwrap())),
         "{stdout}"
     );
-    assert!(stdout.contains("expandable_segments:True"), "{stdout}");
+    // A chain shown while running is in the final report, or the report says it was withdrawn.
+    for line in stderr.lines().filter(|l| l.contains("chain formed: [")) {
+        let shown = line
+            .split("] ")
+            .nth(1)
+            .and_then(|t| t.split(" - ").next())
+            .unwrap();
+        assert!(
+            stdout.contains(&format!("] {shown}  (pid"))
+                || stdout.contains(&format!("Withdrawn: \"{shown}\"")),
+            "{shown:?} was shown, and is neither in the report nor withdrawn:\n{stdout}"
+        );
+    }
     // leak: memory held rises through the run.
     let (_, _, r) = demo("leak", simulated);
     assert!(

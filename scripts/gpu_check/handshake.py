@@ -36,7 +36,7 @@ def mapped_cuda_libraries():
                 continue
             path = parts[5].strip()
             name = os.path.basename(path)
-            if name.startswith(("libcudart", "libcuda.so", "libc10_cuda", "libc10.so")):
+            if name.startswith(("libcudart", "libcuda.so", "libc10_cuda", "libc10.so", "libsimtorch")):
                 found.add(os.path.realpath(path))
     return sorted(found)
 

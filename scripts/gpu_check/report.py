@@ -229,8 +229,10 @@ def call_site_row(s):
     st = s.stats
     script = os.path.realpath(st["script"])
     marked, owner = script_lines(script)
+    # CUDA calls only: a block's free (pytorch:free) happens wherever the last reference dropped.
     by_stack = s.q(f"SELECT stack_id, tid = {st['main_tid']} AS main, count(*) AS n FROM events "
-                   f"WHERE pid = {s.pid} AND ts_ns <= {s.until} GROUP BY stack_id, main")
+                   f"WHERE pid = {s.pid} AND ts_ns <= {s.until} AND op NOT LIKE 'pytorch:%' "
+                   f"GROUP BY stack_id, main")
     status = {r["id"]: r["python"] for r in s.q(f"SELECT id, python FROM stacks WHERE pid = {s.pid}")}
     frames = {}
     for f in s.q(f"SELECT stack_id, idx, function, file, line FROM stack_frames WHERE kind = 'python' "
@@ -271,6 +273,31 @@ def call_site_row(s):
     return result
 
 
+def layout_rows(s):
+    """The allocator's layout as tracer rebuilt it from PyTorch's probes, against the allocator's
+    own at the final statistics (memory_snapshot() for PyTorch)."""
+    truth = s.stats.get("layout")
+    if not truth:
+        return []
+    out = subprocess.run([s.tracer, "layout", "--db", s.db, "--pid", str(s.pid), "--at", str(s.until), "--json"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        return [row("allocator layout", out.stderr.strip(), "available", "DIFFERS")]
+    layouts = json.loads(out.stdout)
+    if not layouts or layouts[0]["view"] != "allocator":
+        return [row("allocator layout (PyTorch's probes seen)", "not seen", "probes present", "DIFFERS",
+                    "tracer saw no pytorch:malloc/free: are libc10_cuda's USDT probes there?")]
+    total = {"allocated": 0, "reserved": 0, "free_blocks": 0, "largest_free": 0}
+    for d in layouts[0]["devices"]:
+        for k in ("allocated", "reserved", "free_blocks"):
+            total[k] += d["total"][k]
+        total["largest_free"] = max(total["largest_free"], d["total"]["largest_free"])
+    names = {"allocated": "allocated bytes (blocks)", "reserved": "reserved bytes (segments)",
+             "free_blocks": "free blocks in the cache", "largest_free": "largest free block"}
+    return [row(f"{names[k]}, rebuilt from PyTorch's probes", total[k], truth[k], note=truth.get("source", ""))
+            for k in ("allocated", "reserved", "free_blocks", "largest_free")]
+
+
 def file_id(path):
     try:
         st = os.stat(path)
@@ -289,7 +316,8 @@ def library_rows(s):
         # The same file by identity while it exists, by path once it is gone.
         is_probed = path in probed_paths or (file_id(path) or 0) in probed_ids
         what = {"libcudart": "the runtime's calls", "libcuda.": "the driver's calls",
-                "libc10_cuda": "the caching allocator's USDT probes", "libc10.": "the OutOfMemoryError constructor"}
+                "libc10_cuda": "the caching allocator's USDT probes", "libc10.": "the OutOfMemoryError constructor",
+                "libsimtorch": "the simulated allocator's USDT probes and OutOfMemoryError constructor"}
         why = next((v for k, v in what.items() if name.startswith(k)), "")
         rows.append(row(f"library {name}", "probed" if is_probed else "not probed", "mapped",
                         "equal" if is_probed else "DIFFERS", f"{path} ({why})"))
@@ -312,6 +340,7 @@ def compare(args):
     rows = expandable_rows(s) if args.mode == "expandable" else count_rows(s)
     rows += outside_rows(s)
     rows += failure_rows(s)
+    rows += layout_rows(s)
     rows.append(call_site_row(s))
     rows += library_rows(s)
     rows.append(loss_row(s))

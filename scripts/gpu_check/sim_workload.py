@@ -70,6 +70,10 @@ def main():
             alloc.empty_cache()  # cuda-call
     oom = provoke_oom(alloc) if args.oom else None
     final = handshake.stat_subset(alloc.memory_stats())
+    st = alloc.stats()
+    layout = {"allocated": st["allocated"], "reserved": st["reserved"],
+              "free_blocks": sum(1 for seg in alloc.segments for b in seg.blocks if b.free and b.mapped),
+              "largest_free": st["largest_free_block"], "source": "the simulated allocator's own blocks"}
     final_wall_ns = time.time_ns()
     handshake.write_json(args.stats, {
         "backend": "simulated",
@@ -86,6 +90,7 @@ def main():
         "final": final,
         "final_wall_ns": final_wall_ns,
         "oom": oom,
+        "layout": layout,
         "timing": handshake.step_summary(step_s),
     })
 

@@ -63,6 +63,22 @@ def provoke_oom():
     return {"requested": request, "free_before": free, "total": total, "raised": False, "message": ""}
 
 
+def snapshot_layout():
+    """The allocator's layout in its own words (torch.cuda.memory_snapshot()): allocated and
+    reserved bytes, free blocks and the largest."""
+    allocated = reserved = free_blocks = largest = 0
+    for seg in torch.cuda.memory_snapshot():
+        reserved += seg["total_size"]
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                allocated += block["size"]
+            elif block["state"] == "inactive":
+                free_blocks += 1
+                largest = max(largest, block["size"])
+    return {"allocated": allocated, "reserved": reserved, "free_blocks": free_blocks,
+            "largest_free": largest, "source": "torch.cuda.memory_snapshot()"}
+
+
 def main():
     parser = handshake.parse_common(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     args = parser.parse_args()
@@ -86,6 +102,7 @@ def main():
             torch.cuda.empty_cache()  # cuda-call
     oom = provoke_oom() if args.oom else None
     final = handshake.stat_subset(torch.cuda.memory_stats())
+    layout = snapshot_layout()
     final_wall_ns = time.time_ns()
     handshake.write_json(args.stats, {
         "backend": "torch",
@@ -107,6 +124,7 @@ def main():
         "final": final,
         "final_wall_ns": final_wall_ns,
         "oom": oom,
+        "layout": layout,
         "timing": handshake.step_summary(step_s),
     })
 

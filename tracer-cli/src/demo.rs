@@ -3,7 +3,7 @@
 //! as they form, then explained.
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeMap, HashMap},
     io::{IsTerminal as _, Read as _},
     os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
@@ -233,7 +233,7 @@ pub fn run(opts: &DemoOptions) -> Result<()> {
     paths::create_parent_dirs(&opts.db, who.owner)?;
     let live = !opts.simulated && privileges::can_trace().is_ok();
     let started = Instant::now();
-    let (session, outcome) = if live {
+    let (session, outcome, announced) = if live {
         run_traced(&sim, &demos, scenario, opts)?
     } else {
         if !opts.simulated {
@@ -248,13 +248,17 @@ pub fn run(opts: &DemoOptions) -> Result<()> {
         scenario.name,
         started.elapsed().as_secs_f64()
     );
-    final_report(&opts.db, session)
+    final_report(&opts.db, session, &announced)
 }
+
+/// The chains a demo announced while it ran: (rule, pid) -> title.
+type Announced = BTreeMap<(String, u32), String>;
 
 /// Shows what the session recorded so far: the live per-op table (redrawn in place on a
 /// terminal, every 10 s otherwise) and each causal chain as it forms.
 struct ChainWatch {
-    seen: BTreeSet<(String, u32)>,
+    /// Chains announced: (rule, pid) -> title.
+    seen: BTreeMap<(String, u32), String>,
     view: LiveView,
     looks: u64,
 }
@@ -262,7 +266,7 @@ struct ChainWatch {
 impl ChainWatch {
     fn new() -> ChainWatch {
         ChainWatch {
-            seen: BTreeSet::new(),
+            seen: BTreeMap::new(),
             view: LiveView::new(std::io::stderr().is_terminal()),
             looks: 0,
         }
@@ -316,7 +320,9 @@ impl ChainWatch {
         table.extend(live::op_table(&stats, elapsed));
         self.view.clear();
         for chain in &report.chains {
-            if self.seen.insert((chain.rule.to_string(), chain.pid)) {
+            let key = (chain.rule.to_string(), chain.pid);
+            if !self.seen.contains_key(&key) {
+                self.seen.insert(key, chain.title.clone());
                 eprintln!(
                     "demo: +{:>5.1}s chain formed: [{:?}] {} - {}",
                     (last - first) as f64 / 1e9,
@@ -379,7 +385,7 @@ fn run_traced(
     demos: &Path,
     scenario: &Scenario,
     opts: &DemoOptions,
-) -> Result<(i64, String)> {
+) -> Result<(i64, String, Announced)> {
     let (stop_tx, stops) = mpsc::channel();
     signals::stop_on_signals(stop_tx.clone())?;
     let mut recording = Recording::start(RecordOptions {
@@ -415,7 +421,7 @@ fn run_traced(
         .map_err(|_| anyhow!("the workload supervisor panicked"))?;
     watch.finish(&opts.db, session);
     finished.detach()?;
-    Ok((session, outcome?))
+    Ok((session, outcome?, watch.seen))
 }
 
 fn run_simulated(
@@ -424,7 +430,7 @@ fn run_simulated(
     scenario: &Scenario,
     opts: &DemoOptions,
     owner: Option<(u32, u32)>,
-) -> Result<(i64, String)> {
+) -> Result<(i64, String, Announced)> {
     let db = opts.db.as_path();
     let mut store = Store::open(db, Access::ReadWrite)?;
     store.chown_files(owner)?;
@@ -466,7 +472,7 @@ fn run_simulated(
     store.chown_files(owner)?;
     watch.finish(db, session);
     let _ = std::fs::remove_dir_all(&log_dir);
-    Ok((session, outcome))
+    Ok((session, outcome, watch.seen))
 }
 
 fn tempfile_dir() -> Result<PathBuf> {
@@ -475,7 +481,9 @@ fn tempfile_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn final_report(db: &Path, session: i64) -> Result<()> {
+/// The explain report, and the chains announced while running that the whole session no
+/// longer supports, said as withdrawn rather than silently dropped.
+fn final_report(db: &Path, session: i64, announced: &Announced) -> Result<()> {
     println!();
     let explained = explain::explain(
         db,
@@ -485,6 +493,19 @@ fn final_report(db: &Path, session: i64) -> Result<()> {
         },
     )?;
     present::explain::text(&mut std::io::stdout().lock(), &explained, true)?;
+    let kept: std::collections::BTreeSet<(&str, u32)> = explained
+        .report
+        .chains
+        .iter()
+        .map(|c| (c.rule, c.pid))
+        .collect();
+    for ((rule, pid), title) in announced {
+        if !kept.contains(&(rule.as_str(), *pid)) {
+            println!(
+                "Withdrawn: \"{title}\" (pid {pid}) was shown while the demo ran; the whole session does not support it (what looked like a trend levelled off, or a later figure explains it better)."
+            );
+        }
+    }
     println!();
     println!("Stored in {} (session {session}): explore with `tracer explain --db {} --json` or `tracer query`.", db.display(), db.display());
     Ok(())

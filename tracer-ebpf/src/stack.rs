@@ -198,7 +198,7 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
 
 /// Hands `call` to [`call_site`]; returns only if the tail call failed (then nothing was sent).
 #[inline(always)]
-pub fn tail_call_site(ctx: &RetProbeContext, call: &CallEvent) {
+pub fn tail_call_site<C: EbpfContext>(ctx: &C, call: &CallEvent) {
     if SITE_CALL.set(0, call, 0).is_err() {
         return;
     }

@@ -154,6 +154,20 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         }
         i += 1;
     }
+    if crate::stack::enabled() {
+        // The call site of a block: who holds the memory (--stack); the wake-up flag rides in
+        // stack_id, as from the return program.
+        crate::stack::tail_call_site(
+            &ctx,
+            &CallEvent {
+                stack_id: BPF_RB_NO_WAKEUP as i64,
+                ..event
+            },
+        );
+        // Only a failed tail call gets here: the event is lost, and counted with the drops.
+        bump(Counter::RingFull);
+        return 0;
+    }
     if EVENTS
         .output::<CallEvent>(&event, BPF_RB_NO_WAKEUP as u64)
         .is_err()

@@ -517,8 +517,7 @@ pub fn oom_forensics(
     let x = f
         .forensics
         .iter()
-        .filter(|x| x.ts_ns >= fatal_ns && x.ts_ns - fatal_ns < 1_000_000_000)
-        .next_back()?;
+        .rfind(|x| x.ts_ns >= fatal_ns && x.ts_ns - fatal_ns < 1_000_000_000)?;
     // "... Tried to allocate 46.00 MiB. GPU 0 has ...": the size PyTorch itself names.
     let tried = message
         .and_then(|m| m.split_once("Tried to allocate "))

@@ -137,9 +137,10 @@ impl Registry {
 }
 
 fn deliver(delivery: Delivery, tx: &SyncSender<Delivery>, shared: &Shared) -> Result<()> {
-    shared
-        .events_read
-        .fetch_add(delivery.calls.len() as u64, Ordering::SeqCst);
+    shared.events_read.fetch_add(
+        (delivery.calls.len() + delivery.messages.len()) as u64,
+        Ordering::SeqCst,
+    );
     if let Ok(mut live) = shared.live.lock() {
         for c in &delivery.calls {
             live.add_one(c.pid, c.op, c.ret, c.size, c.duration_ns);

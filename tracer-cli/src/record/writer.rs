@@ -119,9 +119,10 @@ pub fn write_loop(
                     offcpu: &pending.offcpu,
                     messages: &pending.messages,
                 })?;
-                shared
-                    .events_stored
-                    .fetch_add(pending.calls.len() as u64, Ordering::SeqCst);
+                shared.events_stored.fetch_add(
+                    (pending.calls.len() + pending.messages.len()) as u64,
+                    Ordering::SeqCst,
+                );
                 pending = Delivery::default();
                 last_commit = Instant::now();
                 if !owned {

@@ -320,9 +320,10 @@ impl ChainWatch {
         table.extend(live::op_table(&stats, elapsed));
         self.view.clear();
         for chain in &report.chains {
-            let key = (chain.rule.to_string(), chain.pid);
-            if !self.seen.contains_key(&key) {
-                self.seen.insert(key, chain.title.clone());
+            if let std::collections::btree_map::Entry::Vacant(slot) =
+                self.seen.entry((chain.rule.to_string(), chain.pid))
+            {
+                slot.insert(chain.title.clone());
                 eprintln!(
                     "demo: +{:>5.1}s chain formed: [{:?}] {} - {}",
                     (last - first) as f64 / 1e9,

@@ -1,0 +1,261 @@
+//! End-to-end tests of what tracer learns from PyTorch's own probes: the USDT sites of the
+//! simulated allocator (built with sys/sdt.h, as libc10_cuda's), the layout rebuilt from them
+//! against the allocator's own account at every block event, and what a workload that only
+//! grows is (and is not) called.
+
+mod common;
+
+use std::{path::Path, process::Command};
+
+use common::*;
+use serde_json::Value;
+
+fn workspace_file(rel: &str) -> std::path::PathBuf {
+    workspace().join(rel)
+}
+
+/// Traces the simulated allocator's training loop (scripts/gpu_check/sim_workload.py) with its
+/// probes, the allocator writing its own layout after every block event; returns (what tracer
+/// rebuilt, what the allocator said), one JSON value per block event each.
+fn rebuilt_and_truth(fx: &Fixture, expandable: bool) -> (Vec<Value>, Vec<Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
+    let trace = Trace::start(
+        &fx.db,
+        &[
+            "--lib",
+            &lib("libcudart.so.12"),
+            "--lib",
+            &lib("libcuda.so.1"),
+            "--lib",
+            &lib("libsimtorch.so"),
+        ],
+    );
+    let truth = dir.path().join("truth.jsonl");
+    std::fs::write(dir.path().join("go"), "").unwrap();
+    let mut cmd = Command::new("python3");
+    cmd.arg(workspace_file("scripts/gpu_check/sim_workload.py"))
+        .arg("--cudart")
+        .arg(fx.sim.join("libcudart.so.12"))
+        .args(["--steps", "80", "--oom", "--ready"])
+        .arg(dir.path().join("ready"))
+        .arg("--go")
+        .arg(dir.path().join("go"))
+        .arg("--stats")
+        .arg(dir.path().join("stats.json"))
+        .env("SIMTORCH_TRUTH", &truth);
+    if expandable {
+        cmd.arg("--expandable");
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stopped = trace.stop(SIGINT);
+    assert_eq!(stopped.counter("dropped_ring_full"), 0);
+    let timeline = Command::new(TRACER)
+        .args(["layout", "--timeline", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert!(
+        timeline.status.success(),
+        "{}",
+        String::from_utf8_lossy(&timeline.stderr)
+    );
+    let parse = |text: &str| -> Vec<Value> {
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    (
+        parse(&String::from_utf8_lossy(&timeline.stdout)),
+        parse(&std::fs::read_to_string(&truth).unwrap()),
+    )
+}
+
+fn figures(v: &Value) -> [i64; 4] {
+    ["allocated", "reserved", "free_blocks", "largest_free"].map(|k| v[k].as_i64().unwrap_or(0))
+}
+
+fn check_every_block_event(expandable: bool) {
+    let Some(fx) = Fixture::new() else { return };
+    let (rebuilt, truth) = rebuilt_and_truth(&fx, expandable);
+    assert!(truth.len() > 500, "{} block events", truth.len());
+    assert_eq!(
+        rebuilt.len(),
+        truth.len(),
+        "one rebuilt layout per block event"
+    );
+    for (i, (r, t)) in rebuilt.iter().zip(&truth).enumerate() {
+        assert_eq!(r["ptr"], t["ptr"], "event {i}");
+        assert_eq!(
+            figures(&r["total"]),
+            figures(t),
+            "event {i} ({}): {r} vs {t}",
+            t["op"]
+        );
+        for pool in ["small", "large"] {
+            let rebuilt_pool = r["pools"].get(pool).map_or([0; 4], figures);
+            assert_eq!(
+                rebuilt_pool,
+                figures(&t["pools"][pool]),
+                "event {i}, {pool} pool"
+            );
+        }
+    }
+    // The layout at the end, as a map: every segment's runs tile it.
+    let out = Command::new(TRACER)
+        .args(["layout", "--json", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let layouts: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let p = &layouts[0];
+    assert_eq!(p["view"], "allocator");
+    for seg in p["segments"].as_array().unwrap() {
+        let runs = seg["runs"].as_array().unwrap();
+        let covered: i64 = runs.iter().map(|r| r["size"].as_i64().unwrap()).sum();
+        assert_eq!(covered, seg["size"].as_i64().unwrap(), "{seg}");
+    }
+    let text = Command::new(TRACER)
+        .args(["layout", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("(allocator view)") && text.contains("] "),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_layout_rebuilt_from_pytorchs_probes_equals_the_allocators_own_at_every_block_event() {
+    check_every_block_event(false);
+}
+
+#[test]
+fn with_expandable_segments_too() {
+    check_every_block_event(true);
+}
+
+/// The file offset of `symbol` in `lib`, from its section (nm for the address, readelf for
+/// where its section lies in the file).
+fn symbol_file_offset(lib: &Path, symbol: &str) -> u64 {
+    let nm = Command::new("nm").arg(lib).output().unwrap();
+    let nm = String::from_utf8_lossy(&nm.stdout);
+    let addr = nm
+        .lines()
+        .find(|l| l.ends_with(&format!(" {symbol}")))
+        .and_then(|l| u64::from_str_radix(l.split_whitespace().next()?, 16).ok())
+        .unwrap_or_else(|| panic!("no {symbol} in {nm}"));
+    let sections = Command::new("readelf")
+        .args(["-SW"])
+        .arg(lib)
+        .output()
+        .unwrap();
+    let sections = String::from_utf8_lossy(&sections.stdout);
+    for line in sections.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let Some(at) = f.iter().position(|w| w.starts_with('.')) else {
+            continue;
+        };
+        let (Some(a), Some(o), Some(s)) = (f.get(at + 2), f.get(at + 3), f.get(at + 4)) else {
+            continue;
+        };
+        let (Ok(a), Ok(o), Ok(s)) = (
+            u64::from_str_radix(a, 16),
+            u64::from_str_radix(o, 16),
+            u64::from_str_radix(s, 16),
+        ) else {
+            continue;
+        };
+        if a != 0 && addr >= a && addr < a + s {
+            return addr - a + o;
+        }
+    }
+    panic!("no section holds {symbol} at {addr:#x}");
+}
+
+#[test]
+fn usdt_notes_of_a_library_built_with_sys_sdt_h_are_read_exactly() {
+    // The simulated allocator's probes: compiled by demos/simcuda/build.sh with sys/sdt.h.
+    let lib = sim().join("libsimtorch.so");
+    let sites = tracer_cli::record::usdt::read_sites(&lib).unwrap();
+    let names: Vec<(&str, &str)> = sites
+        .iter()
+        .map(|s| (s.provider.as_str(), s.name.as_str()))
+        .collect();
+    assert_eq!(
+        names,
+        [("pytorch", "malloc"), ("pytorch", "free")],
+        "{sites:?}"
+    );
+    let bytes = std::fs::read(&lib).unwrap();
+    for site in &sites {
+        // Each site is the `nop` sys/sdt.h planted, found at its file offset.
+        assert_eq!(bytes[site.offset as usize], 0x90, "{site:?}");
+        let semaphore = format!("{}_{}_semaphore", site.provider, site.name);
+        assert_eq!(
+            site.semaphore,
+            symbol_file_offset(&lib, &semaphore),
+            "{site:?}"
+        );
+        // A plan for the probe table's meaning of every argument.
+        let plan = site.plan().unwrap().unwrap();
+        assert_eq!(
+            plan.nargs as usize,
+            if site.name == "malloc" { 4 } else { 1 }
+        );
+    }
+    // An executable without semaphores or notes: none.
+    assert!(
+        tracer_cli::record::usdt::read_sites(&sim().join("simdriver"))
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[test]
+fn a_workload_that_only_grows_is_growth_or_a_leak_never_fragmentation() {
+    let Some(fx) = Fixture::new() else { return };
+    let lib = fx.sim.join("libcudart.so.12");
+    let trace = Trace::start(&fx.db, &["--lib", lib.to_str().unwrap()]);
+    // 600 allocations of 1 MiB, never freed, each slower as live allocations pile up.
+    let script = format!(
+        "import ctypes, time\nrt = ctypes.CDLL({lib:?})\np = ctypes.c_void_p()\nfor i in range(600):\n    assert rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(1 << 20)) == 0\n    time.sleep(0.01)\n",
+        lib = lib.to_str().unwrap()
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .env("SIMCUDA_LATENCY", "cudaMalloc=50us,default=1us")
+        .env("SIMCUDA_LATENCY_PER_LIVE_NS", "2000")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    trace.stop(SIGINT);
+    let json = Command::new(TRACER)
+        .args(["explain", "--json", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let rules: Vec<&str> = report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["rule"].as_str().unwrap())
+        .collect();
+    assert!(
+        !rules.iter().any(|r| r.starts_with("fragmentation")),
+        "{rules:?}"
+    );
+    assert!(rules.contains(&"leak"), "{rules:?}");
+}

@@ -1,0 +1,323 @@
+//! What the end-to-end test files share: the tracer binary, fixtures, a running trace,
+//! queries and the simulated runtime.
+#![allow(dead_code, reason = "each test file uses part of it")]
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    sync::{Mutex, MutexGuard, OnceLock},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+pub const TRACER: &str = env!("CARGO_BIN_EXE_tracer");
+pub const NOBODY: u32 = 65534;
+
+/// Uprobes on one file fire for every process using it: traces run one at a time.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn privileged() -> bool {
+    if nix_is_root() {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "CI=true: end-to-end tests need root"
+    );
+    eprintln!("skipped: end-to-end tests need root");
+    false
+}
+
+pub fn nix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+/// Builds the simulated runtime once per test run.
+pub fn sim() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let out = workspace().join("target").join("simcuda-e2e");
+        let status = Command::new("bash")
+            .arg(workspace().join("demos/simcuda/build.sh"))
+            .arg(&out)
+            .stdout(Stdio::null())
+            .status()
+            .expect("run demos/simcuda/build.sh");
+        assert!(status.success(), "building the simulated runtime failed");
+        out
+    })
+}
+
+/// A private copy of the simulated libraries (new inodes: not probed by anyone else).
+pub fn sim_copy(dir: &Path) -> PathBuf {
+    let out = dir.join("sim");
+    std::fs::create_dir_all(&out).unwrap();
+    for f in [
+        "libcudart.so.12",
+        "libcuda.so.1",
+        "libsimtorch.so",
+        "simdriver",
+        "staticapp",
+    ] {
+        std::fs::copy(sim().join(f), out.join(f)).unwrap();
+    }
+    out
+}
+
+/// A privileged, serialized test with its own directory, database path and library copies.
+pub struct Fixture {
+    pub _guard: MutexGuard<'static, ()>,
+    pub _dir: tempfile::TempDir,
+    pub sim: PathBuf,
+    pub db: PathBuf,
+}
+
+impl Fixture {
+    pub fn new() -> Option<Fixture> {
+        if !privileged() {
+            return None;
+        }
+        let _guard = serial();
+        let dir = tempfile::tempdir().unwrap();
+        let sim = sim_copy(dir.path());
+        let db = dir.path().join("t.db");
+        Some(Fixture {
+            _guard,
+            _dir: dir,
+            sim,
+            db,
+        })
+    }
+}
+
+pub fn real_cudart() -> PathBuf {
+    let dir = std::env::var_os("TRACER_REAL_CUDART_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tracer/cuda-runtime-cu12")
+        });
+    let lib = dir.join("libcudart.so.12");
+    assert!(
+        lib.exists(),
+        "{} missing: run scripts/setup.sh",
+        lib.display()
+    );
+    lib
+}
+
+pub struct Trace {
+    pub child: Child,
+    /// The session, from the `started` line `tracer trace --json` prints once attached.
+    pub session: i64,
+    pub stdout: Lines,
+    pub stderr: Lines,
+}
+
+/// A pipe's lines, as they come.
+pub type Lines = std::sync::Arc<Mutex<Vec<String>>>;
+
+/// What a stopped trace printed: its JSON summary line, and its diagnostics.
+pub struct Stopped {
+    pub summary: Value,
+    pub stderr: String,
+}
+
+impl Stopped {
+    /// The libraries it probed, as (path, origin).
+    pub fn libraries(&self) -> Vec<(String, String)> {
+        self.summary["libraries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| {
+                (
+                    l["path"].as_str().unwrap().to_owned(),
+                    l["origin"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    pub fn counter(&self, name: &str) -> i64 {
+        self.summary["counters"][name]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no counter {name} in {:#}", self.summary))
+    }
+}
+
+/// Collects a pipe's lines on a thread, sending each to `tx` too.
+pub fn collect_lines(
+    pipe: impl std::io::Read + Send + 'static,
+    tx: std::sync::mpsc::Sender<String>,
+) -> Lines {
+    let lines = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let sink = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            sink.lock().unwrap().push(line);
+        }
+    });
+    lines
+}
+
+impl Trace {
+    /// Starts `tracer trace --json` and waits until its probes are attached.
+    pub fn start(db: &Path, args: &[&str]) -> Trace {
+        let mut child = Command::new(TRACER)
+            .args(["trace", "--json", "--db"])
+            .arg(db)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn tracer");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stdout = collect_lines(child.stdout.take().unwrap(), tx);
+        let stderr = collect_lines(child.stderr.take().unwrap(), std::sync::mpsc::channel().0);
+        let started: Value = loop {
+            match rx.recv_timeout(Duration::from_secs(30)) {
+                Ok(line) => {
+                    let v: Value = serde_json::from_str(&line).expect("a JSON line");
+                    if v["event"] == "started" {
+                        break v;
+                    }
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!(
+                        "tracer did not start: {}",
+                        stderr.lock().unwrap().join("\n")
+                    );
+                }
+            }
+        };
+        let session = started["session"].as_i64().unwrap();
+        Trace {
+            child,
+            session,
+            stdout,
+            stderr,
+        }
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc_kill(self.child.id() as i32, sig) };
+    }
+
+    /// Stops it with `sig` (0: wait for it to stop by itself); its summary and diagnostics.
+    pub fn stop(mut self, sig: i32) -> Stopped {
+        if sig != 0 {
+            self.signal(sig);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tracer did not stop: {}",
+                self.stderr.lock().unwrap().join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        let stderr = self.stderr.lock().unwrap().join("\n");
+        let lines = self.stdout.lock().unwrap().clone();
+        assert!(
+            status.success(),
+            "tracer failed ({status}):\n{stderr}\n{lines:?}"
+        );
+        let summary: Value = lines
+            .iter()
+            .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line"))
+            .find(|v| v["event"] == "summary")
+            .unwrap_or_else(|| panic!("no summary line in {lines:?}"));
+        assert_eq!(summary["session"], self.session);
+        Stopped { summary, stderr }
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    pub fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+pub const SIGINT: i32 = 2;
+pub const SIGTERM: i32 = 15;
+
+pub fn query(db: &Path, sql: &str) -> Vec<Value> {
+    let out = Command::new(TRACER)
+        .args(["query", "--format", "json", "--db"])
+        .arg(db)
+        .arg(sql)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "query {sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    match serde_json::from_slice(&out.stdout).unwrap() {
+        Value::Array(rows) => rows,
+        other => panic!("not an array: {other}"),
+    }
+}
+
+pub fn scalar(db: &Path, sql: &str) -> i64 {
+    query(db, sql)[0]
+        .as_object()
+        .unwrap()
+        .values()
+        .next()
+        .unwrap()
+        .as_i64()
+        .unwrap_or_else(|| panic!("{sql}: not an integer"))
+}
+
+pub fn driver(sim: &Path, args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(sim.join("simdriver"));
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+pub fn report(out: Output) -> Value {
+    assert!(
+        out.status.success(),
+        "simdriver failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("simdriver report")
+}
+
+pub fn total_calls(report: &Value) -> i64 {
+    report["ops"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|o| o["calls"].as_i64().unwrap())
+        .sum()
+}

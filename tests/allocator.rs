@@ -259,3 +259,142 @@ fn a_workload_that_only_grows_is_growth_or_a_leak_never_fragmentation() {
     );
     assert!(rules.contains(&"leak"), "{rules:?}");
 }
+
+/// The incident's training loop (demos/workloads/train.py), on the simulated 3 GiB device, as
+/// `tracer demo incident --duration 10s` runs it.
+fn incident_workload(sim: &Path) -> Command {
+    let mut cmd = Command::new("python3");
+    cmd.arg(workspace_file("demos/workloads/train.py"))
+        .args(["incident", "--duration", "10", "--cudart"])
+        .arg(sim.join("libcudart.so.12"))
+        .env("SIMCUDA_MEM", "3GiB")
+        .env(
+            "SIMCUDA_LATENCY",
+            "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us",
+        )
+        .env("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000");
+    cmd
+}
+
+fn env_value(env: &str, key: &str) -> u64 {
+    env.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {env}"))
+}
+
+#[test]
+fn the_early_warning_runs_the_on_warning_command_as_the_user_before_the_oom() {
+    let Some(fx) = Fixture::new() else { return };
+    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
+    let libs = [
+        "--lib".to_owned(),
+        lib("libcudart.so.12"),
+        "--lib".to_owned(),
+        lib("libsimtorch.so"),
+    ];
+    // As root with nobody on whose behalf: refused before anything is attached.
+    let refused = Command::new(TRACER)
+        .args(["trace", "--db"])
+        .arg(&fx.db)
+        .args(&libs)
+        .args(["--on-warning", "true"])
+        .env_remove("SUDO_UID")
+        .env_remove("SUDO_GID")
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("never runs its command as root"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let hook = format!(
+        "env > {0}/warned.env; id -u > {0}/warned.uid",
+        dir.path().display()
+    );
+    let mut args: Vec<&str> = libs.iter().map(String::as_str).collect();
+    args.extend(["--on-warning", &hook, "--on-warning-user", "nobody"]);
+    let trace = Trace::start(&fx.db, &args);
+    let out = incident_workload(&fx.sim).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("OutOfMemoryError"), "{stderr}");
+    let stopped = trace.stop(SIGINT);
+
+    // One run, as nobody, with the figures of a pool in which the next request fails.
+    let runs = stopped.summary["on_warning"].as_array().unwrap();
+    assert_eq!(runs.len(), 1, "{:#}", stopped.summary);
+    assert_eq!(runs[0]["exit_code"], 0, "{:#}", runs[0]);
+    let uid = std::fs::read_to_string(dir.path().join("warned.uid")).unwrap();
+    assert_ne!(uid.trim(), "0");
+    let env = std::fs::read_to_string(dir.path().join("warned.env")).unwrap();
+    let pid = env_value(&env, "TRACER_PID");
+    let request = env_value(&env, "TRACER_REQUEST_BYTES");
+    let largest = env_value(&env, "TRACER_LARGEST_FREE_BYTES");
+    let cached = env_value(&env, "TRACER_CACHED_BYTES");
+    let device_free = env_value(&env, "TRACER_DEVICE_FREE_BYTES");
+    let segment = env_value(&env, "TRACER_SEGMENT_BYTES");
+    assert!(largest < request && request <= cached, "{env}");
+    assert!(device_free < segment, "{env}");
+    let result: Value = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| {
+            serde_json::from_str::<Value>(l)
+                .ok()
+                .filter(|v| v["result"].is_object())
+        })
+        .unwrap();
+    assert_eq!(result["pid"].as_u64(), Some(pid));
+
+    // The same warning explain finds afterwards, with the same request; it came before the OOM.
+    let json = Command::new(TRACER)
+        .args(["explain", "--json", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let chains = report["chains"].as_array().unwrap();
+    let warning = chains
+        .iter()
+        .find(|c| c["rule"] == "early_warning")
+        .unwrap();
+    let mib = request as f64 / (1 << 20) as f64;
+    assert!(
+        warning["title"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("the next {mib:.1} MiB request")),
+        "{warning:#} vs {env}"
+    );
+    assert!(chains.iter().any(|c| c["rule"] == "oom"), "{report:#}");
+    // The run is in the session's notes.
+    let notes = query(&fx.db, "SELECT note FROM sessions")[0]["note"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        notes.contains(&format!("for pid {pid} (device 0) exited 0")),
+        "{notes}"
+    );
+    // The live figures at the end are the allocator's own (its result line).
+    let rows = stopped.summary["allocators"].as_array().unwrap();
+    let row = rows
+        .iter()
+        .find(|r| r["pid"].as_u64() == Some(pid))
+        .unwrap();
+    assert_eq!(row["view"], "blocks");
+    for key in ["allocated", "reserved"] {
+        assert_eq!(row[key], result["result"][key], "{key}: {row} vs {result}");
+    }
+    assert_eq!(
+        row["largest_free"], result["result"]["largest_free_block"],
+        "{row} vs {result}"
+    );
+}

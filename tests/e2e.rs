@@ -1088,6 +1088,72 @@ fn mib_after(text: &str, label: &str) -> f64 {
     }
 }
 
+/// multi-gpu: four ranks on four devices; rank 2's cache fragments and its OOM ends the job.
+fn check_multi_gpu(simulated: bool) {
+    let (stdout, stderr, r) = demo("multi-gpu", simulated);
+    assert!(
+        stderr.contains("launcher: rank 2 exited with status 1; ending the other ranks"),
+        "{stderr}"
+    );
+    let devices = r["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 4, "{r:#}");
+    for d in devices {
+        // Each rank is labelled from its environment and used its own device.
+        assert_eq!(d["rank"]["world_size"], 4, "{d}");
+        assert_eq!(d["device"], d["rank"]["local_rank"], "{d}");
+        assert_eq!(d["view"], "blocks", "{d}");
+    }
+    let rank = |n: i64| {
+        devices
+            .iter()
+            .find(|d| d["rank"]["rank"] == n)
+            .unwrap_or_else(|| panic!("no rank {n}: {r:#}"))
+    };
+    let outlier = chain(&r, "rank_outlier");
+    assert_eq!(outlier["pid"], rank(2)["pid"], "{outlier:#}");
+    assert!(
+        outlier["title"]
+            .as_str()
+            .unwrap()
+            .starts_with("rank 2/4 (pid"),
+        "{outlier:#}"
+    );
+    assert!(
+        outlier["root"]
+            .as_str()
+            .unwrap()
+            .starts_with("its cache fragments"),
+        "{outlier:#}"
+    );
+    assert!(rank(2)["failures"].as_u64().unwrap() >= 2, "{r:#}");
+    for n in [0, 1, 3] {
+        // The steady ranks hold a third of rank 2's memory, force no segment and never fail.
+        let d = rank(n);
+        assert_eq!(d["failures"], 0, "{d}");
+        assert_eq!(d["forced_segments"], 0, "{d}");
+        assert!(
+            d["peak_held"].as_u64().unwrap() * 2 < rank(2)["peak_held"].as_u64().unwrap(),
+            "{d}"
+        );
+    }
+    // Only the fragmenting rank has a fragmentation chain.
+    let fragmenting: Vec<&Value> = r["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["rule"] == "fragmentation")
+        .map(|c| &c["pid"])
+        .collect();
+    assert_eq!(fragmenting, [&rank(2)["pid"]], "{r:#}");
+    // The live table named the ranks; the report marks the outlier.
+    assert!(stderr.contains("rank 2/4     2"), "{stderr}");
+    assert!(
+        stdout.contains("3 failed allocations  <- outlier")
+            || stdout.contains("failed allocations  <- outlier"),
+        "{stdout}"
+    );
+}
+
 fn check_demos(simulated: bool) {
     // incident: fragmentation inside the cached segments, the early warning, and an OOM with
     // the cache holding the bytes but no block.
@@ -1151,6 +1217,7 @@ fn check_demos(simulated: bool) {
             "{shown:?} was shown, and is neither in the report nor withdrawn:\n{stdout}"
         );
     }
+    check_multi_gpu(simulated);
     // leak: memory held rises through the run.
     let (_, _, r) = demo("leak", simulated);
     assert!(

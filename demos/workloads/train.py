@@ -2,8 +2,10 @@
 
     python3 train.py SCENARIO [--duration 20] [--speed 1.0] [--cudart PATH] [--seed 1]
 
-Scenarios: incident, periodic-spike, leak, oom, cpu-contention. Each prints one JSON line of the
-allocator's own statistics at the end ("result"), and exits 1 with PyTorch's message on OOM.
+Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu. Each prints one JSON
+line of the allocator's own statistics at the end ("result"), and exits 1 with PyTorch's message on
+OOM. multi-gpu launches its ranks as torchrun does (one process per device, RANK, LOCAL_RANK and
+WORLD_SIZE in their environment) and ends them all when one fails.
 """
 
 import argparse
@@ -12,6 +14,7 @@ import json
 import multiprocessing
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -39,13 +42,13 @@ def step_pause(args, seconds):
     time.sleep(seconds / args.speed)
 
 
-def incident(alloc, args, rng):
+def incident(alloc, args, rng, dataloader_workers=4):
     """Variable sequence lengths fragment the cache: long-lived activations (gradient
     accumulation, a KV cache) pin segments that short-lived ones of other sizes leave full of
     holes, empty_cache() returns the segments between them, DataLoader workers compete for the
     CPU. The device fills; at the end a request larger than any cached block, and than what the
     device has left, fails although the cache holds more than it in free bytes."""
-    workers = start_workers(4, args.duration)
+    workers = start_workers(dataloader_workers, args.duration)
     kept = collections.deque()
     end = time.time() + args.duration * 0.85
     step = 0
@@ -146,12 +149,67 @@ def cpu_contention(alloc, args, rng):
         w.terminate()
 
 
+# The multi-GPU job: its ranks, and the one whose data shard has uneven sequence lengths.
+WORLD_SIZE = 4
+FRAGMENTING_RANK = 2
+
+
+def launch_ranks(args):
+    """As torchrun: one process per rank and device; when one fails, the others are ended and
+    the job fails with it."""
+    ranks = []
+    for rank in range(WORLD_SIZE):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+        command = [sys.executable, os.path.abspath(__file__), "multi-gpu", "--duration", str(args.duration),
+                   "--speed", str(args.speed), "--seed", str(args.seed + rank), "--cudart", args.cudart]
+        ranks.append(subprocess.Popen(command, env=env))
+    status = 0
+    while any(p.poll() is None for p in ranks):
+        failed = [r for r, p in enumerate(ranks) if p.returncode not in (None, 0)]
+        if failed and status == 0:
+            status = 1
+            print(f"launcher: rank {failed[0]} exited with status {ranks[failed[0]].returncode}; "
+                  "ending the other ranks", file=sys.stderr, flush=True)
+            for p in ranks:
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.1)
+    return 1 if status or any(p.returncode for p in ranks) else 0
+
+
+def steady_rank(alloc, args, rng):
+    """A rank whose batches all have one shape: the cache settles and is reused step after step."""
+    kept = collections.deque()
+    end = time.time() + args.duration * 0.9
+    seq = 384
+    while time.time() < end:
+        tensors = [alloc.malloc(seq * 32 * 1024) for _ in range(3)]
+        tensors += [alloc.malloc(512 * 1024) for _ in range(4)]
+        kept.append(tensors.pop(0))
+        while len(kept) > KEPT // 2:
+            alloc.free(kept.popleft())
+        for t in tensors:
+            alloc.free(t)
+        alloc.rt.cudaStreamSynchronize(None)
+        step_pause(args, 0.03)
+
+
+def multi_gpu(alloc, args, rng):
+    """One rank of the multi-GPU job: the fragmenting one runs the incident's steps (without
+    DataLoader workers, four ranks share the CPU), the others steady ones."""
+    if int(os.environ["RANK"]) == FRAGMENTING_RANK:
+        incident(alloc, args, rng, dataloader_workers=0)
+    else:
+        steady_rank(alloc, args, rng)
+
+
 SCENARIOS = {
     "incident": incident,
     "periodic-spike": periodic_spike,
     "leak": leak,
     "oom": oom,
     "cpu-contention": cpu_contention,
+    "multi-gpu": multi_gpu,
 }
 
 
@@ -163,7 +221,9 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cudart", default=os.environ.get("SIMCUDA_CUDART", "libcudart.so.12"))
     args = parser.parse_args()
-    alloc = CachingAllocator(args.cudart)
+    if args.scenario == "multi-gpu" and "RANK" not in os.environ:
+        return launch_ranks(args)
+    alloc = CachingAllocator(args.cudart, device=int(os.environ.get("LOCAL_RANK", "0")))
     status = 0
     try:
         SCENARIOS[args.scenario](alloc, args, random.Random(args.seed))

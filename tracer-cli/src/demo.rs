@@ -19,7 +19,13 @@ use crate::{
     analysis::{self, Host},
     exit::user_error,
     explain::{self, ExplainQuery},
-    model::{span, stats::LiveStats, Window},
+    model::{
+        layout::AllocConf,
+        live::{AllocatorRow, LiveAllocators},
+        span,
+        stats::LiveStats,
+        Event, Rank, Window,
+    },
     paths,
     present::{
         self,
@@ -41,6 +47,16 @@ const SCENARIOS: &[Scenario] = &[
         name: "incident",
         about: "variable sequence lengths fragment the cache until a request fails with memory \"free\" (background/000)",
         env: &[
+            ("SIMCUDA_MEM", "3GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
+            ("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000"),
+        ],
+    },
+    Scenario {
+        name: "multi-gpu",
+        about: "four ranks on four devices; one rank's uneven sequence lengths fragment its cache and its OOM ends the job (background/001)",
+        env: &[
+            ("SIMCUDA_DEVICES", "4"),
             ("SIMCUDA_MEM", "3GiB"),
             ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
             ("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000"),
@@ -261,6 +277,8 @@ struct ChainWatch {
     seen: BTreeMap<(String, u32), String>,
     view: LiveView,
     looks: u64,
+    /// The last call seen at the previous look (the live table's interval starts after it).
+    last_look_ns: i64,
 }
 
 impl ChainWatch {
@@ -269,7 +287,31 @@ impl ChainWatch {
             seen: BTreeMap::new(),
             view: LiveView::new(std::io::stderr().is_terminal()),
             looks: 0,
+            last_look_ns: i64::MIN,
         }
+    }
+
+    /// The allocators' figures after the calls recorded so far, as `tracer trace` shows them.
+    fn allocator_rows(&mut self, store: &Store, session: i64, all: &[Event]) -> Vec<AllocatorRow> {
+        let mut live = LiveAllocators::default();
+        for (pid, env) in events::envs(store.conn(), session).unwrap_or_default() {
+            let get = |k: &str| env.get(k).map(String::as_str);
+            live.describe(pid, AllocConf::from_env(get), Rank::from_env(get));
+        }
+        let mut interval_started = false;
+        for e in all {
+            if !interval_started && e.ts_ns > self.last_look_ns {
+                live.rows();
+                interval_started = true;
+            }
+            live.apply(e);
+        }
+        self.last_look_ns = all
+            .iter()
+            .map(|e| e.ts_ns)
+            .max()
+            .unwrap_or(self.last_look_ns);
+        live.rows()
     }
 
     fn look(&mut self, db: &Path, session: i64) {
@@ -318,6 +360,9 @@ impl ChainWatch {
             report.chains.len()
         )];
         table.extend(live::op_table(&stats, elapsed));
+        table.extend(live::allocator_table(
+            &self.allocator_rows(&store, session, &all),
+        ));
         self.view.clear();
         for chain in &report.chains {
             if let std::collections::btree_map::Entry::Vacant(slot) =

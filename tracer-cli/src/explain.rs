@@ -1,14 +1,14 @@
 //! Reading a session and explaining it: the bridge from the store to analysis that every
 //! presenter of a report (text, JSON, the demo's live chains) goes through.
 
-use std::{path::Path, time::Duration};
+use std::{collections::HashMap, path::Path, time::Duration};
 
 use anyhow::Result;
 
 use crate::{
     analysis::{self, Host, Report},
     exit::user_error,
-    model::{span, Window},
+    model::{layout::AllocConf, span, Window},
     store::{events, Access, Store},
     units::format_utc,
 };
@@ -87,16 +87,20 @@ pub fn explain(db: &Path, q: &ExplainQuery) -> Result<Explained> {
     let sites = events::site_labels(store.conn(), info.id, &q.skip_frames)?;
     let t1 = std::time::Instant::now();
     let host = Host::new(events::host(store.conn(), info.id, window.to_ns, q.pid)?);
-    let confs = events::alloc_confs(store.conn(), info.id)?
-        .into_iter()
-        .map(|(pid, conf)| (pid, crate::model::layout::AllocConf::parse(&conf)))
-        .collect();
+    let mut confs = HashMap::new();
+    let mut ranks = HashMap::new();
+    for (pid, env) in events::envs(store.conn(), info.id)? {
+        let get = |k: &str| env.get(k).map(String::as_str);
+        confs.extend(AllocConf::from_env(get).map(|c| (pid, c)));
+        ranks.extend(crate::model::Rank::from_env(get).map(|r| (pid, r)));
+    }
     let messages = events::messages(store.conn(), info.id)?;
     let inputs = analysis::Inputs {
         comms: &comms,
         sites: &sites,
         confs: &confs,
         messages: &messages,
+        ranks: &ranks,
     };
     let report = analysis::analyze(info.id, &all, &host, window, &inputs);
     Ok(Explained {

@@ -2,7 +2,7 @@
 //! its blocks, the early warning before an out-of-memory, and the layout at each failure.
 //! One replay of the process's calls through [`Layout`].
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use serde::Serialize;
 use tracer_common::{OpClass, Space};
@@ -12,38 +12,15 @@ use super::{
     Event, SiteLabels, Window,
 };
 use crate::{
-    model::layout::{
-        AllocConf, Layout, Pool, PoolStats, RunKind, LARGE_SEGMENT, MIN_LARGE_ALLOC, ROUND_LARGE,
-        SMALL_SEGMENT, SMALL_SIZE,
+    model::{
+        layout::{AllocConf, Layout, Pool, PoolStats, RunKind, SMALL_SEGMENT},
+        pressure::{pool_of, Alarm, DeviceFree, Pressure},
     },
     units::{format_bytes as b, format_ns as t},
 };
 
-/// Requests remembered per pool: the early warning asks whether the sizes being requested
-/// still fit.
-const RECENT_REQUESTS: usize = 64;
 /// Samples of the figures over the window, for the fragmentation chain's timeline.
 const SAMPLES: i64 = 8;
-
-/// The device segment a request of `rounded` bytes needs (PyTorch's get_allocation_size).
-pub fn segment_size(rounded: u64) -> u64 {
-    if rounded <= SMALL_SIZE {
-        SMALL_SEGMENT
-    } else if rounded < MIN_LARGE_ALLOC {
-        LARGE_SEGMENT
-    } else {
-        rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
-    }
-}
-
-/// The device's free memory as last reported by cudaMemGetInfo, then kept current with the
-/// process's own segment allocations and frees.
-#[derive(Clone, Copy, Debug, Default)]
-struct DeviceFree {
-    free: i64,
-    /// When cudaMemGetInfo last said.
-    reported_ns: i64,
-}
 
 /// The layout when an allocation failed.
 #[derive(Clone, Debug, Serialize)]
@@ -63,15 +40,8 @@ pub struct Forensics {
 /// The state in which the next request of the sizes being made fails.
 #[derive(Clone, Debug, Serialize)]
 pub struct Warning {
-    pub ts_ns: i64,
-    pub device: i32,
-    pub pool: Pool,
-    /// The largest block requested lately in the pool.
-    pub request: u64,
-    pub stats: PoolStats,
-    pub device_free: u64,
-    /// The segment such a request needs.
-    pub segment: u64,
+    #[serde(flatten)]
+    pub alarm: Alarm,
     /// Call sites of the blocks that pin the pool's partly free segments, most bytes first.
     pub pinning: Vec<(String, u64, u64)>,
 }
@@ -102,6 +72,38 @@ pub struct Findings {
     pub live_in_window: Vec<(String, u64, u64)>,
     /// Block allocations in the window.
     pub allocs_in_window: u64,
+    /// Per device: the most the process held, and its failures, in the window.
+    pub devices: BTreeMap<i32, DevicePeak>,
+}
+
+/// What one process did on one device in the window, for comparing ranks and devices.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DevicePeak {
+    /// The most device memory held at once: the allocator's segments and what was allocated
+    /// outside them.
+    pub held: u64,
+    /// The most the allocator reserved and handed out (blocks view).
+    pub reserved: u64,
+    pub allocated: u64,
+    /// The highest fragmentation (1 - largest free block / cached) with at least a small
+    /// segment's worth cached (blocks view).
+    pub fragmentation: f64,
+    /// New segments reserved while the pool's cache held the bytes but no block that fit.
+    pub forced_segments: u64,
+    pub forced_bytes: u64,
+    /// Failed device allocations, and the first one.
+    pub failures: u64,
+    pub first_failure_ns: Option<i64>,
+}
+
+impl DevicePeak {
+    fn update(&mut self, layout: &Layout, device: i32) {
+        let t = layout.device_total(device);
+        self.held = self.held.max(t.reserved + layout.outside(device));
+        self.reserved = self.reserved.max(t.reserved);
+        self.allocated = self.allocated.max(t.allocated);
+        self.fragmentation = self.fragmentation.max(layout.worst_fragmentation(device));
+    }
 }
 
 /// A segment just reserved (when, how large), and the pools' figures before it.
@@ -111,8 +113,7 @@ type NewSegment = (i64, u64, BTreeMap<(i32, Pool), PoolStats>);
 pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels) -> Findings {
     let mut layout = Layout::new(conf);
     let mut f = Findings::default();
-    let mut free: BTreeMap<i32, DeviceFree> = BTreeMap::new();
-    let mut recent: BTreeMap<(i32, Pool), VecDeque<u64>> = BTreeMap::new();
+    let mut pressure = Pressure::default();
     // A segment just reserved, and the pool's figures before it: settled at the next block.
     let mut pending: Option<NewSegment> = None;
     let mut next_sample = 0;
@@ -124,28 +125,12 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
         }
         let spec = e.op.spec();
         let class = spec.class;
-        if class == OpClass::MemInfo && e.ret == 0 && e.aux1 > 0 {
-            free.insert(
-                e.device,
-                DeviceFree {
-                    free: e.aux0 as i64,
-                    reported_ns: e.ts_ns,
-                },
-            );
-        }
-        let segment_change = match (class, spec.space) {
-            (OpClass::Alloc, Space::Device | Space::Handle) if e.ret == 0 => e.size as i64,
-            (OpClass::Free, Space::Device | Space::Handle) if e.ret == 0 => -(e.size as i64),
-            _ => 0,
-        };
-        if segment_change != 0 {
-            if let Some(d) = free.get_mut(&e.device) {
-                if e.ts_ns > d.reported_ns {
-                    d.free -= segment_change;
-                }
-            }
-        }
-        if segment_change > 0 && matches!(spec.space, Space::Device | Space::Handle) {
+        pressure.observe(e);
+        let new_segment = class == OpClass::Alloc
+            && e.ret == 0
+            && e.size > 0
+            && matches!(spec.space, Space::Device | Space::Handle);
+        if new_segment {
             pending = Some((e.ts_ns, e.size, layout.stats().clone()));
         }
         let failed = class == OpClass::Alloc
@@ -153,9 +138,23 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
             && matches!(spec.space, Space::Device | Space::Handle)
             && window.contains(e.ts_ns);
         if failed {
-            f.forensics.push(forensics(e, &layout, free.get(&e.device)));
+            f.forensics
+                .push(forensics(e, &layout, pressure.device_free(e.device)));
+            let peak = f.devices.entry(e.device).or_default();
+            peak.failures += 1;
+            peak.first_failure_ns.get_or_insert(e.ts_ns);
         }
         layout.apply(e);
+        let holding = matches!(
+            class,
+            OpClass::Alloc | OpClass::Free | OpClass::BlockAlloc | OpClass::BlockFree
+        );
+        if holding && e.device().is_some() && window.contains(e.ts_ns) {
+            f.devices
+                .entry(e.device)
+                .or_default()
+                .update(&layout, e.device);
+        }
         if class != OpClass::BlockAlloc {
             continue;
         }
@@ -165,25 +164,19 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
             f.allocs_in_window += 1;
         }
         let rounded = conf.round_size(e.size);
-        let pool = if rounded <= SMALL_SIZE {
-            Pool::Small
-        } else {
-            Pool::Large
-        };
-        let key = (e.device, pool);
+        let key = (e.device, pool_of(rounded));
         if let Some((ts, size, before)) = pending.take() {
             let s = before.get(&key).copied().unwrap_or_default();
             if s.cached() >= rounded && s.largest_free < rounded && window.contains(ts) {
                 f.forced.count += 1;
                 f.forced.bytes += size;
                 f.forced.first_ns.get_or_insert(ts);
+                let peak = f.devices.entry(e.device).or_default();
+                peak.forced_segments += 1;
+                peak.forced_bytes += size;
             }
         }
-        let r = recent.entry(key).or_default();
-        r.push_back(rounded);
-        if r.len() > RECENT_REQUESTS {
-            r.pop_front();
-        }
+        let alarm = pressure.after_block(e, conf, &layout);
         let s = layout.stats().get(&key).copied().unwrap_or_default();
         if window.contains(e.ts_ns)
             && s.cached() >= SMALL_SEGMENT
@@ -191,27 +184,13 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
                 .as_ref()
                 .is_none_or(|w| s.fragmentation() > w.3.fragmentation())
         {
-            f.worst = Some((e.ts_ns, e.device, pool, s));
+            f.worst = Some((e.ts_ns, e.device, key.1, s));
         }
-        if f.warning.is_none() && window.contains(e.ts_ns) {
-            let need = r.iter().copied().max().unwrap_or(rounded);
-            if let Some(d) = free.get(&e.device) {
-                let segment = segment_size(need);
-                // The bytes are cached, no block holds the request, and the device cannot give
-                // the segment it would need: fragmentation, not a cache that simply fills.
-                if s.cached() >= need && s.largest_free < need && d.free < segment as i64 {
-                    f.warning = Some(Warning {
-                        ts_ns: e.ts_ns,
-                        device: e.device,
-                        pool,
-                        request: need,
-                        stats: s,
-                        device_free: d.free.max(0) as u64,
-                        segment,
-                        pinning: pinning(&layout, e.device, pool, sites),
-                    });
-                }
-            }
+        if let Some(alarm) = alarm.filter(|_| f.warning.is_none() && window.contains(e.ts_ns)) {
+            f.warning = Some(Warning {
+                pinning: pinning(&layout, alarm.device, alarm.pool, sites),
+                alarm,
+            });
         }
     }
     while next_sample <= SAMPLES {
@@ -376,7 +355,12 @@ const FIX_MAX_SPLIT: &str = "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: larg
 /// in bytes but not in one block, and the worst moment's layout.
 pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
     let worst = f.worst;
-    if f.forced.count == 0 && worst.as_ref().is_none_or(|w| w.3.fragmentation() < 0.5) {
+    // Without a segment forced by it, fragmentation is only worth a chain when the scattered
+    // cache is a real share of the memory held.
+    let harmless = |w: &(i64, i32, Pool, PoolStats)| {
+        w.3.fragmentation() < 0.5 || w.3.cached() * 10 < w.3.reserved
+    };
+    if f.forced.count == 0 && worst.as_ref().is_none_or(harmless) {
         return None;
     }
     let (ts, device, pool, s) = worst.or_else(|| {
@@ -443,7 +427,8 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
 /// The early warning: the layout in which the next request of the sizes being made fails;
 /// none when it came no earlier than the out-of-memory (`first_failure`: the OOM chain tells).
 pub fn warning_chain(pid: u32, f: &Findings, first_failure: Option<i64>) -> Option<Chain> {
-    let w = f.warning.as_ref()?;
+    let warning = f.warning.as_ref()?;
+    let w = &warning.alarm;
     if first_failure.is_some_and(|fail| fail <= w.ts_ns) {
         // Not early: the failure came first (or with it); the OOM chain tells it.
         return None;
@@ -468,7 +453,7 @@ pub fn warning_chain(pid: u32, f: &Findings, first_failure: Option<i64>) -> Opti
             ),
         });
     }
-    let pinning: Vec<String> = w
+    let pinning: Vec<String> = warning
         .pinning
         .iter()
         .map(|(site, n, bytes)| format!("{site} ({n} blocks, {})", b(*bytes)))

@@ -3,6 +3,7 @@
 
 pub mod allocator;
 mod host;
+pub mod ranks;
 mod replay;
 mod rules;
 mod scan;
@@ -16,7 +17,7 @@ use std::{
 use serde::Serialize;
 use tracer_common::{Op, OpClass};
 
-use crate::model::{layout::AllocConf, Event, FastMap, SiteLabels, StackId, Window};
+use crate::model::{layout::AllocConf, Event, FastMap, Rank, SiteLabels, StackId, Window};
 pub use host::Host;
 pub use rules::Chain;
 use rules::Proc;
@@ -453,6 +454,8 @@ pub struct Report {
     pub chains: Vec<Chain>,
     /// Top call sites per op (--stack sessions).
     pub call_sites: Vec<CallSiteRow>,
+    /// Each process on each device it used: its peaks and failures, to compare ranks.
+    pub devices: Vec<ranks::DeviceRow>,
 }
 
 /// What explain knows of a session beside its calls.
@@ -463,17 +466,21 @@ pub struct Inputs<'a> {
     pub confs: &'a HashMap<u32, AllocConf>,
     /// PyTorch's out-of-memory messages.
     pub messages: &'a [crate::model::MessageRow],
+    /// Each process's rank in a distributed job (RANK, LOCAL_RANK, WORLD_SIZE).
+    pub ranks: &'a HashMap<u32, Rank>,
 }
 
 impl<'a> Inputs<'a> {
     /// Names and call sites only: default allocator settings, no messages.
     pub fn new(comms: &'a HashMap<u32, String>, sites: &'a SiteLabels) -> Inputs<'a> {
         static NO_CONFS: std::sync::OnceLock<HashMap<u32, AllocConf>> = std::sync::OnceLock::new();
+        static NO_RANKS: std::sync::OnceLock<HashMap<u32, Rank>> = std::sync::OnceLock::new();
         Inputs {
             comms,
             sites,
             confs: NO_CONFS.get_or_init(HashMap::new),
             messages: &[],
+            ranks: NO_RANKS.get_or_init(HashMap::new),
         }
     }
 }
@@ -540,6 +547,8 @@ pub fn analyze(
     for (p, findings) in active.iter().zip(&layouts) {
         allocator_chains(p, findings, inputs.messages, &mut chains);
     }
+    let devices = device_rows(&active, &layouts, inputs.ranks);
+    chains.extend(ranks::outlier_chain(&devices, window.from_ns));
     chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
     Report {
         session,
@@ -549,7 +558,24 @@ pub fn analyze(
         processes,
         chains,
         call_sites,
+        devices,
     }
+}
+
+/// Each process on each device, for comparing ranks.
+fn device_rows(
+    active: &[Proc<'_>],
+    layouts: &[allocator::Findings],
+    ranks: &HashMap<u32, Rank>,
+) -> Vec<ranks::DeviceRow> {
+    let mut rows = Vec::new();
+    for (p, f) in active.iter().zip(layouts) {
+        for (&device, peak) in &f.devices {
+            let rank = ranks.get(&p.pid).copied();
+            rows.push(ranks::DeviceRow::new(p.pid, rank, device, f.visible, peak));
+        }
+    }
+    rows
 }
 
 #[cfg(test)]

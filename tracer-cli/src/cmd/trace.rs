@@ -6,9 +6,10 @@ use std::{io::IsTerminal as _, path::PathBuf, time::Duration};
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
+    exit::user_error,
     paths,
     present::{self, live},
-    record::{signals, RecordOptions, Recording},
+    record::{on_warning::OnWarning, signals, RecordOptions, Recording},
     units::{parse_duration, parse_size},
 };
 use tracer_common::maps::DEFAULT_RING_BYTES;
@@ -48,6 +49,22 @@ pub struct TraceArgs {
     /// while on): their runs and run time go into the summary.
     #[arg(long)]
     pub program_stats: bool,
+    /// Run this shell command when a traced process's allocator reaches the state in which its
+    /// next request fails (the early warning), e.g. to checkpoint. It runs as the user who ran
+    /// sudo (never as root), with TRACER_PID, TRACER_DEVICE, TRACER_REQUEST_BYTES,
+    /// TRACER_LARGEST_FREE_BYTES, TRACER_DEVICE_FREE_BYTES, ... in its environment; its exit
+    /// status goes into the session's notes.
+    #[arg(long, value_name = "CMD")]
+    pub on_warning: Option<String>,
+    /// The user --on-warning's command runs as (default: the one who ran sudo).
+    #[arg(long, value_name = "USER", requires = "on_warning")]
+    pub on_warning_user: Option<String>,
+    /// At most one run per process in this long.
+    #[arg(long, value_parser = parse_duration, default_value = "60s", requires = "on_warning")]
+    pub on_warning_interval: Duration,
+    /// Kill a run still going after this long.
+    #[arg(long, value_parser = parse_duration, default_value = "30s", requires = "on_warning")]
+    pub on_warning_timeout: Duration,
     /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
     #[arg(long, hide = true)]
     pub floor: bool,
@@ -60,7 +77,18 @@ pub fn run(args: TraceArgs) -> Result<()> {
     // Signals are caught from here on: a Ctrl-C during set-up still ends in a flushed session.
     let (stop_tx, stops) = std::sync::mpsc::channel();
     signals::stop_on_signals(stop_tx)?;
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let who = paths::invoker();
+    let db = paths::db_path(args.db.as_deref(), &who)?;
+    let on_warning = match &args.on_warning {
+        Some(command) => Some(OnWarning {
+            command: command.clone(),
+            user: OnWarning::resolve_user(args.on_warning_user.as_deref(), who.owner)
+                .map_err(|e| user_error(format!("{e:#}")))?,
+            interval: args.on_warning_interval,
+            timeout: args.on_warning_timeout,
+        }),
+        None => None,
+    };
     let mut recording = Recording::start(RecordOptions {
         pids: args.pids.clone(),
         libs: args.libs.clone(),
@@ -75,6 +103,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
         },
         program_stats: args.program_stats,
         command: std::env::args().collect::<Vec<_>>().join(" "),
+        on_warning,
     })?;
     if args.json {
         let mut started = serde_json::to_value(recording.started())?;
@@ -90,6 +119,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
                 probes: snapshot.probes,
                 stats: &snapshot.stats,
                 counters: &snapshot.counters,
+                allocators: &snapshot.allocators,
             });
         }
     });

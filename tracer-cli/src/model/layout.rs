@@ -68,6 +68,13 @@ impl AllocConf {
         conf
     }
 
+    /// From a process's environment: PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF.
+    pub fn from_env<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Option<AllocConf> {
+        get("PYTORCH_CUDA_ALLOC_CONF")
+            .or_else(|| get("PYTORCH_ALLOC_CONF"))
+            .map(AllocConf::parse)
+    }
+
     /// The block size a request gets (PyTorch's round_size).
     pub fn round_size(&self, size: u64) -> u64 {
         if size < MIN_BLOCK {
@@ -289,9 +296,27 @@ impl Layout {
         t
     }
 
+    /// The highest fragmentation among the device's pools that cache at least a small
+    /// segment's worth (a request is served by one pool: their free blocks do not add up).
+    pub fn worst_fragmentation(&self, device: i32) -> f64 {
+        self.totals
+            .range((device, Pool::Small)..=(device, Pool::Large))
+            .filter(|(_, s)| s.cached() >= SMALL_SEGMENT)
+            .map(|(_, s)| s.fragmentation())
+            .fold(0.0, f64::max)
+    }
+
     /// Device memory allocated outside the allocator's segments, per device.
     pub fn outside(&self, device: i32) -> u64 {
         self.outside.get(&device).copied().unwrap_or(0)
+    }
+
+    /// The devices with memory outside the allocator's segments.
+    pub fn outside_devices(&self) -> impl Iterator<Item = i32> + '_ {
+        self.outside
+            .iter()
+            .filter(|(_, &bytes)| bytes > 0)
+            .map(|(&d, _)| d)
     }
 
     /// The segments as maps of runs.

@@ -3,6 +3,8 @@
 
 mod event;
 pub mod layout;
+pub mod live;
+pub mod pressure;
 mod process;
 pub mod stats;
 
@@ -10,4 +12,4 @@ pub use event::{
     advise_huge_pages, span, stack_id, Event, FastMap, HostRecord, MessageRow, OffSlice,
     SiteLabels, StackId, Window, NO_DEVICE,
 };
-pub use process::{ProcessInfo, KEPT_ENV};
+pub use process::{env_map, ProcessInfo, Rank, KEPT_ENV};

@@ -37,8 +37,56 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
         process_tables(out, r)?;
     }
     call_sites(out, r)?;
+    devices(out, r)?;
     writeln!(out)?;
     chains(out, r)
+}
+
+/// Ranks and devices side by side, when there are several or they carry ranks.
+fn devices(out: &mut impl Write, r: &Report) -> Result<()> {
+    if r.devices.len() < 2 && r.devices.iter().all(|d| d.rank.is_none()) {
+        return Ok(());
+    }
+    let outlier = r
+        .chains
+        .iter()
+        .find(|c| c.rule == "rank_outlier")
+        .map(|c| c.pid);
+    writeln!(out)?;
+    writeln!(out, "Ranks and devices (peaks in the window):")?;
+    for d in &r.devices {
+        let measured = if d.view == "blocks" {
+            format!(
+                " | allocated {} | reserved {} | fragmentation {:.0}%",
+                format_bytes(d.peak_allocated),
+                format_bytes(d.peak_reserved),
+                d.fragmentation * 100.0
+            )
+        } else {
+            " | segments view (no allocator probes)".to_owned()
+        };
+        let forced = match d.forced_segments {
+            0 => String::new(),
+            n => format!(" | {n} segments forced ({})", format_bytes(d.forced_bytes)),
+        };
+        let failures = match d.failures {
+            0 => String::new(),
+            1 => " | 1 failed allocation".to_owned(),
+            n => format!(" | {n} failed allocations"),
+        };
+        let mark = if outlier == Some(d.pid) {
+            "  <- outlier"
+        } else {
+            ""
+        };
+        writeln!(
+            out,
+            "  {:<32} held {}{measured}{forced}{failures}{mark}",
+            d.who(),
+            format_bytes(d.peak_held)
+        )?;
+    }
+    Ok(())
 }
 
 /// Per process: each op's calls, latency and bytes, outstanding allocations, warnings.
@@ -58,14 +106,21 @@ fn process_tables(out: &mut impl Write, r: &Report) -> Result<()> {
             } else {
                 String::new()
             };
+            // The allocator's probes mark instants: no latency to show.
+            let latency = if op.max_ns == 0 {
+                String::new()
+            } else {
+                format!(
+                    " | p50={} | p99={} | max={}",
+                    format_ns(op.p50_ns),
+                    format_ns(op.p99_ns),
+                    format_ns(op.max_ns)
+                )
+            };
             writeln!(
                 out,
-                "  {:<24} | {:>8} calls | p50={} | p99={} | max={}{bytes}{errors}",
-                op.op,
-                op.calls,
-                format_ns(op.p50_ns),
-                format_ns(op.p99_ns),
-                format_ns(op.max_ns)
+                "  {:<24} | {:>8} calls{latency}{bytes}{errors}",
+                op.op, op.calls
             )?;
         }
         for o in &p.outstanding {

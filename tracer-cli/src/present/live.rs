@@ -2,8 +2,10 @@
 
 use std::{io::Write, time::Duration};
 
+use tracer_common::OpClass;
+
 use crate::{
-    model::stats::LiveStats,
+    model::{live::AllocatorRow, stats::LiveStats},
     store::SessionCounters,
     units::{format_bytes, format_ns},
 };
@@ -14,6 +16,7 @@ pub struct Status<'a> {
     pub probes: usize,
     pub stats: &'a LiveStats,
     pub counters: &'a SessionCounters,
+    pub allocators: &'a [AllocatorRow],
 }
 
 fn thousands(n: u64) -> String {
@@ -50,16 +53,61 @@ pub fn op_table(stats: &LiveStats, elapsed: Duration) -> Vec<String> {
         "OP", "CALLS", "RATE/s", "P50", "P99", "MAX", "BYTES", "ERRORS"
     )];
     for (op, s) in &stats.ops {
+        // The allocator's probes mark instants: they have no duration.
+        let timed = !matches!(
+            op.spec().class,
+            OpClass::BlockAlloc | OpClass::BlockFree | OpClass::Oom
+        );
+        let time = |ns: u64| if timed { format_ns(ns) } else { "-".to_owned() };
         lines.push(format!(
             "{:<26} {:>12} {:>9.0} {:>9} {:>9} {:>9} {:>11} {:>8}",
             op.name(),
             thousands(s.calls),
             s.calls as f64 / secs,
-            format_ns(s.latency.quantile(0.5)),
-            format_ns(s.latency.quantile(0.99)),
-            format_ns(s.max_ns),
+            time(s.latency.quantile(0.5)),
+            time(s.latency.quantile(0.99)),
+            time(s.max_ns),
             format_bytes(s.bytes),
             thousands(s.errors),
+        ));
+    }
+    lines
+}
+
+/// The allocators' table: per process and device, allocated, reserved, fragmentation, the
+/// largest free block and the largest request of the last interval. Empty when no process
+/// holds device memory.
+pub fn allocator_table(rows: &[AllocatorRow]) -> Vec<String> {
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    let mut lines = vec![format!(
+        "{:<8} {:<10} {:>3} {:>10} {:>10} {:>6} {:>11} {:>11} {:>10}  VIEW",
+        "PID",
+        "RANK",
+        "DEV",
+        "ALLOCATED",
+        "RESERVED",
+        "FRAG",
+        "LARGEST-FREE",
+        "OUTSIDE",
+        "LARGEST-REQ"
+    )];
+    for r in rows {
+        let blocks = r.view == "blocks";
+        let measured = |text: String| if blocks { text } else { "-".to_owned() };
+        lines.push(format!(
+            "{:<8} {:<10} {:>3} {:>10} {:>10} {:>6} {:>11} {:>11} {:>10}  {}",
+            r.pid,
+            r.rank.as_deref().unwrap_or("-"),
+            r.device,
+            measured(format_bytes(r.stats.allocated)),
+            format_bytes(r.stats.reserved),
+            measured(format!("{:.0}%", r.fragmentation * 100.0)),
+            measured(format_bytes(r.stats.largest_free)),
+            measured(format_bytes(r.outside)),
+            format_bytes(r.largest_request),
+            r.view,
         ));
     }
     lines
@@ -92,6 +140,7 @@ impl LiveView {
         }
         let mut lines = vec![headline(status)];
         lines.extend(op_table(status.stats, status.elapsed));
+        lines.extend(allocator_table(status.allocators));
         self.redraw(&lines);
     }
 

@@ -22,6 +22,9 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
     for line in live::op_table(&s.stats, Duration::from_secs_f64(s.elapsed_s)) {
         writeln!(out, "{line}")?;
     }
+    for line in live::allocator_table(&s.allocators) {
+        writeln!(out, "{line}")?;
+    }
     writeln!(
         out,
         "events: {} submitted, {} read, {} stored; dropped (ring full): {}; unmatched returns: {}; decode errors: {}",
@@ -36,6 +39,9 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
     }
     if c.alloc_map_full > 0 {
         writeln!(out, "warning: {} allocations were not tracked (allocation map full): their frees lack a size", c.alloc_map_full)?;
+    }
+    for run in &s.on_warning {
+        writeln!(out, "{}", run.note("--on-warning"))?;
     }
     for p in &s.programs {
         writeln!(
@@ -89,6 +95,8 @@ mod tests {
             probes: 4,
             libraries: Vec::new(),
             programs: Vec::new(),
+            allocators: Vec::new(),
+            on_warning: Vec::new(),
             counters: SessionCounters {
                 submitted: 2,
                 events_read: 2,

@@ -12,6 +12,7 @@ pub mod elf;
 pub mod import;
 pub mod join;
 pub mod memmap;
+pub mod on_warning;
 mod perf;
 pub mod privileges;
 pub mod procinfo;

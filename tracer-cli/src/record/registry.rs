@@ -17,12 +17,16 @@ use anyhow::{anyhow, Result};
 use super::{
     attach::{Followed, PyProcs},
     join::Join,
+    on_warning::WarningHook,
     procinfo,
     shared::Shared,
     sites::Sites,
     writer::Delivery,
 };
-use crate::decode::Record;
+use crate::{
+    decode::{Call, Record},
+    model::{env_map, layout::AllocConf, Event, Rank, NO_DEVICE},
+};
 
 /// How often running processes are looked at for interpreters started since (--stack).
 const PYTHON_SCAN_EVERY: Duration = Duration::from_secs(1);
@@ -59,6 +63,8 @@ pub struct Registry {
     pub followed: Option<Followed>,
     pub python: Option<Python>,
     pub wall_offset_ns: i64,
+    /// --on-warning's command.
+    pub hook: Option<WarningHook>,
 }
 
 impl Registry {
@@ -92,13 +98,55 @@ impl Registry {
                 shared
                     .allocs_not_tracked
                     .store(self.join.not_tracked, Ordering::SeqCst);
-                deliver(delivery, &tx, shared)?;
+                self.deliver(delivery, &tx, shared)?;
             }
         })();
         if result.is_err() {
             shared.stop.store(true, Ordering::SeqCst);
         }
         result
+    }
+
+    /// Counts the delivery, updates the live figures (firing --on-warning's command on an
+    /// early warning) and hands it to the writer.
+    fn deliver(
+        &mut self,
+        delivery: Delivery,
+        tx: &SyncSender<Delivery>,
+        shared: &Shared,
+    ) -> Result<()> {
+        shared.events_read.fetch_add(
+            (delivery.calls.len() + delivery.messages.len()) as u64,
+            Ordering::SeqCst,
+        );
+        if let Ok(mut live) = shared.live.lock() {
+            for c in &delivery.calls {
+                live.add_one(c.pid, c.op, c.ret, c.size, c.duration_ns);
+            }
+        }
+        if let Ok(mut allocators) = shared.allocators.lock() {
+            for p in &delivery.processes {
+                let env = env_map(p.env.as_deref());
+                let get = |k: &str| env.get(k).map(String::as_str);
+                allocators.describe(p.pid, AllocConf::from_env(get), Rank::from_env(get));
+            }
+            for c in &delivery.calls {
+                let alarm = allocators.apply(&layout_event(c));
+                if let (Some(alarm), Some(hook)) = (alarm, self.hook.as_mut()) {
+                    hook.fire(
+                        c.pid,
+                        allocators.rank(c.pid),
+                        &alarm,
+                        alarm.ts_ns + self.wall_offset_ns,
+                    );
+                    shared
+                        .on_warning_skipped
+                        .store(hook.skipped, Ordering::SeqCst);
+                }
+            }
+        }
+        tx.send(delivery)
+            .map_err(|_| anyhow!("the database writer stopped"))
     }
 
     fn enrich(
@@ -119,6 +167,7 @@ impl Registry {
                             f.process_tree(call.pid);
                         }
                         if let Some(python) = self.python.as_mut() {
+                            python.sites.first_seen(call.pid);
                             python.register(call.pid);
                         }
                     }
@@ -136,16 +185,20 @@ impl Registry {
     }
 }
 
-fn deliver(delivery: Delivery, tx: &SyncSender<Delivery>, shared: &Shared) -> Result<()> {
-    shared.events_read.fetch_add(
-        (delivery.calls.len() + delivery.messages.len()) as u64,
-        Ordering::SeqCst,
-    );
-    if let Ok(mut live) = shared.live.lock() {
-        for c in &delivery.calls {
-            live.add_one(c.pid, c.op, c.ret, c.size, c.duration_ns);
-        }
+/// A call as the layout needs it (times are not: the live table shows the present).
+fn layout_event(c: &Call) -> Event {
+    Event {
+        ts_ns: c.ts_mono_ns as i64,
+        duration_ns: c.duration_ns,
+        size: c.size.unwrap_or(0),
+        ptr: c.ptr.unwrap_or(0),
+        aux0: c.aux0,
+        aux1: c.aux1,
+        pid: c.pid,
+        tid: c.tid,
+        ret: c.ret,
+        device: c.device.unwrap_or(NO_DEVICE),
+        stack: None,
+        op: c.op,
     }
-    tx.send(delivery)
-        .map_err(|_| anyhow!("the database writer stopped"))
 }

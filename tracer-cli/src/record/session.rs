@@ -20,6 +20,7 @@ use serde::Serialize;
 use super::{
     attach::{self, AttachedLibrary, LoadOptions, Probes, ProgramStat},
     discover::{self, Candidate, Origin, Scanner},
+    on_warning::{HookOutcome, HookRun, OnWarning, WarningHook},
     procinfo, reader,
     registry::{Python, Registry},
     shared::Shared,
@@ -28,7 +29,7 @@ use super::{
 };
 use crate::{
     exit::{privilege_error, user_error},
-    model::stats::LiveStats,
+    model::{live::AllocatorRow, stats::LiveStats},
     paths,
     store::{Access, SessionCounters, SessionStart, Store},
 };
@@ -54,6 +55,8 @@ pub struct RecordOptions {
     pub program_stats: bool,
     /// The command line stored with the session.
     pub command: String,
+    /// Run a command on the early warning (--on-warning).
+    pub on_warning: Option<OnWarning>,
 }
 
 /// The recording, once its probes are attached and its session begun.
@@ -129,6 +132,8 @@ pub struct Snapshot {
     pub probes: usize,
     pub stats: LiveStats,
     pub counters: SessionCounters,
+    /// The allocators' figures now, per process and device.
+    pub allocators: Vec<AllocatorRow>,
 }
 
 /// What a finished recording stored (printed by `tracer trace` at the end).
@@ -146,6 +151,12 @@ pub struct Summary {
     /// The programs' own cost, with --program-stats.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub programs: Vec<ProgramStat>,
+    /// The allocators' figures at the end, per process and device.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allocators: Vec<AllocatorRow>,
+    /// --on-warning's runs.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub on_warning: Vec<HookRun>,
     #[serde(skip)]
     pub stats: LiveStats,
 }
@@ -184,6 +195,8 @@ pub struct Recording {
     gone: HashSet<u32>,
     /// Keeps the kernel's BPF statistics on (--program-stats).
     program_stats: Option<std::os::fd::OwnedFd>,
+    /// --on-warning's runs, reported when the recording ends.
+    on_warning: Option<HookOutcome>,
 }
 
 impl Recording {
@@ -268,6 +281,7 @@ impl Recording {
             began: Instant::now(),
             gone: HashSet::new(),
             program_stats,
+            on_warning: threads.on_warning,
         })
     }
 
@@ -347,6 +361,7 @@ impl Recording {
                 .map_err(|_| anyhow!("statistics lock poisoned"))?
                 .clone(),
             counters: self.shared.counters(&kernel),
+            allocators: allocator_rows(&self.shared)?,
         })
     }
 
@@ -376,6 +391,8 @@ impl Recording {
             .filter_map(Result::err)
             .collect();
         store.append_note(session, &format!("stopped: {reason}"))?;
+        let on_warning =
+            record_on_warning(self.on_warning.as_ref(), &self.shared, &store, session)?;
         for p in &problems {
             store.append_note(session, &format!("{p:#}"))?;
         }
@@ -396,6 +413,7 @@ impl Recording {
             .lock()
             .map_err(|_| anyhow!("statistics lock poisoned"))?
             .clone();
+        let allocators = allocator_rows(&self.shared)?;
         if let Err(e) = outcome {
             problems.push(e);
         }
@@ -410,12 +428,49 @@ impl Recording {
                 libraries,
                 counters,
                 programs,
+                allocators,
+                on_warning,
                 stats,
             },
             probes: self.probes,
             problem: problems.into_iter().next(),
         })
     }
+}
+
+/// --on-warning's runs, once the last has ended, each in the session's notes.
+fn record_on_warning(
+    hook: Option<&HookOutcome>,
+    shared: &Shared,
+    store: &Store,
+    session: i64,
+) -> Result<Vec<HookRun>> {
+    let Some(hook) = hook else {
+        return Ok(Vec::new());
+    };
+    let runs = hook.wait();
+    for run in &runs {
+        store.append_note(session, &run.note(&hook.command))?;
+    }
+    let skipped = shared.on_warning_skipped.load(Ordering::SeqCst);
+    if skipped > 0 {
+        store.append_note(
+            session,
+            &format!(
+                "on-warning: {skipped} warnings came while the command ran or within its interval"
+            ),
+        )?;
+    }
+    Ok(runs)
+}
+
+/// The allocators' figures now; starts the live table's next interval.
+fn allocator_rows(shared: &Shared) -> Result<Vec<AllocatorRow>> {
+    Ok(shared
+        .allocators
+        .lock()
+        .map_err(|_| anyhow!("allocator layouts lock poisoned"))?
+        .rows())
 }
 
 /// Refuses what cannot be recorded before anything is attached.
@@ -448,6 +503,7 @@ struct Threads {
     reader: JoinHandle<Result<()>>,
     registry: JoinHandle<Result<()>>,
     writer: JoinHandle<(Store, Result<()>)>,
+    on_warning: Option<HookOutcome>,
 }
 
 /// Starts the reader (ring -> records), the registry (records -> deliveries, with what /proc
@@ -474,11 +530,17 @@ fn spawn_pipeline(
     if let Some(python) = python.as_mut() {
         python.scan();
     }
+    let hook = opts
+        .on_warning
+        .clone()
+        .map(|cfg| WarningHook::new(cfg, session));
+    let on_warning = hook.as_ref().map(WarningHook::outcome);
     let registry = Registry {
         join: super::join::Join::live(),
         followed: probes.take_followed()?,
         python,
         wall_offset_ns: clock.offset_ns,
+        hook,
     };
     let (records_tx, records_rx) = mpsc::sync_channel(1024);
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);
@@ -510,6 +572,7 @@ fn spawn_pipeline(
         reader,
         registry,
         writer,
+        on_warning,
     })
 }
 

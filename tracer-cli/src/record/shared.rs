@@ -7,18 +7,25 @@ use std::sync::{
 
 use tracer_common::maps::Counter;
 
-use crate::{model::stats::LiveStats, store::SessionCounters};
+use crate::{
+    model::{live::LiveAllocators, stats::LiveStats},
+    store::SessionCounters,
+};
 
 /// What the recording's threads share.
 #[derive(Default)]
 pub struct Shared {
     pub stop: AtomicBool,
     pub live: Mutex<LiveStats>,
+    /// Each process's allocator layout, rebuilt as its calls arrive (the live table).
+    pub allocators: Mutex<LiveAllocators>,
     pub events_read: AtomicU64,
     pub events_stored: AtomicU64,
     pub decode_errors: AtomicU64,
     /// Allocations whose size userspace could not keep (too many live): their frees lack one.
     pub allocs_not_tracked: AtomicU64,
+    /// Early warnings that did not run --on-warning's command (one running, or too soon).
+    pub on_warning_skipped: AtomicU64,
     /// The kernel counters as last read (for the writer's periodic session updates).
     pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
 }

@@ -116,9 +116,8 @@ impl Sites {
         let mut native = Vec::with_capacity(raw.native.len());
         for &addr in &raw.native {
             let mut located = self.locate(pid, addr);
-            if located.is_none() {
+            if located.is_none() && self.refresh_maps(pid) {
                 // A library loaded since the maps were read.
-                self.maps.remove(&pid);
                 located = self.locate(pid, addr);
             }
             let maps_known = self.maps.get(&pid).is_some_and(|m| !m.is_empty());
@@ -141,6 +140,24 @@ impl Sites {
             native,
             py_status: raw.py_status,
             python: self.frames.resolve(pid, &raw.py),
+        }
+    }
+
+    /// Reads a new process's maps now, while it lives: a short-lived process's call sites may
+    /// be resolved after it has exited.
+    pub fn first_seen(&mut self, pid: u32) {
+        self.refresh_maps(pid);
+    }
+
+    /// Reads the process's maps again; keeps those read before when it has exited since (its
+    /// last calls' sites are still resolved with them). Whether anything new was read.
+    fn refresh_maps(&mut self, pid: u32) -> bool {
+        match memmap::read(pid) {
+            Ok(maps) if !maps.is_empty() => {
+                self.maps.insert(pid, maps);
+                true
+            }
+            _ => false,
         }
     }
 

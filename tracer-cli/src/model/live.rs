@@ -1,0 +1,190 @@
+//! The allocator's figures while a trace runs: each process's layout, rebuilt call by call, and
+//! the largest request of each interval, for the live table and the end-of-trace summary.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use tracer_common::OpClass;
+
+use super::{
+    layout::{AllocConf, Layout, PoolStats},
+    pressure::{Alarm, Pressure},
+    Event, Rank,
+};
+
+/// What the live table shows of one process on one device.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AllocatorRow {
+    pub pid: u32,
+    pub device: i32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank: Option<String>,
+    /// "blocks" when the allocator's own probes are seen; "segments" when only cudaMalloc is.
+    pub view: &'static str,
+    /// Allocated, reserved, free blocks and the largest free block (blocks view); in the
+    /// segments view only `reserved`, the device bytes held.
+    #[serde(flatten)]
+    pub stats: PoolStats,
+    /// 1 - largest free block / cached bytes, in the device's worst pool (blocks view).
+    pub fragmentation: f64,
+    /// Device bytes held outside the allocator's segments.
+    pub outside: u64,
+    /// The largest request since the last look.
+    pub largest_request: u64,
+}
+
+#[derive(Default)]
+struct Process {
+    layout: Layout,
+    pressure: Pressure,
+    rank: Option<String>,
+    /// Per device: the largest request since the last look.
+    largest_request: BTreeMap<i32, u64>,
+}
+
+/// Every traced process's layout, as the calls arrive.
+#[derive(Default)]
+pub struct LiveAllocators {
+    processes: BTreeMap<u32, Process>,
+}
+
+impl LiveAllocators {
+    /// A process's settings and rank, from its kept environment (before its first call).
+    pub fn describe(&mut self, pid: u32, conf: Option<AllocConf>, rank: Option<Rank>) {
+        let p = self.processes.entry(pid).or_default();
+        if p.layout.blocks_seen == 0 {
+            p.layout = Layout::new(conf.unwrap_or_default());
+        }
+        p.rank = rank.map(|r| r.label());
+    }
+
+    /// Applies one call (a process's calls in the order they happened); the early warning's
+    /// figures when the call leaves its pool in the state in which the next request fails.
+    pub fn apply(&mut self, e: &Event) -> Option<Alarm> {
+        let class = e.class();
+        if !matches!(
+            class,
+            OpClass::Alloc
+                | OpClass::Free
+                | OpClass::BlockAlloc
+                | OpClass::BlockFree
+                | OpClass::MemInfo
+        ) {
+            return None;
+        }
+        let p = self.processes.entry(e.pid).or_default();
+        p.pressure.observe(e);
+        p.layout.apply(e);
+        let request = matches!(class, OpClass::BlockAlloc)
+            || (matches!(class, OpClass::Alloc) && p.layout.blocks_seen == 0);
+        if request && e.size > 0 {
+            if let Some(device) = e.device() {
+                let max = p.largest_request.entry(device).or_default();
+                *max = (*max).max(e.size);
+            }
+        }
+        (class == OpClass::BlockAlloc && e.ptr != 0)
+            .then(|| p.pressure.after_block(e, p.layout.conf(), &p.layout))
+            .flatten()
+    }
+
+    /// The rank label of a process, if its environment gave one.
+    pub fn rank(&self, pid: u32) -> Option<&str> {
+        self.processes.get(&pid)?.rank.as_deref()
+    }
+
+    /// The rows for each process and device with memory; starts a new interval.
+    pub fn rows(&mut self) -> Vec<AllocatorRow> {
+        let mut rows = Vec::new();
+        for (&pid, p) in &mut self.processes {
+            let mut devices: Vec<i32> = p.layout.stats().keys().map(|&(d, _)| d).collect();
+            devices.extend(p.layout.outside_devices());
+            devices.extend(p.largest_request.keys());
+            devices.sort_unstable();
+            devices.dedup();
+            for device in devices {
+                let blocks = p.layout.blocks_seen > 0;
+                let mut stats = p.layout.device_total(device);
+                let outside = p.layout.outside(device);
+                if !blocks {
+                    stats.reserved += outside;
+                }
+                rows.push(AllocatorRow {
+                    pid,
+                    device,
+                    rank: p.rank.clone(),
+                    view: if blocks { "blocks" } else { "segments" },
+                    fragmentation: p.layout.worst_fragmentation(device),
+                    stats,
+                    outside: if blocks { outside } else { 0 },
+                    largest_request: p.largest_request.get(&device).copied().unwrap_or(0),
+                });
+            }
+            p.largest_request.clear();
+        }
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::Op;
+
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn event(op: Op, ptr: u64, size: u64) -> Event {
+        Event {
+            ts_ns: 0,
+            duration_ns: 1,
+            size,
+            ptr,
+            aux0: 0,
+            aux1: 0,
+            pid: 7,
+            tid: 7,
+            ret: 0,
+            device: 0,
+            stack: None,
+            op,
+        }
+    }
+
+    #[test]
+    fn rows_follow_the_blocks_and_the_interval() {
+        let mut live = LiveAllocators::default();
+        live.describe(
+            7,
+            None,
+            Some(Rank {
+                rank: Some(1),
+                local_rank: Some(1),
+                world_size: Some(2),
+            }),
+        );
+        live.apply(&event(Op::CudaMalloc, 0x1000_0000, 20 * MIB));
+        let rows = live.rows();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].view, "segments");
+        assert_eq!(rows[0].stats.reserved, 20 * MIB);
+        assert_eq!(rows[0].largest_request, 20 * MIB);
+        assert_eq!(rows[0].rank.as_deref(), Some("rank 1/2"));
+
+        // Two blocks with a hole between them: 12 MiB cached, in two free blocks.
+        live.apply(&event(Op::TorchMalloc, 0x1000_0000, 4 * MIB));
+        live.apply(&event(Op::TorchMalloc, 0x1000_0000 + 4 * MIB, 4 * MIB));
+        live.apply(&event(Op::TorchMalloc, 0x1000_0000 + 8 * MIB, 4 * MIB));
+        live.apply(&event(Op::TorchFree, 0x1000_0000 + 4 * MIB, 0));
+        let rows = live.rows();
+        assert_eq!(rows[0].view, "blocks");
+        assert_eq!(rows[0].stats.allocated, 8 * MIB);
+        assert_eq!(rows[0].stats.reserved, 20 * MIB);
+        assert_eq!(rows[0].stats.free_blocks, 2);
+        assert_eq!(rows[0].stats.largest_free, 8 * MIB);
+        assert!((rows[0].fragmentation - (1.0 - 8.0 / 12.0)).abs() < 1e-9);
+        assert_eq!(rows[0].largest_request, 4 * MIB);
+        // A new interval with no requests.
+        assert_eq!(live.rows()[0].largest_request, 0);
+    }
+}

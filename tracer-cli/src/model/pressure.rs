@@ -1,0 +1,133 @@
+//! The early warning's state, shared by the live trace and explain: the device's free memory
+//! (as cudaMemGetInfo last said, kept current with the process's own segments) and the sizes
+//! requested lately per pool. The warning is the state in which the next request of those sizes
+//! fails: no cached block holds it although the cache holds its bytes, and the device cannot
+//! give the segment it would need.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::Serialize;
+use tracer_common::{OpClass, Space};
+
+use super::{
+    layout::{
+        AllocConf, Layout, Pool, PoolStats, LARGE_SEGMENT, MIN_LARGE_ALLOC, ROUND_LARGE,
+        SMALL_SEGMENT, SMALL_SIZE,
+    },
+    Event,
+};
+
+/// Requests remembered per pool: the warning asks whether the sizes being requested still fit.
+const RECENT_REQUESTS: usize = 64;
+
+/// The device segment a request of `rounded` bytes needs (PyTorch's get_allocation_size).
+pub fn segment_size(rounded: u64) -> u64 {
+    if rounded <= SMALL_SIZE {
+        SMALL_SEGMENT
+    } else if rounded < MIN_LARGE_ALLOC {
+        LARGE_SEGMENT
+    } else {
+        rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
+    }
+}
+
+/// The pool a request of `rounded` bytes is served from.
+pub fn pool_of(rounded: u64) -> Pool {
+    if rounded <= SMALL_SIZE {
+        Pool::Small
+    } else {
+        Pool::Large
+    }
+}
+
+/// The device's free memory as last reported by cudaMemGetInfo, then kept current with the
+/// process's own segment allocations and frees.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceFree {
+    pub free: i64,
+    /// When cudaMemGetInfo last said.
+    pub reported_ns: i64,
+}
+
+/// The figures of a warning: what the pool holds against what is being requested.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Alarm {
+    pub ts_ns: i64,
+    pub device: i32,
+    pub pool: Pool,
+    /// The largest block requested lately in the pool.
+    pub request: u64,
+    pub stats: PoolStats,
+    pub device_free: u64,
+    /// The segment such a request needs.
+    pub segment: u64,
+}
+
+/// One process's early-warning state.
+#[derive(Clone, Debug, Default)]
+pub struct Pressure {
+    free: BTreeMap<i32, DeviceFree>,
+    recent: BTreeMap<(i32, Pool), VecDeque<u64>>,
+}
+
+impl Pressure {
+    /// Takes in what a call says of the device's free memory; call before the layout applies it.
+    pub fn observe(&mut self, e: &Event) {
+        let spec = e.op.spec();
+        if spec.class == OpClass::MemInfo && e.ret == 0 && e.aux1 > 0 {
+            self.free.insert(
+                e.device,
+                DeviceFree {
+                    free: e.aux0 as i64,
+                    reported_ns: e.ts_ns,
+                },
+            );
+            return;
+        }
+        let change = match (spec.class, spec.space) {
+            (OpClass::Alloc, Space::Device | Space::Handle) if e.ret == 0 => e.size as i64,
+            (OpClass::Free, Space::Device | Space::Handle) if e.ret == 0 => -(e.size as i64),
+            _ => 0,
+        };
+        if change != 0 {
+            if let Some(d) = self.free.get_mut(&e.device) {
+                if e.ts_ns > d.reported_ns {
+                    d.free -= change;
+                }
+            }
+        }
+    }
+
+    /// The device's free memory, when cudaMemGetInfo has said.
+    pub fn device_free(&self, device: i32) -> Option<&DeviceFree> {
+        self.free.get(&device)
+    }
+
+    /// After a block allocation has been applied to `layout`: remembers its size and says
+    /// whether its pool is now in the state the warning is about.
+    pub fn after_block(&mut self, e: &Event, conf: AllocConf, layout: &Layout) -> Option<Alarm> {
+        let rounded = conf.round_size(e.size);
+        let pool = pool_of(rounded);
+        let key = (e.device, pool);
+        let recent = self.recent.entry(key).or_default();
+        recent.push_back(rounded);
+        if recent.len() > RECENT_REQUESTS {
+            recent.pop_front();
+        }
+        let need = recent.iter().copied().max().unwrap_or(rounded);
+        let stats = layout.stats().get(&key).copied().unwrap_or_default();
+        let device_free = self.free.get(&e.device)?.free;
+        let segment = segment_size(need);
+        (stats.cached() >= need && stats.largest_free < need && device_free < segment as i64).then(
+            || Alarm {
+                ts_ns: e.ts_ns,
+                device: e.device,
+                pool,
+                request: need,
+                stats,
+                device_free: device_free.max(0) as u64,
+                segment,
+            },
+        )
+    }
+}

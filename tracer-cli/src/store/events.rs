@@ -59,11 +59,29 @@ pub fn load(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Result<V
     if has_blocks {
         match load_blocks(path, session, to_ns, pid) {
             Ok(events) => return Ok(events),
-            Err(e) => eprintln!("tracer: {e:#}; reading the session's rows instead"),
+            Err(e) => {
+                let rowless = rowless_calls(path, session).unwrap_or(0);
+                let lost = if rowless > 0 {
+                    format!(" (its {rowless} allocator block events are kept in the blocks only and are left out)")
+                } else {
+                    String::new()
+                };
+                eprintln!("tracer: {e:#}; reading the session's rows instead{lost}");
+            }
         }
     }
     // Small sessions are not worth a second connection.
     load_split(path, session, to_ns, pid, 200_000)
+}
+
+/// The session's calls kept in its blocks only (the allocator's block events, schema 6).
+fn rowless_calls(path: &Path, session: i64) -> Result<i64> {
+    let conn = open_reader(path)?;
+    Ok(conn.query_row(
+        "SELECT coalesce(sum(rowless), 0) FROM call_blocks WHERE session_id = ?1",
+        [session],
+        |r| r.get(0),
+    )?)
 }
 
 fn reader_threads() -> usize {
@@ -604,10 +622,16 @@ pub fn stacks(
     top: u32,
 ) -> Result<Vec<StackOut>> {
     let mut stmt = conn.prepare(
-        "SELECT c.stack_id, c.op_id, s.pid, count(*), coalesce(sum(CASE WHEN c.ret = 0 THEN c.size END), 0),
+        "WITH c AS (
+             SELECT stack_id, op_id, pid, size, ret FROM calls
+             WHERE session_id = ?1 AND stack_id IS NOT NULL
+             UNION ALL
+             SELECT t.stack_id, o.id, t.pid, t.size, 0 FROM tensor_events t JOIN ops o ON o.name = t.op
+             WHERE t.session_id = ?1 AND t.stack_id IS NOT NULL)
+         SELECT c.stack_id, c.op_id, s.pid, count(*), coalesce(sum(CASE WHEN c.ret = 0 THEN c.size END), 0),
                 s.python, s.native_depth
-         FROM calls c JOIN stacks s ON s.id = c.stack_id
-         WHERE c.session_id = ?1 AND (?2 IS NULL OR c.op_id = ?2) AND (?3 IS NULL OR c.pid = ?3)
+         FROM c JOIN stacks s ON s.id = c.stack_id
+         WHERE (?2 IS NULL OR c.op_id = ?2) AND (?3 IS NULL OR c.pid = ?3)
          GROUP BY c.stack_id, c.op_id ORDER BY count(*) DESC, c.stack_id LIMIT ?4",
     )?;
     let rows = stmt.query_map(params![session, op.map(|o| o as u32), pid, top], |r| {

@@ -4,6 +4,7 @@ pub mod blocks;
 pub mod events;
 pub mod readonly;
 mod schema;
+mod tensor_events;
 
 use std::path::{Path, PathBuf};
 
@@ -106,6 +107,8 @@ impl Store {
         }
         conn.busy_timeout(std::time::Duration::from_secs(5))
             .with_context(|| format!("set busy timeout on {}", path.display()))?;
+        tensor_events::register(&conn)
+            .with_context(|| format!("register tensor_events on {}", path.display()))?;
         let mut store = Store {
             conn,
             path: path.to_owned(),
@@ -356,9 +359,11 @@ impl Store {
             for (pid, tid, comm) in batch.threads {
                 thread_stmt.execute(params![batch.session, pid, tid, comm])?;
             }
+            // The allocator's block events are many and small: kept in the blocks only.
+            let rowed: Vec<&Call> = batch.calls.iter().filter(|c| has_row(c)).collect();
             // Many rows per statement: one sqlite3_step per CALLS_PER_INSERT rows instead of per
             // row roughly halves the writer's CPU per event.
-            let mut chunks = batch.calls.chunks_exact(CALLS_PER_INSERT);
+            let mut chunks = rowed.chunks_exact(CALLS_PER_INSERT);
             let mut full = tx.prepare_cached(&insert_calls_sql(CALLS_PER_INSERT))?;
             for chunk in &mut chunks {
                 bind_calls(&mut full, chunk, batch)?;
@@ -371,14 +376,20 @@ impl Store {
             }
             // The rows just inserted have consecutive ids (one past the largest, under the
             // write lock), so each block knows the rows it copies.
-            let mut next_id = tx.last_insert_rowid() - batch.calls.len() as i64 + 1;
+            let mut next_id = if rowed.is_empty() {
+                tx.query_row("SELECT coalesce(max(id), 0) + 1 FROM calls", [], |r| r.get(0))?
+            } else {
+                tx.last_insert_rowid() - rowed.len() as i64 + 1
+            };
             let mut block_stmt = tx.prepare_cached(
-                "INSERT INTO call_blocks (session_id, first_call, last_call, calls, min_ts_ns, max_ts_ns, format, data)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+                "INSERT INTO call_blocks (session_id, first_call, last_call, calls, min_ts_ns, max_ts_ns, format, data, rowless)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
             )?;
             for chunk in batch.calls.chunks(blocks::MAX_CALLS) {
                 let block = blocks::encode(chunk, batch.wall_offset_ns);
-                let last = next_id + chunk.len() as i64 - 1;
+                let rows = chunk.iter().filter(|c| has_row(c)).count() as i64;
+                // A block without rows copies the empty range (next_id, next_id - 1).
+                let last = next_id + rows - 1;
                 block_stmt.execute(params![
                     batch.session,
                     next_id,
@@ -387,7 +398,8 @@ impl Store {
                     block.min_ts_ns,
                     block.max_ts_ns,
                     blocks::FORMAT,
-                    block.data
+                    block.data,
+                    chunk.len() as i64 - rows
                 ])?;
                 next_id = last + 1;
             }
@@ -455,8 +467,9 @@ impl Store {
             let oldest: Option<(i64, i64)> = self
                 .conn
                 .query_row(
-                    "SELECT id, (SELECT count(*) FROM calls WHERE session_id = s.id) FROM sessions s
-                     WHERE id != ?1 ORDER BY id LIMIT 1",
+                    "SELECT id, max((SELECT count(*) FROM calls WHERE session_id = s.id),
+                                    (SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = s.id))
+                     FROM sessions s WHERE id != ?1 ORDER BY id LIMIT 1",
                     [current],
                     |r| Ok((r.get(0)?, r.get(1)?)),
                 )
@@ -476,36 +489,39 @@ impl Store {
                 tx.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
                 notes.push(format!("--max-db: deleted session {id} ({events} events) to stay under {max_bytes} bytes"));
             } else {
-                let total: i64 = tx.query_row(
-                    "SELECT count(*) FROM calls WHERE session_id = ?1",
+                // The current session: its oldest tenth of call blocks (every call is in one)
+                // and exactly the rows they copy.
+                let blocks: i64 = tx.query_row(
+                    "SELECT count(*) FROM call_blocks WHERE session_id = ?1",
                     [current],
                     |r| r.get(0),
                 )?;
-                if total == 0 {
+                if blocks == 0 {
                     tx.commit()?;
                     bail!(
                         "--max-db {max_bytes} bytes is smaller than an empty database ({} bytes): raise it",
                         self.used_bytes()?
                     );
                 }
-                // About a tenth, rounded up to whole blocks so that every call left keeps its copy.
-                let nth: i64 = tx.query_row(
-                    "SELECT id FROM calls WHERE session_id = ?1 ORDER BY id LIMIT 1 OFFSET ?2",
-                    params![current, (total / 10).max(1) - 1],
-                    |r| r.get(0),
-                )?;
                 let cutoff: i64 = tx.query_row(
-                    "SELECT max(?2, coalesce(max(last_call), ?2)) FROM call_blocks
-                     WHERE session_id = ?1 AND first_call <= ?2",
-                    params![current, nth],
+                    "SELECT id FROM call_blocks WHERE session_id = ?1 ORDER BY id LIMIT 1 OFFSET ?2",
+                    params![current, (blocks / 10).max(1) - 1],
                     |r| r.get(0),
                 )?;
-                let n = tx.execute(
-                    "DELETE FROM calls WHERE session_id = ?1 AND id <= ?2",
+                let (last_row, n): (Option<i64>, i64) = tx.query_row(
+                    "SELECT max(last_call), coalesce(sum(calls), 0) FROM call_blocks
+                     WHERE session_id = ?1 AND id <= ?2",
                     params![current, cutoff],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
                 )?;
+                if let Some(last_row) = last_row {
+                    tx.execute(
+                        "DELETE FROM calls WHERE session_id = ?1 AND id <= ?2",
+                        params![current, last_row],
+                    )?;
+                }
                 tx.execute(
-                    "DELETE FROM call_blocks WHERE session_id = ?1 AND last_call <= ?2",
+                    "DELETE FROM call_blocks WHERE session_id = ?1 AND id <= ?2",
                     params![current, cutoff],
                 )?;
                 tx.execute(
@@ -546,9 +562,18 @@ fn insert_calls_sql(rows: usize) -> String {
     )
 }
 
+/// Whether a call gets a `calls` row: all but the allocator's block events, which only the call
+/// blocks keep (SCHEMA.md, `tensor_events`).
+pub fn has_row(call: &Call) -> bool {
+    !matches!(
+        call.op.spec().class,
+        tracer_common::OpClass::BlockAlloc | tracer_common::OpClass::BlockFree
+    )
+}
+
 fn bind_calls(
     stmt: &mut rusqlite::CachedStatement<'_>,
-    calls: &[Call],
+    calls: &[&Call],
     batch: &Batch<'_>,
 ) -> rusqlite::Result<()> {
     let nonzero = |v: u64| (v != 0).then_some(v as i64);

@@ -3,7 +3,7 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -157,5 +157,10 @@ CREATE TABLE messages (
 );
 CREATE INDEX messages_session ON messages(session_id, ts_ns);
 ALTER TABLE processes ADD COLUMN env TEXT;
+"#,
+    // 6: the allocator's block events (pytorch:malloc/free) live in call blocks only: `rowless`
+    // counts a block's calls that have no `calls` row (read them through `tensor_events`).
+    r#"
+ALTER TABLE call_blocks ADD COLUMN rowless INTEGER NOT NULL DEFAULT 0;
 "#,
 ];

@@ -49,11 +49,11 @@ static WAKEUP_BYTES: u64 = 0;
 /// Non-zero: the benchmark's floors, the same probes with no work: 1 counts entries only; 2 also
 /// reads the clock at entry and return, as timing a call needs.
 #[unsafe(no_mangle)]
-static FLOOR_MODE: u32 = 0;
+pub(crate) static FLOOR_MODE: u32 = 0;
 
 /// The floor's work: nothing, or one clock read (kept from being optimized away).
 #[inline(always)]
-fn floor_work(mode: u32) {
+pub(crate) fn floor_work(mode: u32) {
     // SAFETY: no preconditions.
     if mode == 2 && unsafe { bpf_ktime_get_ns() } == 0 {
         bump(Counter::UnmatchedReturns);

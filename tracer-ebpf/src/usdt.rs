@@ -102,6 +102,13 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         return 0;
     }
     bump(Counter::Entries);
+    let floor = crate::call::global(&crate::call::FLOOR_MODE);
+    if floor != 0 {
+        // The benchmark's floors: the bare probe at the site, or with the one clock read an
+        // event's time needs.
+        crate::call::floor_work(floor);
+        return 0;
+    }
     // SAFETY: the helper only reads the cookie of the perf link that fired.
     let site = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let Some(plan) = USDT_PLANS.get(site) else {

@@ -87,7 +87,7 @@ enum Workload {
     Python,
 }
 
-fn json_of(out: std::process::Output, what: &str) -> Result<Value> {
+pub(crate) fn json_of(out: std::process::Output, what: &str) -> Result<Value> {
     ensure!(
         out.status.success(),
         "{what} failed: {}",
@@ -129,22 +129,31 @@ fn workload_ns(p: &Paths, w: Workload, iters: u64) -> Result<f64> {
 }
 
 /// A running `tracer trace --json`, attached.
-struct Tracer {
+pub(crate) struct Tracer {
     child: Child,
     lines: mpsc::Receiver<String>,
 }
 
 impl Tracer {
     fn start(p: &Paths, lib: &Path, extra: &[&str]) -> Result<Tracer> {
-        let db = p.tmp.join("bench.db");
+        Tracer::start_with(&p.tracer, &p.tmp.join("bench.db"), lib, extra)
+    }
+
+    /// `tracer trace --json --quiet --lib LIB --db DB EXTRA...` (a fresh database).
+    pub(crate) fn start_with(
+        tracer: &Path,
+        db: &Path,
+        lib: &Path,
+        extra: &[&str],
+    ) -> Result<Tracer> {
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
         }
-        let mut child = Command::new(&p.tracer)
+        let mut child = Command::new(tracer)
             .args(["trace", "--quiet", "--json", "--lib"])
             .arg(lib)
             .arg("--db")
-            .arg(&db)
+            .arg(db)
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -168,7 +177,7 @@ impl Tracer {
     }
 
     /// Stops it; its summary.
-    fn stop(mut self) -> Result<Value> {
+    pub(crate) fn stop(mut self) -> Result<Value> {
         // SAFETY: kill(2) on our own child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
         let status = self.child.wait()?;
@@ -294,24 +303,24 @@ fn stats(mut v: Vec<f64>) -> (f64, f64) {
 
 /// Samples of one setup over the rounds.
 #[derive(Default)]
-struct Samples(Vec<f64>);
+pub(crate) struct Samples(Vec<f64>);
 
 impl Samples {
-    fn push(&mut self, v: f64) {
+    pub(crate) fn push(&mut self, v: f64) {
         self.0.push(v);
     }
 
-    fn get(&self) -> (f64, f64) {
+    pub(crate) fn get(&self) -> (f64, f64) {
         stats(self.0.clone())
     }
 }
 
-fn row(name: &str, s: &Samples, note: &str) {
+pub(crate) fn row(name: &str, s: &Samples, note: &str) {
     let (med, min) = s.get();
     println!("  {name:<22} {med:>10.0} {min:>10.0}   {note}");
 }
 
-fn ratio(name: &str, a: &Samples, b: &Samples, note: &str) {
+pub(crate) fn ratio(name: &str, a: &Samples, b: &Samples, note: &str) {
     let (a, b) = (a.get(), b.get());
     println!(
         "  {name:<22} {:>10.2} {:>10.2}   {note}",
@@ -321,7 +330,7 @@ fn ratio(name: &str, a: &Samples, b: &Samples, note: &str) {
 }
 
 /// The per-pair figures of one workload, or why its ratios are refused.
-fn prologue_verdict(sites: &[prologue::Site]) -> Option<String> {
+pub(crate) fn prologue_verdict(sites: &[prologue::Site]) -> Option<String> {
     let bad: Vec<String> = sites
         .iter()
         .filter(|s| !s.emulated)
@@ -335,7 +344,7 @@ fn prologue_verdict(sites: &[prologue::Site]) -> Option<String> {
     })
 }
 
-fn print_sites(sites: &[prologue::Site]) {
+pub(crate) fn print_sites(sites: &[prologue::Site]) {
     for s in sites {
         println!("  site  {s}");
     }
@@ -601,7 +610,7 @@ impl Throughput {
     }
 }
 
-fn children_cpu_s() -> f64 {
+pub(crate) fn children_cpu_s() -> f64 {
     // SAFETY: getrusage fills the struct we pass.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: as above.

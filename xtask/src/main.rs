@@ -3,6 +3,7 @@
 mod bench;
 mod explain_bench;
 mod prologue;
+mod tensor_bench;
 
 use clap::{Parser, Subcommand};
 
@@ -18,11 +19,14 @@ enum Task {
     Bench(bench::BenchArgs),
     /// Time `tracer explain` over a session of N synthetic events.
     BenchExplain(explain_bench::ExplainBenchArgs),
+    /// Measure tracing PyTorch's allocator probes: cost per tensor allocation, sustained rate.
+    BenchTensor(tensor_bench::TensorBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().task {
         Task::Bench(args) => bench::run(args),
         Task::BenchExplain(args) => explain_bench::explain(args),
+        Task::BenchTensor(args) => tensor_bench::run(args),
     }
 }

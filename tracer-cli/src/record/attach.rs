@@ -282,11 +282,8 @@ impl Probes {
             Ok(_) => Err("not in --floor mode".into()),
             Err(e) => Err(e),
         };
-        let torch_probes = if opts.floor == 0 {
-            load_torch_programs(&mut ebpf)
-        } else {
-            Err("not in --floor mode".into())
-        };
+        // In --floor mode the USDT program returns at once: the floor of a block event.
+        let torch_probes = load_torch_programs(&mut ebpf);
         Ok(Probes {
             ebpf,
             counters,

@@ -351,7 +351,8 @@ impl Scanner {
     }
 }
 
-/// The --lib files, checked: each must exist and export at least one probed call.
+/// The --lib files, checked: each must exist and export at least one probed call or carry
+/// PyTorch's probes.
 pub fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
     let mut out = Vec::new();
     for path in libs {
@@ -363,9 +364,9 @@ pub fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
         })?;
         let symbols = crate::record::elf::read_symbols(path)
             .map_err(|e| user_error(format!("--lib {}: {e:#}", path.display())))?;
-        if symbols.targets.is_empty() {
+        if symbols.targets.is_empty() && !crate::record::elf::has_torch_probes(path) {
             return Err(user_error(format!(
-                "--lib {}: the file exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...): pass libcudart.so.* or libcuda.so.*",
+                "--lib {}: the file exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...) and has no PyTorch probes: pass libcudart.so.*, libcuda.so.* or libc10_cuda.so",
                 path.display()
             )));
         }

@@ -377,7 +377,9 @@ impl Store {
             // The rows just inserted have consecutive ids (one past the largest, under the
             // write lock), so each block knows the rows it copies.
             let mut next_id = if rowed.is_empty() {
-                tx.query_row("SELECT coalesce(max(id), 0) + 1 FROM calls", [], |r| r.get(0))?
+                tx.query_row("SELECT coalesce(max(id), 0) + 1 FROM calls", [], |r| {
+                    r.get(0)
+                })?
             } else {
                 tx.last_insert_rowid() - rowed.len() as i64 + 1
             };

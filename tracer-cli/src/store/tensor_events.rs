@@ -147,7 +147,9 @@ impl Cursor<'_> {
                     events.push(e);
                 }
             })
-            .map_err(|e| rusqlite::Error::ModuleError(format!("call block {id} is damaged: {e}")))?;
+            .map_err(|e| {
+                rusqlite::Error::ModuleError(format!("call block {id} is damaged: {e}"))
+            })?;
         }
         Ok(())
     }
@@ -170,9 +172,8 @@ unsafe impl VTabCursor for Cursor<'_> {
             let rows = stmt.query_map([session], |r| Ok((r.get(0)?, r.get(1)?)))?;
             rows.collect::<rusqlite::Result<Vec<_>>>()?
         } else {
-            let mut stmt = conn.prepare(
-                "SELECT id, session_id FROM call_blocks WHERE rowless > 0 ORDER BY id",
-            )?;
+            let mut stmt = conn
+                .prepare("SELECT id, session_id FROM call_blocks WHERE rowless > 0 ORDER BY id")?;
             let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
             rows.collect::<rusqlite::Result<Vec<_>>>()?
         };

@@ -554,7 +554,10 @@ fn call_blocks_hold_exactly_the_rows() {
         let from_blocks = events::load_blocks(&path, second, to_ns, pid).unwrap();
         assert!(rows.len() > 100, "{pid:?} {to_ns}: {}", rows.len());
         assert_eq!(without_block_events(&from_blocks), rows, "{pid:?} {to_ns}");
-        assert_eq!(events::load(&path, second, to_ns, pid).unwrap(), from_blocks);
+        assert_eq!(
+            events::load(&path, second, to_ns, pid).unwrap(),
+            from_blocks
+        );
     }
     let with_site = from_rows(&path, second, i64::MAX, None)
         .iter()

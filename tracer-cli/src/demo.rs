@@ -131,42 +131,59 @@ fn demos_dir() -> Result<PathBuf> {
         })
 }
 
-/// Where the simulated runtime is built: the source tree's target/ when this user can write
-/// there, else a private folder of this user's in the temporary directory.
-fn build_dir(demos: &Path) -> Result<PathBuf> {
-    let target = demos.join("..").join("target");
-    let in_tree = target.join("simcuda-demo");
-    let writable = |dir: &Path| nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK).is_ok();
-    if (in_tree.exists() && writable(&in_tree))
-        || (!in_tree.exists() && target.exists() && writable(&target))
-    {
-        return Ok(in_tree);
-    }
-    let uid = nix::unistd::Uid::effective();
-    let private = std::env::temp_dir().join(format!("tracer-simcuda-{uid}"));
-    match std::fs::create_dir(&private) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(anyhow!("create {}: {e}", private.display())),
-    }
-    // Refuse a folder someone else made: the demo loads libraries from it.
-    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
-    let meta = std::fs::symlink_metadata(&private)
-        .with_context(|| format!("inspect {}", private.display()))?;
-    if !meta.is_dir() || meta.uid() != uid.as_raw() {
-        return Err(user_error(format!(
-            "{} is not a folder of yours: remove it, or set TRACER_DEMOS to a copy of demos/ you can write beside",
-            private.display()
-        )));
-    }
-    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700))?;
-    Ok(private)
+/// The simulated runtime, built by the invoking user (never by root on someone's behalf): in the
+/// source tree's target/simcuda-demo when that user can write there, else in a private
+/// temporary folder of theirs (a random name) kept for this run only.
+struct Runtime {
+    dir: PathBuf,
+    owner: Option<(u32, u32)>,
+    temp: Option<tempfile::TempDir>,
 }
 
-/// Builds the simulated runtime when it is missing or older than its sources.
-fn simulated_runtime(demos: &Path) -> Result<PathBuf> {
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // Removed as its owner: root deletes nothing in a user's folder.
+        let _as_user = paths::act_as(self.owner);
+        drop(self.temp.take());
+    }
+}
+
+/// target/simcuda-demo in the source tree if `owner` (else this user) can make it or owns it
+/// and can write in it.
+fn in_tree_build_dir(demos: &Path, owner: Option<(u32, u32)>) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt as _;
+    let dir = demos.join("..").join("target").join("simcuda-demo");
+    let _as_user = paths::act_as(owner);
+    std::fs::create_dir_all(&dir).ok()?;
+    let meta = std::fs::symlink_metadata(&dir).ok()?;
+    let uid = owner.map_or_else(|| nix::unistd::Uid::effective().as_raw(), |(uid, _)| uid);
+    let theirs = meta.is_dir() && meta.uid() == uid;
+    (theirs && tempfile::tempfile_in(&dir).is_ok()).then_some(dir)
+}
+
+/// Builds the simulated runtime, as `owner`, when it is missing or older than its sources.
+fn simulated_runtime(demos: &Path, owner: Option<(u32, u32)>) -> Result<Runtime> {
     let src = demos.join("simcuda");
-    let out = build_dir(demos)?;
+    let runtime = match in_tree_build_dir(demos, owner) {
+        Some(dir) => Runtime {
+            dir,
+            owner,
+            temp: None,
+        },
+        None => {
+            let _as_user = paths::act_as(owner);
+            let temp = tempfile::Builder::new()
+                .prefix("tracer-simcuda-")
+                .tempdir()
+                .context("make a private temporary folder for the simulated runtime")?;
+            Runtime {
+                dir: temp.path().to_owned(),
+                owner,
+                temp: Some(temp),
+            }
+        }
+    };
+    let out = &runtime.dir;
     let lib = out.join("libcudart.so.12");
     let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     let newest_source = std::fs::read_dir(&src)?
@@ -178,10 +195,16 @@ fn simulated_runtime(demos: &Path) -> Result<PathBuf> {
             "demo: building the simulated CUDA runtime into {}",
             out.display()
         );
-        let status = Command::new("bash")
+        let mut build = Command::new("bash");
+        build
             .arg(src.join("build.sh"))
-            .arg(&out)
-            .stdout(Stdio::null())
+            .arg(out)
+            .stdout(Stdio::null());
+        if let Some((uid, gid)) = owner {
+            // The compiler runs as the user whose tree this is, never as root.
+            build.uid(uid).gid(gid);
+        }
+        let status = build
             .status()
             .context("run demos/simcuda/build.sh (needs a C compiler: apt-get install gcc)")?;
         if !status.success() {
@@ -190,7 +213,7 @@ fn simulated_runtime(demos: &Path) -> Result<PathBuf> {
             ));
         }
     }
-    Ok(out)
+    Ok(runtime)
 }
 
 fn workload(
@@ -244,9 +267,9 @@ pub fn run(opts: &DemoOptions) -> Result<()> {
         )));
     }
     let demos = demos_dir()?;
-    let sim = simulated_runtime(&demos)?;
     let who = paths::invoker();
-    paths::create_parent_dirs(&opts.db, who.owner)?;
+    let runtime = simulated_runtime(&demos, who.owner)?;
+    let sim = runtime.dir.clone();
     let live = !opts.simulated && privileges::can_trace().is_ok();
     let started = Instant::now();
     let (session, outcome, announced) = if live {
@@ -334,12 +357,22 @@ impl ChainWatch {
             to_ns: last,
         };
         let (comms, sites) = (HashMap::new(), HashMap::new());
+        let (mut confs, mut ranks) = (HashMap::new(), HashMap::new());
+        for (pid, env) in events::envs(store.conn(), session).unwrap_or_default() {
+            let get = |k: &str| env.get(k).map(String::as_str);
+            confs.extend(AllocConf::from_env(get).map(|c| (pid, c)));
+            ranks.extend(Rank::from_env(get).map(|r| (pid, r)));
+        }
         let report = analysis::analyze(
             session,
             &all,
             &host,
             window,
-            &analysis::Inputs::new(&comms, &sites),
+            &analysis::Inputs {
+                confs: &confs,
+                ranks: &ranks,
+                ..analysis::Inputs::new(&comms, &sites)
+            },
         );
         let mut stats = LiveStats::default();
         for e in &all {
@@ -478,18 +511,17 @@ fn run_simulated(
     owner: Option<(u32, u32)>,
 ) -> Result<(i64, String, Announced)> {
     let db = opts.db.as_path();
-    let mut store = Store::open(db, Access::ReadWrite)?;
-    store.chown_files(owner)?;
+    let mut store = Store::open_writable(db, owner)?;
     let session = SimlogImporter::begin_session(&store)?;
-    let log_dir = tempfile_dir()?;
-    let log = log_dir.join("events.log");
-    if let Some((uid, gid)) = owner {
-        nix::unistd::chown(
-            &log_dir,
-            Some(nix::unistd::Uid::from_raw(uid)),
-            Some(nix::unistd::Gid::from_raw(gid)),
-        )?;
-    }
+    // The runtime's log: written by the workload (the user), in a private folder of theirs.
+    let log_dir = {
+        let _as_user = paths::act_as(owner);
+        tempfile::Builder::new()
+            .prefix("tracer-demo-")
+            .tempdir()
+            .context("make a private temporary folder for the simulated runtime's log")?
+    };
+    let log = log_dir.path().join("events.log");
     let child = workload(demos, sim, scenario, opts, Some(&log))
         .spawn()
         .context("start the workload (python3)")?;
@@ -515,16 +547,11 @@ fn run_simulated(
         &format!("simulated: events reported by the simulated runtime; {outcome}"),
         "complete",
     )?;
-    store.chown_files(owner)?;
+    store.secure_files(owner)?;
     watch.finish(db, session);
-    let _ = std::fs::remove_dir_all(&log_dir);
+    let _as_user = paths::act_as(owner);
+    drop(log_dir);
     Ok((session, outcome, watch.seen))
-}
-
-fn tempfile_dir() -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("tracer-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    Ok(dir)
 }
 
 /// The explain report, and the chains announced while running that the whole session no

@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use nix::unistd::{chown, Gid, Uid, User};
+use nix::unistd::{Gid, Uid, User};
 
 pub const DB_ENV: &str = "TRACER_DB";
 
@@ -67,7 +67,55 @@ pub fn db_path(explicit: Option<&Path>, who: &Invoker) -> Result<PathBuf> {
     Ok(base.join("tracer").join("tracer.db"))
 }
 
-/// Creates the database's directory, giving each directory it creates to `owner`.
+/// While alive, the calling thread creates and opens files with `owner`'s file-system ids
+/// (setfsuid/setfsgid act on one thread): the kernel checks every path as that user would, so a
+/// symlink or a directory they planted cannot lead root's writes anywhere they could not write
+/// themselves, and what is created is theirs. Dropping it gives the thread root's ids back.
+/// Without an owner (root on its own behalf) it changes nothing.
+#[must_use = "the user's ids last only as long as the guard"]
+pub struct ActingAs {
+    previous: Option<(Uid, Gid)>,
+}
+
+pub fn act_as(owner: Option<(u32, u32)>) -> ActingAs {
+    let previous = owner.map(|(uid, gid)| {
+        // The group first: changing the fs uid from 0 drops the capabilities that would allow
+        // changing the group afterwards.
+        let gid = nix::unistd::setfsgid(Gid::from_raw(gid));
+        let uid = nix::unistd::setfsuid(Uid::from_raw(uid));
+        (uid, gid)
+    });
+    ActingAs { previous }
+}
+
+impl Drop for ActingAs {
+    fn drop(&mut self) {
+        if let Some((uid, gid)) = self.previous {
+            nix::unistd::setfsuid(uid);
+            nix::unistd::setfsgid(gid);
+        }
+    }
+}
+
+/// Refuses a database path that is a symbolic link (tracer never follows one to its database,
+/// its -wal or its -shm).
+pub fn refuse_links(db: &Path) -> Result<()> {
+    for suffix in ["", "-wal", "-shm"] {
+        let mut name = db.as_os_str().to_owned();
+        name.push(suffix);
+        let file = PathBuf::from(name);
+        if std::fs::symlink_metadata(&file).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(crate::exit::user_error(format!(
+                "{} is a symbolic link: tracer does not follow links to its database; pass the real path with --db",
+                file.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Creates the database's directory as `owner` (call it inside [`act_as`]: each directory made
+/// is then theirs, and only where they could make it).
 pub fn create_parent_dirs(db: &Path, owner: Option<(u32, u32)>) -> Result<()> {
     let Some(parent) = db.parent().filter(|p| !p.as_os_str().is_empty()) else {
         return Ok(());
@@ -82,22 +130,50 @@ pub fn create_parent_dirs(db: &Path, owner: Option<(u32, u32)>) -> Result<()> {
         }
     }
     for dir in missing.iter().rev() {
-        std::fs::create_dir(dir).with_context(|| format!("create directory {}", dir.display()))?;
-        if let Some((uid, gid)) = owner {
-            chown(dir, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
-                .with_context(|| format!("give directory {} to uid {uid}", dir.display()))?;
-        }
+        std::fs::create_dir(dir).map_err(|e| {
+            let who = owner.map_or_else(String::new, |(uid, _)| format!(" as uid {uid}"));
+            crate::exit::user_error(format!(
+                "create directory {}{who}: {e}: choose a --db the invoking user can write",
+                dir.display()
+            ))
+        })?;
     }
     Ok(())
 }
 
-/// chmod 0600 (a trace shows what the user's programs do), and chown to `owner` if given.
+/// Makes a database file private (0600: a trace shows what the user's programs do) through a
+/// descriptor opened without following links; the file must be a regular file owned by the
+/// one it is for (`owner`, else this process's user). Call it inside [`act_as`]. A file that
+/// does not exist is left alone.
 pub fn make_private(file: &Path, owner: Option<(u32, u32)>) -> Result<()> {
-    if let Some((uid, gid)) = owner {
-        chown(file, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
-            .with_context(|| format!("give {} to uid {uid}", file.display()))?;
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(file);
+    let handle = match opened {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(crate::exit::user_error(format!(
+                "open {} (without following links): {e}: pass the real path of a database the invoking user can write with --db",
+                file.display()
+            )))
+        }
+    };
+    let meta = handle
+        .metadata()
+        .with_context(|| format!("inspect {}", file.display()))?;
+    let expected = owner.map_or_else(|| Uid::effective().as_raw(), |(uid, _)| uid);
+    if !meta.file_type().is_file() || meta.uid() != expected {
+        return Err(crate::exit::user_error(format!(
+            "{} is not a regular file of uid {expected} (it is uid {}'s): remove it, or choose another --db",
+            file.display(),
+            meta.uid()
+        )));
     }
-    std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600))
+    handle
+        .set_permissions(std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("chmod 0600 {}", file.display()))?;
     Ok(())
 }

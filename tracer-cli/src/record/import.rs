@@ -16,7 +16,7 @@ use crate::{
     exit::user_error,
     paths,
     record::{join::Join, procinfo},
-    store::{Access, Batch, SessionCounters, SessionStart, Store},
+    store::{Batch, SessionCounters, SessionStart, Store},
 };
 
 /// Bytes of log read per write transaction: bounds memory whatever the log's size.
@@ -201,9 +201,7 @@ pub fn import_log(log: &Path, db: &Path) -> Result<Imported> {
         )));
     }
     let who = paths::invoker();
-    paths::create_parent_dirs(db, who.owner)?;
-    let mut store = Store::open(db, Access::ReadWrite)?;
-    store.chown_files(who.owner)?;
+    let mut store = Store::open_writable(db, who.owner)?;
     let session = SimlogImporter::begin_session(&store)?;
     let mut importer = SimlogImporter::new(false);
     let result = importer.import(log, &mut store, session);
@@ -217,7 +215,7 @@ pub fn import_log(log: &Path, db: &Path) -> Result<Imported> {
             "interrupted"
         },
     )?;
-    store.chown_files(who.owner)?;
+    store.secure_files(who.owner)?;
     result.with_context(|| format!("import {} into session {session}", log.display()))?;
     if calls == 0 {
         return Err(user_error(format!(

@@ -31,7 +31,7 @@ use crate::{
     exit::{privilege_error, user_error},
     model::{live::AllocatorRow, stats::LiveStats},
     paths,
-    store::{Access, SessionCounters, SessionStart, Store},
+    store::{SessionCounters, SessionStart, Store},
 };
 
 /// What to record, and where.
@@ -206,9 +206,7 @@ impl Recording {
         check_options(&opts)?;
         let explicit = discover::explicit_libraries(&opts.libs)?;
         let who = paths::invoker();
-        paths::create_parent_dirs(&opts.db, who.owner)?;
-        let store = Store::open(&opts.db, Access::ReadWrite)?;
-        store.chown_files(who.owner)?;
+        let store = Store::open_writable(&opts.db, who.owner)?;
         let mut probes = Probes::load(LoadOptions {
             // At most 2 GiB: checked above.
             ring_bytes: opts.ring_bytes as u32,
@@ -404,7 +402,7 @@ impl Recording {
         };
         store.set_libraries(session, &serde_json::to_string(&libraries)?)?;
         store.end_session(session, self.clock.wall_now(), status)?;
-        store.chown_files(paths::invoker().owner)?;
+        store.secure_files(paths::invoker().owner)?;
         drop(store);
         eprintln!("tracer: stopped: {reason}");
         let stats = self

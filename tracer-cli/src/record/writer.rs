@@ -78,6 +78,9 @@ pub fn write_loop(
     shared: &Shared,
     opts: WriterOptions,
 ) -> (Store, Result<()>) {
+    // This thread only writes the database: all of it as the invoking user (files SQLite
+    // creates later, such as a new -wal, are theirs and only where they could create them).
+    let _as_user = crate::paths::act_as(opts.owner);
     let result = (|| -> Result<()> {
         // What waits for the next commit: calls, processes and off-CPU records (sites are
         // stored as they arrive, before the calls that point at them).
@@ -126,7 +129,7 @@ pub fn write_loop(
                 pending = Delivery::default();
                 last_commit = Instant::now();
                 if !owned {
-                    store.chown_files(opts.owner)?;
+                    store.secure_files(opts.owner)?;
                     owned = true;
                 }
             }

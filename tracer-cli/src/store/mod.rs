@@ -538,15 +538,32 @@ impl Store {
         Ok(notes)
     }
 
-    /// Makes the database files private (0600) and, under sudo, gives them to the invoking user.
-    pub fn chown_files(&self, owner: Option<(u32, u32)>) -> Result<()> {
+    /// Opens (creating it if needed) the database tracer writes, as `owner` (the user who ran
+    /// sudo) would: a path that is a link is refused, the folders and files are created with
+    /// their file-system ids (so only where they could create them, and theirs), and the files
+    /// are made private through descriptors that follow no link.
+    pub fn open_writable(path: &Path, owner: Option<(u32, u32)>) -> Result<Store> {
+        crate::paths::refuse_links(path)?;
+        let _as_user = crate::paths::act_as(owner);
+        crate::paths::create_parent_dirs(path, owner)?;
+        let store = Store::open(path, Access::ReadWrite).map_err(|e| match owner {
+            Some((uid, _)) => user_error(format!(
+                "{e:#} (opened as uid {uid}, who ran sudo: choose a --db the invoking user can write)"
+            )),
+            None => e,
+        })?;
+        store.secure_files(owner)?;
+        Ok(store)
+    }
+
+    /// Makes the database files private (0600) through descriptors opened without following
+    /// links, as `owner`; a file that is not a regular file of theirs is refused, never chown'ed.
+    pub fn secure_files(&self, owner: Option<(u32, u32)>) -> Result<()> {
+        let _as_user = crate::paths::act_as(owner);
         for suffix in ["", "-wal", "-shm"] {
             let mut name = self.path.clone().into_os_string();
             name.push(suffix);
-            let file = PathBuf::from(name);
-            if file.exists() {
-                crate::paths::make_private(&file, owner)?;
-            }
+            crate::paths::make_private(&PathBuf::from(name), owner)?;
         }
         Ok(())
     }

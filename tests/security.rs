@@ -1,0 +1,172 @@
+//! Root safety: what tracer does as root on a user's behalf (sudo) never reaches a file that user
+//! could not reach themselves.
+
+mod common;
+
+use std::{
+    os::unix::fs::{MetadataExt as _, PermissionsExt as _},
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use common::*;
+
+/// A folder the user (nobody) owns, as their home would be, and a root-owned file elsewhere
+/// that they must never get: (folder, target, its content).
+struct Scene {
+    _dir: tempfile::TempDir,
+    user_dir: PathBuf,
+    target: PathBuf,
+}
+
+const SECRET: &str = "root:secret:19000:0:99999:7:::\n";
+
+impl Scene {
+    fn new() -> Scene {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let user_dir = dir.path().join("home");
+        std::fs::create_dir(&user_dir).unwrap();
+        nix::unistd::chown(
+            &user_dir,
+            Some(nix::unistd::Uid::from_raw(NOBODY)),
+            Some(nix::unistd::Gid::from_raw(NOBODY)),
+        )
+        .unwrap();
+        let vault = dir.path().join("vault");
+        std::fs::create_dir(&vault).unwrap();
+        let target = vault.join("shadow");
+        std::fs::write(&target, SECRET).unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644)).unwrap();
+        Scene {
+            _dir: dir,
+            user_dir,
+            target,
+        }
+    }
+
+    /// The target is as it was: root's, 0644, its content.
+    fn assert_untouched(&self) {
+        let meta = std::fs::symlink_metadata(&self.target).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+            (0, 0, 0o644),
+            "the target's owner or mode changed"
+        );
+        assert_eq!(std::fs::read_to_string(&self.target).unwrap(), SECRET);
+    }
+}
+
+/// `tracer trace` as `sudo` run by nobody would: SUDO_UID/SUDO_GID set.
+fn trace_for_nobody(db: &Path, seconds: &str) -> Output {
+    Command::new(TRACER)
+        .args(["trace", "--quiet", "--duration", seconds, "--lib"])
+        .arg(sim().join("libcudart.so.12"))
+        .arg("--db")
+        .arg(db)
+        .env("SUDO_UID", NOBODY.to_string())
+        .env("SUDO_GID", NOBODY.to_string())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_database_path_that_is_a_link_is_refused() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let scene = Scene::new();
+    let link = scene.user_dir.join("t.db");
+    std::os::unix::fs::symlink(&scene.target, &link).unwrap();
+    let out = trace_for_nobody(&link, "1s");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("is a symbolic link"), "{stderr}");
+    scene.assert_untouched();
+}
+
+#[test]
+fn links_planted_for_the_wal_and_shm_never_hand_over_their_target() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let scene = Scene::new();
+    let db = scene.user_dir.join("t.db");
+    // Planted before the trace starts.
+    for suffix in ["-wal", "-shm"] {
+        std::os::unix::fs::symlink(&scene.target, format!("{}{suffix}", db.display())).unwrap();
+    }
+    let out = trace_for_nobody(&db, "1s");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    scene.assert_untouched();
+    for suffix in ["-wal", "-shm"] {
+        std::fs::remove_file(format!("{}{suffix}", db.display())).unwrap();
+    }
+
+    // Planted over and over while traces run and store calls.
+    let stop = Arc::new(AtomicBool::new(false));
+    let racer = {
+        let (stop, db, target) = (stop.clone(), db.clone(), scene.target.clone());
+        std::thread::spawn(move || {
+            let mut planted = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for suffix in ["-wal", "-shm", ""] {
+                    let name = format!("{}{suffix}", db.display());
+                    let _ = std::fs::remove_file(&name);
+                    if std::os::unix::fs::symlink(&target, &name).is_ok() {
+                        planted += 1;
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            planted
+        })
+    };
+    for _ in 0..3 {
+        let trace = std::thread::spawn({
+            let db = db.clone();
+            move || trace_for_nobody(&db, "2s")
+        });
+        std::thread::sleep(Duration::from_millis(700));
+        let _ = driver(sim(), &["--iters", "2000"], &[]).output().unwrap();
+        let out = trace.join().unwrap();
+        // It may fail (its files keep being replaced), but never through the links.
+        assert!(
+            out.status.code() != Some(101) && out.status.code().is_some(),
+            "{out:?}"
+        );
+        scene.assert_untouched();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let planted = racer.join().unwrap();
+    assert!(planted > 100, "{planted} links planted");
+    scene.assert_untouched();
+}
+
+#[test]
+fn a_database_where_the_user_cannot_write_is_refused_and_nothing_is_created() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let scene = Scene::new();
+    // A root-owned folder the user can read but not write.
+    let db = scene.target.parent().unwrap().join("t.db");
+    let out = trace_for_nobody(&db, "1s");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(!db.exists(), "{} was created as root", db.display());
+    let missing = scene.target.parent().unwrap().join("new").join("t.db");
+    let out = trace_for_nobody(&missing, "1s");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("the invoking user can write"), "{stderr}");
+    assert!(!missing.parent().unwrap().exists());
+    scene.assert_untouched();
+}

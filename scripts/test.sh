@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# House rules first: formatting and lints (the eBPF crate is checked by its build).
+cargo fmt --all --check
+cargo clippy --locked --all-targets -- -D warnings
 cargo test --locked "$@"

@@ -1,11 +1,14 @@
 //! Reading a library's symbol tables: which probed APIs it exports, and at which file offsets.
 
-use std::{collections::BTreeMap, fs::File, path::Path};
+use std::{collections::BTreeMap, path::Path};
 
-use anyhow::{Context as _, Result};
-use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _, SymbolKind};
+use anyhow::Result;
+use object::{
+    Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _, ReadRef, SymbolKind,
+};
 use tracer_common::{probes::VARIANT_SUFFIXES, Library, Op, PROBES};
 
+use super::safe_file::{self, Bytes};
 use crate::exit::user_error;
 
 /// One symbol to attach to.
@@ -55,18 +58,22 @@ pub fn op_for_symbol(name: &str) -> Option<Op> {
 }
 
 pub fn read_symbols(path: &Path) -> Result<Symbols> {
-    let file = File::open(path).with_context(|| format!("open {}", path.display()))?;
-    // SAFETY: the map is read-only and private; if the file is truncated under us the worst case
-    // is SIGBUS in this short read of libraries that are normally immutable once installed.
-    let map =
-        unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("map {}", path.display()))?;
-    if map.len() < 4 || &map[..4] != b"\x7fELF" {
+    let bytes = safe_file::bytes(path)
+        .map_err(|e| user_error(format!("{e:#}: pass a CUDA library such as libcudart.so.12")))?;
+    match &bytes {
+        Bytes::Mapped(map) => symbols_of(&**map, path),
+        Bytes::Read(cache) => symbols_of(cache, path),
+    }
+}
+
+fn symbols_of<'a, R: ReadRef<'a>>(data: R, path: &Path) -> Result<Symbols> {
+    if data.read_bytes_at(0, 4).ok() != Some(b"\x7fELF".as_slice()) {
         return Err(user_error(format!(
             "{} is not an ELF file: pass a CUDA library such as libcudart.so.12",
             path.display()
         )));
     }
-    let obj = object::File::parse(&*map).map_err(|e| {
+    let obj = object::File::parse(data).map_err(|e| {
         user_error(format!(
             "{} is not a readable ELF file: {e}",
             path.display()
@@ -110,14 +117,15 @@ pub fn read_symbols(path: &Path) -> Result<Symbols> {
 /// (libc10_cuda) or c10::OutOfMemoryError's constructor (libc10). Reads only the section
 /// headers, the notes and the dynamic symbols.
 pub fn has_torch_probes(path: &Path) -> bool {
-    let Ok(file) = File::open(path) else {
-        return false;
-    };
-    // SAFETY: as in read_symbols: a private read-only map of a library.
-    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
-        return false;
-    };
-    let Ok(obj) = object::File::parse(&*map) else {
+    match safe_file::bytes(path) {
+        Ok(Bytes::Mapped(map)) => torch_probes_in(&*map),
+        Ok(Bytes::Read(cache)) => torch_probes_in(&cache),
+        Err(_) => false,
+    }
+}
+
+fn torch_probes_in<'a, R: ReadRef<'a>>(data: R) -> bool {
+    let Ok(obj) = object::File::parse(data) else {
         return false;
     };
     let notes_name_pytorch = obj

@@ -19,6 +19,7 @@ pub mod procinfo;
 pub mod python;
 mod reader;
 mod registry;
+pub mod safe_file;
 pub mod session;
 mod shared;
 pub mod signals;

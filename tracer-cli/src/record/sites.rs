@@ -178,11 +178,14 @@ pub struct NativeSymbol {
     pub line: Option<u32>,
 }
 
-/// blazesym over files, cached per (file, offset).
+/// blazesym over files, cached per (file, offset). blazesym maps what it reads, so a file its
+/// owner could truncate under the map (and crash tracer with SIGBUS) is given to it as a
+/// private copy.
 #[derive(Default)]
 pub struct NativeSymbols {
     symbolizer: Symbolizer,
     cache: HashMap<(PathBuf, u64), NativeSymbol>,
+    copies: super::safe_file::PrivateCopies,
 }
 
 impl NativeSymbols {
@@ -190,7 +193,10 @@ impl NativeSymbols {
         if let Some(s) = self.cache.get(&(open_path.to_owned(), offset)) {
             return s.clone();
         }
-        let src = Source::Elf(Elf::new(open_path));
+        let Ok(mappable) = self.copies.mappable(open_path) else {
+            return NativeSymbol::default();
+        };
+        let src = Source::Elf(Elf::new(&mappable));
         let sym = self
             .symbolizer
             .symbolize_single(&src, Input::FileOffset(offset))

@@ -175,12 +175,15 @@ fn parse_int(text: &str) -> Option<i64> {
 
 /// The sites of `path`'s `.note.stapsdt` (none when it has no such section).
 pub fn read_sites(path: &Path) -> Result<Vec<Site>> {
-    let data = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
-    sites_of(&data).with_context(|| format!("read the USDT notes of {}", path.display()))
+    let sites = match super::safe_file::bytes(path)? {
+        super::safe_file::Bytes::Mapped(map) => sites_of(&*map),
+        super::safe_file::Bytes::Read(cache) => sites_of(&cache),
+    };
+    sites.with_context(|| format!("read the USDT notes of {}", path.display()))
 }
 
 /// The sites of an ELF image.
-pub fn sites_of(data: &[u8]) -> Result<Vec<Site>> {
+pub fn sites_of<'a, R: object::ReadRef<'a>>(data: R) -> Result<Vec<Site>> {
     let elf = object::File::parse(data)?;
     let Some(notes) = elf.section_by_name(".note.stapsdt") else {
         return Ok(Vec::new());

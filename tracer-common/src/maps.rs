@@ -102,10 +102,13 @@ pub enum Counter {
     SchedSubmitted = 6,
     /// Off-CPU records lost because the ring buffer was full.
     SchedRingFull = 7,
+    /// Events lost because the tail call to the call-site program failed (--stack): not the
+    /// ring's size, so not fixed by --ring-size.
+    TailCallFailed = 8,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 8;
+    pub const COUNT: u32 = 9;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::Entries,
         Counter::Submitted,
@@ -115,6 +118,7 @@ impl Counter {
         Counter::InflightFull,
         Counter::SchedSubmitted,
         Counter::SchedRingFull,
+        Counter::TailCallFailed,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -127,6 +131,7 @@ impl Counter {
             Counter::InflightFull => "inflight_full",
             Counter::SchedSubmitted => "offcpu_submitted",
             Counter::SchedRingFull => "offcpu_dropped",
+            Counter::TailCallFailed => "tail_call_failed",
         }
     }
 }

@@ -363,8 +363,8 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
                 ..event
             },
         );
-        // Only a failed tail call gets here: the event is lost, and counted with the drops.
-        bump(Counter::RingFull);
+        // Only a failed tail call gets here: the event is lost, and counted as such.
+        bump(Counter::TailCallFailed);
         return 0;
     }
     if EVENTS.output::<CallEvent>(&event, flag as u64).is_err() {

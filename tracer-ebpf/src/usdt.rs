@@ -171,8 +171,8 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
                 ..event
             },
         );
-        // Only a failed tail call gets here: the event is lost, and counted with the drops.
-        bump(Counter::RingFull);
+        // Only a failed tail call gets here: the event is lost, and counted as such.
+        bump(Counter::TailCallFailed);
         return 0;
     }
     if EVENTS

@@ -37,6 +37,13 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
             c.dropped_ring_full
         )?;
     }
+    if c.tail_call_failed > 0 {
+        writeln!(
+            out,
+            "warning: {} events were lost because the call-site program could not be reached (a failed tail call; not the ring's size)",
+            c.tail_call_failed
+        )?;
+    }
     if c.alloc_map_full > 0 {
         writeln!(out, "warning: {} allocations were not tracked (allocation map full): their frees lack a size", c.alloc_map_full)?;
     }
@@ -127,6 +134,18 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("1 allocations were not tracked"), "{out}");
+        // A failed tail call is its own loss, without the ring's advice.
+        let mut failed = summary(0, 0);
+        failed.counters.tail_call_failed = 3;
+        let mut out = Vec::new();
+        text(&mut out, &failed).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(
+            out.contains("3 events were lost because the call-site program could not be reached"),
+            "{out}"
+        );
+        assert!(!out.contains("--ring-size"), "{out}");
+        assert_eq!(json(&failed)["counters"]["tail_call_failed"], 3);
         let mut clean = Vec::new();
         text(&mut clean, &summary(0, 0)).unwrap();
         assert!(!String::from_utf8(clean).unwrap().contains("warning"));

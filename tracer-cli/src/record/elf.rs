@@ -58,8 +58,11 @@ pub fn op_for_symbol(name: &str) -> Option<Op> {
 }
 
 pub fn read_symbols(path: &Path) -> Result<Symbols> {
-    let bytes = safe_file::bytes(path)
-        .map_err(|e| user_error(format!("{e:#}: pass a CUDA library such as libcudart.so.12")))?;
+    let bytes = safe_file::bytes(path).map_err(|e| {
+        user_error(format!(
+            "{e:#}: pass a CUDA library such as libcudart.so.12"
+        ))
+    })?;
     match &bytes {
         Bytes::Mapped(map) => symbols_of(&**map, path),
         Bytes::Read(cache) => symbols_of(cache, path),

@@ -109,7 +109,11 @@ impl PrivateCopies {
                     .context("make a private folder for copies of user files")?,
             );
         }
-        let dir = self.dir.as_ref().map(|d| d.path().to_owned()).unwrap_or_default();
+        let dir = self
+            .dir
+            .as_ref()
+            .map(|d| d.path().to_owned())
+            .unwrap_or_default();
         let copy = dir.join(format!("{}-{}-{}", key.0, key.1, self.copies.len()));
         let mut out = std::fs::OpenOptions::new()
             .write(true)

@@ -45,6 +45,7 @@ impl Shared {
             decode_errors: self.decode_errors.load(Ordering::SeqCst),
             offcpu_submitted: kernel[Counter::SchedSubmitted as usize],
             offcpu_dropped: kernel[Counter::SchedRingFull as usize],
+            tail_call_failed: kernel[Counter::TailCallFailed as usize],
         }
     }
 }

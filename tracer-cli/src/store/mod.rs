@@ -53,6 +53,8 @@ pub struct SessionCounters {
     pub decode_errors: u64,
     pub offcpu_submitted: u64,
     pub offcpu_dropped: u64,
+    /// Events lost because the call-site program could not be reached (--stack).
+    pub tail_call_failed: u64,
 }
 
 pub fn class_name(class: OpClass) -> &'static str {
@@ -249,7 +251,8 @@ impl Store {
             .execute(
                 "UPDATE sessions SET entries = ?2, submitted = ?3, dropped_ring_full = ?4,
                     unmatched_returns = ?5, alloc_map_full = ?6, inflight_full = ?7, events_read = ?8,
-                    events_stored = ?9, decode_errors = ?10, offcpu_submitted = ?11, offcpu_dropped = ?12
+                    events_stored = ?9, decode_errors = ?10, offcpu_submitted = ?11, offcpu_dropped = ?12,
+                    tail_call_failed = ?13
                  WHERE id = ?1",
                 params![
                     session,
@@ -263,7 +266,8 @@ impl Store {
                     c.events_stored as i64,
                     c.decode_errors as i64,
                     c.offcpu_submitted as i64,
-                    c.offcpu_dropped as i64
+                    c.offcpu_dropped as i64,
+                    c.tail_call_failed as i64
                 ],
             )
             .with_context(|| format!("store counters of session {session}"))?;

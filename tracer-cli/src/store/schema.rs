@@ -162,5 +162,6 @@ ALTER TABLE processes ADD COLUMN env TEXT;
     // counts a block's calls that have no `calls` row (read them through `tensor_events`).
     r#"
 ALTER TABLE call_blocks ADD COLUMN rowless INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN tail_call_failed INTEGER NOT NULL DEFAULT 0;
 "#,
 ];

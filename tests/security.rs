@@ -170,3 +170,57 @@ fn a_database_where_the_user_cannot_write_is_refused_and_nothing_is_created() {
     assert!(!missing.parent().unwrap().exists());
     scene.assert_untouched();
 }
+
+/// The descriptors tracer holds open on other processes' memory.
+fn mem_files_open(tracer_pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{tracer_pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|p| p.display().to_string())
+        .filter(|p| p.ends_with("/mem"))
+        .collect()
+}
+
+#[test]
+fn only_traced_processes_have_their_memory_read() {
+    if !privileged() {
+        return;
+    }
+    let _guard = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let lib = sim().join("libcudart.so.12");
+    // A Python process that uses no CUDA library, and one that has loaded the runtime.
+    let mut bystander = Command::new("python3")
+        .args(["-c", "import time; time.sleep(60)"])
+        .spawn()
+        .unwrap();
+    let mut user = Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import ctypes, time; ctypes.CDLL({:?}); time.sleep(60)",
+            lib.display().to_string()
+        ))
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    let trace = Trace::start(
+        &dir.path().join("t.db"),
+        &["--stack", "--lib", lib.to_str().unwrap()],
+    );
+    // Interpreters are looked for every second.
+    std::thread::sleep(Duration::from_millis(2500));
+    let open = mem_files_open(trace.child.id());
+    let _ = bystander.kill();
+    let _ = user.kill();
+    let _ = bystander.wait();
+    let _ = user.wait();
+    trace.stop(SIGINT);
+    assert!(
+        !open.contains(&format!("/proc/{}/mem", bystander.id())),
+        "the bystander's memory was opened: {open:?}"
+    );
+    assert!(
+        open.contains(&format!("/proc/{}/mem", user.id())),
+        "the process using the runtime was not registered: {open:?}"
+    );
+}

@@ -14,6 +14,9 @@ pub struct Mapping {
     pub path: PathBuf,
     /// The file was deleted (or replaced) since it was mapped.
     pub deleted: bool,
+    /// The file's device (as stat's st_dev) and inode.
+    pub dev: u64,
+    pub inode: u64,
 }
 
 /// Parses one maps line: "start-end perms offset dev inode   path". Anonymous mappings and
@@ -23,8 +26,8 @@ fn parse_line(line: &str) -> Option<Mapping> {
     let range = fields.next()?;
     let perms = fields.next()?;
     let offset = fields.next()?;
-    let _dev = fields.next()?;
-    let _inode = fields.next()?;
+    let dev = fields.next()?;
+    let inode = fields.next()?;
     let path = fields.next()?.trim_start();
     if !path.starts_with('/') {
         return None;
@@ -37,7 +40,20 @@ fn parse_line(line: &str) -> Option<Mapping> {
         executable: perms.as_bytes().get(2) == Some(&b'x'),
         path: PathBuf::from(path.strip_suffix(" (deleted)").unwrap_or(path)),
         deleted: path.ends_with(" (deleted)"),
+        dev: {
+            let (major, minor) = dev.split_once(':')?;
+            libc::makedev(
+                u32::from_str_radix(major, 16).ok()?,
+                u32::from_str_radix(minor, 16).ok()?,
+            )
+        },
+        inode: inode.parse().ok()?,
     })
+}
+
+/// Whether the process maps one of `files` ((dev, inode) pairs): it uses a probed library.
+pub fn maps_any(pid: u32, files: &std::collections::HashSet<(u64, u64)>) -> bool {
+    read(pid).is_ok_and(|maps| maps.iter().any(|m| files.contains(&(m.dev, m.inode))))
 }
 
 pub fn read(pid: u32) -> std::io::Result<Vec<Mapping>> {
@@ -85,6 +101,7 @@ mod tests {
         assert!(maps[0].executable);
         assert_eq!(maps[1].path, PathBuf::from("/tmp/a b"));
         assert!(maps[1].deleted && !maps[0].deleted);
+        assert_eq!((maps[0].dev, maps[0].inode), (libc::makedev(8, 1), 1234));
         let (m, off) = locate(&maps, 0x7f00a010).unwrap();
         assert_eq!((m.start, off), (0x7f00a000, 0x2010));
         assert!(locate(&maps, 0x7f00c010).is_none());

@@ -40,10 +40,25 @@ pub struct Python {
 }
 
 impl Python {
-    /// Registers the interpreters running now (done before the recording is announced, so a
-    /// process told to go on by it has Python frames from its first call).
-    pub fn scan(&mut self) {
-        for pid in self.scope.clone().unwrap_or_else(super::discover::all_pids) {
+    /// Registers the interpreters running now in traced processes: the --pid ones, else those
+    /// that map a probed library (done before the recording is announced, so a process told to
+    /// go on by it has Python frames from its first call). No other process's memory is read.
+    pub fn scan(&mut self, shared: &Shared) {
+        let pids = match &self.scope {
+            Some(pids) => pids.clone(),
+            None => {
+                let probed = shared
+                    .probed_files
+                    .lock()
+                    .map(|f| f.clone())
+                    .unwrap_or_default();
+                super::discover::all_pids()
+                    .into_iter()
+                    .filter(|&pid| super::memmap::maps_any(pid, &probed))
+                    .collect()
+            }
+        };
+        for pid in pids {
             self.register(pid);
         }
     }
@@ -88,7 +103,7 @@ impl Registry {
                 if let Some(python) = self.python.as_mut() {
                     if last_python_scan.elapsed() >= PYTHON_SCAN_EVERY {
                         last_python_scan = Instant::now();
-                        python.scan();
+                        python.scan(shared);
                     }
                 }
                 if records.is_empty() {

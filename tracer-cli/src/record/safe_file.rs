@@ -60,18 +60,10 @@ pub fn bytes(path: &Path) -> Result<Bytes> {
 /// Copies of files their owners can change, for a reader that maps what it reads (blazesym):
 /// one copy per file version, keyed by device, inode, size and modification time, in a private
 /// folder removed when this is dropped.
+#[derive(Default)]
 pub struct PrivateCopies {
     dir: Option<tempfile::TempDir>,
     copies: HashMap<(u64, u64, u64, i64, i64), PathBuf>,
-}
-
-impl Default for PrivateCopies {
-    fn default() -> Self {
-        PrivateCopies {
-            dir: None,
-            copies: HashMap::new(),
-        }
-    }
 }
 
 /// Files larger than this are not copied (their frames stay unsymbolized rather than risk a

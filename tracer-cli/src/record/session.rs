@@ -225,8 +225,10 @@ impl Recording {
         })?;
         let pid_filter = (!opts.pids.is_empty()).then(|| opts.pids.clone());
         let mut scanner = Scanner::new(explicit, pid_filter.clone(), &who);
+        let shared = Arc::new(Shared::default());
         for lib in scanner.scan(true) {
             attach_reporting(&mut probes, &lib, pid_filter.as_deref())?;
+            note_probed(&shared, &lib);
         }
         if probes.probe_count() == 0 {
             eprintln!("tracer: no CUDA library found yet; watching for processes that load one (rescanning every second)");
@@ -243,7 +245,6 @@ impl Recording {
             opts.db.display()
         );
 
-        let shared = Arc::new(Shared::default());
         let threads = spawn_pipeline(
             &mut probes,
             &opts,
@@ -328,6 +329,7 @@ impl Recording {
         }
         for lib in self.scanner.scan(false) {
             attach_reporting(&mut self.probes, &lib, self.pid_filter.as_deref())?;
+            note_probed(&self.shared, &lib);
         }
         let kernel = self.probes.counters()?;
         if let Ok(mut k) = self.shared.kernel.lock() {
@@ -526,7 +528,7 @@ fn spawn_pipeline(
         None
     };
     if let Some(python) = python.as_mut() {
-        python.scan();
+        python.scan(shared);
     }
     let hook = opts
         .on_warning
@@ -617,6 +619,13 @@ fn begin_session(
 
 /// Attaches to a library found, saying so on stderr; a discovered library that fails is
 /// skipped, a --lib one is an error.
+/// Remembers a probed library's identity: processes that map it are traced.
+fn note_probed(shared: &Shared, lib: &Candidate) {
+    if let Ok(mut files) = shared.probed_files.lock() {
+        files.insert((lib.id.dev, lib.id.ino));
+    }
+}
+
 fn attach_reporting(probes: &mut Probes, lib: &Candidate, pids: Option<&[u32]>) -> Result<()> {
     match probes.attach(lib, pids) {
         Ok(att) => {

@@ -26,6 +26,9 @@ pub struct Shared {
     pub allocs_not_tracked: AtomicU64,
     /// Early warnings that did not run --on-warning's command (one running, or too soon).
     pub on_warning_skipped: AtomicU64,
+    /// The libraries probed, as (dev, inode): a process that maps one is traced, and only a
+    /// traced process's memory is read (its interpreter, --stack).
+    pub probed_files: Mutex<std::collections::HashSet<(u64, u64)>>,
     /// The kernel counters as last read (for the writer's periodic session updates).
     pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
 }

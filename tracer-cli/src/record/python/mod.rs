@@ -211,8 +211,15 @@ struct PyElf {
 }
 
 fn read_py_elf(path: &Path) -> Option<PyElf> {
-    let data = std::fs::read(path).ok()?;
-    let file = object::File::parse(&*data).ok()?;
+    // Bounded reads of a file a user may own (never a map their truncation could fault).
+    match crate::record::safe_file::bytes(path).ok()? {
+        crate::record::safe_file::Bytes::Mapped(map) => py_elf_of(&*map),
+        crate::record::safe_file::Bytes::Read(cache) => py_elf_of(&cache),
+    }
+}
+
+fn py_elf_of<'a, R: object::ReadRef<'a>>(data: R) -> Option<PyElf> {
+    let file = object::File::parse(data).ok()?;
     let mut elf = PyElf {
         first_vaddr: file.segments().map(|s| s.address()).min().unwrap_or(0),
         ..Default::default()
@@ -248,7 +255,8 @@ fn version_from_path(path: &Path) -> Option<(u32, u32)> {
 /// Finds CPython interpreters, caching what each file's symbols say.
 #[derive(Default)]
 pub struct Finder {
-    elves: HashMap<PathBuf, Option<PyElf>>,
+    /// By file identity (device, inode), not path: a path may name another file by now.
+    elves: HashMap<(u64, u64), Option<PyElf>>,
     pthread_tid: Option<u32>,
 }
 
@@ -278,7 +286,7 @@ impl Finder {
             let on_disk = memmap::path_in(pid, &m.path);
             let elf = self
                 .elves
-                .entry(m.path.clone())
+                .entry((m.dev, m.inode))
                 .or_insert_with(|| read_py_elf(&on_disk))
                 .clone();
             let Some(elf) = elf else { continue };

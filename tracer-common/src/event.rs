@@ -13,6 +13,8 @@ pub enum EventKind {
     /// A text the traced program produced, e.g. PyTorch's out-of-memory message
     /// ([`crate::usdt::MessageEvent`]).
     Message = 4,
+    /// A followed process ended ([`crate::sched::ExitEvent`]): what was kept for its pid goes.
+    Exit = 5,
 }
 
 impl EventKind {
@@ -22,6 +24,7 @@ impl EventKind {
             2 => Some(Self::Sched),
             3 => Some(Self::CallStack),
             4 => Some(Self::Message),
+            5 => Some(Self::Exit),
             _ => None,
         }
     }

@@ -33,6 +33,7 @@ pub const OFFCPU: &str = "OFFCPU";
 pub const PROG_SCHED_SWITCH: &str = "sched_switch";
 pub const PROG_SCHED_WAKEUP: &str = "sched_wakeup";
 pub const PROG_SCHED_FORK: &str = "sched_process_fork";
+pub const PROG_SCHED_EXIT: &str = "sched_process_exit";
 /// Globals: field offsets in the tracepoint records, read from tracefs at load time.
 pub const GLOBAL_PREV_PID_OFF: &str = "PREV_PID_OFF";
 pub const GLOBAL_PREV_STATE_OFF: &str = "PREV_STATE_OFF";
@@ -105,10 +106,15 @@ pub enum Counter {
     /// Events lost because the tail call to the call-site program failed (--stack): not the
     /// ring's size, so not fixed by --ring-size.
     TailCallFailed = 8,
+    /// Map entries that could not be stored (a full map): what they would have carried (a
+    /// followed thread, its time off the CPU, its interpreter state) is missing.
+    MapInsertFailed = 9,
+    /// Calls whose thread exited before they returned: no event can be made of them.
+    CallsAbandoned = 10,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 9;
+    pub const COUNT: u32 = 11;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::Entries,
         Counter::Submitted,
@@ -119,6 +125,8 @@ impl Counter {
         Counter::SchedSubmitted,
         Counter::SchedRingFull,
         Counter::TailCallFailed,
+        Counter::MapInsertFailed,
+        Counter::CallsAbandoned,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -132,6 +140,8 @@ impl Counter {
             Counter::SchedSubmitted => "offcpu_submitted",
             Counter::SchedRingFull => "offcpu_dropped",
             Counter::TailCallFailed => "tail_call_failed",
+            Counter::MapInsertFailed => "map_insert_failed",
+            Counter::CallsAbandoned => "calls_abandoned",
         }
     }
 }

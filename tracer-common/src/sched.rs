@@ -21,6 +21,19 @@ impl SchedEvent {
     pub const KIND: EventKind = EventKind::Sched;
 }
 
+/// A followed process ended: its leader thread (`header.tid == header.pid`) exited. Userspace
+/// forgets what it kept for the pid, so a process that reuses it starts afresh.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExitEvent {
+    pub header: EventHeader,
+}
+
+impl ExitEvent {
+    pub const LEN: u32 = core::mem::size_of::<Self>() as u32;
+    pub const KIND: EventKind = EventKind::Exit;
+}
+
 /// Off-CPU state kept per thread between sched_switch events.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -34,3 +47,11 @@ pub struct OffCpu {
 #[cfg(feature = "user")]
 // SAFETY: repr(C), only integers, explicit padding.
 unsafe impl aya::Pod for SchedEvent {}
+
+#[cfg(feature = "user")]
+// SAFETY: repr(C), the header only.
+unsafe impl aya::Pod for ExitEvent {}
+
+#[cfg(feature = "user")]
+// SAFETY: repr(C), only integers, no implicit padding (24 bytes, 8-aligned).
+unsafe impl aya::Pod for OffCpu {}

@@ -203,6 +203,38 @@ fn take_inflight(tid: u32, op: u32) -> Option<(Inflight, bool)> {
     Some((state, true))
 }
 
+/// Forgets an exited thread's per-op state: its slots (a thread that reuses the tid sends its
+/// name again) and its fallback entries; a call it left in flight is counted as abandoned.
+#[inline(always)]
+pub fn forget_thread(tid: u32) {
+    let mut op = 0u32;
+    while op < OP_COUNT as u32 {
+        if let Some(slot) = SLOTS.get_ptr_mut(slot_index(tid, op)) {
+            // SAFETY: a pointer into the array; the thread that owned the pair is exiting.
+            unsafe {
+                if (*slot).tid == tid && (*slot).op == op {
+                    if (*slot).state.ts_ns != 0 {
+                        bump(Counter::CallsAbandoned);
+                    }
+                    (*slot).state.ts_ns = 0;
+                    (*slot).comm_sent = 0;
+                    (*slot).tid = 0;
+                }
+            }
+        }
+        let key = InflightKey { tid, op };
+        if let Some(entry) = INFLIGHT.get_ptr(&key) {
+            // SAFETY: read at once.
+            if unsafe { (*entry).ts_ns } != 0 {
+                bump(Counter::CallsAbandoned);
+            }
+            // Just read, so present.
+            let _ = INFLIGHT.remove(&key);
+        }
+        op += 1;
+    }
+}
+
 #[inline(always)]
 fn comm_unsent(tid: u32, op: u32) {
     if let Some(slot) = SLOTS.get_ptr_mut(slot_index(tid, op)) {
@@ -326,7 +358,12 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     let o = outcome(&state.args, plan, ret == 0);
     let comm = if send_comm {
         // First event of this (thread, op): let the scheduler programs follow the thread.
-        let _ = crate::sched::SCHED_TIDS.insert(&tid, &pid, BPF_ANY as u64);
+        if crate::sched::SCHED_TIDS
+            .insert(&tid, &pid, BPF_ANY as u64)
+            .is_err()
+        {
+            bump(Counter::MapInsertFailed);
+        }
         bpf_get_current_comm().unwrap_or([0; 16])
     } else {
         [0; 16]

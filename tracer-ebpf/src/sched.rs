@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use tracer_common::{
     maps::{self as names, Counter},
-    sched::OffCpu,
+    sched::{ExitEvent, OffCpu},
     EventHeader, SchedEvent,
 };
 
@@ -42,6 +42,10 @@ static FORK_PARENT_PID_OFF: u32 = 12;
 #[unsafe(no_mangle)]
 static FORK_CHILD_PID_OFF: u32 = 20;
 
+/// The task-state bits the tracepoint reports for a task that has exited (EXIT_DEAD,
+/// EXIT_ZOMBIE): its last switch out.
+const EXITED: i64 = 0x10 | 0x20;
+
 #[tracepoint]
 pub fn sched_switch(ctx: TracePointContext) -> u32 {
     if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
@@ -49,8 +53,6 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
     }
     // SAFETY: reads within the tracepoint record at offsets taken from its format file.
     let prev: i32 = unsafe { ctx.read_at(global(&PREV_PID_OFF) as usize) }.unwrap_or(0);
-    // SAFETY: as above.
-    let next: i32 = unsafe { ctx.read_at(global(&NEXT_PID_OFF) as usize) }.unwrap_or(0);
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let prev = prev as u32;
@@ -58,19 +60,39 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
     if let Some(pid) = unsafe { SCHED_TIDS.get(&prev) }.copied() {
         // SAFETY: as above.
         let state: i64 = unsafe { ctx.read_at(global(&PREV_STATE_OFF) as usize) }.unwrap_or(1);
+        if state & EXITED != 0 {
+            // Its last switch: forget it (userspace may have followed it after its exit
+            // program ran, while it was still finishing).
+            let _ = SCHED_TIDS.remove(&prev);
+            let _ = OFFCPU.remove(&prev);
+            return forward_next(&ctx, now);
+        }
         let off = OffCpu {
             off_ns: now,
             wakeup_ns: 0,
             pid,
-            preempted: (state == 0) as u32,
+            // The tracepoint reports a preempted task as TASK_REPORT_MAX (0x100), whatever its
+            // state; a task that yielded while runnable as 0. Any of the low bits: it blocked.
+            preempted: (state & 0xff == 0) as u32,
         };
-        let _ = OFFCPU.insert(&prev, &off, BPF_ANY as u64);
+        if OFFCPU.insert(&prev, &off, BPF_ANY as u64).is_err() {
+            bump(Counter::MapInsertFailed);
+        }
     }
+    forward_next(&ctx, now)
+}
+
+/// The thread switched in: when it is a followed thread coming back, its interval off the CPU.
+#[inline(always)]
+fn forward_next(ctx: &TracePointContext, now: u64) -> u32 {
+    // SAFETY: as in sched_switch.
+    let next: i32 = unsafe { ctx.read_at(global(&NEXT_PID_OFF) as usize) }.unwrap_or(0);
     let next = next as u32;
     // SAFETY: the value is copied out at once, before the entry is removed.
     let Some(off) = (unsafe { OFFCPU.get(&next) }).copied() else {
         return 0;
     };
+    // Just read, so present: a failure cannot leave it behind.
     let _ = OFFCPU.remove(&next);
     let Some(mut entry) = EVENTS.reserve::<SchedEvent>(0) else {
         bump(Counter::SchedRingFull);
@@ -117,8 +139,51 @@ pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
     };
     // SAFETY: as in sched_switch.
     let child: i32 = unsafe { ctx.read_at(global(&FORK_CHILD_PID_OFF) as usize) }.unwrap_or(0);
-    if child > 0 {
-        let _ = SCHED_TIDS.insert(&(child as u32), &pid, BPF_ANY as u64);
+    if child > 0
+        && SCHED_TIDS
+            .insert(&(child as u32), &pid, BPF_ANY as u64)
+            .is_err()
+    {
+        bump(Counter::MapInsertFailed);
     }
+    0
+}
+
+/// A thread exits: every kernel map forgets it (a thread that reuses its tid starts afresh),
+/// and when a followed process's leader exits, userspace is told to forget the pid.
+#[tracepoint]
+pub fn sched_process_exit(_ctx: TracePointContext) -> u32 {
+    let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
+    let (pid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    // SAFETY: the value is only tested.
+    let followed = unsafe { SCHED_TIDS.get(&tid) }.is_some();
+    // Removals of absent keys fail harmlessly: most exiting threads were never followed.
+    let _ = SCHED_TIDS.remove(&tid);
+    let _ = OFFCPU.remove(&tid);
+    crate::call::forget_thread(tid);
+    crate::stack::forget_thread(pid, tid);
+    if tid != pid {
+        return 0;
+    }
+    crate::stack::forget_process(pid);
+    if !followed {
+        return 0;
+    }
+    let Some(mut entry) = EVENTS.reserve::<ExitEvent>(0) else {
+        bump(Counter::SchedRingFull);
+        return 0;
+    };
+    entry.write(ExitEvent {
+        header: EventHeader {
+            kind: ExitEvent::KIND as u32,
+            len: ExitEvent::LEN,
+            // SAFETY: no preconditions.
+            ts_ns: unsafe { bpf_ktime_get_ns() },
+            pid,
+            tid,
+        },
+    });
+    entry.submit(aya_ebpf::bindings::BPF_RB_NO_WAKEUP as u64);
+    bump(Counter::SchedSubmitted);
     0
 }

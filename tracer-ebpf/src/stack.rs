@@ -93,7 +93,9 @@ fn thread_state(proc_: &PyProcess, pid: u32, tid: u32) -> Option<u64> {
             return None;
         }
         if is_thread(ts, tid, o) {
-            let _ = PY_THREADS.insert(&key, &ts, BPF_ANY as u64);
+            if PY_THREADS.insert(&key, &ts, BPF_ANY as u64).is_err() {
+                crate::counters::bump(tracer_common::maps::Counter::MapInsertFailed);
+            }
             return Some(ts);
         }
         ts = read::<u64>(ts + o.tstate_next as u64)?;
@@ -241,4 +243,19 @@ pub fn call_site(ctx: RetProbeContext) -> u32 {
     entry.submit(call.stack_id as u64);
     bump(Counter::Submitted);
     0
+}
+
+/// An exited thread's cached interpreter state goes (a thread reusing the tid finds its own).
+#[inline(always)]
+pub fn forget_thread(pid: u32, tid: u32) {
+    // Absent for threads that never made a call from Python: nothing to remove then.
+    let _ = PY_THREADS.remove(&(((pid as u64) << 32) | tid as u64));
+}
+
+/// An exited process's interpreter registration goes (a process reusing the pid is looked at
+/// afresh by userspace).
+#[inline(always)]
+pub fn forget_process(pid: u32) {
+    // Absent for processes that run no interpreter.
+    let _ = PY_PROCS.remove(&pid);
 }

@@ -22,6 +22,8 @@ pub enum Record {
     Call(Call),
     OffCpu(OffCpu),
     Message(Message),
+    /// A followed process ended: its pid.
+    Exit(u32),
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -75,6 +77,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         EventKind::Sched => std::mem::size_of::<SchedEvent>(),
         EventKind::CallStack => std::mem::size_of::<CallStackEvent>(),
         EventKind::Message => std::mem::size_of::<MessageEvent>(),
+        EventKind::Exit => std::mem::size_of::<tracer_common::sched::ExitEvent>(),
     };
     // The ring buffer may round a record up; the header's length is the truth.
     if header.len as usize != expected || bytes.len() < expected {
@@ -106,6 +109,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
                 read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
             Message::from_raw(&raw).map(Record::Message)
         }
+        EventKind::Exit => Ok(Record::Exit(header.pid)),
     }
 }
 

@@ -281,3 +281,27 @@ fn a_site_deeper_than_its_arrays_or_of_unknown_status_is_refused() {
         Err(DecodeError::BadLength { .. })
     ));
 }
+
+#[test]
+fn an_exit_record_names_the_pid_and_a_wrong_length_is_refused() {
+    let raw = tracer_common::sched::ExitEvent {
+        header: EventHeader {
+            kind: 5,
+            len: tracer_common::sched::ExitEvent::LEN,
+            ts_ns: 9,
+            pid: 4321,
+            tid: 4321,
+        },
+    };
+    // SAFETY: ExitEvent is repr(C) plain data without padding bytes.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            (&raw as *const tracer_common::sched::ExitEvent).cast::<u8>(),
+            std::mem::size_of_val(&raw),
+        )
+    };
+    assert_eq!(decode(bytes).unwrap(), Record::Exit(4321));
+    let mut long = bytes.to_vec();
+    long[4] = 32;
+    assert!(matches!(decode(&long), Err(DecodeError::BadLength { .. })));
+}

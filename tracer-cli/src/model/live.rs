@@ -31,6 +31,9 @@ pub struct AllocatorRow {
     pub outside: u64,
     /// The largest request since the last look.
     pub largest_request: u64,
+    /// The process has ended: its last figures.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub exited: bool,
 }
 
 #[derive(Default)]
@@ -46,7 +49,12 @@ struct Process {
 #[derive(Default)]
 pub struct LiveAllocators {
     processes: BTreeMap<u32, Process>,
+    /// The last figures of processes that ended (the most recent [`ENDED_KEPT`]).
+    ended: std::collections::VecDeque<AllocatorRow>,
 }
+
+/// Ended processes whose last figures are kept for the table and the summary.
+pub const ENDED_KEPT: usize = 64;
 
 impl LiveAllocators {
     /// A process's settings and rank, from its kept environment (before its first call).
@@ -88,6 +96,25 @@ impl LiveAllocators {
             .flatten()
     }
 
+    /// A process ended: its layout goes (a process reusing the pid starts afresh), its last
+    /// figures stay among the ended ones.
+    pub fn exited(&mut self, pid: u32) {
+        let Some(process) = self.processes.remove(&pid) else {
+            return;
+        };
+        let mut one = LiveAllocators::default();
+        one.processes.insert(pid, process);
+        for row in one.rows() {
+            if self.ended.len() == ENDED_KEPT {
+                self.ended.pop_front();
+            }
+            self.ended.push_back(AllocatorRow {
+                exited: true,
+                ..row
+            });
+        }
+    }
+
     /// The rank label of a process, if its environment gave one.
     pub fn rank(&self, pid: u32) -> Option<&str> {
         self.processes.get(&pid)?.rank.as_deref()
@@ -118,10 +145,12 @@ impl LiveAllocators {
                     stats,
                     outside: if blocks { outside } else { 0 },
                     largest_request: p.largest_request.get(&device).copied().unwrap_or(0),
+                    exited: false,
                 });
             }
             p.largest_request.clear();
         }
+        rows.extend(self.ended.iter().cloned());
         rows
     }
 }
@@ -186,5 +215,14 @@ mod tests {
         assert_eq!(rows[0].largest_request, 4 * MIB);
         // A new interval with no requests.
         assert_eq!(live.rows()[0].largest_request, 0);
+        // It ends: its last figures stay, marked, and a process reusing the pid starts afresh.
+        live.exited(7);
+        let rows = live.rows();
+        assert_eq!(rows.len(), 1);
+        assert!(rows[0].exited && rows[0].stats.allocated == 8 * MIB);
+        live.apply(&event(Op::CudaMalloc, 0x2000_0000, 2 * MIB));
+        let rows = live.rows();
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[0].stats.reserved, rows[0].exited), (2 * MIB, false));
     }
 }

@@ -44,6 +44,20 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
             c.tail_call_failed
         )?;
     }
+    if c.calls_abandoned > 0 {
+        writeln!(
+            out,
+            "warning: {} calls were abandoned: their thread exited, or they were still in progress after the stop, before they returned",
+            c.calls_abandoned
+        )?;
+    }
+    if c.map_insert_failed > 0 {
+        writeln!(
+            out,
+            "warning: {} kernel map entries could not be stored (a full map): followed threads, off-CPU intervals or interpreter states are missing",
+            c.map_insert_failed
+        )?;
+    }
     if c.alloc_map_full > 0 {
         writeln!(out, "warning: {} allocations were not tracked (allocation map full): their frees lack a size", c.alloc_map_full)?;
     }
@@ -104,6 +118,7 @@ mod tests {
             programs: Vec::new(),
             allocators: Vec::new(),
             on_warning: Vec::new(),
+            kernel_maps: Default::default(),
             counters: SessionCounters {
                 submitted: 2,
                 events_read: 2,

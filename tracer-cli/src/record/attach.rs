@@ -197,6 +197,7 @@ fn attach_sched(ebpf: &mut Ebpf) -> Result<(), String> {
         (names::PROG_SCHED_SWITCH, "sched_switch"),
         (names::PROG_SCHED_WAKEUP, "sched_wakeup"),
         (names::PROG_SCHED_FORK, "sched_process_fork"),
+        (names::PROG_SCHED_EXIT, "sched_process_exit"),
     ] {
         let program: &mut TracePoint = ebpf
             .program_mut(name)
@@ -547,6 +548,62 @@ impl Probes {
         Ok(out)
     }
 
+    /// Calls entered and not yet returned: entry states still held in the slots and the
+    /// fallback map.
+    pub fn calls_in_flight(&self) -> Result<u64> {
+        let slots = self
+            .ebpf
+            .map(names::SLOTS)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::SLOTS))?;
+        let slots: Array<_, names::Slot> = Array::try_from(slots).context("open the slots")?;
+        let mut n = 0;
+        for slot in slots.iter() {
+            n += u64::from(slot.context("read a slot")?.state.ts_ns != 0);
+        }
+        let inflight = self
+            .ebpf
+            .map(names::INFLIGHT)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::INFLIGHT))?;
+        let inflight: aya::maps::HashMap<_, names::InflightKey, names::Inflight> =
+            aya::maps::HashMap::try_from(inflight).context("open the in-flight map")?;
+        for entry in inflight.iter() {
+            let (_, state) = entry.context("read the in-flight map")?;
+            n += u64::from(state.ts_ns != 0);
+        }
+        Ok(n)
+    }
+
+    /// Entries held now by the per-thread kernel maps (each thread's go when it exits), by
+    /// map name.
+    pub fn map_entries(&self) -> Vec<(&'static str, u64)> {
+        fn keys<K: aya::Pod, V: aya::Pod>(ebpf: &Ebpf, name: &'static str) -> Option<u64> {
+            let map: aya::maps::HashMap<_, K, V> =
+                aya::maps::HashMap::try_from(ebpf.map(name)?).ok()?;
+            Some(map.keys().filter(Result::is_ok).count() as u64)
+        }
+        [
+            (
+                names::SCHED_TIDS,
+                keys::<u32, u32>(&self.ebpf, names::SCHED_TIDS),
+            ),
+            (
+                names::OFFCPU,
+                keys::<u32, tracer_common::sched::OffCpu>(&self.ebpf, names::OFFCPU),
+            ),
+            (
+                names::INFLIGHT,
+                keys::<names::InflightKey, names::Inflight>(&self.ebpf, names::INFLIGHT),
+            ),
+            (
+                names::PY_THREADS,
+                keys::<u64, u64>(&self.ebpf, names::PY_THREADS),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(name, n)| Some((name, n?)))
+        .collect()
+    }
+
     /// Stops recording new calls (calls already entered still report their return).
     pub fn pause(&mut self) -> Result<()> {
         let map = self
@@ -601,14 +658,27 @@ impl Followed {
     /// Follows every thread of `pid` and of its descendants, under `pid`: threads that never
     /// make a CUDA call (DataLoader workers) still compete with those that do.
     pub fn process_tree(&mut self, pid: u32) -> usize {
-        let mut added = 0;
+        let mut added = Vec::new();
         for tid in crate::record::procinfo::thread_tree(pid) {
             // A tid already followed keeps its process (a traced child stays its own).
             if self.map.get(&tid, 0).is_err() && self.map.insert(tid, pid, 0).is_ok() {
-                added += 1;
+                added.push(tid);
             }
         }
-        added
+        // A thread that exited between the listing and the insert is past its exit program,
+        // which would have removed it: remove it here, or it stays for good.
+        for &tid in &added {
+            if !crate::record::procinfo::thread_alive(tid) {
+                // Absent already if its exit came after all.
+                let _ = self.map.remove(&tid);
+            }
+        }
+        added.len()
+    }
+
+    /// Threads followed now (each goes when it exits).
+    pub fn entries(&self) -> u64 {
+        self.map.keys().filter(Result::is_ok).count() as u64
     }
 }
 
@@ -618,6 +688,11 @@ pub struct PyProcs {
 }
 
 impl PyProcs {
+    /// Interpreters registered now (each goes when its process exits).
+    pub fn entries(&self) -> u64 {
+        self.map.keys().filter(Result::is_ok).count() as u64
+    }
+
     pub fn insert(&mut self, pid: u32, interp: tracer_common::PyProcess) -> Result<()> {
         self.map
             .insert(pid, interp, 0)

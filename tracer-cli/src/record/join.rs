@@ -40,6 +40,13 @@ impl Join {
         Join::new(true)
     }
 
+    /// Forgets an ended process: a process that reuses its pid must not free its allocations.
+    pub fn forget_process(&mut self, pid: u32) {
+        self.live.retain(|k, _| k.0 != pid);
+        self.devices.retain(|k, _| k.0 != pid);
+        self.last_free.retain(|k, _| k.0 != pid);
+    }
+
     /// For the simulated runtime's log, whose lines carry each call's device.
     pub fn for_log() -> Join {
         Join::new(false)

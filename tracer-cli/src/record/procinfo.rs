@@ -154,6 +154,17 @@ mod tests {
 
 /// The threads of `pid` and of all its descendant processes (from /proc/PID/task/TID/children),
 /// Processes that exit while being read are skipped.
+/// Whether a thread still runs (not exited, not a zombie).
+pub fn thread_alive(tid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{tid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let state = s.rsplit_once(')')?.1.split_whitespace().next()?.to_owned();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}
+
 pub fn thread_tree(pid: u32) -> Vec<u32> {
     let mut tids = Vec::new();
     let mut pending = vec![pid];

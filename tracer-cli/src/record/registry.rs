@@ -119,6 +119,14 @@ impl Registry {
         if result.is_err() {
             shared.stop.store(true, Ordering::SeqCst);
         }
+        if let Ok(mut maps) = shared.registry_maps.lock() {
+            if let Some(f) = &self.followed {
+                maps.push((tracer_common::maps::SCHED_TIDS, f.entries()));
+            }
+            if let Some(p) = &self.python {
+                maps.push((tracer_common::maps::PY_PROCS, p.procs.entries()));
+            }
+        }
         result
     }
 
@@ -159,6 +167,9 @@ impl Registry {
                         .store(hook.skipped, Ordering::SeqCst);
                 }
             }
+            for &pid in &delivery.exited {
+                allocators.exited(pid);
+            }
         }
         tx.send(delivery)
             .map_err(|_| anyhow!("the database writer stopped"))
@@ -194,6 +205,16 @@ impl Registry {
                 }
                 Record::OffCpu(off) => out.offcpu.push(off),
                 Record::Message(m) => out.messages.push(m),
+                Record::Exit(pid) => {
+                    // Everything it made was read before this record: forget it, so that a
+                    // process reusing the pid starts afresh.
+                    pids_seen.remove(&pid);
+                    self.join.forget_process(pid);
+                    if let Some(python) = self.python.as_mut() {
+                        python.sites.forget_process(pid);
+                    }
+                    out.exited.push(pid);
+                }
             }
         }
         out

@@ -157,6 +157,8 @@ pub struct Summary {
     /// --on-warning's runs.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub on_warning: Vec<HookRun>,
+    /// Entries left in the per-thread kernel maps at the end (they go as threads exit).
+    pub kernel_maps: std::collections::BTreeMap<String, u64>,
     #[serde(skip)]
     pub stats: LiveStats,
 }
@@ -365,11 +367,26 @@ impl Recording {
         })
     }
 
+    /// Waits, up to `bound`, for the calls entered before the pause to return; how many did
+    /// not (they are abandoned: no event can be made of them).
+    fn wait_for_calls_in_flight(&self, bound: Duration) -> u64 {
+        let deadline = Instant::now() + bound;
+        // Returns in progress finish within microseconds; wait at least that.
+        thread::sleep(Duration::from_millis(50));
+        loop {
+            let n = self.probes.calls_in_flight().unwrap_or(0);
+            if n == 0 || Instant::now() >= deadline {
+                return n;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Stops recording new calls, lets calls in progress return, drains and stores everything
     /// submitted, and ends the session; the probes stay attached until [`Finished::detach`].
     pub fn finish(mut self, outcome: Result<Stop>) -> Result<Finished> {
         let paused = self.probes.pause();
-        thread::sleep(Duration::from_millis(100));
+        let in_flight = self.wait_for_calls_in_flight(CALLS_IN_FLIGHT_WAIT);
         let kernel = self.probes.counters()?;
         self.shared.stop.store(true, Ordering::SeqCst);
         let read_result = join(self.reader, "ring-buffer reader")?;
@@ -379,8 +396,19 @@ impl Recording {
             .join()
             .map_err(|_| anyhow!("the database writer thread panicked"))?;
         let session = self.started.session;
-        let counters = self.shared.counters(&kernel);
+        let mut counters = self.shared.counters(&kernel);
+        counters.calls_abandoned += in_flight;
         store.set_counters(session, &counters)?;
+        if in_flight > 0 {
+            store.append_note(
+                session,
+                &format!("{in_flight} calls still in progress {CALLS_IN_FLIGHT_WAIT:?} after the stop were abandoned (counted in calls_abandoned)"),
+            )?;
+        }
+        let mut kernel_maps = self.probes.map_entries();
+        if let Ok(mut held) = self.shared.registry_maps.lock() {
+            kernel_maps.append(&mut held);
+        }
         let (status, reason) = match &outcome {
             Ok(stop) if stop.by_signal => ("interrupted", stop.reason.clone()),
             Ok(stop) => ("complete", stop.reason.clone()),
@@ -430,6 +458,10 @@ impl Recording {
                 programs,
                 allocators,
                 on_warning,
+                kernel_maps: kernel_maps
+                    .into_iter()
+                    .map(|(name, n)| (name.to_owned(), n))
+                    .collect(),
                 stats,
             },
             probes: self.probes,
@@ -472,6 +504,9 @@ fn allocator_rows(shared: &Shared) -> Result<Vec<AllocatorRow>> {
         .map_err(|_| anyhow!("allocator layouts lock poisoned"))?
         .rows())
 }
+
+/// How long the stop waits for calls in progress to return before counting them abandoned.
+const CALLS_IN_FLIGHT_WAIT: Duration = Duration::from_secs(1);
 
 /// Refuses what cannot be recorded before anything is attached.
 fn check_options(opts: &RecordOptions) -> Result<()> {
@@ -580,7 +615,7 @@ fn spawn_pipeline(
 fn host_context_state(probes: &Probes) -> String {
     match &probes.host_context {
         Ok(()) => format!(
-            "sched_switch, sched_wakeup, sched_process_fork; cpus={}",
+            "sched_switch, sched_wakeup, sched_process_fork, sched_process_exit; cpus={}",
             procinfo::online_cpus().unwrap_or(0)
         ),
         Err(e) => {

@@ -29,6 +29,8 @@ pub struct Shared {
     /// The libraries probed, as (dev, inode): a process that maps one is traced, and only a
     /// traced process's memory is read (its interpreter, --stack).
     pub probed_files: Mutex<std::collections::HashSet<(u64, u64)>>,
+    /// Entries left at the end in the kernel maps the registry holds (SCHED_TIDS, PY_PROCS).
+    pub registry_maps: Mutex<Vec<(&'static str, u64)>>,
     /// The kernel counters as last read (for the writer's periodic session updates).
     pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
 }
@@ -49,6 +51,8 @@ impl Shared {
             offcpu_submitted: kernel[Counter::SchedSubmitted as usize],
             offcpu_dropped: kernel[Counter::SchedRingFull as usize],
             tail_call_failed: kernel[Counter::TailCallFailed as usize],
+            map_insert_failed: kernel[Counter::MapInsertFailed as usize],
+            calls_abandoned: kernel[Counter::CallsAbandoned as usize],
         }
     }
 }

@@ -143,6 +143,14 @@ impl Sites {
         }
     }
 
+    /// Forgets an ended process (its sites, all resolved before its end, stay): a process that
+    /// reuses the pid is read afresh.
+    pub fn forget_process(&mut self, pid: u32) {
+        self.maps.remove(&pid);
+        self.checked.remove(&pid);
+        self.frames.forget(pid);
+    }
+
     /// Reads a new process's maps now, while it lives: a short-lived process's call sites may
     /// be resolved after it has exited.
     pub fn first_seen(&mut self, pid: u32) {

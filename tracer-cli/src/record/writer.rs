@@ -38,6 +38,8 @@ pub struct Delivery {
     pub messages: Vec<Message>,
     /// Call sites first seen in these calls (--stack).
     pub sites: Vec<(i64, Site)>,
+    /// Followed processes that ended, after their calls above (not stored: for the live view).
+    pub exited: Vec<u32>,
 }
 
 impl Delivery {

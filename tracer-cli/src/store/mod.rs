@@ -55,6 +55,11 @@ pub struct SessionCounters {
     pub offcpu_dropped: u64,
     /// Events lost because the call-site program could not be reached (--stack).
     pub tail_call_failed: u64,
+    /// Kernel map entries that could not be stored (a full map).
+    pub map_insert_failed: u64,
+    /// Calls whose thread exited before they returned, or still in progress a while after
+    /// the stop: no event could be made of them.
+    pub calls_abandoned: u64,
 }
 
 pub fn class_name(class: OpClass) -> &'static str {
@@ -252,7 +257,7 @@ impl Store {
                 "UPDATE sessions SET entries = ?2, submitted = ?3, dropped_ring_full = ?4,
                     unmatched_returns = ?5, alloc_map_full = ?6, inflight_full = ?7, events_read = ?8,
                     events_stored = ?9, decode_errors = ?10, offcpu_submitted = ?11, offcpu_dropped = ?12,
-                    tail_call_failed = ?13
+                    tail_call_failed = ?13, map_insert_failed = ?14, calls_abandoned = ?15
                  WHERE id = ?1",
                 params![
                     session,
@@ -267,7 +272,9 @@ impl Store {
                     c.decode_errors as i64,
                     c.offcpu_submitted as i64,
                     c.offcpu_dropped as i64,
-                    c.tail_call_failed as i64
+                    c.tail_call_failed as i64,
+                    c.map_insert_failed as i64,
+                    c.calls_abandoned as i64
                 ],
             )
             .with_context(|| format!("store counters of session {session}"))?;

@@ -442,6 +442,12 @@ pub struct Frames {
 }
 
 impl Frames {
+    /// Forgets an ended process: its memory handle and the code objects read from it.
+    pub fn forget(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+        self.codes.retain(|(p, _), _| *p != pid);
+    }
+
     pub fn register(&mut self, pid: u32, interp: Interpreter) {
         let mem = Memory::open(pid).ok();
         self.processes.insert(pid, (interp, mem));

@@ -1,0 +1,137 @@
+//! What a long trace must not accumulate or misreport: state of processes and threads that
+//! ended, and the scheduler's view of a thread that was preempted.
+
+mod common;
+
+use std::{process::Command, time::Duration};
+
+use common::*;
+
+/// Builds a test program from tests/native against the simulated runtime.
+fn build_native(sim: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let exe = sim.join(name);
+    let cc = Command::new("cc")
+        .args(["-O2", "-pthread", "-o"])
+        .arg(&exe)
+        .arg(workspace().join(format!("tests/native/{name}.c")))
+        .arg(format!("-L{}", sim.display()))
+        .arg("-l:libcudart.so.12")
+        .arg(format!("-Wl,-rpath,{}", sim.display()))
+        .output()
+        .unwrap();
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    exe
+}
+
+/// A process's resident memory, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
+    let Some(fx) = Fixture::new() else { return };
+    let exe = build_native(&fx.sim, "churn");
+    let lib = fx.sim.join("libcudart.so.12");
+    let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
+    // A warm-up run, then the baseline: what tracer holds once it has seen such processes.
+    let warm = Command::new(&exe).arg("200").output().unwrap();
+    assert!(warm.status.success());
+    std::thread::sleep(Duration::from_millis(1500));
+    let rss_before = rss_kib(trace.child.id());
+    let out = Command::new(&exe).arg("20000").output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let rss_after = rss_kib(trace.child.id());
+    let stopped = trace.stop(SIGINT);
+    let maps = &stopped.summary["kernel_maps"];
+    let counters = &stopped.summary["counters"];
+    println!(
+        "soak: {} processes, {} threads; tracer RSS {} KiB before, {} KiB after; kernel maps at the end {maps}; counters {counters}",
+        made["processes"], made["threads"], rss_before, rss_after
+    );
+    // Every call stored; nothing lost, abandoned or refused by a full map.
+    let calls = made["calls"].as_i64().unwrap() + 800;
+    assert_eq!(
+        counters["events_stored"].as_i64(),
+        Some(calls),
+        "{counters}"
+    );
+    for lost in [
+        "dropped_ring_full",
+        "calls_abandoned",
+        "map_insert_failed",
+        "tail_call_failed",
+    ] {
+        assert_eq!(counters[lost], 0, "{lost}: {counters}");
+    }
+    // The per-thread kernel maps are back to (about) nothing: every thread's entries went at
+    // its exit. 40,000 threads passed through them.
+    for (name, n) in maps.as_object().unwrap() {
+        assert!(
+            n.as_u64().unwrap() <= 8,
+            "{name} holds {n} entries after the soak: {maps}"
+        );
+    }
+    assert!(
+        rss_after < rss_before + 50 * 1024,
+        "tracer grew from {rss_before} KiB to {rss_after} KiB"
+    );
+}
+
+#[test]
+fn a_preempted_thread_is_told_from_one_that_blocked() {
+    let Some(fx) = Fixture::new() else { return };
+    let exe = build_native(&fx.sim, "spin");
+    let lib = fx.sim.join("libcudart.so.12");
+    let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
+    // Four threads that never block, on this machine's cores, then one that only sleeps.
+    let out = Command::new(&exe).args(["4", "1500"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tids: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    trace.stop(SIGINT);
+    let share = |tids: &serde_json::Value| -> (i64, i64) {
+        let list = tids
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let preempted = scalar(
+            &fx.db,
+            &format!("SELECT count(*) FROM offcpu WHERE tid IN ({list}) AND preempted = 1"),
+        );
+        let all = scalar(
+            &fx.db,
+            &format!("SELECT count(*) FROM offcpu WHERE tid IN ({list})"),
+        );
+        (preempted, all)
+    };
+    let (preempted, all) = share(&tids["spinners"]);
+    println!("spinners: {preempted} of {all} intervals off the CPU preempted");
+    assert!(all >= 20, "{all} intervals");
+    assert!(preempted * 10 >= all * 9, "{preempted} of {all} preempted");
+    let (preempted, all) = share(&serde_json::json!([tids["sleeper"]]));
+    println!("sleeper: {preempted} of {all} intervals off the CPU preempted");
+    assert!(all >= 5, "{all} intervals");
+    assert!(preempted * 10 <= all, "{preempted} of {all} preempted");
+}

@@ -67,10 +67,20 @@ pub fn explain(db: &Path, q: &ExplainQuery) -> Result<Explained> {
         last
     };
     let window = match (q.since, q.from, q.to) {
-        (Some(since), _, _) => Window {
-            from_ns: end - since.as_nanos() as i64,
-            to_ns: end,
-        },
+        (Some(since), _, _) => {
+            let back = i64::try_from(since.as_nanos()).unwrap_or(i64::MAX);
+            if back > end {
+                return Err(user_error(format!(
+                    "--since {}s reaches before 1970: give a duration within the trace (the session began at {})",
+                    since.as_secs(),
+                    format_utc(first)
+                )));
+            }
+            Window {
+                from_ns: end - back,
+                to_ns: end,
+            }
+        }
         (None, from, to) => Window {
             from_ns: from.unwrap_or(first),
             to_ns: to.unwrap_or(end),

@@ -34,6 +34,12 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     if !(bytes.is_finite() && bytes >= 1.0) {
         return Err(format!("invalid size {text:?}: must be at least 1 byte"));
     }
+    // 2^64 and above would be saturated by the conversion: refuse rather than wrap or clamp.
+    if bytes >= 18_446_744_073_709_551_616.0 {
+        return Err(format!(
+            "invalid size {text:?}: larger than 16 EiB, the most a 64-bit count can say"
+        ));
+    }
     Ok(bytes as u64)
 }
 
@@ -56,7 +62,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     if !(secs.is_finite() && secs > 0.0) {
         return Err(format!("invalid duration {text:?}: must be positive"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    // Longer than the Unix epoch is old cannot mean anything here (and overflows Duration and
+    // the nanosecond clock past a point).
+    if secs > MAX_DURATION_S {
+        return Err(format!(
+            "invalid duration {text:?}: longer than the time since 1970 ({MAX_DURATION_S:.0}s at most)"
+        ));
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("invalid duration {text:?}: {e}"))
 }
 
 /// 1536 -> "1.5 KiB".
@@ -99,21 +112,39 @@ pub fn format_ns(ns: u64) -> String {
 /// Seconds (with a fraction) or nanoseconds since the epoch; values above 1e12 are nanoseconds.
 pub fn parse_time(text: &str) -> Result<i64, String> {
     // Nanoseconds do not fit an f64 exactly: take integers as they are.
-    if let Ok(ns) = text.trim().parse::<i64>() {
-        if ns > 1_000_000_000_000 {
-            return Ok(ns);
+    let ns = match text.trim().parse::<i64>() {
+        Ok(ns) if ns > 1_000_000_000_000 => ns,
+        _ => {
+            let v: f64 = text.trim().parse().map_err(|_| {
+                format!("invalid time {text:?}: give Unix seconds (1795323312.5) or nanoseconds")
+            })?;
+            if !v.is_finite() || v < 0.0 || v >= 9.2e18 {
+                return Err(format!(
+                    "invalid time {text:?}: must be a Unix time (seconds or nanoseconds) within 64 bits"
+                ));
+            }
+            if v > 1e12 {
+                v as i64
+            } else {
+                (v * 1e9) as i64
+            }
         }
-    }
-    let v: f64 = text.trim().parse().map_err(|_| {
-        format!("invalid time {text:?}: give Unix seconds (1795323312.5) or nanoseconds")
-    })?;
-    if !v.is_finite() || v < 0.0 {
+    };
+    // No trace holds calls from before 2001 (tracer and its eBPF did not exist): a time that
+    // early is a mistake (a 0, a duration given as a time), not a window.
+    if ns < EARLIEST_TIME_NS {
         return Err(format!(
-            "invalid time {text:?}: must be a positive Unix time"
+            "invalid time {text:?}: before 2001; give a time within the trace (Unix seconds such as 1795323312.5), or use --since 300s"
         ));
     }
-    Ok(if v > 1e12 { v as i64 } else { (v * 1e9) as i64 })
+    Ok(ns)
 }
+
+/// 2001-09-09 01:46:40 UTC, as nanoseconds since the epoch: earlier times are refused.
+pub const EARLIEST_TIME_NS: i64 = 1_000_000_000 * 1_000_000_000;
+
+/// The longest duration accepted: from the epoch to 2100.
+pub const MAX_DURATION_S: f64 = 4_102_444_800.0;
 
 /// 2026-11-22 05:01:02.345 UTC.
 pub fn format_utc(ns: i64) -> String {
@@ -144,6 +175,10 @@ mod tests {
 
     #[test]
     fn sizes() {
+        // Past 64 bits: refused, never saturated or wrapped.
+        assert!(parse_size("18446744073709551615GiB").is_err());
+        assert!(parse_size("16EiB").is_err());
+        assert!(parse_size("99999999999999999999999").is_err());
         assert_eq!(parse_size("1048576"), Ok(1 << 20));
         assert_eq!(parse_size("512MiB"), Ok(512 << 20));
         assert_eq!(parse_size("2G"), Ok(2 << 30));
@@ -155,6 +190,10 @@ mod tests {
 
     #[test]
     fn durations() {
+        // Longer than the epoch is old, or past what a Duration holds: refused, no panic.
+        assert!(parse_duration("99999999999999999999s").is_err());
+        assert!(parse_duration("1e300h").is_err());
+        assert!(parse_duration("5000000000s").is_err());
         assert_eq!(parse_duration("300s"), Ok(Duration::from_secs(300)));
         assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
@@ -187,6 +226,11 @@ mod tests {
 
     #[test]
     fn times() {
+        // Before 2001, or past 64 bits: refused.
+        assert!(super::parse_time("0").is_err());
+        assert!(super::parse_time("86400").is_err());
+        assert!(super::parse_time("99999999999999999999").is_err());
+        assert!(super::parse_time("-5").is_err());
         assert_eq!(
             super::parse_time("1795323312.5"),
             Ok(1_795_323_312_500_000_000)

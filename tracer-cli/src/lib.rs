@@ -15,3 +15,6 @@ pub mod present;
 pub mod record;
 pub mod store;
 pub mod units;
+
+#[cfg(test)]
+mod fuzz_tests;

@@ -118,7 +118,7 @@ pub fn parse_time(text: &str) -> Result<i64, String> {
             let v: f64 = text.trim().parse().map_err(|_| {
                 format!("invalid time {text:?}: give Unix seconds (1795323312.5) or nanoseconds")
             })?;
-            if !v.is_finite() || v < 0.0 || v >= 9.2e18 {
+            if !v.is_finite() || !(0.0..9.2e18).contains(&v) {
                 return Err(format!(
                     "invalid time {text:?}: must be a Unix time (seconds or nanoseconds) within 64 bits"
                 ));

@@ -57,7 +57,9 @@ impl Event {
     }
 
     pub fn end_ns(&self) -> i64 {
-        self.ts_ns + self.duration_ns as i64
+        // Saturating: a damaged record's figures must not wrap around.
+        self.ts_ns
+            .saturating_add(i64::try_from(self.duration_ns).unwrap_or(i64::MAX))
     }
 
     pub fn device(&self) -> Option<i32> {

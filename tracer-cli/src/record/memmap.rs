@@ -21,7 +21,7 @@ pub struct Mapping {
 
 /// Parses one maps line: "start-end perms offset dev inode   path". Anonymous mappings and
 /// pseudo-files ([heap], [vdso]) have no path and are skipped.
-fn parse_line(line: &str) -> Option<Mapping> {
+pub(crate) fn parse_line(line: &str) -> Option<Mapping> {
     let mut fields = line.splitn(6, ' ');
     let range = fields.next()?;
     let perms = fields.next()?;

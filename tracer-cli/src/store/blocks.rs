@@ -118,10 +118,27 @@ pub fn encode(calls: &[Call], wall_offset_ns: i64) -> Block {
 /// Why a block could not be decoded.
 #[derive(Debug, PartialEq, Eq)]
 pub enum BlockError {
-    Truncated { call: usize },
-    Overlong { call: usize },
-    UnknownFields { call: usize, bits: u8 },
-    Trailing { bytes: usize },
+    Truncated {
+        call: usize,
+    },
+    Overlong {
+        call: usize,
+    },
+    UnknownFields {
+        call: usize,
+        bits: u8,
+    },
+    Trailing {
+        bytes: usize,
+    },
+    /// A process or thread id out of range, or a time before 1970.
+    BadValue {
+        call: usize,
+    },
+    /// The row claims more calls than a block holds.
+    TooMany {
+        calls: usize,
+    },
 }
 
 impl std::fmt::Display for BlockError {
@@ -138,6 +155,18 @@ impl std::fmt::Display for BlockError {
                 )
             }
             BlockError::Trailing { bytes } => write!(f, "{bytes} bytes follow the last call"),
+            BlockError::BadValue { call } => {
+                write!(
+                    f,
+                    "call {call} has an impossible process id, thread id or time"
+                )
+            }
+            BlockError::TooMany { calls } => {
+                write!(
+                    f,
+                    "it claims {calls} calls, more than a block holds ({MAX_CALLS})"
+                )
+            }
         }
     }
 }
@@ -188,6 +217,9 @@ impl Reader<'_> {
 /// Decodes a block of `calls` calls, handing each to `emit` in block order. Calls of ops this
 /// tracer does not know are skipped, as when reading rows.
 pub fn decode(data: &[u8], calls: usize, mut emit: impl FnMut(Event)) -> Result<(), BlockError> {
+    if calls > MAX_CALLS {
+        return Err(BlockError::TooMany { calls });
+    }
     let mut r = Reader {
         data,
         pos: 0,
@@ -205,8 +237,10 @@ pub fn decode(data: &[u8], calls: usize, mut emit: impl FnMut(Event)) -> Result<
         let op = r.varint()?;
         ts = ts.wrapping_add(r.signed()?);
         let duration_ns = r.varint()?;
-        pid += r.signed()?;
-        tid += r.signed()?;
+        // Deltas of a damaged or crafted block may overflow: wrap, and let the checks below
+        // refuse what cannot be a process or thread id.
+        pid = pid.wrapping_add(r.signed()?);
+        tid = tid.wrapping_add(r.signed()?);
         let ret = r.signed()?;
         let device = if present & HAS_DEVICE != 0 {
             r.signed()? as i32
@@ -235,6 +269,10 @@ pub fn decode(data: &[u8], calls: usize, mut emit: impl FnMut(Event)) -> Result<
             stack = stack.wrapping_add(r.signed()?);
         }
         r.call += 1;
+        // Durations are kept whole: readers saturate (Event::end_ns).
+        if u32::try_from(pid).is_err() || u32::try_from(tid).is_err() || ts < 0 {
+            return Err(BlockError::BadValue { call: r.call - 1 });
+        }
         let Some(op) = u32::try_from(op).ok().and_then(Op::from_u32) else {
             continue;
         };

@@ -147,6 +147,13 @@ pub(super) fn load_blocks(
         .with_context(|| format!("list the call blocks of session {session}"))?;
     drop(stmt);
     drop(conn);
+    // A row claiming more calls than a block holds is damaged (or crafted): refuse it before
+    // sizing anything by it.
+    if let Some((id, n)) = list.iter().find(|(_, n)| *n > super::blocks::MAX_CALLS) {
+        anyhow::bail!(
+            "call block {id} of session {session} is damaged: it claims {n} calls, more than a block holds"
+        );
+    }
     let total: usize = list.iter().map(|(_, n)| n).sum();
     let threads = if total < 200_000 { 1 } else { reader_threads() };
     // Runs of blocks (first id, last id, calls) with about total / threads calls each.

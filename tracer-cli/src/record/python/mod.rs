@@ -2,7 +2,7 @@
 //! and what their code objects say (file, qualified name, executing line). Everything is read
 //! from the process's memory and files; the target's Python is never run.
 
-mod linetable;
+pub(crate) mod linetable;
 
 use std::{
     collections::HashMap,

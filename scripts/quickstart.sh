@@ -5,6 +5,8 @@
 # explains why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/as-user.sh
 bash scripts/setup.sh
-cargo build --locked --release -p tracer-cli >&2
+# Built as the invoking user under sudo; the demo itself builds the simulated runtime as them too.
+as_user cargo build --locked --release -p tracer-cli >&2
 exec target/release/tracer demo incident "$@"

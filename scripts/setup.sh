@@ -19,21 +19,23 @@ apt_install() {
 }
 
 # Rust: stable builds the user side, nightly + rust-src builds the eBPF object (-Z build-std=core).
-if ! command -v cargo >/dev/null 2>&1; then
+# Under sudo these are the invoking user's own toolchain and tools (scripts/as-user.sh).
+source "$(dirname "$0")/as-user.sh"
+if ! as_user sh -c 'command -v cargo' >/dev/null 2>&1; then
   log "cargo not found: install rustup (https://rustup.rs) first"; exit 1
 fi
-if ! rustup toolchain list | grep -q '^nightly'; then
-  log "rustup toolchain install nightly"; rustup toolchain install nightly --profile minimal
+if ! as_user rustup toolchain list | grep -q '^nightly'; then
+  log "rustup toolchain install nightly"; as_user rustup toolchain install nightly --profile minimal
 fi
-if ! rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^rust-src'; then
-  log "rustup component add rust-src --toolchain nightly"; rustup component add rust-src --toolchain nightly
+if ! as_user rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^rust-src'; then
+  log "rustup component add rust-src --toolchain nightly"; as_user rustup component add rust-src --toolchain nightly
 fi
 
 # bpf-linker against LLVM 22 (the nightly's LLVM); see shared/toolchain.md.
-if ! command -v bpf-linker >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/bpf-linker" ]; then
+if ! as_user sh -c 'command -v bpf-linker || [ -x "$HOME/.cargo/bin/bpf-linker" ]' >/dev/null 2>&1; then
   [ -x /usr/lib/llvm-22/bin/llvm-config ] || apt_install llvm-22-dev
   log "cargo install bpf-linker (about a minute)"
-  LLVM_PREFIX=/usr/lib/llvm-22 cargo install --locked bpf-linker --version 0.13.0 \
+  as_user env LLVM_PREFIX=/usr/lib/llvm-22 cargo install --locked bpf-linker --version 0.13.0 \
     --no-default-features --features llvm-22 >&2
 fi
 

@@ -1,8 +1,10 @@
 """Allocates on the simulated CUDA runtime from known lines, in nested functions and in several
 threads, and writes, for every call, the stack traceback.extract_stack() saw at that call.
 
-usage: call_sites.py LIBCUDART OUT.json [DELAY_S]
-The end-to-end test compares these stacks with the ones `tracer trace --stack` recorded."""
+usage: call_sites.py LIBCUDART OUT.json [DELAY_S [LINGER_S]]
+The end-to-end test compares these stacks with the ones `tracer trace --stack` recorded. It
+runs the script with no delay and no linger: started after the trace, it lives well under 200 ms,
+and tracer must still know every call's Python frames."""
 import ctypes, json, sys, threading, time, traceback
 
 lib = ctypes.CDLL(sys.argv[1])
@@ -60,5 +62,4 @@ for t in threads:
 alloc(1 << 20)
 with open(sys.argv[2], "w") as f:
     json.dump({"pid": __import__("os").getpid(), "version": list(sys.version_info[:2]), "calls": records}, f)
-# Let the tracer read the code objects of the last calls before the process goes away.
-time.sleep(0.5)
+time.sleep(float(sys.argv[4]) if len(sys.argv) > 4 else 0)

@@ -113,6 +113,34 @@ fn block_seed() -> Vec<u8> {
     blocks::encode(&calls, 0).data
 }
 
+/// A PERF_RECORD_MMAP2 of the side band, as the kernel writes it (time last).
+fn perf_seed() -> Vec<u8> {
+    let mut b = Vec::new();
+    let name = b"/usr/lib/libpython3.12.so.1.0\0\0\0";
+    let size = (8 + 64 + name.len() + 8) as u16;
+    b.extend_from_slice(&10u32.to_ne_bytes());
+    b.extend_from_slice(&0u16.to_ne_bytes());
+    b.extend_from_slice(&size.to_ne_bytes());
+    for v in [7u32, 7] {
+        b.extend_from_slice(&v.to_ne_bytes());
+    }
+    for v in [0x7f00_0000u64, 0x2000, 0x1000] {
+        b.extend_from_slice(&v.to_ne_bytes());
+    }
+    for v in [8u32, 1] {
+        b.extend_from_slice(&v.to_ne_bytes());
+    }
+    for v in [42u64, 0] {
+        b.extend_from_slice(&v.to_ne_bytes());
+    }
+    for v in [5u32, 2] {
+        b.extend_from_slice(&v.to_ne_bytes());
+    }
+    b.extend_from_slice(name);
+    b.extend_from_slice(&99u64.to_ne_bytes());
+    b
+}
+
 const MAPS_LINE: &str = "7f00a000-7f00c000 r-xp 00002000 08:01 1234   /usr/lib/libcudart.so.12";
 const SIMLOG_LINE: &str = "1000 250 7 8 cudaMalloc 0 0 4096 139637976727552 - -";
 
@@ -138,6 +166,7 @@ fn feed(rng: &mut Rng, block: &[u8], records: &[Vec<u8>], elf: &[u8]) {
     let _ = record::usdt::parse_arg(&text(rng.mutate(b"-8@-56(%rbp)")));
     let _ = record::usdt::parse_arg(&text(random));
     let _ = record::usdt::sites_of(rng.mutate(elf).as_slice());
+    let _ = record::mappings::parse_record(&rng.mutate(&perf_seed()));
 }
 
 /// Runs `feed` until `budget` passes or `rounds` inputs, whichever first; the inputs made.
@@ -160,6 +189,11 @@ fn run(seed: u64, rounds: u64, budget: Duration) -> u64 {
 
 #[test]
 fn every_decoder_survives_garbage_quick() {
+    // The seeds are valid inputs, so that mutations start from what the decoders accept.
+    assert!(matches!(
+        record::mappings::parse_record(&perf_seed()),
+        Some((99, record::mappings::PerfRecord::Mmap2 { pid: 7, .. }))
+    ));
     let n = run(0x5eed, 20_000, Duration::from_secs(20));
     assert!(n > 1000, "{n} inputs");
 }

@@ -388,22 +388,16 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         stack_id: -1,
         comm,
     };
-    let submitted = crate::counters::slot(Counter::Submitted);
-    // SAFETY: this CPU's counter slot, valid for this run.
-    let flag = wakeup_flag(submitted.map_or(0, |n| unsafe { *n }));
     if crate::stack::enabled() {
-        // call_site sends the event (and counts it); the wake-up flag rides in stack_id.
-        crate::stack::tail_call_site(
-            &ctx,
-            &CallEvent {
-                stack_id: flag as i64,
-                ..event
-            },
-        );
+        // call_site sends the event (and counts it), waking the reader its own way.
+        crate::stack::tail_call_site(&ctx, &event);
         // Only a failed tail call gets here: the event is lost, and counted as such.
         bump(Counter::TailCallFailed);
         return 0;
     }
+    let submitted = crate::counters::slot(Counter::Submitted);
+    // SAFETY: this CPU's counter slot, valid for this run.
+    let flag = wakeup_flag(submitted.map_or(0, |n| unsafe { *n }));
     if EVENTS.output::<CallEvent>(&event, flag as u64).is_err() {
         bump(Counter::RingFull);
         if send_comm {

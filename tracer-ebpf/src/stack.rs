@@ -239,8 +239,10 @@ pub fn call_site(ctx: RetProbeContext) -> u32 {
         (*ev).native_depth = if bytes > 0 { (bytes / 8) as u32 } else { 0 };
         python_frames(&mut (*ev).py, call.header.pid, call.header.tid);
     }
-    // The return program decided the wake-up and put it in the unused stack_id field.
-    entry.submit(call.stack_id as u64);
+    // Adaptive wake-up (the kernel wakes the reader only when it has read everything before):
+    // a call site must be resolved while its process lives, which may be milliseconds (a short
+    // script's code objects are read from its memory); a busy reader is not woken at all.
+    entry.submit(0);
     bump(Counter::Submitted);
     0
 }

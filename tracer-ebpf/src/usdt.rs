@@ -162,15 +162,8 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         i += 1;
     }
     if crate::stack::enabled() {
-        // The call site of a block: who holds the memory (--stack); the wake-up flag rides in
-        // stack_id, as from the return program.
-        crate::stack::tail_call_site(
-            &ctx,
-            &CallEvent {
-                stack_id: BPF_RB_NO_WAKEUP as i64,
-                ..event
-            },
-        );
+        // The call site of a block: who holds the memory (--stack).
+        crate::stack::tail_call_site(&ctx, &event);
         // Only a failed tail call gets here: the event is lost, and counted as such.
         bump(Counter::TailCallFailed);
         return 0;

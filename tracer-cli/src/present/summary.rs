@@ -51,6 +51,20 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
             c.calls_abandoned
         )?;
     }
+    if c.calls_before_interpreter > 0 {
+        writeln!(
+            out,
+            "warning: {} calls of Python processes were made before tracer registered their interpreter: they have no Python frames",
+            c.calls_before_interpreter
+        )?;
+    }
+    if c.mappings_lost > 0 {
+        writeln!(
+            out,
+            "warning: {} records of processes' new mappings were lost (a full side-band ring): native frames in them may stay unresolved",
+            c.mappings_lost
+        )?;
+    }
     if c.map_insert_failed > 0 {
         writeln!(
             out,

@@ -698,6 +698,13 @@ impl PyProcs {
             .insert(pid, interp, 0)
             .with_context(|| format!("register the interpreter of pid {pid}"))
     }
+
+    /// Withdraws `pid`'s registration (it replaced its program); absent is fine.
+    pub fn remove(&mut self, pid: u32) {
+        if let Err(e) = self.map.remove(&pid) {
+            log::debug!("withdraw the interpreter of pid {pid}: {e}");
+        }
+    }
 }
 
 /// What `tracer check` probes in tracer itself: a real function, called once under a uprobe.

@@ -77,6 +77,19 @@ pub fn path_in(pid: u32, path: &Path) -> PathBuf {
     }
 }
 
+/// Where this process can open the file of mapping `m` of `pid`: its path here when that names
+/// the very file mapped (same device and inode: it stays valid after the process exits), else
+/// through the process's root (valid while the process lives).
+pub fn open_path(pid: u32, m: &Mapping) -> PathBuf {
+    use std::os::unix::fs::MetadataExt as _;
+    if let Ok(here) = std::fs::metadata(&m.path) {
+        if (here.dev(), here.ino()) == (m.dev, m.inode) {
+            return m.path.clone();
+        }
+    }
+    path_in(pid, &m.path)
+}
+
 /// The executable mapping holding `addr`, and the file offset of `addr` in it.
 pub fn locate(maps: &[Mapping], addr: u64) -> Option<(&Mapping, u64)> {
     let m = maps

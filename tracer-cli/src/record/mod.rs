@@ -11,6 +11,7 @@ pub mod discover;
 pub mod elf;
 pub mod import;
 pub mod join;
+pub mod mappings;
 pub mod memmap;
 pub mod on_warning;
 mod perf;

@@ -11,7 +11,7 @@ use anyhow::{anyhow, Result};
 use aya::maps::{MapData, RingBuf};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
-use super::shared::Shared;
+use super::{registry::Inbound, shared::Shared};
 use crate::decode::{self, Record};
 
 /// How long events may wait in the ring before the reader looks (the delivery bound).
@@ -24,7 +24,7 @@ const BATCH: usize = 8192;
 /// the stop flag is set it drains once more, so every record submitted before is handed over.
 pub fn read_loop(
     mut ring: RingBuf<MapData>,
-    tx: SyncSender<Vec<Record>>,
+    tx: SyncSender<Inbound>,
     shared: &Shared,
 ) -> Result<()> {
     let result = (|| -> Result<()> {
@@ -63,7 +63,10 @@ pub fn read_loop(
     result
 }
 
-fn hand_over(batch: &mut Vec<Record>, tx: &SyncSender<Vec<Record>>) -> Result<()> {
-    tx.send(std::mem::replace(batch, Vec::with_capacity(BATCH)))
-        .map_err(|_| anyhow!("the process registry stopped"))
+fn hand_over(batch: &mut Vec<Record>, tx: &SyncSender<Inbound>) -> Result<()> {
+    tx.send(Inbound::Ring(std::mem::replace(
+        batch,
+        Vec::with_capacity(BATCH),
+    )))
+    .map_err(|_| anyhow!("the process registry stopped"))
 }

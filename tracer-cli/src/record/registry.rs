@@ -4,7 +4,7 @@
 //! and native frames (--stack). Then the calls go on to the writer.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     sync::{
         atomic::Ordering,
         mpsc::{Receiver, SyncSender},
@@ -17,6 +17,7 @@ use anyhow::{anyhow, Result};
 use super::{
     attach::{Followed, PyProcs},
     join::Join,
+    mappings::Notice,
     on_warning::WarningHook,
     procinfo,
     shared::Shared,
@@ -31,12 +32,22 @@ use crate::{
 /// How often running processes are looked at for interpreters started since (--stack).
 const PYTHON_SCAN_EVERY: Duration = Duration::from_secs(1);
 
+/// What the registry is handed: the ring's records, or what the kernel's side band said of
+/// processes starting (--stack).
+pub enum Inbound {
+    Ring(Vec<Record>),
+    Processes(Vec<Notice>),
+}
+
 /// The interpreters the kernel walks, and what tracer knows of their call sites (--stack).
 pub struct Python {
     pub procs: PyProcs,
     pub sites: Sites,
     /// The --pid scope, or every process.
     pub scope: Option<Vec<u32>>,
+    /// When each process's interpreter was registered (monotonic ns, the calls' clock): its
+    /// calls made before have no Python frames, and are counted.
+    pub registered_at: HashMap<u32, u64>,
 }
 
 impl Python {
@@ -65,12 +76,61 @@ impl Python {
 
     /// Puts `pid`'s interpreter, if it runs one tracer can walk, where the kernel finds it.
     fn register(&mut self, pid: u32) {
-        if let Some(interp) = self.sites.register(pid) {
-            if let Err(e) = self.procs.insert(pid, interp) {
-                eprintln!("tracer: {e:#}");
+        let found = self.sites.register(pid);
+        self.insert(pid, found);
+    }
+
+    fn insert(&mut self, pid: u32, found: Option<tracer_common::PyProcess>) {
+        if let Some(interp) = found {
+            match self.procs.insert(pid, interp) {
+                Ok(()) => {
+                    self.registered_at.entry(pid).or_insert_with(monotonic_ns);
+                }
+                Err(e) => eprintln!("tracer: {e:#}"),
             }
         }
     }
+
+    fn in_scope(&self, pid: u32) -> bool {
+        self.scope.as_ref().is_none_or(|s| s.contains(&pid))
+    }
+
+    /// Acts on the side band: a process that replaced its program loses its registration; an
+    /// interpreter just mapped is registered before its program runs.
+    fn on_notices(&mut self, notices: Vec<Notice>) {
+        for notice in notices {
+            log::debug!("side band: {notice:?}");
+            match notice {
+                Notice::Exec(pid) => {
+                    if self.registered_at.remove(&pid).is_some() {
+                        self.procs.remove(pid);
+                    }
+                    self.sites.exec(pid);
+                }
+                Notice::Interpreter(pid, mapping) if self.in_scope(pid) => {
+                    if !self.registered_at.contains_key(&pid) {
+                        let found = self.sites.register_mapped(pid, &mapping);
+                        self.insert(pid, found);
+                    }
+                }
+                Notice::Interpreter(..) => {}
+            }
+        }
+    }
+
+    /// Whether `call` was made by a Python process before its interpreter was registered.
+    fn before_registration(&self, call: &Call) -> bool {
+        self.registered_at
+            .get(&call.pid)
+            .is_some_and(|&at| call.ts_mono_ns < at)
+    }
+}
+
+/// CLOCK_MONOTONIC in ns: bpf_ktime_get_ns's clock.
+fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
 }
 
 pub struct Registry {
@@ -80,13 +140,15 @@ pub struct Registry {
     pub wall_offset_ns: i64,
     /// --on-warning's command.
     pub hook: Option<WarningHook>,
+    /// Calls of Python processes made before their interpreter was registered.
+    pub before_interpreter: u64,
 }
 
 impl Registry {
     /// Turns the reader's records into deliveries for the writer until the reader is done.
     pub fn run(
         mut self,
-        rx: Receiver<Vec<Record>>,
+        rx: Receiver<Inbound>,
         tx: SyncSender<Delivery>,
         shared: &Shared,
     ) -> Result<()> {
@@ -96,7 +158,13 @@ impl Registry {
             let mut last_python_scan = Instant::now();
             loop {
                 let records = match rx.recv_timeout(PYTHON_SCAN_EVERY) {
-                    Ok(records) => records,
+                    Ok(Inbound::Ring(records)) => records,
+                    Ok(Inbound::Processes(notices)) => {
+                        if let Some(python) = self.python.as_mut() {
+                            python.on_notices(notices);
+                        }
+                        continue;
+                    }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Vec::new(),
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
                 };
@@ -142,6 +210,9 @@ impl Registry {
             (delivery.calls.len() + delivery.messages.len()) as u64,
             Ordering::SeqCst,
         );
+        shared
+            .calls_before_interpreter
+            .store(self.before_interpreter, Ordering::SeqCst);
         if let Ok(mut live) = shared.live.lock() {
             for c in &delivery.calls {
                 live.add_one(c.pid, c.op, c.ret, c.size, c.duration_ns);
@@ -198,6 +269,11 @@ impl Registry {
                         }
                     }
                     self.join.apply(&mut call);
+                    if let Some(python) = self.python.as_ref() {
+                        if python.before_registration(&call) {
+                            self.before_interpreter += 1;
+                        }
+                    }
                     if let (Some(site), Some(python)) = (call.site.take(), self.python.as_mut()) {
                         call.stack = Some(python.sites.intern(call.pid, *site, &mut out.sites));
                     }
@@ -212,6 +288,7 @@ impl Registry {
                     self.join.forget_process(pid);
                     if let Some(python) = self.python.as_mut() {
                         python.sites.forget_process(pid);
+                        python.registered_at.remove(&pid);
                     }
                     out.exited.push(pid);
                 }

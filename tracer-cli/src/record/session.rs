@@ -3,12 +3,12 @@
 //! pause the probes, drain everything submitted, commit, and end the session.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     path::PathBuf,
     sync::{
         atomic::Ordering,
-        mpsc::{self, Receiver, RecvTimeoutError},
-        Arc,
+        mpsc::{self, Receiver, RecvTimeoutError, SyncSender},
+        Arc, Mutex,
     },
     thread::{self, JoinHandle},
     time::{Duration, Instant},
@@ -20,9 +20,10 @@ use serde::Serialize;
 use super::{
     attach::{self, AttachedLibrary, LoadOptions, Probes, ProgramStat},
     discover::{self, Candidate, Origin, Scanner},
+    mappings::{Mappings, SharedMappings},
     on_warning::{HookOutcome, HookRun, OnWarning, WarningHook},
     procinfo, reader,
-    registry::{Python, Registry},
+    registry::{Inbound, Python, Registry},
     shared::Shared,
     sites::Sites,
     writer::{self, WriterOptions},
@@ -553,11 +554,18 @@ fn spawn_pipeline(
     clock: Clock,
 ) -> Result<Threads> {
     let ring = probes.take_ring()?;
+    let (records_tx, records_rx) = mpsc::sync_channel(1024);
+    let mappings = if opts.stack {
+        follow_mappings(shared, records_tx.clone())
+    } else {
+        None
+    };
     let mut python = if opts.stack {
         Some(Python {
             procs: probes.take_py_procs()?,
-            sites: Sites::default(),
+            sites: Sites::with_mappings(mappings),
             scope: pid_filter.clone(),
+            registered_at: HashMap::new(),
         })
     } else {
         None
@@ -576,8 +584,8 @@ fn spawn_pipeline(
         python,
         wall_offset_ns: clock.offset_ns,
         hook,
+        before_interpreter: 0,
     };
-    let (records_tx, records_rx) = mpsc::sync_channel(1024);
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);
     let reader = {
         let shared = shared.clone();
@@ -609,6 +617,55 @@ fn spawn_pipeline(
         writer,
         on_warning,
     })
+}
+
+/// Follows every process's mappings from the kernel's side band (--stack) on its own thread,
+/// which hands what concerns interpreters to the registry at once. Without it (an old kernel, a
+/// sandbox), call sites are resolved from /proc as before; the user is told.
+fn follow_mappings(shared: &Arc<Shared>, tx: SyncSender<Inbound>) -> Option<SharedMappings> {
+    let mappings = match Mappings::open() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!(
+                "tracer: warning: {e:#}: native frames of processes that exit within milliseconds of a call may stay unresolved, and interpreters are found at their first call"
+            );
+            return None;
+        }
+    };
+    let fds = match mappings.poll_fds() {
+        Ok(fds) => fds,
+        Err(e) => {
+            eprintln!("tracer: warning: {e:#}");
+            return None;
+        }
+    };
+    let shared_maps: SharedMappings = Arc::new(Mutex::new(mappings));
+    let (maps, shared) = (shared_maps.clone(), shared.clone());
+    let spawned = thread::Builder::new()
+        .name("tracer-mappings".into())
+        .spawn(move || {
+            while !shared.stop.load(Ordering::SeqCst) {
+                Mappings::wait(&fds, Duration::from_millis(100));
+                let notices = match maps.lock() {
+                    Ok(mut m) => {
+                        m.drain();
+                        shared.mappings_lost.store(m.lost, Ordering::SeqCst);
+                        m.take_notices()
+                    }
+                    Err(_) => return,
+                };
+                if !notices.is_empty() && tx.send(Inbound::Processes(notices)).is_err() {
+                    return;
+                }
+            }
+        });
+    match spawned {
+        Ok(_) => Some(shared_maps),
+        Err(e) => {
+            eprintln!("tracer: warning: start the mappings thread: {e}");
+            None
+        }
+    }
 }
 
 /// The session's host-context state: the scheduler tracepoints with the CPU count, or why not.

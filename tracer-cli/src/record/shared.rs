@@ -31,6 +31,11 @@ pub struct Shared {
     pub probed_files: Mutex<std::collections::HashSet<(u64, u64)>>,
     /// Entries left at the end in the kernel maps the registry holds (SCHED_TIDS, PY_PROCS).
     pub registry_maps: Mutex<Vec<(&'static str, u64)>>,
+    /// Calls of Python processes made before tracer registered their interpreter (no Python
+    /// frames).
+    pub calls_before_interpreter: AtomicU64,
+    /// Side-band records of processes' mappings the kernel could not write (--stack).
+    pub mappings_lost: AtomicU64,
     /// The kernel counters as last read (for the writer's periodic session updates).
     pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
 }
@@ -53,6 +58,8 @@ impl Shared {
             tail_call_failed: kernel[Counter::TailCallFailed as usize],
             map_insert_failed: kernel[Counter::MapInsertFailed as usize],
             calls_abandoned: kernel[Counter::CallsAbandoned as usize],
+            calls_before_interpreter: self.calls_before_interpreter.load(Ordering::SeqCst),
+            mappings_lost: self.mappings_lost.load(Ordering::SeqCst),
         }
     }
 }

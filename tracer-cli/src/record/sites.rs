@@ -11,6 +11,7 @@ use std::{
 use blazesym::symbolize::{source::Elf, source::Source, Input, Symbolizer};
 use tracer_common::PyProcess;
 
+use super::mappings::SharedMappings;
 use crate::{
     decode::{PyStatus, RawSite},
     record::memmap::{self, Mapping},
@@ -51,6 +52,8 @@ pub struct Sites {
     checked: HashMap<u32, Option<PathBuf>>,
     /// Interpreters tracer cannot walk, reported once each.
     reported: HashSet<String>,
+    /// Every process's mappings from its start, when the kernel's side band is followed.
+    mappings: Option<SharedMappings>,
 }
 
 impl Default for Sites {
@@ -63,11 +66,19 @@ impl Default for Sites {
             next_id: 1,
             checked: HashMap::new(),
             reported: HashSet::new(),
+            mappings: None,
         }
     }
 }
 
 impl Sites {
+    pub fn with_mappings(mappings: Option<SharedMappings>) -> Sites {
+        Sites {
+            mappings,
+            ..Sites::default()
+        }
+    }
+
     /// Looks for a CPython interpreter in `pid` (once per process and executable): the kernel's
     /// description of it, to be put in PY_PROCS, when it is one tracer can walk.
     pub fn register(&mut self, pid: u32) -> Option<PyProcess> {
@@ -76,7 +87,33 @@ impl Sites {
             return None;
         }
         self.checked.insert(pid, exe);
-        match self.finder.find(pid) {
+        let found = self.finder.find(pid);
+        self.registered(pid, found)
+    }
+
+    /// The interpreter in a file `pid` has just mapped (at its exec, or as it loads libpython),
+    /// before its program makes a call.
+    pub fn register_mapped(&mut self, pid: u32, mapping: &Mapping) -> Option<PyProcess> {
+        let found = self.finder.from_mapping(pid, mapping);
+        if matches!(found, Ok(Some(_))) {
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+            self.checked.insert(pid, exe);
+        }
+        self.registered(pid, found)
+    }
+
+    /// Forgets what was known of `pid`'s interpreter: it replaced its program.
+    pub fn exec(&mut self, pid: u32) {
+        self.checked.remove(&pid);
+        self.frames.forget(pid);
+    }
+
+    fn registered(
+        &mut self,
+        pid: u32,
+        found: Result<Option<python::Interpreter>, String>,
+    ) -> Option<PyProcess> {
+        match found {
             Ok(Some(interp)) => {
                 let kernel = interp.kernel;
                 log::debug!(
@@ -120,7 +157,11 @@ impl Sites {
                 // A library loaded since the maps were read.
                 located = self.locate(pid, addr);
             }
-            let maps_known = self.maps.get(&pid).is_some_and(|m| !m.is_empty());
+            let maps_known = self.maps.get(&pid).is_some_and(|m| !m.is_empty())
+                || self.mappings.as_ref().is_some_and(|m| {
+                    m.lock()
+                        .is_ok_and(|m| m.complete(pid).is_some_and(|x| !x.is_empty()))
+                });
             if located.is_none() && maps_known {
                 // Not code: frame-pointer unwinding went astray in a frame built without frame
                 // pointers; nothing beyond it is trustworthy.
@@ -129,9 +170,9 @@ impl Sites {
             native.push(NativeFrame {
                 addr,
                 offset: located.as_ref().map_or(0, |(_, off)| off.saturating_sub(1)),
-                module: located.map(|(path, _)| {
-                    let open = memmap::path_in(pid, &path);
-                    (path, open)
+                module: located.map(|(m, _)| {
+                    let open = memmap::open_path(pid, &m);
+                    (m.path, open)
                 }),
             });
         }
@@ -147,6 +188,9 @@ impl Sites {
     /// reuses the pid is read afresh.
     pub fn forget_process(&mut self, pid: u32) {
         self.maps.remove(&pid);
+        if let Some(Ok(mut m)) = self.mappings.as_ref().map(|m| m.lock()) {
+            m.forget(pid);
+        }
         self.checked.remove(&pid);
         self.frames.forget(pid);
     }
@@ -169,13 +213,31 @@ impl Sites {
         }
     }
 
-    fn locate(&mut self, pid: u32, addr: u64) -> Option<(PathBuf, u64)> {
+    fn locate(&mut self, pid: u32, addr: u64) -> Option<(Mapping, u64)> {
+        if let Some(mappings) = &self.mappings {
+            if let Ok(mut m) = mappings.lock() {
+                // Everything the kernel wrote before this call was made is in the rings now.
+                m.drain();
+                if let Some(maps) = m.complete(pid) {
+                    return memmap::locate(maps, addr).map(|(m, off)| (m.clone(), off));
+                }
+                if !self.maps.contains_key(&pid) && !alive(pid) {
+                    // Gone before its maps were read: what the side band saw is all there is.
+                    let maps = m.known(pid)?;
+                    return memmap::locate(maps, addr).map(|(m, off)| (m.clone(), off));
+                }
+            }
+        }
         let maps = self
             .maps
             .entry(pid)
             .or_insert_with(|| memmap::read(pid).unwrap_or_default());
-        memmap::locate(maps, addr).map(|(m, off)| (m.path.clone(), off))
+        memmap::locate(maps, addr).map(|(m, off)| (m.clone(), off))
     }
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// A symbolized native frame.

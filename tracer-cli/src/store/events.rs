@@ -620,6 +620,19 @@ pub struct StackOut {
     pub frames: Vec<FrameOut>,
 }
 
+/// A damaged call block met inside a query (through `tensor_events`) is bad input, named as
+/// such (exit 2); any other error keeps its context.
+fn damaged_or(e: rusqlite::Error, session: i64, what: &str) -> anyhow::Error {
+    match &e {
+        rusqlite::Error::SqliteFailure(_, Some(msg)) if msg.contains("damaged") => {
+            user_error(format!(
+                "{what} of session {session}: the database is damaged: {msg} (tracer explain reads the rows instead)"
+            ))
+        }
+        _ => anyhow::Error::new(e).context(what.to_owned()),
+    }
+}
+
 /// The session's call sites by (stack, op), most calls first.
 pub fn stacks(
     conn: &Connection,
@@ -658,7 +671,7 @@ pub fn stacks(
     let mut out = Vec::new();
     for row in rows {
         let (stack_id, op_id, pid, calls, bytes, python, native_depth) =
-            row.context("read call sites")?;
+            row.map_err(|e| damaged_or(e, session, "read call sites"))?;
         let Some(op) = Op::from_u32(op_id) else {
             continue;
         };

@@ -60,6 +60,12 @@ pub struct SessionCounters {
     /// Calls whose thread exited before they returned, or still in progress a while after
     /// the stop: no event could be made of them.
     pub calls_abandoned: u64,
+    /// Calls of Python processes made before tracer registered their interpreter: they have
+    /// no Python frames (--stack).
+    pub calls_before_interpreter: u64,
+    /// Records of processes' new mappings the kernel could not hand over (a full side-band
+    /// ring): native frames in those mappings may stay unresolved (--stack).
+    pub mappings_lost: u64,
 }
 
 pub fn class_name(class: OpClass) -> &'static str {
@@ -257,7 +263,8 @@ impl Store {
                 "UPDATE sessions SET entries = ?2, submitted = ?3, dropped_ring_full = ?4,
                     unmatched_returns = ?5, alloc_map_full = ?6, inflight_full = ?7, events_read = ?8,
                     events_stored = ?9, decode_errors = ?10, offcpu_submitted = ?11, offcpu_dropped = ?12,
-                    tail_call_failed = ?13, map_insert_failed = ?14, calls_abandoned = ?15
+                    tail_call_failed = ?13, map_insert_failed = ?14, calls_abandoned = ?15,
+                    calls_before_interpreter = ?16, mappings_lost = ?17
                  WHERE id = ?1",
                 params![
                     session,
@@ -274,7 +281,9 @@ impl Store {
                     c.offcpu_dropped as i64,
                     c.tail_call_failed as i64,
                     c.map_insert_failed as i64,
-                    c.calls_abandoned as i64
+                    c.calls_abandoned as i64,
+                    c.calls_before_interpreter as i64,
+                    c.mappings_lost as i64
                 ],
             )
             .with_context(|| format!("store counters of session {session}"))?;

@@ -3,7 +3,7 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -165,5 +165,11 @@ ALTER TABLE call_blocks ADD COLUMN rowless INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN tail_call_failed INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN map_insert_failed INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN calls_abandoned INTEGER NOT NULL DEFAULT 0;
+"#,
+    // 7: what --stack could not know from a process's first call: calls made before its
+    // interpreter was registered, and mapping records the kernel could not hand over.
+    r#"
+ALTER TABLE sessions ADD COLUMN calls_before_interpreter INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN mappings_lost INTEGER NOT NULL DEFAULT 0;
 "#,
 ];

@@ -14,7 +14,10 @@ use std::{
 use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
 use tracer_common::{PyOffsets, PyProcess};
 
-use crate::{decode::RawPyFrame, record::memmap};
+use crate::{
+    decode::RawPyFrame,
+    record::memmap::{self, Mapping},
+};
 
 const NONE: u32 = PyOffsets::NONE;
 
@@ -122,17 +125,14 @@ impl Memory {
     }
 }
 
+/// Bytes of `_Py_DebugOffsets` read: the 8-byte cookie and 70 u64 fields.
+const DEBUG_OFFSETS_LEN: usize = 8 + 8 * 70;
+
 /// `_Py_DebugOffsets` (3.13): the interpreter's own description of its layout, at the start of
-/// `_PyRuntime`. Field positions are those of 3.13's struct (u64 each after the 8-byte cookie).
-fn debug_offsets(
-    mem: &Memory,
-    runtime: u64,
-    pthread_tid: u32,
-) -> Result<(PyOffsets, CodeLayout), String> {
-    let raw = mem
-        .bytes(runtime, 8 + 8 * 70)
-        .ok_or("cannot read _Py_DebugOffsets")?;
-    if &raw[..8] != b"xdebugpy" {
+/// `_PyRuntime` (as the file initialises it). Field positions are those of 3.13's struct (u64
+/// each after the 8-byte cookie).
+fn debug_offsets(raw: &[u8], pthread_tid: u32) -> Result<(PyOffsets, CodeLayout), String> {
+    if raw.len() < DEBUG_OFFSETS_LEN || &raw[..8] != b"xdebugpy" {
         return Err("no _Py_DebugOffsets cookie at _PyRuntime".into());
     }
     let field =
@@ -201,13 +201,32 @@ pub fn pthread_tid_offset() -> Option<u32> {
     }
 }
 
-/// `_PyRuntime` and `Py_Version` of an ELF file, and the virtual address its first segment is
-/// linked at (to turn a mapping's start into the load bias).
+/// What an ELF file says of the interpreter in it: where `_PyRuntime` is linked, the version
+/// (`Py_Version`, 3.11+), the start of `_PyRuntime` as the file initialises it (3.13's
+/// `_Py_DebugOffsets`), and its loadable segments (to turn a mapping's start into the load
+/// bias). All read from the file: nothing of a process's memory is needed.
 #[derive(Clone, Debug, Default)]
 struct PyElf {
-    runtime: Option<u64>,
-    py_version: Option<u64>,
-    first_vaddr: u64,
+    runtime: u64,
+    version_hex: Option<u64>,
+    runtime_head: Vec<u8>,
+    /// (virtual address, file offset) of each PT_LOAD segment.
+    segments: Vec<(u64, u64)>,
+}
+
+impl PyElf {
+    /// The load bias of a mapping of this file that starts at `start` with file offset `offset`.
+    fn bias(&self, start: u64, offset: u64) -> Option<u64> {
+        let (vaddr, file_off) = self
+            .segments
+            .iter()
+            .filter(|(_, o)| *o & !0xfff <= offset)
+            .max_by_key(|(_, o)| *o)?;
+        // The segment's address at the mapping's offset (which may precede the segment's own
+        // offset within its page, or follow it where the mapping was split).
+        let vaddr_at = vaddr.wrapping_add(offset.wrapping_sub(*file_off));
+        Some(start.wrapping_sub(vaddr_at & !0xfff))
+    }
 }
 
 fn read_py_elf(path: &Path) -> Option<PyElf> {
@@ -220,22 +239,42 @@ fn read_py_elf(path: &Path) -> Option<PyElf> {
 
 fn py_elf_of<'a, R: object::ReadRef<'a>>(data: R) -> Option<PyElf> {
     let file = object::File::parse(data).ok()?;
-    let mut elf = PyElf {
-        first_vaddr: file.segments().map(|s| s.address()).min().unwrap_or(0),
-        ..Default::default()
-    };
+    let (mut runtime, mut version_at) = (None, None);
     for sym in file
         .dynamic_symbols()
         .chain(file.symbols())
         .filter(|s| s.is_definition())
     {
         match sym.name() {
-            Ok("_PyRuntime") => elf.runtime = Some(sym.address()),
-            Ok("Py_Version") => elf.py_version = Some(sym.address()),
+            Ok("_PyRuntime") => runtime = Some(sym.address()),
+            Ok("Py_Version") => version_at = Some(sym.address()),
             _ => {}
         }
     }
-    elf.runtime.map(|_| elf)
+    let runtime = runtime?;
+    // The file bytes at a virtual address, from the segment holding them.
+    let at = |addr: u64, len: u64| -> Option<&'a [u8]> {
+        let seg = file.segments().find(|s| {
+            let (_, file_size) = s.file_range();
+            addr >= s.address() && addr.saturating_add(len) <= s.address().saturating_add(file_size)
+        })?;
+        let (off, _) = seg.file_range();
+        data.read_bytes_at(off.checked_add(addr - seg.address())?, len)
+            .ok()
+    };
+    Some(PyElf {
+        runtime,
+        version_hex: version_at
+            .and_then(|a| at(a, 8))
+            .and_then(|b| Some(u64::from_le_bytes(b.try_into().ok()?))),
+        runtime_head: at(runtime, DEBUG_OFFSETS_LEN as u64)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default(),
+        segments: file
+            .segments()
+            .map(|s| (s.address(), s.file_range().0))
+            .collect(),
+    })
 }
 
 /// "3.11" from ".../libpython3.11.so.1.0" or ".../python3.11".
@@ -277,64 +316,73 @@ impl Finder {
         };
         let mut seen = std::collections::HashSet::new();
         for m in &maps {
-            let Some(name) = m.path.file_name().and_then(|n| n.to_str()) else {
-                continue;
-            };
-            if !name.contains("python") || m.offset != 0 || !seen.insert(m.path.clone()) {
+            if !crate::record::mappings::looks_like_python(&m.path)
+                || !m.executable
+                || !seen.insert(m.path.clone())
+            {
                 continue;
             }
-            let on_disk = memmap::path_in(pid, &m.path);
-            let elf = self
-                .elves
-                .entry((m.dev, m.inode))
-                .or_insert_with(|| read_py_elf(&on_disk))
-                .clone();
-            let Some(elf) = elf else { continue };
-            let bias = m.start.wrapping_sub(elf.first_vaddr & !0xfff);
-            let runtime = bias.wrapping_add(elf.runtime.unwrap_or(0));
-            let mem = Memory::open(pid).map_err(|e| format!("open /proc/{pid}/mem: {e}"))?;
-            let version = match elf.py_version.and_then(|v| mem.u64(bias.wrapping_add(v))) {
-                Some(hex) => (((hex >> 24) & 0xff) as u32, ((hex >> 16) & 0xff) as u32),
-                None => version_from_path(&m.path)
-                    .ok_or_else(|| format!("unknown CPython version in {}", m.path.display()))?,
-            };
-            let pthread_tid = self.pthread_tid.unwrap_or(NONE);
-            let (offsets, code) = if version >= (3, 13) {
-                let (o, c) = debug_offsets(&mem, runtime, pthread_tid)?;
-                if version == (3, 13) && Some((o, c)) != table(version, pthread_tid) {
-                    log::debug!(
-                        "3.13 debug offsets differ from the table: using the interpreter's"
-                    );
-                }
-                (o, c)
-            } else {
-                table(version, pthread_tid).ok_or_else(|| {
-                    format!(
-                        "CPython {}.{} in {}: tracer walks 3.10-3.13 frames; native stacks still work",
-                        version.0,
-                        version.1,
-                        m.path.display()
-                    )
-                })?
-            };
-            if offsets.tstate_native_tid == NONE && offsets.pthread_tid == NONE {
-                return Err(
-                    "cannot find the tid inside glibc's struct pthread (needed for 3.10)".into(),
-                );
+            if let Some(interp) = self.from_mapping(pid, m)? {
+                return Ok(Some(interp));
             }
-            return Ok(Some(Interpreter {
-                version,
-                kernel: PyProcess {
-                    runtime,
-                    offsets,
-                    version: (version.0 << 8) | version.1,
-                    _pad: 0,
-                },
-                code,
-                file: m.path.clone(),
-            }));
         }
         Ok(None)
+    }
+
+    /// The interpreter in the file `pid` mapped as `m` (an executable mapping), if that file
+    /// holds one: read from the file alone, so it works from the moment the file is mapped.
+    pub fn from_mapping(&mut self, pid: u32, m: &Mapping) -> Result<Option<Interpreter>, String> {
+        let elf = match self.elves.get(&(m.dev, m.inode)) {
+            Some(elf) => elf.clone(),
+            None => {
+                let elf = read_py_elf(&memmap::path_in(pid, &m.path));
+                self.elves.insert((m.dev, m.inode), elf.clone());
+                elf
+            }
+        };
+        let Some(elf) = elf else { return Ok(None) };
+        let bias = elf
+            .bias(m.start, m.offset)
+            .ok_or_else(|| format!("{}: no segment at the mapped offset", m.path.display()))?;
+        let runtime = bias.wrapping_add(elf.runtime);
+        let version = match elf.version_hex {
+            Some(hex) => (((hex >> 24) & 0xff) as u32, ((hex >> 16) & 0xff) as u32),
+            None => version_from_path(&m.path)
+                .ok_or_else(|| format!("unknown CPython version in {}", m.path.display()))?,
+        };
+        let pthread_tid = self.pthread_tid.unwrap_or(NONE);
+        let (offsets, code) = if version >= (3, 13) {
+            let (o, c) = debug_offsets(&elf.runtime_head, pthread_tid)?;
+            if version == (3, 13) && Some((o, c)) != table(version, pthread_tid) {
+                log::debug!("3.13 debug offsets differ from the table: using the interpreter's");
+            }
+            (o, c)
+        } else {
+            table(version, pthread_tid).ok_or_else(|| {
+                format!(
+                    "CPython {}.{} in {}: tracer walks 3.10-3.13 frames; native stacks still work",
+                    version.0,
+                    version.1,
+                    m.path.display()
+                )
+            })?
+        };
+        if offsets.tstate_native_tid == NONE && offsets.pthread_tid == NONE {
+            return Err(
+                "cannot find the tid inside glibc's struct pthread (needed for 3.10)".into(),
+            );
+        }
+        Ok(Some(Interpreter {
+            version,
+            kernel: PyProcess {
+                runtime,
+                offsets,
+                version: (version.0 << 8) | version.1,
+                _pad: 0,
+            },
+            code,
+            file: m.path.clone(),
+        }))
     }
 }
 

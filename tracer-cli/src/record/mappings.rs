@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{anyhow, Context as _, Result};
 
-use super::memmap::Mapping;
+use super::{memmap::Mapping, perf::PerfEventAttr};
 
 const PERF_TYPE_SOFTWARE: u32 = 1;
 const PERF_COUNT_SW_DUMMY: u64 = 9;
@@ -44,28 +44,6 @@ const MISC_MMAP_BUILD_ID: u16 = 1 << 14;
 const RING_PAGES: usize = 64;
 /// How long an ended process's mappings are kept for call sites still on their way.
 const EXITED_GRACE: Duration = Duration::from_secs(60);
-
-/// `struct perf_event_attr` up to `config3` (PERF_ATTR_SIZE_VER8).
-#[repr(C)]
-#[derive(Default)]
-struct PerfEventAttr {
-    kind: u32,
-    size: u32,
-    config: u64,
-    sample_period: u64,
-    sample_type: u64,
-    read_format: u64,
-    flags: u64,
-    wakeup_events: u32,
-    bp_type: u32,
-    config1: u64,
-    config2: u64,
-    branch_sample_type: u64,
-    sample_regs_user: u64,
-    sample_stack_user: u32,
-    clockid: i32,
-    rest: [u64; 5],
-}
 
 /// One record the kernel wrote, parsed.
 #[derive(Clone, Debug, PartialEq, Eq)]

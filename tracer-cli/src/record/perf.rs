@@ -13,24 +13,29 @@ use std::{
 
 use anyhow::{anyhow, Context as _, Result};
 
-/// `struct perf_event_attr`, as far as a uprobe needs (the rest stays zero).
+/// `struct perf_event_attr` up to `config3` (PERF_ATTR_SIZE_VER8); what a caller leaves out
+/// stays zero.
 #[repr(C)]
 #[derive(Default)]
-struct PerfEventAttr {
-    kind: u32,
-    size: u32,
-    config: u64,
-    sample_period: u64,
-    sample_type: u64,
-    read_format: u64,
-    flags: u64,
-    wakeup_events: u32,
-    bp_type: u32,
-    /// uprobe_path.
-    config1: u64,
-    /// probe_offset.
-    config2: u64,
-    rest: [u64; 7],
+pub(super) struct PerfEventAttr {
+    pub kind: u32,
+    pub size: u32,
+    pub config: u64,
+    pub sample_period: u64,
+    pub sample_type: u64,
+    pub read_format: u64,
+    pub flags: u64,
+    pub wakeup_events: u32,
+    pub bp_type: u32,
+    /// uprobe_path for a uprobe.
+    pub config1: u64,
+    /// probe_offset for a uprobe.
+    pub config2: u64,
+    pub branch_sample_type: u64,
+    pub sample_regs_user: u64,
+    pub sample_stack_user: u32,
+    pub clockid: i32,
+    pub rest: [u64; 5],
 }
 
 /// The `link_create` member of `union bpf_attr` for a perf-event link.

@@ -150,6 +150,10 @@ impl Sites {
     }
 
     fn resolve(&mut self, pid: u32, raw: &RawSite) -> Site {
+        if let Some(Ok(mut m)) = self.mappings.as_ref().map(|m| m.lock()) {
+            // Everything the kernel wrote before this call was made is in the rings now.
+            m.drain();
+        }
         let mut native = Vec::with_capacity(raw.native.len());
         for &addr in &raw.native {
             let mut located = self.locate(pid, addr);
@@ -215,9 +219,7 @@ impl Sites {
 
     fn locate(&mut self, pid: u32, addr: u64) -> Option<(Mapping, u64)> {
         if let Some(mappings) = &self.mappings {
-            if let Ok(mut m) = mappings.lock() {
-                // Everything the kernel wrote before this call was made is in the rings now.
-                m.drain();
+            if let Ok(m) = mappings.lock() {
                 if let Some(maps) = m.complete(pid) {
                     return memmap::locate(maps, addr).map(|(m, off)| (m.clone(), off));
                 }

@@ -45,6 +45,37 @@ pub fn session(conn: &Connection, id: Option<i64>) -> Result<SessionInfo> {
 /// appended them, then put in time order (the writer's batches are almost sorted already, so
 /// the final sort is cheap).
 pub fn load(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Vec<Event>> {
+    let events = load_unchecked(path, session, to_ns, pid)?;
+    check_plausible(session, &events)?;
+    Ok(events)
+}
+
+/// Figures no real call has: a crafted or damaged database. Refused (exit 2) before any
+/// analysis sums, multiplies or subtracts them, so no number in a report ever wraps.
+const MAX_PLAUSIBLE_SIZE: u64 = 1 << 52; // 4 PiB
+const MAX_PLAUSIBLE_DURATION_NS: u64 = 1 << 50; // 13 days
+const MAX_PLAUSIBLE_TS_NS: i64 = 1 << 62; // the year 2116
+
+fn check_plausible(session: i64, events: &[Event]) -> Result<()> {
+    let bad = events.iter().find(|e| {
+        e.size > MAX_PLAUSIBLE_SIZE
+            || e.duration_ns > MAX_PLAUSIBLE_DURATION_NS
+            || !(0..=MAX_PLAUSIBLE_TS_NS).contains(&e.ts_ns)
+    });
+    match bad {
+        None => Ok(()),
+        Some(e) => Err(user_error(format!(
+            "session {session} is damaged: a {} call of pid {} has impossible figures (time {} ns, duration {} ns, size {} bytes); record the session again, or query its rows with `tracer query`",
+            e.op.name(),
+            e.pid,
+            e.ts_ns,
+            e.duration_ns,
+            e.size
+        ))),
+    }
+}
+
+fn load_unchecked(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Vec<Event>> {
     let conn = open_reader(path)?;
     let has_blocks: bool = conn
         .query_row(

@@ -135,3 +135,52 @@ fn a_preempted_thread_is_told_from_one_that_blocked() {
     assert!(all >= 5, "{all} intervals");
     assert!(preempted * 10 <= all, "{preempted} of {all} preempted");
 }
+
+/// /proc content of any shape is that process's problem only: a process with 30,000 mappings
+/// (a /proc/PID/maps of megabytes, and a burst of side-band records) is traced with --stack like
+/// any other: every call stored, each with its call site resolved to the program's own `main`;
+/// side-band records the kernel could not keep are counted, never silent.
+#[test]
+fn a_process_with_a_huge_maps_file_is_traced_like_any_other() {
+    let Some(fx) = Fixture::new() else { return };
+    let exe = {
+        let exe = fx.sim.join("many_maps");
+        let cc = Command::new("cc")
+            .args(["-O0", "-g", "-fno-omit-frame-pointer", "-o"])
+            .arg(&exe)
+            .arg(workspace().join("tests/native/many_maps.c"))
+            .arg(format!("-L{}", fx.sim.display()))
+            .arg("-l:libcudart.so.12")
+            .arg(format!("-Wl,-rpath,{}", fx.sim.display()))
+            .output()
+            .unwrap();
+        assert!(
+            cc.status.success(),
+            "{}",
+            String::from_utf8_lossy(&cc.stderr)
+        );
+        exe
+    };
+    let lib = fx.sim.join("libcudart.so.12");
+    let trace = Trace::start(
+        &fx.db,
+        &["--stack", "--quiet", "--lib", lib.to_str().unwrap()],
+    );
+    let out = Command::new(&exe).args(["30000", "100"]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stopped = trace.stop(SIGINT);
+    let counters = &stopped.summary["counters"];
+    println!("huge maps: {made}; counters {counters}");
+    assert_eq!(counters["events_stored"], made["calls"], "{counters}");
+    assert!(counters["mappings_lost"].is_u64(), "{counters}");
+    assert_eq!(
+        scalar(
+            &fx.db,
+            "SELECT count(*) FROM calls c WHERE NOT EXISTS (SELECT 1 FROM stack_frames f \
+             WHERE f.stack_id = c.stack_id AND f.function = 'main')"
+        ),
+        0,
+        "every call's site reaches main"
+    );
+}

@@ -6,7 +6,7 @@
 //! first call.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
     sync::Arc,
@@ -43,7 +43,9 @@ const MISC_MMAP_BUILD_ID: u16 = 1 << 14;
 /// Data pages of each CPU's ring (a power of two): 256 KiB, many thousand mmaps of slack.
 const RING_PAGES: usize = 64;
 /// How long an ended process's mappings are kept for call sites still on their way.
-const EXITED_GRACE: Duration = Duration::from_secs(60);
+/// (Only processes that mapped a probed library are kept at all once they end: no other can have
+/// made a call.)
+const EXITED_GRACE: Duration = Duration::from_secs(30);
 
 /// One record the kernel wrote, parsed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -276,6 +278,8 @@ struct ProcMaps {
     complete: bool,
     /// When it ended (its entry goes EXITED_GRACE later, unless the pid is reused).
     exited_at: Option<Instant>,
+    /// It mapped a probed library (or inherited one): it may have made calls.
+    uses_probed: bool,
 }
 
 /// What a drain found that the registry acts on.
@@ -293,6 +297,8 @@ pub struct Mappings {
     procs: HashMap<u32, ProcMaps>,
     exited: VecDeque<(Instant, u32)>,
     notices: Vec<Notice>,
+    /// The probed libraries as (dev, inode), as last told.
+    probed: HashSet<(u64, u64)>,
     /// Records the kernel could not write (a full ring): some mappings may be missing.
     pub lost: u64,
 }
@@ -312,6 +318,7 @@ impl Mappings {
             procs: HashMap::new(),
             exited: VecDeque::new(),
             notices: Vec::new(),
+            probed: HashSet::new(),
             lost: 0,
         })
     }
@@ -362,6 +369,7 @@ impl Mappings {
         match record {
             PerfRecord::Mmap2 { pid, mapping } => {
                 let p = self.procs.entry(pid).or_default();
+                p.uses_probed |= self.probed.contains(&(mapping.dev, mapping.inode));
                 p.maps
                     .retain(|m| m.end <= mapping.start || m.start >= mapping.end);
                 if looks_like_python(&mapping.path) {
@@ -395,14 +403,35 @@ impl Mappings {
                 self.procs.insert(pid, child);
             }
             PerfRecord::Exit { pid, tid } if pid == tid => {
-                if let Some(p) = self.procs.get_mut(&pid) {
-                    let now = Instant::now();
-                    p.exited_at = Some(now);
-                    self.exited.push_back((now, pid));
+                match self.procs.get_mut(&pid) {
+                    Some(p) if p.uses_probed => {
+                        let now = Instant::now();
+                        p.exited_at = Some(now);
+                        self.exited.push_back((now, pid));
+                    }
+                    // It never mapped a probed library: it made no call to resolve.
+                    Some(_) => {
+                        self.procs.remove(&pid);
+                    }
+                    None => {}
                 }
             }
-            PerfRecord::Lost(n) => self.lost += n,
+            PerfRecord::Lost(n) => {
+                // Whose records were lost is not said: no process's mappings are known whole
+                // now, so live ones are read from /proc again.
+                self.lost += n;
+                for p in self.procs.values_mut() {
+                    p.complete = false;
+                }
+            }
             _ => {}
+        }
+    }
+
+    /// The probed libraries, as (dev, inode): only a process that maps one is kept once it ends.
+    pub fn set_probed(&mut self, probed: &HashSet<(u64, u64)>) {
+        if probed.len() != self.probed.len() {
+            self.probed = probed.clone();
         }
     }
 
@@ -523,6 +552,7 @@ mod tests {
             procs: HashMap::new(),
             exited: VecDeque::new(),
             notices: Vec::new(),
+            probed: HashSet::new(),
             lost: 0,
         };
         m.apply(PerfRecord::Exec { pid: 1 });
@@ -559,5 +589,30 @@ mod tests {
         );
         assert!(m.complete(3).is_none() && m.known(3).is_some());
         assert_eq!(m.take_notices(), [Notice::Exec(1), Notice::Exec(2)]);
+        // An ended process is kept (for its calls' sites) only if it mapped a probed library.
+        m.set_probed(&HashSet::from([(libc::makedev(8, 1), 42)]));
+        m.apply(PerfRecord::Exec { pid: 4 });
+        m.apply(
+            parse_record(&mmap2(4, 0x1000, 0x1000, 0, "/lib/libcudart.so.12"))
+                .unwrap()
+                .1,
+        );
+        m.apply(PerfRecord::Exit { pid: 4, tid: 4 });
+        assert!(
+            m.known(4).is_some(),
+            "a process that could have called is kept a while"
+        );
+        m.apply(PerfRecord::Exec { pid: 5 });
+        m.set_probed(&HashSet::from([(1, 1), (2, 2)]));
+        m.apply(
+            parse_record(&mmap2(5, 0x1000, 0x1000, 0, "/bin/ls"))
+                .unwrap()
+                .1,
+        );
+        m.apply(PerfRecord::Exit { pid: 5, tid: 5 });
+        assert!(
+            m.known(5).is_none(),
+            "one that could not is dropped at once"
+        );
     }
 }

@@ -648,6 +648,9 @@ fn follow_mappings(shared: &Arc<Shared>, tx: SyncSender<Inbound>) -> Option<Shar
                 Mappings::wait(&fds, Duration::from_millis(100));
                 let notices = match maps.lock() {
                     Ok(mut m) => {
+                        if let Ok(probed) = shared.probed_files.lock() {
+                            m.set_probed(&probed);
+                        }
                         m.drain();
                         shared.mappings_lost.store(m.lost, Ordering::SeqCst);
                         m.take_notices()

@@ -42,7 +42,12 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
     let Some(fx) = Fixture::new() else { return };
     let exe = build_native(&fx.sim, "churn");
     let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
+    // With --stack: the call sites, the side band's mappings and the interpreters kept per
+    // process must go with each process too.
+    let trace = Trace::start(
+        &fx.db,
+        &["--stack", "--quiet", "--lib", lib.to_str().unwrap()],
+    );
     // A warm-up run, then the baseline: what tracer holds once it has seen such processes.
     let warm = Command::new(&exe).arg("200").output().unwrap();
     assert!(warm.status.success());
@@ -87,6 +92,11 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
             "{name} holds {n} entries after the soak: {maps}"
         );
     }
+    assert_eq!(
+        scalar(&fx.db, "SELECT count(*) FROM calls WHERE stack_id IS NULL"),
+        0,
+        "every call has its site"
+    );
     assert!(
         rss_after < rss_before + 50 * 1024,
         "tracer grew from {rss_before} KiB to {rss_after} KiB"

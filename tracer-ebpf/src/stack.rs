@@ -3,10 +3,10 @@
 //! from userspace races with the program.
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_F_USER_STACK},
+    bindings::{BPF_ANY, BPF_F_USER_STACK, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{bpf_get_stack, bpf_probe_read_user},
     macros::{map, uretprobe},
-    maps::{HashMap, LruHashMap, PerCpuArray, ProgramArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
     programs::RetProbeContext,
     EbpfContext,
 };
@@ -40,6 +40,16 @@ pub static SITE_PROG: ProgramArray = ProgramArray::with_max_entries(1, 0);
 
 /// The call being returned from, handed to [`call_site`] (one per CPU: a tail call does not
 /// migrate).
+/// When the call-site program last woke the reader (monotonic ns; races between CPUs are
+/// harmless: at worst one extra wake-up).
+#[map(name = "SITE_WAKE")]
+static SITE_WAKE: Array<u64> = Array::with_max_entries(1, 0);
+
+/// A call site is woken for at most once a millisecond: its process may live only milliseconds
+/// more (a short script's code objects are read from its memory), but a wake-up per call would
+/// cost more than the frame walk (4-5 us a call measured with adaptive wake-ups).
+const SITE_WAKE_EVERY_NS: u64 = 1_000_000;
+
 #[map(name = "SITE_CALL")]
 pub static SITE_CALL: PerCpuArray<CallEvent> = PerCpuArray::with_max_entries(1, 0);
 
@@ -239,12 +249,28 @@ pub fn call_site(ctx: RetProbeContext) -> u32 {
         (*ev).native_depth = if bytes > 0 { (bytes / 8) as u32 } else { 0 };
         python_frames(&mut (*ev).py, call.header.pid, call.header.tid);
     }
-    // Adaptive wake-up (the kernel wakes the reader only when it has read everything before):
-    // a call site must be resolved while its process lives, which may be milliseconds (a short
-    // script's code objects are read from its memory); a busy reader is not woken at all.
-    entry.submit(0);
+    entry.submit(site_wakeup(
+        call.header.ts_ns.wrapping_add(call.duration_ns),
+    ));
     bump(Counter::Submitted);
     0
+}
+
+/// The ring's wake-up flag for a call site that returned at `now`: see [`SITE_WAKE_EVERY_NS`].
+#[inline(always)]
+fn site_wakeup(now: u64) -> u64 {
+    let Some(last) = SITE_WAKE.get_ptr_mut(0) else {
+        return BPF_RB_NO_WAKEUP as u64;
+    };
+    // SAFETY: a pointer into the map's one element, valid for this run; a torn or raced
+    // value only moves one wake-up.
+    unsafe {
+        if now.wrapping_sub(*last) >= SITE_WAKE_EVERY_NS {
+            *last = now;
+            return BPF_RB_FORCE_WAKEUP as u64;
+        }
+    }
+    BPF_RB_NO_WAKEUP as u64
 }
 
 /// An exited thread's cached interpreter state goes (a thread reusing the tid finds its own).

@@ -45,7 +45,9 @@ pub struct Sites {
     finder: python::Finder,
     frames: python::Frames,
     maps: HashMap<u32, Vec<Mapping>>,
-    ids: HashMap<(u32, RawSite), i64>,
+    /// Each live process's sites (dropped at its end: a long trace of many processes stays
+    /// bounded).
+    ids: HashMap<u32, HashMap<RawSite, i64>>,
     next_id: i64,
     /// Processes already looked at for an interpreter, with the executable they ran then (a
     /// process that exec'd, like pyenv's shim becoming python, is looked at again).
@@ -138,13 +140,13 @@ impl Sites {
     /// The id of `raw`'s site in this trace; a site seen for the first time is resolved and
     /// pushed to `new`.
     pub fn intern(&mut self, pid: u32, raw: RawSite, new: &mut Vec<(i64, Site)>) -> i64 {
-        if let Some(&id) = self.ids.get(&(pid, raw.clone())) {
+        if let Some(&id) = self.ids.get(&pid).and_then(|m| m.get(&raw)) {
             return id;
         }
         let id = self.next_id;
         self.next_id += 1;
         let site = self.resolve(pid, &raw);
-        self.ids.insert((pid, raw), id);
+        self.ids.entry(pid).or_default().insert(raw, id);
         new.push((id, site));
         id
     }
@@ -192,6 +194,7 @@ impl Sites {
     /// reuses the pid is read afresh.
     pub fn forget_process(&mut self, pid: u32) {
         self.maps.remove(&pid);
+        self.ids.remove(&pid);
         if let Some(Ok(mut m)) = self.mappings.as_ref().map(|m| m.lock()) {
             m.forget(pid);
         }
@@ -344,9 +347,11 @@ pub fn merged_frames(site: &Site, symbols: &[NativeSymbol]) -> Vec<StackFrame> {
 #[derive(Default)]
 pub struct SiteWriter {
     symbols: NativeSymbols,
-    stored: HashMap<i64, i64>,
-    /// Sites that differ only in addresses resolving to the same frames are stored once.
-    by_content: HashMap<(u32, &'static str, Vec<StackFrame>), i64>,
+    /// Per live process: the stored id of each of the reader's ids.
+    stored: HashMap<u32, HashMap<i64, i64>>,
+    /// Per live process: sites that differ only in addresses resolving to the same frames are
+    /// stored once.
+    by_content: HashMap<u32, HashMap<(&'static str, Vec<StackFrame>), i64>>,
 }
 
 impl SiteWriter {
@@ -366,8 +371,9 @@ impl SiteWriter {
                 })
                 .collect();
             let frames = merged_frames(site, &symbols);
-            let key = (site.pid, site.py_status.name(), frames);
-            let id = match self.by_content.get(&key) {
+            let key = (site.py_status.name(), frames);
+            let known = self.by_content.entry(site.pid).or_default();
+            let id = match known.get(&key) {
                 Some(&id) => id,
                 None => {
                     let id = store.insert_stack(
@@ -376,20 +382,27 @@ impl SiteWriter {
                             pid: site.pid,
                             native_depth: site.native.len() as u32,
                             python: site.py_status.name(),
-                            frames: &key.2,
+                            frames: &key.1,
                         },
                     )?;
-                    self.by_content.insert(key, id);
+                    known.insert(key, id);
                     id
                 }
             };
-            self.stored.insert(*local, id);
+            self.stored.entry(site.pid).or_default().insert(*local, id);
         }
         Ok(())
     }
 
-    /// The stored id of the reader's site `local`.
-    pub fn stored_id(&self, local: i64) -> Option<i64> {
-        self.stored.get(&local).copied()
+    /// The stored id of `pid`'s site `local` (the reader's id).
+    pub fn stored_id(&self, pid: u32, local: i64) -> Option<i64> {
+        self.stored.get(&pid)?.get(&local).copied()
+    }
+
+    /// Forgets an ended process's sites: its calls, all delivered before its end, point at
+    /// their stored ids already.
+    pub fn forget_process(&mut self, pid: u32) {
+        self.stored.remove(&pid);
+        self.by_content.remove(&pid);
     }
 }

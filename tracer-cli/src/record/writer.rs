@@ -54,9 +54,12 @@ impl Delivery {
     ) -> Result<()> {
         sites.store(store, session, &more.sites)?;
         self.calls.extend(more.calls.into_iter().map(|mut c| {
-            c.stack = c.stack.and_then(|local| sites.stored_id(local));
+            c.stack = c.stack.and_then(|local| sites.stored_id(c.pid, local));
             c
         }));
+        for &pid in &more.exited {
+            sites.forget_process(pid);
+        }
         self.processes.extend(more.processes);
         self.offcpu.extend(more.offcpu);
         self.messages.extend(more.messages);

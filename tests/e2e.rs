@@ -1949,4 +1949,37 @@ fn broken_pipe_is_success_for_every_command() {
             "{args:?}: {err}"
         );
     }
+    // A trace whose stdout reader left still records to its end: the database is the record.
+    if !privileged() {
+        return;
+    }
+    let _serial = serial();
+    let lib = sim().join("libcudart.so.12");
+    let traced = dir.path().join("traced.db");
+    for json in [true, false] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let mut cmd = Command::new(TRACER);
+        cmd.args(["trace", "--duration", "1s", "--quiet", "--lib"])
+            .arg(&lib)
+            .arg("--db")
+            .arg(&traced)
+            .stdout(writer);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let statuses = query(&traced, "SELECT status FROM sessions ORDER BY id");
+    assert_eq!(
+        statuses,
+        vec![serde_json::json!({"status": "complete"}); 2],
+        "both sessions ended properly"
+    );
 }

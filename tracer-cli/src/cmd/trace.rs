@@ -108,7 +108,8 @@ pub fn run(args: TraceArgs) -> Result<()> {
     if args.json {
         let mut started = serde_json::to_value(recording.started())?;
         started["event"] = "started".into();
-        present::json::line(&started)?;
+        // A reader of stdout that went away stops nothing: the database is the record.
+        unless_broken_pipe(present::json::line(&started))?;
     }
     let mut view = live::LiveView::new(std::io::stderr().is_terminal());
     let outcome = recording.run(&stops, args.duration, |snapshot| {
@@ -124,11 +125,20 @@ pub fn run(args: TraceArgs) -> Result<()> {
         }
     });
     let finished = recording.finish(outcome)?;
-    if args.json {
-        present::json::line(&present::summary::json(&finished.summary))?;
+    let printed = if args.json {
+        present::json::line(&present::summary::json(&finished.summary))
     } else {
-        present::summary::text(&mut std::io::stdout().lock(), &finished.summary)?;
-    }
+        present::summary::text(&mut std::io::stdout().lock(), &finished.summary)
+    };
     // Everything is stored; the kernel now removes the probes (about 0.1 s per probe).
-    finished.detach().map(|_| ())
+    finished.detach()?;
+    unless_broken_pipe(printed)
+}
+
+/// `result` of a write to stdout, with a closed stdout counted as success.
+fn unless_broken_pipe(result: Result<()>) -> Result<()> {
+    match result {
+        Err(e) if tracer_cli::exit::is_broken_pipe(&e) => Ok(()),
+        other => other,
+    }
 }

@@ -409,13 +409,16 @@ fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
         return;
     };
     let (sim, db) = (&fx.sim, &fx.db);
+    // The processes wait before their calls (and their exit) for the trace to attach: 5 s, since
+    // on a loaded machine attaching once took more than 2 s, and a --pid process gone by then
+    // cannot be probed.
     let args = [
         "--mix",
         "pairs",
         "--iters",
         "50",
         "--start-delay-ms",
-        "2000",
+        "5000",
     ];
     let traced = driver(sim, &args, &[]).spawn().unwrap();
     let other = driver(sim, &args, &[]).spawn().unwrap();

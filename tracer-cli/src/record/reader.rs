@@ -16,6 +16,9 @@ use crate::decode::{self, Record};
 
 /// How long events may wait in the ring before the reader looks (the delivery bound).
 const POLL_INTERVAL_MS: u16 = 10;
+/// The look after one that found events: a burst's tail (a process's last calls, whose call
+/// sites must be read while it lives) is not left for a whole interval.
+const BUSY_POLL_INTERVAL_MS: u16 = 1;
 /// Records handed over at most at once.
 const BATCH: usize = 8192;
 
@@ -32,7 +35,9 @@ pub fn read_loop(
         loop {
             let stopping = shared.stop.load(Ordering::SeqCst);
             let mut decode_errors = 0;
+            let mut found = false;
             while let Some(item) = ring.next() {
+                found = true;
                 match decode::decode(&item) {
                     Ok(record) => batch.push(record),
                     Err(_) => decode_errors += 1,
@@ -51,7 +56,12 @@ pub fn read_loop(
                 return Ok(());
             }
             let mut fds = [PollFd::new(ring.as_fd(), PollFlags::POLLIN)];
-            match poll(&mut fds, PollTimeout::from(POLL_INTERVAL_MS)) {
+            let wait = if found {
+                BUSY_POLL_INTERVAL_MS
+            } else {
+                POLL_INTERVAL_MS
+            };
+            match poll(&mut fds, PollTimeout::from(wait)) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(anyhow!("poll the event ring buffer: {e}")),
             }

@@ -93,6 +93,10 @@ def main():
         "layout": layout,
         "timing": handshake.step_summary(step_s),
     })
+    # A real PyTorch process takes a long while to tear CUDA down after its last call; this one
+    # would exit within milliseconds, before a tracer (a debug build on a loaded machine above
+    # all) has read the code objects of its last, new call sites from its memory.
+    time.sleep(0.3)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ use std::{process::Command, time::Duration};
 
 use common::*;
 
-/// Builds a test program from tests/native against the simulated runtime.
-fn build_native(sim: &std::path::Path, name: &str) -> std::path::PathBuf {
+/// Builds a test program from tests/native against the simulated runtime, with `flags`.
+fn build_native(sim: &std::path::Path, name: &str, flags: &[&str]) -> std::path::PathBuf {
     let exe = sim.join(name);
     let cc = Command::new("cc")
-        .args(["-O2", "-pthread", "-o"])
+        .args(flags)
+        .arg("-o")
         .arg(&exe)
         .arg(workspace().join(format!("tests/native/{name}.c")))
         .arg(format!("-L{}", sim.display()))
@@ -40,7 +41,7 @@ fn rss_kib(pid: u32) -> u64 {
 #[test]
 fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
     let Some(fx) = Fixture::new() else { return };
-    let exe = build_native(&fx.sim, "churn");
+    let exe = build_native(&fx.sim, "churn", &["-O2", "-pthread"]);
     let lib = fx.sim.join("libcudart.so.12");
     // With --stack: the call sites, the side band's mappings and the interpreters kept per
     // process must go with each process too.
@@ -106,7 +107,7 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
 #[test]
 fn a_preempted_thread_is_told_from_one_that_blocked() {
     let Some(fx) = Fixture::new() else { return };
-    let exe = build_native(&fx.sim, "spin");
+    let exe = build_native(&fx.sim, "spin", &["-O2", "-pthread"]);
     let lib = fx.sim.join("libcudart.so.12");
     let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
     // Four threads that never block, on this machine's cores, then one that only sleeps.
@@ -153,24 +154,12 @@ fn a_preempted_thread_is_told_from_one_that_blocked() {
 #[test]
 fn a_process_with_a_huge_maps_file_is_traced_like_any_other() {
     let Some(fx) = Fixture::new() else { return };
-    let exe = {
-        let exe = fx.sim.join("many_maps");
-        let cc = Command::new("cc")
-            .args(["-O0", "-g", "-fno-omit-frame-pointer", "-o"])
-            .arg(&exe)
-            .arg(workspace().join("tests/native/many_maps.c"))
-            .arg(format!("-L{}", fx.sim.display()))
-            .arg("-l:libcudart.so.12")
-            .arg(format!("-Wl,-rpath,{}", fx.sim.display()))
-            .output()
-            .unwrap();
-        assert!(
-            cc.status.success(),
-            "{}",
-            String::from_utf8_lossy(&cc.stderr)
-        );
-        exe
-    };
+    // Frame pointers and no inlining: every call's site must reach `main`.
+    let exe = build_native(
+        &fx.sim,
+        "many_maps",
+        &["-O0", "-g", "-fno-omit-frame-pointer"],
+    );
     let lib = fx.sim.join("libcudart.so.12");
     let trace = Trace::start(
         &fx.db,

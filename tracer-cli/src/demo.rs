@@ -388,7 +388,7 @@ impl ChainWatch {
         let mut table = vec![format!(
             "demo {:>5.1}s | session {session} | {} processes | {} calls | {} chains",
             elapsed.as_secs_f64(),
-            stats.pids.len(),
+            stats.processes(),
             stats.events,
             report.chains.len()
         )];

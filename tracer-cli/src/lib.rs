@@ -13,6 +13,7 @@ pub mod model;
 pub mod paths;
 pub mod present;
 pub mod record;
+pub mod serve;
 pub mod store;
 pub mod units;
 

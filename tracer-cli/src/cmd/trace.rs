@@ -1,7 +1,7 @@
 //! `tracer trace`: record every call into the database, show a live table, and flush
 //! everything on Ctrl-C, SIGTERM, --duration, or when the traced processes are gone.
 
-use std::{io::IsTerminal as _, path::PathBuf, time::Duration};
+use std::{io::IsTerminal as _, net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::Args;
@@ -9,7 +9,12 @@ use tracer_cli::{
     exit::user_error,
     paths,
     present::{self, live},
-    record::{on_warning::OnWarning, signals, RecordOptions, Recording},
+    record::{
+        on_warning::OnWarning,
+        pods::{KubeSource, PodDirectory},
+        signals, RecordOptions, Recording, Snapshot, Stop,
+    },
+    serve::{self, MetricsServer},
     units::{parse_duration, parse_size},
 };
 use tracer_common::maps::DEFAULT_RING_BYTES;
@@ -65,6 +70,31 @@ pub struct TraceArgs {
     /// Kill a run still going after this long.
     #[arg(long, value_parser = parse_duration, default_value = "30s", requires = "on_warning")]
     pub on_warning_timeout: Duration,
+    /// Serve Prometheus metrics on this address: PORT (127.0.0.1:PORT), IP:PORT or
+    /// [IPv6]:PORT. Read-only, no authentication: anything but loopback needs a firewall or a
+    /// NetworkPolicy. Paths: /metrics, /healthz, /readyz.
+    #[arg(long, value_name = "ADDR", value_parser = serve::parse_addr)]
+    pub metrics: Option<SocketAddr>,
+    /// Connections the metrics endpoint serves at once; more are closed at once, unread.
+    #[arg(long, value_name = "N", default_value_t = serve::DEFAULT_MAX_CONNECTIONS, requires = "metrics")]
+    pub metrics_max_connections: usize,
+    /// How long an ended process's series stay (so its last figures are scraped).
+    #[arg(long, value_parser = parse_duration, default_value = "5m", requires = "metrics")]
+    pub metrics_grace: Duration,
+    /// Pod names for the series: `auto` (from the Kubernetes API with the pod's service
+    /// account, when running in a cluster), `off`, or a kubeconfig file's path.
+    #[arg(
+        long,
+        value_name = "auto|off|KUBECONFIG",
+        default_value = "auto",
+        requires = "metrics"
+    )]
+    pub kubernetes: String,
+    /// If tracing cannot start (no BPF, no uprobes), keep serving --metrics, unready, saying
+    /// why, until stopped, instead of exiting (a DaemonSet's pod then stays up, not
+    /// crash-looping). The exit status is still the error's.
+    #[arg(long, requires = "metrics")]
+    pub keep_serving: bool,
     /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
     #[arg(long, hide = true)]
     pub floor: bool,
@@ -89,7 +119,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
         }),
         None => None,
     };
-    let mut recording = Recording::start(RecordOptions {
+    let exporter = match args.metrics {
+        Some(addr) => Some(Exporter::start(addr, &args)?),
+        None => None,
+    };
+    let started = Recording::start(RecordOptions {
         pids: args.pids.clone(),
         libs: args.libs.clone(),
         db,
@@ -104,7 +138,19 @@ pub fn run(args: TraceArgs) -> Result<()> {
         program_stats: args.program_stats,
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
-    })?;
+        figures_grace: if args.metrics.is_some() {
+            args.metrics_grace
+        } else {
+            Duration::ZERO
+        },
+    });
+    let mut recording = match (started, &exporter) {
+        (Ok(recording), _) => recording,
+        (Err(e), Some(exporter)) if args.keep_serving => {
+            return Err(exporter.not_tracing(e, &stops));
+        }
+        (Err(e), _) => return Err(e),
+    };
     if args.json {
         let mut started = serde_json::to_value(recording.started())?;
         started["event"] = "started".into();
@@ -112,7 +158,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
         unless_broken_pipe(present::json::line(&started))?;
     }
     let mut view = live::LiveView::new(std::io::stderr().is_terminal());
+    let session = recording.started().session;
     let outcome = recording.run(&stops, args.duration, |snapshot| {
+        if let Some(exporter) = &exporter {
+            exporter.publish(snapshot, session);
+        }
         if !args.quiet {
             view.draw(&live::Status {
                 elapsed: snapshot.elapsed,
@@ -140,5 +190,82 @@ fn unless_broken_pipe(result: Result<()>) -> Result<()> {
     match result {
         Err(e) if tracer_cli::exit::is_broken_pipe(&e) => Ok(()),
         other => other,
+    }
+}
+
+/// The metrics endpoint and the pod names its series carry.
+struct Exporter {
+    server: MetricsServer,
+    pods: PodDirectory,
+}
+
+impl Exporter {
+    fn start(addr: SocketAddr, args: &TraceArgs) -> Result<Exporter> {
+        let server = MetricsServer::start(addr, args.metrics_max_connections)
+            .map_err(|e| user_error(format!("{e:#}: pick another --metrics address")))?;
+        eprintln!(
+            "tracer: metrics on http://{}/metrics (no authentication; at most {} connections)",
+            server.local_addr(),
+            args.metrics_max_connections
+        );
+        let source = match args.kubernetes.as_str() {
+            "auto" => KubeSource::InCluster,
+            "off" => KubeSource::Off,
+            path => KubeSource::Kubeconfig(path.into()),
+        };
+        let exporter = Exporter {
+            server,
+            pods: PodDirectory::start(source),
+        };
+        exporter.publish_health(None, false, "starting");
+        Ok(exporter)
+    }
+
+    /// What a second of recording adds up to; asks for the names of pods not yet known.
+    fn publish(&self, snapshot: &Snapshot, session: i64) {
+        for p in snapshot.figures.processes() {
+            if let Some(pod) = &p.pod {
+                if self.pods.name(&pod.pod_uid).is_none() {
+                    self.pods.want(&pod.pod_uid);
+                }
+            }
+        }
+        let health = present::metrics::Health {
+            tracing: true,
+            reason: String::new(),
+            session: Some(session),
+            refused: self.server.refused(),
+        };
+        let page = present::metrics::render(Some(snapshot), &health, &|uid| self.pods.name(uid));
+        self.server.publish(page, true, "tracing");
+    }
+
+    fn publish_health(&self, session: Option<i64>, tracing: bool, reason: &str) {
+        let health = present::metrics::Health {
+            tracing,
+            reason: reason.to_owned(),
+            session,
+            refused: self.server.refused(),
+        };
+        let page = present::metrics::render(None, &health, &|_| None);
+        self.server.publish(page, tracing, reason);
+    }
+
+    /// Tracing could not start: serve that, unready, until a stop arrives; then the error.
+    fn not_tracing(
+        &self,
+        error: anyhow::Error,
+        stops: &std::sync::mpsc::Receiver<Stop>,
+    ) -> anyhow::Error {
+        let reason = format!("{error:#}");
+        eprintln!("tracer: cannot trace: {reason}");
+        eprintln!("tracer: --keep-serving: serving /metrics and an unready /readyz until stopped");
+        loop {
+            self.publish_health(None, false, &reason);
+            match stops.recv_timeout(Duration::from_secs(1)) {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                _ => return error,
+            }
+        }
     }
 }

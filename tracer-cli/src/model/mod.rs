@@ -2,6 +2,7 @@
 //! labels, and the live per-op statistics. (The allocator layout model comes here too.)
 
 mod event;
+pub mod figures;
 pub mod layout;
 pub mod live;
 pub mod pressure;

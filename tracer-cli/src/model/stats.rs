@@ -93,9 +93,16 @@ pub struct OpStats {
 #[derive(Clone, Debug, Default)]
 pub struct LiveStats {
     pub ops: BTreeMap<Op, OpStats>,
+    /// The processes seen that have not exited (a trace of weeks sees millions come and go:
+    /// exited ones are counted, and only the first [`ENDED_LISTED`] listed).
     pub pids: std::collections::BTreeSet<u32>,
+    pub ended: u64,
+    pub ended_pids: Vec<u32>,
     pub events: u64,
 }
+
+/// Exited processes listed by pid in the summary; the rest are counted.
+pub const ENDED_LISTED: usize = 1024;
 
 impl LiveStats {
     /// One call, from any source (a decoded event or a stored row).
@@ -111,6 +118,29 @@ impl LiveStats {
         }
         s.latency.add(duration_ns);
         s.max_ns = s.max_ns.max(duration_ns);
+    }
+
+    /// A process ended: it is counted, and listed while the list has room.
+    pub fn exited(&mut self, pid: u32) {
+        if self.pids.remove(&pid) {
+            self.ended += 1;
+            if self.ended_pids.len() < ENDED_LISTED {
+                self.ended_pids.push(pid);
+            }
+        }
+    }
+
+    /// How many processes made calls, living and ended.
+    pub fn processes(&self) -> u64 {
+        self.pids.len() as u64 + self.ended
+    }
+
+    /// The pids listed: every living one, and the first ended ones.
+    pub fn pid_list(&self) -> Vec<u32> {
+        let mut all: Vec<u32> = self.pids.iter().chain(&self.ended_pids).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        all
     }
 }
 

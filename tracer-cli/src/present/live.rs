@@ -38,7 +38,7 @@ pub fn headline(s: &Status<'_>) -> String {
         s.elapsed.as_secs(),
         s.libraries,
         s.probes,
-        s.stats.pids.len(),
+        s.stats.processes(),
         thousands(s.stats.events),
         thousands(c.dropped_ring_full),
         thousands(c.unmatched_returns),

@@ -6,6 +6,7 @@ pub mod explain;
 pub mod json;
 pub mod layout;
 pub mod live;
+pub mod metrics;
 pub mod rows;
 pub mod stacks;
 pub mod summary;

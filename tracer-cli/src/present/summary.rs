@@ -17,7 +17,7 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
         s.elapsed_s,
         s.libraries.len(),
         s.probes,
-        s.stats.pids.len()
+        s.stats.processes()
     )?;
     for line in live::op_table(&s.stats, Duration::from_secs_f64(s.elapsed_s)) {
         writeln!(out, "{line}")?;
@@ -105,7 +105,7 @@ pub fn json(s: &Summary) -> Value {
     let mut value = serde_json::to_value(s).unwrap_or(Value::Null);
     if let Value::Object(map) = &mut value {
         map.insert("event".into(), "summary".into());
-        map.insert("processes".into(), json!(s.stats.pids));
+        map.insert("processes".into(), json!(s.stats.pid_list()));
         map.insert("ops".into(), Value::Array(ops));
     }
     value

@@ -15,6 +15,7 @@ pub mod mappings;
 pub mod memmap;
 pub mod on_warning;
 mod perf;
+pub mod pods;
 pub mod privileges;
 pub mod procinfo;
 pub mod python;

@@ -19,7 +19,7 @@ use super::{
     join::Join,
     mappings::Notice,
     on_warning::WarningHook,
-    procinfo,
+    pods, procinfo,
     shared::Shared,
     sites::Sites,
     writer::Delivery,
@@ -217,31 +217,57 @@ impl Registry {
             for c in &delivery.calls {
                 live.add_one(c.pid, c.op, c.ret, c.size, c.duration_ns);
             }
-        }
-        if let Ok(mut allocators) = shared.allocators.lock() {
-            for p in &delivery.processes {
-                let env = env_map(p.env.as_deref());
-                let get = |k: &str| env.get(k).map(String::as_str);
-                allocators.describe(p.pid, AllocConf::from_env(get), Rank::from_env(get));
-            }
-            for c in &delivery.calls {
-                let alarm = allocators.apply(&layout_event(c));
-                if let (Some(alarm), Some(hook)) = (alarm, self.hook.as_mut()) {
-                    hook.fire(
-                        c.pid,
-                        allocators.rank(c.pid),
-                        &alarm,
-                        alarm.ts_ns + self.wall_offset_ns,
-                    );
-                    shared
-                        .on_warning_skipped
-                        .store(hook.skipped, Ordering::SeqCst);
-                }
-            }
             for &pid in &delivery.exited {
-                allocators.exited(pid);
+                live.exited(pid);
             }
         }
+        let (Ok(mut allocators), Ok(mut figures)) =
+            (shared.allocators.lock(), shared.figures.lock())
+        else {
+            return Err(anyhow!("the live figures' lock is poisoned"));
+        };
+        for p in &delivery.processes {
+            let env = env_map(p.env.as_deref());
+            let get = |k: &str| env.get(k).map(String::as_str);
+            let rank = Rank::from_env(get);
+            allocators.describe(p.pid, AllocConf::from_env(get), rank);
+            figures.describe(
+                p.pid,
+                p.comm.as_deref().unwrap_or_default(),
+                rank.map(|r| r.label()),
+                p.cgroup.as_deref().and_then(pods::pod_of),
+            );
+        }
+        for c in &delivery.calls {
+            let event = layout_event(c);
+            figures.apply(&event);
+            let Some(alarm) = allocators.apply(&event) else {
+                continue;
+            };
+            figures.warned(c.pid, alarm.device);
+            if let Some(hook) = self.hook.as_mut() {
+                hook.fire(
+                    c.pid,
+                    allocators.rank(c.pid),
+                    &alarm,
+                    alarm.ts_ns + self.wall_offset_ns,
+                );
+                shared
+                    .on_warning_skipped
+                    .store(hook.skipped, Ordering::SeqCst);
+            }
+        }
+        for m in &delivery.messages {
+            if m.op.spec().class == tracer_common::OpClass::Oom {
+                figures.oom(m.pid, &m.text);
+            }
+        }
+        let now = std::time::Instant::now();
+        for &pid in &delivery.exited {
+            allocators.exited(pid);
+            figures.exited(pid, now);
+        }
+        drop((allocators, figures));
         tx.send(delivery)
             .map_err(|_| anyhow!("the database writer stopped"))
     }

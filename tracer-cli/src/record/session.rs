@@ -30,7 +30,7 @@ use super::{
 };
 use crate::{
     exit::{privilege_error, user_error},
-    model::{live::AllocatorRow, stats::LiveStats},
+    model::{figures::Figures, live::AllocatorRow, stats::LiveStats},
     paths,
     store::{SessionCounters, SessionStart, Store},
 };
@@ -58,6 +58,8 @@ pub struct RecordOptions {
     pub command: String,
     /// Run a command on the early warning (--on-warning).
     pub on_warning: Option<OnWarning>,
+    /// How long an ended process's figures stay (the metrics endpoint's series; zero: none).
+    pub figures_grace: Duration,
 }
 
 /// The recording, once its probes are attached and its session begun.
@@ -135,6 +137,11 @@ pub struct Snapshot {
     pub counters: SessionCounters,
     /// The allocators' figures now, per process and device.
     pub allocators: Vec<AllocatorRow>,
+    /// Each process's calls, failures and warnings (ended ones for their grace period).
+    pub figures: Figures,
+    /// The database's bytes in use, and the sessions --max-db deleted.
+    pub db_bytes: u64,
+    pub sessions_evicted: u64,
 }
 
 /// What a finished recording stored (printed by `tracer trace` at the end).
@@ -200,6 +207,7 @@ pub struct Recording {
     program_stats: Option<std::os::fd::OwnedFd>,
     /// --on-warning's runs, reported when the recording ends.
     on_warning: Option<HookOutcome>,
+    figures_grace: Duration,
 }
 
 impl Recording {
@@ -284,6 +292,7 @@ impl Recording {
             gone: HashSet::new(),
             program_stats,
             on_warning: threads.on_warning,
+            figures_grace: opts.figures_grace,
         })
     }
 
@@ -338,6 +347,9 @@ impl Recording {
         if let Ok(mut k) = self.shared.kernel.lock() {
             *k = kernel;
         }
+        if let Ok(mut figures) = self.shared.figures.lock() {
+            figures.expire(Instant::now(), self.figures_grace);
+        }
         if let Some(pids) = &self.pid_filter {
             for &pid in pids {
                 if !procinfo::exists(pid) && self.gone.insert(pid) {
@@ -365,6 +377,14 @@ impl Recording {
                 .clone(),
             counters: self.shared.counters(&kernel),
             allocators: allocator_rows(&self.shared)?,
+            figures: self
+                .shared
+                .figures
+                .lock()
+                .map_err(|_| anyhow!("figures lock poisoned"))?
+                .clone(),
+            db_bytes: self.shared.db_bytes.load(Ordering::SeqCst),
+            sessions_evicted: self.shared.sessions_evicted.load(Ordering::SeqCst),
         })
     }
 

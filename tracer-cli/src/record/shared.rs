@@ -8,7 +8,7 @@ use std::sync::{
 use tracer_common::maps::Counter;
 
 use crate::{
-    model::{live::LiveAllocators, stats::LiveStats},
+    model::{figures::Figures, live::LiveAllocators, stats::LiveStats},
     store::SessionCounters,
 };
 
@@ -19,6 +19,11 @@ pub struct Shared {
     pub live: Mutex<LiveStats>,
     /// Each process's allocator layout, rebuilt as its calls arrive (the live table).
     pub allocators: Mutex<LiveAllocators>,
+    /// Each process's calls, failures and warnings (the metrics endpoint).
+    pub figures: Mutex<Figures>,
+    /// The database's size and the sessions --max-db deleted, as the writer last saw them.
+    pub db_bytes: AtomicU64,
+    pub sessions_evicted: AtomicU64,
     pub events_read: AtomicU64,
     pub events_stored: AtomicU64,
     pub decode_errors: AtomicU64,

@@ -171,6 +171,9 @@ fn new_threads(calls: &[Call], seen: &mut HashSet<(u32, u32)>) -> Vec<(u32, u32,
     threads
 }
 
+/// How [`Store::enforce_max_size`]'s note on deleting a whole session begins.
+const SESSION_DELETED: &str = "--max-db: deleted session ";
+
 /// Once a second: the session's counters, and the database under --max-db.
 fn housekeeping(store: &mut Store, shared: &Shared, opts: WriterOptions) -> Result<()> {
     let kernel = *shared
@@ -181,8 +184,12 @@ fn housekeeping(store: &mut Store, shared: &Shared, opts: WriterOptions) -> Resu
     if let Some(max) = opts.max_db {
         for note in store.enforce_max_size(opts.session, max)? {
             eprintln!("tracer: {note}");
+            if note.starts_with(SESSION_DELETED) {
+                shared.sessions_evicted.fetch_add(1, Ordering::SeqCst);
+            }
             store.append_note(opts.session, &note)?;
         }
     }
+    shared.db_bytes.store(store.used_bytes()?, Ordering::SeqCst);
     Ok(())
 }

@@ -1,0 +1,433 @@
+//! The Prometheus text exposition of a recording (`tracer trace --metrics`): per process (pid,
+//! comm, rank, and pod when known) its calls, errors, bytes and latency histogram per op, its
+//! device memory and the allocator's figures per device, its OOMs, failed allocations, retries
+//! and early warnings; then tracer's own health. Labels stay bounded: never pointers, sizes or
+//! stacks, and at most [`MAX_PROCESSES`] processes.
+
+use prometheus::{
+    proto::{Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType},
+    Encoder as _, TextEncoder,
+};
+
+use tracer_common::OpClass;
+
+use crate::{
+    model::{
+        figures::{ProcessFigures, LATENCY_BOUNDS_NS},
+        live::AllocatorRow,
+    },
+    record::{pods::PodName, Snapshot},
+};
+
+/// Processes exported at most (the most recently seen pids beyond are counted, not shown).
+pub const MAX_PROCESSES: usize = 512;
+
+/// The text format's content type.
+pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+
+/// Whether tracer is recording, and why not.
+#[derive(Clone, Debug, Default)]
+pub struct Health {
+    /// Probes are attached and calls are being recorded.
+    pub tracing: bool,
+    /// Why not, when not (one series carries it).
+    pub reason: String,
+    pub session: Option<i64>,
+    /// Connections the endpoint refused (over its limit).
+    pub refused: u64,
+}
+
+/// The exposition: every family with at least one series.
+pub fn render(
+    snapshot: Option<&Snapshot>,
+    health: &Health,
+    pod_name: &dyn Fn(&str) -> Option<PodName>,
+) -> String {
+    let mut families = Families::default();
+    if let Some(s) = snapshot {
+        process_families(&mut families, s, pod_name);
+    }
+    health_families(&mut families, snapshot, health);
+    let mut out = Vec::new();
+    // Families are checked non-empty as they are made; an encoding error can then only be a
+    // write to a Vec, which does not fail.
+    let _ = TextEncoder::new().encode(&families.done(), &mut out);
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// Families by name, in the order first made.
+#[derive(Default)]
+struct Families {
+    list: Vec<MetricFamily>,
+}
+
+impl Families {
+    fn add(
+        &mut self,
+        name: &str,
+        help: &str,
+        kind: MetricType,
+        labels: &[(&str, String)],
+        value: Value,
+    ) {
+        let i = match self.list.iter().position(|f| f.name() == name) {
+            Some(i) => i,
+            None => {
+                let mut f = MetricFamily::default();
+                f.set_name(name.into());
+                f.set_help(help.into());
+                f.set_field_type(kind);
+                self.list.push(f);
+                self.list.len() - 1
+            }
+        };
+        let mut m = Metric::default();
+        m.set_label(
+            labels
+                .iter()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(k, v)| {
+                    let mut l = LabelPair::default();
+                    l.set_name((*k).into());
+                    l.set_value(v.clone());
+                    l
+                })
+                .collect(),
+        );
+        match value {
+            Value::Counter(v) => {
+                let mut c = Counter::default();
+                c.set_value(v);
+                m.set_counter(c);
+            }
+            Value::Gauge(v) => {
+                let mut g = Gauge::default();
+                g.set_value(v);
+                m.set_gauge(g);
+            }
+            Value::Histogram(h) => m.set_histogram(h),
+        }
+        let mut metrics = self.list[i].take_metric();
+        metrics.push(m);
+        self.list[i].set_metric(metrics);
+    }
+
+    fn counter(&mut self, name: &str, help: &str, labels: &[(&str, String)], v: u64) {
+        self.add(
+            name,
+            help,
+            MetricType::COUNTER,
+            labels,
+            Value::Counter(v as f64),
+        );
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, labels: &[(&str, String)], v: f64) {
+        self.add(name, help, MetricType::GAUGE, labels, Value::Gauge(v));
+    }
+
+    fn done(self) -> Vec<MetricFamily> {
+        self.list
+    }
+}
+
+enum Value {
+    Counter(f64),
+    Gauge(f64),
+    Histogram(Histogram),
+}
+
+/// A process's identifying labels.
+fn process_labels(
+    p: &ProcessFigures,
+    pod_name: &dyn Fn(&str) -> Option<PodName>,
+) -> Vec<(&'static str, String)> {
+    let mut labels = vec![
+        ("pid", p.pid.to_string()),
+        ("comm", p.comm.clone()),
+        ("rank", p.rank.clone().unwrap_or_default()),
+    ];
+    if let Some(pod) = &p.pod {
+        labels.push(("pod_uid", pod.pod_uid.clone()));
+        if let Some(name) = pod_name(&pod.pod_uid) {
+            let container = pod
+                .container_id
+                .as_ref()
+                .and_then(|id| name.containers.get(id).cloned())
+                .unwrap_or_default();
+            labels.push(("namespace", name.namespace));
+            labels.push(("pod", name.name));
+            labels.push(("container", container));
+        }
+    }
+    labels
+}
+
+fn process_families(f: &mut Families, s: &Snapshot, pod_name: &dyn Fn(&str) -> Option<PodName>) {
+    let shown: Vec<&ProcessFigures> = {
+        let mut all: Vec<&ProcessFigures> = s.figures.processes().collect();
+        // The living first, then the most recently ended; the highest pids among equals.
+        all.sort_by_key(|p| {
+            (
+                p.ended.is_some(),
+                std::cmp::Reverse(p.ended),
+                std::cmp::Reverse(p.pid),
+            )
+        });
+        all.truncate(MAX_PROCESSES);
+        all
+    };
+    for p in &shown {
+        let base = process_labels(p, pod_name);
+        for (op, o) in &p.ops {
+            let mut l = base.clone();
+            l.push(("op", op.name().to_owned()));
+            f.counter(
+                "tracer_calls_total",
+                "CUDA runtime, driver and allocator calls traced, per op.",
+                &l,
+                o.calls,
+            );
+            f.counter(
+                "tracer_call_errors_total",
+                "Calls that returned an error, per op.",
+                &l,
+                o.errors,
+            );
+            f.counter(
+                "tracer_call_bytes_total",
+                "Bytes of the successful allocations and frees, per op.",
+                &l,
+                o.bytes,
+            );
+            if matches!(op.spec().class, OpClass::BlockAlloc | OpClass::BlockFree) {
+                // The allocator's probes mark a moment: they have no duration.
+                continue;
+            }
+            f.add(
+                "tracer_call_duration_seconds",
+                "How long each call took, from entry to return.",
+                MetricType::HISTOGRAM,
+                &l,
+                Value::Histogram(histogram(&o.buckets, o.duration_sum_ns)),
+            );
+        }
+        for (&device, d) in &p.devices {
+            let mut l = base.clone();
+            l.push(("device", device.to_string()));
+            f.counter(
+                "tracer_oom_total",
+                "Times PyTorch raised OutOfMemoryError.",
+                &l,
+                d.ooms,
+            );
+            f.counter(
+                "tracer_allocation_failures_total",
+                "Device allocations the CUDA runtime or driver refused.",
+                &l,
+                d.alloc_failures,
+            );
+            f.counter(
+                "tracer_allocation_retries_total",
+                "Failed device allocations that succeeded when retried soon after (the allocator freed its cache and retried).",
+                &l,
+                d.retries,
+            );
+            f.counter(
+                "tracer_early_warnings_total",
+                "Times the allocator reached the state in which its next request fails (largest free block below the requests being made, device too full for a new segment).",
+                &l,
+                d.warnings,
+            );
+        }
+        for row in s.allocators.iter().filter(|r| r.pid == p.pid) {
+            allocator_families(f, &base, row);
+        }
+    }
+    let omitted = s.figures.len().saturating_sub(shown.len());
+    f.gauge(
+        "tracer_processes",
+        "Processes with series (living, and ended within the grace period).",
+        &[],
+        shown.len() as f64,
+    );
+    f.gauge(
+        "tracer_processes_omitted",
+        "Processes left out of the series to keep them bounded.",
+        &[],
+        omitted as f64,
+    );
+}
+
+fn allocator_families(f: &mut Families, base: &[(&'static str, String)], row: &AllocatorRow) {
+    let mut l = base.to_vec();
+    l.push(("device", row.device.to_string()));
+    let held = row.stats.reserved + row.outside;
+    f.gauge(
+        "tracer_device_memory_bytes",
+        "Device memory the process holds through the traced calls (allocated and not yet freed).",
+        &l,
+        held as f64,
+    );
+    if row.view != "blocks" {
+        // Without the allocator's own probes only the segments are known.
+        return;
+    }
+    let s = &row.stats;
+    f.gauge(
+        "tracer_allocator_allocated_bytes",
+        "Bytes in blocks the caching allocator handed out (torch.cuda.memory_allocated).",
+        &l,
+        s.allocated as f64,
+    );
+    f.gauge(
+        "tracer_allocator_reserved_bytes",
+        "Device memory the caching allocator holds in segments (torch.cuda.memory_reserved).",
+        &l,
+        s.reserved as f64,
+    );
+    f.gauge(
+        "tracer_allocator_free_blocks",
+        "Free blocks inside the allocator's segments.",
+        &l,
+        s.free_blocks as f64,
+    );
+    f.gauge(
+        "tracer_allocator_largest_free_block_bytes",
+        "The largest free block in the allocator's segments: the largest request served without a new segment.",
+        &l,
+        s.largest_free as f64,
+    );
+    f.gauge(
+        "tracer_allocator_fragmentation_ratio",
+        "1 - largest free block / cached bytes, in the device's worst pool (0: one free piece; near 1: scattered).",
+        &l,
+        row.fragmentation,
+    );
+    f.gauge(
+        "tracer_allocator_largest_request_bytes",
+        "The largest block requested since the previous update (about a second).",
+        &l,
+        row.largest_request as f64,
+    );
+    f.gauge(
+        "tracer_allocator_outside_bytes",
+        "Device memory the process holds outside the allocator's segments.",
+        &l,
+        row.outside as f64,
+    );
+}
+
+/// A histogram from per-bucket counts (the last above every bound) and a sum in ns.
+fn histogram(buckets: &[u64], sum_ns: u64) -> Histogram {
+    let mut h = Histogram::default();
+    let mut cumulative = 0;
+    let mut out = Vec::with_capacity(LATENCY_BOUNDS_NS.len());
+    for (i, &bound) in LATENCY_BOUNDS_NS.iter().enumerate() {
+        cumulative += buckets[i];
+        let mut b = Bucket::default();
+        b.set_upper_bound(bound as f64 / 1e9);
+        b.set_cumulative_count(cumulative);
+        out.push(b);
+    }
+    h.set_bucket(out);
+    h.set_sample_count(buckets.iter().sum());
+    h.set_sample_sum(sum_ns as f64 / 1e9);
+    h
+}
+
+fn health_families(f: &mut Families, s: Option<&Snapshot>, health: &Health) {
+    f.gauge(
+        "tracer_tracing",
+        "1 while probes are attached and calls are recorded; 0 when tracer cannot trace (see tracer_not_tracing_info).",
+        &[],
+        if health.tracing { 1.0 } else { 0.0 },
+    );
+    if !health.tracing {
+        f.gauge(
+            "tracer_not_tracing_info",
+            "Why tracer is not tracing.",
+            &[("reason", health.reason.clone())],
+            1.0,
+        );
+    }
+    f.counter(
+        "tracer_metrics_connections_refused_total",
+        "Connections to this endpoint refused because it was at its connection limit.",
+        &[],
+        health.refused,
+    );
+    let Some(s) = s else { return };
+    if let Some(session) = health.session {
+        f.gauge(
+            "tracer_session",
+            "The session being recorded (its id in the database).",
+            &[],
+            session as f64,
+        );
+    }
+    f.gauge("tracer_probes", "Probes attached.", &[], s.probes as f64);
+    f.gauge(
+        "tracer_libraries",
+        "Libraries probed.",
+        &[],
+        s.libraries as f64,
+    );
+    let c = &s.counters;
+    f.counter(
+        "tracer_calls_entered_total",
+        "Traced calls entered (kernel count).",
+        &[],
+        c.entries,
+    );
+    f.counter(
+        "tracer_events_read_total",
+        "Events read from the kernel's ring buffer.",
+        &[],
+        c.events_read,
+    );
+    f.counter(
+        "tracer_events_stored_total",
+        "Events committed to the database.",
+        &[],
+        c.events_stored,
+    );
+    let losses = [
+        ("dropped_ring_full", c.dropped_ring_full),
+        ("unmatched_returns", c.unmatched_returns),
+        ("alloc_map_full", c.alloc_map_full),
+        ("inflight_full", c.inflight_full),
+        ("decode_errors", c.decode_errors),
+        ("offcpu_dropped", c.offcpu_dropped),
+        ("tail_call_failed", c.tail_call_failed),
+        ("map_insert_failed", c.map_insert_failed),
+        ("calls_abandoned", c.calls_abandoned),
+        ("mappings_lost", c.mappings_lost),
+    ];
+    for (counter, v) in losses {
+        f.counter(
+            "tracer_lost_total",
+            "What tracer could not keep, by the session counter that counts it (dropped_ring_full: events lost to a full ring buffer).",
+            &[("counter", counter.into())],
+            v,
+        );
+    }
+    f.counter(
+        "tracer_calls_before_interpreter_total",
+        "Calls of Python processes made before tracer registered their interpreter (no Python frames).",
+        &[],
+        c.calls_before_interpreter,
+    );
+    f.gauge(
+        "tracer_db_bytes",
+        "Bytes the database uses (what --max-db bounds).",
+        &[],
+        s.db_bytes as f64,
+    );
+    f.counter(
+        "tracer_sessions_evicted_total",
+        "Older sessions deleted to keep the database under --max-db.",
+        &[],
+        s.sessions_evicted,
+    );
+}

@@ -64,3 +64,16 @@ with open(os.path.join(sys.argv[2], "libcudart.so.12"), "wb") as f:
 PY
   rm -rf "$tmp"
 fi
+
+# The fleet tests: a real Prometheus server and promtool (Debian's package; its service, which
+# the package starts, is stopped: the tests run their own on loopback) ...
+if ! command -v promtool >/dev/null 2>&1; then
+  apt_install prometheus
+  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+fi
+# ... and the Kubernetes schemas (PyPI kubernetes-validate, with PyYAML), in a folder of their own.
+pylib="${TRACER_PYLIB:-$HOME/.cache/tracer/pylib}"
+if [ ! -d "$pylib/kubernetes_validate" ] || [ ! -d "$pylib/yaml" ]; then
+  log "pip install kubernetes-validate PyYAML into $pylib"
+  python3 -m pip install -q --disable-pip-version-check --target "$pylib" 'kubernetes-validate==1.37.0' 'PyYAML==6.0.3' >&2
+fi

@@ -132,6 +132,8 @@ pub struct Trace {
     pub child: Child,
     /// The session, from the `started` line `tracer trace --json` prints once attached.
     pub session: i64,
+    /// That line, whole (the metrics address with --metrics).
+    pub started: Value,
     pub stdout: Lines,
     pub stderr: Lines,
 }
@@ -187,10 +189,16 @@ pub fn collect_lines(
 impl Trace {
     /// Starts `tracer trace --json` and waits until its probes are attached.
     pub fn start(db: &Path, args: &[&str]) -> Trace {
+        Trace::start_with_env(db, args, &[])
+    }
+
+    /// [`Trace::start`] with these variables in tracer's environment.
+    pub fn start_with_env(db: &Path, args: &[&str], env: &[(&str, &str)]) -> Trace {
         let mut child = Command::new(TRACER)
             .args(["trace", "--json", "--db"])
             .arg(db)
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -219,6 +227,7 @@ impl Trace {
         Trace {
             child,
             session,
+            started,
             stdout,
             stderr,
         }

@@ -44,9 +44,20 @@ pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
     if let Ok(port) = s.parse::<u16>() {
         return Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port));
     }
-    s.parse().map_err(|_| {
-        format!("{s:?} is not PORT, IP:PORT or [IPv6]:PORT (e.g. 9400 for 127.0.0.1:9400)")
-    })
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    // IPv6:PORT unbracketed, as "$(POD_IP):9400" makes on an IPv6 cluster.
+    s.rsplit_once(':')
+        .and_then(|(ip, port)| {
+            Some(SocketAddr::new(
+                ip.parse::<std::net::Ipv6Addr>().ok()?.into(),
+                port.parse().ok()?,
+            ))
+        })
+        .ok_or_else(|| {
+            format!("{s:?} is not PORT, IP:PORT or [IPv6]:PORT (e.g. 9400 for 127.0.0.1:9400)")
+        })
 }
 
 impl MetricsServer {
@@ -229,6 +240,11 @@ mod tests {
         assert_eq!(parse_addr("9400").unwrap().to_string(), "127.0.0.1:9400");
         assert_eq!(parse_addr("0.0.0.0:1").unwrap().to_string(), "0.0.0.0:1");
         assert_eq!(parse_addr("[::1]:2").unwrap().to_string(), "[::1]:2");
+        assert_eq!(
+            parse_addr("fd00::7:9400").unwrap().to_string(),
+            "[fd00::7]:9400"
+        );
         assert!(parse_addr("localhost").is_err());
+        assert!(parse_addr("10.0.0.1").is_err());
     }
 }

@@ -154,6 +154,9 @@ pub fn run(args: TraceArgs) -> Result<()> {
     if args.json {
         let mut started = serde_json::to_value(recording.started())?;
         started["event"] = "started".into();
+        if let Some(exporter) = &exporter {
+            started["metrics"] = exporter.server.local_addr().to_string().into();
+        }
         // A reader of stdout that went away stops nothing: the database is the record.
         unless_broken_pipe(present::json::line(&started))?;
     }

@@ -137,7 +137,8 @@ enum Value {
     Histogram(Histogram),
 }
 
-/// A process's identifying labels.
+/// A process's identifying labels. The pod's are not `namespace`, `pod` and `container`: a
+/// Prometheus scraping tracer in Kubernetes gives those of tracer's own pod to every series.
 fn process_labels(
     p: &ProcessFigures,
     pod_name: &dyn Fn(&str) -> Option<PodName>,
@@ -155,9 +156,9 @@ fn process_labels(
                 .as_ref()
                 .and_then(|id| name.containers.get(id).cloned())
                 .unwrap_or_default();
-            labels.push(("namespace", name.namespace));
-            labels.push(("pod", name.name));
-            labels.push(("container", container));
+            labels.push(("pod_namespace", name.namespace));
+            labels.push(("pod_name", name.name));
+            labels.push(("container_name", container));
         }
     }
     labels

@@ -951,3 +951,67 @@ fn where_tracing_cannot_start_keep_serving_stays_up_unready_saying_why() {
     assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(stderr.contains("--keep-serving"), "{stderr}");
 }
+
+#[test]
+fn a_killed_tracer_loses_nothing_committed_and_the_next_marks_its_session_crashed() {
+    let Some(fx) = Fixture::new() else { return };
+    let lib = fx.sim.join("libcudart.so.12");
+    let args = ["--lib", lib.to_str().unwrap(), "--quiet"];
+    let mut first = Trace::start(&fx.db, &args);
+    report(
+        driver(
+            &fx.sim,
+            &["--mix", "pairs", "--iters", "500"],
+            &[("SIMCUDA_LATENCY", "default=0")],
+        )
+        .output()
+        .unwrap(),
+    );
+    // Committed within a second or two of the calls.
+    std::thread::sleep(Duration::from_secs(3));
+    let committed = scalar(
+        &fx.db,
+        &format!(
+            "SELECT count(*) FROM events WHERE session_id = {}",
+            first.session
+        ),
+    );
+    assert_eq!(committed, 1000);
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    // A DaemonSet's restart: a new trace on the same database.
+    let second = Trace::start(&fx.db, &args);
+    let stopped = second.stop(SIGINT);
+    assert!(
+        stopped
+            .stderr
+            .contains(&format!("session {} was left running", first.session)),
+        "{}",
+        stopped.stderr
+    );
+    let s = &query(
+        &fx.db,
+        &format!(
+            "SELECT status, note FROM sessions WHERE id = {}",
+            first.session
+        ),
+    )[0];
+    assert_eq!(s["status"], "crashed", "{s}");
+    assert!(
+        s["note"]
+            .as_str()
+            .unwrap()
+            .contains("tracer process is gone"),
+        "{s}"
+    );
+    assert_eq!(
+        scalar(
+            &fx.db,
+            &format!(
+                "SELECT count(*) FROM events WHERE session_id = {}",
+                first.session
+            )
+        ),
+        committed
+    );
+}

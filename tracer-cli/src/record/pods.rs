@@ -102,6 +102,8 @@ pub struct PodDirectory {
 
 /// Pod UIDs waiting for a lookup; more are dropped (asked again at the next sighting).
 const ASKS_QUEUED: usize = 256;
+/// Pods whose names are kept (a node runs far fewer at once).
+const PODS_KEPT: usize = 4096;
 /// At most one pod list per this long.
 const LIST_INTERVAL: Duration = Duration::from_secs(5);
 /// A lookup that takes longer is abandoned.
@@ -148,6 +150,9 @@ impl PodDirectory {
     pub fn want(&self, uid: &str) {
         let Some(asks) = &self.asks else { return };
         if let Ok(mut asked) = self.asked.lock() {
+            if asked.len() >= PODS_KEPT {
+                asked.clear();
+            }
             if asked.insert(uid.to_owned()) && asks.try_send(uid.to_owned()).is_err() {
                 asked.remove(uid);
             }
@@ -199,6 +204,10 @@ fn look_up(
             Ok(listed) => {
                 let n = listed.len();
                 if let Ok(mut names) = names.lock() {
+                    // Bounded over weeks of pods coming and going: the node's pods now.
+                    if names.len() + listed.len() > PODS_KEPT {
+                        names.clear();
+                    }
                     names.extend(listed);
                 }
                 set(state, &format!("ok: {n} pods listed"));

@@ -245,6 +245,9 @@ impl Recording {
             eprintln!("tracer: no CUDA library found yet; watching for processes that load one (rescanning every second)");
         }
         let clock = Clock::now();
+        for id in store.close_orphaned_sessions()? {
+            eprintln!("tracer: session {id} was left running by a tracer that is gone: marked crashed (its calls are kept)");
+        }
         let session = begin_session(&store, &clock, &opts, &pid_filter)?;
         store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
         let host_context = host_context_state(&probes);

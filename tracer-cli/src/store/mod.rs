@@ -223,6 +223,42 @@ impl Store {
         Ok(())
     }
 
+    /// Marks 'crashed' the sessions still 'running' whose tracer is gone: the node restarted
+    /// since (another boot id), or their tracer process no longer exists. Everything they
+    /// committed stays. Returns their ids.
+    pub fn close_orphaned_sessions(&self) -> Result<Vec<i64>> {
+        let boot = boot_id();
+        let running: Vec<(i64, i64, Option<String>)> = self
+            .conn
+            .prepare("SELECT id, tracer_pid, boot_id FROM sessions WHERE status = 'running' AND tracer_pid IS NOT NULL")?
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+            .collect::<rusqlite::Result<_>>()
+            .with_context(|| format!("read the running sessions of {}", self.path.display()))?;
+        let mut closed = Vec::new();
+        for (id, pid, session_boot) in running {
+            let rebooted = session_boot.as_deref() != Some(boot.as_str());
+            let gone = rebooted || !tracer_alive(pid);
+            if !gone {
+                continue;
+            }
+            let why = if rebooted {
+                "the machine restarted"
+            } else {
+                "its tracer process is gone (killed?)"
+            };
+            self.conn.execute(
+                "UPDATE sessions SET status = 'crashed' WHERE id = ?1 AND status = 'running'",
+                [id],
+            )?;
+            self.append_note(
+                id,
+                &format!("crashed: found running by a later trace, but {why}; every call committed before is kept"),
+            )?;
+            closed.push(id);
+        }
+        Ok(closed)
+    }
+
     pub fn begin_session(&self, start: &SessionStart) -> Result<i64> {
         let pid_filter = start
             .pid_filter
@@ -231,8 +267,8 @@ impl Store {
             .transpose()?;
         self.conn
             .execute(
-                "INSERT INTO sessions (started_ns, status, source, host, kernel, tracer_version, command, pid_filter, call_blocks)
-                 VALUES (?1, 'running', ?2, ?3, ?4, ?5, ?6, ?7, 1)",
+                "INSERT INTO sessions (started_ns, status, source, host, kernel, tracer_version, command, pid_filter, call_blocks, tracer_pid, boot_id)
+                 VALUES (?1, 'running', ?2, ?3, ?4, ?5, ?6, ?7, 1, ?8, ?9)",
                 params![
                     start.started_ns,
                     start.source,
@@ -240,7 +276,9 @@ impl Store {
                     start.kernel,
                     env!("CARGO_PKG_VERSION"),
                     start.command,
-                    pid_filter
+                    pid_filter,
+                    std::process::id(),
+                    boot_id()
                 ],
             )
             .with_context(|| format!("create a session in {}", self.path.display()))?;
@@ -707,3 +745,16 @@ fn corrupt(path: &Path, e: rusqlite::Error) -> anyhow::Error {
 
 #[cfg(test)]
 mod tests;
+
+/// This boot's id (changes when the machine restarts).
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Whether `pid` is a running tracer (a pid reused by another program is not).
+fn tracer_alive(pid: i64) -> bool {
+    pid == i64::from(std::process::id())
+        || std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "tracer")
+}

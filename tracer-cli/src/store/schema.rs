@@ -3,7 +3,7 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 7;
+pub const SCHEMA_VERSION: i64 = 8;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -171,5 +171,11 @@ ALTER TABLE sessions ADD COLUMN calls_abandoned INTEGER NOT NULL DEFAULT 0;
     r#"
 ALTER TABLE sessions ADD COLUMN calls_before_interpreter INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN mappings_lost INTEGER NOT NULL DEFAULT 0;
+"#,
+    // 8: which tracer process records a session, on which boot: a later trace marks a
+    // 'running' session whose tracer is gone (killed, or the node restarted) 'crashed'.
+    r#"
+ALTER TABLE sessions ADD COLUMN tracer_pid INTEGER;
+ALTER TABLE sessions ADD COLUMN boot_id TEXT;
 "#,
 ];

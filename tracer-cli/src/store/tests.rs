@@ -674,3 +674,64 @@ fn nearly_sorted_calls_are_put_in_time_order_stably() {
         assert_eq!(got, want);
     }
 }
+
+/// A session left running by a tracer that is gone (killed, or the machine restarted) is
+/// marked crashed by the next trace, its calls kept; a running tracer's session is left alone.
+#[test]
+fn sessions_whose_tracer_is_gone_are_marked_crashed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, ours) = new_store(&dir);
+    write(
+        &mut store,
+        ours,
+        &[call(Op::CudaMalloc, 10, Some(64), Some(0x10), 0)],
+    );
+    let killed = new_session(&store);
+    let rebooted = new_session(&store);
+    store
+        .conn()
+        .execute(
+            "UPDATE sessions SET tracer_pid = 999999999 WHERE id = ?1",
+            [killed],
+        )
+        .unwrap();
+    store
+        .conn()
+        .execute(
+            "UPDATE sessions SET boot_id = 'another boot' WHERE id = ?1",
+            [rebooted],
+        )
+        .unwrap();
+    assert_eq!(
+        store.close_orphaned_sessions().unwrap(),
+        vec![killed, rebooted]
+    );
+    let status = |id: i64| -> (String, String) {
+        store
+            .conn()
+            .query_row(
+                "SELECT status, coalesce(note, '') FROM sessions WHERE id = ?1",
+                [id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+    };
+    assert_eq!(status(ours).0, "running");
+    assert_eq!(status(killed).0, "crashed");
+    assert!(
+        status(killed).1.contains("tracer process is gone"),
+        "{:?}",
+        status(killed)
+    );
+    assert!(status(rebooted).1.contains("machine restarted"));
+    let kept: i64 = store
+        .conn()
+        .query_row(
+            "SELECT count(*) FROM calls WHERE session_id = ?1",
+            [ours],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(kept, 1);
+    assert!(store.close_orphaned_sessions().unwrap().is_empty());
+}

@@ -241,8 +241,17 @@ fn process_families(f: &mut Families, s: &Snapshot, pod_name: &dyn Fn(&str) -> O
                 d.warnings,
             );
         }
-        for row in s.allocators.iter().filter(|r| r.pid == p.pid) {
-            allocator_families(f, &base, row);
+        // A pid reused while the ended process's last figures are kept has both: the series
+        // are the process's these figures are (one row per device).
+        let mut devices = std::collections::BTreeSet::new();
+        for row in s
+            .allocators
+            .iter()
+            .filter(|r| r.pid == p.pid && r.exited == p.ended.is_some())
+        {
+            if devices.insert(row.device) {
+                allocator_families(f, &base, row);
+            }
         }
     }
     let omitted = s.figures.len().saturating_sub(shown.len());
@@ -431,4 +440,134 @@ fn health_families(f: &mut Families, s: Option<&Snapshot>, health: &Health) {
         &[],
         s.sessions_evicted,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use tracer_common::Op;
+
+    use super::*;
+    use crate::model::{
+        figures::{Figures, PodRef},
+        layout::PoolStats,
+        Event,
+    };
+
+    fn call(pid: u32, op: Op, duration_ns: u64) -> Event {
+        Event {
+            ts_ns: 0,
+            duration_ns,
+            size: 4096,
+            ptr: 0x10,
+            aux0: 0,
+            aux1: 0,
+            pid,
+            tid: pid,
+            ret: 0,
+            device: 0,
+            stack: None,
+            op,
+        }
+    }
+
+    fn row(pid: u32, reserved: u64, exited: bool) -> AllocatorRow {
+        AllocatorRow {
+            pid,
+            device: 0,
+            rank: None,
+            view: "blocks",
+            stats: PoolStats {
+                allocated: 1,
+                reserved,
+                free_blocks: 1,
+                largest_free: 1,
+            },
+            fragmentation: 0.25,
+            outside: 0,
+            largest_request: 0,
+            exited,
+        }
+    }
+
+    #[test]
+    fn series_per_process_with_pods_histograms_and_no_duplicates() {
+        let mut figures = Figures::default();
+        let pod = PodRef {
+            pod_uid: "u-1".into(),
+            container_id: Some("c1".into()),
+        };
+        figures.describe(7, "python3", Some("rank 0/2".into()), Some(pod));
+        figures.apply(&call(7, Op::CudaMalloc, 3_000));
+        figures.apply(&call(7, Op::CudaMalloc, 2_000_000));
+        figures.apply(&call(7, Op::TorchMalloc, 0));
+        figures.describe(8, "bash", None, None);
+        figures.apply(&call(8, Op::CudaMalloc, 1));
+        figures.exited(8, Instant::now());
+        let snapshot = Snapshot {
+            elapsed: Duration::from_secs(1),
+            libraries: 1,
+            probes: 2,
+            stats: Default::default(),
+            counters: Default::default(),
+            // pid 7 lives; an earlier process with its pid ended: only the living one's figures.
+            allocators: vec![row(7, 100, false), row(7, 50, true), row(8, 30, true)],
+            figures,
+            db_bytes: 4096,
+            sessions_evicted: 0,
+        };
+        let names = |uid: &str| {
+            (uid == "u-1").then(|| PodName {
+                namespace: "ml".into(),
+                name: "trainer-0".into(),
+                containers: [("c1".to_owned(), "trainer".to_owned())].into(),
+            })
+        };
+        let health = Health {
+            tracing: true,
+            session: Some(3),
+            ..Health::default()
+        };
+        let page = render(Some(&snapshot), &health, &names);
+        let who = r#"pid="7",comm="python3",rank="rank 0/2",pod_uid="u-1",pod_namespace="ml",pod_name="trainer-0",container_name="trainer""#;
+        assert!(
+            page.contains(&format!(
+                "tracer_calls_total{{{who},op=\"cudaMalloc\"}} 2\n"
+            )),
+            "{page}"
+        );
+        // Cumulative buckets: 3 us in le=5e-6 and above; 2 ms from le=2.5e-3.
+        assert!(page.contains(&format!("tracer_call_duration_seconds_bucket{{{who},op=\"cudaMalloc\",le=\"0.000005\"}} 1\n")), "{page}");
+        assert!(
+            page.contains(&format!(
+                "tracer_call_duration_seconds_bucket{{{who},op=\"cudaMalloc\",le=\"0.0025\"}} 2\n"
+            )),
+            "{page}"
+        );
+        assert!(page.contains(&format!(
+            "tracer_call_duration_seconds_count{{{who},op=\"cudaMalloc\"}} 2\n"
+        )));
+        // The allocator's probes have no duration: no histogram for them.
+        assert!(!page.contains("tracer_call_duration_seconds_count{pid=\"7\",comm=\"python3\",rank=\"rank 0/2\",pod_uid=\"u-1\",pod_namespace=\"ml\",pod_name=\"trainer-0\",container_name=\"trainer\",op=\"pytorch:malloc\"}"));
+        assert_eq!(
+            page.matches(&format!(
+                "tracer_allocator_reserved_bytes{{{who},device=\"0\"}}"
+            ))
+            .count(),
+            1
+        );
+        assert!(page.contains(&format!(
+            "tracer_allocator_reserved_bytes{{{who},device=\"0\"}} 100\n"
+        )));
+        // The ended process keeps its last figures, without pod labels it never had.
+        assert!(
+            page.contains(
+                "tracer_allocator_reserved_bytes{pid=\"8\",comm=\"bash\",device=\"0\"} 30\n"
+            ),
+            "{page}"
+        );
+        assert!(page.contains("tracer_processes 2\n") && page.contains("tracer_session 3\n"));
+        assert!(page.contains("tracer_tracing 1\n") && !page.contains("tracer_not_tracing_info{"));
+    }
 }

@@ -68,12 +68,20 @@ fi
 # The fleet tests: a real Prometheus server and promtool (Debian's package; its service, which
 # the package starts, is stopped: the tests run their own on loopback) ...
 if ! command -v promtool >/dev/null 2>&1; then
-  apt_install prometheus
+  # Keep the package's service from starting while it installs (policy-rc.d 101: "not now").
+  need_root prometheus
+  policy_made=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && policy_made=1
+  fi
+  apt_install --no-install-recommends prometheus || { [ "$policy_made" -eq 0 ] || rm -f /usr/sbin/policy-rc.d; exit 1; }
+  [ "$policy_made" -eq 0 ] || rm -f /usr/sbin/policy-rc.d
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
 fi
 # ... and the Kubernetes schemas (PyPI kubernetes-validate, with PyYAML), in a folder of their own.
 pylib="${TRACER_PYLIB:-$HOME/.cache/tracer/pylib}"
-if [ ! -d "$pylib/kubernetes_validate" ] || [ ! -d "$pylib/yaml" ]; then
-  log "pip install kubernetes-validate PyYAML into $pylib"
-  python3 -m pip install -q --disable-pip-version-check --target "$pylib" 'kubernetes-validate==1.37.0' 'PyYAML==6.0.3' >&2
+# Perfetto's own protos (PyPI perfetto) decode the exported traces in the tests.
+if [ ! -d "$pylib/kubernetes_validate" ] || [ ! -d "$pylib/yaml" ] || [ ! -d "$pylib/perfetto" ]; then
+  log "pip install kubernetes-validate PyYAML perfetto into $pylib"
+  python3 -m pip install -q --disable-pip-version-check --target "$pylib" 'kubernetes-validate==1.37.0' 'PyYAML==6.0.3' 'perfetto==0.59.1' 'protobuf==7.36.2' >&2
 fi

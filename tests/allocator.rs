@@ -398,3 +398,127 @@ fn the_early_warning_runs_the_on_warning_command_as_the_user_before_the_oom() {
         "{row} vs {result}"
     );
 }
+
+/// Decodes a Perfetto trace with Perfetto's own protos (PyPI perfetto) into a summary: slices
+/// and instants per name, each counter track's last value, and the format's invariants.
+const PERFETTO_SUMMARY: &str = r#"
+import json, sys
+from collections import Counter
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as p
+t = p.Trace(); t.ParseFromString(open(sys.argv[1], 'rb').read())
+tracks, slices, instants, last, problems = {}, Counter(), Counter(), {}, []
+for i, pk in enumerate(t.packet):
+    if pk.trusted_packet_sequence_id != 1: problems.append(f'packet {i}: sequence {pk.trusted_packet_sequence_id}')
+    if pk.HasField('clock_snapshot'):
+        if i != 0: problems.append('clock snapshot not first')
+        if pk.clock_snapshot.primary_trace_clock != 1: problems.append('primary clock not REALTIME')
+    elif pk.HasField('track_descriptor'):
+        d = pk.track_descriptor
+        tracks[d.uuid] = d.name or (f'process {d.process.pid}' if d.HasField('process') else f'thread {d.thread.tid}')
+    elif pk.HasField('track_event'):
+        e = pk.track_event
+        if pk.timestamp_clock_id != 1: problems.append(f'packet {i}: clock {pk.timestamp_clock_id}')
+        if e.track_uuid not in tracks: problems.append(f'packet {i}: track {e.track_uuid} used before described')
+        if e.type == e.TYPE_SLICE_BEGIN: slices[e.name] += 1
+        elif e.type == e.TYPE_INSTANT: instants[e.name] += 1
+        elif e.type == e.TYPE_COUNTER: last[tracks.get(e.track_uuid)] = e.counter_value
+print(json.dumps({'slices': slices, 'instants': instants, 'counters': last, 'problems': problems[:5]}))
+"#;
+
+#[test]
+fn the_perfetto_export_holds_every_call_the_counters_and_the_oom() {
+    let Some(fx) = Fixture::new() else { return };
+    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
+    let trace = Trace::start(
+        &fx.db,
+        &[
+            "--lib",
+            &lib("libcudart.so.12"),
+            "--lib",
+            &lib("libsimtorch.so"),
+            "--quiet",
+        ],
+    );
+    let out = incident_workload(&fx.sim).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
+    trace.stop(SIGINT);
+    let result: Value = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| {
+            serde_json::from_str::<Value>(l)
+                .ok()
+                .filter(|v| v["result"].is_object())
+        })
+        .unwrap();
+    let file = fx.db.with_file_name("t.perfetto");
+    let export = Command::new(TRACER)
+        .args(["export", "--format", "perfetto", "-o"])
+        .arg(&file)
+        .arg("--db")
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert!(
+        export.status.success(),
+        "{}",
+        String::from_utf8_lossy(&export.stderr)
+    );
+    let pylib = std::env::var_os("TRACER_PYLIB")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tracer/pylib")
+        });
+    let decoded = Command::new("python3")
+        .env("PYTHONPATH", pylib)
+        .args(["-c", PERFETTO_SUMMARY])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        decoded.status.success(),
+        "{}",
+        String::from_utf8_lossy(&decoded.stderr)
+    );
+    let summary: Value = serde_json::from_slice(&decoded.stdout).unwrap();
+    assert_eq!(summary["problems"], serde_json::json!([]), "{summary:#}");
+    // A slice per call, an instant per allocator block event: the session's counts.
+    for row in query(&fx.db, "SELECT op, count(*) AS n FROM events GROUP BY op") {
+        let op = row["op"].as_str().unwrap();
+        assert_eq!(summary["slices"][op], row["n"], "{op}: {summary:#}");
+    }
+    for row in query(
+        &fx.db,
+        "SELECT op, count(*) AS n FROM tensor_events GROUP BY op",
+    ) {
+        let op = row["op"].as_str().unwrap();
+        assert_eq!(summary["instants"][op], row["n"], "{op}");
+    }
+    let r = &result["result"];
+    assert_eq!(summary["instants"]["CUDA out of memory"], r["num_ooms"]);
+    assert_eq!(
+        summary["instants"]["allocation retried"],
+        r["num_alloc_retries"]
+    );
+    let failed = scalar(
+        &fx.db,
+        "SELECT count(*) FROM events WHERE op = 'cudaMalloc' AND ret != 0",
+    );
+    assert_eq!(summary["instants"]["allocation failed"], failed);
+    assert!(
+        summary["instants"]["early warning: the next request fails"]
+            .as_i64()
+            .unwrap()
+            >= 1
+    );
+    // The counters end where the allocator's own account ends.
+    let counters = &summary["counters"];
+    assert_eq!(
+        counters["allocated (device 0)"], r["allocated"],
+        "{counters:#}"
+    );
+    assert_eq!(counters["reserved (device 0)"], r["reserved"]);
+    assert_eq!(
+        counters["largest free block (device 0)"],
+        r["largest_free_block"]
+    );
+}

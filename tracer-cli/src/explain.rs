@@ -331,3 +331,37 @@ pub fn layout_timeline(
     }
     Ok(points)
 }
+
+/// Streams a session (or one process of it) into a Perfetto trace: its calls as they are
+/// stored, then the texts its programs produced (PyTorch's OOM messages).
+pub fn export_perfetto(
+    db: &Path,
+    session: Option<i64>,
+    pid: Option<u32>,
+    out: impl std::io::Write,
+) -> Result<(i64, crate::present::perfetto::Written)> {
+    let store = Store::open(db, Access::ReadOnly)?;
+    let info = events::session(store.conn(), session)?;
+    let names = events::comms(store.conn(), info.id)?;
+    let confs = events::alloc_confs(store.conn(), info.id)?
+        .into_iter()
+        .map(|(p, c)| (p, AllocConf::parse(&c)))
+        .collect();
+    let sites = events::site_labels(store.conn(), info.id, &[])?;
+    let mut writer = crate::present::perfetto::PerfettoWriter::new(out, names, confs, sites);
+    let mut failed = None;
+    events::stream(db, info.id, |e| {
+        if failed.is_none() && pid.is_none_or(|p| p == e.pid) {
+            failed = writer.call(&e).err();
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    for m in events::messages(store.conn(), info.id)? {
+        if pid.is_none_or(|p| p == m.pid) {
+            writer.message(&m)?;
+        }
+    }
+    Ok((info.id, writer.finish()?))
+}

@@ -38,6 +38,8 @@ enum Command {
     Import(cmd::import::ImportArgs),
     /// Show the allocator's segments and blocks at a moment (rebuilt from PyTorch's own probes).
     Layout(cmd::layout::LayoutArgs),
+    /// Export a session to another tool's format (Perfetto's trace, for ui.perfetto.dev).
+    Export(cmd::export::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +54,7 @@ fn main() -> ExitCode {
         Command::Stacks(args) => cmd::stacks::run(args),
         Command::Import(args) => cmd::import::run(args),
         Command::Layout(args) => cmd::layout::run(args),
+        Command::Export(args) => cmd::export::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,7 @@
 pub mod check;
 pub mod demo;
 pub mod explain;
+pub mod export;
 pub mod import;
 pub mod layout;
 pub mod query;

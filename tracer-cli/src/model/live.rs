@@ -129,29 +129,38 @@ impl LiveAllocators {
             devices.extend(p.largest_request.keys());
             devices.sort_unstable();
             devices.dedup();
-            for device in devices {
-                let blocks = p.layout.blocks_seen > 0;
-                let mut stats = p.layout.device_total(device);
-                let outside = p.layout.outside(device);
-                if !blocks {
-                    stats.reserved += outside;
-                }
-                rows.push(AllocatorRow {
-                    pid,
-                    device,
-                    rank: p.rank.clone(),
-                    view: if blocks { "blocks" } else { "segments" },
-                    fragmentation: p.layout.worst_fragmentation(device),
-                    stats,
-                    outside: if blocks { outside } else { 0 },
-                    largest_request: p.largest_request.get(&device).copied().unwrap_or(0),
-                    exited: false,
-                });
-            }
+            rows.extend(devices.into_iter().map(|device| p.row(pid, device)));
             p.largest_request.clear();
         }
         rows.extend(self.ended.iter().cloned());
         rows
+    }
+
+    /// One process's figures on one device now (the interval goes on).
+    pub fn row(&self, pid: u32, device: i32) -> Option<AllocatorRow> {
+        Some(self.processes.get(&pid)?.row(pid, device))
+    }
+}
+
+impl Process {
+    fn row(&self, pid: u32, device: i32) -> AllocatorRow {
+        let blocks = self.layout.blocks_seen > 0;
+        let mut stats = self.layout.device_total(device);
+        let outside = self.layout.outside(device);
+        if !blocks {
+            stats.reserved += outside;
+        }
+        AllocatorRow {
+            pid,
+            device,
+            rank: self.rank.clone(),
+            view: if blocks { "blocks" } else { "segments" },
+            fragmentation: self.layout.worst_fragmentation(device),
+            stats,
+            outside: if blocks { outside } else { 0 },
+            largest_request: self.largest_request.get(&device).copied().unwrap_or(0),
+            exited: false,
+        }
     }
 }
 

@@ -7,6 +7,7 @@ pub mod json;
 pub mod layout;
 pub mod live;
 pub mod metrics;
+pub mod perfetto;
 pub mod rows;
 pub mod stacks;
 pub mod summary;

@@ -105,6 +105,29 @@ fn load_unchecked(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Re
     load_split(path, session, to_ns, pid, 200_000)
 }
 
+/// Every call of a session recorded in call blocks, in the order the writer stored them (nearly
+/// time order: a call is stored when it returns), one block in memory at a time.
+pub fn stream(path: &Path, session: i64, emit: impl FnMut(Event)) -> Result<()> {
+    let conn = open_reader(path)?;
+    let has_blocks = conn
+        .query_row(
+            "SELECT call_blocks FROM sessions WHERE id = ?1",
+            [session],
+            |r| r.get::<_, i64>(0),
+        )
+        .optional()
+        .context("read the session's storage")?
+        .is_some_and(|v| v == 1);
+    drop(conn);
+    if !has_blocks {
+        return Err(user_error(format!(
+            "session {session} was recorded by a tracer older than its call blocks (schema 4): \
+             record a new session to export it"
+        )));
+    }
+    read_blocks(path, session, i64::MIN, i64::MAX, i64::MAX, emit)
+}
+
 /// The session's calls kept in its blocks only (the allocator's block events, schema 6).
 fn rowless_calls(path: &Path, session: i64) -> Result<i64> {
     let conn = open_reader(path)?;

@@ -1,0 +1,56 @@
+//! `tracer export --format perfetto -o FILE`: a session as a Perfetto trace, streamed.
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result};
+use clap::{Args, ValueEnum};
+use tracer_cli::{exit::user_error, explain, paths};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Format {
+    /// Perfetto's protobuf trace (open it in ui.perfetto.dev).
+    Perfetto,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// The output format.
+    #[arg(long, value_enum)]
+    pub format: Format,
+    /// The file to write (replaced if it exists).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
+    #[arg(long, env = paths::DB_ENV)]
+    pub db: Option<PathBuf>,
+    /// The session (default: the latest).
+    #[arg(long)]
+    pub session: Option<i64>,
+    /// Only this process.
+    #[arg(long)]
+    pub pid: Option<u32>,
+}
+
+pub fn run(args: ExportArgs) -> Result<()> {
+    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let file = std::fs::File::create(&args.output).map_err(|e| {
+        user_error(format!(
+            "cannot write {}: {e}: pick a writable path with -o",
+            args.output.display()
+        ))
+    })?;
+    let out = std::io::BufWriter::with_capacity(1 << 20, file);
+    let Format::Perfetto = args.format;
+    let (session, written) = explain::export_perfetto(&db, args.session, args.pid, out)
+        .with_context(|| format!("exporting to {}", args.output.display()))?;
+    eprintln!(
+        "tracer: session {session}: {} slices, {} counter points, {} instants on {} tracks, {} bytes in {}",
+        written.slices,
+        written.counter_points,
+        written.instants,
+        written.tracks,
+        written.bytes,
+        args.output.display()
+    );
+    Ok(())
+}

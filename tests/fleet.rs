@@ -1015,3 +1015,63 @@ fn a_killed_tracer_loses_nothing_committed_and_the_next_marks_its_session_crashe
         committed
     );
 }
+
+#[test]
+fn bad_metrics_addresses_and_export_paths_get_clear_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("t.db");
+    let run = |args: &[&str]| {
+        Command::new(TRACER)
+            .args(args)
+            .arg("--db")
+            .arg(&db)
+            .output()
+            .unwrap()
+    };
+    let stderr = |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).into_owned();
+    // Not an address.
+    let out = run(&["trace", "--metrics", "localhost"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("is not PORT, IP:PORT or [IPv6]:PORT"),
+        "{}",
+        stderr(&out)
+    );
+    // A port another program holds: refused before anything is attached or recorded.
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = run(&["trace", "--metrics", &port]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("listening on 127.0.0.1:{port} for --metrics"))
+            && stderr(&out).contains("pick another --metrics address"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!db.exists(), "nothing recorded");
+    // Export: a folder that does not exist, and a session that does not.
+    let out = run(&[
+        "export",
+        "--format",
+        "perfetto",
+        "-o",
+        "/nonexistent/t.perfetto",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("pick a writable path with -o"),
+        "{}",
+        stderr(&out)
+    );
+    let target = dir.path().join("t.perfetto");
+    let out = run(&[
+        "export",
+        "--format",
+        "perfetto",
+        "--session",
+        "99",
+        "-o",
+        target.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+}

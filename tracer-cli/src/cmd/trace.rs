@@ -139,7 +139,8 @@ pub fn run(args: TraceArgs) -> Result<()> {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
         figures_grace: if args.metrics.is_some() {
-            args.metrics_grace
+            // Zero means "no figures kept at all"; with --metrics the least is "gone at once".
+            args.metrics_grace.max(Duration::from_nanos(1))
         } else {
             Duration::ZERO
         },

@@ -90,11 +90,24 @@ pub struct ProcessFigures {
 #[derive(Clone, Debug, Default)]
 pub struct Figures {
     processes: BTreeMap<u32, ProcessFigures>,
+    /// Nothing reads them (no --metrics): the event path skips them.
+    disabled: bool,
 }
 
 impl Figures {
+    /// Figures that stay empty: every update returns at once.
+    pub fn disabled() -> Figures {
+        Figures {
+            disabled: true,
+            ..Figures::default()
+        }
+    }
+
     /// A process seen for the first time (its /proc facts).
     pub fn describe(&mut self, pid: u32, comm: &str, rank: Option<String>, pod: Option<PodRef>) {
+        if self.disabled {
+            return;
+        }
         let p = self.processes.entry(pid).or_default();
         if p.ended.is_some() {
             // A new process reusing the pid of one still in its grace period.
@@ -108,6 +121,9 @@ impl Figures {
 
     /// One call of a process (in the order its calls happened).
     pub fn apply(&mut self, e: &Event) {
+        if self.disabled {
+            return;
+        }
         let p = self
             .processes
             .entry(e.pid)
@@ -154,6 +170,9 @@ impl Figures {
     /// PyTorch raised OutOfMemoryError in a process; its message names the device
     /// ("... GPU 0 has a total capacity ...").
     pub fn oom(&mut self, pid: u32, message: &str) {
+        if self.disabled {
+            return;
+        }
         let device = message
             .split("GPU ")
             .nth(1)
@@ -169,6 +188,9 @@ impl Figures {
 
     /// An early warning fired for a process's device.
     pub fn warned(&mut self, pid: u32, device: i32) {
+        if self.disabled {
+            return;
+        }
         if let Some(p) = self.processes.get_mut(&pid) {
             p.devices.entry(device.max(-1)).or_default().warnings += 1;
         }
@@ -298,5 +320,14 @@ mod tests {
         f.exited(9, t0);
         f.describe(9, "new", None, None);
         assert!(f.get(9).unwrap().ops.is_empty() && f.get(9).unwrap().ended.is_none());
+    }
+
+    #[test]
+    fn disabled_figures_stay_empty() {
+        let mut f = Figures::disabled();
+        f.describe(9, "x", None, None);
+        f.apply(&call(Op::CudaMalloc, 2, 4096, 0, 1));
+        f.oom(9, "GPU 0");
+        assert!(f.is_empty());
     }
 }

@@ -237,6 +237,12 @@ impl Recording {
         let pid_filter = (!opts.pids.is_empty()).then(|| opts.pids.clone());
         let mut scanner = Scanner::new(explicit, pid_filter.clone(), &who);
         let shared = Arc::new(Shared::default());
+        if opts.figures_grace.is_zero() {
+            // Only the metrics endpoint reads them.
+            if let Ok(mut figures) = shared.figures.lock() {
+                *figures = Figures::disabled();
+            }
+        }
         for lib in scanner.scan(true) {
             attach_reporting(&mut probes, &lib, pid_filter.as_deref())?;
             note_probed(&shared, &lib);

@@ -260,22 +260,6 @@ fn a_workload_that_only_grows_is_growth_or_a_leak_never_fragmentation() {
     assert!(rules.contains(&"leak"), "{rules:?}");
 }
 
-/// The incident's training loop (demos/workloads/train.py), on the simulated 3 GiB device, as
-/// `tracer demo incident --duration 10s` runs it.
-fn incident_workload(sim: &Path) -> Command {
-    let mut cmd = Command::new("python3");
-    cmd.arg(workspace_file("demos/workloads/train.py"))
-        .args(["incident", "--duration", "10", "--cudart"])
-        .arg(sim.join("libcudart.so.12"))
-        .env("SIMCUDA_MEM", "3GiB")
-        .env(
-            "SIMCUDA_LATENCY",
-            "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us",
-        )
-        .env("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000");
-    cmd
-}
-
 fn env_value(env: &str, key: &str) -> u64 {
     env.lines()
         .find_map(|l| l.strip_prefix(&format!("{key}=")))
@@ -343,14 +327,7 @@ fn the_early_warning_runs_the_on_warning_command_as_the_user_before_the_oom() {
     let segment = env_value(&env, "TRACER_SEGMENT_BYTES");
     assert!(largest < request && request <= cached, "{env}");
     assert!(device_free < segment, "{env}");
-    let result: Value = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| {
-            serde_json::from_str::<Value>(l)
-                .ok()
-                .filter(|v| v["result"].is_object())
-        })
-        .unwrap();
+    let result = workload_result(&out.stdout);
     assert_eq!(result["pid"].as_u64(), Some(pid));
 
     // The same warning explain finds afterwards, with the same request; it came before the OOM.
@@ -442,14 +419,7 @@ fn the_perfetto_export_holds_every_call_the_counters_and_the_oom() {
     let out = incident_workload(&fx.sim).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
     trace.stop(SIGINT);
-    let result: Value = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| {
-            serde_json::from_str::<Value>(l)
-                .ok()
-                .filter(|v| v["result"].is_object())
-        })
-        .unwrap();
+    let result = workload_result(&out.stdout);
     let file = fx.db.with_file_name("t.perfetto");
     let export = Command::new(TRACER)
         .args(["export", "--format", "perfetto", "-o"])
@@ -463,13 +433,8 @@ fn the_perfetto_export_holds_every_call_the_counters_and_the_oom() {
         "{}",
         String::from_utf8_lossy(&export.stderr)
     );
-    let pylib = std::env::var_os("TRACER_PYLIB")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tracer/pylib")
-        });
     let decoded = Command::new("python3")
-        .env("PYTHONPATH", pylib)
+        .env("PYTHONPATH", pylib())
         .args(["-c", PERFETTO_SUMMARY])
         .arg(&file)
         .output()

@@ -28,15 +28,6 @@ fn deploy(rel: &str) -> PathBuf {
     workspace().join("deploy").join(rel)
 }
 
-/// Where scripts/setup.sh installs the Python tools (kubernetes-validate, PyYAML).
-fn pylib() -> PathBuf {
-    std::env::var_os("TRACER_PYLIB")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tracer/pylib")
-        })
-}
-
 /// The YAML documents of a file, as JSON.
 fn yaml(path: &Path) -> Vec<Value> {
     let out = Command::new("python3")
@@ -188,33 +179,6 @@ impl Drop for Prometheus {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// The incident's training loop (demos/workloads/train.py) on the simulated 3 GiB device.
-fn incident_workload(sim: &Path, seconds: &str) -> Command {
-    let mut cmd = Command::new("python3");
-    cmd.arg(workspace().join("demos/workloads/train.py"))
-        .args(["incident", "--duration", seconds, "--cudart"])
-        .arg(sim.join("libcudart.so.12"))
-        .env("SIMCUDA_MEM", "3GiB")
-        .env(
-            "SIMCUDA_LATENCY",
-            "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us",
-        )
-        .env("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000");
-    cmd
-}
-
-/// The workload's own account at its end (its `result` line).
-fn workload_result(stdout: &[u8]) -> Value {
-    String::from_utf8_lossy(stdout)
-        .lines()
-        .find_map(|l| {
-            serde_json::from_str::<Value>(l)
-                .ok()
-                .filter(|v| v["result"].is_object())
-        })
-        .expect("the workload's result line")
 }
 
 /// Every expression of the rules and the dashboard, with Grafana's variables given values.
@@ -543,7 +507,7 @@ fn a_real_prometheus_scrapes_a_live_trace_and_agrees_with_the_session() {
     let metrics = metrics_addr(&trace);
     assert!(metrics.ip().is_loopback());
     let prometheus = Prometheus::start(metrics);
-    let out = incident_workload(&fx.sim, "10").output().unwrap();
+    let out = incident_workload(&fx.sim).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
     let result = workload_result(&out.stdout);
     let pid = result["pid"].as_u64().unwrap();

@@ -334,3 +334,41 @@ pub fn total_calls(report: &Value) -> i64 {
         .map(|o| o["calls"].as_i64().unwrap())
         .sum()
 }
+
+/// The incident's training loop (demos/workloads/train.py) on the simulated 3 GiB device, as
+/// `tracer demo incident --duration 10s` runs it.
+pub fn incident_workload(sim: &Path) -> Command {
+    let mut cmd = Command::new("python3");
+    cmd.arg(workspace().join("demos/workloads/train.py"))
+        .args(["incident", "--duration", "10", "--cudart"])
+        .arg(sim.join("libcudart.so.12"))
+        .env("SIMCUDA_MEM", "3GiB")
+        .env(
+            "SIMCUDA_LATENCY",
+            "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us",
+        )
+        .env("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000");
+    cmd
+}
+
+/// The workload allocator's own account at its end (its `result` line).
+pub fn workload_result(stdout: &[u8]) -> Value {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .find_map(|l| {
+            serde_json::from_str::<Value>(l)
+                .ok()
+                .filter(|v| v["result"].is_object())
+        })
+        .expect("the workload's result line")
+}
+
+/// Where scripts/setup.sh installs the Python tools the tests use (kubernetes-validate,
+/// PyYAML, perfetto).
+pub fn pylib() -> PathBuf {
+    std::env::var_os("TRACER_PYLIB")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tracer/pylib")
+        })
+}

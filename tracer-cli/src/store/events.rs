@@ -76,18 +76,7 @@ fn check_plausible(session: i64, events: &[Event]) -> Result<()> {
 }
 
 fn load_unchecked(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Vec<Event>> {
-    let conn = open_reader(path)?;
-    let has_blocks: bool = conn
-        .query_row(
-            "SELECT call_blocks FROM sessions WHERE id = ?1",
-            [session],
-            |r| r.get::<_, i64>(0),
-        )
-        .optional()
-        .context("read the session's storage")?
-        .is_some_and(|v| v == 1);
-    drop(conn);
-    if has_blocks {
+    if has_call_blocks(path, session)? {
         match load_blocks(path, session, to_ns, pid) {
             Ok(events) => return Ok(events),
             Err(e) => {
@@ -105,11 +94,9 @@ fn load_unchecked(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Re
     load_split(path, session, to_ns, pid, 200_000)
 }
 
-/// Every call of a session recorded in call blocks, in the order the writer stored them (nearly
-/// time order: a call is stored when it returns), one block in memory at a time.
-pub fn stream(path: &Path, session: i64, emit: impl FnMut(Event)) -> Result<()> {
-    let conn = open_reader(path)?;
-    let has_blocks = conn
+/// Whether the session stores its calls in call blocks (every trace since schema 4).
+fn has_call_blocks(path: &Path, session: i64) -> Result<bool> {
+    Ok(open_reader(path)?
         .query_row(
             "SELECT call_blocks FROM sessions WHERE id = ?1",
             [session],
@@ -117,9 +104,13 @@ pub fn stream(path: &Path, session: i64, emit: impl FnMut(Event)) -> Result<()> 
         )
         .optional()
         .context("read the session's storage")?
-        .is_some_and(|v| v == 1);
-    drop(conn);
-    if !has_blocks {
+        .is_some_and(|v| v == 1))
+}
+
+/// Every call of a session recorded in call blocks, in the order the writer stored them (nearly
+/// time order: a call is stored when it returns), one block in memory at a time.
+pub fn stream(path: &Path, session: i64, emit: impl FnMut(Event)) -> Result<()> {
+    if !has_call_blocks(path, session)? {
         return Err(user_error(format!(
             "session {session} was recorded by a tracer older than its call blocks (schema 4): \
              record a new session to export it"

@@ -78,10 +78,22 @@ if ! command -v promtool >/dev/null 2>&1; then
   [ "$policy_made" -eq 0 ] || rm -f /usr/sbin/policy-rc.d
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
 fi
-# ... and the Kubernetes schemas (PyPI kubernetes-validate, with PyYAML), in a folder of their own.
+# ... and the Python tools the tests drive, in a folder of their own: the Kubernetes schemas
+# (kubernetes-validate, PyYAML), Perfetto's own protos (perfetto) to decode the exported
+# traces, a real MCP client (mcp) for `tracer mcp`, and selenium to drive headless Chromium.
 pylib="${TRACER_PYLIB:-$HOME/.cache/tracer/pylib}"
-# Perfetto's own protos (PyPI perfetto) decode the exported traces in the tests.
-if [ ! -d "$pylib/kubernetes_validate" ] || [ ! -d "$pylib/yaml" ] || [ ! -d "$pylib/perfetto" ]; then
-  log "pip install kubernetes-validate PyYAML perfetto into $pylib"
-  python3 -m pip install -q --disable-pip-version-check --target "$pylib" 'kubernetes-validate==1.37.0' 'PyYAML==6.0.3' 'perfetto==0.59.1' 'protobuf==7.36.2' >&2
+pylib_ok=1
+for module in kubernetes_validate yaml perfetto mcp selenium; do
+  [ -d "$pylib/$module" ] || pylib_ok=0
+done
+if [ "$pylib_ok" -eq 0 ]; then
+  log "pip install kubernetes-validate PyYAML perfetto mcp selenium into $pylib"
+  python3 -m pip install -q --disable-pip-version-check --upgrade --target "$pylib" \
+    'kubernetes-validate==1.37.0' 'PyYAML==6.0.3' 'perfetto==0.59.1' 'protobuf==7.36.2' \
+    'mcp==2.3.0' 'selenium==4.51.0' >&2
+fi
+# The HTML report's test opens it in headless Chromium (Debian's, with its WebDriver).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  need_root chromium
+  apt_install --no-install-recommends chromium chromium-driver
 fi

@@ -207,7 +207,7 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
     Ok((info.id, out))
 }
 
-fn process_layout(
+pub(crate) fn process_layout(
     pid: u32,
     comm: Option<String>,
     l: &crate::model::layout::Layout,
@@ -250,7 +250,7 @@ fn process_layout(
 }
 
 /// When the first out-of-memory happened: PyTorch's message, else the first failed allocation.
-fn oom_time(
+pub(crate) fn oom_time(
     db: &Path,
     conn: &rusqlite::Connection,
     session: i64,

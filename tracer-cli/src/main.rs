@@ -40,6 +40,10 @@ enum Command {
     Layout(cmd::layout::LayoutArgs),
     /// Export a session to another tool's format (Perfetto's trace, for ui.perfetto.dev).
     Export(cmd::export::ExportArgs),
+    /// Write a session as one self-contained HTML page: memory over time, the segment map, the chains.
+    Report(cmd::report::ReportArgs),
+    /// Serve a trace database to an assistant over MCP (stdio), read-only.
+    Mcp(cmd::mcp::McpArgs),
 }
 
 fn main() -> ExitCode {
@@ -55,6 +59,8 @@ fn main() -> ExitCode {
         Command::Import(args) => cmd::import::run(args),
         Command::Layout(args) => cmd::layout::run(args),
         Command::Export(args) => cmd::export::run(args),
+        Command::Report(args) => cmd::report::run(args),
+        Command::Mcp(args) => cmd::mcp::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -4,6 +4,8 @@ pub mod explain;
 pub mod export;
 pub mod import;
 pub mod layout;
+pub mod mcp;
 pub mod query;
+pub mod report;
 pub mod stacks;
 pub mod trace;

@@ -115,6 +115,17 @@ impl LiveAllocators {
         }
     }
 
+    /// A live process's layout.
+    pub fn layout(&self, pid: u32) -> Option<&Layout> {
+        Some(&self.processes.get(&pid)?.layout)
+    }
+
+    /// The device's free memory as cudaMemGetInfo last told the process, kept current with its
+    /// own allocations since.
+    pub fn device_free(&self, pid: u32, device: i32) -> Option<i64> {
+        Some(self.processes.get(&pid)?.pressure.device_free(device)?.free)
+    }
+
     /// The rank label of a process, if its environment gave one.
     pub fn rank(&self, pid: u32) -> Option<&str> {
         self.processes.get(&pid)?.rank.as_deref()

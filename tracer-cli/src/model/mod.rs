@@ -7,6 +7,7 @@ pub mod layout;
 pub mod live;
 pub mod pressure;
 mod process;
+pub mod series;
 pub mod stats;
 
 pub use event::{

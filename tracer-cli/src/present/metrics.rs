@@ -402,19 +402,7 @@ fn health_families(f: &mut Families, s: Option<&Snapshot>, health: &Health) {
         &[],
         c.events_stored,
     );
-    let losses = [
-        ("dropped_ring_full", c.dropped_ring_full),
-        ("unmatched_returns", c.unmatched_returns),
-        ("alloc_map_full", c.alloc_map_full),
-        ("inflight_full", c.inflight_full),
-        ("decode_errors", c.decode_errors),
-        ("offcpu_dropped", c.offcpu_dropped),
-        ("tail_call_failed", c.tail_call_failed),
-        ("map_insert_failed", c.map_insert_failed),
-        ("calls_abandoned", c.calls_abandoned),
-        ("mappings_lost", c.mappings_lost),
-    ];
-    for (counter, v) in losses {
+    for (counter, v) in c.losses() {
         f.counter(
             "tracer_lost_total",
             "What tracer could not keep, by the session counter that counts it (dropped_ring_full: events lost to a full ring buffer).",

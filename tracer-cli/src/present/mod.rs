@@ -8,6 +8,7 @@ pub mod layout;
 pub mod live;
 pub mod metrics;
 pub mod perfetto;
+pub mod report;
 pub mod rows;
 pub mod stacks;
 pub mod summary;

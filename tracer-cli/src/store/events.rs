@@ -436,6 +436,99 @@ fn load_range(
     Ok(out)
 }
 
+/// A session's row: when, what, and the counters of what was and was not kept.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SessionSummary {
+    pub id: i64,
+    pub started_ns: i64,
+    pub ended_ns: Option<i64>,
+    pub status: String,
+    pub source: String,
+    pub command: Option<String>,
+    pub counters: crate::store::SessionCounters,
+    /// Events deleted by --max-db eviction.
+    pub evicted_events: u64,
+}
+
+impl SessionSummary {
+    /// Everything tracer could not keep, summed.
+    pub fn lost(&self) -> u64 {
+        self.counters.losses().iter().map(|(_, v)| v).sum::<u64>() + self.evicted_events
+    }
+}
+
+const SUMMARY_COLUMNS: &str =
+    "id, started_ns, ended_ns, status, source, command, entries, submitted,
+    dropped_ring_full, unmatched_returns, alloc_map_full, inflight_full, events_read, events_stored,
+    decode_errors, offcpu_submitted, offcpu_dropped, tail_call_failed, map_insert_failed,
+    calls_abandoned, calls_before_interpreter, mappings_lost, evicted_events";
+
+fn summary_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionSummary> {
+    let n = |i: usize| -> rusqlite::Result<u64> { Ok(r.get::<_, i64>(i)?.max(0) as u64) };
+    Ok(SessionSummary {
+        id: r.get(0)?,
+        started_ns: r.get(1)?,
+        ended_ns: r.get(2)?,
+        status: r.get(3)?,
+        source: r.get(4)?,
+        command: r.get(5)?,
+        counters: crate::store::SessionCounters {
+            entries: n(6)?,
+            submitted: n(7)?,
+            dropped_ring_full: n(8)?,
+            unmatched_returns: n(9)?,
+            alloc_map_full: n(10)?,
+            inflight_full: n(11)?,
+            events_read: n(12)?,
+            events_stored: n(13)?,
+            decode_errors: n(14)?,
+            offcpu_submitted: n(15)?,
+            offcpu_dropped: n(16)?,
+            tail_call_failed: n(17)?,
+            map_insert_failed: n(18)?,
+            calls_abandoned: n(19)?,
+            calls_before_interpreter: n(20)?,
+            mappings_lost: n(21)?,
+        },
+        evicted_events: n(22)?,
+    })
+}
+
+/// The newest sessions first, at most `limit`.
+pub fn session_summaries(conn: &Connection, limit: u32) -> Result<Vec<SessionSummary>> {
+    let mut stmt = conn
+        .prepare(&format!(
+            "SELECT {SUMMARY_COLUMNS} FROM sessions ORDER BY id DESC LIMIT ?1"
+        ))
+        .context("read sessions")?;
+    let rows = stmt
+        .query_map([limit], summary_row)
+        .context("read sessions")?
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .context("read sessions")?;
+    Ok(rows)
+}
+
+/// One session's row (it exists: found by [`session`]).
+pub fn session_summary(conn: &Connection, id: i64) -> Result<SessionSummary> {
+    conn.query_row(
+        &format!("SELECT {SUMMARY_COLUMNS} FROM sessions WHERE id = ?1"),
+        [id],
+        summary_row,
+    )
+    .with_context(|| format!("read session {id}"))
+}
+
+/// The first and last call times of a session stored in call blocks.
+pub fn block_span(conn: &Connection, session: i64) -> Result<Option<(i64, i64)>> {
+    conn.query_row(
+        "SELECT min(min_ts_ns), max(max_ts_ns) FROM call_blocks WHERE session_id = ?1",
+        [session],
+        |r| Ok(r.get::<_, Option<i64>>(0)?.zip(r.get::<_, Option<i64>>(1)?)),
+    )
+    .with_context(|| format!("read the span of session {session}"))
+}
+
 /// Process names of a session (from /proc at first sight).
 pub fn comms(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {
     let mut stmt =

@@ -28,6 +28,24 @@ pub enum Access {
     ReadOnly,
 }
 
+impl SessionCounters {
+    /// What tracer could not keep, by the session column that counts it.
+    pub fn losses(&self) -> [(&'static str, u64); 10] {
+        [
+            ("dropped_ring_full", self.dropped_ring_full),
+            ("unmatched_returns", self.unmatched_returns),
+            ("alloc_map_full", self.alloc_map_full),
+            ("inflight_full", self.inflight_full),
+            ("decode_errors", self.decode_errors),
+            ("offcpu_dropped", self.offcpu_dropped),
+            ("tail_call_failed", self.tail_call_failed),
+            ("map_insert_failed", self.map_insert_failed),
+            ("calls_abandoned", self.calls_abandoned),
+            ("mappings_lost", self.mappings_lost),
+        ]
+    }
+}
+
 /// What a session records about itself at its start.
 #[derive(Debug, Default, Serialize)]
 pub struct SessionStart {

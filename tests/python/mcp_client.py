@@ -1,0 +1,95 @@
+"""A real MCP client (PyPI mcp) driving `tracer mcp` over stdio; prints what it saw as JSON.
+
+usage: mcp_client.py TRACER DB live|full
+  live: the database a running trace is writing: sessions and one query.
+  full: every tool and the prompt, and the refusals, with how long each refusal took.
+"""
+import asyncio
+import json
+import sys
+import time
+
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+
+def text_of(result):
+    return "".join(getattr(c, "text", "") for c in result.content)
+
+
+async def call(session, name, args):
+    started = time.monotonic()
+    result = await session.call_tool(name, args)
+    return {
+        "is_error": bool(result.is_error),
+        "structured": result.structured_content,
+        "text": text_of(result),
+        "seconds": time.monotonic() - started,
+    }
+
+
+async def main(tracer, db, mode):
+    params = StdioServerParameters(command=tracer, args=["mcp", "--db", db])
+    out = {}
+    async with stdio_client(params) as (read, write):
+        async with ClientSession(read, write) as session:
+            init = await session.initialize()
+            out["server"] = init.server_info.name
+            if mode == "live":
+                out["sessions"] = await call(session, "sessions", {})
+                out["count"] = await call(session, "query", {"sql": "SELECT count(*) AS n FROM events"})
+                print(json.dumps(out))
+                return
+            tools = await session.list_tools()
+            out["tools"] = {
+                t.name: {"output_schema": t.output_schema is not None, "description": t.description}
+                for t in tools.tools
+            }
+            prompts = await session.list_prompts()
+            out["prompts"] = [p.name for p in prompts.prompts]
+            prompt = await session.get_prompt("investigate", {})
+            out["prompt"] = "".join(m.content.text for m in prompt.messages)
+            out["sessions"] = await call(session, "sessions", {})
+            out["explain"] = await call(session, "explain", {})
+            out["op_stats"] = await call(session, "op_stats", {"window_s": 2.0, "op": "cudaMalloc"})
+            out["stacks"] = await call(session, "stacks", {"top": 5})
+            out["layout_oom"] = await call(session, "layout", {"at": "oom"})
+            out["query"] = await call(
+                session,
+                "query",
+                {"sql": "SELECT op, count(*) AS n FROM events GROUP BY op ORDER BY op"},
+            )
+            refusals = {
+                "write": {"sql": "DELETE FROM sessions"},
+                "attach": {"sql": "ATTACH DATABASE '/tmp/tracer-mcp-attach.db' AS other"},
+                "write_after_read": {"sql": "SELECT 1; DROP TABLE sessions"},
+                "two_statements": {"sql": "SELECT 1; SELECT 2"},
+                "pragma_write": {"sql": "PRAGMA user_version = 99"},
+                "runaway": {
+                    "sql": "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT count(*) FROM r"
+                },
+            }
+            out["refused"] = {k: await call(session, "query", v) for k, v in refusals.items()}
+            out["oversized_rows"] = await call(
+                session,
+                "query",
+                {"sql": "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 100000) SELECT i FROM r", "max_rows": 100000},
+            )
+            out["oversized_bytes"] = await call(
+                session,
+                "query",
+                {"sql": "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 400) SELECT i, printf('%.*c', 1000, 'x') AS pad FROM r", "max_rows": 500},
+            )
+            out["bad_session"] = await call(session, "explain", {"session": 999999})
+            out["bad_op"] = await call(session, "op_stats", {"op": "rm -rf"})
+            out["no_such_tool"] = None
+            try:
+                r = await session.call_tool("trace", {})
+                out["no_such_tool"] = {"is_error": bool(r.is_error), "text": text_of(r)}
+            except Exception as e:  # a protocol error: the client raises
+                out["no_such_tool"] = {"raised": str(e)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))

@@ -1,0 +1,460 @@
+//! Where people look, end to end on a recorded incident (root): the HTML report opened in
+//! headless Chromium, and `tracer mcp` driven by a real MCP client; both checked against
+//! `tracer explain --json`, `tracer query`, `tracer layout` and the workload's own account.
+
+mod common;
+
+use std::{path::Path, process::Command};
+
+use common::*;
+use serde_json::Value;
+
+const SIGINT: i32 = 2;
+
+/// Records the incident workload with --stack; the workload's own account.
+fn record_incident(fx: &Fixture, while_running: impl FnOnce()) -> Value {
+    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
+    let trace = Trace::start(
+        &fx.db,
+        &[
+            "--lib",
+            &lib("libcudart.so.12"),
+            "--lib",
+            &lib("libsimtorch.so"),
+            "--stack",
+            "--quiet",
+        ],
+    );
+    let out = incident_workload(&fx.sim).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
+    while_running();
+    trace.stop(SIGINT);
+    workload_result(&out.stdout)
+}
+
+fn tracer_json(db: &Path, args: &[&str]) -> Value {
+    let out = Command::new(TRACER)
+        .args(args)
+        .arg("--db")
+        .arg(db)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tracer {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn python(script: &str, args: &[&std::ffi::OsStr]) -> Value {
+    let out = Command::new("python3")
+        .env("PYTHONPATH", pylib())
+        .arg(workspace().join("tests/python").join(script))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{script} printed no JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// The JSON the page embeds, read from the file itself.
+fn embedded_data(html: &str) -> Value {
+    let start = html
+        .find(r#"<script type="application/json" id="data">"#)
+        .expect("the data element");
+    let body = &html[start..];
+    let body = &body[body.find('>').unwrap() + 1..];
+    let end = body.find("</script>").unwrap();
+    serde_json::from_str(&body[..end]).unwrap()
+}
+
+fn number(text: &str) -> i64 {
+    text.replace(',', "")
+        .parse()
+        .unwrap_or_else(|_| panic!("{text:?}"))
+}
+
+#[test]
+fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures() {
+    let Some(fx) = Fixture::new() else { return };
+    let result = record_incident(&fx, || {});
+    let r = &result["result"];
+    let dir = fx.db.parent().unwrap();
+    let html_path = dir.join("report.html");
+    let out = Command::new(TRACER)
+        .args(["report", "-o"])
+        .arg(&html_path)
+        .arg("--db")
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let html = std::fs::read_to_string(&html_path).unwrap();
+    // Self-contained: no reference to anything outside the file, every request forbidden.
+    for outside in ["src=\"http", "href=\"http", "<link ", "@import", "src=\"//"] {
+        assert!(
+            !html.contains(outside),
+            "the page refers outside: {outside}"
+        );
+    }
+    assert!(html.contains("default-src 'none'"));
+    let data = embedded_data(&html);
+    let explain = tracer_json(&fx.db, &["explain", "--json"]);
+    assert_eq!(data["explain"], explain, "the embedded report is explain's");
+
+    let screenshot = std::env::var_os("TRACER_REPORT_SCREENSHOT")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| dir.join("report.png"));
+    let profile = tempfile::tempdir().unwrap();
+    let seen = python(
+        "report_browser.py",
+        &[
+            html_path.as_os_str(),
+            screenshot.as_os_str(),
+            profile.path().as_os_str(),
+        ],
+    );
+    eprintln!(
+        "report: {} bytes, loaded and drawn in {:.2} s",
+        html.len(),
+        seen["load_seconds"].as_f64().unwrap()
+    );
+    // Loads with no console message and no request but the file itself.
+    assert_eq!(seen["console"], serde_json::json!([]), "{seen:#}");
+    assert_eq!(seen["requests"], serde_json::json!([seen["url"]]));
+    let lines = data["lines"].as_array().unwrap().len();
+    assert!(lines >= 1);
+    assert_eq!(
+        seen["ready"],
+        lines * 3,
+        "three charts per process and device"
+    );
+    assert_eq!(seen["canvases"], lines * 3);
+    assert_eq!(seen["data"], data, "the browser read the same data");
+    let png = std::fs::read(&screenshot).unwrap();
+    assert!(png.len() > 10_000 && png.starts_with(b"\x89PNG"));
+
+    // The visible text says what explain --json says.
+    let chains = explain["chains"].as_array().unwrap();
+    assert!(!chains.is_empty());
+    let titles: Vec<String> = chains
+        .iter()
+        .map(|c| {
+            format!(
+                "[{}] {} (pid {}, {})",
+                c["severity"].as_str().unwrap(),
+                c["title"].as_str().unwrap(),
+                c["pid"],
+                c["rule"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(seen["chain_titles"], serde_json::json!(titles));
+    for p in explain["processes"].as_array().unwrap() {
+        let rows = seen["ops"][p["pid"].to_string()].as_array().unwrap();
+        let ops = p["ops"].as_array().unwrap();
+        assert_eq!(rows.len(), ops.len());
+        for (row, op) in rows.iter().zip(ops) {
+            assert_eq!(row[0], op["op"]);
+            assert_eq!(
+                number(row[1].as_str().unwrap()),
+                op["calls"].as_i64().unwrap()
+            );
+            assert_eq!(
+                number(row[2].as_str().unwrap()),
+                op["errors"].as_i64().unwrap()
+            );
+            assert_eq!(
+                number(row[6].as_str().unwrap()),
+                op["bytes"].as_i64().unwrap()
+            );
+        }
+    }
+    let summary = seen["summary"].as_str().unwrap();
+    let in_window = explain["events_in_window"].as_i64().unwrap();
+    assert!(
+        summary.contains(&format!(
+            "{} calls in it",
+            in_window
+                .to_string()
+                .as_bytes()
+                .rchunks(3)
+                .rev()
+                .map(|c| std::str::from_utf8(c).unwrap())
+                .collect::<Vec<_>>()
+                .join(",")
+        )),
+        "{summary}"
+    );
+    let session = &query(&fx.db, "SELECT * FROM sessions ORDER BY id DESC LIMIT 1")[0];
+    let losses = seen["losses"].as_object().unwrap();
+    assert_eq!(losses.len(), 11);
+    for (name, shown) in losses {
+        assert_eq!(
+            number(shown.as_str().unwrap()),
+            session[name].as_i64().unwrap(),
+            "{name}"
+        );
+    }
+
+    // The map opens at the OOM and equals `tracer layout --at oom`; the end's equals the
+    // workload allocator's own account.
+    assert!(
+        seen["snapshot_label"]
+            .as_str()
+            .unwrap()
+            .starts_with("at the OOM"),
+        "{}",
+        seen["snapshot_label"]
+    );
+    assert!(seen["segments"].as_i64().unwrap() > 0 && seen["runs"].as_i64().unwrap() > 0);
+    let snapshots = data["snapshots"].as_array().unwrap();
+    let at = |label: &str| {
+        snapshots
+            .iter()
+            .find(|s| s["label"] == label)
+            .unwrap_or_else(|| panic!("no {label} map"))
+    };
+    let oom = tracer_json(&fx.db, &["layout", "--at", "oom", "--json"]);
+    let oom_map = &at("oom")["processes"][0];
+    assert_eq!(oom_map["devices"], oom[0]["devices"]);
+    assert_eq!(oom_map["segments"], oom[0]["segments"]);
+    let end = &at("end")["processes"][0]["devices"][0]["total"];
+    assert_eq!(end["allocated"], r["allocated"]);
+    assert_eq!(end["reserved"], r["reserved"]);
+    assert_eq!(end["largest_free"], r["largest_free_block"]);
+    // The marks: the OOM, and every failed allocation and retry the session recorded.
+    let markers = data["markers"].as_array().unwrap();
+    let kinds = |k: &str| markers.iter().filter(|m| m["kind"] == k).count() as i64;
+    assert_eq!(kinds("oom"), r["num_ooms"].as_i64().unwrap());
+    assert_eq!(kinds("retry"), r["num_alloc_retries"].as_i64().unwrap());
+    assert_eq!(
+        kinds("failed"),
+        scalar(
+            &fx.db,
+            "SELECT count(*) FROM events WHERE op = 'cudaMalloc' AND ret != 0"
+        )
+    );
+    assert!(kinds("warning") >= 1);
+    // The charts' highest reserved is the session's peak (a point keeps its interval's highest).
+    let peak = explain["devices"][0]["peak_reserved"].as_i64().unwrap();
+    let reserved_max = data["lines"][0]["reserved"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_i64)
+        .max()
+        .unwrap();
+    assert_eq!(reserved_max, peak);
+}
+
+#[test]
+fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
+    let Some(fx) = Fixture::new() else { return };
+    let tracer = Path::new(TRACER).as_os_str().to_owned();
+    let db = fx.db.as_os_str().to_owned();
+    // While the trace still runs: the server reads what it has committed.
+    let mut live = Value::Null;
+    record_incident(&fx, || {
+        live = python("mcp_client.py", &[&tracer, &db, "live".as_ref()]);
+    });
+    assert_eq!(live["server"], "tracer");
+    assert_eq!(
+        live["sessions"]["structured"]["sessions"][0]["status"],
+        "running"
+    );
+    assert!(live["count"]["structured"]["rows"][0][0].as_i64().unwrap() > 0);
+
+    let sessions_before = scalar(&fx.db, "SELECT count(*) FROM sessions");
+    let seen = python("mcp_client.py", &[&tracer, &db, "full".as_ref()]);
+    let tools = seen["tools"].as_object().unwrap();
+    let mut names: Vec<&str> = tools.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        ["explain", "layout", "op_stats", "query", "sessions", "stacks"]
+    );
+    assert!(tools.values().all(|t| t["output_schema"] == true));
+    assert!(tools["query"]["description"]
+        .as_str()
+        .unwrap()
+        .contains("events("));
+    assert_eq!(seen["prompts"], serde_json::json!(["investigate"]));
+    assert!(seen["prompt"].as_str().unwrap().contains("`explain`"));
+    for tool in [
+        "sessions",
+        "explain",
+        "op_stats",
+        "stacks",
+        "layout_oom",
+        "query",
+    ] {
+        assert_eq!(
+            seen[tool]["is_error"], false,
+            "{tool}: {}",
+            seen[tool]["text"]
+        );
+    }
+
+    // sessions: the session's own row.
+    let row = &query(&fx.db, "SELECT * FROM sessions ORDER BY id DESC LIMIT 1")[0];
+    let s = &seen["sessions"]["structured"]["sessions"][0];
+    assert_eq!(s["id"], row["id"]);
+    assert_eq!(s["status"], row["status"]);
+    assert_eq!(s["stored"], row["events_stored"]);
+    assert_eq!(s["lost"], 0);
+
+    // explain: the chains and the per-process tables of explain --json.
+    let explain = tracer_json(&fx.db, &["explain", "--json"]);
+    let e = &seen["explain"]["structured"];
+    assert_eq!(e["s"], explain["session"]);
+    assert_eq!(e["n"], explain["events_in_window"]);
+    let chains = explain["chains"].as_array().unwrap();
+    let got = e["ch"].as_array().unwrap();
+    assert_eq!(got.len(), chains.len());
+    for (g, c) in got.iter().zip(chains) {
+        assert_eq!(g["r"], c["rule"]);
+        assert_eq!(g["sev"], c["severity"]);
+        assert_eq!(g["t"], c["title"]);
+        assert_eq!(g["pid"], c["pid"]);
+        assert_eq!(g["fix"], c["fix"]);
+    }
+    for (g, p) in e["pr"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(explain["processes"].as_array().unwrap())
+    {
+        assert_eq!(g["pid"], p["pid"]);
+        for (go, o) in g["ops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(p["ops"].as_array().unwrap())
+        {
+            assert_eq!(go["op"], o["op"]);
+            assert_eq!(go["n"], o["calls"]);
+            assert_eq!(go["err"], o["errors"]);
+            assert_eq!(go["p50_ns"], o["p50_ns"]);
+            assert_eq!(go["p99_ns"], o["p99_ns"]);
+            assert_eq!(go["b"], o["bytes"]);
+        }
+    }
+
+    // op_stats: the same windows counted by SQL over the events view.
+    let stats = &seen["op_stats"]["structured"];
+    let t0 = stats["t0_ns"].as_i64().unwrap();
+    let by_sql = query(
+        &fx.db,
+        &format!(
+            "SELECT (ts_ns - {t0}) / 2000000000 AS w, count(*) AS n, sum(ret != 0) AS err,
+                    max(duration_ns) AS mx, coalesce(sum(CASE WHEN ret = 0 THEN size END), 0) AS b
+             FROM events WHERE session_id = {} AND op = 'cudaMalloc' GROUP BY w ORDER BY w",
+            row["id"]
+        ),
+    );
+    let rows = stats["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), by_sql.len());
+    for (g, want) in rows.iter().zip(&by_sql) {
+        assert_eq!(g["w"].as_f64().unwrap(), want["w"].as_f64().unwrap() * 2.0);
+        assert_eq!(g["n"], want["n"]);
+        assert_eq!(g["err"], want["err"]);
+        assert_eq!(g["max_ns"], want["mx"]);
+        assert_eq!(g["b"], want["b"]);
+    }
+
+    // stacks: tracer stacks' top call sites.
+    let stacks = tracer_json(&fx.db, &["stacks", "--json", "--top", "5"]);
+    let sites = seen["stacks"]["structured"]["sites"].as_array().unwrap();
+    assert!(!sites.is_empty());
+    for (g, want) in sites.iter().zip(stacks.as_array().unwrap()) {
+        assert_eq!(g["id"], want["stack_id"]);
+        assert_eq!(g["n"], want["calls"]);
+        assert_eq!(g["py"], want["python"]);
+    }
+
+    // layout at the OOM: tracer layout's figures.
+    let oom = tracer_json(&fx.db, &["layout", "--at", "oom", "--json"]);
+    let l = &seen["layout_oom"]["structured"]["procs"][0];
+    assert_eq!(l["pid"], oom[0]["pid"]);
+    let (got, want) = (&l["devs"][0], &oom[0]["devices"][0]["total"]);
+    for field in ["allocated", "reserved", "free_blocks", "largest_free"] {
+        assert_eq!(got[field], want[field], "{field}");
+    }
+    assert_eq!(
+        l["seg_count"].as_u64().unwrap() as usize,
+        oom[0]["segments"].as_array().unwrap().len()
+    );
+
+    // query: tracer query's rows.
+    let q = &seen["query"]["structured"];
+    let want = query(
+        &fx.db,
+        "SELECT op, count(*) AS n FROM events GROUP BY op ORDER BY op",
+    );
+    assert_eq!(q["cols"], serde_json::json!(["op", "n"]));
+    let rows = q["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), want.len());
+    for (g, w) in rows.iter().zip(&want) {
+        assert_eq!(g[0], w["op"]);
+        assert_eq!(g[1], w["n"]);
+    }
+
+    // Refusals are tool errors, in words, within their limits; nothing was written.
+    for (case, says) in [
+        ("write", "read-only"),
+        ("attach", "read-only"),
+        ("write_after_read", "refused"),
+        ("two_statements", "one statement"),
+        ("pragma_write", "read-only"),
+        ("runaway", "limit"),
+    ] {
+        let r = &seen["refused"][case];
+        assert_eq!(r["is_error"], true, "{case}: {r}");
+        assert!(r["text"].as_str().unwrap().contains(says), "{case}: {r}");
+    }
+    let runaway = seen["refused"]["runaway"]["seconds"].as_f64().unwrap();
+    assert!(runaway < 15.0, "the runaway query ran {runaway} s");
+    let big = &seen["oversized_rows"]["structured"];
+    assert_eq!(big["truncated"], true);
+    assert_eq!(big["rows"].as_array().unwrap().len(), 500);
+    let wide = &seen["oversized_bytes"]["structured"];
+    assert_eq!(wide["truncated"], true);
+    let wide_bytes = serde_json::to_string(&wide["rows"]).unwrap().len();
+    assert!(wide_bytes <= 70 * 1024, "{wide_bytes} bytes of rows");
+    assert!(!wide["rows"].as_array().unwrap().is_empty());
+    assert_eq!(seen["bad_session"]["is_error"], true);
+    assert!(seen["bad_session"]["text"]
+        .as_str()
+        .unwrap()
+        .contains("no session 999999"));
+    assert_eq!(seen["bad_op"]["is_error"], true);
+    assert!(seen["bad_op"]["text"]
+        .as_str()
+        .unwrap()
+        .contains("no op named"));
+    let unknown = &seen["no_such_tool"];
+    assert!(
+        unknown["is_error"] == true || unknown["raised"].is_string(),
+        "{unknown}"
+    );
+    assert!(!Path::new("/tmp/tracer-mcp-attach.db").exists());
+    assert_eq!(
+        scalar(&fx.db, "SELECT count(*) FROM sessions"),
+        sessions_before
+    );
+}

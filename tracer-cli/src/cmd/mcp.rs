@@ -1,0 +1,26 @@
+//! `tracer mcp`: an MCP server over stdio for assistants (Claude, Cursor, any MCP client),
+//! read-only over a trace database. stdout carries only the protocol; logs go to stderr.
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+use tracer_cli::{paths, store};
+
+#[derive(Debug, Args)]
+pub struct McpArgs {
+    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
+    #[arg(long, env = paths::DB_ENV)]
+    pub db: Option<PathBuf>,
+}
+
+pub fn run(args: McpArgs) -> Result<()> {
+    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    // Fail at once, with the fix, rather than at the first tool call.
+    store::Store::open(&db, store::Access::ReadOnly)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the MCP server's runtime")?;
+    runtime.block_on(tracer_cli::mcp::serve(db))
+}

@@ -1,0 +1,927 @@
+//! `tracer mcp`: an MCP server over stdio that lets an assistant investigate a trace database,
+//! read-only. Every tool opens its own read-only connection (so a database a live trace is
+//! writing shows its newest sessions), answers in abbreviated fields whose meaning each tool's
+//! description gives, and bounds what it returns. Errors and refusals come back as tool results
+//! marked as errors. Nothing here can write, attach another database, trace or run a demo.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result};
+use rmcp::{
+    handler::server::{
+        router::{prompt::PromptRouter, tool::ToolRouter},
+        wrapper::Parameters,
+    },
+    model::{
+        GetPromptResult, Implementation, PromptMessage, Role, ServerCapabilities, ServerConfig,
+    },
+    prompt, prompt_handler, prompt_router, tool, tool_handler, tool_router, Json, ServerHandler,
+};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use tracer_common::OpClass;
+
+use crate::{
+    analysis::select_quantile,
+    explain::{self, At, ExplainQuery, LayoutQuery},
+    store::{events, readonly, Access, Store},
+    units::format_utc,
+};
+
+/// Rows a query returns at most (and by default).
+pub const MAX_ROWS: u32 = 500;
+const DEFAULT_ROWS: u32 = 100;
+/// Bytes of cell text a query returns at most.
+pub const MAX_QUERY_BYTES: usize = 64 * 1024;
+/// How long one query may run.
+pub const QUERY_TIME: Duration = Duration::from_secs(5);
+/// Time windows op_stats returns at most.
+const MAX_WINDOWS: usize = 300;
+/// Chains, timeline entries and processes an explain answer holds at most.
+const MAX_CHAINS: usize = 20;
+const MAX_TIMELINE: usize = 8;
+const MAX_PROCESSES: usize = 32;
+
+/// Sizes for people: 1.5 GiB.
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// The server: the database it reads.
+#[derive(Clone)]
+pub struct TracerMcp {
+    db: Arc<PathBuf>,
+    tool_router: ToolRouter<Self>,
+    prompt_router: PromptRouter<Self>,
+}
+
+/// A tool's failure, as the text of an error result.
+fn failure(e: anyhow::Error) -> String {
+    match e.downcast_ref::<crate::exit::Coded>() {
+        Some(coded) => coded.to_string(),
+        None => format!("{e:#}"),
+    }
+}
+
+impl TracerMcp {
+    /// Runs blocking database work off the protocol's thread; its error becomes the result's text.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Path) -> Result<T> + Send + 'static,
+    ) -> Result<T, String> {
+        let db = Arc::clone(&self.db);
+        tokio::task::spawn_blocking(move || work(&db))
+            .await
+            .map_err(|e| format!("the tool's work failed: {e}"))?
+            .map_err(failure)
+    }
+}
+
+// ---- sessions ----
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct SessionsArgs {
+    /// How many sessions, newest first (default 20, at most 50).
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct SessionOut {
+    pub id: i64,
+    /// Started, UTC.
+    pub start: String,
+    pub start_ns: i64,
+    pub end_ns: Option<i64>,
+    /// recording, running, ended, crashed...
+    pub status: String,
+    pub source: String,
+    pub cmd: Option<String>,
+    /// Events stored.
+    pub stored: u64,
+    /// Everything not kept, summed; `losses` names the non-zero counters.
+    pub lost: u64,
+    pub losses: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct SessionsOut {
+    pub sessions: Vec<SessionOut>,
+}
+
+pub fn sessions(db: &Path, args: &SessionsArgs) -> Result<SessionsOut> {
+    let store = Store::open(db, Access::ReadOnly)?;
+    let limit = args.limit.unwrap_or(20).clamp(1, 50);
+    let sessions = events::session_summaries(store.conn(), limit)?
+        .into_iter()
+        .map(|s| {
+            let mut losses: BTreeMap<String, u64> = s
+                .counters
+                .losses()
+                .into_iter()
+                .filter(|(_, v)| *v > 0)
+                .map(|(k, v)| (k.to_owned(), v))
+                .collect();
+            if s.evicted_events > 0 {
+                losses.insert("evicted_events".into(), s.evicted_events);
+            }
+            SessionOut {
+                id: s.id,
+                start: format_utc(s.started_ns),
+                start_ns: s.started_ns,
+                end_ns: s.ended_ns,
+                stored: s.counters.events_stored,
+                lost: s.lost(),
+                losses,
+                status: s.status,
+                source: s.source,
+                cmd: s.command,
+            }
+        })
+        .collect();
+    Ok(SessionsOut { sessions })
+}
+
+// ---- explain ----
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct ExplainArgs {
+    /// The session (default: the latest).
+    pub session: Option<i64>,
+    /// Only the last seconds of the session.
+    pub since_s: Option<f64>,
+    /// Only this process.
+    pub pid: Option<u32>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ChainOut {
+    /// rule
+    pub r: String,
+    /// severity
+    pub sev: String,
+    pub pid: u32,
+    /// title
+    pub t: String,
+    pub root: String,
+    /// effect
+    pub eff: String,
+    /// compounding
+    pub cmp: Vec<String>,
+    /// timeline: [seconds since the window's start, text]
+    pub tl: Vec<(f64, String)>,
+    pub fix: Vec<String>,
+    /// evidence
+    pub ev: String,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct OpOut {
+    pub op: String,
+    /// calls
+    pub n: u64,
+    /// errors
+    pub err: u64,
+    pub p50_ns: u64,
+    pub p99_ns: u64,
+    pub max_ns: u64,
+    /// bytes, and in human units
+    pub b: u64,
+    pub bh: String,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ProcOut {
+    pub pid: u32,
+    pub comm: Option<String>,
+    pub ops: Vec<OpOut>,
+    /// warnings
+    pub warn: Vec<String>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct DevOut {
+    pub pid: u32,
+    /// device
+    pub d: i32,
+    /// view: blocks (PyTorch's probes seen) or segments
+    pub v: String,
+    /// peak device memory held, and in human units
+    pub held: u64,
+    pub held_h: String,
+    /// peak reserved and allocated (blocks view)
+    pub res: u64,
+    pub alloc: u64,
+    /// highest fragmentation ratio
+    pub frag: f64,
+    /// failed allocations
+    pub fail: u64,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ExplainOut {
+    /// session
+    pub s: i64,
+    /// window [from_ns, to_ns] and as UTC text
+    pub w: (i64, i64),
+    pub wt: String,
+    /// calls in the window
+    pub n: u64,
+    /// causal chains, most severe first
+    pub ch: Vec<ChainOut>,
+    /// per process
+    pub pr: Vec<ProcOut>,
+    /// per process and device
+    pub dev: Vec<DevOut>,
+    /// what was left out to keep the answer short: chains, processes
+    pub omitted: (usize, usize),
+}
+
+pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
+    let since = match args.since_s {
+        Some(s) if !(s > 0.0 && s < 1e10) => {
+            return Err(crate::exit::user_error(format!(
+                "since_s {s} is not a number of seconds between 0 and 1e10"
+            )))
+        }
+        s => s.map(Duration::from_secs_f64),
+    };
+    let r = explain::explain(
+        db,
+        &ExplainQuery {
+            session: args.session,
+            since,
+            pid: args.pid,
+            ..Default::default()
+        },
+    )?
+    .report;
+    let from = r.window.from_ns;
+    let chains = r.chains.len();
+    let processes = r.processes.len();
+    Ok(ExplainOut {
+        s: r.session,
+        w: (r.window.from_ns, r.window.to_ns),
+        wt: format!(
+            "{} - {}",
+            format_utc(r.window.from_ns),
+            format_utc(r.window.to_ns)
+        ),
+        n: r.events_in_window,
+        ch: r
+            .chains
+            .iter()
+            .take(MAX_CHAINS)
+            .map(|c| ChainOut {
+                r: c.rule.to_owned(),
+                sev: format!("{:?}", c.severity).to_uppercase(),
+                pid: c.pid,
+                t: c.title.clone(),
+                root: c.root.clone(),
+                eff: c.effect.clone(),
+                cmp: c.compounding.clone(),
+                tl: c
+                    .timeline
+                    .iter()
+                    .take(MAX_TIMELINE)
+                    .map(|e| ((e.ts_ns - from) as f64 / 1e9, e.text.clone()))
+                    .collect(),
+                fix: c.fix.clone(),
+                ev: c.evidence.clone(),
+            })
+            .collect(),
+        pr: r
+            .processes
+            .iter()
+            .take(MAX_PROCESSES)
+            .map(|p| ProcOut {
+                pid: p.pid,
+                comm: p.comm.clone(),
+                ops: p
+                    .ops
+                    .iter()
+                    .map(|o| OpOut {
+                        op: o.op.to_owned(),
+                        n: o.calls,
+                        err: o.errors,
+                        p50_ns: o.p50_ns,
+                        p99_ns: o.p99_ns,
+                        max_ns: o.max_ns,
+                        b: o.bytes,
+                        bh: human(o.bytes),
+                    })
+                    .collect(),
+                warn: p.warnings.clone(),
+            })
+            .collect(),
+        dev: r
+            .devices
+            .iter()
+            .take(MAX_PROCESSES * 8)
+            .map(|d| DevOut {
+                pid: d.pid,
+                d: d.device,
+                v: d.view.to_owned(),
+                held: d.peak_held,
+                held_h: human(d.peak_held),
+                res: d.peak_reserved,
+                alloc: d.peak_allocated,
+                frag: d.fragmentation,
+                fail: d.failures,
+            })
+            .collect(),
+        omitted: (
+            chains.saturating_sub(MAX_CHAINS),
+            processes.saturating_sub(MAX_PROCESSES),
+        ),
+    })
+}
+
+// ---- query ----
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct QueryArgs {
+    /// One read-only SQL statement.
+    pub sql: String,
+    /// Rows to return at most (default 100, at most 500).
+    pub max_rows: Option<u32>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct QueryOut {
+    pub cols: Vec<String>,
+    pub rows: Vec<Vec<serde_json::Value>>,
+    /// More rows, or more bytes, than the limits: the rest was not read.
+    pub truncated: bool,
+}
+
+/// Why a query stopped early.
+#[derive(Debug)]
+struct Enough;
+impl std::fmt::Display for Enough {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("limit reached")
+    }
+}
+impl std::error::Error for Enough {}
+
+pub fn query(db: &Path, args: &QueryArgs) -> Result<QueryOut> {
+    let store = Store::open(db, Access::ReadOnly)?;
+    let max_rows = args.max_rows.unwrap_or(DEFAULT_ROWS).clamp(1, MAX_ROWS) as usize;
+    let deadline = Instant::now() + QUERY_TIME;
+    // SQLite calls this every 10,000 steps; true interrupts the statement.
+    store
+        .conn()
+        .progress_handler(10_000, Some(move || Instant::now() > deadline));
+    let mut out = QueryOut {
+        cols: Vec::new(),
+        rows: Vec::new(),
+        truncated: false,
+    };
+    let mut bytes = 0usize;
+    let result = readonly::run(
+        store.conn(),
+        &args.sql,
+        |cols| {
+            out.cols = cols.to_vec();
+            Ok(())
+        },
+        |cells| {
+            if out.rows.len() == max_rows {
+                return Err(Enough.into());
+            }
+            let row: Vec<serde_json::Value> = cells.iter().map(cell_json).collect();
+            bytes += row.iter().map(|v| v.to_string().len()).sum::<usize>();
+            if bytes > MAX_QUERY_BYTES {
+                return Err(Enough.into());
+            }
+            out.rows.push(row);
+            Ok(())
+        },
+    );
+    store.conn().progress_handler(0, None::<fn() -> bool>);
+    match result {
+        Ok(()) => Ok(out),
+        Err(e) if e.downcast_ref::<Enough>().is_some() => {
+            out.truncated = true;
+            Ok(out)
+        }
+        Err(e) if Instant::now() > deadline => Err(crate::exit::user_error(format!(
+            "refused: the query ran past its {} s limit and was stopped ({e}); narrow it with WHERE session_id = ... or LIMIT",
+            QUERY_TIME.as_secs()
+        ))),
+        Err(e) => Err(e),
+    }
+}
+
+fn cell_json(c: &readonly::Cell) -> serde_json::Value {
+    use readonly::Cell;
+    match c {
+        Cell::Null => serde_json::Value::Null,
+        Cell::Int(v) => (*v).into(),
+        Cell::Real(v) => (*v).into(),
+        Cell::Text(t) => t.clone().into(),
+        Cell::Blob(b) => format!("<blob of {} bytes>", b.len()).into(),
+    }
+}
+
+// ---- op statistics over time ----
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct OpStatsArgs {
+    /// The session (default: the latest).
+    pub session: Option<i64>,
+    /// Window width in seconds (default 30).
+    pub window_s: Option<f64>,
+    /// Only this op (e.g. cudaMalloc).
+    pub op: Option<String>,
+    /// Only this process.
+    pub pid: Option<u32>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct WindowOut {
+    /// window start, seconds since the session's first call
+    pub w: f64,
+    pub op: String,
+    /// calls, errors
+    pub n: u64,
+    pub err: u64,
+    pub p50_ns: u64,
+    pub p99_ns: u64,
+    pub max_ns: u64,
+    /// bytes of successful calls, and in human units
+    pub b: u64,
+    pub bh: String,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct OpStatsOut {
+    pub s: i64,
+    /// the session's first call, ns since the epoch
+    pub t0_ns: i64,
+    pub window_s: f64,
+    pub rows: Vec<WindowOut>,
+    pub truncated: bool,
+}
+
+/// The op of this name.
+fn op_named(name: &str) -> Result<tracer_common::Op> {
+    tracer_common::Op::ALL
+        .into_iter()
+        .find(|o| o.name() == name)
+        .ok_or_else(|| {
+            crate::exit::user_error(format!(
+                "no op named {name}: ops are the names in `SELECT name FROM ops`"
+            ))
+        })
+}
+
+pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
+    let window_s = args.window_s.unwrap_or(30.0);
+    if !(0.001..=1e7).contains(&window_s) {
+        return Err(crate::exit::user_error(format!(
+            "window_s {window_s} is not between 0.001 and 1e7 seconds"
+        )));
+    }
+    let op = match &args.op {
+        Some(name) => Some(op_named(name)?),
+        None => None,
+    };
+    let store = Store::open(db, Access::ReadOnly)?;
+    let info = events::session(store.conn(), args.session)?;
+    let calls = events::load(db, info.id, i64::MAX, args.pid)?;
+    let t0 = calls.first().map_or(0, |e| e.ts_ns);
+    let width = (window_s * 1e9) as i64;
+    let mut windows: BTreeMap<(i64, &'static str), (Vec<u64>, u64, u64)> = BTreeMap::new();
+    for e in &calls {
+        if op.is_some_and(|o| o != e.op)
+            || matches!(e.class(), OpClass::BlockAlloc | OpClass::BlockFree)
+        {
+            continue;
+        }
+        let w = windows
+            .entry(((e.ts_ns - t0) / width, e.op.name()))
+            .or_default();
+        w.0.push(e.duration_ns);
+        if e.ret != 0 {
+            w.1 += 1;
+        } else {
+            w.2 += e.size;
+        }
+    }
+    let truncated = windows.len() > MAX_WINDOWS;
+    let rows = windows
+        .into_iter()
+        .take(MAX_WINDOWS)
+        .map(|((w, op), (mut d, err, b))| WindowOut {
+            w: (w * width) as f64 / 1e9,
+            op: op.to_owned(),
+            n: d.len() as u64,
+            err,
+            p50_ns: select_quantile(&mut d, 0.5),
+            p99_ns: select_quantile(&mut d, 0.99),
+            max_ns: d.iter().max().copied().unwrap_or(0),
+            b,
+            bh: human(b),
+        })
+        .collect();
+    Ok(OpStatsOut {
+        s: info.id,
+        t0_ns: t0,
+        window_s,
+        rows,
+        truncated,
+    })
+}
+
+// ---- stacks ----
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct StacksArgs {
+    /// The session (default: the latest).
+    pub session: Option<i64>,
+    /// Only this op.
+    pub op: Option<String>,
+    /// Only this process.
+    pub pid: Option<u32>,
+    /// How many call sites (default 10, at most 50).
+    pub top: Option<u32>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct StackOut {
+    pub id: i64,
+    pub op: String,
+    pub pid: u32,
+    /// calls, bytes and in human units
+    pub n: u64,
+    pub b: u64,
+    pub bh: String,
+    /// the Python call site (file:line function), if any
+    pub py: String,
+    /// innermost frames first, at most 6: "function file:line" or "function (module)"
+    pub fr: Vec<String>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct StacksOut {
+    pub s: i64,
+    pub sites: Vec<StackOut>,
+}
+
+pub fn stacks(db: &Path, args: &StacksArgs) -> Result<StacksOut> {
+    let op = match &args.op {
+        Some(name) => Some(op_named(name)?),
+        None => None,
+    };
+    let store = Store::open(db, Access::ReadOnly)?;
+    let info = events::session(store.conn(), args.session)?;
+    let top = args.top.unwrap_or(10).clamp(1, 50);
+    let sites = events::stacks(store.conn(), info.id, op, args.pid, top)?
+        .into_iter()
+        .map(|s| StackOut {
+            id: s.stack_id,
+            op: s.op.to_owned(),
+            pid: s.pid,
+            n: s.calls,
+            b: s.bytes,
+            bh: human(s.bytes),
+            py: s.python,
+            fr: s
+                .frames
+                .iter()
+                .take(6)
+                .map(|f| {
+                    let func = f.function.as_deref().unwrap_or("?");
+                    match (&f.file, f.line, &f.module) {
+                        (Some(file), Some(line), _) => format!("{func} {file}:{line}"),
+                        (_, _, Some(module)) => format!("{func} ({module})"),
+                        _ => func.to_owned(),
+                    }
+                })
+                .collect(),
+        })
+        .collect();
+    Ok(StacksOut { s: info.id, sites })
+}
+
+// ---- layout ----
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct LayoutArgs {
+    /// The session (default: the latest).
+    pub session: Option<i64>,
+    /// Only this process.
+    pub pid: Option<u32>,
+    /// "oom" (the first out-of-memory), "end" (default), or Unix seconds.
+    pub at: Option<String>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct SegOut {
+    /// address (hex), device, pool, size and in human units
+    pub a: String,
+    pub d: i32,
+    pub pool: String,
+    pub size: u64,
+    pub sh: String,
+    /// allocated and free blocks in it, its largest free run
+    pub alloc_blocks: u64,
+    pub free_blocks: u64,
+    pub largest_free: u64,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct DevLayoutOut {
+    /// device
+    pub d: i32,
+    pub allocated: u64,
+    pub reserved: u64,
+    pub free_blocks: u64,
+    pub largest_free: u64,
+    /// the same in human units: allocated / reserved / largest free
+    pub h: String,
+    /// device memory outside the allocator's segments
+    pub outside: u64,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ProcLayoutOut {
+    pub pid: u32,
+    pub comm: Option<String>,
+    pub at_ns: i64,
+    /// blocks (PyTorch's probes seen) or segments
+    pub view: String,
+    pub devs: Vec<DevLayoutOut>,
+    /// segments, largest first, at most 12; how many in all
+    pub segs: Vec<SegOut>,
+    pub seg_count: usize,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct LayoutOut {
+    pub s: i64,
+    pub procs: Vec<ProcLayoutOut>,
+}
+
+pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
+    let at = match args.at.as_deref() {
+        None | Some("end") => At::End,
+        Some("oom") => At::Oom,
+        Some(t) => At::Time(crate::units::parse_time(t).map_err(|e| {
+            crate::exit::user_error(format!(
+                "at {t:?}: {e}; give \"oom\", \"end\" or Unix seconds"
+            ))
+        })?),
+    };
+    let (s, layouts) = explain::layout(
+        db,
+        &LayoutQuery {
+            session: args.session,
+            pid: args.pid,
+            device: None,
+            at,
+        },
+    )?;
+    let procs = layouts
+        .into_iter()
+        .take(MAX_PROCESSES)
+        .map(|p| {
+            let mut segs: Vec<SegOut> = p
+                .segments
+                .iter()
+                .map(|seg| {
+                    let runs = |kind| seg.runs.iter().filter(move |r| r.kind == kind);
+                    SegOut {
+                        a: format!("{:#x}", seg.addr),
+                        d: seg.device,
+                        pool: seg
+                            .pool
+                            .map_or("?".into(), |p| format!("{p:?}").to_lowercase()),
+                        size: seg.size,
+                        sh: human(seg.size),
+                        alloc_blocks: runs(crate::model::layout::RunKind::Allocated).count() as u64,
+                        free_blocks: runs(crate::model::layout::RunKind::Free).count() as u64,
+                        largest_free: runs(crate::model::layout::RunKind::Free)
+                            .map(|r| r.size)
+                            .max()
+                            .unwrap_or(0),
+                    }
+                })
+                .collect();
+            let seg_count = segs.len();
+            segs.sort_by_key(|s| std::cmp::Reverse(s.size));
+            segs.truncate(12);
+            ProcLayoutOut {
+                pid: p.pid,
+                comm: p.comm,
+                at_ns: p.at_ns,
+                view: p.view.to_owned(),
+                devs: p
+                    .devices
+                    .iter()
+                    .map(|d| DevLayoutOut {
+                        d: d.device,
+                        allocated: d.total.allocated,
+                        reserved: d.total.reserved,
+                        free_blocks: d.total.free_blocks,
+                        largest_free: d.total.largest_free,
+                        h: format!(
+                            "{} / {} / {}",
+                            human(d.total.allocated),
+                            human(d.total.reserved),
+                            human(d.total.largest_free)
+                        ),
+                        outside: d.outside,
+                    })
+                    .collect(),
+                segs,
+                seg_count,
+            }
+        })
+        .collect();
+    Ok(LayoutOut { s, procs })
+}
+
+// ---- the protocol ----
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct InvestigateArgs {
+    /// The session to investigate (default: the latest).
+    pub session: Option<String>,
+}
+
+#[tool_router(router = tool_router)]
+impl TracerMcp {
+    pub fn new(db: PathBuf) -> Self {
+        TracerMcp {
+            db: Arc::new(db),
+            tool_router: Self::tool_router(),
+            prompt_router: Self::prompt_router(),
+        }
+    }
+
+    #[tool(
+        name = "sessions",
+        description = "Recorded trace sessions, newest first: id, start (UTC), status, source, cmd (the tracer command), stored (events stored), lost (events or records tracer could not keep, summed) and losses (the non-zero loss counters by name, as in the sessions table). Start here.",
+        annotations(read_only_hint = true, open_world_hint = false)
+    )]
+    async fn sessions(
+        &self,
+        Parameters(args): Parameters<SessionsArgs>,
+    ) -> Result<Json<SessionsOut>, String> {
+        self.blocking(move |db| sessions(db, &args)).await.map(Json)
+    }
+
+    #[tool(
+        name = "explain",
+        description = "What went wrong in a session and why: the causal chains and per-process tables of `tracer explain --json`, abbreviated. Fields: s = session, w = window [from_ns, to_ns], wt = window as UTC text, n = calls in the window; ch = chains (r = rule, sev = severity, t = title, root = root cause, eff = effect, cmp = compounding, tl = timeline [seconds since the window's start, text], fix = fixes, ev = evidence); pr = processes (ops: n = calls, err = errors, p50_ns/p99_ns/max_ns = latency, b = bytes, bh = bytes in human units; warn = warnings); dev = per process and device (d = device, v = view, held = peak held bytes, res = peak reserved, alloc = peak allocated, frag = fragmentation ratio, fail = failed allocations); omitted = (chains, processes) left out (at most 20 chains and 32 processes are returned).",
+        annotations(read_only_hint = true, open_world_hint = false)
+    )]
+    async fn explain(
+        &self,
+        Parameters(args): Parameters<ExplainArgs>,
+    ) -> Result<Json<ExplainOut>, String> {
+        self.blocking(move |db| explain_compact(db, &args))
+            .await
+            .map(Json)
+    }
+
+    #[tool(
+        name = "query",
+        description = "One read-only SQL statement over the trace database (SQLite), as `tracer query` runs it: writes, ATTACH, extensions and pragma assignments are refused; at most 500 rows (max_rows, default 100) and 64 KiB of cells are returned (truncated says so); a statement running past 5 s is stopped. Tables: sessions(id, started_ns, ended_ns, status, source, command, events_stored, dropped_ring_full, ... loss counters), processes(session_id, pid, comm, cmdline, exe), threads(session_id, pid, tid, comm), ops(id, name, library, class), stacks(id, session_id, pid, python, native_depth), frames, messages(session_id, ts_ns, pid, tid, op, text); the view events(session_id, ts_ns, pid, tid, comm, op, device, size, ptr, ret, duration_ns, stack_id, library, class, mem_free, mem_total) holds the device calls (times are ns since the epoch; ret 0 is success); the virtual table tensor_events(session_id, ts_ns, pid, tid, op, device, size, ptr, stack_id) holds PyTorch's block events (pytorch:malloc/free). Example: SELECT (ts_ns - (SELECT min(ts_ns) FROM events WHERE session_id = 1)) / 30000000000 AS w, count(*), avg(duration_ns) FROM events WHERE session_id = 1 AND op = 'cudaMalloc' GROUP BY w.",
+        annotations(read_only_hint = true, open_world_hint = false)
+    )]
+    async fn query(
+        &self,
+        Parameters(args): Parameters<QueryArgs>,
+    ) -> Result<Json<QueryOut>, String> {
+        self.blocking(move |db| query(db, &args)).await.map(Json)
+    }
+
+    #[tool(
+        name = "op_stats",
+        description = "Per op, per time window (window_s seconds, default 30): w = window start in seconds since the session's first call, n = calls, err = errors, p50_ns/p99_ns/max_ns = duration (nearest rank), b = bytes of successful calls, bh = the same in human units. PyTorch's block events have no duration and are left out. At most 300 rows (truncated says so).",
+        annotations(read_only_hint = true, open_world_hint = false)
+    )]
+    async fn op_stats(
+        &self,
+        Parameters(args): Parameters<OpStatsArgs>,
+    ) -> Result<Json<OpStatsOut>, String> {
+        self.blocking(move |db| op_stats(db, &args)).await.map(Json)
+    }
+
+    #[tool(
+        name = "stacks",
+        description = "Top call sites of a session recorded with --stack, most calls first: op, pid, n = calls, b = bytes (bh in human units), py = the Python line that made them, fr = innermost frames (at most 6).",
+        annotations(read_only_hint = true, open_world_hint = false)
+    )]
+    async fn stacks(
+        &self,
+        Parameters(args): Parameters<StacksArgs>,
+    ) -> Result<Json<StacksOut>, String> {
+        self.blocking(move |db| stacks(db, &args)).await.map(Json)
+    }
+
+    #[tool(
+        name = "layout",
+        description = "The allocator's segments and blocks at a moment (at = \"oom\", \"end\" or Unix seconds), summarised per process: view (blocks when PyTorch's probes were seen), devs (per device: allocated, reserved, free_blocks, largest_free bytes, h = the same in human units, outside = device bytes outside the allocator), segs (the 12 largest segments: a = address, d = device, pool, size, alloc_blocks, free_blocks, largest_free), seg_count. Fragmentation shows as reserved far above allocated with a small largest_free.",
+        annotations(read_only_hint = true, open_world_hint = false)
+    )]
+    async fn layout(
+        &self,
+        Parameters(args): Parameters<LayoutArgs>,
+    ) -> Result<Json<LayoutOut>, String> {
+        self.blocking(move |db| layout(db, &args)).await.map(Json)
+    }
+}
+
+#[prompt_router]
+impl TracerMcp {
+    #[prompt(
+        name = "investigate",
+        description = "Walk an investigation of a CUDA out-of-memory or slow-allocation problem: what failed, when it started, which call sites, which fix."
+    )]
+    async fn investigate(&self, Parameters(args): Parameters<InvestigateArgs>) -> GetPromptResult {
+        let which = args
+            .session
+            .map_or("the latest session".to_owned(), |s| format!("session {s}"));
+        let steps = format!(
+            "Investigate {which} of this tracer database, read-only, in this order:\n\
+             1. Call `sessions` and check `lost`: if tracer lost events, say so before concluding.\n\
+             2. Call `explain` and read the chains, most severe first: what failed (rule oom, failed allocations), and the root cause.\n\
+             3. Find when it started: `op_stats` with a window of a few seconds shows when cudaMalloc latency, errors or bytes changed; confirm with `query` over the events view if needed.\n\
+             4. Call `layout` with at = \"oom\" (or the time the trouble began): reserved far above allocated with a small largest_free means fragmentation; large `outside` means memory held outside PyTorch's allocator.\n\
+             5. Call `stacks` to name the Python lines that made the calls of the chains.\n\
+             6. Answer with: what failed and when, the chain from cause to failure with its figures, the call sites, and the fix the chain names (for example PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."
+        );
+        GetPromptResult::new(vec![PromptMessage::new_text(Role::User, steps)])
+            .with_description(format!("Investigate {which}"))
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+#[prompt_handler(router = self.prompt_router)]
+impl ServerHandler for TracerMcp {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_prompts()
+                .build(),
+        )
+        .with_server_info(Implementation::new("tracer", env!("CARGO_PKG_VERSION")))
+        .with_instructions(
+            "tracer's CUDA allocation traces, read-only. Start with `sessions`, then `explain`; the `investigate` prompt walks the whole path. Times are ns since the epoch unless a field says seconds.",
+        )
+    }
+}
+
+/// Serves the protocol on stdin/stdout until the client goes.
+pub async fn serve(db: PathBuf) -> Result<()> {
+    use rmcp::ServiceExt as _;
+    let server = TracerMcp::new(db)
+        .serve(rmcp::transport::stdio())
+        .await
+        .context("starting the MCP session on stdio")?;
+    server.waiting().await.context("serving MCP on stdio")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(1536 * 1024 * 1024), "1.5 GiB");
+    }
+
+    #[test]
+    fn every_tool_has_an_output_schema() {
+        let server = TracerMcp::new(PathBuf::from("/nonexistent"));
+        let tools = server.tool_router.list_all();
+        assert_eq!(tools.len(), 6);
+        for t in tools {
+            assert!(t.output_schema.is_some(), "{} has no output schema", t.name);
+        }
+    }
+}

@@ -103,11 +103,12 @@
   }
   const width = Math.min(1160, window.innerWidth - 40);
   const secs = (l) => l.t.map((t) => t / 1e9);
-  const axisBytes = { values: (u, v) => v.map((x) => bytes(x)), size: 80 };
+  const axisBytes = { values: (u, v) => v.map((x) => (x === null ? "" : bytes(x))), size: 80 };
   const timeAxis = { values: (u, v) => v.map((x) => ((x * 1e9 - t0) / 1e9).toFixed(2) + "s") };
   const charts = [];
   for (const line of D.lines) {
-    const name = (D.comms[line.pid] || "pid") + " (pid " + line.pid + "), device " + line.device;
+    const name = (D.comms[line.pid] || "pid") + " (pid " + line.pid + "), " +
+      (line.device < 0 ? "device not known (no cudaSetDevice seen: the current device)" : "device " + line.device);
     chartSec.append(el("h3", { text: name }));
     const box = el("div", { class: "charts" });
     chartSec.append(box);
@@ -141,8 +142,9 @@
     const lat = new uPlot({
       title: "Device allocation latency (cudaMalloc and kin)",
       width, height: 200, plugins,
-      scales: { x: { time: false } },
-      axes: [timeAxis, { values: (u, v) => v.map((n) => dur(n)), size: 80 }],
+      // Latencies span microseconds (cached) to hundreds of milliseconds (synchronising).
+      scales: { x: { time: false }, y: { distr: 3, log: 10 } },
+      axes: [timeAxis, { values: (u, v) => v.map((n) => (n === null ? "" : dur(n))), size: 80 }],
       series: [{ label: "time" },
         { label: "p50", stroke: "#3f6fd1", width: 0, points: { show: true, size: 4 }, value: (u, v) => v === null ? "" : dur(v) },
         { label: "p99", stroke: "#d62728", width: 0, points: { show: true, size: 4 }, value: (u, v) => v === null ? "" : dur(v) }],
@@ -173,6 +175,9 @@
       for (const d of p.devices) {
         mapBox.append(el("p", { class: "note", text: "device " + d.device + ": allocated " + bytes(d.total.allocated) + ", reserved " + bytes(d.total.reserved) +
           ", " + count(d.total.free_blocks) + " free blocks, largest " + bytes(d.total.largest_free) + ", outside the allocator " + bytes(d.outside) }));
+      }
+      if (p.view === "segments") {
+        mapBox.append(el("p", { class: "note", text: "Only the device allocations are visible for this process (no PyTorch allocator probes were seen: another framework, an older PyTorch, or the cudaMallocAsync backend), so there are no blocks to map." }));
       }
       const segs = p.segments.slice().sort((a, b) => a.device - b.device || b.size - a.size);
       for (const seg of segs) {

@@ -251,7 +251,7 @@ impl<'a> Pass<'a> {
                 ),
             );
         }
-        if e.ts_ns < self.from_ns || device < 0 {
+        if e.ts_ns < self.from_ns {
             return;
         }
         self.sample(e, device);

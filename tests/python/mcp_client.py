@@ -1,6 +1,6 @@
 """A real MCP client (PyPI mcp) driving `tracer mcp` over stdio; prints what it saw as JSON.
 
-usage: mcp_client.py TRACER DB live|full
+usage: mcp_client.py TRACER DB live|full [QUERY_TIME]
   live: the database a running trace is writing: sessions and one query.
   full: every tool and the prompt, and the refusals, with how long each refusal took.
 """
@@ -28,8 +28,9 @@ async def call(session, name, args):
     }
 
 
-async def main(tracer, db, mode):
-    params = StdioServerParameters(command=tracer, args=["mcp", "--db", db])
+async def main(tracer, db, mode, query_time):
+    args = ["mcp", "--db", db] + (["--query-time", query_time] if query_time else [])
+    params = StdioServerParameters(command=tracer, args=args)
     out = {}
     async with stdio_client(params) as (read, write):
         async with ClientSession(read, write) as session:
@@ -92,4 +93,4 @@ async def main(tracer, db, mode):
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None))

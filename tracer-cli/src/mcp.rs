@@ -39,8 +39,8 @@ pub const MAX_ROWS: u32 = 500;
 const DEFAULT_ROWS: u32 = 100;
 /// Bytes of cell text a query returns at most.
 pub const MAX_QUERY_BYTES: usize = 64 * 1024;
-/// How long one query may run.
-pub const QUERY_TIME: Duration = Duration::from_secs(5);
+/// How long one query may run, unless `tracer mcp --query-time` says otherwise.
+pub const QUERY_TIME: Duration = Duration::from_secs(20);
 /// Time windows op_stats returns at most.
 const MAX_WINDOWS: usize = 300;
 /// Chains, timeline entries and processes an explain answer holds at most.
@@ -68,6 +68,7 @@ pub fn human(bytes: u64) -> String {
 #[derive(Clone)]
 pub struct TracerMcp {
     db: Arc<PathBuf>,
+    query_time: Duration,
     tool_router: ToolRouter<Self>,
     prompt_router: PromptRouter<Self>,
 }
@@ -381,10 +382,10 @@ impl std::fmt::Display for Enough {
 }
 impl std::error::Error for Enough {}
 
-pub fn query(db: &Path, args: &QueryArgs) -> Result<QueryOut> {
+pub fn query(db: &Path, args: &QueryArgs, limit: Duration) -> Result<QueryOut> {
     let store = Store::open(db, Access::ReadOnly)?;
     let max_rows = args.max_rows.unwrap_or(DEFAULT_ROWS).clamp(1, MAX_ROWS) as usize;
-    let deadline = Instant::now() + QUERY_TIME;
+    let deadline = Instant::now() + limit;
     // SQLite calls this every 10,000 steps; true interrupts the statement.
     store
         .conn()
@@ -423,8 +424,8 @@ pub fn query(db: &Path, args: &QueryArgs) -> Result<QueryOut> {
             Ok(out)
         }
         Err(e) if Instant::now() > deadline => Err(crate::exit::user_error(format!(
-            "refused: the query ran past its {} s limit and was stopped ({e}); narrow it with WHERE session_id = ... or LIMIT",
-            QUERY_TIME.as_secs()
+            "refused: the query ran past its time limit of {:.1} s and was stopped ({e}); narrow it with WHERE session_id = ... or LIMIT",
+            limit.as_secs_f64()
         ))),
         Err(e) => Err(e),
     }
@@ -770,9 +771,10 @@ pub struct InvestigateArgs {
 
 #[tool_router(router = tool_router)]
 impl TracerMcp {
-    pub fn new(db: PathBuf) -> Self {
+    pub fn new(db: PathBuf, query_time: Duration) -> Self {
         TracerMcp {
             db: Arc::new(db),
+            query_time,
             tool_router: Self::tool_router(),
             prompt_router: Self::prompt_router(),
         }
@@ -806,14 +808,17 @@ impl TracerMcp {
 
     #[tool(
         name = "query",
-        description = "One read-only SQL statement over the trace database (SQLite), as `tracer query` runs it: writes, ATTACH, extensions and pragma assignments are refused; at most 500 rows (max_rows, default 100) and 64 KiB of cells are returned (truncated says so); a statement running past 5 s is stopped. Tables: sessions(id, started_ns, ended_ns, status, source, command, events_stored, dropped_ring_full, ... loss counters), processes(session_id, pid, comm, cmdline, exe), threads(session_id, pid, tid, comm), ops(id, name, library, class), stacks(id, session_id, pid, python, native_depth), frames, messages(session_id, ts_ns, pid, tid, op, text); the view events(session_id, ts_ns, pid, tid, comm, op, device, size, ptr, ret, duration_ns, stack_id, library, class, mem_free, mem_total) holds the device calls (times are ns since the epoch; ret 0 is success); the virtual table tensor_events(session_id, ts_ns, pid, tid, op, device, size, ptr, stack_id) holds PyTorch's block events (pytorch:malloc/free). Example: SELECT (ts_ns - (SELECT min(ts_ns) FROM events WHERE session_id = 1)) / 30000000000 AS w, count(*), avg(duration_ns) FROM events WHERE session_id = 1 AND op = 'cudaMalloc' GROUP BY w.",
+        description = "One read-only SQL statement over the trace database (SQLite), as `tracer query` runs it: writes, ATTACH, extensions and pragma assignments are refused; at most 500 rows (max_rows, default 100) and 64 KiB of cells are returned (truncated says so); a statement running past the server's time limit (tracer mcp --query-time, default 20 s) is stopped. Tables: sessions(id, started_ns, ended_ns, status, source, command, events_stored, dropped_ring_full, ... loss counters), processes(session_id, pid, comm, cmdline, exe), threads(session_id, pid, tid, comm), ops(id, name, library, class), stacks(id, session_id, pid, python, native_depth), frames, messages(session_id, ts_ns, pid, tid, op, text); the view events(session_id, ts_ns, pid, tid, comm, op, device, size, ptr, ret, duration_ns, stack_id, library, class, mem_free, mem_total) holds the device calls (times are ns since the epoch; ret 0 is success); the virtual table tensor_events(session_id, ts_ns, pid, tid, op, device, size, ptr, stack_id) holds PyTorch's block events (pytorch:malloc/free). Example: SELECT (ts_ns - (SELECT min(ts_ns) FROM events WHERE session_id = 1)) / 30000000000 AS w, count(*), avg(duration_ns) FROM events WHERE session_id = 1 AND op = 'cudaMalloc' GROUP BY w.",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn query(
         &self,
         Parameters(args): Parameters<QueryArgs>,
     ) -> Result<Json<QueryOut>, String> {
-        self.blocking(move |db| query(db, &args)).await.map(Json)
+        let limit = self.query_time;
+        self.blocking(move |db| query(db, &args, limit))
+            .await
+            .map(Json)
     }
 
     #[tool(
@@ -895,9 +900,9 @@ impl ServerHandler for TracerMcp {
 }
 
 /// Serves the protocol on stdin/stdout until the client goes.
-pub async fn serve(db: PathBuf) -> Result<()> {
+pub async fn serve(db: PathBuf, query_time: Duration) -> Result<()> {
     use rmcp::ServiceExt as _;
-    let server = TracerMcp::new(db)
+    let server = TracerMcp::new(db, query_time)
         .serve(rmcp::transport::stdio())
         .await
         .context("starting the MCP session on stdio")?;
@@ -917,7 +922,7 @@ mod tests {
 
     #[test]
     fn every_tool_has_an_output_schema() {
-        let server = TracerMcp::new(PathBuf::from("/nonexistent"));
+        let server = TracerMcp::new(PathBuf::from("/nonexistent"), QUERY_TIME);
         let tools = server.tool_router.list_all();
         assert_eq!(tools.len(), 6);
         for t in tools {

@@ -1,17 +1,20 @@
 //! `tracer mcp`: an MCP server over stdio for assistants (Claude, Cursor, any MCP client),
 //! read-only over a trace database. stdout carries only the protocol; logs go to stderr.
 
-use std::path::PathBuf;
+use std::{path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::Args;
-use tracer_cli::{paths, store};
+use tracer_cli::{paths, store, units::parse_duration};
 
 #[derive(Debug, Args)]
 pub struct McpArgs {
     /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
     #[arg(long, env = paths::DB_ENV)]
     pub db: Option<PathBuf>,
+    /// How long one `query` may run before it is stopped.
+    #[arg(long, value_parser = parse_duration, default_value = "20s")]
+    pub query_time: Duration,
 }
 
 pub fn run(args: McpArgs) -> Result<()> {
@@ -22,5 +25,5 @@ pub fn run(args: McpArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the MCP server's runtime")?;
-    runtime.block_on(tracer_cli::mcp::serve(db))
+    runtime.block_on(tracer_cli::mcp::serve(db, args.query_time))
 }

@@ -92,7 +92,7 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
     let dir = fx.db.parent().unwrap();
     let html_path = dir.join("report.html");
     let out = Command::new(TRACER)
-        .args(["report", "-o"])
+        .args(["report", "--skip-frames", "caching_allocator.py", "-o"])
         .arg(&html_path)
         .arg("--db")
         .arg(&fx.db)
@@ -113,7 +113,10 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
     }
     assert!(html.contains("default-src 'none'"));
     let data = embedded_data(&html);
-    let explain = tracer_json(&fx.db, &["explain", "--json"]);
+    let explain = tracer_json(
+        &fx.db,
+        &["explain", "--json", "--skip-frames", "caching_allocator.py"],
+    );
     assert_eq!(data["explain"], explain, "the embedded report is explain's");
 
     let screenshot = std::env::var_os("TRACER_REPORT_SCREENSHOT")
@@ -222,6 +225,15 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
         seen["snapshot_label"]
     );
     assert!(seen["segments"].as_i64().unwrap() > 0 && seen["runs"].as_i64().unwrap() > 0);
+    // Hovering a block names the Python line that allocated it (a --stack session; the
+    // workload's own allocator stands for PyTorch's and is skipped as PyTorch's frames are).
+    let sites = data["sites"].as_object().unwrap();
+    assert!(
+        sites
+            .values()
+            .any(|s| s.as_str().unwrap().contains("train.py")),
+        "{sites:?}"
+    );
     let snapshots = data["snapshots"].as_array().unwrap();
     let at = |label: &str| {
         snapshots
@@ -464,4 +476,35 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
         scalar(&fx.db, "SELECT count(*) FROM sessions"),
         sessions_before
     );
+}
+
+#[test]
+fn bad_report_paths_and_databases_get_clear_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.db");
+    let run = |args: &[&str]| Command::new(TRACER).args(args).output().unwrap();
+    let stderr = |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).into_owned();
+    let db = missing.to_str().unwrap();
+    // A folder that does not exist: said before any reading.
+    let out = run(&["report", "-o", "/nonexistent/r.html", "--db", db]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("pick a writable path with -o"),
+        "{}",
+        stderr(&out)
+    );
+    // No database: exit 2 naming it, and no half-written page left behind.
+    let page = dir.path().join("r.html");
+    let out = run(&["report", "-o", page.to_str().unwrap(), "--db", db]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("missing.db"), "{}", stderr(&out));
+    assert!(!page.exists());
+    // The MCP server refuses to start on a database that is not there, or with no time to query.
+    let out = run(&["mcp", "--db", db]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("missing.db"), "{}", stderr(&out));
+    assert!(out.stdout.is_empty(), "stdout carries only the protocol");
+    let out = run(&["mcp", "--db", db, "--query-time", "0s"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--query-time"), "{}", stderr(&out));
 }

@@ -123,7 +123,7 @@
         { label: "allocated", stroke: "#3f6fd1", width: 1.5, value: (u, v) => bytes(v) },
         { label: "reserved", stroke: "#2ca02c", width: 1.5, value: (u, v) => bytes(v) },
         { label: "outside the allocator", stroke: "#7f7f7f", width: 1, value: (u, v) => bytes(v) },
-        { label: "device free (cudaMemGetInfo)", stroke: "#17becf", width: 1, dash: [6, 4], value: (u, v) => bytes(v) }],
+        { label: "device free (last cudaMemGetInfo, less this process's allocations since)", stroke: "#17becf", width: 1, dash: [6, 4], value: (u, v) => bytes(v) }],
     }, [x, line.allocated, line.reserved, line.outside, line.device_free], box);
     mem.over.addEventListener("click", () => {
       const i = mem.cursor.idx;

@@ -18,6 +18,11 @@ pub struct McpArgs {
 }
 
 pub fn run(args: McpArgs) -> Result<()> {
+    if args.query_time.is_zero() {
+        return Err(tracer_cli::exit::user_error(
+            "--query-time 0 would stop every query: give a duration such as 20s",
+        ));
+    }
     let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
     // Fail at once, with the fix, rather than at the first tool call.
     store::Store::open(&db, store::Access::ReadOnly)?;

@@ -35,27 +35,40 @@ pub struct ReportArgs {
     /// Window end: Unix time in seconds or nanoseconds.
     #[arg(long, value_parser = parse_time)]
     pub to: Option<i64>,
+    /// Frames whose file contains this are not the user's code when naming call sites
+    /// (repeatable; site-packages, dist-packages and the standard library always are).
+    #[arg(long = "skip-frames", value_name = "TEXT")]
+    pub skip_frames: Vec<String>,
 }
 
 pub fn run(args: ReportArgs) -> Result<()> {
     let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
-    let data = tracer_cli::report::report_data(
-        &db,
-        &ExplainQuery {
-            session: args.session,
-            since: args.since,
-            from: args.from,
-            to: args.to,
-            pid: args.pid,
-            skip_frames: Vec::new(),
-        },
-    )?;
+    // The path is checked before the session is read, and no partial page is left behind.
     let file = std::fs::File::create(&args.output).map_err(|e| {
         user_error(format!(
             "cannot write {}: {e}: pick a writable path with -o",
             args.output.display()
         ))
     })?;
+    let written = write_report(&db, &args, file);
+    if written.is_err() {
+        let _ = std::fs::remove_file(&args.output);
+    }
+    written
+}
+
+fn write_report(db: &std::path::Path, args: &ReportArgs, file: std::fs::File) -> Result<()> {
+    let data = tracer_cli::report::report_data(
+        db,
+        &ExplainQuery {
+            session: args.session,
+            since: args.since,
+            from: args.from,
+            to: args.to,
+            pid: args.pid,
+            skip_frames: args.skip_frames.clone(),
+        },
+    )?;
     let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
     let bytes = present::report::write(&mut out, &data)
         .with_context(|| format!("writing {}", args.output.display()))?;

@@ -224,3 +224,62 @@ fn only_traced_processes_have_their_memory_read() {
         "the process using the runtime was not registered: {open:?}"
     );
 }
+
+/// `tracer report -o` and `tracer export -o` as sudo run by nobody: a link planted at the
+/// output path is refused, a folder nobody cannot write is refused, and what is written is
+/// nobody's and private.
+#[test]
+fn report_and_export_outputs_are_written_as_the_user_never_through_a_link() {
+    let Some(fx) = Fixture::new() else { return };
+    let trace = Trace::start(
+        &fx.db,
+        &[
+            "--lib",
+            fx.sim.join("libcudart.so.12").to_str().unwrap(),
+            "--quiet",
+        ],
+    );
+    let out = driver(&fx.sim, &["--iters", "100"], &[]).output().unwrap();
+    assert!(out.status.success());
+    trace.stop(2);
+    let scene = Scene::new();
+    let as_nobody = |args: &[&str], output: &Path| {
+        Command::new(TRACER)
+            .args(args)
+            .arg("-o")
+            .arg(output)
+            .arg("--db")
+            .arg(&fx.db)
+            .env("SUDO_UID", NOBODY.to_string())
+            .env("SUDO_GID", NOBODY.to_string())
+            .output()
+            .unwrap()
+    };
+    for args in [&["report"][..], &["export", "--format", "perfetto"][..]] {
+        let link = scene.user_dir.join("out");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&scene.target, &link).unwrap();
+        let out = as_nobody(args, &link);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("symbolic link"), "{stderr}");
+        scene.assert_untouched();
+        // A folder only root can write.
+        let vault = scene.target.with_file_name("out");
+        let out = as_nobody(args, &vault);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        assert!(!vault.exists());
+        // Where nobody can write: theirs, and private.
+        let fine = scene.user_dir.join("fine");
+        let out = as_nobody(args, &fine);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let meta = std::fs::metadata(&fine).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.mode() & 0o777),
+            (NOBODY, 0o600),
+            "{args:?}"
+        );
+        assert!(meta.len() > 0);
+        std::fs::remove_file(&fine).unwrap();
+    }
+}

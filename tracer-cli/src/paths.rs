@@ -97,6 +97,36 @@ impl Drop for ActingAs {
     }
 }
 
+/// Creates (or truncates) an output file (`tracer report -o`, `tracer export -o`) as the
+/// invoking user (their file-system ids: under sudo, root writes only where they could) and
+/// without following a link at its path (one planted in /tmp cannot lead the write to another
+/// file). Private (0600) when created: it holds what the traced programs did.
+pub fn create_output(path: &Path, who: &Invoker) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let _as_user = act_as(who.owner);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| {
+            let link = if e.raw_os_error() == Some(libc::ELOOP) {
+                " (it is a symbolic link: tracer does not follow links to its output)"
+            } else {
+                ""
+            };
+            let who = who
+                .owner
+                .map_or_else(String::new, |(uid, _)| format!(" as uid {uid}"));
+            crate::exit::user_error(format!(
+                "cannot write {}{who}: {e}{link}: pick a writable path with -o",
+                path.display()
+            ))
+        })
+}
+
 /// Refuses a database path that is a symbolic link (tracer never follows one to its database,
 /// its -wal or its -shm).
 pub fn refuse_links(db: &Path) -> Result<()> {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
 use clap::{Args, ValueEnum};
-use tracer_cli::{exit::user_error, explain, paths};
+use tracer_cli::{explain, paths};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Format {
@@ -33,12 +33,7 @@ pub struct ExportArgs {
 
 pub fn run(args: ExportArgs) -> Result<()> {
     let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
-    let file = std::fs::File::create(&args.output).map_err(|e| {
-        user_error(format!(
-            "cannot write {}: {e}: pick a writable path with -o",
-            args.output.display()
-        ))
-    })?;
+    let file = paths::create_output(&args.output, &paths::invoker())?;
     let out = std::io::BufWriter::with_capacity(1 << 20, file);
     let Format::Perfetto = args.format;
     let (session, written) = explain::export_perfetto(&db, args.session, args.pid, out)

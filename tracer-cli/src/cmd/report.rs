@@ -6,7 +6,6 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::{Context as _, Result};
 use clap::Args;
 use tracer_cli::{
-    exit::user_error,
     explain::ExplainQuery,
     paths, present,
     units::{parse_duration, parse_time},
@@ -44,14 +43,12 @@ pub struct ReportArgs {
 pub fn run(args: ReportArgs) -> Result<()> {
     let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
     // The path is checked before the session is read, and no partial page is left behind.
-    let file = std::fs::File::create(&args.output).map_err(|e| {
-        user_error(format!(
-            "cannot write {}: {e}: pick a writable path with -o",
-            args.output.display()
-        ))
-    })?;
+    let who = paths::invoker();
+    let file = paths::create_output(&args.output, &who)?;
     let written = write_report(&db, &args, file);
     if written.is_err() {
+        // As the user too: the entry goes only if they could remove it themselves.
+        let _as_user = paths::act_as(who.owner);
         let _ = std::fs::remove_file(&args.output);
     }
     written

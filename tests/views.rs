@@ -393,6 +393,23 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
         assert_eq!(g["b"], want["b"]);
     }
 
+    // op_stats pages: 300 windows, then the rest from where the first page stopped.
+    let (p1, p2) = (
+        &seen["op_stats_page1"]["structured"],
+        &seen["op_stats_page2"]["structured"],
+    );
+    assert_eq!(p1["truncated"], true, "{p1}");
+    assert_eq!(p1["rows"].as_array().unwrap().len(), 300);
+    let next = p1["next_from_s"].as_f64().unwrap();
+    let last_of_first = p1["rows"].as_array().unwrap().last().unwrap()["w"]
+        .as_f64()
+        .unwrap();
+    let first_of_second = p2["rows"][0]["w"].as_f64().unwrap();
+    assert!(
+        last_of_first < next && (first_of_second - next).abs() < 1e-6,
+        "{next} {last_of_first} {first_of_second}"
+    );
+
     // stacks: tracer stacks' top call sites.
     let stacks = tracer_json(&fx.db, &["stacks", "--json", "--top", "5"]);
     let sites = seen["stacks"]["structured"]["sites"].as_array().unwrap();
@@ -493,12 +510,21 @@ fn bad_report_paths_and_databases_get_clear_messages() {
         "{}",
         stderr(&out)
     );
-    // No database: exit 2 naming it, and no half-written page left behind.
+    // No database: exit 2 naming it; the previous page is kept and no partial one is left.
     let page = dir.path().join("r.html");
+    std::fs::write(&page, "the previous report").unwrap();
     let out = run(&["report", "-o", page.to_str().unwrap(), "--db", db]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("missing.db"), "{}", stderr(&out));
-    assert!(!page.exists());
+    assert_eq!(
+        std::fs::read_to_string(&page).unwrap(),
+        "the previous report"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "only the page"
+    );
     // The MCP server refuses to start on a database that is not there, or with no time to query.
     let out = run(&["mcp", "--db", db]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));

@@ -53,6 +53,10 @@ async def main(tracer, db, mode, query_time):
             out["sessions"] = await call(session, "sessions", {})
             out["explain"] = await call(session, "explain", {})
             out["op_stats"] = await call(session, "op_stats", {"window_s": 2.0, "op": "cudaMalloc"})
+            out["op_stats_page1"] = await call(session, "op_stats", {"window_s": 0.005})
+            nxt = (out["op_stats_page1"]["structured"] or {}).get("next_from_s")
+            if nxt is not None:
+                out["op_stats_page2"] = await call(session, "op_stats", {"window_s": 0.005, "from_s": nxt})
             out["stacks"] = await call(session, "stacks", {"top": 5})
             out["layout_oom"] = await call(session, "layout", {"at": "oom"})
             out["query"] = await call(

@@ -72,17 +72,19 @@
       " (downsampled in tracer: a point shows the highest value in its interval, the largest free block the lowest; latency p50/p99 from a histogram with 4 bins per octave, upper bounds). " +
       "Tables and chains are exact. Devices are numbered as the traced program saw them." }));
 
-  const lostInHeader = D.losses.reduce((a, [, v]) => a + v, 0);
-  root.append(el("p", { class: lostInHeader === 0 ? "note" : "note warn", id: "lost-line",
-    text: lostInHeader === 0 ? "tracer kept every event it read (loss counters at the end)." :
-      "tracer could not keep " + count(lostInHeader) + " events or records: see the loss counters at the end." }));
+  const lost = D.losses.reduce((a, [, v]) => a + v, 0);
+  root.append(el("p", { class: lost === 0 ? "note" : "note warn", id: "lost-line",
+    text: lost === 0 ? "tracer kept every event it read (loss counters at the end)." :
+      "tracer could not keep " + count(lost) + " events or records: see the loss counters at the end." }));
 
   // Charts per process and device.
   const chartSec = section("Memory over time", "charts");
   chartSec.append(el("p", { class: "note", text: "Click a memory chart to show the segment map at the nearest moment mapped. Marks: red OOM, orange failed allocation, purple retry, brown early warning." }));
   const markColour = { oom: "#d62728", failed: "#ff7f0e", retry: "#9467bd", warning: "#8c564b" };
   function markerPlugin(pid, device) {
-    const marks = D.markers.filter((m) => m.pid === pid && (m.device === device || m.device < 0));
+    // A mark whose device is not known (or a line whose device is not known) goes on every
+    // line of its process.
+    const marks = D.markers.filter((m) => m.pid === pid && (m.device === device || m.device < 0 || device < 0));
     return {
       hooks: {
         draw: [(u) => {
@@ -199,7 +201,7 @@
         mapBox.append(el("div", { class: "seg" }, label, bar));
       }
     }
-    if (sn.segments_omitted > 0) mapBox.append(el("p", { class: "note", text: count(sn.segments_omitted) + " smaller segments are left out of this moment's map to keep the page light." }));
+    if (sn.segments_omitted > 0) mapBox.append(el("p", { class: "note", text: count(sn.segments_omitted) + " segments are left out of this moment's map to keep the page light (the largest are kept)." }));
   }
   function showSnapshotNear(ns) {
     let best = 0;
@@ -257,7 +259,6 @@
 
   // Losses.
   const lossSec = section("What tracer could not keep", "losses");
-  const lost = D.losses.reduce((a, [, v]) => a + v, 0);
   lossSec.append(el("p", { text: lost === 0 ? "Nothing was lost: every event read was stored." :
     count(lost) + " events or records could not be kept; the figures below miss them." }));
   lossSec.append(table(["counter", "value"], D.losses.map(([k, v]) => [k, count(v)]), [false, true]));

@@ -8,7 +8,7 @@ use anyhow::Result;
 use crate::{
     analysis::{self, Host, Report},
     exit::user_error,
-    model::{layout::AllocConf, span, Window},
+    model::{layout::AllocConf, span, Event, Window},
     store::{events, Access, Store},
     units::format_utc,
 };
@@ -41,6 +41,12 @@ pub struct Explained {
 /// Loads the session's calls (all of them up to the window's end: earlier calls tell which
 /// allocations are live) and analyses the window.
 pub fn explain(db: &Path, q: &ExplainQuery) -> Result<Explained> {
+    Ok(explain_with_calls(db, q)?.0)
+}
+
+/// [`explain`], handing back the calls it loaded (every call up to the window's end, in time
+/// order) for a caller that walks them again (the HTML report).
+pub fn explain_with_calls(db: &Path, q: &ExplainQuery) -> Result<(Explained, Vec<Event>)> {
     let store = Store::open(db, Access::ReadOnly)?;
     let info = events::session(store.conn(), q.session)?;
     let running = info.status == "running";
@@ -113,12 +119,13 @@ pub fn explain(db: &Path, q: &ExplainQuery) -> Result<Explained> {
         ranks: &ranks,
     };
     let report = analysis::analyze(info.id, &all, &host, window, &inputs);
-    Ok(Explained {
+    let explained = Explained {
         report,
         running,
         load_time: t1 - t0,
         analysis_time: t1.elapsed(),
-    })
+    };
+    Ok((explained, all))
 }
 
 /// The moment a layout is shown at.

@@ -31,7 +31,7 @@ use crate::{
     analysis::select_quantile,
     explain::{self, At, ExplainQuery, LayoutQuery},
     store::{events, readonly, Access, Store},
-    units::format_utc,
+    units::{format_bytes, format_utc},
 };
 
 /// Rows a query returns at most (and by default).
@@ -47,22 +47,6 @@ const MAX_WINDOWS: usize = 300;
 const MAX_CHAINS: usize = 20;
 const MAX_TIMELINE: usize = 8;
 const MAX_PROCESSES: usize = 32;
-
-/// Sizes for people: 1.5 GiB.
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
 
 /// The server: the database it reads.
 #[derive(Clone)]
@@ -250,8 +234,8 @@ pub struct ExplainOut {
     pub pr: Vec<ProcOut>,
     /// per process and device
     pub dev: Vec<DevOut>,
-    /// what was left out to keep the answer short: chains, processes
-    pub omitted: (usize, usize),
+    /// what was left out to keep the answer short: chains, processes, process-device rows
+    pub omitted: (usize, usize, usize),
 }
 
 pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
@@ -276,6 +260,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
     let from = r.window.from_ns;
     let chains = r.chains.len();
     let processes = r.processes.len();
+    let devices = r.devices.len();
     Ok(ExplainOut {
         s: r.session,
         w: (r.window.from_ns, r.window.to_ns),
@@ -325,7 +310,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
                         p99_ns: o.p99_ns,
                         max_ns: o.max_ns,
                         b: o.bytes,
-                        bh: human(o.bytes),
+                        bh: format_bytes(o.bytes),
                     })
                     .collect(),
                 warn: p.warnings.clone(),
@@ -340,7 +325,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
                 d: d.device,
                 v: d.view.to_owned(),
                 held: d.peak_held,
-                held_h: human(d.peak_held),
+                held_h: format_bytes(d.peak_held),
                 res: d.peak_reserved,
                 alloc: d.peak_allocated,
                 frag: d.fragmentation,
@@ -350,6 +335,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
         omitted: (
             chains.saturating_sub(MAX_CHAINS),
             processes.saturating_sub(MAX_PROCESSES),
+            devices.saturating_sub(MAX_PROCESSES * 8),
         ),
     })
 }
@@ -454,6 +440,8 @@ pub struct OpStatsArgs {
     pub op: Option<String>,
     /// Only this process.
     pub pid: Option<u32>,
+    /// Start at this many seconds after the session's first call (to page on: next_from_s).
+    pub from_s: Option<f64>,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
@@ -479,7 +467,9 @@ pub struct OpStatsOut {
     pub t0_ns: i64,
     pub window_s: f64,
     pub rows: Vec<WindowOut>,
+    /// More windows follow: ask again with from_s = next_from_s.
     pub truncated: bool,
+    pub next_from_s: Option<f64>,
 }
 
 /// The op of this name.
@@ -510,6 +500,13 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
     let calls = events::load(db, info.id, i64::MAX, args.pid)?;
     let t0 = calls.first().map_or(0, |e| e.ts_ns);
     let width = (window_s * 1e9) as i64;
+    let from_s = args.from_s.unwrap_or(0.0);
+    if !(0.0..=1e10).contains(&from_s) {
+        return Err(crate::exit::user_error(format!(
+            "from_s {from_s} is not between 0 and 1e10 seconds"
+        )));
+    }
+    let first_window = (from_s * 1e9) as i64 / width;
     let mut windows: BTreeMap<(i64, &'static str), (Vec<u64>, u64, u64)> = BTreeMap::new();
     for e in &calls {
         if op.is_some_and(|o| o != e.op)
@@ -517,9 +514,11 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
         {
             continue;
         }
-        let w = windows
-            .entry(((e.ts_ns - t0) / width, e.op.name()))
-            .or_default();
+        let window = (e.ts_ns - t0) / width;
+        if window < first_window {
+            continue;
+        }
+        let w = windows.entry((window, e.op.name())).or_default();
         w.0.push(e.duration_ns);
         if e.ret != 0 {
             w.1 += 1;
@@ -527,7 +526,11 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
             w.2 += e.size;
         }
     }
-    let truncated = windows.len() > MAX_WINDOWS;
+    let next_from_s = windows
+        .keys()
+        .nth(MAX_WINDOWS)
+        .map(|&(w, _)| (w * width) as f64 / 1e9);
+    let truncated = next_from_s.is_some();
     let rows = windows
         .into_iter()
         .take(MAX_WINDOWS)
@@ -540,7 +543,7 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
             p99_ns: select_quantile(&mut d, 0.99),
             max_ns: d.iter().max().copied().unwrap_or(0),
             b,
-            bh: human(b),
+            bh: format_bytes(b),
         })
         .collect();
     Ok(OpStatsOut {
@@ -549,6 +552,7 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
         window_s,
         rows,
         truncated,
+        next_from_s,
     })
 }
 
@@ -603,7 +607,7 @@ pub fn stacks(db: &Path, args: &StacksArgs) -> Result<StacksOut> {
             pid: s.pid,
             n: s.calls,
             b: s.bytes,
-            bh: human(s.bytes),
+            bh: format_bytes(s.bytes),
             py: s.python,
             fr: s
                 .frames
@@ -680,6 +684,8 @@ pub struct ProcLayoutOut {
 pub struct LayoutOut {
     pub s: i64,
     pub procs: Vec<ProcLayoutOut>,
+    /// processes left out (at most 32 are returned)
+    pub procs_omitted: usize,
 }
 
 pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
@@ -701,6 +707,7 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
             at,
         },
     )?;
+    let procs_omitted = layouts.len().saturating_sub(MAX_PROCESSES);
     let procs = layouts
         .into_iter()
         .take(MAX_PROCESSES)
@@ -717,7 +724,7 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
                             .pool
                             .map_or("?".into(), |p| format!("{p:?}").to_lowercase()),
                         size: seg.size,
-                        sh: human(seg.size),
+                        sh: format_bytes(seg.size),
                         alloc_blocks: runs(crate::model::layout::RunKind::Allocated).count() as u64,
                         free_blocks: runs(crate::model::layout::RunKind::Free).count() as u64,
                         largest_free: runs(crate::model::layout::RunKind::Free)
@@ -746,9 +753,9 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
                         largest_free: d.total.largest_free,
                         h: format!(
                             "{} / {} / {}",
-                            human(d.total.allocated),
-                            human(d.total.reserved),
-                            human(d.total.largest_free)
+                            format_bytes(d.total.allocated),
+                            format_bytes(d.total.reserved),
+                            format_bytes(d.total.largest_free)
                         ),
                         outside: d.outside,
                     })
@@ -758,7 +765,11 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
             }
         })
         .collect();
-    Ok(LayoutOut { s, procs })
+    Ok(LayoutOut {
+        s,
+        procs,
+        procs_omitted,
+    })
 }
 
 // ---- the protocol ----
@@ -794,7 +805,7 @@ impl TracerMcp {
 
     #[tool(
         name = "explain",
-        description = "What went wrong in a session and why: the causal chains and per-process tables of `tracer explain --json`, abbreviated. Fields: s = session, w = window [from_ns, to_ns], wt = window as UTC text, n = calls in the window; ch = chains (r = rule, sev = severity, t = title, root = root cause, eff = effect, cmp = compounding, tl = timeline [seconds since the window's start, text], fix = fixes, ev = evidence); pr = processes (ops: n = calls, err = errors, p50_ns/p99_ns/max_ns = latency, b = bytes, bh = bytes in human units; warn = warnings); dev = per process and device (d = device, v = view, held = peak held bytes, res = peak reserved, alloc = peak allocated, frag = fragmentation ratio, fail = failed allocations); omitted = (chains, processes) left out (at most 20 chains and 32 processes are returned).",
+        description = "What went wrong in a session and why: the causal chains and per-process tables of `tracer explain --json`, abbreviated. Fields: s = session, w = window [from_ns, to_ns], wt = window as UTC text, n = calls in the window; ch = chains (r = rule, sev = severity, t = title, root = root cause, eff = effect, cmp = compounding, tl = timeline [seconds since the window's start, text], fix = fixes, ev = evidence); pr = processes (ops: n = calls, err = errors, p50_ns/p99_ns/max_ns = latency, b = bytes, bh = bytes in human units; warn = warnings); dev = per process and device (d = device, v = view, held = peak held bytes, res = peak reserved, alloc = peak allocated, frag = fragmentation ratio, fail = failed allocations); omitted = (chains, processes, process-device rows) left out (at most 20 chains, 32 processes and 256 rows are returned).",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn explain(
@@ -823,7 +834,7 @@ impl TracerMcp {
 
     #[tool(
         name = "op_stats",
-        description = "Per op, per time window (window_s seconds, default 30): w = window start in seconds since the session's first call, n = calls, err = errors, p50_ns/p99_ns/max_ns = duration (nearest rank), b = bytes of successful calls, bh = the same in human units. PyTorch's block events have no duration and are left out. At most 300 rows (truncated says so).",
+        description = "Per op, per time window (window_s seconds, default 30): w = window start in seconds since the session's first call, n = calls, err = errors, p50_ns/p99_ns/max_ns = duration (nearest rank), b = bytes of successful calls, bh = the same in human units. PyTorch's block events have no duration and are left out. At most 300 rows: when truncated, ask again with from_s = next_from_s.",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn op_stats(
@@ -847,7 +858,7 @@ impl TracerMcp {
 
     #[tool(
         name = "layout",
-        description = "The allocator's segments and blocks at a moment (at = \"oom\", \"end\" or Unix seconds), summarised per process: view (blocks when PyTorch's probes were seen), devs (per device: allocated, reserved, free_blocks, largest_free bytes, h = the same in human units, outside = device bytes outside the allocator), segs (the 12 largest segments: a = address, d = device, pool, size, alloc_blocks, free_blocks, largest_free), seg_count. Fragmentation shows as reserved far above allocated with a small largest_free.",
+        description = "The allocator's segments and blocks at a moment (at = \"oom\", \"end\" or Unix seconds), summarised per process: view (blocks when PyTorch's probes were seen), devs (per device: allocated, reserved, free_blocks, largest_free bytes, h = the same in human units, outside = device bytes outside the allocator), segs (the 12 largest segments: a = address, d = device, pool, size, alloc_blocks, free_blocks, largest_free), seg_count; procs_omitted (at most 32 processes are returned). Fragmentation shows as reserved far above allocated with a small largest_free.",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn layout(
@@ -913,12 +924,6 @@ pub async fn serve(db: PathBuf, query_time: Duration) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn human_sizes() {
-        assert_eq!(human(512), "512 B");
-        assert_eq!(human(1536 * 1024 * 1024), "1.5 GiB");
-    }
 
     #[test]
     fn every_tool_has_an_output_schema() {

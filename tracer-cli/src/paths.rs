@@ -97,34 +97,95 @@ impl Drop for ActingAs {
     }
 }
 
-/// Creates (or truncates) an output file (`tracer report -o`, `tracer export -o`) as the
-/// invoking user (their file-system ids: under sudo, root writes only where they could) and
-/// without following a link at its path (one planted in /tmp cannot lead the write to another
-/// file). Private (0600) when created: it holds what the traced programs did.
-pub fn create_output(path: &Path, who: &Invoker) -> Result<std::fs::File> {
+/// An output file being written (`tracer report -o`, `tracer export -o`): a private temporary
+/// file beside it, created as the invoking user (their file-system ids: under sudo, root
+/// writes only where they could) and never through a link, renamed over the path when
+/// [`Output::commit`] is called, removed otherwise. A failed run leaves the previous file and
+/// no partial one.
+pub struct Output {
+    file: std::fs::File,
+    temporary: PathBuf,
+    path: PathBuf,
+    owner: Option<(u32, u32)>,
+    committed: bool,
+}
+
+/// Opens an [`Output`] for `path`; a symbolic link there is refused, not replaced.
+pub fn create_output(path: &Path, who: &Invoker) -> Result<Output> {
     use std::os::unix::fs::OpenOptionsExt as _;
+    let cannot = |e: &dyn std::fmt::Display| {
+        let who = who
+            .owner
+            .map_or_else(String::new, |(uid, _)| format!(" as uid {uid}"));
+        crate::exit::user_error(format!(
+            "cannot write {}{who}: {e}: pick a writable path with -o",
+            path.display()
+        ))
+    };
     let _as_user = act_as(who.owner);
-    std::fs::OpenOptions::new()
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+        return Err(cannot(
+            &"it is a symbolic link (tracer does not follow or replace links at its output)",
+        ));
+    }
+    let name = path
+        .file_name()
+        .ok_or_else(|| cannot(&"it names no file"))?;
+    let mut temporary_name = std::ffi::OsString::from(".");
+    temporary_name.push(name);
+    temporary_name.push(format!(".tracer-{}", std::process::id()));
+    let temporary = path.with_file_name(temporary_name);
+    let file = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| {
-            let link = if e.raw_os_error() == Some(libc::ELOOP) {
-                " (it is a symbolic link: tracer does not follow links to its output)"
-            } else {
-                ""
-            };
-            let who = who
-                .owner
-                .map_or_else(String::new, |(uid, _)| format!(" as uid {uid}"));
+        .open(&temporary)
+        .map_err(|e| cannot(&e))?;
+    Ok(Output {
+        file,
+        temporary,
+        path: path.to_owned(),
+        owner: who.owner,
+        committed: false,
+    })
+}
+
+impl Output {
+    /// The file is complete: it takes the path's place (a rename, as the user).
+    pub fn commit(mut self) -> Result<()> {
+        self.file
+            .sync_all()
+            .with_context(|| format!("writing {}", self.path.display()))?;
+        let _as_user = act_as(self.owner);
+        std::fs::rename(&self.temporary, &self.path).map_err(|e| {
             crate::exit::user_error(format!(
-                "cannot write {}{who}: {e}{link}: pick a writable path with -o",
-                path.display()
+                "cannot write {}: {e}: pick a writable path with -o",
+                self.path.display()
             ))
-        })
+        })?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl std::io::Write for Output {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.file.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
+impl Drop for Output {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _as_user = act_as(self.owner);
+            let _ = std::fs::remove_file(&self.temporary);
+        }
+    }
 }
 
 /// Refuses a database path that is a symbolic link (tracer never follows one to its database,

@@ -52,7 +52,8 @@ pub struct Snapshot {
     /// "oom", "end" or "time".
     pub label: &'static str,
     pub processes: Vec<ProcessLayout>,
-    /// Segments left out to keep the page light (the smallest first).
+    /// Segments left out to keep the page light (the largest are kept first; one that does
+    /// not fit the budget left is left out).
     pub segments_omitted: u64,
 }
 
@@ -80,7 +81,7 @@ pub struct ReportData {
 
 /// Reads and analyses the session; `q` as for explain.
 pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
-    let explained = explain::explain(db, q)?;
+    let (explained, all) = explain::explain_with_calls(db, q)?;
     let report = explained.report;
     let window = report.window;
     let store = Store::open(db, Access::ReadOnly)?;
@@ -91,7 +92,6 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
         .map(|(p, c)| (p, AllocConf::parse(&c)))
         .collect();
     let messages = events::messages(store.conn(), session.id)?;
-    let all = events::load(db, session.id, window.to_ns, q.pid)?;
     // PyTorch raises its OOM just after the last call of a session that ended with it: such
     // an OOM still belongs to the window.
     let oom = explain::oom_time(db, store.conn(), session.id, q.pid)?
@@ -200,7 +200,14 @@ impl<'a> Pass<'a> {
         }
     }
 
-    fn mark(&mut self, ts_ns: i64, pid: u32, device: i32, kind: &'static str, text: String) {
+    fn mark(
+        &mut self,
+        ts_ns: i64,
+        pid: u32,
+        device: i32,
+        kind: &'static str,
+        text: impl FnOnce() -> String,
+    ) {
         let until = match kind {
             "oom" => self.to_ns.saturating_add(OOM_AFTER_END_NS),
             _ => self.to_ns,
@@ -208,13 +215,16 @@ impl<'a> Pass<'a> {
         if !(self.from_ns..=until).contains(&ts_ns) {
             return;
         }
-        if self.markers.len() < MAX_MARKERS {
+        // The OOMs are few and the point of the page: the cap never drops one.
+        if self.markers.len() < MAX_MARKERS
+            || (kind == "oom" && self.markers.len() < 2 * MAX_MARKERS)
+        {
             self.markers.push(Marker {
                 ts_ns,
                 pid,
                 device,
                 kind,
-                text,
+                text: text(),
             });
         } else {
             self.markers_omitted += 1;
@@ -232,12 +242,12 @@ impl<'a> Pass<'a> {
         self.figures.apply(e);
         let after = failures(&self.figures);
         let end = e.ts_ns.saturating_add(e.duration_ns as i64);
-        let what = format!("{} of {} bytes", e.op.name(), e.size);
+        let what = |how: &str| format!("{} of {} bytes {how}", e.op.name(), e.size);
         if after.0 > before.0 {
-            self.mark(end, e.pid, device, "failed", format!("{what} failed"));
+            self.mark(end, e.pid, device, "failed", || what("failed"));
         }
         if after.1 > before.1 {
-            self.mark(end, e.pid, device, "retry", format!("{what} retried"));
+            self.mark(end, e.pid, device, "retry", || what("retried"));
         }
         if let Some(alarm) = self.allocators.apply(e) {
             self.mark(
@@ -245,10 +255,12 @@ impl<'a> Pass<'a> {
                 e.pid,
                 alarm.device,
                 "warning",
-                format!(
-                    "early warning: a request of {} bytes lately, largest free block {} bytes, device free {} bytes",
-                    alarm.request, alarm.stats.largest_free, alarm.device_free
-                ),
+                || {
+                    format!(
+                        "early warning: a request of {} bytes lately, largest free block {} bytes, device free {} bytes",
+                        alarm.request, alarm.stats.largest_free, alarm.device_free
+                    )
+                },
             );
         }
         if e.ts_ns < self.from_ns {
@@ -298,7 +310,7 @@ impl<'a> Pass<'a> {
     fn message(&mut self, m: &MessageRow) {
         if m.op == Op::TorchOom.name() {
             let device = oom_device(&m.text).unwrap_or(-1);
-            self.mark(m.ts_ns, m.pid, device, "oom", m.text.clone());
+            self.mark(m.ts_ns, m.pid, device, "oom", || m.text.clone());
         }
     }
 

@@ -32,12 +32,15 @@ pub struct ExportArgs {
 }
 
 pub fn run(args: ExportArgs) -> Result<()> {
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
-    let file = paths::create_output(&args.output, &paths::invoker())?;
-    let out = std::io::BufWriter::with_capacity(1 << 20, file);
+    let who = paths::invoker();
+    let db = paths::db_path(args.db.as_deref(), &who)?;
+    // A failed export leaves no partial trace and the previous file in place.
+    let mut output = paths::create_output(&args.output, &who)?;
+    let out = std::io::BufWriter::with_capacity(1 << 20, &mut output);
     let Format::Perfetto = args.format;
     let (session, written) = explain::export_perfetto(&db, args.session, args.pid, out)
         .with_context(|| format!("exporting to {}", args.output.display()))?;
+    output.commit()?;
     eprintln!(
         "tracer: session {session}: {} slices, {} counter points, {} instants on {} tracks, {} bytes in {}",
         written.slices,

@@ -41,22 +41,13 @@ pub struct ReportArgs {
 }
 
 pub fn run(args: ReportArgs) -> Result<()> {
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
-    // The path is checked before the session is read, and no partial page is left behind.
     let who = paths::invoker();
-    let file = paths::create_output(&args.output, &who)?;
-    let written = write_report(&db, &args, file);
-    if written.is_err() {
-        // As the user too: the entry goes only if they could remove it themselves.
-        let _as_user = paths::act_as(who.owner);
-        let _ = std::fs::remove_file(&args.output);
-    }
-    written
-}
-
-fn write_report(db: &std::path::Path, args: &ReportArgs, file: std::fs::File) -> Result<()> {
+    let db = paths::db_path(args.db.as_deref(), &who)?;
+    // The path is checked before the session is read; a failed run leaves no partial page
+    // and the previous one in place.
+    let mut output = paths::create_output(&args.output, &who)?;
     let data = tracer_cli::report::report_data(
-        db,
+        &db,
         &ExplainQuery {
             session: args.session,
             since: args.since,
@@ -66,9 +57,11 @@ fn write_report(db: &std::path::Path, args: &ReportArgs, file: std::fs::File) ->
             skip_frames: args.skip_frames.clone(),
         },
     )?;
-    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, &mut output);
     let bytes = present::report::write(&mut out, &data)
         .with_context(|| format!("writing {}", args.output.display()))?;
+    drop(out);
+    output.commit()?;
     eprintln!(
         "tracer: session {}: {} chains, {} chart lines of at most {} points, {} segment maps, {} bytes in {}",
         data.session.id,

@@ -15,9 +15,36 @@ const LAT_MIN_LOG2: u32 = 6;
 const LAT_BINS_PER_OCTAVE: u32 = 4;
 const LAT_BINS: usize = ((38 - LAT_MIN_LOG2) * LAT_BINS_PER_OCTAVE) as usize;
 
+/// The levels (memory, fragmentation) as they stood after a bucket's last sample: what an
+/// empty bucket after it shows.
+#[derive(Clone, Copy, Debug, Default)]
+struct Levels {
+    allocated: Option<u64>,
+    reserved: Option<u64>,
+    outside: Option<u64>,
+    largest_free: Option<u64>,
+    fragmentation: Option<f64>,
+    device_free: Option<u64>,
+}
+
+impl Levels {
+    fn after(self, later: Levels) -> Levels {
+        Levels {
+            allocated: later.allocated.or(self.allocated),
+            reserved: later.reserved.or(self.reserved),
+            outside: later.outside.or(self.outside),
+            largest_free: later.largest_free.or(self.largest_free),
+            fragmentation: later.fragmentation.or(self.fragmentation),
+            device_free: later.device_free.or(self.device_free),
+        }
+    }
+}
+
 /// What one bucket saw of one process on one device.
 #[derive(Clone, Debug, Default)]
 struct Bucket {
+    /// The levels after its last sample.
+    last: Levels,
     /// The highest allocated, reserved and outside-the-allocator bytes after any call in it.
     allocated: Option<u64>,
     reserved: Option<u64>,
@@ -52,6 +79,7 @@ fn min_of(a: Option<u64>, b: Option<u64>) -> Option<u64> {
 impl Bucket {
     /// `later` follows `self` in time.
     fn merge(&mut self, later: Bucket) {
+        self.last = self.last.after(later.last);
         self.allocated = max_of(self.allocated, later.allocated);
         self.reserved = max_of(self.reserved, later.reserved);
         self.outside = max_of(self.outside, later.outside);
@@ -166,22 +194,27 @@ impl Timeline {
         if line.len() <= index {
             line.resize_with(index + 1, Bucket::default);
         }
-        let mut latency = None;
-        if let Some(ns) = s.latency_ns {
-            let mut hist = Box::new([0u32; LAT_BINS]);
-            hist[latency_bin(ns)] = 1;
-            latency = Some(hist);
-        }
-        line[index].merge(Bucket {
+        let b = &mut line[index];
+        let levels = Levels {
             allocated: s.allocated,
             reserved: s.reserved,
             outside: s.outside,
             largest_free: s.largest_free,
             fragmentation: s.fragmentation,
             device_free: s.device_free,
-            request: s.request,
-            latency,
-        });
+        };
+        b.last = b.last.after(levels);
+        b.allocated = max_of(b.allocated, s.allocated);
+        b.reserved = max_of(b.reserved, s.reserved);
+        b.outside = max_of(b.outside, s.outside);
+        b.largest_free = min_of(b.largest_free, s.largest_free);
+        b.fragmentation = max_of(b.fragmentation, s.fragmentation);
+        b.device_free = s.device_free.or(b.device_free);
+        b.request = max_of(b.request, s.request);
+        if let Some(ns) = s.latency_ns {
+            let hist = b.latency.get_or_insert_with(|| Box::new([0u32; LAT_BINS]));
+            hist[latency_bin(ns)] = hist[latency_bin(ns)].saturating_add(1);
+        }
     }
 
     /// Twice as wide: each pair of buckets becomes one.
@@ -204,7 +237,8 @@ impl Timeline {
         self.width
     }
 
-    /// The lines, memory levels carried forward over buckets in which they did not change.
+    /// The lines: a bucket with samples shows its highest level (largest free block: lowest);
+    /// one without shows the level the calls before it left.
     pub fn lines(&self) -> Vec<Line> {
         let origin = self.origin.unwrap_or(0);
         self.lines
@@ -224,21 +258,18 @@ impl Timeline {
                     latency_p50_ns: Vec::with_capacity(buckets.len()),
                     latency_p99_ns: Vec::with_capacity(buckets.len()),
                 };
-                let mut last = Bucket::default();
+                let mut before = Levels::default();
                 for (i, b) in buckets.iter().enumerate() {
-                    last.allocated = b.allocated.or(last.allocated);
-                    last.reserved = b.reserved.or(last.reserved);
-                    last.outside = b.outside.or(last.outside);
-                    last.largest_free = b.largest_free.or(last.largest_free);
-                    last.fragmentation = b.fragmentation.or(last.fragmentation);
-                    last.device_free = b.device_free.or(last.device_free);
                     line.t.push(origin + i as i64 * self.width);
-                    line.allocated.push(last.allocated);
-                    line.reserved.push(last.reserved);
-                    line.outside.push(last.outside);
-                    line.largest_free.push(last.largest_free);
-                    line.fragmentation.push(last.fragmentation);
-                    line.device_free.push(last.device_free);
+                    line.allocated.push(b.allocated.or(before.allocated));
+                    line.reserved.push(b.reserved.or(before.reserved));
+                    line.outside.push(b.outside.or(before.outside));
+                    line.largest_free
+                        .push(b.largest_free.or(before.largest_free));
+                    line.fragmentation
+                        .push(b.fragmentation.or(before.fragmentation));
+                    line.device_free.push(b.device_free.or(before.device_free));
+                    before = before.after(b.last);
                     line.request.push(b.request);
                     line.latency_p50_ns
                         .push(b.latency.as_ref().and_then(|h| quantile(h, 0.5)));
@@ -254,6 +285,33 @@ impl Timeline {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_idle_stretch_shows_the_level_left_not_the_peak() {
+        let mut t = Timeline::default();
+        let at = |t: &mut Timeline, ns: i64, allocated: u64| {
+            t.add(
+                ns,
+                1,
+                0,
+                Sample {
+                    allocated: Some(allocated),
+                    ..Default::default()
+                },
+            )
+        };
+        // A peak and its free within the first bucket, silence, then one more call.
+        at(&mut t, 0, 5 << 30);
+        at(&mut t, 100, 1 << 30);
+        at(&mut t, 10_000_000, 1 << 30);
+        let l = &t.lines()[0];
+        assert_eq!(l.allocated[0], Some(5 << 30), "a bucket shows its peak");
+        assert!(
+            l.allocated[1..].iter().all(|&a| a == Some(1 << 30)),
+            "{:?}",
+            l.allocated
+        );
+    }
 
     #[test]
     fn bins_bound_their_durations() {

@@ -519,16 +519,6 @@ pub fn session_summary(conn: &Connection, id: i64) -> Result<SessionSummary> {
     .with_context(|| format!("read session {id}"))
 }
 
-/// The first and last call times of a session stored in call blocks.
-pub fn block_span(conn: &Connection, session: i64) -> Result<Option<(i64, i64)>> {
-    conn.query_row(
-        "SELECT min(min_ts_ns), max(max_ts_ns) FROM call_blocks WHERE session_id = ?1",
-        [session],
-        |r| Ok(r.get::<_, Option<i64>>(0)?.zip(r.get::<_, Option<i64>>(1)?)),
-    )
-    .with_context(|| format!("read the span of session {session}"))
-}
-
 /// Process names of a session (from /proc at first sight).
 pub fn comms(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {
     let mut stmt =

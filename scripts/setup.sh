@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what building and testing tracer needs, only what is missing.
+# Installs what building tracer and its demo need, only what is missing; with --tests, also
+# what only the tests use (Prometheus, Chromium, the Python tools they drive).
 # Idempotent: on a machine that has everything it returns in well under a second.
 set -euo pipefail
 
@@ -64,6 +65,9 @@ with open(os.path.join(sys.argv[2], "libcudart.so.12"), "wb") as f:
 PY
   rm -rf "$tmp"
 fi
+
+# What only the tests use (scripts/test.sh asks with --tests; the quick start's demo does not).
+[ "${1:-}" = "--tests" ] || exit 0
 
 # The fleet tests: a real Prometheus server and promtool (Debian's package; its service, which
 # the package starts, is stopped: the tests run their own on loopback) ...

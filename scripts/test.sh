@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/as-user.sh
-bash scripts/setup.sh
+bash scripts/setup.sh --tests
 # House rules first: formatting and lints (the eBPF crate is checked by its build).
 as_user cargo fmt --all --check
 as_user cargo clippy --locked --all-targets -- -D warnings

@@ -363,7 +363,7 @@ pub fn workload_result(stdout: &[u8]) -> Value {
         .expect("the workload's result line")
 }
 
-/// Where scripts/setup.sh installs the Python tools the tests use (kubernetes-validate,
+/// Where `scripts/setup.sh --tests` installs the Python tools the tests use (kubernetes-validate,
 /// PyYAML, perfetto).
 pub fn pylib() -> PathBuf {
     std::env::var_os("TRACER_PYLIB")

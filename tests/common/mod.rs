@@ -364,7 +364,7 @@ pub fn workload_result(stdout: &[u8]) -> Value {
 }
 
 /// Where `scripts/setup.sh --tests` installs the Python tools the tests use (kubernetes-validate,
-/// PyYAML, perfetto).
+/// PyYAML, perfetto, mcp, selenium).
 pub fn pylib() -> PathBuf {
     std::env::var_os("TRACER_PYLIB")
         .map(PathBuf::from)

@@ -433,18 +433,7 @@ fn the_perfetto_export_holds_every_call_the_counters_and_the_oom() {
         "{}",
         String::from_utf8_lossy(&export.stderr)
     );
-    let decoded = Command::new("python3")
-        .env("PYTHONPATH", pylib())
-        .args(["-c", PERFETTO_SUMMARY])
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert!(
-        decoded.status.success(),
-        "{}",
-        String::from_utf8_lossy(&decoded.stderr)
-    );
-    let summary: Value = serde_json::from_slice(&decoded.stdout).unwrap();
+    let summary = python_json(&["-c".as_ref(), PERFETTO_SUMMARY.as_ref(), file.as_os_str()]);
     assert_eq!(summary["problems"], serde_json::json!([]), "{summary:#}");
     // A slice per call, an instant per allocator block event: the session's counts.
     for row in query(&fx.db, "SELECT op, count(*) AS n FROM events GROUP BY op") {

@@ -30,21 +30,13 @@ fn deploy(rel: &str) -> PathBuf {
 
 /// The YAML documents of a file, as JSON.
 fn yaml(path: &Path) -> Vec<Value> {
-    let out = Command::new("python3")
-        .env("PYTHONPATH", pylib())
-        .args([
-            "-c",
-            "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))",
-        ])
-        .arg(path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let code = "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))";
+    serde_json::from_value(python_json(&[
+        "-c".as_ref(),
+        std::ffi::OsStr::new(code),
+        path.as_os_str(),
+    ]))
+    .unwrap()
 }
 
 /// An HTTP/1.0 GET: the status code and body; None when the connection closed unanswered.

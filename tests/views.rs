@@ -48,23 +48,10 @@ fn tracer_json(db: &Path, args: &[&str]) -> Value {
 }
 
 fn python(script: &str, args: &[&std::ffi::OsStr]) -> Value {
-    let out = Command::new("python3")
-        .env("PYTHONPATH", pylib())
-        .arg(workspace().join("tests/python").join(script))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "{script} printed no JSON ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
+    let path = workspace().join("tests/python").join(script);
+    let mut all = vec![path.as_os_str()];
+    all.extend_from_slice(args);
+    python_json(&all)
 }
 
 /// The JSON the page embeds, read from the file itself.

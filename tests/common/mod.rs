@@ -363,6 +363,28 @@ pub fn workload_result(stdout: &[u8]) -> Value {
         .expect("the workload's result line")
 }
 
+/// Runs python3 with the tests' Python tools on its path (`args`: a script and its arguments,
+/// or `-c CODE ...`); its stdout, which must be JSON.
+pub fn python_json<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Value {
+    let out = Command::new("python3")
+        .env("PYTHONPATH", pylib())
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "python3 {:?}: {}",
+        args.first().map(|a| a.as_ref().to_owned()),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "python printed no JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
 /// Where `scripts/setup.sh --tests` installs the Python tools the tests use (kubernetes-validate,
 /// PyYAML, perfetto, mcp, selenium).
 pub fn pylib() -> PathBuf {

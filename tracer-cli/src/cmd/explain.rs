@@ -16,7 +16,20 @@ pub struct ExplainArgs {
     /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
     #[arg(long, env = paths::DB_ENV)]
     pub db: Option<PathBuf>,
-    /// The session to explain (default: the latest).
+    #[command(flatten)]
+    pub window: WindowArgs,
+    /// Per-process tables: calls, latency, bytes, outstanding allocations, warnings.
+    #[arg(long)]
+    pub per_process: bool,
+    /// Everything as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Which part of which session: explain's and report's window options.
+#[derive(Debug, Args)]
+pub struct WindowArgs {
+    /// The session (default: the latest).
     #[arg(long)]
     pub session: Option<i64>,
     /// Only the last part of the session (e.g. 300s), ending at its last event (or now, while
@@ -32,31 +45,28 @@ pub struct ExplainArgs {
     /// Only this process.
     #[arg(long)]
     pub pid: Option<u32>,
-    /// Per-process tables: calls, latency, bytes, outstanding allocations, warnings.
-    #[arg(long)]
-    pub per_process: bool,
-    /// Everything as JSON on stdout.
-    #[arg(long)]
-    pub json: bool,
     /// Frames whose file contains this are not the user's code when naming call sites
     /// (repeatable; site-packages, dist-packages and the standard library always are).
     #[arg(long = "skip-frames", value_name = "TEXT")]
     pub skip_frames: Vec<String>,
 }
 
+impl WindowArgs {
+    pub fn query(self) -> ExplainQuery {
+        ExplainQuery {
+            session: self.session,
+            since: self.since,
+            from: self.from,
+            to: self.to,
+            pid: self.pid,
+            skip_frames: self.skip_frames,
+        }
+    }
+}
+
 pub fn run(args: ExplainArgs) -> Result<()> {
     let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
-    let explained = explain::explain(
-        &db,
-        &ExplainQuery {
-            session: args.session,
-            since: args.since,
-            from: args.from,
-            to: args.to,
-            pid: args.pid,
-            skip_frames: args.skip_frames,
-        },
-    )?;
+    let explained = explain::explain(&db, &args.window.query())?;
     if std::env::var_os("TRACER_TIMING").is_some() {
         eprintln!(
             "explain: load {:?}, analyze {:?}",

@@ -4,7 +4,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_F_USER_STACK, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
-    helpers::{bpf_get_stack, bpf_probe_read_user},
+    helpers::{bpf_get_stack, bpf_probe_read_user, bpf_probe_read_user_buf},
     macros::{map, uretprobe},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
     programs::RetProbeContext,
@@ -52,6 +52,56 @@ const SITE_WAKE_EVERY_NS: u64 = 1_000_000;
 
 #[map(name = "SITE_CALL")]
 pub static SITE_CALL: PerCpuArray<CallEvent> = PerCpuArray::with_max_entries(1, 0);
+
+/// The bytes of a frame's header read in one go: every field the walk needs lies in them
+/// (3.10's f_lasti ends at 100, 3.11+'s fields at 72). One read of 104 bytes instead of four or
+/// five small ones per frame: each read is a helper call with its own fault handling.
+const FRAME_HEADER: usize = 104;
+
+/// The copy's room: any offset masked to 0..=127 plus an 8-byte field stays inside it, which
+/// is what lets the verifier accept a field read at an offset it only knows from a map.
+const FRAME_ROOM: usize = 136;
+
+/// This CPU's copy of the frame header being walked.
+#[map(name = "FRAME_HEADER")]
+static FRAME_HEADER_BUF: PerCpuArray<[u8; FRAME_ROOM]> = PerCpuArray::with_max_entries(1, 0);
+
+/// A frame's header, copied from the process at once.
+#[derive(Clone, Copy)]
+struct Frame {
+    header: *const u8,
+}
+
+impl Frame {
+    /// Copies the header of the frame at `addr` into `buf`; None when it cannot be read (as a
+    /// failed read of one of its fields was before).
+    #[inline(always)]
+    fn at(addr: u64, buf: *mut [u8; FRAME_ROOM]) -> Option<Frame> {
+        // SAFETY: `buf` is this CPU's map value, valid for this run and FRAME_ROOM bytes long;
+        // bpf_probe_read_user validates the source and fails on a fault.
+        unsafe { bpf_probe_read_user_buf(addr as *const u8, &mut (&mut *buf)[..FRAME_HEADER]) }
+            .ok()?;
+        Some(Frame {
+            header: buf as *const u8,
+        })
+    }
+
+    /// The field at `offset`; None for an offset past the header (no supported CPython has one).
+    #[inline(always)]
+    fn field<T: Copy>(&self, offset: u32) -> Option<T> {
+        let offset = offset as usize;
+        if offset > FRAME_HEADER - core::mem::size_of::<T>() {
+            return None;
+        }
+        // The mask changes nothing (offset <= 96 here) but bounds the pointer for the verifier;
+        // the volatile read keeps the compiler from folding it away with the check above.
+        // SAFETY: a read of a local.
+        let masked = unsafe { core::ptr::read_volatile(&offset) } & 127;
+        // SAFETY: masked + size_of::<T>() <= 135 < FRAME_ROOM; the field lies in the copied
+        // header since masked == offset <= FRAME_HEADER - size_of::<T>().
+        Some(unsafe { core::ptr::read_unaligned(self.header.add(masked) as *const T) })
+    }
+}
 
 /// Non-zero: capture call sites (set by userspace at load for --stack).
 #[unsafe(no_mangle)]
@@ -139,6 +189,9 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
         };
         frame = f;
     }
+    let Some(buf) = FRAME_HEADER_BUF.get_ptr_mut(0) else {
+        return;
+    };
     // One frame kept per iteration, so the depth is the loop index: the verifier then sees one
     // state per iteration instead of one per possible depth.
     for i in 0..MAX_PY_FRAMES {
@@ -147,8 +200,11 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
             py.status = py_status::OK;
             return;
         }
+        let Some(mut f) = Frame::at(frame, buf) else {
+            return;
+        };
         if o.frame_owner != PyOffsets::NONE {
-            let Some(owner) = read::<u8>(frame + o.frame_owner as u64) else {
+            let Some(owner) = f.field::<u8>(o.frame_owner) else {
                 return;
             };
             if owner == FRAME_OWNED_BY_CSTACK {
@@ -159,7 +215,7 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
                         f.flags |= py_frame_flags::ENTRY;
                     }
                 }
-                let Some(prev) = read::<u64>(frame + o.frame_previous as u64) else {
+                let Some(prev) = f.field::<u64>(o.frame_previous) else {
                     return;
                 };
                 frame = prev;
@@ -167,21 +223,25 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
                     py.status = py_status::OK;
                     return;
                 }
+                let Some(shimmed) = Frame::at(frame, buf) else {
+                    return;
+                };
+                f = shimmed;
             }
         }
-        let Some(code) = read::<u64>(frame + o.frame_code as u64) else {
+        let Some(code) = f.field::<u64>(o.frame_code) else {
             return;
         };
         let instr = if o.instr_is_lasti != 0 {
-            read::<i32>(frame + o.frame_instr as u64).map(|l| l as u32 as u64)
+            f.field::<i32>(o.frame_instr).map(|l| l as u32 as u64)
         } else {
-            read::<u64>(frame + o.frame_instr as u64)
+            f.field::<u64>(o.frame_instr)
         };
         let Some(instr) = instr else {
             return;
         };
         let entry = if o.frame_is_entry != PyOffsets::NONE {
-            read::<u8>(frame + o.frame_is_entry as u64).unwrap_or(0) != 0
+            f.field::<u8>(o.frame_is_entry).unwrap_or(0) != 0
         } else {
             // 3.10: every Python frame runs in its own C call of the eval loop.
             o.instr_is_lasti != 0
@@ -194,7 +254,7 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
                 _pad: 0,
             };
         }
-        let Some(prev) = read::<u64>(frame + o.frame_previous as u64) else {
+        let Some(prev) = f.field::<u64>(o.frame_previous) else {
             py.depth = i as u32 + 1;
             return;
         };

@@ -526,14 +526,14 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
             w.2 += e.size;
         }
     }
-    let next_from_s = windows
-        .keys()
-        .nth(MAX_WINDOWS)
-        .map(|&(w, _)| (w * width) as f64 / 1e9);
+    // A page ends at a window's boundary: the window the cut falls in goes whole to the next
+    // page (its rows, one per op, would otherwise be split across two).
+    let next_window = windows.keys().nth(MAX_WINDOWS).map(|&(w, _)| w);
+    let next_from_s = next_window.map(|w| (w * width) as f64 / 1e9);
     let truncated = next_from_s.is_some();
     let rows = windows
         .into_iter()
-        .take(MAX_WINDOWS)
+        .take_while(|((w, _), _)| next_window.is_none_or(|next| *w < next))
         .map(|((w, op), (mut d, err, b))| WindowOut {
             w: (w * width) as f64 / 1e9,
             op: op.to_owned(),
@@ -834,7 +834,7 @@ impl TracerMcp {
 
     #[tool(
         name = "op_stats",
-        description = "Per op, per time window (window_s seconds, default 30): w = window start in seconds since the session's first call, n = calls, err = errors, p50_ns/p99_ns/max_ns = duration (nearest rank), b = bytes of successful calls, bh = the same in human units. PyTorch's block events have no duration and are left out. At most 300 rows: when truncated, ask again with from_s = next_from_s.",
+        description = "Per op, per time window (window_s seconds, default 30): w = window start in seconds since the session's first call, n = calls, err = errors, p50_ns/p99_ns/max_ns = duration (nearest rank), b = bytes of successful calls, bh = the same in human units. PyTorch's block events have no duration and are left out. At most 300 rows, whole windows: when truncated, ask again with from_s = next_from_s.",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn op_stats(

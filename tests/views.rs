@@ -9,29 +9,6 @@ use std::{path::Path, process::Command};
 use common::*;
 use serde_json::Value;
 
-const SIGINT: i32 = 2;
-
-/// Records the incident workload with --stack; the workload's own account.
-fn record_incident(fx: &Fixture, while_running: impl FnOnce()) -> Value {
-    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
-    let trace = Trace::start(
-        &fx.db,
-        &[
-            "--lib",
-            &lib("libcudart.so.12"),
-            "--lib",
-            &lib("libsimtorch.so"),
-            "--stack",
-            "--quiet",
-        ],
-    );
-    let out = incident_workload(&fx.sim).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
-    while_running();
-    trace.stop(SIGINT);
-    workload_result(&out.stdout)
-}
-
 fn tracer_json(db: &Path, args: &[&str]) -> Value {
     let out = Command::new(TRACER)
         .args(args)
@@ -74,7 +51,7 @@ fn number(text: &str) -> i64 {
 #[test]
 fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures() {
     let Some(fx) = Fixture::new() else { return };
-    let result = record_incident(&fx, || {});
+    let result = record_incident(&fx, &["--stack"], || {});
     let r = &result["result"];
     let dir = fx.db.parent().unwrap();
     let html_path = dir.join("report.html");
@@ -268,7 +245,7 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
     let db = fx.db.as_os_str().to_owned();
     // While the trace still runs: the server reads what it has committed.
     let mut live = Value::Null;
-    record_incident(&fx, || {
+    record_incident(&fx, &["--stack"], || {
         live = python("mcp_client.py", &[&tracer, &db, "live".as_ref()]);
     });
     assert_eq!(live["server"], "tracer");
@@ -380,13 +357,18 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
         assert_eq!(g["b"], want["b"]);
     }
 
-    // op_stats pages: 300 windows, then the rest from where the first page stopped.
+    // op_stats pages: at most 300 rows of whole windows, then the rest from where the first
+    // page stopped (no window split between the pages).
     let (p1, p2) = (
         &seen["op_stats_page1"]["structured"],
         &seen["op_stats_page2"]["structured"],
     );
     assert_eq!(p1["truncated"], true, "{p1}");
-    assert_eq!(p1["rows"].as_array().unwrap().len(), 300);
+    let page1 = p1["rows"].as_array().unwrap().len();
+    assert!(
+        (290..=300).contains(&page1),
+        "{page1} rows: whole windows, at most 300"
+    );
     let next = p1["next_from_s"].as_f64().unwrap();
     let last_of_first = p1["rows"].as_array().unwrap().last().unwrap()["w"]
         .as_f64()

@@ -351,6 +351,21 @@ pub fn incident_workload(sim: &Path) -> Command {
     cmd
 }
 
+/// Traces the incident workload (the runtime and the allocator's probes, plus `extra`
+/// options), runs `while_running` before the trace stops; the workload's own account.
+pub fn record_incident(fx: &Fixture, extra: &[&str], while_running: impl FnOnce()) -> Value {
+    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
+    let (cudart, torch) = (lib("libcudart.so.12"), lib("libsimtorch.so"));
+    let mut args = vec!["--lib", &cudart, "--lib", &torch, "--quiet"];
+    args.extend_from_slice(extra);
+    let trace = Trace::start(&fx.db, &args);
+    let out = incident_workload(&fx.sim).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
+    while_running();
+    trace.stop(2);
+    workload_result(&out.stdout)
+}
+
 /// The workload allocator's own account at its end (its `result` line).
 pub fn workload_result(stdout: &[u8]) -> Value {
     String::from_utf8_lossy(stdout)

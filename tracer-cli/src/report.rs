@@ -15,7 +15,7 @@ use crate::{
     model::{
         figures::Figures,
         layout::AllocConf,
-        live::LiveAllocators,
+        live::{self, LiveAllocators},
         series::{Line, Sample, Timeline},
         Event, MessageRow,
     },
@@ -271,14 +271,7 @@ impl<'a> Pass<'a> {
 
     fn sample(&mut self, e: &Event, device: i32) {
         let class = e.class();
-        if !matches!(
-            class,
-            OpClass::Alloc
-                | OpClass::Free
-                | OpClass::BlockAlloc
-                | OpClass::BlockFree
-                | OpClass::MemInfo
-        ) {
+        if !live::moves_memory(class) {
             return;
         }
         let Some(row) = self.allocators.row(e.pid, device) else {

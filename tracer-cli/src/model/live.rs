@@ -45,6 +45,19 @@ struct Process {
     largest_request: BTreeMap<i32, u64>,
 }
 
+/// The calls that change, or tell, what a process holds on a device: the only ones the
+/// allocators' figures follow.
+pub fn moves_memory(class: OpClass) -> bool {
+    matches!(
+        class,
+        OpClass::Alloc
+            | OpClass::Free
+            | OpClass::BlockAlloc
+            | OpClass::BlockFree
+            | OpClass::MemInfo
+    )
+}
+
 /// Every traced process's layout, as the calls arrive.
 #[derive(Default)]
 pub struct LiveAllocators {
@@ -70,14 +83,7 @@ impl LiveAllocators {
     /// figures when the call leaves its pool in the state in which the next request fails.
     pub fn apply(&mut self, e: &Event) -> Option<Alarm> {
         let class = e.class();
-        if !matches!(
-            class,
-            OpClass::Alloc
-                | OpClass::Free
-                | OpClass::BlockAlloc
-                | OpClass::BlockFree
-                | OpClass::MemInfo
-        ) {
+        if !moves_memory(class) {
             return None;
         }
         let p = self.processes.entry(e.pid).or_default();

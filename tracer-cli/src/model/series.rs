@@ -195,22 +195,25 @@ impl Timeline {
             line.resize_with(index + 1, Bucket::default);
         }
         let b = &mut line[index];
-        let levels = Levels {
+        b.merge(Bucket {
+            last: Levels {
+                allocated: s.allocated,
+                reserved: s.reserved,
+                outside: s.outside,
+                largest_free: s.largest_free,
+                fragmentation: s.fragmentation,
+                device_free: s.device_free,
+            },
             allocated: s.allocated,
             reserved: s.reserved,
             outside: s.outside,
             largest_free: s.largest_free,
             fragmentation: s.fragmentation,
             device_free: s.device_free,
-        };
-        b.last = b.last.after(levels);
-        b.allocated = max_of(b.allocated, s.allocated);
-        b.reserved = max_of(b.reserved, s.reserved);
-        b.outside = max_of(b.outside, s.outside);
-        b.largest_free = min_of(b.largest_free, s.largest_free);
-        b.fragmentation = max_of(b.fragmentation, s.fragmentation);
-        b.device_free = s.device_free.or(b.device_free);
-        b.request = max_of(b.request, s.request);
+            request: s.request,
+            // Counted in place below: no histogram is made for one call.
+            latency: None,
+        });
         if let Some(ns) = s.latency_ns {
             let hist = b.latency.get_or_insert_with(|| Box::new([0u32; LAT_BINS]));
             hist[latency_bin(ns)] = hist[latency_bin(ns)].saturating_add(1);

@@ -1680,6 +1680,46 @@ fn with_stack_every_call_is_stored_or_counted() {
     );
 }
 
+/// Each CPU's call events reach the ring in batches, so the ring's order is not the calls'
+/// order: here every allocation returns on one CPU and its free on another, and the ring gets
+/// frees before their allocations. The reader puts them back: each free is joined to the
+/// allocation just before it (its own size, at a pointer every allocation reuses) and the
+/// calls are stored in the order they were made.
+#[test]
+fn calls_returning_on_different_cpus_are_stored_in_the_order_they_returned() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let lib = fx.sim.join("libcudart.so.12");
+    let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
+    let script = workspace().join("tests/python/cross_cpu.py");
+    let rep = python_json(&[script.as_os_str(), lib.as_os_str(), "300".as_ref()]);
+    trace.stop(SIGINT);
+    let pid = rep["pid"].as_i64().unwrap();
+    assert_eq!(
+        rep["distinct_ptrs"], 1,
+        "the allocator reuses the pointer just freed"
+    );
+    let expected: Vec<(String, i64)> = rep["sizes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| {
+            let s = s.as_i64().unwrap();
+            [("cudaMalloc".to_owned(), s), ("cudaFree".to_owned(), s)]
+        })
+        .collect();
+    assert_eq!(expected.len(), 600);
+    let stored: Vec<(String, i64)> = query(
+        &fx.db,
+        &format!("SELECT op, size FROM events WHERE pid = {pid} AND op IN ('cudaMalloc', 'cudaFree') ORDER BY event_id"),
+    )
+    .iter()
+    .map(|r| (r["op"].as_str().unwrap().to_owned(), r["size"].as_i64().unwrap_or(-1)))
+    .collect();
+    assert_eq!(stored, expected);
+}
+
 /// `tracer import` stores the simulated runtime's own log of a real run (no privileges needed):
 /// every runtime call the program made, per op, and explain reads the session; a file that is not such
 /// a log is refused with a message and exit 2, and nothing already stored is lost.

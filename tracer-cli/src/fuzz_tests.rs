@@ -86,6 +86,8 @@ fn record_seeds() -> Vec<Vec<u8>> {
             headers.push(h);
         }
     }
+    // A stage's events back to back, as the return program writes them.
+    headers.push(call.repeat(3));
     headers.push(call);
     headers
 }
@@ -151,6 +153,7 @@ fn feed(rng: &mut Rng, block: &[u8], records: &[Vec<u8>], elf: &[u8]) {
     let record = rng.mutate(&records[pick]);
     for bytes in [&random, &record] {
         let _ = decode::decode(bytes);
+        let _ = decode::decode_all(bytes).count();
     }
     let b = rng.mutate(block);
     let _ = blocks::decode(&b, 50, |_| {});

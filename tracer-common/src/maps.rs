@@ -10,6 +10,12 @@ pub const COUNTERS: &str = "COUNTERS";
 pub const SLOTS: &str = "SLOTS";
 /// (thread, op) -> entry state, for calls whose slot another thread's call holds.
 pub const INFLIGHT: &str = "INFLIGHT";
+/// Per-CPU array of one [`Stage`]: a CPU's call events wait there and go to the ring
+/// [`STAGE_EVENTS`] at a time, one ring write instead of one a call.
+pub const STAGE: &str = "STAGE";
+/// The program userspace runs on each CPU (BPF_PROG_TEST_RUN, BPF_F_TEST_RUN_ON_CPU) to send
+/// what waits in that CPU's stage; returns a [`FlushResult`].
+pub const PROG_FLUSH_STAGE: &str = "flush_stage";
 
 /// Array of [`crate::usdt::UsdtPlan`] indexed by the attach cookie of a USDT site.
 pub const USDT_PLANS: &str = "USDT_PLANS";
@@ -176,8 +182,37 @@ pub struct Slot {
     pub state: Inflight,
 }
 
+/// Events a CPU's stage holds before it goes to the ring in one write.
+pub const STAGE_EVENTS: usize = 32;
+
+/// Value of [`STAGE`]: this CPU's call events not yet in the ring, in the order they returned.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Stage {
+    /// Events held, at most [`STAGE_EVENTS`].
+    pub len: u32,
+    /// 1 while a program of this CPU writes the stage: another one that interrupts or preempts
+    /// it (the flush, a preempted return) must leave the stage alone.
+    pub busy: u32,
+    pub events: [crate::CallEvent; STAGE_EVENTS],
+}
+
+/// What [`PROG_FLUSH_STAGE`] did with its CPU's stage.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlushResult {
+    /// Everything the stage held is in the ring (or it held nothing).
+    Sent = 0,
+    /// A program of this CPU was writing the stage; nothing was done.
+    Busy = 1,
+    /// The ring was full: the stage's events were lost, and counted as such.
+    RingFull = 2,
+}
+
 #[cfg(feature = "user")]
 mod pod {
+    // SAFETY: repr(C), u32s and CallEvents (Pod themselves), 8-aligned with no implicit padding.
+    unsafe impl aya::Pod for super::Stage {}
     // SAFETY: each is repr(C), only integers, with explicit padding fields.
     unsafe impl aya::Pod for super::InflightKey {}
     // SAFETY: as above.

@@ -2,7 +2,10 @@
 //! which op fired, and `PLANS` says which argument means what. They do only what must be done
 //! at the call: save the arguments, read the out-parameters, time it, send it. Joining a free
 //! to its allocation's size and a call to its thread's device happens in userspace, from the
-//! events themselves, which are all delivered in order.
+//! events themselves, which userspace puts back in the order they returned (each CPU's events
+//! wait in its stage and reach the ring [`STAGE_EVENTS`] at a time).
+
+use core::sync::atomic::{compiler_fence, Ordering as AtomicOrdering};
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
@@ -10,14 +13,17 @@ use aya_ebpf::{
         bpf_get_attach_cookie, bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns,
         bpf_probe_read_user,
     },
-    macros::{map, uprobe, uretprobe},
-    maps::{Array, LruHashMap, RingBuf},
-    programs::{ProbeContext, RetProbeContext},
+    macros::{map, raw_tracepoint, uprobe, uretprobe},
+    maps::{Array, LruHashMap, PerCpuArray, RingBuf},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
     EbpfContext,
 };
 use tracer_common::{
     call::{flags, DEVICE_UNKNOWN},
-    maps::{self as names, slot_index, Counter, Inflight, InflightKey, Slot},
+    maps::{
+        self as names, slot_index, Counter, FlushResult, Inflight, InflightKey, Slot, Stage,
+        STAGE_EVENTS,
+    },
     probes::{ALLOC_PROP_DEVICE_OFFSET, MAX_ARGS, NO_ARG, OP_COUNT},
     CallEvent, EventHeader, OpPlan, PLANS,
 };
@@ -36,6 +42,10 @@ static SLOTS: Array<Slot> = Array::with_max_entries(names::SLOT_COUNT, 0);
 #[map(name = "INFLIGHT")]
 static INFLIGHT: LruHashMap<InflightKey, Inflight> =
     LruHashMap::with_max_entries(names::INFLIGHT_ENTRIES, 0);
+
+/// This CPU's call events not yet in the ring.
+#[map(name = "STAGE")]
+static STAGE: PerCpuArray<Stage> = PerCpuArray::with_max_entries(1, 0);
 
 /// Slot 0: non-zero once userspace is stopping; new calls are then ignored (their returns
 /// still complete, so the final drain sees every call that had started).
@@ -336,6 +346,18 @@ fn wakeup_flag(submitted: u64) -> u32 {
     }
 }
 
+/// The wake-up flag for a full stage (32 events in one write): looking at how much waits is
+/// cheap at that rate, so every write looks.
+#[inline(always)]
+fn stage_wakeup_flag() -> u64 {
+    let wakeup = global(&WAKEUP_BYTES);
+    if wakeup == 0 || EVENTS.query(0) >= wakeup {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        BPF_RB_NO_WAKEUP as u64
+    }
+}
+
 #[uretprobe]
 pub fn call_return(ctx: RetProbeContext) -> u32 {
     let floor = global(&FLOOR_MODE);
@@ -352,6 +374,10 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     let Some((state, send_comm)) = take_inflight(tid, op) else {
         return 0;
     };
+    let stack = crate::stack::enabled();
+    // Claimed before the clock is read: a flush that finds the stage free knows that every
+    // event of this CPU that returned before it is in the ring (see `flush_stage`).
+    let stage = if stack { None } else { claim_stage() };
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i32 = ctx.ret::<u64>() as i32;
@@ -388,27 +414,133 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
         stack_id: -1,
         comm,
     };
-    if crate::stack::enabled() {
+    if stack {
         // call_site sends the event (and counts it), waking the reader its own way.
         crate::stack::tail_call_site(&ctx, &event);
         // Only a failed tail call gets here: the event is lost, and counted as such.
         bump(Counter::TailCallFailed);
         return 0;
     }
+    match stage {
+        Some(stage) => stage_event(stage, &event),
+        None => send_event(&event, send_comm),
+    }
+    0
+}
+
+/// This CPU's stage, marked busy; None when a program this one interrupted or preempted holds
+/// it (this event then goes to the ring by itself).
+#[inline(always)]
+fn claim_stage() -> Option<*mut Stage> {
+    let stage = STAGE.get_ptr_mut(0)?;
+    // SAFETY: this CPU's value, valid for this run; only programs of this CPU touch it, and
+    // the busy mark keeps one from writing it while another is halfway through.
+    unsafe {
+        if core::ptr::read_volatile(&(*stage).busy) != 0 {
+            return None;
+        }
+        core::ptr::write_volatile(&mut (*stage).busy, 1);
+    }
+    compiler_fence(AtomicOrdering::SeqCst);
+    Some(stage)
+}
+
+/// Appends the event to the claimed stage, sends the stage when full, and frees it.
+#[inline(always)]
+fn stage_event(stage: *mut Stage, event: &CallEvent) {
+    // SAFETY: claimed by this program (claim_stage).
+    unsafe {
+        let len = (*stage).len as usize;
+        if let Some(slot) = (*stage).events.get_mut(len) {
+            *slot = *event;
+            (*stage).len = len as u32 + 1;
+        }
+        if (*stage).len as usize >= STAGE_EVENTS {
+            send_stage(stage, stage_wakeup_flag());
+        }
+    }
+    compiler_fence(AtomicOrdering::SeqCst);
+    // SAFETY: as above; the last write of the claim.
+    unsafe { core::ptr::write_volatile(&mut (*stage).busy, 0) };
+}
+
+/// One event straight to the ring, when the stage is held or the call site is wanted.
+#[inline(always)]
+fn send_event(event: &CallEvent, send_comm: bool) {
     let submitted = crate::counters::slot(Counter::Submitted);
     // SAFETY: this CPU's counter slot, valid for this run.
     let flag = wakeup_flag(submitted.map_or(0, |n| unsafe { *n }));
-    if EVENTS.output::<CallEvent>(&event, flag as u64).is_err() {
+    if EVENTS.output::<CallEvent>(event, flag as u64).is_err() {
         bump(Counter::RingFull);
         if send_comm {
             // The thread's name goes with the pair's next event instead.
-            comm_unsent(tid, op);
+            comm_unsent(event.header.tid, event.op);
         }
-        return 0;
+        return;
     }
     if let Some(n) = submitted {
         // SAFETY: as above; a CPU runs one program at a time, so the increment is race-free.
         unsafe { *n += 1 };
     }
-    0
+}
+
+/// Writes what the stage holds to the ring in one record (events back to back) and empties
+/// it; a full ring loses them, counted, and their threads' names go with their next events.
+///
+/// # Safety
+/// `stage` must be this CPU's stage, claimed or in a context nothing of this CPU interrupts.
+#[inline(always)]
+unsafe fn send_stage(stage: *mut Stage, flags: u64) -> FlushResult {
+    // SAFETY: per the contract.
+    let len = unsafe { (*stage).len } as usize;
+    if len == 0 {
+        return FlushResult::Sent;
+    }
+    // SAFETY: per the contract.
+    let Some(events) = (unsafe { (*stage).events.get(..len.min(STAGE_EVENTS)) }) else {
+        return FlushResult::Sent;
+    };
+    let sent = EVENTS.output::<[CallEvent]>(events, flags).is_ok();
+    if sent {
+        crate::counters::bump_by(Counter::Submitted, len as u64);
+    } else {
+        crate::counters::bump_by(Counter::RingFull, len as u64);
+        let mut i = 0;
+        while i < STAGE_EVENTS && i < len {
+            if let Some(event) = events.get(i) {
+                if event.comm[0] != 0 {
+                    comm_unsent(event.header.tid, event.op);
+                }
+            }
+            i += 1;
+        }
+    }
+    // SAFETY: per the contract.
+    unsafe { (*stage).len = 0 };
+    if sent {
+        FlushResult::Sent
+    } else {
+        FlushResult::RingFull
+    }
+}
+
+/// Run by userspace on each CPU in turn (never attached): sends what waits in that CPU's
+/// stage. It runs in an interrupt of that CPU (or with its preemption off), so no program of
+/// the CPU runs until it ends; a stage found busy was claimed by a program it interrupted,
+/// whose event and everything before it will be sent later. A stage found free therefore
+/// holds every event of this CPU whose return read the clock before now, and all of them
+/// are in the ring when this returns.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn flush_stage(_ctx: RawTracePointContext) -> i32 {
+    let Some(stage) = STAGE.get_ptr_mut(0) else {
+        return FlushResult::Sent as i32;
+    };
+    // SAFETY: this CPU's value; see above for why nothing of this CPU writes it meanwhile.
+    unsafe {
+        if core::ptr::read_volatile(&(*stage).busy) != 0 {
+            return FlushResult::Busy as i32;
+        }
+        // The reader drains right after: no wake-up needed.
+        send_stage(stage, BPF_RB_NO_WAKEUP as u64) as i32
+    }
 }

@@ -13,6 +13,14 @@ pub fn slot(counter: Counter) -> Option<*mut u64> {
 }
 
 #[inline(always)]
+pub fn bump_by(counter: Counter, n: u64) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
+        // SAFETY: as in bump.
+        unsafe { *slot += n };
+    }
+}
+
+#[inline(always)]
 pub fn bump(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
         // SAFETY: per-CPU slot, and a BPF program is not preempted by another on the same CPU

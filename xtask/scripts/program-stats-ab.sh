@@ -19,7 +19,7 @@ label,mode,wl,pairs=sys.argv[1],sys.argv[2],sys.argv[3],int(sys.argv[4])
 for l in open(sys.argv[5]):
     j=json.loads(l)
     if j.get('type')=='summary' or 'programs' in j:
-        progs=[p for p in j.get('programs',[]) if p['name'] in ('call_entry','call_return','call_site')]
+        progs=[p for p in j.get('programs',[]) if p['name'] in ('call_entry','call_return','call_site','flush_stage')]
         tot=sum(p['run_time_ns'] for p in progs)
         print(f"{label:4} {mode or 'plain':8} {wl:2} {tot/pairs:8.0f} ns/pair  " + ", ".join(f"{p['name']} {p['ns_per_run']:.0f}" for p in progs))
 P

@@ -351,7 +351,7 @@ pub(crate) fn print_sites(sites: &[prologue::Site]) {
 }
 
 /// The call programs' own time per pair from a --program-stats summary, with each program's
-/// ns a run.
+/// ns a run (the stage flush the reader runs on each CPU every round counted in).
 fn program_ns(summary: &Value, pairs: u64) -> (f64, String) {
     let programs = summary["programs"].as_array().cloned().unwrap_or_default();
     let calls: Vec<&Value> = programs
@@ -359,7 +359,7 @@ fn program_ns(summary: &Value, pairs: u64) -> (f64, String) {
         .filter(|p| {
             matches!(
                 p["name"].as_str(),
-                Some("call_entry" | "call_return" | "call_site")
+                Some("call_entry" | "call_return" | "call_site" | "flush_stage")
             )
         })
         .collect();

@@ -22,8 +22,25 @@ pub enum Record {
     Call(Call),
     OffCpu(OffCpu),
     Message(Message),
-    /// A followed process ended: its pid.
-    Exit(u32),
+    /// A followed process ended.
+    Exit {
+        pid: u32,
+        ts_mono_ns: u64,
+    },
+}
+
+impl Record {
+    /// When the kernel made the record (CLOCK_MONOTONIC ns): a call's return, the end of a
+    /// time off the CPU, a message's or an exit's moment. The registry sees records in this
+    /// order, whatever order the ring delivered them in.
+    pub fn sent_ns(&self) -> u64 {
+        match self {
+            Record::Call(call) => call.ts_mono_ns.saturating_add(call.duration_ns),
+            Record::OffCpu(off) => off.on_mono_ns,
+            Record::Message(message) => message.ts_mono_ns,
+            Record::Exit { ts_mono_ns, .. } => *ts_mono_ns,
+        }
+    }
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -109,8 +126,32 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
                 read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
             Message::from_raw(&raw).map(Record::Message)
         }
-        EventKind::Exit => Ok(Record::Exit(header.pid)),
+        EventKind::Exit => Ok(Record::Exit {
+            pid: header.pid,
+            ts_mono_ns: header.ts_ns,
+        }),
     }
+}
+
+/// Decodes one ring record: a single event, or a CPU's staged call events back to back (each
+/// with its own header). Stops at the first event that does not decode: its length cannot be
+/// trusted to find the next.
+pub fn decode_all(bytes: &[u8]) -> impl Iterator<Item = Result<Record, DecodeError>> + '_ {
+    let mut rest = Some(bytes);
+    std::iter::from_fn(move || {
+        let bytes = rest.take()?;
+        // Nothing left, or zeros shorter than a header: the ring's rounding.
+        if bytes.len() < std::mem::size_of::<EventHeader>() && bytes.iter().all(|&b| b == 0) {
+            return None;
+        }
+        let result = decode(bytes);
+        if result.is_ok() {
+            // decode checked the header's length against the kind's size and the bytes.
+            let len = read_pod::<EventHeader>(bytes).map_or(bytes.len(), |h| h.len as usize);
+            rest = bytes.get(len..);
+        }
+        Some(result)
+    })
 }
 
 #[cfg(test)]

@@ -77,6 +77,42 @@ fn accepts_ring_padding_after_the_record() {
 }
 
 #[test]
+fn a_stage_of_events_back_to_back_decodes_each_and_stops_at_a_bad_one() {
+    let mut second = raw_call();
+    second.header.ts_ns = 43;
+    second.op = Op::CudaFree as u32;
+    let mut bytes = bytes_of(&raw_call());
+    bytes.extend_from_slice(&bytes_of(&second));
+    let ops: Vec<Op> = decode_all(&bytes)
+        .map(|r| match r.unwrap() {
+            Record::Call(call) => call.op,
+            other => panic!("not a call: {other:?}"),
+        })
+        .collect();
+    assert_eq!(ops, [Op::CudaMalloc, Op::CudaFree]);
+    // The ring's rounding after the last one is not an event.
+    let mut padded = bytes.clone();
+    padded.extend_from_slice(&[0; 8]);
+    assert_eq!(decode_all(&padded).count(), 2);
+    // A second event whose header lies about its length: the first stands, the second is an
+    // error, and nothing after it is read.
+    let mut bad = bytes_of(&raw_call());
+    let mut lying = bytes_of(&second);
+    lying[4] = 8;
+    bad.extend_from_slice(&lying);
+    bad.extend_from_slice(&bytes_of(&raw_call()));
+    let results: Vec<_> = decode_all(&bad).collect();
+    assert_eq!(results.len(), 2);
+    assert!(results[0].is_ok());
+    assert!(matches!(results[1], Err(DecodeError::BadLength { .. })));
+    // A cut-off tail is an error too.
+    let cut = &bytes[..bytes.len() - 10];
+    let results: Vec<_> = decode_all(cut).collect();
+    assert_eq!(results.len(), 2);
+    assert!(results[1].is_err());
+}
+
+#[test]
 fn rejects_truncated_records() {
     let bytes = bytes_of(&raw_call());
     assert_eq!(
@@ -300,7 +336,13 @@ fn an_exit_record_names_the_pid_and_a_wrong_length_is_refused() {
             std::mem::size_of_val(&raw),
         )
     };
-    assert_eq!(decode(bytes).unwrap(), Record::Exit(4321));
+    assert_eq!(
+        decode(bytes).unwrap(),
+        Record::Exit {
+            pid: 4321,
+            ts_mono_ns: 9
+        }
+    );
     let mut long = bytes.to_vec();
     long[4] = 32;
     assert!(matches!(decode(&long), Err(DecodeError::BadLength { .. })));

@@ -252,6 +252,15 @@ impl Probes {
                 .load()
                 .with_context(|| format!("verify and load {kind} program {name}"))?;
         }
+        let flush: &mut aya::programs::RawTracePoint = ebpf
+            .program_mut(names::PROG_FLUSH_STAGE)
+            .ok_or_else(|| anyhow!("eBPF object lacks program {}", names::PROG_FLUSH_STAGE))?
+            .try_into()
+            .with_context(|| format!("{} is not a raw tracepoint", names::PROG_FLUSH_STAGE))?;
+        // Never attached: userspace runs it on each CPU (record/stage.rs).
+        flush
+            .load()
+            .with_context(|| format!("verify and load program {}", names::PROG_FLUSH_STAGE))?;
         if opts.stack {
             let program: &mut UProbe = ebpf
                 .program_mut(names::PROG_CALL_SITE)
@@ -318,6 +327,27 @@ impl Probes {
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::SCHED_TIDS))?;
         let map = aya::maps::HashMap::try_from(map).context("open the followed-threads map")?;
         Ok(Some(Followed { map }))
+    }
+
+    /// The per-CPU stages of call events and the program that empties them.
+    pub fn take_stages(&mut self) -> Result<super::stage::Stages> {
+        let flush: &aya::programs::RawTracePoint = self
+            .ebpf
+            .program(names::PROG_FLUSH_STAGE)
+            .ok_or_else(|| anyhow!("eBPF object lacks program {}", names::PROG_FLUSH_STAGE))?
+            .try_into()
+            .with_context(|| format!("{} is not a raw tracepoint", names::PROG_FLUSH_STAGE))?;
+        let fd = flush
+            .fd()
+            .with_context(|| format!("{} has no file descriptor", names::PROG_FLUSH_STAGE))?
+            .try_clone()
+            .context("duplicate the stage flush program's descriptor")?;
+        let map = self
+            .ebpf
+            .take_map(names::STAGE)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::STAGE))?;
+        let map = PerCpuArray::try_from(map).context("open the per-CPU stages")?;
+        super::stage::Stages::new(fd, map)
     }
 
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
@@ -509,6 +539,7 @@ impl Probes {
             names::PROG_ENTRY,
             names::PROG_RETURN,
             names::PROG_CALL_SITE,
+            names::PROG_FLUSH_STAGE,
             names::PROG_USDT,
             names::PROG_TORCH_OOM,
             names::PROG_SCHED_SWITCH,
@@ -725,6 +756,7 @@ pub fn self_test() -> Result<u64> {
         stack: false,
     })?;
     let mut ring = probes.take_ring()?;
+    let stages = probes.take_stages()?;
     let (path, offset) = own_code_offset(tracer_self_test_target as *const () as usize)?;
     let op = tracer_common::Op::CudaDeviceSynchronize;
     for prog_name in [names::PROG_ENTRY, names::PROG_RETURN] {
@@ -742,10 +774,13 @@ pub fn self_test() -> Result<u64> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
     let found = loop {
         let mut seen = None;
+        stages.flush()?;
         while let Some(item) = ring.next() {
-            if let Ok(crate::decode::Record::Call(call)) = crate::decode::decode(&item) {
-                if call.pid == me && call.op == op {
-                    seen = Some(call.duration_ns);
+            for record in crate::decode::decode_all(&item) {
+                if let Ok(crate::decode::Record::Call(call)) = record {
+                    if call.pid == me && call.op == op {
+                        seen = Some(call.duration_ns);
+                    }
                 }
             }
         }

@@ -1,8 +1,8 @@
 //! What a call's own record does not say, joined from the records before it: the size and
 //! device of the allocation (or the framework's block) a free releases, and the device of the calling thread (its last
 //! successful cudaSetDevice). The kernel keeps neither (a map update per call cost more than
-//! the rest of a traced call); every record reaches userspace, in the order the calls returned,
-//! so the join is exact here.
+//! the rest of a traced call); every record reaches the registry in the order the calls returned
+//! (the reader puts the CPUs' batches back in that order), so the join is exact here.
 
 use std::collections::HashMap;
 

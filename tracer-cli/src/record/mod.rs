@@ -26,6 +26,7 @@ pub mod session;
 mod shared;
 pub mod signals;
 pub mod sites;
+mod stage;
 pub mod usdt;
 mod writer;
 

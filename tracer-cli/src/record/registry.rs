@@ -307,7 +307,7 @@ impl Registry {
                 }
                 Record::OffCpu(off) => out.offcpu.push(off),
                 Record::Message(m) => out.messages.push(m),
-                Record::Exit(pid) => {
+                Record::Exit { pid, .. } => {
                     // Everything it made was read before this record: forget it, so that a
                     // process reusing the pid starts afresh.
                     pids_seen.remove(&pid);

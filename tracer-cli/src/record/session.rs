@@ -582,7 +582,15 @@ fn spawn_pipeline(
     session: i64,
     clock: Clock,
 ) -> Result<Threads> {
-    let ring = probes.take_ring()?;
+    let source = reader::Source {
+        ring: probes.take_ring()?,
+        // With --stack every event goes to the ring by itself.
+        stages: if opts.stack {
+            None
+        } else {
+            Some(probes.take_stages()?)
+        },
+    };
     let (records_tx, records_rx) = mpsc::sync_channel(1024);
     let mappings = if opts.stack {
         follow_mappings(shared, records_tx.clone())
@@ -620,7 +628,7 @@ fn spawn_pipeline(
         let shared = shared.clone();
         thread::Builder::new()
             .name("tracer-reader".into())
-            .spawn(move || reader::read_loop(ring, records_tx, &shared))?
+            .spawn(move || reader::read_loop(source, records_tx, &shared))?
     };
     let registry = {
         let shared = shared.clone();

@@ -431,7 +431,7 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
 /// This CPU's stage, marked busy; None when a program this one interrupted or preempted holds
 /// it (this event then goes to the ring by itself).
 #[inline(always)]
-fn claim_stage() -> Option<*mut Stage> {
+pub(crate) fn claim_stage() -> Option<*mut Stage> {
     let stage = STAGE.get_ptr_mut(0)?;
     // SAFETY: this CPU's value, valid for this run; only programs of this CPU touch it, and
     // the busy mark keeps one from writing it while another is halfway through.
@@ -447,7 +447,7 @@ fn claim_stage() -> Option<*mut Stage> {
 
 /// Appends the event to the claimed stage, sends the stage when full, and frees it.
 #[inline(always)]
-fn stage_event(stage: *mut Stage, event: &CallEvent) {
+pub(crate) fn stage_event(stage: *mut Stage, event: &CallEvent) {
     // SAFETY: claimed by this program (claim_stage).
     unsafe {
         let len = (*stage).len as usize;
@@ -466,7 +466,7 @@ fn stage_event(stage: *mut Stage, event: &CallEvent) {
 
 /// One event straight to the ring, when the stage is held or the call site is wanted.
 #[inline(always)]
-fn send_event(event: &CallEvent, send_comm: bool) {
+pub(crate) fn send_event(event: &CallEvent, send_comm: bool) {
     let submitted = crate::counters::slot(Counter::Submitted);
     // SAFETY: this CPU's counter slot, valid for this run.
     let flag = wakeup_flag(submitted.map_or(0, |n| unsafe { *n }));

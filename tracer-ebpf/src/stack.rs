@@ -4,7 +4,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_F_USER_STACK, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
-    helpers::{bpf_get_stack, bpf_probe_read_user, bpf_probe_read_user_buf},
+    helpers::{bpf_get_stack, bpf_probe_read_user},
     macros::{map, uretprobe},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
     programs::RetProbeContext,
@@ -53,39 +53,89 @@ const SITE_WAKE_EVERY_NS: u64 = 1_000_000;
 #[map(name = "SITE_CALL")]
 pub static SITE_CALL: PerCpuArray<CallEvent> = PerCpuArray::with_max_entries(1, 0);
 
-/// The bytes of a frame's header read in one go: every field the walk needs lies in them
-/// (3.10's f_lasti ends at 100, 3.11+'s fields at 72). One read of 104 bytes instead of four or
-/// five small ones per frame: each read is a helper call with its own fault handling.
+/// The bytes of a frame's header: every field the walk needs lies in them (3.10's f_lasti ends
+/// at 100, 3.11+'s fields at 72).
 const FRAME_HEADER: usize = 104;
 
-/// The copy's room: any offset masked to 0..=127 plus an 8-byte field stays inside it, which
-/// is what lets the verifier accept a field read at an offset it only knows from a map.
-const FRAME_ROOM: usize = 136;
+/// Bytes read at once below a frame of CPython 3.11+: its frames live in the thread's data
+/// stack, each caller just below its callee, so one read of the page's bytes below a frame
+/// (up to this many) usually holds the next ten or more frames too. Each read is a helper call
+/// with its own fault handling; one read a frame cost about 100 ns a frame here.
+const WINDOW: usize = 2048;
 
-/// This CPU's copy of the frame header being walked.
+/// The copy's room: a frame's offset in it (< WINDOW) plus any field offset masked to 0..=127
+/// plus an 8-byte field stays inside it, which lets the verifier accept a field read at an
+/// offset it only knows from a map.
+const WINDOW_ROOM: usize = WINDOW + 136;
+
+const PAGE: u64 = 4096;
+
+/// This CPU's copy of the process memory the walk is in.
 #[map(name = "FRAME_HEADER")]
-static FRAME_HEADER_BUF: PerCpuArray<[u8; FRAME_ROOM]> = PerCpuArray::with_max_entries(1, 0);
+static FRAME_WINDOW_BUF: PerCpuArray<[u8; WINDOW_ROOM]> = PerCpuArray::with_max_entries(1, 0);
 
-/// A frame's header, copied from the process at once.
+/// The process memory copied into the buffer: [start, end).
+struct Window {
+    buf: *mut [u8; WINDOW_ROOM],
+    start: u64,
+    end: u64,
+    /// Frames lie in a data stack (3.11+): read below them; else (3.10's heap frames) read
+    /// each frame's header alone.
+    stacked: bool,
+}
+
+/// A frame's header, in the window's copy.
 #[derive(Clone, Copy)]
 struct Frame {
     header: *const u8,
 }
 
-impl Frame {
-    /// Copies the header of the frame at `addr` into `buf`; None when it cannot be read (as a
-    /// failed read of one of its fields was before).
+impl Window {
+    /// The frame at `addr`, from the copy when it holds the frame's header, else copied with
+    /// the bytes of its page below it; None when it cannot be read (as a failed read of one of
+    /// its fields was before).
     #[inline(always)]
-    fn at(addr: u64, buf: *mut [u8; FRAME_ROOM]) -> Option<Frame> {
-        // SAFETY: `buf` is this CPU's map value, valid for this run and FRAME_ROOM bytes long;
-        // bpf_probe_read_user validates the source and fails on a fault.
-        unsafe { bpf_probe_read_user_buf(addr as *const u8, &mut (&mut *buf)[..FRAME_HEADER]) }
-            .ok()?;
+    fn frame(&mut self, addr: u64) -> Option<Frame> {
+        let end = addr.checked_add(FRAME_HEADER as u64)?;
+        if !(addr >= self.start && end <= self.end) {
+            let mut start = addr;
+            if self.stacked {
+                // Never below the frame's page: the read then cannot fault on a page the
+                // process does not map.
+                start = (end.saturating_sub(WINDOW as u64)).max(addr & !(PAGE - 1));
+            }
+            let size = end - start;
+            if size > WINDOW as u64 {
+                return None;
+            }
+            // SAFETY: the buffer is this CPU's map value, WINDOW_ROOM >= WINDOW >= size bytes;
+            // bpf_probe_read_user validates the source and fails on a fault.
+            let rc = unsafe {
+                aya_ebpf::helpers::generated::bpf_probe_read_user(
+                    self.buf as *mut _,
+                    size as u32,
+                    start as *const _,
+                )
+            };
+            if rc != 0 {
+                self.end = 0;
+                return None;
+            }
+            self.start = start;
+            self.end = end;
+        }
+        // The mask changes nothing (addr - start <= WINDOW - FRAME_HEADER) but bounds the
+        // pointer for the verifier.
+        // SAFETY: a read of a local.
+        let at = unsafe { core::ptr::read_volatile(&(addr - self.start)) } as usize & (WINDOW - 1);
         Some(Frame {
-            header: buf as *const u8,
+            // SAFETY: at < WINDOW < WINDOW_ROOM: inside the buffer.
+            header: unsafe { (self.buf as *const u8).add(at) },
         })
     }
+}
 
+impl Frame {
     /// The field at `offset`; None for an offset past the header (no supported CPython has one).
     #[inline(always)]
     fn field<T: Copy>(&self, offset: u32) -> Option<T> {
@@ -97,8 +147,9 @@ impl Frame {
         // the volatile read keeps the compiler from folding it away with the check above.
         // SAFETY: a read of a local.
         let masked = unsafe { core::ptr::read_volatile(&offset) } & 127;
-        // SAFETY: masked + size_of::<T>() <= 135 < FRAME_ROOM; the field lies in the copied
-        // header since masked == offset <= FRAME_HEADER - size_of::<T>().
+        // SAFETY: the header lies below WINDOW in the buffer and masked + size_of::<T>() <=
+        // 135, so the read stays inside WINDOW_ROOM; the field lies in the copied header since
+        // masked == offset <= FRAME_HEADER - size_of::<T>().
         Some(unsafe { core::ptr::read_unaligned(self.header.add(masked) as *const T) })
     }
 }
@@ -189,8 +240,16 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
         };
         frame = f;
     }
-    let Some(buf) = FRAME_HEADER_BUF.get_ptr_mut(0) else {
+    let Some(buf) = FRAME_WINDOW_BUF.get_ptr_mut(0) else {
         return;
+    };
+    let mut window = Window {
+        buf,
+        start: 0,
+        end: 0,
+        // 3.10 is the version whose frames record f_lasti, and the one whose frames are heap
+        // objects.
+        stacked: o.instr_is_lasti == 0,
     };
     // One frame kept per iteration, so the depth is the loop index: the verifier then sees one
     // state per iteration instead of one per possible depth.
@@ -200,7 +259,7 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
             py.status = py_status::OK;
             return;
         }
-        let Some(mut f) = Frame::at(frame, buf) else {
+        let Some(mut f) = window.frame(frame) else {
             return;
         };
         if o.frame_owner != PyOffsets::NONE {
@@ -223,7 +282,7 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
                     py.status = py_status::OK;
                     return;
                 }
-                let Some(shimmed) = Frame::at(frame, buf) else {
+                let Some(shimmed) = window.frame(frame) else {
                     return;
                 };
                 f = shimmed;

@@ -24,7 +24,7 @@ use tracer_common::{
 };
 
 use crate::{
-    call::{CONTROL, EVENTS},
+    call::{claim_stage, send_event, stage_event, CONTROL, EVENTS},
     counters::bump,
 };
 
@@ -115,6 +115,9 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         return 0;
     };
     let pid_tgid = bpf_get_current_pid_tgid();
+    let stack = crate::stack::enabled();
+    // Claimed before the clock is read, as the return program does (call::flush_stage).
+    let stage = if stack { None } else { claim_stage() };
     let mut event = CallEvent {
         header: EventHeader {
             kind: CallEvent::KIND as u32,
@@ -161,21 +164,17 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         }
         i += 1;
     }
-    if crate::stack::enabled() {
+    if stack {
         // The call site of a block: who holds the memory (--stack).
         crate::stack::tail_call_site(&ctx, &event);
         // Only a failed tail call gets here: the event is lost, and counted as such.
         bump(Counter::TailCallFailed);
         return 0;
     }
-    if EVENTS
-        .output::<CallEvent>(&event, BPF_RB_NO_WAKEUP as u64)
-        .is_err()
-    {
-        bump(Counter::RingFull);
-        return 0;
+    match stage {
+        Some(stage) => stage_event(stage, &event),
+        None => send_event(&event, false),
     }
-    bump(Counter::Submitted);
     0
 }
 

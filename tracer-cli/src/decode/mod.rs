@@ -133,6 +133,36 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     }
 }
 
+/// The event at the start of `bytes`: its length and when the kernel made it (as
+/// [`Record::sent_ns`]), from the few fields that say so, without decoding the rest; None when
+/// its header cannot be trusted ([`decode`] then says why).
+pub fn frame(bytes: &[u8]) -> Option<(usize, u64)> {
+    let header: EventHeader = read_pod(bytes)?;
+    let kind = EventKind::from_u32(header.kind)?;
+    let u64_at = |offset: usize| read_pod::<u64>(bytes.get(offset..)?);
+    let call_end = |call: usize| {
+        let duration = u64_at(call + std::mem::offset_of!(CallEvent, duration_ns))?;
+        Some(header.ts_ns.saturating_add(duration))
+    };
+    let (expected, sent) = match kind {
+        EventKind::Call => (std::mem::size_of::<CallEvent>(), call_end(0)?),
+        EventKind::CallStack => (
+            std::mem::size_of::<CallStackEvent>(),
+            call_end(std::mem::offset_of!(CallStackEvent, call))?,
+        ),
+        EventKind::Sched => (
+            std::mem::size_of::<SchedEvent>(),
+            u64_at(std::mem::offset_of!(SchedEvent, on_ns))?,
+        ),
+        EventKind::Message => (std::mem::size_of::<MessageEvent>(), header.ts_ns),
+        EventKind::Exit => (
+            std::mem::size_of::<tracer_common::sched::ExitEvent>(),
+            header.ts_ns,
+        ),
+    };
+    (header.len as usize == expected && bytes.len() >= expected).then_some((expected, sent))
+}
+
 /// Decodes one ring record: a single event, or a CPU's staged call events back to back (each
 /// with its own header). Stops at the first event that does not decode: its length cannot be
 /// trusted to find the next.

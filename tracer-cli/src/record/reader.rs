@@ -38,8 +38,6 @@ const ROUND_INTERVAL: Duration = Duration::from_millis(10);
 /// Records made this long before a round began are handed over by it: a program that read the
 /// clock and has not yet written its record to the ring is given that long to do so.
 const ROUND_MARGIN_NS: u64 = 2_000_000;
-/// Records handed over at most at once.
-const BATCH: usize = 8192;
 
 /// Where the reader's records come from.
 pub struct Source {
@@ -68,42 +66,39 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
             };
             let mut decode_errors = 0;
             let mut found = false;
+            let mut ready = Vec::new();
             while let Some(item) = source.ring.next() {
                 found = true;
-                for record in decode::decode_all(&item) {
-                    match record {
-                        Ok(record) => order.push(record),
-                        Err(_) => decode_errors += 1,
-                    }
-                }
-            }
-            if stopping {
-                if let Some(stages) = source.stages.as_mut() {
-                    for item in stages.take_left()? {
-                        for record in decode::decode_all(&item) {
-                            match record {
-                                Ok(record) => order.push(record),
-                                Err(_) => decode_errors += 1,
-                            }
+                if source.stages.is_some() {
+                    decode_errors += order.push(&item);
+                } else {
+                    // Nothing staged: the ring's order is the kernel's.
+                    for record in decode::decode_all(&item) {
+                        match record {
+                            Ok(record) => ready.push(record),
+                            Err(_) => decode_errors += 1,
                         }
                     }
                 }
             }
+            if let (true, Some(stages)) = (stopping, source.stages.as_mut()) {
+                for item in stages.take_left()? {
+                    decode_errors += order.push(&item);
+                }
+            }
+            let until = match round {
+                _ if stopping => Some(u64::MAX),
+                Some((began, Round::Complete)) => Some(began.saturating_sub(ROUND_MARGIN_NS)),
+                _ => None,
+            };
+            if let Some(until) = until {
+                decode_errors += order.release(until, &mut ready);
+            }
             shared
                 .decode_errors
                 .fetch_add(decode_errors, Ordering::SeqCst);
-            let ready = if stopping || source.stages.is_none() {
-                order.release(u64::MAX)
-            } else {
-                match round {
-                    Some((began, Round::Complete)) => {
-                        order.release(began.saturating_sub(ROUND_MARGIN_NS))
-                    }
-                    _ => Vec::new(),
-                }
-            };
-            for batch in ready.chunks(BATCH) {
-                hand_over(batch.to_vec(), &tx)?;
+            if !ready.is_empty() {
+                hand_over(ready, &tx)?;
             }
             if stopping {
                 return Ok(());
@@ -132,24 +127,63 @@ fn monotonic_ns() -> Result<u64> {
     Ok(now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64)
 }
 
-/// Records read but not yet handed over, put back in the order the kernel made them.
+/// Events read but not yet handed over, kept as the ring's bytes (copied into buffers kept
+/// from round to round) with when each was made; decoded when released, in that order. Events
+/// come by the million a second: only their times are sorted.
 #[derive(Default)]
 struct Reorder {
-    pending: Vec<Record>,
+    raw: Vec<u8>,
+    /// (time made, offset in `raw`, length): the offset keeps the ring's order among equals.
+    keys: Vec<(u64, u32, u32)>,
+    spare_raw: Vec<u8>,
+    spare_keys: Vec<(u64, u32, u32)>,
 }
 
 impl Reorder {
-    fn push(&mut self, record: Record) {
-        self.pending.push(record);
+    /// Keeps the events of one ring record; returns how many could not be read (the record's
+    /// rest is then dropped: a bad length cannot be trusted to find the next event).
+    fn push(&mut self, item: &[u8]) -> u64 {
+        let mut rest = item;
+        while !rest.is_empty() {
+            // Zeros shorter than a header: the ring's rounding.
+            if rest.len() < std::mem::size_of::<tracer_common::EventHeader>()
+                && rest.iter().all(|&b| b == 0)
+            {
+                break;
+            }
+            let Some((len, sent)) = decode::frame(rest) else {
+                return 1;
+            };
+            self.keys.push((sent, self.raw.len() as u32, len as u32));
+            self.raw.extend_from_slice(&rest[..len]);
+            rest = &rest[len..];
+        }
+        0
     }
 
-    /// The records made up to `until_ns`, in the order they were made (the ring's order among
-    /// equals), leaving the later ones.
-    fn release(&mut self, until_ns: u64) -> Vec<Record> {
-        self.pending.sort_by_key(Record::sent_ns);
-        let cut = self.pending.partition_point(|r| r.sent_ns() <= until_ns);
-        let later = self.pending.split_off(cut);
-        std::mem::replace(&mut self.pending, later)
+    /// Decodes into `ready` the events made up to `until_ns`, in the order they were made (the
+    /// ring's order among equals), keeping the later ones; returns how many failed to decode.
+    fn release(&mut self, until_ns: u64, ready: &mut Vec<Record>) -> u64 {
+        self.keys.sort_unstable();
+        let cut = self.keys.partition_point(|&(ns, _, _)| ns <= until_ns);
+        let mut errors = 0;
+        ready.reserve(cut);
+        for &(_, at, len) in &self.keys[..cut] {
+            match decode::decode(&self.raw[at as usize..(at + len) as usize]) {
+                Ok(record) => ready.push(record),
+                Err(_) => errors += 1,
+            }
+        }
+        self.spare_raw.clear();
+        self.spare_keys.clear();
+        for &(ns, at, len) in &self.keys[cut..] {
+            self.spare_keys.push((ns, self.spare_raw.len() as u32, len));
+            self.spare_raw
+                .extend_from_slice(&self.raw[at as usize..(at + len) as usize]);
+        }
+        std::mem::swap(&mut self.raw, &mut self.spare_raw);
+        std::mem::swap(&mut self.keys, &mut self.spare_keys);
+        errors
     }
 }
 
@@ -161,40 +195,94 @@ fn hand_over(batch: Vec<Record>, tx: &SyncSender<Inbound>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decode::OffCpu;
+    use tracer_common::{sched::ExitEvent, CallEvent, EventHeader, Op};
 
-    fn off(on_ns: u64) -> Record {
-        Record::OffCpu(OffCpu {
-            pid: 1,
-            tid: 1,
-            off_mono_ns: 0,
-            on_mono_ns: on_ns,
-            wakeup_mono_ns: None,
-            preempted: false,
+    fn bytes<T>(value: &T) -> Vec<u8> {
+        // SAFETY: T is one of tracer-common's repr(C) records without padding bytes.
+        unsafe {
+            std::slice::from_raw_parts((value as *const T).cast::<u8>(), std::mem::size_of::<T>())
+        }
+        .to_vec()
+    }
+
+    fn exit(pid: u32, ts_ns: u64) -> Vec<u8> {
+        bytes(&ExitEvent {
+            header: EventHeader {
+                kind: ExitEvent::KIND as u32,
+                len: ExitEvent::LEN,
+                ts_ns,
+                pid,
+                tid: pid,
+            },
         })
     }
 
-    fn exit(pid: u32, ts: u64) -> Record {
-        Record::Exit {
-            pid,
-            ts_mono_ns: ts,
-        }
+    /// A call that began at `ts_ns` and returned `duration_ns` later.
+    fn call(pid: u32, ts_ns: u64, duration_ns: u64) -> Vec<u8> {
+        bytes(&CallEvent {
+            header: EventHeader {
+                kind: CallEvent::KIND as u32,
+                len: CallEvent::LEN,
+                ts_ns,
+                pid,
+                tid: pid,
+            },
+            op: Op::CudaMalloc as u32,
+            device: -1,
+            duration_ns,
+            ..Default::default()
+        })
+    }
+
+    fn pids(records: &[Record]) -> Vec<u32> {
+        records
+            .iter()
+            .map(|r| match r {
+                Record::Call(c) => c.pid,
+                Record::Exit { pid, .. } => *pid,
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect()
     }
 
     #[test]
     fn release_hands_over_what_was_made_by_then_in_order_and_keeps_the_rest() {
         let mut order = Reorder::default();
-        for r in [off(30), exit(1, 10), off(50), exit(2, 20), exit(3, 10)] {
-            order.push(r);
+        // A stage of two calls (sent when they returned: 5 + 25 = 30 and 12), then events
+        // sent by themselves.
+        let mut stage = call(1, 5, 25);
+        stage.extend(call(2, 2, 10));
+        assert_eq!(order.push(&stage), 0);
+        for item in [exit(3, 50), exit(4, 12), exit(5, 20)] {
+            assert_eq!(order.push(&item), 0);
         }
-        // Equal times keep the ring's order (pid 1 was read before pid 3).
-        assert_eq!(
-            order.release(30),
-            vec![exit(1, 10), exit(3, 10), exit(2, 20), off(30)]
-        );
-        order.push(off(40));
-        assert_eq!(order.release(45), vec![off(40)]);
-        assert_eq!(order.release(u64::MAX), vec![off(50)]);
-        assert!(order.release(u64::MAX).is_empty());
+        let mut ready = Vec::new();
+        assert_eq!(order.release(30, &mut ready), 0);
+        // Equal times keep the ring's order: pid 2 was read before pid 4.
+        assert_eq!(pids(&ready), [2, 4, 5, 1]);
+        assert_eq!(order.push(&exit(6, 40)), 0);
+        let mut ready = Vec::new();
+        order.release(45, &mut ready);
+        assert_eq!(pids(&ready), [6]);
+        let mut ready = Vec::new();
+        order.release(u64::MAX, &mut ready);
+        assert_eq!(pids(&ready), [3]);
+        let mut ready = Vec::new();
+        order.release(u64::MAX, &mut ready);
+        assert!(ready.is_empty());
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_read_is_counted_and_its_rest_dropped() {
+        let mut order = Reorder::default();
+        let mut item = exit(1, 10);
+        let mut lying = exit(2, 11);
+        lying[4] = 99;
+        item.extend(lying);
+        item.extend(exit(3, 12));
+        assert_eq!(order.push(&item), 1);
+        let mut ready = Vec::new();
+        assert_eq!(order.release(u64::MAX, &mut ready), 0);
+        assert_eq!(pids(&ready), [1]);
     }
 }

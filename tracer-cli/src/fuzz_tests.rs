@@ -154,6 +154,14 @@ fn feed(rng: &mut Rng, block: &[u8], records: &[Vec<u8>], elf: &[u8]) {
     for bytes in [&random, &record] {
         let _ = decode::decode(bytes);
         let _ = decode::decode_all(bytes).count();
+        // What frame says of a record, decode agrees with: a record of that length, made then
+        // (or one whose fields are bad, which only decode reads).
+        if let Some((len, sent)) = decode::frame(bytes) {
+            match decode::decode(&bytes[..len]) {
+                Ok(record) => assert_eq!(record.sent_ns(), sent),
+                Err(e) => assert!(matches!(e, decode::DecodeError::BadField { .. }), "{e}"),
+            }
+        }
     }
     let b = rng.mutate(block);
     let _ = blocks::decode(&b, 50, |_| {});

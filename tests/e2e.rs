@@ -1842,6 +1842,9 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
 /// A database in `dir` holding a short incident demo from the simulated runtime's own log.
 fn simulated_incident(dir: &Path) -> PathBuf {
     let db = dir.join("incident.db");
+    // Its workload runs on the demo's shared simulated libraries, which a traced demo running
+    // beside it would record too (its OOM chain then described this workload's failure).
+    let _guard = serial();
     let demo = Command::new(TRACER)
         .args([
             "demo",

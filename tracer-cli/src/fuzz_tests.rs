@@ -69,14 +69,7 @@ fn record_seeds() -> Vec<Vec<u8>> {
         ptr: 0x7f00_0000,
         ..Default::default()
     };
-    // SAFETY: CallEvent is repr(C) plain data without padding bytes.
-    let call = unsafe {
-        std::slice::from_raw_parts(
-            (&call as *const CallEvent).cast::<u8>(),
-            std::mem::size_of::<CallEvent>(),
-        )
-    }
-    .to_vec();
+    let call = decode::pod_bytes(&call).to_vec();
     let mut headers = Vec::new();
     for kind in 0..7u32 {
         for len in [0u32, 24, 32, 104, 200, 4096] {

@@ -86,6 +86,15 @@ fn read_pod<T: aya::Pod>(bytes: &[u8]) -> Option<T> {
     Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
 }
 
+/// The bytes of a record as the kernel's programs write it (a Pod value of tracer-common).
+pub fn pod_bytes<T: aya::Pod>(value: &T) -> &[u8] {
+    // SAFETY: T is Pod: repr(C) plain data without padding, so every byte is initialised; the
+    // slice borrows `value`.
+    unsafe {
+        std::slice::from_raw_parts((value as *const T).cast::<u8>(), std::mem::size_of::<T>())
+    }
+}
+
 pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     let header: EventHeader = read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
     let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;

@@ -28,14 +28,7 @@ fn raw_call() -> CallEvent {
 }
 
 fn bytes_of(ev: &CallEvent) -> Vec<u8> {
-    // SAFETY: CallEvent is repr(C) plain data without padding bytes.
-    unsafe {
-        std::slice::from_raw_parts(
-            (ev as *const CallEvent).cast::<u8>(),
-            std::mem::size_of::<CallEvent>(),
-        )
-    }
-    .to_vec()
+    pod_bytes(ev).to_vec()
 }
 
 #[test]
@@ -184,13 +177,7 @@ fn decodes_an_off_cpu_interval() {
         preempted: 1,
         _pad: 0,
     };
-    // SAFETY: SchedEvent is repr(C) plain data without padding bytes.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(
-            (&raw as *const tracer_common::SchedEvent).cast::<u8>(),
-            std::mem::size_of_val(&raw),
-        )
-    };
+    let bytes = pod_bytes(&raw);
     let Record::OffCpu(off) = decode(bytes).unwrap() else {
         panic!("not a sched record")
     };
@@ -201,13 +188,7 @@ fn decodes_an_off_cpu_interval() {
     assert!(off.preempted && off.wakeup_mono_ns.is_none());
     let mut bad = raw;
     bad.on_ns = 50;
-    // SAFETY: as above.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(
-            (&bad as *const tracer_common::SchedEvent).cast::<u8>(),
-            std::mem::size_of_val(&bad),
-        )
-    };
+    let bytes = pod_bytes(&bad);
     assert!(matches!(
         decode(bytes),
         Err(DecodeError::BadField { field: "on_ns", .. })
@@ -241,14 +222,7 @@ fn stack_event() -> tracer_common::CallStackEvent {
 }
 
 fn stack_bytes(ev: &tracer_common::CallStackEvent) -> Vec<u8> {
-    // SAFETY: CallStackEvent is repr(C) plain data with explicit padding fields.
-    unsafe {
-        std::slice::from_raw_parts(
-            (ev as *const tracer_common::CallStackEvent).cast::<u8>(),
-            std::mem::size_of::<tracer_common::CallStackEvent>(),
-        )
-    }
-    .to_vec()
+    pod_bytes(ev).to_vec()
 }
 
 #[test]
@@ -329,13 +303,7 @@ fn an_exit_record_names_the_pid_and_a_wrong_length_is_refused() {
             tid: 4321,
         },
     };
-    // SAFETY: ExitEvent is repr(C) plain data without padding bytes.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(
-            (&raw as *const tracer_common::sched::ExitEvent).cast::<u8>(),
-            std::mem::size_of_val(&raw),
-        )
-    };
+    let bytes = pod_bytes(&raw);
     assert_eq!(
         decode(bytes).unwrap(),
         Record::Exit {

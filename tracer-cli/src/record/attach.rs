@@ -14,7 +14,7 @@ use aya::{
     maps::{Array, MapData, PerCpuArray, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeLinkId, UProbeScope},
-        TracePoint, UProbe,
+        RawTracePoint, TracePoint, UProbe,
     },
     Ebpf, EbpfLoader,
 };
@@ -180,6 +180,17 @@ fn sched_offsets() -> Result<SchedOffsets, String> {
 }
 
 /// Loads the USDT program and the OOM uprobe (verified now, attached per library later).
+/// The object's program `name` as the program type `P` (`kind` names it in the error).
+fn typed_program<'a, P>(ebpf: &'a mut Ebpf, name: &str, kind: &str) -> Result<&'a mut P>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or_else(|| anyhow!("eBPF object lacks program {name}"))?
+        .try_into()
+        .with_context(|| format!("{name} is not a {kind}"))
+}
+
 fn load_torch_programs(ebpf: &mut Ebpf) -> Result<(), String> {
     for name in [names::PROG_USDT, names::PROG_TORCH_OOM] {
         let program: &mut UProbe = ebpf
@@ -243,30 +254,16 @@ impl Probes {
             (names::PROG_ENTRY, "uprobe"),
             (names::PROG_RETURN, "uretprobe"),
         ] {
-            let program: &mut UProbe = ebpf
-                .program_mut(name)
-                .ok_or_else(|| anyhow!("eBPF object lacks program {name}"))?
-                .try_into()
-                .with_context(|| format!("{name} is not a {kind}"))?;
-            program
+            typed_program::<UProbe>(&mut ebpf, name, kind)?
                 .load()
                 .with_context(|| format!("verify and load {kind} program {name}"))?;
         }
-        let flush: &mut aya::programs::RawTracePoint = ebpf
-            .program_mut(names::PROG_FLUSH_STAGE)
-            .ok_or_else(|| anyhow!("eBPF object lacks program {}", names::PROG_FLUSH_STAGE))?
-            .try_into()
-            .with_context(|| format!("{} is not a raw tracepoint", names::PROG_FLUSH_STAGE))?;
         // Never attached: userspace runs it on each CPU (record/stage.rs).
-        flush
+        typed_program::<RawTracePoint>(&mut ebpf, names::PROG_FLUSH_STAGE, "raw tracepoint")?
             .load()
             .with_context(|| format!("verify and load program {}", names::PROG_FLUSH_STAGE))?;
         if opts.stack {
-            let program: &mut UProbe = ebpf
-                .program_mut(names::PROG_CALL_SITE)
-                .ok_or_else(|| anyhow!("eBPF object lacks program {}", names::PROG_CALL_SITE))?
-                .try_into()
-                .with_context(|| format!("{} is not a uretprobe", names::PROG_CALL_SITE))?;
+            let program = typed_program::<UProbe>(&mut ebpf, names::PROG_CALL_SITE, "uretprobe")?;
             program
                 .load()
                 .with_context(|| format!("verify and load program {}", names::PROG_CALL_SITE))?;
@@ -331,12 +328,11 @@ impl Probes {
 
     /// The per-CPU stages of call events and the program that empties them.
     pub fn take_stages(&mut self) -> Result<super::stage::Stages> {
-        let flush: &aya::programs::RawTracePoint = self
-            .ebpf
-            .program(names::PROG_FLUSH_STAGE)
-            .ok_or_else(|| anyhow!("eBPF object lacks program {}", names::PROG_FLUSH_STAGE))?
-            .try_into()
-            .with_context(|| format!("{} is not a raw tracepoint", names::PROG_FLUSH_STAGE))?;
+        let flush = typed_program::<RawTracePoint>(
+            &mut self.ebpf,
+            names::PROG_FLUSH_STAGE,
+            "raw tracepoint",
+        )?;
         let fd = flush
             .fd()
             .with_context(|| format!("{} has no file descriptor", names::PROG_FLUSH_STAGE))?

@@ -197,16 +197,8 @@ mod tests {
     use super::*;
     use tracer_common::{sched::ExitEvent, CallEvent, EventHeader, Op};
 
-    fn bytes<T>(value: &T) -> Vec<u8> {
-        // SAFETY: T is one of tracer-common's repr(C) records without padding bytes.
-        unsafe {
-            std::slice::from_raw_parts((value as *const T).cast::<u8>(), std::mem::size_of::<T>())
-        }
-        .to_vec()
-    }
-
     fn exit(pid: u32, ts_ns: u64) -> Vec<u8> {
-        bytes(&ExitEvent {
+        decode::pod_bytes(&ExitEvent {
             header: EventHeader {
                 kind: ExitEvent::KIND as u32,
                 len: ExitEvent::LEN,
@@ -215,11 +207,12 @@ mod tests {
                 tid: pid,
             },
         })
+        .to_vec()
     }
 
     /// A call that began at `ts_ns` and returned `duration_ns` later.
     fn call(pid: u32, ts_ns: u64, duration_ns: u64) -> Vec<u8> {
-        bytes(&CallEvent {
+        decode::pod_bytes(&CallEvent {
             header: EventHeader {
                 kind: CallEvent::KIND as u32,
                 len: CallEvent::LEN,
@@ -232,6 +225,7 @@ mod tests {
             duration_ns,
             ..Default::default()
         })
+        .to_vec()
     }
 
     fn pids(records: &[Record]) -> Vec<u32> {

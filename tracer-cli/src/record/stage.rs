@@ -113,7 +113,11 @@ impl Stages {
         let mut left = Vec::new();
         for stage in values.iter() {
             let len = (stage.len as usize).min(STAGE_EVENTS);
-            left.extend(stage.events[..len].iter().map(event_bytes));
+            left.extend(
+                stage.events[..len]
+                    .iter()
+                    .map(|e| crate::decode::pod_bytes(e).to_vec()),
+            );
         }
         if !left.is_empty() {
             let empty = aya::maps::PerCpuValues::try_from(vec![empty_stage(); values.len()])
@@ -132,15 +136,4 @@ fn empty_stage() -> Stage {
         busy: 0,
         events: [tracer_common::CallEvent::default(); STAGE_EVENTS],
     }
-}
-
-fn event_bytes(event: &tracer_common::CallEvent) -> Vec<u8> {
-    // SAFETY: CallEvent is repr(C) plain data without padding bytes (tracer-common checks).
-    unsafe {
-        std::slice::from_raw_parts(
-            (event as *const tracer_common::CallEvent).cast::<u8>(),
-            std::mem::size_of::<tracer_common::CallEvent>(),
-        )
-    }
-    .to_vec()
 }

@@ -752,7 +752,7 @@ pub fn self_test() -> Result<u64> {
         stack: false,
     })?;
     let mut ring = probes.take_ring()?;
-    let stages = probes.take_stages()?;
+    let mut stages = probes.take_stages()?;
     let (path, offset) = own_code_offset(tracer_self_test_target as *const () as usize)?;
     let op = tracer_common::Op::CudaDeviceSynchronize;
     for prog_name in [names::PROG_ENTRY, names::PROG_RETURN] {

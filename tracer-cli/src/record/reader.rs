@@ -56,7 +56,7 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
         let mut last_round = Instant::now();
         loop {
             let stopping = shared.stop.load(Ordering::SeqCst);
-            let round = match source.stages.as_ref() {
+            let round = match source.stages.as_mut() {
                 Some(stages) if stopping || last_round.elapsed() >= ROUND_INTERVAL => {
                     last_round = Instant::now();
                     let began = monotonic_ns()?;

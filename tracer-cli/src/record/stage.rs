@@ -64,7 +64,11 @@ impl Stages {
     }
 
     /// Empties every CPU's stage into the ring, each by the flush program run on that CPU.
-    pub fn flush(&self) -> Result<Round> {
+    pub fn flush(&mut self) -> Result<Round> {
+        // Read again each round: a CPU brought online since must be emptied too.
+        if let Ok(cpus) = aya::util::online_cpus() {
+            self.cpus = cpus;
+        }
         let mut round = Round::Complete;
         for &cpu in &self.cpus {
             match self.flush_on(cpu)? {

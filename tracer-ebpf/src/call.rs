@@ -451,9 +451,13 @@ pub(crate) fn stage_event(stage: *mut Stage, event: &CallEvent) {
     // SAFETY: claimed by this program (claim_stage).
     unsafe {
         let len = (*stage).len as usize;
-        if let Some(slot) = (*stage).events.get_mut(len) {
-            *slot = *event;
-            (*stage).len = len as u32 + 1;
+        match (*stage).events.get_mut(len) {
+            Some(slot) => {
+                *slot = *event;
+                (*stage).len = len as u32 + 1;
+            }
+            // Never: a full stage is sent at once. Should it be, the event still goes.
+            None => send_event(event, false),
         }
         if (*stage).len as usize >= STAGE_EVENTS {
             send_stage(stage, stage_wakeup_flag());

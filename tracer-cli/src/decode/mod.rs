@@ -172,10 +172,11 @@ pub fn frame(bytes: &[u8]) -> Option<(usize, u64)> {
     (header.len as usize == expected && bytes.len() >= expected).then_some((expected, sent))
 }
 
-/// Decodes one ring record: a single event, or a CPU's staged call events back to back (each
-/// with its own header). Stops at the first event that does not decode: its length cannot be
-/// trusted to find the next.
-pub fn decode_all(bytes: &[u8]) -> impl Iterator<Item = Result<Record, DecodeError>> + '_ {
+/// The events of one ring record (a single event, or a CPU's staged call events back to back,
+/// each with its own header), each with when it was made ([`frame`]). Ends after the first
+/// event whose header cannot be trusted, which is the error [`decode`] gives it: its length
+/// cannot find the next.
+pub fn events(bytes: &[u8]) -> impl Iterator<Item = Result<(&[u8], u64), DecodeError>> + '_ {
     let mut rest = Some(bytes);
     std::iter::from_fn(move || {
         let bytes = rest.take()?;
@@ -183,13 +184,28 @@ pub fn decode_all(bytes: &[u8]) -> impl Iterator<Item = Result<Record, DecodeErr
         if bytes.len() < std::mem::size_of::<EventHeader>() && bytes.iter().all(|&b| b == 0) {
             return None;
         }
-        let result = decode(bytes);
-        if result.is_ok() {
-            // decode checked the header's length against the kind's size and the bytes.
-            let len = read_pod::<EventHeader>(bytes).map_or(bytes.len(), |h| h.len as usize);
-            rest = bytes.get(len..);
+        let Some((len, sent)) = frame(bytes) else {
+            let error = decode(bytes).err();
+            return Some(Err(
+                error.unwrap_or(DecodeError::Truncated { len: bytes.len() })
+            ));
+        };
+        let (event, after) = bytes.split_at(len);
+        rest = Some(after);
+        Some(Ok((event, sent)))
+    })
+}
+
+/// Decodes one ring record's [`events`]; stops at the first that does not decode.
+pub fn decode_all(bytes: &[u8]) -> impl Iterator<Item = Result<Record, DecodeError>> + '_ {
+    let mut failed = false;
+    events(bytes).map_while(move |event| {
+        if failed {
+            return None;
         }
-        Some(result)
+        let record = event.and_then(|(event, _)| decode(event));
+        failed = record.is_err();
+        Some(record)
     })
 }
 

@@ -143,20 +143,13 @@ impl Reorder {
     /// Keeps the events of one ring record; returns how many could not be read (the record's
     /// rest is then dropped: a bad length cannot be trusted to find the next event).
     fn push(&mut self, item: &[u8]) -> u64 {
-        let mut rest = item;
-        while !rest.is_empty() {
-            // Zeros shorter than a header: the ring's rounding.
-            if rest.len() < std::mem::size_of::<tracer_common::EventHeader>()
-                && rest.iter().all(|&b| b == 0)
-            {
-                break;
-            }
-            let Some((len, sent)) = decode::frame(rest) else {
+        for event in decode::events(item) {
+            let Ok((event, sent)) = event else {
                 return 1;
             };
-            self.keys.push((sent, self.raw.len() as u32, len as u32));
-            self.raw.extend_from_slice(&rest[..len]);
-            rest = &rest[len..];
+            self.keys
+                .push((sent, self.raw.len() as u32, event.len() as u32));
+            self.raw.extend_from_slice(event);
         }
         0
     }

@@ -17,6 +17,8 @@ cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcudart.so.12" -Wl,-son
 cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libsimtorch.so" "$src/torchprobes.c" \
   -L"$out" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
 cc "${cflags[@]}" -o "$out/simdriver" "$src/simdriver.c" -ldl -lpthread
+# The long training job (demos/workloads/long_job.py in C, for the flight recorder's benchmark).
+cc "${cflags[@]}" -o "$out/simjob" "$src/simjob.c" -ldl
 # The same runtime linked into an executable, as statically linked CUDA programs do.
 cc "${cflags[@]}" -o "$out/staticapp" "$src/staticapp.c" "$src/runtime.c" "$src/model.c" "$src/driver_api.c" -lpthread
 echo "$out"

@@ -72,6 +72,10 @@
       " (downsampled in tracer: a point shows the highest value in its interval, the largest free block the lowest; latency p50/p99 from a histogram with 4 bins per octave, upper bounds). " +
       "Tables and chains are exact. Devices are numbered as the traced program saw them." }));
 
+  for (const line of D.coverage) {
+    root.append(el("p", { class: "note warn coverage", text: line }));
+  }
+
   const lost = D.losses.reduce((a, [, v]) => a + v, 0);
   root.append(el("p", { class: lost === 0 ? "note" : "note warn", id: "lost-line",
     text: lost === 0 ? "tracer kept every event it read (loss counters at the end)." :

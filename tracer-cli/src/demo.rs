@@ -18,7 +18,6 @@ use tracer_common::maps::DEFAULT_RING_BYTES;
 use crate::{
     analysis::{self, Host},
     exit::user_error,
-    explain::{self, ExplainQuery},
     model::{
         layout::AllocConf,
         live::{AllocatorRow, LiveAllocators},
@@ -31,6 +30,7 @@ use crate::{
         self,
         live::{self, LiveView},
     },
+    query::explain::{self, ExplainQuery},
     record::{import::SimlogImporter, privileges, signals, RecordOptions, Recording, Stop},
     store::{events, Access, Store},
 };

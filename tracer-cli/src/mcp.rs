@@ -29,7 +29,10 @@ use tracer_common::OpClass;
 
 use crate::{
     analysis::select_quantile,
-    explain::{self, At, ExplainQuery, LayoutQuery},
+    query::{
+        explain::{self, ExplainQuery},
+        layout::{self, At, LayoutQuery},
+    },
     store::{events, readonly, Access, Store},
     units::{format_bytes, format_utc},
 };
@@ -123,8 +126,15 @@ pub fn sessions(db: &Path, args: &SessionsArgs) -> Result<SessionsOut> {
                 .filter(|(_, v)| *v > 0)
                 .map(|(k, v)| (k.to_owned(), v))
                 .collect();
-            if s.evicted_events > 0 {
-                losses.insert("evicted_events".into(), s.evicted_events);
+            for (kind, n) in [
+                ("evicted_events", s.evicted_events),
+                ("evicted_calls", s.evicted_calls),
+                ("evicted_block_events", s.evicted_block_events),
+                ("evicted_offcpu", s.evicted_offcpu),
+            ] {
+                if n > 0 {
+                    losses.insert(kind.into(), n);
+                }
             }
             SessionOut {
                 id: s.id,
@@ -236,6 +246,9 @@ pub struct ExplainOut {
     pub dev: Vec<DevOut>,
     /// what was left out to keep the answer short: chains, processes, process-device rows
     pub omitted: (usize, usize, usize),
+    /// what the answer covers: evictions (and the whole-run series in their place), the
+    /// keyframe read from, what tracer did not see, when each layout was exact again
+    pub cov: Vec<String>,
 }
 
 pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
@@ -258,6 +271,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
     )?
     .report;
     let from = r.window.from_ns;
+    let cov = r.coverage.lines(r.window);
     let chains = r.chains.len();
     let processes = r.processes.len();
     let devices = r.devices.len();
@@ -337,6 +351,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
             processes.saturating_sub(MAX_PROCESSES),
             devices.saturating_sub(MAX_PROCESSES * 8),
         ),
+        cov,
     })
 }
 
@@ -497,8 +512,6 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
     };
     let store = Store::open(db, Access::ReadOnly)?;
     let info = events::session(store.conn(), args.session)?;
-    let calls = events::load(db, info.id, i64::MAX, args.pid)?;
-    let t0 = calls.first().map_or(0, |e| e.ts_ns);
     let width = (window_s * 1e9) as i64;
     let from_s = args.from_s.unwrap_or(0.0);
     if !(0.0..=1e10).contains(&from_s) {
@@ -508,15 +521,19 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
     }
     let first_window = (from_s * 1e9) as i64 / width;
     let mut windows: BTreeMap<(i64, &'static str), (Vec<u64>, u64, u64)> = BTreeMap::new();
-    for e in &calls {
+    // One walk over the stored calls (from the keyframe the calls --max-db left begin at).
+    let begin = crate::query::begin(store.conn(), info.id, i64::MIN, args.pid)?;
+    let mut t0: Option<i64> = None;
+    crate::query::walk(db, info.id, &begin, i64::MAX, args.pid, |e| {
+        let t0 = *t0.get_or_insert(e.ts_ns);
         if op.is_some_and(|o| o != e.op)
             || matches!(e.class(), OpClass::BlockAlloc | OpClass::BlockFree)
         {
-            continue;
+            return;
         }
         let window = (e.ts_ns - t0) / width;
         if window < first_window {
-            continue;
+            return;
         }
         let w = windows.entry((window, e.op.name())).or_default();
         w.0.push(e.duration_ns);
@@ -525,7 +542,7 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
         } else {
             w.2 += e.size;
         }
-    }
+    })?;
     // A page ends at a window's boundary: the window the cut falls in goes whole to the next
     // page (its rows, one per op, would otherwise be split across two).
     let next_window = windows.keys().nth(MAX_WINDOWS).map(|&(w, _)| w);
@@ -548,7 +565,7 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
         .collect();
     Ok(OpStatsOut {
         s: info.id,
-        t0_ns: t0,
+        t0_ns: t0.unwrap_or(0),
         window_s,
         rows,
         truncated,
@@ -698,7 +715,7 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
             ))
         })?),
     };
-    let (s, layouts) = explain::layout(
+    let (s, layouts) = layout::layout(
         db,
         &LayoutQuery {
             session: args.session,

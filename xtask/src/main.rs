@@ -2,6 +2,7 @@
 
 mod bench;
 mod explain_bench;
+mod flight_bench;
 mod prologue;
 mod tensor_bench;
 
@@ -21,6 +22,9 @@ enum Task {
     BenchExplain(explain_bench::ExplainBenchArgs),
     /// Measure tracing PyTorch's allocator probes: cost per tensor allocation, sustained rate.
     BenchTensor(tensor_bench::TensorBenchArgs),
+    /// The flight recorder on a long job under --max-db: keyframes' cost, eviction, the OOM
+    /// layout against the job's own, the read side over 1, 10 and 30 minutes of history.
+    BenchFlight(flight_bench::FlightBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -28,5 +32,6 @@ fn main() -> anyhow::Result<()> {
         Task::Bench(args) => bench::run(args),
         Task::BenchExplain(args) => explain_bench::explain(args),
         Task::BenchTensor(args) => tensor_bench::run(args),
+        Task::BenchFlight(args) => flight_bench::run(args),
     }
 }

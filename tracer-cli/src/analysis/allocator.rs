@@ -13,8 +13,9 @@ use super::{
 };
 use crate::{
     model::{
-        layout::{AllocConf, Layout, Pool, PoolStats, RunKind, SMALL_SEGMENT},
+        layout::{AllocConf, Layout, Pool, PoolStats, RunKind, Unknown, SMALL_SEGMENT},
         pressure::{pool_of, Alarm, DeviceFree, Pressure},
+        state::ProcessState,
     },
     units::{format_bytes as b, format_ns as t},
 };
@@ -74,6 +75,12 @@ pub struct Findings {
     pub allocs_in_window: u64,
     /// Per device: the most the process held, and its failures, in the window.
     pub devices: BTreeMap<i32, DevicePeak>,
+    /// What tracer did not see of the allocator, at the window's end.
+    pub unknown: Unknown,
+    /// Blocks held in segments tracer never saw, and blocks carried over a gap not seen since:
+    /// (blocks, bytes).
+    pub orphans: (u64, u64),
+    pub carried: (u64, u64),
 }
 
 /// What one process did on one device in the window, for comparing ranks and devices.
@@ -111,27 +118,79 @@ type NewSegment = (i64, u64, BTreeMap<(i32, Pool), PoolStats>);
 
 /// Replays the process's calls up to the window's end.
 pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels) -> Findings {
-    let mut layout = Layout::new(conf);
-    let mut f = Findings::default();
-    let mut pressure = Pressure::default();
-    // A segment just reserved, and the pool's figures before it: settled at the next block.
-    let mut pending: Option<NewSegment> = None;
-    let mut next_sample = 0;
-    let sample_at = |i: i64| window.from_ns + (window.to_ns - window.from_ns) * i / SAMPLES;
+    let mut r = Replay::new(None, window, conf, sites);
     for e in all {
-        while next_sample <= SAMPLES && e.ts_ns > sample_at(next_sample) {
-            f.samples.push((sample_at(next_sample), layout.total()));
-            next_sample += 1;
+        r.feed(e);
+    }
+    r.finish()
+}
+
+/// [`replay`] a call at a time: the process's calls in time order, from its first or from a
+/// keyframe's state.
+pub struct Replay<'a> {
+    sites: &'a SiteLabels,
+    layout: Layout,
+    pressure: Pressure,
+    window: Window,
+    conf: AllocConf,
+    f: Findings,
+    /// A segment just reserved, and the pool's figures before it: settled at the next block.
+    pending: Option<NewSegment>,
+    next_sample: i64,
+}
+
+impl<'a> Replay<'a> {
+    /// From `start` (a keyframe's state of the process), else from nothing.
+    pub fn new(
+        start: Option<&ProcessState>,
+        window: Window,
+        conf: AllocConf,
+        sites: &'a SiteLabels,
+    ) -> Replay<'a> {
+        let (layout, pressure) = match start {
+            Some(s) => (s.layout.clone(), s.pressure.clone()),
+            None => (Layout::new(conf), Pressure::default()),
+        };
+        let conf = layout.conf();
+        let f = Findings {
+            visible: layout.blocks_seen > 0,
+            ..Findings::default()
+        };
+        Replay {
+            sites,
+            layout,
+            pressure,
+            window,
+            conf,
+            f,
+            pending: None,
+            next_sample: 0,
+        }
+    }
+
+    fn sample_at(&self, i: i64) -> i64 {
+        // In i128: a crafted window may span the whole i64 range.
+        let (from, to) = (self.window.from_ns as i128, self.window.to_ns as i128);
+        (from + (to - from) * i as i128 / SAMPLES as i128) as i64
+    }
+
+    pub fn feed(&mut self, e: &Event) {
+        let window = self.window;
+        while self.next_sample <= SAMPLES && e.ts_ns > self.sample_at(self.next_sample) {
+            let at = self.sample_at(self.next_sample);
+            self.f.samples.push((at, self.layout.total()));
+            self.next_sample += 1;
         }
         let spec = e.op.spec();
         let class = spec.class;
-        pressure.observe(e);
+        let (layout, f) = (&mut self.layout, &mut self.f);
+        self.pressure.observe(e);
         let new_segment = class == OpClass::Alloc
             && e.ret == 0
             && e.size > 0
             && matches!(spec.space, Space::Device | Space::Handle);
         if new_segment {
-            pending = Some((e.ts_ns, e.size, layout.stats().clone()));
+            self.pending = Some((e.ts_ns, e.size, layout.stats().clone()));
         }
         let failed = class == OpClass::Alloc
             && e.ret != 0
@@ -139,7 +198,7 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
             && window.contains(e.ts_ns);
         if failed {
             f.forensics
-                .push(forensics(e, &layout, pressure.device_free(e.device)));
+                .push(forensics(e, layout, self.pressure.device_free(e.device)));
             let peak = f.devices.entry(e.device).or_default();
             peak.failures += 1;
             peak.first_failure_ns.get_or_insert(e.ts_ns);
@@ -153,19 +212,19 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
             f.devices
                 .entry(e.device)
                 .or_default()
-                .update(&layout, e.device);
+                .update(layout, e.device);
         }
         if class != OpClass::BlockAlloc {
-            continue;
+            return;
         }
         f.block_events += 1;
         f.visible = true;
         if window.contains(e.ts_ns) {
             f.allocs_in_window += 1;
         }
-        let rounded = conf.round_size(e.size);
+        let rounded = self.conf.round_size(e.size);
         let key = (e.device, pool_of(rounded));
-        if let Some((ts, size, before)) = pending.take() {
+        if let Some((ts, size, before)) = self.pending.take() {
             let s = before.get(&key).copied().unwrap_or_default();
             if s.cached() >= rounded && s.largest_free < rounded && window.contains(ts) {
                 f.forced.count += 1;
@@ -176,7 +235,7 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
                 peak.forced_bytes += size;
             }
         }
-        let alarm = pressure.after_block(e, conf, &layout);
+        let alarm = self.pressure.after_block(e, self.conf, layout);
         let s = layout.stats().get(&key).copied().unwrap_or_default();
         if window.contains(e.ts_ns)
             && s.cached() >= SMALL_SEGMENT
@@ -188,18 +247,34 @@ pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels
         }
         if let Some(alarm) = alarm.filter(|_| f.warning.is_none() && window.contains(e.ts_ns)) {
             f.warning = Some(Warning {
-                pinning: pinning(&layout, alarm.device, alarm.pool, sites),
+                pinning: pinning(layout, alarm.device, alarm.pool, self.sites),
                 alarm,
             });
         }
     }
-    while next_sample <= SAMPLES {
-        f.samples.push((sample_at(next_sample), layout.total()));
-        next_sample += 1;
+
+    /// The findings at the window's end.
+    pub fn finish(mut self) -> Findings {
+        while self.next_sample <= SAMPLES {
+            let at = self.sample_at(self.next_sample);
+            self.f.samples.push((at, self.layout.total()));
+            self.next_sample += 1;
+        }
+        let mut f = self.f;
+        // Counted since the process's first block, through the keyframe the replay began at.
+        f.block_events = self.layout.blocks_seen;
+        f.end = self.layout.stats().clone();
+        f.live_in_window = held_by_site(&self.layout, self.window, self.sites);
+        f.unknown = self.layout.unknown;
+        f.orphans = self.layout.orphans(None);
+        f.carried = self.layout.carried();
+        f
     }
-    f.end = layout.stats().clone();
-    f.live_in_window = held_by_site(&layout, window, sites);
-    f
+
+    /// The layout now.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
 }
 
 /// The blocks allocated in the window and still held, by call site.
@@ -230,6 +305,9 @@ fn held_by_site(layout: &Layout, window: Window, sites: &SiteLabels) -> Vec<(Str
 /// A leak measured in tensors: the bytes the allocator hands out (not its cache) growing
 /// steadily, still growing in the second half of the window.
 pub fn leak_chain(pid: u32, f: &Findings, window: Window) -> Option<Chain> {
+    if !f.unknown.exact() {
+        return None;
+    }
     let held: Vec<(i64, u64)> = f.samples.iter().map(|(ts, s)| (*ts, s.allocated)).collect();
     if held.len() < 3 || window.secs() < 5.0 || f.allocs_in_window < 50 {
         return None;
@@ -354,6 +432,10 @@ const FIX_MAX_SPLIT: &str = "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: larg
 /// Fragmentation inside the cached segments, measured: new segments the cache could have held
 /// in bytes but not in one block, and the worst moment's layout.
 pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
+    if !f.unknown.exact() {
+        // Measured in a layout tracer did not see whole: [`unknown_chain`] says so.
+        return None;
+    }
     let worst = f.worst;
     // Without a segment forced by it, fragmentation is only worth a chain when the scattered
     // cache is a real share of the memory held.
@@ -427,7 +509,7 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
 /// The early warning: the layout in which the next request of the sizes being made fails;
 /// none when it came no earlier than the out-of-memory (`first_failure`: the OOM chain tells).
 pub fn warning_chain(pid: u32, f: &Findings, first_failure: Option<i64>) -> Option<Chain> {
-    let warning = f.warning.as_ref()?;
+    let warning = f.warning.as_ref().filter(|_| f.unknown.exact())?;
     let w = &warning.alarm;
     if first_failure.is_some_and(|fail| fail <= w.ts_ns) {
         // Not early: the failure came first (or with it); the OOM chain tells it.
@@ -509,8 +591,13 @@ pub fn oom_forensics(
         .and_then(|(_, rest)| rest.split(". ").next())
         .filter(|s| !s.is_empty())
         .map_or_else(|| b(x.requested), str::to_owned);
+    let seen = if f.unknown.exact() {
+        ""
+    } else {
+        " in the segments tracer saw"
+    };
     let mut text = format!(
-        "Tried to allocate {tried} (a {} segment): {} free inside cached segments in {} blocks, largest {}; reserved {}, allocated {}; {} outside PyTorch",
+        "Tried to allocate {tried} (a {} segment){seen}: {} free inside cached segments in {} blocks, largest {}; reserved {}, allocated {}; {} outside PyTorch",
         b(x.requested),
         b(x.total.cached()),
         x.total.free_blocks,
@@ -522,7 +609,36 @@ pub fn oom_forensics(
     if let Some(free) = x.device_free {
         text.push_str(&format!("; the device had {} free", b(free)));
     }
-    let fixes = if x.fragmentation {
+    let verdict = if f.unknown.exact() {
+        Some(x.fragmentation)
+    } else {
+        // tracer's layout may differ from the allocator's here: only PyTorch's own figures
+        // can tell.
+        let said = message
+            .and_then(pytorch_cached)
+            .zip(message.and_then(pytorch_tried));
+        match said {
+            Some((cached, tried)) => {
+                text.push_str(&format!(
+                    "; tracer's layout is not exact here ({}), but PyTorch's message says {} reserved but unallocated",
+                    unknown_said(f),
+                    b(cached)
+                ));
+                Some(cached >= tried)
+            }
+            None => None,
+        }
+    };
+    let fixes = if verdict.is_none() {
+        text.push_str(&format!(
+            ": whether the cache held the bytes is unknown: tracer's layout is not exact here ({}); PyTorch's out-of-memory message (its probe, libc10.so traced) or a trace from the job's start would settle it",
+            unknown_said(f)
+        ));
+        vec![
+            FIX_EXPANDABLE.into(),
+            "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
+        ]
+    } else if verdict == Some(true) {
         text.push_str(": the cache held the bytes, not one block that fit (fragmentation)");
         vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into()]
     } else {
@@ -533,4 +649,92 @@ pub fn oom_forensics(
         ]
     };
     Some((text, fixes))
+}
+
+/// What is not known of the allocator's layout, in a few words.
+pub fn unknown_said(f: &Findings) -> String {
+    let u = &f.unknown;
+    let mut parts = Vec::new();
+    if f.orphans.0 > 0 || u.unseen_segments {
+        parts.push(format!(
+            "{} blocks ({}) lie in segments tracer never saw created",
+            f.orphans.0,
+            b(f.orphans.1)
+        ));
+    }
+    if u.gaps > 0 {
+        parts.push(format!(
+            "{} gap(s) in the trace; {} blocks ({}) held since before are believed still held",
+            u.gaps,
+            f.carried.0,
+            b(f.carried.1)
+        ));
+    }
+    if u.freed_unseen > 0 {
+        parts.push(format!(
+            "{} blocks ({}) were freed while tracer did not see",
+            u.freed_unseen,
+            b(u.freed_unseen_bytes)
+        ));
+    }
+    if parts.is_empty() {
+        parts.push("frees of blocks tracer never saw allocated".into());
+    }
+    parts.join("; ")
+}
+
+/// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.
+fn pytorch_cached(message: &str) -> Option<u64> {
+    let before = message
+        .split(" is reserved by PyTorch but unallocated")
+        .next()?;
+    pytorch_size(before.rsplit(", and ").next()?)
+}
+
+/// A size as PyTorch's format_size writes it ("55.66 MiB", "512 bytes").
+fn pytorch_size(text: &str) -> Option<u64> {
+    let compact = text.trim().replace("bytes", "B").replace(' ', "");
+    if compact.trim_start_matches('0').starts_with(['B', '.']) || compact == "0" {
+        return Some(0);
+    }
+    crate::units::parse_size(&compact).ok()
+}
+
+/// "Tried to allocate 22.00 MiB.": the request PyTorch names.
+fn pytorch_tried(message: &str) -> Option<u64> {
+    let rest = message.split_once("Tried to allocate ")?.1;
+    pytorch_size(rest.split(". ").next()?)
+}
+
+/// What tracer did not see of the process's allocator, when that keeps its layout from being
+/// exact: stated instead of a verdict (no rule concludes from it), with what would settle it.
+pub fn unknown_chain(pid: u32, f: &Findings) -> Option<Chain> {
+    let u = &f.unknown;
+    if u.exact() || !f.visible {
+        return None;
+    }
+    let since = u.since_ns.unwrap_or(0);
+    let settle = if u.unseen_segments {
+        "a trace that runs from the job's start (a DaemonSet running before jobs start), or the job restarted under trace; PyTorch's out-of-memory message, when it comes, gives the allocator's own figures"
+    } else {
+        "the job's next steps: the layout is exact again once no block event has contradicted it for twice the longest life of a block seen since, counted in block events (at least 1000)"
+    };
+    Some(Chain {
+        rule: "unknown_state",
+        severity: Severity::Low,
+        pid,
+        title: "the allocator's layout is not fully known: no verdict is drawn from it".into(),
+        root: format!("since {}: {}", crate::units::format_utc(since), unknown_said(f)),
+        effect: "fragmentation, capacity, the early warning, leaks and comparisons between ranks are not concluded from this process's layout".into(),
+        compounding: Vec::new(),
+        timeline: vec![TimelineEntry {
+            ts_ns: since,
+            text: "first evidence that tracer did not see everything".into(),
+        }],
+        fix: vec![format!("what would settle it: {settle}")],
+        evidence: format!(
+            "{} blocks outside known segments, {} allocations over blocks believed held, {} gap(s)",
+            f.orphans.0, u.freed_unseen, u.gaps
+        ),
+    })
 }

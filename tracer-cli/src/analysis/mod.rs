@@ -2,6 +2,7 @@
 //! Pure functions over [`Event`] lists, so every rule is unit-tested on constructed data.
 
 pub mod allocator;
+mod collect;
 mod host;
 pub mod ranks;
 mod replay;
@@ -18,6 +19,8 @@ use serde::Serialize;
 use tracer_common::{Op, OpClass};
 
 use crate::model::{layout::AllocConf, Event, FastMap, Rank, SiteLabels, StackId, Window};
+use crate::units::{format_bytes, format_utc};
+pub use collect::{is_block_event, BlockTally, Collected, Collector, OpTally};
 pub use host::Host;
 pub use rules::Chain;
 use rules::Proc;
@@ -41,6 +44,19 @@ pub fn select_quantile(values: &mut [u64], q: f64) -> u64 {
     }
     let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
     *values.select_nth_unstable(rank - 1).1
+}
+
+/// [`select_quantile`] of `values` and `zeros` more zeros (counted, not kept).
+pub fn select_quantile_with_zeros(values: &mut [u64], zeros: u64, q: f64) -> u64 {
+    let n = values.len() as u64 + zeros;
+    if n == 0 {
+        return 0;
+    }
+    let rank = ((q * n as f64).ceil() as u64).clamp(1, n);
+    if rank <= zeros {
+        return 0;
+    }
+    *values.select_nth_unstable((rank - zeros - 1) as usize).1
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -75,15 +91,30 @@ pub struct ProcessReport {
     pub allocator: Option<AllocatorFigures>,
 }
 
-/// Per op of one process's calls: count, errors, latency quantiles and bytes.
-fn op_rows(scan: &mut Scan<'_>) -> Vec<OpRow> {
+/// Per op of one process's calls: count, errors, latency quantiles and bytes (its block events
+/// from their tally).
+fn op_rows(scan: &mut Scan<'_>, blocks: Option<&mut BlockTally>) -> Vec<OpRow> {
+    let mut blocks = blocks.map(|b| &mut b.ops);
     Op::ALL
         .into_iter()
         .zip(scan.by_op.iter_mut())
-        .filter(|(_, acc)| !acc.durations.is_empty())
-        .map(|(op, acc)| {
+        .filter_map(|(op, acc)| {
+            if let Some(t) = blocks.as_mut().and_then(|b| b.get_mut(&op)) {
+                return Some(OpRow {
+                    op: op.name(),
+                    calls: t.calls,
+                    errors: t.errors,
+                    p50_ns: select_quantile_with_zeros(&mut t.durations, t.zero_durations, 0.5),
+                    p99_ns: select_quantile_with_zeros(&mut t.durations, t.zero_durations, 0.99),
+                    max_ns: t.durations.iter().max().copied().unwrap_or(0),
+                    bytes: t.bytes,
+                });
+            }
+            if acc.durations.is_empty() {
+                return None;
+            }
             let d = &mut acc.durations;
-            OpRow {
+            Some(OpRow {
                 op: op.name(),
                 calls: d.len() as u64,
                 errors: acc.errors,
@@ -91,7 +122,7 @@ fn op_rows(scan: &mut Scan<'_>) -> Vec<OpRow> {
                 p99_ns: select_quantile(d, 0.99),
                 max_ns: d.iter().max().copied().unwrap_or(0),
                 bytes: acc.bytes,
-            }
+            })
         })
         .collect()
 }
@@ -100,8 +131,13 @@ fn op_rows(scan: &mut Scan<'_>) -> Vec<OpRow> {
 pub const TAIL_RATIO_WARNING: f64 = 10.0;
 
 /// One process's table (its outstanding allocations come from the replay, see [`analyze`]).
-fn process_table(p: &Proc<'_>, scan: &mut Scan<'_>, comms: &HashMap<u32, String>) -> ProcessReport {
-    let ops = op_rows(scan);
+fn process_table(
+    p: &Proc<'_>,
+    scan: &mut Scan<'_>,
+    blocks: Option<&mut BlockTally>,
+    comms: &HashMap<u32, String>,
+) -> ProcessReport {
+    let ops = op_rows(scan, blocks);
     let mut warnings = Vec::new();
     let (allocs, frees) = (scan.allocs_ok, scan.frees_ok);
     if allocs > frees {
@@ -276,13 +312,15 @@ fn number_processes(calls: &[Event]) -> (Vec<u32>, Vec<u32>) {
     (pids, index)
 }
 
-/// Each process's calls up to the window's end and those in the window.
+/// Each process's calls up to the window's end and those in the window (a process with block
+/// events only has none).
 fn processes<'a>(
     grouped: &'a [Event],
     ranges: &[(u32, Range<usize>)],
     window: Window,
+    blocks: &BTreeMap<u32, BlockTally>,
 ) -> Vec<Proc<'a>> {
-    ranges
+    let mut out: Vec<Proc<'a>> = ranges
         .iter()
         .map(|(pid, range)| {
             let evs = &grouped[range.clone()];
@@ -294,7 +332,18 @@ fn processes<'a>(
                 window: &evs[start..end],
             }
         })
-        .collect()
+        .collect();
+    for &pid in blocks.keys() {
+        if !ranges.iter().any(|(p, _)| *p == pid) {
+            out.push(Proc {
+                pid,
+                all: &[],
+                window: &[],
+            });
+        }
+    }
+    out.sort_by_key(|p| p.pid);
+    out
 }
 
 /// The calls of one op from one call site.
@@ -313,43 +362,56 @@ pub struct CallSiteRow {
 /// Call sites shown per op.
 pub const TOP_SITES: usize = 5;
 
-/// The busiest call sites of each op in the window (by calls), per process.
-fn call_sites(procs: &[Proc<'_>], labels: &SiteLabels) -> Vec<CallSiteRow> {
+/// The busiest call sites of each op in the window (by calls), per process: the CUDA calls'
+/// and the block events' tallies.
+fn call_sites(
+    procs: &[Proc<'_>],
+    blocks: &BTreeMap<u32, BlockTally>,
+    labels: &SiteLabels,
+) -> Vec<CallSiteRow> {
     if labels.is_empty() {
         return Vec::new();
     }
     // By stack first (a hash per call), then by label: stacks that differ below the user's
     // frame share a label.
-    let mut by_stack: FastMap<(Op, u32, StackId), (Vec<u64>, u64)> = FastMap::default();
+    let mut by_stack: FastMap<(Op, u32, StackId), OpTally> = FastMap::default();
     for p in procs {
         for e in p.window {
             if let Some(id) = e.stack {
-                let (d, bytes) = by_stack.entry((e.op, e.pid, id)).or_default();
-                d.push(e.duration_ns);
+                let t = by_stack.entry((e.op, e.pid, id)).or_default();
+                t.calls += 1;
+                t.durations.push(e.duration_ns);
                 if e.ret == 0 {
-                    *bytes += e.size;
+                    t.bytes += e.size;
                 }
             }
         }
     }
-    let mut groups: BTreeMap<(Op, u32, &str), (Vec<u64>, u64)> = BTreeMap::new();
-    for ((op, pid, id), (d, bytes)) in by_stack {
+    let mut groups: BTreeMap<(Op, u32, &str), OpTally> = BTreeMap::new();
+    let tallied = blocks.iter().flat_map(|(&pid, b)| {
+        b.sites
+            .iter()
+            .map(move |(&(op, id), t)| ((op, pid, id), t.clone()))
+    });
+    for ((op, pid, id), t) in by_stack.into_iter().chain(tallied) {
         if let Some(label) = labels.get(&id) {
             let g = groups.entry((op, pid, label.as_str())).or_default();
-            g.0.extend(d);
-            g.1 += bytes;
+            g.calls += t.calls;
+            g.durations.extend(t.durations);
+            g.zero_durations += t.zero_durations;
+            g.bytes += t.bytes;
         }
     }
     let mut rows: Vec<CallSiteRow> = groups
         .into_iter()
-        .map(|((op, pid, site), (mut d, bytes))| CallSiteRow {
+        .map(|((op, pid, site), mut t)| CallSiteRow {
             op: op.name(),
             pid,
             site: site.to_string(),
-            calls: d.len() as u64,
-            bytes,
-            avg_ns: d.iter().sum::<u64>() / d.len().max(1) as u64,
-            p99_ns: select_quantile(&mut d, 0.99),
+            calls: t.calls,
+            bytes: t.bytes,
+            avg_ns: t.durations.iter().sum::<u64>() / t.calls.max(1),
+            p99_ns: select_quantile_with_zeros(&mut t.durations, t.zero_durations, 0.99),
         })
         .collect();
     rows.sort_by(|a, b| {
@@ -442,6 +504,191 @@ fn allocator_chains(
     }
 }
 
+/// What --max-db evicted of a session.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Evicted {
+    pub events: u64,
+    pub calls: u64,
+    pub block_events: u64,
+    pub offcpu: u64,
+    /// The latest call evicted (its entry time).
+    pub until_ns: Option<i64>,
+}
+
+/// One process on one device over a span whose detail was evicted: the whole-run series'
+/// figures there.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SpanFigures {
+    pub pid: u32,
+    pub device: i32,
+    pub from_ns: i64,
+    pub to_ns: i64,
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+    pub peak_cached: u64,
+    pub max_fragmentation: f64,
+    pub calls: u64,
+    pub errors: u64,
+    pub failures: u64,
+    pub ooms: u64,
+    pub retries: u64,
+    pub warnings: u64,
+}
+
+impl SpanFigures {
+    /// Adds one interval of the series.
+    pub fn absorb(&mut self, r: &crate::model::run_series::SeriesRow) {
+        self.from_ns = if self.calls == 0 {
+            r.start_ns
+        } else {
+            self.from_ns.min(r.start_ns)
+        };
+        self.to_ns = self.to_ns.max(r.end_ns);
+        self.peak_allocated = self.peak_allocated.max(r.allocated);
+        self.peak_reserved = self.peak_reserved.max(r.reserved);
+        self.peak_cached = self.peak_cached.max(r.cached);
+        self.max_fragmentation = self.max_fragmentation.max(r.fragmentation);
+        self.calls += r.calls;
+        self.errors += r.errors;
+        self.failures += r.failures;
+        self.ooms += r.ooms;
+        self.retries += r.retries;
+        self.warnings += r.warnings;
+    }
+}
+
+/// What an answer covers beside the window's calls.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Coverage {
+    /// The walk began at a keyframe (the time of its latest call) rather than at the session's
+    /// first call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keyframe_ns: Option<i64>,
+    /// The window asked for began here, before the calls --max-db left: it begins at the
+    /// keyframe.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window_clipped_from_ns: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evicted: Option<Evicted>,
+    /// What tracer did not see of the processes: they ran before the trace, or it restarted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gaps: Vec<crate::model::run_series::GapRow>,
+    /// Where the detail was evicted: the whole-run series' figures, per process and device.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub before_detail: Vec<SpanFigures>,
+    /// Processes whose allocator state was not (or is not) exactly known in the window.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub states: Vec<StateNote>,
+}
+
+impl Coverage {
+    /// What the answer covers, as lines: what --max-db evicted (and the whole-run series in its
+    /// place), the keyframe the calls were read from, what tracer did not see and when each
+    /// process's layout was exact again.
+    pub fn lines(&self, window: Window) -> Vec<String> {
+        let c = self;
+        let mut lines = Vec::new();
+        if let Some(e) = &c.evicted {
+            lines.push(format!(
+            "Evicted by --max-db: {} events ({} CUDA calls, {} allocator block events, {} off-CPU intervals){}; what they built is kept in keyframes",
+            e.events,
+            e.calls,
+            e.block_events,
+            e.offcpu,
+            e.until_ns
+                .map(|t| format!(", up to {}", format_utc(t)))
+                .unwrap_or_default()
+        ));
+        }
+        if let Some(k) = c.keyframe_ns {
+            lines.push(format!(
+                "Read from the keyframe at {} onwards (the state there, then every call after it)",
+                format_utc(k)
+            ));
+        }
+        if let Some(from) = c.window_clipped_from_ns {
+            lines.push(format!(
+            "The window asked for began at {}: its calls before {} were evicted, so the window begins there",
+            format_utc(from),
+            format_utc(window.from_ns)
+        ));
+        }
+        if !c.before_detail.is_empty() {
+            lines.push("Before the detail (the whole-run series, which eviction keeps):".into());
+        }
+        for f in &c.before_detail {
+            lines.push(format!(
+            "  pid {} on {}: {} .. {}: peak allocated {}, reserved {}, cached {}, fragmentation up to {:.0}%; {} calls, {} errors, {} failed allocations, {} OOMs, {} retries, {} early warnings",
+            f.pid,
+            if f.device < 0 { "no known device".to_owned() } else { format!("GPU {}", f.device) },
+            format_utc(f.from_ns),
+            format_utc(f.to_ns),
+            format_bytes(f.peak_allocated),
+            format_bytes(f.peak_reserved),
+            format_bytes(f.peak_cached),
+            f.max_fragmentation * 100.0,
+            f.calls,
+            f.errors,
+            f.failures,
+            f.ooms,
+            f.retries,
+            f.warnings
+        ));
+        }
+        for n in &c.states {
+            let until = match n.exact_ns {
+                Some(t) => format!("exact again at {}", format_utc(t)),
+                None => "not exact at the window's end".to_owned(),
+            };
+            lines.push(format!(
+            "Allocator state of pid {}: uncertain from {}, {until}; {} blocks ({}) freed unseen, {} ({}) carried over {} gap(s) and believed held, {} ({}) in segments tracer never saw",
+            n.pid,
+            format_utc(n.since_ns),
+            n.freed_unseen.0,
+            format_bytes(n.freed_unseen.1),
+            n.carried.0,
+            format_bytes(n.carried.1),
+            n.gaps,
+            n.orphans.0,
+            format_bytes(n.orphans.1)
+        ));
+        }
+        for g in &c.gaps {
+            lines.push(format!(
+                "Not seen: pid {} from {} to {} ({}): {}",
+                g.pid,
+                g.from_ns.map_or_else(|| "its start".to_owned(), format_utc),
+                format_utc(g.to_ns),
+                g.kind,
+                g.detail
+            ));
+        }
+        lines
+    }
+}
+
+/// What tracer did not see of one process's allocator, and when its layout was exact again.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StateNote {
+    pub pid: u32,
+    /// Uncertain since (the first evidence, or the gap's start).
+    pub since_ns: i64,
+    /// Exact again then (None: still not, at the window's end).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exact_ns: Option<i64>,
+    /// The latest contradiction, and the longest life of a block seen freed since the first,
+    /// in block events: exact again once twice that (at least 1000) pass without another.
+    pub last_evidence_ns: i64,
+    pub longest_life_events: u64,
+    pub gaps: u32,
+    /// Blocks believed held that a later allocation overlapped: freed unseen.
+    pub freed_unseen: (u64, u64),
+    /// Blocks carried over a gap and not seen since: believed held.
+    pub carried: (u64, u64),
+    /// Blocks in segments tracer never saw created.
+    pub orphans: (u64, u64),
+}
+
 /// Everything explain shows.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -456,6 +703,8 @@ pub struct Report {
     pub call_sites: Vec<CallSiteRow>,
     /// Each process on each device it used: its peaks and failures, to compare ranks.
     pub devices: Vec<ranks::DeviceRow>,
+    /// What the answer covers: evictions, the series in their place, gaps.
+    pub coverage: Coverage,
 }
 
 /// What explain knows of a session beside its calls.
@@ -494,41 +743,65 @@ pub fn analyze(
     window: Window,
     inputs: &Inputs<'_>,
 ) -> Report {
+    let mut c = Collector::new(window, inputs, Vec::new());
+    for e in all {
+        c.feed(e);
+    }
+    analyze_collected(session, c.finish(), host, window, inputs)
+}
+
+/// The report from one pass's gatherings ([`Collector`]).
+pub fn analyze_collected(
+    session: i64,
+    collected: Collected,
+    host: &Host,
+    window: Window,
+    inputs: &Inputs<'_>,
+) -> Report {
     let (comms, sites) = (inputs.comms, inputs.sites);
-    let (grouped, ranges) = group_by_pid(all);
-    let everyone = processes(&grouped, &ranges, window);
+    let Collected {
+        calls,
+        processes: gathered,
+    } = collected;
+    let (mut findings, mut blocks): (
+        BTreeMap<u32, allocator::Findings>,
+        BTreeMap<u32, BlockTally>,
+    ) = gathered
+        .into_iter()
+        .map(|(pid, (f, b))| ((pid, f), (pid, b)))
+        .unzip();
+    let (grouped, ranges) = group_by_pid(&calls);
+    let everyone = processes(&grouped, &ranges, window, &blocks);
     let active: Vec<Proc<'_>> = everyone
         .iter()
         .copied()
-        .filter(|p| !p.window.is_empty())
+        .filter(|p| !p.window.is_empty() || blocks.get(&p.pid).is_some_and(|b| b.in_window > 0))
+        .collect();
+    let layouts: Vec<allocator::Findings> = active
+        .iter()
+        .map(|p| findings.remove(&p.pid).unwrap_or_default())
         .collect();
     // The replaying rules on this core; the tables, the other rules and the call sites on the
     // other (they read the same calls independently).
     let (replayed, (mut processes, direct, call_sites)) = std::thread::scope(|scope| {
-        let others = scope.spawn(|| {
+        let blocks = &mut blocks;
+        let (everyone, active) = (&everyone, &active);
+        let others = scope.spawn(move || {
             let mut tables = Vec::with_capacity(active.len());
             let mut direct = Vec::with_capacity(active.len());
-            for p in &active {
-                let mut scan = Scan::of(p.window);
-                tables.push(process_table(p, &mut scan, comms));
-                direct.push(rules::direct(p, &everyone, scan, window, host, sites));
+            for p in active {
+                let mut scan = Scan::of(p.window, blocks.get(&p.pid));
+                tables.push(process_table(p, &mut scan, blocks.get_mut(&p.pid), comms));
+                direct.push(rules::direct(p, everyone, scan, window, host, sites));
             }
-            (tables, direct, call_sites(&active, sites))
+            (tables, direct, call_sites(active, blocks, sites))
         });
-        let replayed = rules::replayed(&active, window, host, sites);
-        let layouts: Vec<allocator::Findings> = active
-            .iter()
-            .map(|p| {
-                let conf = inputs.confs.get(&p.pid).copied().unwrap_or_default();
-                allocator::replay(p.all, window, conf, sites)
-            })
-            .collect();
+        let replayed = rules::replayed(active, window, host, sites);
         let others = others
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        ((replayed, layouts), others)
+        (replayed, others)
     });
-    let (replayed, layouts) = replayed;
     let mut replay_chains = Vec::with_capacity(replayed.len());
     for ((table, (mut chains, live)), findings) in processes.iter_mut().zip(replayed).zip(&layouts)
     {
@@ -546,19 +819,45 @@ pub fn analyze(
     let mut chains = rules::merge(replay_chains, direct);
     for (p, findings) in active.iter().zip(&layouts) {
         allocator_chains(p, findings, inputs.messages, &mut chains);
+        chains.extend(allocator::unknown_chain(p.pid, findings));
     }
     let devices = device_rows(&active, &layouts, inputs.ranks);
+    let states = active
+        .iter()
+        .zip(&layouts)
+        .filter_map(|(p, f)| {
+            Some(StateNote {
+                pid: p.pid,
+                since_ns: f.unknown.since_ns?,
+                exact_ns: f.unknown.exact_ns,
+                last_evidence_ns: f.unknown.last_evidence_ns,
+                longest_life_events: f.unknown.longest_life_events,
+                gaps: f.unknown.gaps,
+                freed_unseen: (f.unknown.freed_unseen, f.unknown.freed_unseen_bytes),
+                carried: f.carried,
+                orphans: f.orphans,
+            })
+        })
+        .collect();
     chains.extend(ranks::outlier_chain(&devices, window.from_ns));
     chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
+    let events_in_window = active
+        .iter()
+        .map(|p| p.window.len() as u64 + blocks.get(&p.pid).map_or(0, |b| b.in_window))
+        .sum();
     Report {
         session,
         window,
-        events_in_window: active.iter().map(|p| p.window.len() as u64).sum(),
+        events_in_window,
         host_context: host.recorded,
         processes,
         chains,
         call_sites,
         devices,
+        coverage: Coverage {
+            states,
+            ..Coverage::default()
+        },
     }
 }
 
@@ -572,7 +871,9 @@ fn device_rows(
     for (p, f) in active.iter().zip(layouts) {
         for (&device, peak) in &f.devices {
             let rank = ranks.get(&p.pid).copied();
-            rows.push(ranks::DeviceRow::new(p.pid, rank, device, f.visible, peak));
+            let mut row = ranks::DeviceRow::new(p.pid, rank, device, f.visible, peak);
+            row.unknown = !f.unknown.exact();
+            rows.push(row);
         }
     }
     rows

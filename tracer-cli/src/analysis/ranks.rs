@@ -31,6 +31,10 @@ pub struct DeviceRow {
     pub failures: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_failure_ns: Option<i64>,
+    /// The process's allocator state is not fully known (model/layout.rs `Unknown`): its
+    /// peaks are not compared.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unknown: bool,
 }
 
 impl DeviceRow {
@@ -48,14 +52,20 @@ impl DeviceRow {
             forced_bytes: p.forced_bytes,
             failures: p.failures,
             first_failure_ns: p.first_failure_ns,
+            unknown: false,
         }
     }
 
     /// "rank 2/4 (pid 812, GPU 2)" or "pid 812 on GPU 0".
     pub fn who(&self) -> String {
+        let gpu = if self.device < 0 {
+            "an unknown GPU".to_owned()
+        } else {
+            format!("GPU {}", self.device)
+        };
         match &self.rank {
-            Some(r) => format!("{} (pid {}, GPU {})", r.label(), self.pid, self.device),
-            None => format!("pid {} on GPU {}", self.pid, self.device),
+            Some(r) => format!("{} (pid {}, {gpu})", r.label(), self.pid),
+            None => format!("pid {} on {gpu}", self.pid),
         }
     }
 
@@ -116,6 +126,17 @@ fn others(rows: &[DeviceRow], i: usize) -> impl Iterator<Item = &DeviceRow> {
 
 /// The chain naming the outlier among the ranks and devices, if one stands out.
 pub fn outlier_chain(rows: &[DeviceRow], window_from_ns: i64) -> Option<Chain> {
+    // Only devices known by number, with something held or failed; none at all when a process
+    // in the comparison was not seen whole (it may be the outlier).
+    let rows: Vec<DeviceRow> = rows
+        .iter()
+        .filter(|r| r.device >= 0 && (r.peak_held > 0 || r.failures > 0))
+        .cloned()
+        .collect();
+    if rows.iter().any(|r| r.unknown) {
+        return None;
+    }
+    let rows = rows.as_slice();
     let i = outlier(rows)?;
     let top = &rows[i];
     let rest: Vec<&DeviceRow> = others(rows, i).collect();
@@ -247,6 +268,7 @@ mod tests {
             forced_segments: forced / (20 * MIB),
             forced_bytes: forced,
             failures: failed_at.map_or(0, |_| 1),
+            unknown: false,
             first_failure_ns: failed_at,
         }
     }

@@ -848,11 +848,17 @@ fn periodic_spike(pid: u32, evs: &[Event], mut d: Vec<u64>, host: &Host) -> Opti
 
 /// Host context: the process's slow CUDA calls spent a large share of their time waiting for a
 /// CPU (their own threads runnable but not running), measured where the calls ran.
-fn cpu_contention(pid: u32, evs: &[Event], mut d: Vec<u64>, host: &Host) -> Option<Chain> {
-    if !host.recorded || evs.len() < 20 {
+fn cpu_contention(
+    pid: u32,
+    evs: &[Event],
+    durations: (Vec<u64>, u64),
+    host: &Host,
+) -> Option<Chain> {
+    let (mut d, zeros) = durations;
+    if !host.recorded || d.len() as u64 + zeros < 20 {
         return None;
     }
-    let threshold = select_quantile(&mut d, 0.95).max(100_000);
+    let threshold = super::select_quantile_with_zeros(&mut d, zeros, 0.95).max(100_000);
     let slow: Vec<&Event> = evs.iter().filter(|e| e.duration_ns >= threshold).collect();
     let o = host.during(&slow);
     if slow.len() < 10 || o.call_ns == 0 || o.run_queue_ns * 5 < o.call_ns {

@@ -4,7 +4,7 @@
 
 use tracer_common::{Library, OpClass, Space, OP_COUNT};
 
-use super::Event;
+use super::{BlockTally, Event};
 
 /// One op's calls.
 #[derive(Debug, Default)]
@@ -31,10 +31,13 @@ pub struct Scan<'a> {
     pub syncs: Vec<&'a Event>,
     /// Durations of the successful device allocations.
     pub device_alloc_durations: Vec<u64>,
+    /// The block events' durations that are not zero, and how many are (their tally).
+    pub block_durations: Vec<u64>,
+    pub block_zero_durations: u64,
 }
 
 impl<'a> Scan<'a> {
-    pub fn of(evs: &'a [Event]) -> Scan<'a> {
+    pub fn of(evs: &'a [Event], blocks: Option<&BlockTally>) -> Scan<'a> {
         let mut counts = [0usize; OP_COUNT];
         for e in evs {
             counts[e.op as usize] += 1;
@@ -51,6 +54,13 @@ impl<'a> Scan<'a> {
             driver_allocs: false,
             syncs: Vec::new(),
             device_alloc_durations: Vec::new(),
+            block_durations: blocks
+                .iter()
+                .flat_map(|b| b.ops.values())
+                .flat_map(|t| t.durations.iter().copied())
+                .collect(),
+            block_zero_durations: blocks
+                .map_or(0, |b| b.ops.values().map(|t| t.zero_durations).sum()),
         };
         for e in evs {
             let acc = &mut scan.by_op[e.op as usize];
@@ -85,11 +95,20 @@ impl<'a> Scan<'a> {
         scan
     }
 
-    /// Durations of every call (in no order: the per-op table reorders them).
-    pub fn all_durations(&self) -> Vec<u64> {
-        self.by_op
-            .iter()
-            .flat_map(|acc| acc.durations.iter().copied())
-            .collect()
+    /// Durations of every call that are not zero, in no order (the per-op table reorders
+    /// them), and how many are zero (block events' are counted, not kept).
+    pub fn all_durations(&self) -> (Vec<u64>, u64) {
+        let mut zeros = self.block_zero_durations;
+        let mut d: Vec<u64> = self.block_durations.clone();
+        for acc in &self.by_op {
+            for &v in &acc.durations {
+                if v == 0 {
+                    zeros += 1;
+                } else {
+                    d.push(v);
+                }
+            }
+        }
+        (d, zeros)
     }
 }

@@ -677,3 +677,130 @@ fn calls_are_grouped_by_process_stably() {
     assert!(matches!(grouped, std::borrow::Cow::Borrowed(_)));
     assert_eq!(ranges, vec![(7, 0..one.len())]);
 }
+
+/// A training-like run on the allocator's probes: weights held, then steps of activations that
+/// vary in size, a cudaMemGetInfo now and then, and a cudaMalloc that fails at the end.
+fn allocator_run() -> Vec<Event> {
+    let seg = |i: u64| 0x7f00_0000_0000 + i * 32 * MIB;
+    let mut evs = Vec::new();
+    let mut t = 0.0;
+    let mut tick = |evs: &mut Vec<Event>, op: Op, size: u64, ptr: u64, ret: i32| {
+        t += 0.5;
+        evs.push(ev(
+            t,
+            op,
+            size,
+            ptr,
+            ret,
+            if op == Op::TorchMalloc || op == Op::TorchFree {
+                0
+            } else {
+                5
+            },
+        ));
+    };
+    for i in 0..4 {
+        tick(&mut evs, Op::CudaMalloc, 20 * MIB, seg(i), 0);
+    }
+    // Weights: a block at the start of each segment, held.
+    for i in 0..4 {
+        tick(&mut evs, Op::TorchMalloc, 6 * MIB, seg(i), 0);
+    }
+    for step in 0..200u64 {
+        let i = step % 4;
+        let size = (2 + step % 5) * MIB;
+        tick(&mut evs, Op::TorchMalloc, size, seg(i) + 6 * MIB, 0);
+        tick(&mut evs, Op::TorchMalloc, MIB, seg(i) + 6 * MIB + size, 0);
+        tick(&mut evs, Op::TorchFree, 0, seg(i) + 6 * MIB, 0);
+        tick(&mut evs, Op::TorchFree, 0, seg(i) + 6 * MIB + size, 0);
+        if step % 20 == 0 {
+            tick(&mut evs, Op::CudaMemGetInfo, 0, 0, 0);
+            let info = evs.last_mut().unwrap();
+            info.aux0 = 30 * MIB;
+            info.aux1 = 128 * MIB;
+        }
+    }
+    tick(&mut evs, Op::CudaMalloc, 40 * MIB, 0, 2);
+    evs
+}
+
+/// The state a keyframe would hold after `evs`.
+fn state_after(evs: &[Event]) -> crate::model::state::ProcessState {
+    let mut s = crate::model::state::ProcessState {
+        pid: 10,
+        ..Default::default()
+    };
+    for e in evs {
+        s.apply_memory(e);
+        s.apply_join(e);
+    }
+    s
+}
+
+#[test]
+fn a_report_started_from_a_keyframe_equals_one_from_the_first_call() {
+    let evs = allocator_run();
+    let window = Window {
+        from_ns: evs[evs.len() / 2].ts_ns,
+        to_ns: evs.last().unwrap().end_ns(),
+    };
+    let (comms, sites) = (HashMap::new(), HashMap::new());
+    let inputs = Inputs::new(&comms, &sites);
+    let whole = analyze(1, &evs, &Host::default(), window, &inputs);
+    // A keyframe at a third of the run (before the window), encoded and decoded as stored.
+    let cut = evs.len() / 3;
+    let state = state_after(&evs[..cut]);
+    let state = crate::model::state::ProcessState::decode(&state.encode().unwrap()).unwrap();
+    let mut c = Collector::new(window, &inputs, vec![state]);
+    for e in &evs[cut..] {
+        c.feed(e);
+    }
+    let from_keyframe = analyze_collected(1, c.finish(), &Host::default(), window, &inputs);
+    let json = |r: &Report| serde_json::to_value(r).unwrap();
+    assert_eq!(json(&from_keyframe), json(&whole));
+    assert!(
+        whole.chains.iter().any(|c| c.rule == "oom"),
+        "{:?}",
+        whole.chains
+    );
+}
+
+#[test]
+fn nothing_is_concluded_from_a_layout_tracer_did_not_see_whole() {
+    let evs = allocator_run();
+    // Started late: the first segments and the weights were never seen.
+    let late: Vec<Event> = evs.iter().skip(8).copied().collect();
+    let rules = rules_fired(&late);
+    assert!(rules.contains(&"unknown_state"), "{rules:?}");
+    for verdict in ["fragmentation", "early_warning", "leak", "rank_outlier"] {
+        assert!(
+            !rules.contains(&verdict),
+            "{verdict} from unknown state: {rules:?}"
+        );
+    }
+    let oom = chains(&late).into_iter().find(|c| c.rule == "oom").unwrap();
+    assert!(oom.effect.contains("is unknown"), "{}", oom.effect);
+    assert!(
+        oom.effect.contains("what would settle it") || oom.effect.contains("would settle it"),
+        "{}",
+        oom.effect
+    );
+}
+
+#[test]
+fn select_quantile_with_zeros_equals_the_quantile_of_all() {
+    let values: Vec<u64> = (0..50).map(|i| (i * 37 % 23) as u64).collect();
+    for zeros in [0, 1, 10, 49, 500] {
+        let mut all = values.clone();
+        all.extend(std::iter::repeat_n(0, zeros));
+        all.sort_unstable();
+        for q in [0.0, 0.5, 0.9, 0.99, 1.0] {
+            let mut v = values.clone();
+            assert_eq!(
+                select_quantile_with_zeros(&mut v, zeros as u64, q),
+                quantile(&all, q),
+                "{zeros} {q}"
+            );
+        }
+    }
+}

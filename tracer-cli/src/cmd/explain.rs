@@ -6,8 +6,8 @@ use std::{io::Write as _, path::PathBuf, time::Duration};
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
-    explain::{self, ExplainQuery},
     paths, present,
+    query::explain::{self, ExplainQuery},
     units::{parse_duration, parse_time},
 };
 

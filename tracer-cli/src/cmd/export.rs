@@ -4,7 +4,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
 use clap::{Args, ValueEnum};
-use tracer_cli::{explain, paths};
+use tracer_cli::{
+    model::layout::AllocConf,
+    paths,
+    present::perfetto::{PerfettoWriter, Written},
+    query,
+    store::{events, Access, Store},
+};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Format {
@@ -38,7 +44,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
     let mut output = paths::create_output(&args.output, &who)?;
     let out = std::io::BufWriter::with_capacity(1 << 20, &mut output);
     let Format::Perfetto = args.format;
-    let (session, written) = explain::export_perfetto(&db, args.session, args.pid, out)
+    let (session, written) = export_perfetto(&db, args.session, args.pid, out)
         .with_context(|| format!("exporting to {}", args.output.display()))?;
     output.commit()?;
     eprintln!(
@@ -51,4 +57,42 @@ pub fn run(args: ExportArgs) -> Result<()> {
         args.output.display()
     );
     Ok(())
+}
+
+/// Streams a session (or one process of it) into a Perfetto trace: its calls in time order from
+/// the first stored (the counters from the keyframe they begin at, when --max-db evicted the
+/// earlier ones), then the texts its programs produced (PyTorch's OOM messages).
+fn export_perfetto(
+    db: &std::path::Path,
+    session: Option<i64>,
+    pid: Option<u32>,
+    out: impl std::io::Write,
+) -> Result<(i64, Written)> {
+    let store = Store::open(db, Access::ReadOnly)?;
+    let conn = store.conn();
+    let info = events::session(conn, session)?;
+    let names = events::comms(conn, info.id)?;
+    let confs = events::alloc_confs(conn, info.id)?
+        .into_iter()
+        .map(|(p, c)| (p, AllocConf::parse(&c)))
+        .collect();
+    let sites = events::site_labels(conn, info.id, &[])?;
+    let mut writer = PerfettoWriter::new(out, names, confs, sites);
+    let begin = query::begin(conn, info.id, i64::MIN, pid)?;
+    writer.start_from(begin.states.iter().cloned());
+    let mut failed = None;
+    query::walk(db, info.id, &begin, i64::MAX, pid, |e| {
+        if failed.is_none() {
+            failed = writer.call(e).err();
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    for m in events::messages(conn, info.id)? {
+        if pid.is_none_or(|p| p == m.pid) {
+            writer.message(&m)?;
+        }
+    }
+    Ok((info.id, writer.finish()?))
 }

@@ -6,8 +6,8 @@ use std::{io::Write as _, path::PathBuf};
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
-    explain::{self, At, LayoutQuery},
     paths, present,
+    query::layout::{self, At, LayoutQuery},
     units::parse_time,
 };
 
@@ -47,14 +47,15 @@ pub fn run(args: LayoutArgs) -> Result<()> {
     let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
     if args.timeline {
         let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-        for point in explain::layout_timeline(&db, args.session, args.pid)? {
+        layout::layout_timeline(&db, args.session, args.pid, |point| {
             serde_json::to_writer(&mut out, &point)?;
             writeln!(out)?;
-        }
+            Ok(())
+        })?;
         out.flush()?;
         return Ok(());
     }
-    let (session, layouts) = explain::layout(
+    let (session, layouts) = layout::layout(
         &db,
         &LayoutQuery {
             session: args.session,

@@ -25,7 +25,7 @@ pub fn run(args: ReportArgs) -> Result<()> {
     // The path is checked before the session is read; a failed run leaves no partial page
     // and the previous one in place.
     let mut output = paths::create_output(&args.output, &who)?;
-    let data = tracer_cli::report::report_data(&db, &args.window.query())?;
+    let data = tracer_cli::query::report::report_data(&db, &args.window.query())?;
     let mut out = std::io::BufWriter::with_capacity(1 << 20, &mut output);
     let bytes = present::report::write(&mut out, &data)
         .with_context(|| format!("writing {}", args.output.display()))?;

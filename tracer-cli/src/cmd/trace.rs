@@ -101,6 +101,10 @@ pub struct TraceArgs {
     /// Benchmark floor that also reads the clock at entry and return, as timing a call needs.
     #[arg(long, hide = true, conflicts_with = "floor")]
     pub floor_clock: bool,
+    /// Benchmark: no keyframes (what they cost is measured against this; --max-db then cannot
+    /// evict the current session's calls).
+    #[arg(long, hide = true, conflicts_with = "max_db")]
+    pub no_keyframes: bool,
 }
 
 pub fn run(args: TraceArgs) -> Result<()> {
@@ -136,6 +140,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
             u32::from(args.floor)
         },
         program_stats: args.program_stats,
+        no_keyframes: args.no_keyframes,
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
         figures_grace: if args.metrics.is_some() {

@@ -167,18 +167,13 @@ impl Figures {
         }
     }
 
-    /// PyTorch raised OutOfMemoryError in a process; its message names the device
-    /// ("... GPU 0 has a total capacity ...").
+    /// PyTorch raised OutOfMemoryError in a process (the device its message names, see
+    /// [`oom_device`]).
     pub fn oom(&mut self, pid: u32, message: &str) {
         if self.disabled {
             return;
         }
-        let device = message
-            .split("GPU ")
-            .nth(1)
-            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-            .and_then(|n| n.parse::<i32>().ok())
-            .unwrap_or(-1);
+        let device = oom_device(message);
         let p = self.processes.entry(pid).or_insert_with(|| ProcessFigures {
             pid,
             ..ProcessFigures::default()
@@ -225,6 +220,17 @@ impl Figures {
     pub fn is_empty(&self) -> bool {
         self.processes.is_empty()
     }
+}
+
+/// The device PyTorch's out-of-memory message names ("... GPU 0 has a total capacity ..."),
+/// or -1.
+pub fn oom_device(message: &str) -> i32 {
+    message
+        .split("GPU ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse::<i32>().ok())
+        .unwrap_or(-1)
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tracer_common::{Op, OpClass, Space};
 
 use super::Event;
@@ -26,7 +26,7 @@ pub const MIN_LARGE_ALLOC: u64 = 10 * MIB;
 pub const ROUND_LARGE: u64 = 2 * MIB;
 
 /// The allocator's settings (PYTORCH_CUDA_ALLOC_CONF) that shape the layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AllocConf {
     /// Blocks at least this large are never split (max_split_size_mb; default: no limit).
     pub max_split_size: u64,
@@ -99,7 +99,7 @@ impl AllocConf {
 }
 
 /// PyTorch's two pools: small requests (up to 1 MiB) share 2 MiB segments.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Pool {
     Small,
@@ -107,7 +107,7 @@ pub enum Pool {
 }
 
 /// The figures of one pool (or of all pools) at a moment.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolStats {
     /// Bytes in blocks handed out (block sizes, as PyTorch counts them).
     pub allocated: u64,
@@ -175,15 +175,19 @@ pub struct Run {
     pub since_ns: Option<i64>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Block {
     size: u64,
     requested: u64,
     stack: Option<u32>,
     ts_ns: i64,
+    /// The block events seen before it (its age is counted in them).
+    event: u64,
+    /// Allocated before a gap in the trace and not seen since: believed still held.
+    carried: bool,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Segment {
     size: u64,
     device: i32,
@@ -208,7 +212,7 @@ pub struct SegmentMap {
 }
 
 /// What the layout cannot explain: said, never guessed over.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Unexplained {
     /// Blocks whose address lies in no segment seen (allocated before the trace began).
     pub blocks_outside_segments: u64,
@@ -220,8 +224,60 @@ pub struct Unexplained {
     pub segments_freed_with_blocks: u64,
 }
 
+/// A block found where no segment tracer saw lies: its segment was created before the trace
+/// began, or while tracer was not running.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+struct Orphan {
+    size: u64,
+    requested: u64,
+    device: i32,
+}
+
+/// What tracer did not see of this allocator, and whether the layout is exact again.
+///
+/// Evidence that the layout differs from the allocator's: a block where no known segment lies,
+/// a free of a block never seen allocated, an allocation over a block believed held (it was
+/// freed unseen), or a gap in the trace (tracer restarted). From the first evidence the layout
+/// is uncertain. It is exact again once no block event has contradicted it for twice the
+/// longest life of a block seen freed since, counted in block events (at least
+/// [`QUIET_EVENTS`]; counted in events, not time, so that a stalled job does not stretch it): a
+/// block
+/// allocated unseen and still held would have been freed (a free of a block never seen) and
+/// one freed unseen reused (an allocation over it) within that time. Blocks carried over a gap
+/// and not seen since are believed held, and said to be. Unless segments tracer never saw hold
+/// blocks: their free space stays unknown while the process runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unknown {
+    /// Since when the layout may differ from the allocator's (None: it never did).
+    pub since_ns: Option<i64>,
+    /// When it was exact again (None while it is not).
+    pub exact_ns: Option<i64>,
+    /// Segments tracer never saw created hold (or held) blocks.
+    pub unseen_segments: bool,
+    /// Blocks believed held that a later allocation overlapped: freed while tracer did not see.
+    pub freed_unseen: u64,
+    pub freed_unseen_bytes: u64,
+    /// Gaps in the trace the state was carried over (tracer restarted).
+    pub gaps: u32,
+    /// The latest evidence (its time, and the block events seen by then), and the longest life
+    /// of a block seen freed since, in block events.
+    pub last_evidence_ns: i64,
+    pub last_evidence_event: u64,
+    pub longest_life_events: u64,
+}
+
+/// The fewest block events without contradiction after which the layout is exact again.
+pub const QUIET_EVENTS: u64 = 1000;
+
+impl Unknown {
+    /// The layout is the allocator's as far as evidence goes.
+    pub fn exact(&self) -> bool {
+        self.since_ns.is_none() || self.exact_ns.is_some()
+    }
+}
+
 /// The layout of one process.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Layout {
     conf: AllocConf,
     segments: BTreeMap<u64, Segment>,
@@ -230,10 +286,15 @@ pub struct Layout {
     totals: BTreeMap<(i32, Pool), PoolStats>,
     /// Blocks seen at all: the allocator's probes are visible.
     pub blocks_seen: u64,
+    /// Block events (allocations and frees) seen.
+    block_events: u64,
     pub unexplained: Unexplained,
     /// Device bytes allocated that belong to no segment of the allocator (yet): libraries'
     /// own cudaMalloc (cuBLAS workspaces, NCCL), or a segment no block has landed in.
     outside: BTreeMap<i32, u64>,
+    /// Blocks held in segments tracer never saw, by address.
+    orphans: BTreeMap<u64, Orphan>,
+    pub unknown: Unknown,
 }
 
 impl Layout {
@@ -255,13 +316,13 @@ impl Layout {
             (OpClass::BlockAlloc, _) if e.ptr != 0 => self.block_alloc(e),
             (OpClass::BlockFree, _) if e.ptr != 0 => self.block_free(e),
             (OpClass::Alloc, Space::Device) if e.ret == 0 && e.ptr != 0 && is_segment_op(e.op) => {
-                self.segment_alloc(e.ptr, e.size, e.device, None)
+                self.segment_alloc(e.ptr, e.size, e.device, None, e.ts_ns)
             }
             (OpClass::Free, Space::Device) if e.ret == 0 && is_segment_op(e.op) => {
                 self.segment_free(e.ptr)
             }
             (OpClass::Alloc, Space::AddressRange) if e.ret == 0 && e.ptr != 0 => {
-                self.segment_alloc(e.ptr, e.size, e.device, Some(BTreeMap::new()))
+                self.segment_alloc(e.ptr, e.size, e.device, Some(BTreeMap::new()), e.ts_ns)
             }
             (OpClass::Free, Space::AddressRange) if e.ret == 0 => self.segment_free(e.ptr),
             (OpClass::Alloc, Space::Mapping) if e.ret == 0 => self.map(e.ptr, e.size, true),
@@ -347,11 +408,13 @@ impl Layout {
         size: u64,
         device: i32,
         mapped: Option<BTreeMap<u64, u64>>,
+        ts: i64,
     ) {
         if self.segments.contains_key(&addr) {
             // A driver allocation nested in the runtime's, for the same segment.
             return;
         }
+        self.forget_stale(addr, size, ts);
         let expandable = mapped.is_some();
         self.segments.insert(
             addr,
@@ -430,10 +493,12 @@ impl Layout {
 
     fn block_alloc(&mut self, e: &Event) {
         self.blocks_seen += 1;
+        self.block_events += 1;
         let Some(addr) = self.segment_at(e.ptr) else {
-            self.unexplained.blocks_outside_segments += 1;
+            self.orphan_alloc(e);
             return;
         };
+        self.heal_overlap(addr, e);
         let conf = self.conf;
         let Some(seg) = self.segments.get_mut(&addr) else {
             return;
@@ -450,6 +515,11 @@ impl Layout {
             if seg.mapped.is_none() {
                 let o = self.outside.entry(seg.device).or_default();
                 *o = o.saturating_sub(seg.size);
+            }
+            if seg.device < 0 && e.device >= 0 {
+                // Allocated by a thread whose cudaSetDevice tracer did not see: PyTorch's
+                // probe names the device.
+                seg.device = e.device;
             }
             let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
             self.totals.entry(key).or_default().reserved += reserved_of(seg);
@@ -482,25 +552,198 @@ impl Layout {
                 requested: e.size,
                 stack: e.stack.map(|s| s.get()),
                 ts_ns: e.ts_ns,
+                event: self.block_events,
+                carried: false,
             },
         );
+        self.settle(e.ts_ns);
         self.totals.entry(key).or_default().allocated += size;
         self.regap(addr);
     }
 
+    /// A block where no known segment lies: its segment was created unseen.
+    fn orphan_alloc(&mut self, e: &Event) {
+        self.unexplained.blocks_outside_segments += 1;
+        self.unknown.unseen_segments = true;
+        let size = self.conf.round_size(e.size);
+        if let Some(old) = self.orphans.insert(
+            e.ptr,
+            Orphan {
+                size,
+                requested: e.size,
+                device: e.device,
+            },
+        ) {
+            self.unknown.freed_unseen += 1;
+            self.unknown.freed_unseen_bytes += old.size;
+        }
+        self.evidence(e.ts_ns);
+    }
+
+    /// Blocks the new allocation at `e.ptr` overlaps were freed while tracer did not see:
+    /// they go, counted.
+    fn heal_overlap(&mut self, addr: u64, e: &Event) {
+        let rounded = self.conf.round_size(e.size);
+        let Some(seg) = self.segments.get_mut(&addr) else {
+            return;
+        };
+        let end = e.ptr.saturating_add(rounded);
+        let mut stale: Vec<u64> = seg.blocks.range(e.ptr..end).map(|(&b, _)| b).collect();
+        if let Some((&b, block)) = seg.blocks.range(..e.ptr).next_back() {
+            if b + block.size > e.ptr {
+                stale.push(b);
+            }
+        }
+        if stale.is_empty() {
+            return;
+        }
+        let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
+        let mut bytes = 0;
+        for b in &stale {
+            if let Some(block) = seg.blocks.remove(b) {
+                bytes += block.size;
+            }
+        }
+        self.unexplained.overlapping_blocks += 1;
+        self.unknown.freed_unseen += stale.len() as u64;
+        self.unknown.freed_unseen_bytes += bytes;
+        let t = self.totals.entry(key).or_default();
+        t.allocated = t.allocated.saturating_sub(bytes);
+        self.regap(addr);
+        self.evidence(e.ts_ns);
+    }
+
+    /// A new segment at [addr, addr + size): what tracer believed there (blocks of unseen
+    /// segments, a segment whose free it missed) was released unseen.
+    fn forget_stale(&mut self, addr: u64, size: u64, ts: i64) {
+        let end = addr.saturating_add(size);
+        let orphans: Vec<u64> = self.orphans.range(addr..end).map(|(&a, _)| a).collect();
+        for a in orphans {
+            if let Some(o) = self.orphans.remove(&a) {
+                self.unknown.freed_unseen += 1;
+                self.unknown.freed_unseen_bytes += o.size;
+            }
+        }
+        let mut stale: Vec<u64> = self.segments.range(addr..end).map(|(&a, _)| a).collect();
+        if let Some((&a, seg)) = self.segments.range(..addr).next_back() {
+            if a + seg.size > addr {
+                stale.push(a);
+            }
+        }
+        if stale.is_empty() {
+            return;
+        }
+        self.evidence(ts);
+        for a in stale {
+            self.segment_free(a);
+        }
+    }
+
+    /// Evidence that the layout differs from the allocator's, at `ts`.
+    fn evidence(&mut self, ts: i64) {
+        if self.unknown.exact() {
+            self.unknown.since_ns = Some(ts);
+            self.unknown.longest_life_events = 0;
+        }
+        self.unknown.exact_ns = None;
+        self.unknown.last_evidence_ns = self.unknown.last_evidence_ns.max(ts);
+        self.unknown.last_evidence_event = self.block_events;
+    }
+
+    /// After a call that did not contradict the layout: exact again once nothing has for long
+    /// enough (see [`Unknown`]).
+    fn settle(&mut self, ts: i64) {
+        let u = &mut self.unknown;
+        if u.exact() || u.unseen_segments {
+            return;
+        }
+        let quiet = (2 * u.longest_life_events).max(QUIET_EVENTS);
+        if self.block_events - u.last_evidence_event >= quiet {
+            u.exact_ns = Some(ts);
+        }
+    }
+
+    /// The trace had a gap from `from_ns` to `to_ns` (tracer restarted): what the state holds
+    /// is carried over it, believed until an allocation overlaps it or it is freed.
+    pub fn mark_gap(&mut self, from_ns: Option<i64>, to_ns: i64) {
+        self.for_each_block(|b| b.carried = true);
+        self.unknown.gaps += 1;
+        self.evidence(to_ns);
+        if let Some(from) = from_ns {
+            self.unknown.since_ns = Some(self.unknown.since_ns.map_or(from, |s| s.min(from)));
+        }
+    }
+
+    fn for_each_block(&mut self, mut f: impl FnMut(&mut Block)) {
+        for seg in self.segments.values_mut() {
+            for b in seg.blocks.values_mut() {
+                f(b);
+            }
+        }
+    }
+
+    /// Renames the blocks' call sites (a recording's own ids to the stored ones; a site with no
+    /// stored id is dropped).
+    pub fn map_stacks(&mut self, f: impl Fn(u32) -> Option<u32>) {
+        self.for_each_block(|b| b.stack = b.stack.and_then(&f));
+    }
+
+    /// Blocks held now, in known segments and unseen ones.
+    pub fn blocks_held(&self) -> u64 {
+        self.segments
+            .values()
+            .map(|s| s.blocks.len() as u64)
+            .sum::<u64>()
+            + self.orphans.len() as u64
+    }
+
+    /// Blocks carried over a gap and not seen since: (blocks, bytes).
+    pub fn carried(&self) -> (u64, u64) {
+        let mut out = (0, 0);
+        for b in self.segments.values().flat_map(|s| s.blocks.values()) {
+            if b.carried {
+                out.0 += 1;
+                out.1 += b.size;
+            }
+        }
+        out
+    }
+
+    /// Blocks held in segments tracer never saw, on `device` (all devices: None): (blocks,
+    /// bytes).
+    pub fn orphans(&self, device: Option<i32>) -> (u64, u64) {
+        let mut out = (0, 0);
+        for o in self.orphans.values() {
+            if device.is_none_or(|d| d == o.device) {
+                out.0 += 1;
+                out.1 += o.size;
+            }
+        }
+        out
+    }
+
     fn block_free(&mut self, e: &Event) {
+        self.block_events += 1;
         let found = self.segment_at(e.ptr).and_then(|addr| {
             let seg = self.segments.get_mut(&addr)?;
             let block = seg.blocks.remove(&e.ptr)?;
             Some((addr, (seg.device, seg.pool.unwrap_or(Pool::Large)), block))
         });
         let Some((addr, key, block)) = found else {
-            self.unexplained.unmatched_frees += 1;
+            if self.orphans.remove(&e.ptr).is_none() {
+                self.unexplained.unmatched_frees += 1;
+                self.evidence(e.ts_ns);
+            }
             return;
         };
         let t = self.totals.entry(key).or_default();
         t.allocated = t.allocated.saturating_sub(block.size);
         self.regap(addr);
+        if !block.carried && !self.unknown.exact() {
+            let life = self.block_events - block.event;
+            self.unknown.longest_life_events = self.unknown.longest_life_events.max(life);
+        }
+        self.settle(e.ts_ns);
     }
 
     /// Recounts a segment's free gaps into its pool's multiset.
@@ -805,5 +1048,90 @@ mod tests {
         let p2 = AllocConf::parse("roundup_power2_divisions:4");
         assert_eq!(p2.round_size(5 * MIB), 5 * MIB);
         assert_eq!(p2.round_size(5 * MIB + 1), 6 * MIB);
+    }
+
+    fn at(op: Op, ptr: u64, size: u64, ts_ms: i64) -> Event {
+        Event {
+            ts_ns: ts_ms * 1_000_000,
+            ..ev(op, ptr, size)
+        }
+    }
+
+    #[test]
+    fn an_allocation_over_a_block_believed_held_heals_the_layout() {
+        let mut l = Layout::default();
+        l.apply(&at(Op::CudaMalloc, SEG, LARGE_SEGMENT, 0));
+        l.apply(&at(Op::TorchMalloc, SEG, 4 * MIB, 1));
+        l.apply(&at(Op::TorchMalloc, SEG + 4 * MIB, 4 * MIB, 2));
+        assert!(l.unknown.exact());
+        // Both blocks were freed unseen; a new 6 MiB block lands over them.
+        l.apply(&at(Op::TorchMalloc, SEG, 6 * MIB, 3));
+        let s = l.stats()[&(0, Pool::Large)];
+        assert_eq!(s.allocated, 6 * MIB);
+        assert_eq!(
+            (l.unknown.freed_unseen, l.unknown.freed_unseen_bytes),
+            (2, 8 * MIB)
+        );
+        assert_eq!(l.unknown.since_ns, Some(3_000_000));
+        assert!(!l.unknown.exact());
+        // A thousand block events without contradiction (twice the longest life seen since is
+        // less): exact again.
+        for i in 0..499 {
+            l.apply(&at(Op::TorchMalloc, SEG + 6 * MIB, MIB, 500 + i));
+            l.apply(&at(Op::TorchFree, SEG + 6 * MIB, 0, 500 + i));
+        }
+        assert!(!l.unknown.exact());
+        l.apply(&at(Op::TorchMalloc, SEG + 6 * MIB, MIB, 2000));
+        l.apply(&at(Op::TorchFree, SEG + 6 * MIB, 0, 2001));
+        assert_eq!(l.unknown.exact_ns, Some(2_001_000_000));
+        assert_eq!(l.unknown.longest_life_events, 1);
+    }
+
+    #[test]
+    fn blocks_of_segments_never_seen_keep_the_layout_uncertain() {
+        let mut l = Layout::default();
+        l.apply(&at(Op::TorchMalloc, SEG, 4096, 0));
+        assert_eq!(l.orphans(None), (1, 4096));
+        assert!(l.unknown.unseen_segments && !l.unknown.exact());
+        l.apply(&at(Op::TorchFree, SEG, 0, 1));
+        assert_eq!(l.orphans(None), (0, 0));
+        assert_eq!(l.unexplained.unmatched_frees, 0, "a free of a block it saw");
+        // Quiet for long after: still not exact, the unseen segment's free space is unknown.
+        l.apply(&at(
+            Op::CudaMalloc,
+            SEG + LARGE_SEGMENT,
+            LARGE_SEGMENT,
+            5000,
+        ));
+        l.apply(&at(Op::TorchMalloc, SEG + LARGE_SEGMENT, MIB, 9000));
+        assert!(!l.unknown.exact());
+        // A segment created over a block believed in an unseen one: that block was freed.
+        l.apply(&at(Op::TorchMalloc, SEG + 3 * LARGE_SEGMENT, 4096, 9001));
+        l.apply(&at(
+            Op::CudaMalloc,
+            SEG + 3 * LARGE_SEGMENT,
+            LARGE_SEGMENT,
+            9002,
+        ));
+        assert_eq!(l.orphans(None), (0, 0));
+    }
+
+    #[test]
+    fn a_gap_carries_blocks_as_believed_held_and_counts_them() {
+        let mut l = Layout::default();
+        l.apply(&at(Op::CudaMalloc, SEG, LARGE_SEGMENT, 0));
+        l.apply(&at(Op::TorchMalloc, SEG, 4 * MIB, 1));
+        l.apply(&at(Op::TorchMalloc, SEG + 4 * MIB, 2 * MIB, 2));
+        l.mark_gap(Some(2_000_000), 10_000_000_000);
+        assert_eq!(l.carried(), (2, 6 * MIB));
+        assert_eq!((l.unknown.gaps, l.unknown.since_ns), (1, Some(2_000_000)));
+        l.apply(&at(Op::TorchFree, SEG + 4 * MIB, 0, 10_001));
+        assert_eq!(l.carried(), (1, 4 * MIB));
+        // Serialized as a keyframe keeps it, and the figures.
+        let back: Layout = postcard::from_bytes(&postcard::to_stdvec(&l).unwrap()).unwrap();
+        assert_eq!(
+            (back.carried(), back.unknown, back.total()),
+            (l.carried(), l.unknown, l.total())
+        );
     }
 }

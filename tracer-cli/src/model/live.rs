@@ -8,7 +8,8 @@ use tracer_common::OpClass;
 
 use super::{
     layout::{AllocConf, Layout, PoolStats},
-    pressure::{Alarm, Pressure},
+    pressure::Alarm,
+    state::ProcessState,
     Event, Rank,
 };
 
@@ -38,8 +39,8 @@ pub struct AllocatorRow {
 
 #[derive(Default)]
 struct Process {
-    layout: Layout,
-    pressure: Pressure,
+    /// Layout, early-warning state, peaks and counts: what a keyframe keeps.
+    state: ProcessState,
     rank: Option<String>,
     /// Per device: the largest request since the last look.
     largest_request: BTreeMap<i32, u64>,
@@ -72,34 +73,43 @@ pub const ENDED_KEPT: usize = 64;
 impl LiveAllocators {
     /// A process's settings and rank, from its kept environment (before its first call).
     pub fn describe(&mut self, pid: u32, conf: Option<AllocConf>, rank: Option<Rank>) {
-        let p = self.processes.entry(pid).or_default();
-        if p.layout.blocks_seen == 0 {
-            p.layout = Layout::new(conf.unwrap_or_default());
+        let p = self.process(pid);
+        if p.state.layout.blocks_seen == 0 && p.state.events == 0 {
+            p.state.layout = Layout::new(conf.unwrap_or_default());
         }
         p.rank = rank.map(|r| r.label());
+    }
+
+    /// The process's start time (a keyframe names the process by it).
+    pub fn started(&mut self, pid: u32, start_time_ns: Option<i64>) {
+        self.process(pid).state.start_time_ns = start_time_ns;
+    }
+
+    fn process(&mut self, pid: u32) -> &mut Process {
+        self.processes.entry(pid).or_insert_with(|| Process {
+            state: ProcessState {
+                pid,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
     }
 
     /// Applies one call (a process's calls in the order they happened); the early warning's
     /// figures when the call leaves its pool in the state in which the next request fails.
     pub fn apply(&mut self, e: &Event) -> Option<Alarm> {
+        let p = self.process(e.pid);
+        let alarm = p.state.apply_memory(e);
         let class = e.class();
-        if !moves_memory(class) {
-            return None;
-        }
-        let p = self.processes.entry(e.pid).or_default();
-        p.pressure.observe(e);
-        p.layout.apply(e);
         let request = matches!(class, OpClass::BlockAlloc)
-            || (matches!(class, OpClass::Alloc) && p.layout.blocks_seen == 0);
-        if request && e.size > 0 {
+            || (matches!(class, OpClass::Alloc) && p.state.layout.blocks_seen == 0);
+        if request && e.size > 0 && moves_memory(class) {
             if let Some(device) = e.device() {
                 let max = p.largest_request.entry(device).or_default();
                 *max = (*max).max(e.size);
             }
         }
-        (class == OpClass::BlockAlloc && e.ptr != 0)
-            .then(|| p.pressure.after_block(e, p.layout.conf(), &p.layout))
-            .flatten()
+        alarm
     }
 
     /// A process ended: its layout goes (a process reusing the pid starts afresh), its last
@@ -123,13 +133,48 @@ impl LiveAllocators {
 
     /// A live process's layout.
     pub fn layout(&self, pid: u32) -> Option<&Layout> {
-        Some(&self.processes.get(&pid)?.layout)
+        Some(&self.processes.get(&pid)?.state.layout)
+    }
+
+    /// The processes followed now.
+    pub fn pids(&self) -> Vec<u32> {
+        self.processes.keys().copied().collect()
+    }
+
+    /// A process's state for a keyframe (the call-level join is the caller's to add).
+    pub fn state(&self, pid: u32) -> Option<&ProcessState> {
+        Some(&self.processes.get(&pid)?.state)
+    }
+
+    /// Takes a process's state up from a keyframe (tracer restarted while it ran).
+    pub fn restore(&mut self, s: ProcessState) {
+        let p = self.process(s.pid);
+        p.state = ProcessState {
+            live: Default::default(),
+            thread_devices: Vec::new(),
+            ..s
+        };
+    }
+
+    /// Blocks every followed process holds (a keyframe costs in proportion).
+    pub fn blocks_held(&self) -> u64 {
+        self.processes
+            .values()
+            .map(|p| p.state.layout.blocks_held())
+            .sum()
     }
 
     /// The device's free memory as cudaMemGetInfo last told the process, kept current with its
     /// own allocations since.
     pub fn device_free(&self, pid: u32, device: i32) -> Option<i64> {
-        Some(self.processes.get(&pid)?.pressure.device_free(device)?.free)
+        Some(
+            self.processes
+                .get(&pid)?
+                .state
+                .pressure
+                .device_free(device)?
+                .free,
+        )
     }
 
     /// The rank label of a process, if its environment gave one.
@@ -141,8 +186,9 @@ impl LiveAllocators {
     pub fn rows(&mut self) -> Vec<AllocatorRow> {
         let mut rows = Vec::new();
         for (&pid, p) in &mut self.processes {
-            let mut devices: Vec<i32> = p.layout.stats().keys().map(|&(d, _)| d).collect();
-            devices.extend(p.layout.outside_devices());
+            let layout = &p.state.layout;
+            let mut devices: Vec<i32> = layout.stats().keys().map(|&(d, _)| d).collect();
+            devices.extend(layout.outside_devices());
             devices.extend(p.largest_request.keys());
             devices.sort_unstable();
             devices.dedup();
@@ -161,9 +207,10 @@ impl LiveAllocators {
 
 impl Process {
     fn row(&self, pid: u32, device: i32) -> AllocatorRow {
-        let blocks = self.layout.blocks_seen > 0;
-        let mut stats = self.layout.device_total(device);
-        let outside = self.layout.outside(device);
+        let layout = &self.state.layout;
+        let blocks = layout.blocks_seen > 0;
+        let mut stats = layout.device_total(device);
+        let outside = layout.outside(device);
         if !blocks {
             stats.reserved += outside;
         }
@@ -172,7 +219,7 @@ impl Process {
             device,
             rank: self.rank.clone(),
             view: if blocks { "blocks" } else { "segments" },
-            fragmentation: self.layout.worst_fragmentation(device),
+            fragmentation: layout.worst_fragmentation(device),
             stats,
             outside: if blocks { outside } else { 0 },
             largest_request: self.largest_request.get(&device).copied().unwrap_or(0),

@@ -7,7 +7,9 @@ pub mod layout;
 pub mod live;
 pub mod pressure;
 mod process;
+pub mod run_series;
 pub mod series;
+pub mod state;
 pub mod stats;
 
 pub use event::{

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tracer_common::{OpClass, Space};
 
 use super::{
@@ -42,7 +42,7 @@ pub fn pool_of(rounded: u64) -> Pool {
 
 /// The device's free memory as last reported by cudaMemGetInfo, then kept current with the
 /// process's own segment allocations and frees.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub struct DeviceFree {
     pub free: i64,
     /// When cudaMemGetInfo last said.
@@ -64,7 +64,7 @@ pub struct Alarm {
 }
 
 /// One process's early-warning state.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Pressure {
     free: BTreeMap<i32, DeviceFree>,
     recent: BTreeMap<(i32, Pool), VecDeque<u64>>,

@@ -6,7 +6,7 @@ use anyhow::Result;
 
 use crate::{
     analysis::Report,
-    explain::Explained,
+    query::explain::Explained,
     units::{bytes_column, format_bytes, format_ns, format_utc},
 };
 
@@ -33,6 +33,7 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
             "; no scheduler record (host context), so CPU contention is not assessed"
         }
     )?;
+    coverage(out, r)?;
     if per_process {
         process_tables(out, r)?;
     }
@@ -40,6 +41,13 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
     devices(out, r)?;
     writeln!(out)?;
     chains(out, r)
+}
+
+fn coverage(out: &mut impl Write, r: &Report) -> Result<()> {
+    for line in r.coverage.lines(r.window) {
+        writeln!(out, "{line}")?;
+    }
+    Ok(())
 }
 
 /// Ranks and devices side by side, when there are several or they carry ranks.
@@ -55,7 +63,9 @@ fn devices(out: &mut impl Write, r: &Report) -> Result<()> {
     writeln!(out)?;
     writeln!(out, "Ranks and devices (peaks in the window):")?;
     for d in &r.devices {
-        let measured = if d.view == "blocks" {
+        let measured = if d.unknown {
+            " | not fully seen (see the unknown_state chain): peaks not compared".to_owned()
+        } else if d.view == "blocks" {
             format!(
                 " | allocated {} | reserved {} | fragmentation {:.0}%",
                 format_bytes(d.peak_allocated),

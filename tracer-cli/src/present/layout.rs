@@ -6,8 +6,8 @@ use std::io::Write;
 use anyhow::Result;
 
 use crate::{
-    explain::ProcessLayout,
     model::layout::{PoolStats, RunKind, SegmentMap},
+    query::layout::ProcessLayout,
     units::{format_bytes as b, format_utc},
 };
 
@@ -77,6 +77,27 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
                 out,
                 "  not explained by the trace: {} blocks outside known segments (allocated before the trace began), {} frees of unseen blocks, {} overlapping blocks, {} segments freed with blocks in them",
                 u.blocks_outside_segments, u.unmatched_frees, u.overlapping_blocks, u.segments_freed_with_blocks
+            )?;
+        }
+        if !p.unknown.exact() {
+            writeln!(
+                out,
+                "  NOT EXACT since {}: {} blocks ({}) in segments tracer never saw created, {} ({}) freed unseen, {} ({}) carried over {} gap(s) and believed held; the figures above are the segments tracer saw",
+                format_utc(p.unknown.since_ns.unwrap_or(0)),
+                p.orphans.0,
+                b(p.orphans.1),
+                p.unknown.freed_unseen,
+                b(p.unknown.freed_unseen_bytes),
+                p.carried.0,
+                b(p.carried.1),
+                p.unknown.gaps
+            )?;
+        } else if let (Some(since), Some(exact)) = (p.unknown.since_ns, p.unknown.exact_ns) {
+            writeln!(
+                out,
+                "  uncertain from {} (tracer did not see everything), exact again at {}",
+                format_utc(since),
+                format_utc(exact)
             )?;
         }
         for seg in &p.segments {

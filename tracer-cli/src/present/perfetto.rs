@@ -209,6 +209,17 @@ impl<W: Write> PerfettoWriter<W> {
         }
     }
 
+    /// The processes' states where the calls to come begin (a keyframe's): the counters go on
+    /// from them.
+    pub fn start_from(
+        &mut self,
+        states: impl IntoIterator<Item = crate::model::state::ProcessState>,
+    ) {
+        for s in states {
+            self.allocators.restore(s);
+        }
+    }
+
     fn packet(&mut self, mut p: TracePacket) -> Result<()> {
         p.trusted_packet_sequence_id = Some(SEQUENCE);
         if p.timestamp.is_some() {

@@ -6,7 +6,7 @@ use std::io::Write;
 
 use anyhow::{Context as _, Result};
 
-use crate::report::ReportData;
+use crate::query::report::ReportData;
 
 const TEMPLATE: &str = include_str!("../../assets/report.html");
 const SCRIPT: &str = include_str!("../../assets/report.js");

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use tracer_common::{call::flags, maps::ALLOCS_ENTRIES, OpClass, Space};
 
-use crate::decode::Call;
+use crate::{decode::Call, model::state::LiveAlloc};
 
 /// (process, pointer space, pointer).
 type Key = (u32, u32, u64);
@@ -24,8 +24,25 @@ struct Released {
     end: u64,
 }
 
+/// One process's share of the join, for a keyframe: its live pointers and its threads'
+/// devices.
+#[derive(Debug, Default)]
+pub struct JoinState {
+    pub live: Vec<LiveAlloc>,
+    pub devices: Vec<(u32, i32)>,
+}
+
+/// What a live pointer holds: size, device, the op that made it and when (monotonic ns).
+#[derive(Clone, Copy)]
+struct Held {
+    size: u64,
+    device: Option<i32>,
+    op: tracer_common::Op,
+    ts: u64,
+}
+
 pub struct Join {
-    live: HashMap<Key, (u64, Option<i32>)>,
+    live: HashMap<Key, Held>,
     devices: HashMap<(u32, u32), i32>,
     last_free: HashMap<(u32, u32), Released>,
     /// Thread devices come from cudaSetDevice calls (live), or with each record (a log).
@@ -96,7 +113,88 @@ impl Join {
             self.not_tracked += 1;
             return;
         }
-        self.live.insert(key, (call.size.unwrap_or(0), call.device));
+        self.live.insert(
+            key,
+            Held {
+                size: call.size.unwrap_or(0),
+                device: call.device,
+                op: call.op,
+                ts: call.ts_mono_ns,
+            },
+        );
+    }
+
+    /// Every followed process's live pointers and thread devices, for a keyframe (times made
+    /// wall clock with `wall_offset_ns`).
+    pub fn snapshot(&self, wall_offset_ns: i64) -> HashMap<u32, JoinState> {
+        let mut out: HashMap<u32, JoinState> = HashMap::new();
+        for (&(pid, space, ptr), h) in &self.live {
+            out.entry(pid).or_default().live.push(LiveAlloc {
+                space,
+                ptr,
+                size: h.size,
+                device: h.device,
+                op: h.op as u32,
+                ts_ns: h.ts as i64 + wall_offset_ns,
+            });
+        }
+        for (&(pid, tid), &device) in &self.devices {
+            out.entry(pid).or_default().devices.push((tid, device));
+        }
+        for s in out.values_mut() {
+            s.live.sort_unstable_by_key(|a| (a.space, a.ptr));
+            s.devices.sort_unstable();
+        }
+        out
+    }
+
+    /// One process's live pointers and thread devices (see [`Join::snapshot`]).
+    pub fn snapshot_of(&self, pid: u32, wall_offset_ns: i64) -> JoinState {
+        let live = self
+            .live
+            .iter()
+            .filter(|(k, _)| k.0 == pid)
+            .map(|(&(_, space, ptr), h)| LiveAlloc {
+                space,
+                ptr,
+                size: h.size,
+                device: h.device,
+                op: h.op as u32,
+                ts_ns: h.ts as i64 + wall_offset_ns,
+            })
+            .collect();
+        let devices = self
+            .devices
+            .iter()
+            .filter(|(k, _)| k.0 == pid)
+            .map(|(&(_, tid), &d)| (tid, d))
+            .collect();
+        JoinState { live, devices }
+    }
+
+    /// Takes up a process's live pointers and thread devices from a keyframe.
+    pub fn restore<'a>(
+        &mut self,
+        pid: u32,
+        live: impl IntoIterator<Item = &'a LiveAlloc>,
+        devices: &[(u32, i32)],
+        wall_offset_ns: i64,
+    ) {
+        for a in live {
+            let Some(op) = a.op() else { continue };
+            self.live.insert(
+                (pid, a.space, a.ptr),
+                Held {
+                    size: a.size,
+                    device: a.device,
+                    op,
+                    ts: (a.ts_ns - wall_offset_ns).max(0) as u64,
+                },
+            );
+        }
+        for &(tid, device) in devices {
+            self.devices.insert((pid, tid), device);
+        }
     }
 
     fn freed(&mut self, key: Key, call: &mut Call) {
@@ -106,7 +204,8 @@ impl Join {
             self.live.remove(&key)
         } else {
             self.live.get(&key).copied()
-        };
+        }
+        .map(|h| (h.size, h.device));
         let found = from_live.or_else(|| {
             let inner = self.last_free.get(&thread).copied()?;
             let nested = inner.key == key && inner.ts >= call.ts_mono_ns && inner.end <= end;

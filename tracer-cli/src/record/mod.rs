@@ -21,6 +21,7 @@ pub mod procinfo;
 pub mod python;
 mod reader;
 mod registry;
+mod restore;
 pub mod safe_file;
 pub mod session;
 mod shared;

@@ -35,11 +35,7 @@ pub fn read(
     let cgroup = std::fs::read_to_string(dir.join("cgroup"))
         .ok()
         .map(|s| s.trim_end().to_owned());
-    let start_time_ns = std::fs::read_to_string(dir.join("stat"))
-        .ok()
-        .and_then(|s| start_ticks(&s))
-        .zip(boot_time_ns)
-        .map(|(ticks, boot)| boot + (ticks as i64) * (1_000_000_000 / clock_ticks()));
+    let start_time_ns = start_time(&dir, boot_time_ns);
     ProcessInfo {
         pid,
         start_time_ns,
@@ -50,6 +46,20 @@ pub fn read(
         cgroup,
         env: kept_env(&dir),
     }
+}
+
+/// When the process started (wall clock, ns; the same figure on every read, which names the
+/// process apart from another that later reuses its pid).
+pub fn start_time_ns(pid: u32) -> Option<i64> {
+    start_time(&Path::new("/proc").join(pid.to_string()), boot_time_ns())
+}
+
+fn start_time(dir: &Path, boot_time_ns: Option<i64>) -> Option<i64> {
+    std::fs::read_to_string(dir.join("stat"))
+        .ok()
+        .and_then(|s| start_ticks(&s))
+        .zip(boot_time_ns)
+        .map(|(ticks, boot)| boot + (ticks as i64) * (1_000_000_000 / clock_ticks()))
 }
 
 /// The kept variables of the process's environment, as a JSON object (None when it has none

@@ -16,7 +16,7 @@ use anyhow::{anyhow, Result};
 
 use super::{
     attach::{Followed, PyProcs},
-    join::Join,
+    join::{Join, JoinState},
     mappings::Notice,
     on_warning::WarningHook,
     pods, procinfo,
@@ -26,7 +26,15 @@ use super::{
 };
 use crate::{
     decode::{Call, Record},
-    model::{env_map, layout::AllocConf, Event, Rank, NO_DEVICE},
+    model::{
+        env_map,
+        figures::oom_device,
+        layout::AllocConf,
+        live::{moves_memory, LiveAllocators},
+        run_series::{GapRow, RunSeries},
+        state::ProcessState,
+        Event, Rank, NO_DEVICE,
+    },
 };
 
 /// How often running processes are looked at for interpreters started since (--stack).
@@ -142,6 +150,56 @@ pub struct Registry {
     pub hook: Option<WarningHook>,
     /// Calls of Python processes made before their interpreter was registered.
     pub before_interpreter: u64,
+    /// When the session began (wall ns): a process that started earlier ran unseen until then.
+    pub session_started_ns: i64,
+    /// The whole-run series, kept as calls arrive.
+    pub series: RunSeries,
+    pub keyframes: KeyframeClock,
+    /// Processes taken up from an earlier session's keyframe, and gaps not yet stored.
+    pub taken_up: HashSet<u32>,
+    pub gaps: Vec<GapRow>,
+    /// Processes that ended since the last keyframe: their last state goes in the next one (a
+    /// moment between a process's last call and its end reads it from there).
+    pub ended: Vec<ProcessState>,
+    /// The live pointers of processes whose end was read, until their state is kept.
+    pub ended_joins: HashMap<u32, JoinState>,
+}
+
+/// A keyframe every [`KEYFRAME_EVERY`], or after [`KEYFRAME_EVENTS`] calls (more when the
+/// processes hold many blocks: a keyframe costs in proportion to them), or when --max-db needs
+/// one to evict.
+pub struct KeyframeClock {
+    /// Off only to measure what keyframes cost.
+    on: bool,
+    last: Instant,
+    events: u64,
+    /// The latest call taken in (wall ns): what a keyframe includes.
+    latest_ns: i64,
+}
+
+impl KeyframeClock {
+    pub fn new(on: bool) -> Self {
+        KeyframeClock {
+            on,
+            last: Instant::now(),
+            events: 0,
+            latest_ns: 0,
+        }
+    }
+}
+
+const KEYFRAME_EVERY: Duration = Duration::from_secs(30);
+const KEYFRAME_EVENTS: u64 = 1 << 20;
+/// Calls per block held between keyframes at least: keeps their cost a small share.
+const KEYFRAME_EVENTS_PER_BLOCK: u64 = 64;
+
+impl KeyframeClock {
+    fn due(&self, wanted: bool, blocks_held: u64) -> bool {
+        let calls = KEYFRAME_EVENTS.max(blocks_held.saturating_mul(KEYFRAME_EVENTS_PER_BLOCK));
+        self.on
+            && (wanted || self.events >= calls || self.last.elapsed() >= KEYFRAME_EVERY)
+            && (self.events > 0 || wanted)
+    }
 }
 
 impl Registry {
@@ -157,7 +215,7 @@ impl Registry {
             let mut pids_seen: HashSet<u32> = HashSet::new();
             let mut last_python_scan = Instant::now();
             loop {
-                let records = match rx.recv_timeout(PYTHON_SCAN_EVERY) {
+                let records = match rx.recv_timeout(Duration::from_millis(250)) {
                     Ok(Inbound::Ring(records)) => records,
                     Ok(Inbound::Processes(notices)) => {
                         if let Some(python) = self.python.as_mut() {
@@ -166,7 +224,14 @@ impl Registry {
                         continue;
                     }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Vec::new(),
-                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                        // The last state, so a later tracer takes up from the end.
+                        let mut last = Delivery::default();
+                        self.add_keeping(&mut last, shared, true)?;
+                        return tx
+                            .send(last)
+                            .map_err(|_| anyhow!("the database writer stopped"));
+                    }
                 };
                 if let Some(python) = self.python.as_mut() {
                     if last_python_scan.elapsed() >= PYTHON_SCAN_EVERY {
@@ -175,6 +240,12 @@ impl Registry {
                     }
                 }
                 if records.is_empty() {
+                    let mut idle = Delivery::default();
+                    self.add_keeping(&mut idle, shared, false)?;
+                    if idle.keyframe.is_some() || !idle.series.is_empty() || !idle.gaps.is_empty() {
+                        tx.send(idle)
+                            .map_err(|_| anyhow!("the database writer stopped"))?;
+                    }
                     continue;
                 }
                 let delivery = self.enrich(records, &mut pids_seen, boot);
@@ -231,6 +302,10 @@ impl Registry {
             let get = |k: &str| env.get(k).map(String::as_str);
             let rank = Rank::from_env(get);
             allocators.describe(p.pid, AllocConf::from_env(get), rank);
+            allocators.started(p.pid, p.start_time_ns);
+            if let Some(gap) = self.before_trace(p) {
+                self.gaps.push(gap);
+            }
             figures.describe(
                 p.pid,
                 p.comm.as_deref().unwrap_or_default(),
@@ -238,20 +313,29 @@ impl Registry {
                 p.cgroup.as_deref().and_then(pods::pod_of),
             );
         }
+        self.keyframes.events += delivery.calls.len() as u64;
         for c in &delivery.calls {
-            let event = layout_event(c);
+            let event = layout_event(c, self.wall_offset_ns);
+            self.keyframes.latest_ns = self.keyframes.latest_ns.max(event.ts_ns);
             figures.apply(&event);
-            let Some(alarm) = allocators.apply(&event) else {
+            let alarm = allocators.apply(&event);
+            let device = event.device.max(-1);
+            if moves_memory(event.class()) {
+                self.series.apply(
+                    &event,
+                    allocators.row(c.pid, device).as_ref(),
+                    allocators.device_free(c.pid, device),
+                );
+            } else {
+                self.series.apply(&event, None, None);
+            }
+            let Some(alarm) = alarm else {
                 continue;
             };
+            self.series.warned(c.pid, alarm.device, alarm.ts_ns);
             figures.warned(c.pid, alarm.device);
             if let Some(hook) = self.hook.as_mut() {
-                hook.fire(
-                    c.pid,
-                    allocators.rank(c.pid),
-                    &alarm,
-                    alarm.ts_ns + self.wall_offset_ns,
-                );
+                hook.fire(c.pid, allocators.rank(c.pid), &alarm, alarm.ts_ns);
                 shared
                     .on_warning_skipped
                     .store(hook.skipped, Ordering::SeqCst);
@@ -260,16 +344,135 @@ impl Registry {
         for m in &delivery.messages {
             if m.op.spec().class == tracer_common::OpClass::Oom {
                 figures.oom(m.pid, &m.text);
+                let ts = m.ts_mono_ns as i64 + self.wall_offset_ns;
+                self.series.oom(m.pid, oom_device(&m.text), ts);
             }
         }
         let now = std::time::Instant::now();
-        for &pid in &delivery.exited {
-            allocators.exited(pid);
-            figures.exited(pid, now);
+        drop(figures);
+        let mut delivery = delivery;
+        // The keyframe holds the exited processes' last states: it precedes their exit.
+        if self.keyframes.due(
+            shared.keyframe_wanted.load(Ordering::SeqCst),
+            allocators.blocks_held(),
+        ) {
+            delivery.keyframe = Some(self.keyframe(&allocators)?);
+            shared.keyframe_wanted.store(false, Ordering::SeqCst);
         }
-        drop((allocators, figures));
+        for &pid in &delivery.exited {
+            let join = self.ended_joins.remove(&pid);
+            if let Some(state) = allocators.state(pid).filter(|_| self.keyframes.on) {
+                let mut state = state.clone();
+                if let Some(join) = join {
+                    state.take_join(join.live, join.devices);
+                }
+                self.ended.push(state);
+            }
+            allocators.exited(pid);
+            self.series.exited(pid);
+            self.taken_up.remove(&pid);
+        }
+        if let Ok(mut figures) = shared.figures.lock() {
+            for &pid in &delivery.exited {
+                figures.exited(pid, now);
+            }
+        }
+        drop(allocators);
+        delivery.series = self.series.take_closed(wall_now_ns() - SERIES_LATE_NS);
+        delivery.gaps = std::mem::take(&mut self.gaps);
         tx.send(delivery)
             .map_err(|_| anyhow!("the database writer stopped"))
+    }
+
+    /// What is kept beside the calls when none arrive: the series' finished rows, gaps, and a
+    /// keyframe when one is due (`last`: the recording ends, every row and a final keyframe).
+    fn add_keeping(&mut self, d: &mut Delivery, shared: &Shared, last: bool) -> Result<()> {
+        let allocators = shared
+            .allocators
+            .lock()
+            .map_err(|_| anyhow!("the live figures' lock is poisoned"))?;
+        let wanted = shared.keyframe_wanted.load(Ordering::SeqCst);
+        if (last && self.keyframes.events > 0)
+            || self.keyframes.due(wanted, allocators.blocks_held())
+        {
+            d.keyframe = Some(self.keyframe(&allocators)?);
+            shared.keyframe_wanted.store(false, Ordering::SeqCst);
+        }
+        d.series = self.series.take_closed(if last {
+            i64::MAX
+        } else {
+            wall_now_ns() - SERIES_LATE_NS
+        });
+        d.gaps = std::mem::take(&mut self.gaps);
+        Ok(())
+    }
+
+    /// Every followed process's state now, encoded for a keyframe: (the latest call it
+    /// includes, the states).
+    fn keyframe(&mut self, allocators: &LiveAllocators) -> Result<(i64, Vec<ProcessState>)> {
+        let mut joins = self.join.snapshot(self.wall_offset_ns);
+        let mut states = Vec::new();
+        let mut ts = self.keyframes.latest_ns;
+        for pid in allocators.pids() {
+            let Some(state) = allocators.state(pid) else {
+                continue;
+            };
+            let mut state = state.clone();
+            if let Some(join) = joins.remove(&pid) {
+                state.take_join(join.live, join.devices);
+            }
+            ts = ts.max(state.last_ns);
+            states.push(state);
+        }
+        for state in std::mem::take(&mut self.ended) {
+            // A pid a live process reuses already has its row.
+            if states.iter().any(|s| s.pid == state.pid) {
+                continue;
+            }
+            states.push(state);
+        }
+        self.keyframes = KeyframeClock {
+            latest_ns: ts,
+            ..KeyframeClock::new(true)
+        };
+        Ok((ts, states))
+    }
+
+    /// A process that started before the session ran unseen until it began.
+    fn before_trace(&self, p: &crate::model::ProcessInfo) -> Option<GapRow> {
+        let started = p.start_time_ns?;
+        (started < self.session_started_ns - BEFORE_TRACE_SLACK_NS
+            && !self.taken_up.contains(&p.pid))
+        .then(|| GapRow {
+            pid: p.pid,
+            from_ns: Some(started),
+            to_ns: self.session_started_ns,
+            kind: "before_trace".into(),
+            detail:
+                "the process ran before this session began: what it allocated then was not seen"
+                    .into(),
+        })
+    }
+
+    /// Takes up processes an earlier session kept (tracer restarted while they ran).
+    pub fn take_up(&mut self, taken: Vec<super::restore::TakenUp>, shared: &Shared) -> Result<()> {
+        let mut allocators = shared
+            .allocators
+            .lock()
+            .map_err(|_| anyhow!("the live figures' lock is poisoned"))?;
+        for t in taken {
+            let pid = t.state.pid;
+            self.join.restore(
+                pid,
+                t.state.live.values(),
+                &t.state.thread_devices,
+                self.wall_offset_ns,
+            );
+            allocators.restore(t.state);
+            self.taken_up.insert(pid);
+            self.gaps.push(t.gap);
+        }
+        Ok(())
     }
 
     fn enrich(
@@ -311,6 +514,8 @@ impl Registry {
                     // Everything it made was read before this record: forget it, so that a
                     // process reusing the pid starts afresh.
                     pids_seen.remove(&pid);
+                    self.ended_joins
+                        .insert(pid, self.join.snapshot_of(pid, self.wall_offset_ns));
                     self.join.forget_process(pid);
                     if let Some(python) = self.python.as_mut() {
                         python.sites.forget_process(pid);
@@ -324,10 +529,24 @@ impl Registry {
     }
 }
 
-/// A call as the layout needs it (times are not: the live table shows the present).
-fn layout_event(c: &Call) -> Event {
+/// How late the series takes a call: an interval's row is stored once this has passed since
+/// its end (calls reach the registry 10-20 ms after they are made).
+const SERIES_LATE_NS: i64 = 2_000_000_000;
+
+/// How much earlier than the session a process must have started to have run unseen (tracer
+/// attaches its probes before it begins the session).
+const BEFORE_TRACE_SLACK_NS: i64 = 1_000_000_000;
+
+fn wall_now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64)
+}
+
+/// A call as the model needs it, in wall-clock time as stored.
+fn layout_event(c: &Call, wall_offset_ns: i64) -> Event {
     Event {
-        ts_ns: c.ts_mono_ns as i64,
+        ts_ns: c.ts_mono_ns as i64 + wall_offset_ns,
         duration_ns: c.duration_ns,
         size: c.size.unwrap_or(0),
         ptr: c.ptr.unwrap_or(0),
@@ -337,7 +556,8 @@ fn layout_event(c: &Call) -> Event {
         tid: c.tid,
         ret: c.ret,
         device: c.device.unwrap_or(NO_DEVICE),
-        stack: None,
+        // The call site's id local to this recording (the writer maps it to the stored one).
+        stack: c.stack.and_then(crate::model::stack_id),
         op: c.op,
     }
 }

@@ -23,7 +23,8 @@ use super::{
     mappings::{Mappings, SharedMappings},
     on_warning::{HookOutcome, HookRun, OnWarning, WarningHook},
     procinfo, reader,
-    registry::{Inbound, Python, Registry},
+    registry::{Inbound, KeyframeClock, Python, Registry},
+    restore,
     shared::Shared,
     sites::Sites,
     writer::{self, WriterOptions},
@@ -32,7 +33,7 @@ use crate::{
     exit::{privilege_error, user_error},
     model::{figures::Figures, live::AllocatorRow, stats::LiveStats},
     paths,
-    store::{SessionCounters, SessionStart, Store},
+    store::{keyframes::KeyframeState, SessionCounters, SessionStart, Store},
 };
 
 /// What to record, and where.
@@ -54,6 +55,8 @@ pub struct RecordOptions {
     pub floor: u32,
     /// Measure the programs' own run time (kernel BPF statistics) for the summary.
     pub program_stats: bool,
+    /// Write no keyframes (only to measure what they cost).
+    pub no_keyframes: bool,
     /// The command line stored with the session.
     pub command: String,
     /// Run a command on the early warning (--on-warning).
@@ -217,7 +220,7 @@ impl Recording {
         check_options(&opts)?;
         let explicit = discover::explicit_libraries(&opts.libs)?;
         let who = paths::invoker();
-        let store = Store::open_writable(&opts.db, who.owner)?;
+        let mut store = Store::open_writable(&opts.db, who.owner)?;
         let mut probes = Probes::load(LoadOptions {
             // At most 2 GiB: checked above.
             ring_bytes: opts.ring_bytes as u32,
@@ -255,6 +258,36 @@ impl Recording {
             eprintln!("tracer: session {id} was left running by a tracer that is gone: marked crashed (its calls are kept)");
         }
         let session = begin_session(&store, &clock, &opts, &pid_filter)?;
+        let session_started_ns = clock.wall_now();
+        let taken = restore::take_up(
+            &store,
+            &opts.db,
+            session,
+            session_started_ns,
+            pid_filter.as_deref(),
+        )?;
+        if let Some(from) = taken.iter().map(|t| t.from_session).max() {
+            store.set_restored_from(session, from)?;
+            // The session's first keyframe, before any of its calls: reading it from its
+            // start starts from what was taken up.
+            let states = taken
+                .iter()
+                .map(|t| {
+                    Ok(KeyframeState {
+                        pid: t.state.pid,
+                        start_time_ns: t.state.start_time_ns,
+                        data: t.state.encode()?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // Its time is the latest call the states include: before any of this session's.
+            let included = taken.iter().map(|t| t.state.last_ns).max().unwrap_or(0);
+            store.insert_keyframe(session, included, &states)?;
+            eprintln!(
+                "tracer: took up the state of {} running process(es) from session {from}'s last keyframe; the gap since is recorded",
+                taken.len()
+            );
+        }
         store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
         let host_context = host_context_state(&probes);
         store.set_host_context(session, &host_context)?;
@@ -271,8 +304,12 @@ impl Recording {
             &pid_filter,
             &shared,
             store,
-            session,
-            clock,
+            Begun {
+                session,
+                clock,
+                started_ns: session_started_ns,
+                taken,
+            },
         )?;
         let program_stats = if opts.program_stats {
             Some(attach::enable_program_stats()?)
@@ -563,6 +600,14 @@ fn join(handle: JoinHandle<Result<()>>, what: &str) -> Result<Result<()>> {
         .map_err(|_| anyhow!("the {what} thread panicked"))
 }
 
+/// The session just begun: its id and clock, and the processes taken up from an earlier one.
+struct Begun {
+    session: i64,
+    clock: Clock,
+    started_ns: i64,
+    taken: Vec<restore::TakenUp>,
+}
+
 /// The recording's three threads.
 struct Threads {
     reader: JoinHandle<Result<()>>,
@@ -579,9 +624,14 @@ fn spawn_pipeline(
     pid_filter: &Option<Vec<u32>>,
     shared: &Arc<Shared>,
     store: Store,
-    session: i64,
-    clock: Clock,
+    begun: Begun,
 ) -> Result<Threads> {
+    let Begun {
+        session,
+        clock,
+        started_ns,
+        taken,
+    } = begun;
     let source = reader::Source {
         ring: probes.take_ring()?,
         // With --stack every event goes to the ring by itself.
@@ -615,14 +665,22 @@ fn spawn_pipeline(
         .clone()
         .map(|cfg| WarningHook::new(cfg, session));
     let on_warning = hook.as_ref().map(WarningHook::outcome);
-    let registry = Registry {
+    let mut registry = Registry {
         join: super::join::Join::live(),
         followed: probes.take_followed()?,
         python,
         wall_offset_ns: clock.offset_ns,
         hook,
         before_interpreter: 0,
+        session_started_ns: started_ns,
+        series: Default::default(),
+        keyframes: KeyframeClock::new(!opts.no_keyframes),
+        taken_up: HashSet::new(),
+        gaps: Vec::new(),
+        ended: Vec::new(),
+        ended_joins: HashMap::new(),
     };
+    registry.take_up(taken, shared)?;
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);
     let reader = {
         let shared = shared.clone();

@@ -24,6 +24,10 @@ pub struct Shared {
     /// The database's size and the sessions --max-db deleted, as the writer last saw them.
     pub db_bytes: AtomicU64,
     pub sessions_evicted: AtomicU64,
+    /// --max-db can evict calls only up to a keyframe: the writer asks the registry for one.
+    pub keyframe_wanted: std::sync::atomic::AtomicBool,
+    /// Keyframes stored.
+    pub keyframes: AtomicU64,
     pub events_read: AtomicU64,
     pub events_stored: AtomicU64,
     pub decode_errors: AtomicU64,

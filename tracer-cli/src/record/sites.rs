@@ -40,6 +40,10 @@ pub struct Site {
     pub python: Vec<python::Frame>,
 }
 
+/// A recording's own call-site ids start here, above any stored id (`stacks.id`): a layout
+/// holding both (a process taken up from an earlier session's keyframe) tells them apart.
+pub const LOCAL_SITE_BASE: i64 = 1 << 31;
+
 /// Turns raw stacks into sites, each distinct one once.
 pub struct Sites {
     finder: python::Finder,
@@ -65,7 +69,7 @@ impl Default for Sites {
             frames: python::Frames::default(),
             maps: HashMap::new(),
             ids: HashMap::new(),
-            next_id: 1,
+            next_id: LOCAL_SITE_BASE,
             checked: HashMap::new(),
             reported: HashSet::new(),
             mappings: None,

@@ -16,14 +16,16 @@ use anyhow::{anyhow, Result};
 use super::{
     procinfo,
     shared::Shared,
-    sites::{Site, SiteWriter},
+    sites::{Site, SiteWriter, LOCAL_SITE_BASE},
 };
 use crate::{
     decode::{Call, Message, OffCpu},
-    model::ProcessInfo,
-    store::{Batch, Store},
+    model::{state::ProcessState, ProcessInfo},
+    store::{keyframes::KeyframeState, Batch, GapRow, SeriesRow, Store},
 };
 
+/// Ended processes whose call sites are kept for the keyframe that holds their last state.
+const ENDED_SITES_KEPT: usize = 1024;
 const COMMIT_EVERY: Duration = Duration::from_millis(200);
 const COMMIT_ROWS: usize = 50_000;
 
@@ -40,9 +42,26 @@ pub struct Delivery {
     pub sites: Vec<(i64, Site)>,
     /// Followed processes that ended, after their calls above (not stored: for the live view).
     pub exited: Vec<u32>,
+    /// Every followed process's state after the calls above (and all before): stored as a
+    /// keyframe once they are committed (with the time of the latest call it includes).
+    pub keyframe: Option<(i64, Vec<ProcessState>)>,
+    /// The whole-run series' rows (never evicted), and what tracer did not see.
+    pub series: Vec<SeriesRow>,
+    pub gaps: Vec<GapRow>,
 }
 
 impl Delivery {
+    /// Whether anything waits to be stored.
+    fn has_rows(&self) -> bool {
+        !self.calls.is_empty()
+            || !self.offcpu.is_empty()
+            || !self.messages.is_empty()
+            || !self.series.is_empty()
+            || !self.gaps.is_empty()
+            || self.keyframe.is_some()
+            || !self.exited.is_empty()
+    }
+
     /// Adds `more` to what waits for the next commit. Its new call sites are stored at once and
     /// its calls made to point at the stored ids.
     fn absorb(
@@ -57,12 +76,16 @@ impl Delivery {
             c.stack = c.stack.and_then(|local| sites.stored_id(c.pid, local));
             c
         }));
-        for &pid in &more.exited {
-            sites.forget_process(pid);
-        }
+        // Their sites are forgotten once the keyframe holding their last state is stored.
+        self.exited.extend(more.exited);
         self.processes.extend(more.processes);
         self.offcpu.extend(more.offcpu);
         self.messages.extend(more.messages);
+        self.series.extend(more.series);
+        self.gaps.extend(more.gaps);
+        if more.keyframe.is_some() {
+            self.keyframe = more.keyframe;
+        }
         Ok(())
     }
 }
@@ -95,28 +118,26 @@ pub fn write_loop(
         let mut last_commit = Instant::now();
         let mut last_housekeeping = Instant::now();
         let mut owned = false;
+        let mut ended: Vec<u32> = Vec::new();
+        let mut keyframes_seen = 0;
         loop {
             let disconnected = match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(first) => {
                     pending.absorb(first, &mut site_writer, &mut store, opts.session)?;
-                    while let Ok(more) = rx.try_recv() {
+                    while pending.keyframe.is_none() && pending.calls.len() < COMMIT_ROWS {
+                        let Ok(more) = rx.try_recv() else { break };
                         pending.absorb(more, &mut site_writer, &mut store, opts.session)?;
-                        if pending.calls.len() >= COMMIT_ROWS {
-                            break;
-                        }
                     }
                     false
                 }
                 Err(RecvTimeoutError::Timeout) => false,
                 Err(RecvTimeoutError::Disconnected) => true,
             };
-            if (!pending.calls.is_empty()
-                || !pending.offcpu.is_empty()
-                || !pending.messages.is_empty())
-                && (disconnected
-                    || pending.calls.len() >= COMMIT_ROWS
-                    || last_commit.elapsed() >= COMMIT_EVERY)
-            {
+            let due = disconnected
+                || pending.keyframe.is_some()
+                || pending.calls.len() >= COMMIT_ROWS
+                || last_commit.elapsed() >= COMMIT_EVERY;
+            if due && pending.has_rows() {
                 let threads = new_threads(&pending.calls, &mut threads_seen);
                 store.write_batch(&Batch {
                     session: opts.session,
@@ -127,10 +148,29 @@ pub fn write_loop(
                     offcpu: &pending.offcpu,
                     messages: &pending.messages,
                 })?;
+                store.write_series(opts.session, &pending.series, &pending.gaps)?;
                 shared.events_stored.fetch_add(
                     (pending.calls.len() + pending.messages.len()) as u64,
                     Ordering::SeqCst,
                 );
+                // Right after the calls it includes: the keyframe covers exactly the blocks
+                // stored so far.
+                ended.append(&mut pending.exited);
+                if let Some((ts_ns, states)) = pending.keyframe.take() {
+                    let states = keyframe_states(states, &site_writer)?;
+                    store.insert_keyframe(opts.session, ts_ns, &states)?;
+                    shared.keyframes.fetch_add(1, Ordering::SeqCst);
+                }
+                // An ended process's last state goes in the next keyframe, with its call sites:
+                // they are forgotten once it is stored (or, without keyframes, soon).
+                if shared.keyframes.load(Ordering::SeqCst) > keyframes_seen
+                    || ended.len() > ENDED_SITES_KEPT
+                {
+                    keyframes_seen = shared.keyframes.load(Ordering::SeqCst);
+                    for pid in ended.drain(..) {
+                        site_writer.forget_process(pid);
+                    }
+                }
                 pending = Delivery::default();
                 last_commit = Instant::now();
                 if !owned {
@@ -138,7 +178,12 @@ pub fn write_loop(
                     owned = true;
                 }
             }
-            if last_housekeeping.elapsed() >= Duration::from_secs(1) || disconnected {
+            let every = if opts.max_db.is_some() {
+                Duration::from_millis(250)
+            } else {
+                Duration::from_secs(1)
+            };
+            if last_housekeeping.elapsed() >= every || disconnected {
                 last_housekeeping = Instant::now();
                 housekeeping(&mut store, shared, opts)?;
             }
@@ -151,6 +196,31 @@ pub fn write_loop(
         shared.stop.store(true, Ordering::SeqCst);
     }
     (store, result)
+}
+
+/// The states as stored: call sites by their stored ids (the registry knows them by ids local
+/// to the recording), encoded.
+fn keyframe_states(states: Vec<ProcessState>, sites: &SiteWriter) -> Result<Vec<KeyframeState>> {
+    states
+        .into_iter()
+        .map(|mut s| {
+            let pid = s.pid;
+            s.layout.map_stacks(|id| {
+                if i64::from(id) < LOCAL_SITE_BASE {
+                    // Stored already (taken up from an earlier session).
+                    return Some(id);
+                }
+                sites
+                    .stored_id(pid, i64::from(id))
+                    .and_then(|id| u32::try_from(id).ok())
+            });
+            Ok(KeyframeState {
+                pid,
+                start_time_ns: s.start_time_ns,
+                data: s.encode()?,
+            })
+        })
+        .collect()
 }
 
 /// Threads seen for the first time in `calls`, with their names.
@@ -182,14 +252,19 @@ fn housekeeping(store: &mut Store, shared: &Shared, opts: WriterOptions) -> Resu
         .map_err(|_| anyhow!("counter lock poisoned"))?;
     store.set_counters(opts.session, &shared.counters(&kernel))?;
     if let Some(max) = opts.max_db {
-        for note in store.enforce_max_size(opts.session, max)? {
-            eprintln!("tracer: {note}");
+        let eviction = store.enforce_max_size(opts.session, max)?;
+        if eviction.need_keyframe {
+            shared.keyframe_wanted.store(true, Ordering::SeqCst);
+        }
+        for note in eviction.notes {
+            log::info!("{note}");
             if note.starts_with(SESSION_DELETED) {
+                eprintln!("tracer: {note}");
                 shared.sessions_evicted.fetch_add(1, Ordering::SeqCst);
+                store.append_note(opts.session, &note)?;
             }
-            store.append_note(opts.session, &note)?;
         }
     }
-    shared.db_bytes.store(store.used_bytes()?, Ordering::SeqCst);
+    shared.db_bytes.store(store.footprint()?, Ordering::SeqCst);
     Ok(())
 }

@@ -56,7 +56,7 @@ const MAX_PLAUSIBLE_SIZE: u64 = 1 << 52; // 4 PiB
 const MAX_PLAUSIBLE_DURATION_NS: u64 = 1 << 50; // 13 days
 const MAX_PLAUSIBLE_TS_NS: i64 = 1 << 62; // the year 2116
 
-fn check_plausible(session: i64, events: &[Event]) -> Result<()> {
+pub fn check_plausible(session: i64, events: &[Event]) -> Result<()> {
     let bad = events.iter().find(|e| {
         e.size > MAX_PLAUSIBLE_SIZE
             || e.duration_ns > MAX_PLAUSIBLE_DURATION_NS
@@ -95,7 +95,7 @@ fn load_unchecked(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Re
 }
 
 /// Whether the session stores its calls in call blocks (every trace since schema 4).
-fn has_call_blocks(path: &Path, session: i64) -> Result<bool> {
+pub(super) fn has_call_blocks(path: &Path, session: i64) -> Result<bool> {
     Ok(open_reader(path)?
         .query_row(
             "SELECT call_blocks FROM sessions WHERE id = ?1",
@@ -105,6 +105,30 @@ fn has_call_blocks(path: &Path, session: i64) -> Result<bool> {
         .optional()
         .context("read the session's storage")?
         .is_some_and(|v| v == 1))
+}
+
+/// The entry times of the session's first and last stored calls (None: it stored none).
+pub fn stored_span(path: &Path, session: i64) -> Result<Option<(i64, i64)>> {
+    let conn = open_reader(path)?;
+    let sql = if has_call_blocks(path, session)? {
+        "SELECT min(min_ts_ns), max(max_ts_ns) FROM call_blocks WHERE session_id = ?1"
+    } else {
+        "SELECT min(ts_ns), max(ts_ns) FROM calls WHERE session_id = ?1"
+    };
+    let (first, last): (Option<i64>, Option<i64>) = conn
+        .query_row(sql, [session], |r| Ok((r.get(0)?, r.get(1)?)))
+        .with_context(|| format!("read the time span of session {session}"))?;
+    let plausible = 0..=MAX_PLAUSIBLE_TS_NS;
+    if first.is_some_and(|t| !plausible.contains(&t))
+        || last.is_some_and(|t| !plausible.contains(&t))
+    {
+        return Err(user_error(format!(
+            "session {session} is damaged: its calls claim impossible times ({} to {} ns); record the session again, or query its rows with `tracer query`",
+            first.unwrap_or(0),
+            last.unwrap_or(0)
+        )));
+    }
+    Ok(first.zip(last))
 }
 
 /// Every call of a session recorded in call blocks, in the order the writer stored them (nearly
@@ -372,7 +396,7 @@ pub(super) fn load_split(
     })
 }
 
-fn open_reader(path: &Path) -> Result<Connection> {
+pub(super) fn open_reader(path: &Path) -> Result<Connection> {
     let conn = Connection::open_with_flags(
         path,
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -446,8 +470,12 @@ pub struct SessionSummary {
     pub source: String,
     pub command: Option<String>,
     pub counters: crate::store::SessionCounters,
-    /// Events deleted by --max-db eviction.
+    /// Events deleted by --max-db eviction, by kind, and the latest call they held.
     pub evicted_events: u64,
+    pub evicted_calls: u64,
+    pub evicted_block_events: u64,
+    pub evicted_offcpu: u64,
+    pub evicted_until_ns: Option<i64>,
 }
 
 impl SessionSummary {
@@ -461,7 +489,8 @@ const SUMMARY_COLUMNS: &str =
     "id, started_ns, ended_ns, status, source, command, entries, submitted,
     dropped_ring_full, unmatched_returns, alloc_map_full, inflight_full, events_read, events_stored,
     decode_errors, offcpu_submitted, offcpu_dropped, tail_call_failed, map_insert_failed,
-    calls_abandoned, calls_before_interpreter, mappings_lost, evicted_events";
+    calls_abandoned, calls_before_interpreter, mappings_lost, evicted_events, evicted_calls,
+    evicted_block_events, evicted_offcpu, evicted_until_ns";
 
 fn summary_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionSummary> {
     let n = |i: usize| -> rusqlite::Result<u64> { Ok(r.get::<_, i64>(i)?.max(0) as u64) };
@@ -491,6 +520,10 @@ fn summary_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionSummary> {
             mappings_lost: n(21)?,
         },
         evicted_events: n(22)?,
+        evicted_calls: n(23)?,
+        evicted_block_events: n(24)?,
+        evicted_offcpu: n(25)?,
+        evicted_until_ns: r.get(26)?,
     })
 }
 

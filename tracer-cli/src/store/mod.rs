@@ -2,9 +2,12 @@
 
 pub mod blocks;
 pub mod events;
+pub mod keyframes;
 pub mod readonly;
 mod schema;
+pub mod series;
 mod tensor_events;
+pub mod walk;
 
 use std::path::{Path, PathBuf};
 
@@ -14,12 +17,21 @@ use serde::Serialize;
 use tracer_common::{Op, OpClass};
 
 pub use schema::SCHEMA_VERSION;
+pub use series::{GapRow, OpFigures, SeriesRow};
 
 use crate::{decode::Call, exit::user_error, model::ProcessInfo};
 
 pub struct Store {
     conn: Connection,
     path: PathBuf,
+}
+
+/// What one round of --max-db did.
+#[derive(Debug, Default)]
+pub struct Eviction {
+    pub notes: Vec<String>,
+    /// Calls can be evicted only up to a keyframe: a new one is needed.
+    pub need_keyframe: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -209,7 +221,8 @@ impl Store {
         }
         self.conn
             .execute_batch(
-                "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;",
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;
+                 PRAGMA journal_size_limit = 16777216;",
             )
             .map_err(|e| corrupt(&self.path, e))?;
         let tx = self
@@ -353,6 +366,17 @@ impl Store {
                 params![session, ended_ns, status],
             )
             .with_context(|| format!("close session {session}"))?;
+        Ok(())
+    }
+
+    /// The session took up running processes' state from session `from`'s keyframe.
+    pub fn set_restored_from(&self, session: i64, from: i64) -> Result<()> {
+        self.conn
+            .execute(
+                "UPDATE sessions SET restored_from = ?2 WHERE id = ?1",
+                params![session, from],
+            )
+            .with_context(|| format!("record where session {session} took its state up from"))?;
         Ok(())
     }
 
@@ -537,11 +561,28 @@ impl Store {
         Ok(((pages - free).max(0) * size) as u64)
     }
 
-    /// Deletes the oldest data until the database uses at most `max_bytes`: whole older sessions
-    /// first, then the oldest events of `current`. Returns a note for each deletion.
-    pub fn enforce_max_size(&mut self, current: i64, max_bytes: u64) -> Result<Vec<String>> {
-        let mut notes = Vec::new();
-        while self.used_bytes()? > max_bytes {
+    /// Bytes of the write-ahead log beside the database.
+    pub fn wal_bytes(&self) -> u64 {
+        let mut name = self.path.clone().into_os_string();
+        name.push("-wal");
+        std::fs::symlink_metadata(name).map_or(0, |m| m.len())
+    }
+
+    /// What --max-db counts: the database's used pages and its write-ahead log.
+    pub fn footprint(&self) -> Result<u64> {
+        Ok(self.used_bytes()? + self.wal_bytes())
+    }
+
+    /// Keeps the database, its log included, under `max_bytes`: once it passes nine tenths of
+    /// it, deletes the oldest data until it is under eight tenths: whole older sessions first,
+    /// then the oldest calls of `current`, never past its latest keyframe (what they built is
+    /// kept there). Says when a keyframe is needed to go on.
+    pub fn enforce_max_size(&mut self, current: i64, max_bytes: u64) -> Result<Eviction> {
+        let mut out = Eviction::default();
+        if self.footprint()? <= max_bytes / 10 * 9 {
+            return Ok(out);
+        }
+        while self.footprint()? > max_bytes / 10 * 8 {
             let oldest: Option<(i64, i64)> = self
                 .conn
                 .query_row(
@@ -552,66 +593,155 @@ impl Store {
                     |r| Ok((r.get(0)?, r.get(1)?)),
                 )
                 .optional()?;
-            let tx = self.conn.transaction()?;
-            if let Some((id, events)) = oldest {
-                tx.execute("DELETE FROM calls WHERE session_id = ?1", [id])?;
-                tx.execute("DELETE FROM call_blocks WHERE session_id = ?1", [id])?;
-                tx.execute("DELETE FROM threads WHERE session_id = ?1", [id])?;
-                tx.execute("DELETE FROM offcpu WHERE session_id = ?1", [id])?;
-                tx.execute("DELETE FROM messages WHERE session_id = ?1", [id])?;
-                tx.execute(
-                    "DELETE FROM stack_frames WHERE stack_id IN (SELECT id FROM stacks WHERE session_id = ?1)",
-                    [id],
-                )?;
-                tx.execute("DELETE FROM stacks WHERE session_id = ?1", [id])?;
-                tx.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
-                notes.push(format!("--max-db: deleted session {id} ({events} events) to stay under {max_bytes} bytes"));
-            } else {
-                // The current session: its oldest tenth of call blocks (every call is in one)
-                // and exactly the rows they copy.
-                let blocks: i64 = tx.query_row(
-                    "SELECT count(*) FROM call_blocks WHERE session_id = ?1",
-                    [current],
-                    |r| r.get(0),
-                )?;
-                if blocks == 0 {
-                    tx.commit()?;
-                    bail!(
-                        "--max-db {max_bytes} bytes is smaller than an empty database ({} bytes): raise it",
-                        self.used_bytes()?
-                    );
+            match oldest {
+                Some((id, events)) => {
+                    self.delete_session(id)?;
+                    out.notes.push(format!(
+                        "--max-db: deleted session {id} ({events} events) to stay under {max_bytes} bytes"
+                    ));
                 }
-                let cutoff: i64 = tx.query_row(
-                    "SELECT id FROM call_blocks WHERE session_id = ?1 ORDER BY id LIMIT 1 OFFSET ?2",
-                    params![current, (blocks / 10).max(1) - 1],
-                    |r| r.get(0),
-                )?;
-                let (last_row, n): (Option<i64>, i64) = tx.query_row(
-                    "SELECT max(last_call), coalesce(sum(calls), 0) FROM call_blocks
-                     WHERE session_id = ?1 AND id <= ?2",
-                    params![current, cutoff],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )?;
-                if let Some(last_row) = last_row {
-                    tx.execute(
-                        "DELETE FROM calls WHERE session_id = ?1 AND id <= ?2",
-                        params![current, last_row],
-                    )?;
-                }
-                tx.execute(
-                    "DELETE FROM call_blocks WHERE session_id = ?1 AND id <= ?2",
-                    params![current, cutoff],
-                )?;
-                tx.execute(
-                    "UPDATE sessions SET evicted_events = evicted_events + ?2 WHERE id = ?1",
-                    params![current, n],
-                )?;
-                notes.push(format!("--max-db: deleted the oldest {n} events of this session to stay under {max_bytes} bytes"));
+                None => match self.evict_oldest_calls(current)? {
+                    Some(note) => out.notes.push(note),
+                    None => {
+                        out.need_keyframe = true;
+                        break;
+                    }
+                },
             }
-            tx.commit()?;
             self.conn.execute_batch("PRAGMA incremental_vacuum")?;
+            // Readers may hold the log: then it is truncated at a later round.
+            let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
         }
-        Ok(notes)
+        let latest: Option<i64> = self.conn.query_row(
+            "SELECT max(through_block) FROM keyframes WHERE session_id = ?1",
+            [current],
+            |r| r.get(0),
+        )?;
+        let first_block: Option<i64> = self.conn.query_row(
+            "SELECT min(id) FROM call_blocks WHERE session_id = ?1",
+            [current],
+            |r| r.get(0),
+        )?;
+        // The next eviction needs a keyframe past the oldest calls.
+        out.need_keyframe |= latest.is_none_or(|k| first_block.is_some_and(|b| k < b));
+        Ok(out)
+    }
+
+    /// Deletes an older session whole.
+    fn delete_session(&mut self, id: i64) -> Result<()> {
+        let tx = self.conn.transaction()?;
+        for table in [
+            "calls",
+            "call_blocks",
+            "threads",
+            "offcpu",
+            "messages",
+            "series",
+            "gaps",
+            "processes",
+        ] {
+            tx.execute(&format!("DELETE FROM {table} WHERE session_id = ?1"), [id])?;
+        }
+        tx.execute(
+            "DELETE FROM keyframe_states WHERE keyframe_id IN (SELECT id FROM keyframes WHERE session_id = ?1)",
+            [id],
+        )?;
+        tx.execute("DELETE FROM keyframes WHERE session_id = ?1", [id])?;
+        tx.execute(
+            "DELETE FROM stack_frames WHERE stack_id IN (SELECT id FROM stacks WHERE session_id = ?1)",
+            [id],
+        )?;
+        tx.execute("DELETE FROM stacks WHERE session_id = ?1", [id])?;
+        tx.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Deletes the current session's oldest tenth of call blocks (every call is in one), cut at
+    /// a keyframe, exactly the rows they copy, the off-CPU intervals before them and the
+    /// keyframes they make useless; counts each kind. None when no keyframe lies past the
+    /// oldest block.
+    fn evict_oldest_calls(&mut self, current: i64) -> Result<Option<String>> {
+        let tx = self.conn.transaction()?;
+        let (blocks, first): (i64, Option<i64>) = tx.query_row(
+            "SELECT count(*), min(id) FROM call_blocks WHERE session_id = ?1",
+            [current],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        let Some(first) = first else {
+            tx.commit()?;
+            bail!(
+                "--max-db is smaller than what the session needs beside its calls ({} bytes now): raise it",
+                self.footprint()?
+            );
+        };
+        let tenth: i64 = tx.query_row(
+            "SELECT id FROM call_blocks WHERE session_id = ?1 ORDER BY id LIMIT 1 OFFSET ?2",
+            params![current, (blocks / 10).max(1) - 1],
+            |r| r.get(0),
+        )?;
+        let keyframe_at = |sql: &str| -> Result<Option<i64>> {
+            Ok(tx.query_row(sql, params![current, first, tenth], |r| r.get(0))?)
+        };
+        let cutoff = match keyframe_at(
+            "SELECT max(through_block) FROM keyframes WHERE session_id = ?1 AND through_block >= ?2 AND through_block <= ?3",
+        )? {
+            Some(c) => c,
+            None => match keyframe_at(
+                "SELECT min(through_block) FROM keyframes WHERE session_id = ?1 AND through_block >= ?2 AND ?3 = ?3",
+            )? {
+                Some(c) => c,
+                None => {
+                    tx.commit()?;
+                    return Ok(None);
+                }
+            },
+        };
+        let (last_row, n, rowless, until): (Option<i64>, i64, i64, Option<i64>) = tx.query_row(
+            "SELECT max(last_call), coalesce(sum(calls), 0), coalesce(sum(rowless), 0), max(max_ts_ns)
+             FROM call_blocks WHERE session_id = ?1 AND id <= ?2",
+            params![current, cutoff],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )?;
+        if let Some(last_row) = last_row {
+            tx.execute(
+                "DELETE FROM calls WHERE session_id = ?1 AND id <= ?2",
+                params![current, last_row],
+            )?;
+        }
+        tx.execute(
+            "DELETE FROM call_blocks WHERE session_id = ?1 AND id <= ?2",
+            params![current, cutoff],
+        )?;
+        tx.execute(
+            "DELETE FROM keyframe_states WHERE keyframe_id IN
+               (SELECT id FROM keyframes WHERE session_id = ?1 AND through_block < ?2)",
+            params![current, cutoff],
+        )?;
+        tx.execute(
+            "DELETE FROM keyframes WHERE session_id = ?1 AND through_block < ?2",
+            params![current, cutoff],
+        )?;
+        let offcpu = match until {
+            Some(t) => tx.execute(
+                "DELETE FROM offcpu WHERE session_id = ?1 AND on_ns <= ?2",
+                params![current, t],
+            )? as i64,
+            None => 0,
+        };
+        tx.execute(
+            "UPDATE sessions SET evicted_events = evicted_events + ?2,
+                 evicted_calls = evicted_calls + ?3, evicted_block_events = evicted_block_events + ?4,
+                 evicted_offcpu = evicted_offcpu + ?5,
+                 evicted_until_ns = max(coalesce(evicted_until_ns, ?6), ?6)
+             WHERE id = ?1",
+            params![current, n, n - rowless, rowless, offcpu, until.unwrap_or(0)],
+        )?;
+        tx.commit()?;
+        Ok(Some(format!(
+            "--max-db: deleted the oldest {n} events of this session ({} calls, {rowless} allocator block events; what they built is kept in a keyframe)",
+            n - rowless
+        )))
     }
 
     /// Opens (creating it if needed) the database tracer writes, as `owner` (the user who ran

@@ -3,7 +3,7 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 8;
+pub const SCHEMA_VERSION: i64 = 9;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -177,5 +177,64 @@ ALTER TABLE sessions ADD COLUMN mappings_lost INTEGER NOT NULL DEFAULT 0;
     r#"
 ALTER TABLE sessions ADD COLUMN tracer_pid INTEGER;
 ALTER TABLE sessions ADD COLUMN boot_id TEXT;
+"#,
+    // 9: the flight recorder. Keyframes hold each process's state (allocator layout, live
+    // allocations, devices, figures) so answers start from them instead of the first event;
+    // the whole-run series survives eviction; gaps say what tracer did not see; eviction is
+    // counted by kind.
+    r#"
+CREATE TABLE keyframes (
+    id            INTEGER PRIMARY KEY,
+    session_id    INTEGER NOT NULL,
+    ts_ns         INTEGER NOT NULL,
+    through_block INTEGER NOT NULL,
+    processes     INTEGER NOT NULL
+);
+CREATE INDEX keyframes_session ON keyframes(session_id, through_block);
+CREATE TABLE keyframe_states (
+    keyframe_id   INTEGER NOT NULL,
+    pid           INTEGER NOT NULL,
+    start_time_ns INTEGER,
+    format        INTEGER NOT NULL,
+    data          BLOB NOT NULL,
+    PRIMARY KEY (keyframe_id, pid)
+) WITHOUT ROWID;
+CREATE TABLE series (
+    session_id      INTEGER NOT NULL,
+    pid             INTEGER NOT NULL,
+    device          INTEGER NOT NULL,
+    start_ns        INTEGER NOT NULL,
+    end_ns          INTEGER NOT NULL,
+    allocated       INTEGER NOT NULL,
+    reserved        INTEGER NOT NULL,
+    cached          INTEGER NOT NULL,
+    largest_free    INTEGER NOT NULL,
+    fragmentation   REAL NOT NULL,
+    largest_request INTEGER NOT NULL,
+    device_free     INTEGER,
+    calls           INTEGER NOT NULL,
+    errors          INTEGER NOT NULL,
+    failures        INTEGER NOT NULL,
+    ooms            INTEGER NOT NULL,
+    retries         INTEGER NOT NULL,
+    warnings        INTEGER NOT NULL,
+    ops             TEXT NOT NULL
+);
+CREATE INDEX series_session ON series(session_id, pid, start_ns);
+CREATE TABLE gaps (
+    session_id INTEGER NOT NULL,
+    pid        INTEGER NOT NULL,
+    from_ns    INTEGER,
+    to_ns      INTEGER NOT NULL,
+    kind       TEXT NOT NULL,
+    detail     TEXT NOT NULL
+);
+CREATE INDEX gaps_session ON gaps(session_id, pid);
+ALTER TABLE sessions ADD COLUMN evicted_calls INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN evicted_block_events INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN evicted_offcpu INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN evicted_messages INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN evicted_until_ns INTEGER;
+ALTER TABLE sessions ADD COLUMN restored_from INTEGER;
 "#,
 ];

@@ -184,7 +184,7 @@ fn max_size_deletes_oldest_sessions_first() {
     let current = new_session(&store);
     write(&mut store, current, &calls[..2000]);
     let used = store.used_bytes().unwrap();
-    let notes = store.enforce_max_size(current, used / 2).unwrap();
+    let notes = store.enforce_max_size(current, used / 2).unwrap().notes;
     assert!(
         notes[0].contains(&format!("deleted session {old} (20000 events)")),
         "{notes:?}"
@@ -601,12 +601,30 @@ fn evicting_part_of_the_current_session_keeps_blocks_and_rows_equal() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.db");
     let (mut store, session) = new_store(&dir);
-    for batch in 0..6 {
+    write(&mut store, session, &varied_calls(5000, 0));
+    // Without a keyframe nothing of the session can go: what its calls built would be lost.
+    let used = store.used_bytes().unwrap();
+    let eviction = store.enforce_max_size(session, used / 4).unwrap();
+    assert!(eviction.notes.is_empty() && eviction.need_keyframe);
+    for batch in 1..6u64 {
+        store.insert_keyframe(session, batch as i64, &[]).unwrap();
         write(&mut store, session, &varied_calls(5000, batch));
     }
     let used = store.used_bytes().unwrap();
-    let notes = store.enforce_max_size(session, used * 8 / 10).unwrap();
-    assert!(!notes.is_empty());
+    let eviction = store.enforce_max_size(session, used * 8 / 10).unwrap();
+    assert!(!eviction.notes.is_empty());
+    // Cut at keyframes: the keyframes before the cut went, the one at it stays.
+    let (keyframes, first_through, first_block): (i64, i64, i64) = store
+        .conn()
+        .query_row(
+            "SELECT count(*), min(through_block), (SELECT min(id) FROM call_blocks WHERE session_id = ?1)
+             FROM keyframes WHERE session_id = ?1",
+            [session],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert!(keyframes < 5);
+    assert_eq!(first_through + 1, first_block);
     let (left, rows_left, evicted): (i64, i64, i64) = store
         .conn()
         .query_row(
@@ -734,4 +752,45 @@ fn sessions_whose_tracer_is_gone_are_marked_crashed() {
         .unwrap();
     assert_eq!(kept, 1);
     assert!(store.close_orphaned_sessions().unwrap().is_empty());
+}
+
+/// The walk hands calls on in exactly the loader's order (entry time, then the writer's), a
+/// block at a time, also when a long call is stored far behind the ones that began after it; and
+/// from a keyframe, exactly the calls of the blocks after it.
+#[test]
+fn the_walk_reads_what_the_loader_reads_in_its_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, session) = new_store(&dir);
+    let mut through = 0;
+    for batch in 0..5 {
+        let mut calls = varied_calls(20_000, batch);
+        // A call that began long before the rest of its batch, stored with it.
+        calls[19_000].ts_mono_ns = 1_000;
+        write(&mut store, session, &calls);
+        if batch == 2 {
+            through = store
+                .insert_keyframe(session, 0, &[])
+                .unwrap()
+                .through_block;
+        }
+    }
+    for (to_ns, pid) in [(i64::MAX, None), (250_000_000, Some(101))] {
+        let mut walked = Vec::new();
+        let w = super::walk::walk(&path, session, 0, to_ns, pid, |e| walked.push(*e)).unwrap();
+        assert_eq!(walked, events::load(&path, session, to_ns, pid).unwrap());
+        assert_eq!((w.calls as usize, w.out_of_order), (walked.len(), 0));
+    }
+    let mut after = 0;
+    super::walk::walk(&path, session, through, i64::MAX, None, |_| after += 1).unwrap();
+    let expected: i64 = store
+        .conn()
+        .query_row(
+            "SELECT sum(calls) FROM call_blocks WHERE session_id = ?1 AND id > ?2",
+            [session, through],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(after, expected);
+    assert_eq!(expected, 40_000);
 }

@@ -11,13 +11,16 @@ use tracer_common::{Op, OpClass};
 
 use crate::{
     analysis::Report,
-    explain::{self, ExplainQuery, ProcessLayout},
     model::{
         figures::Figures,
         layout::AllocConf,
         live::{self, LiveAllocators},
         series::{Line, Sample, Timeline},
         Event, MessageRow,
+    },
+    query::{
+        explain::{self, ExplainQuery},
+        layout::{self as layouts, ProcessLayout},
     },
     store::{
         events::{self, SessionSummary},
@@ -64,6 +67,9 @@ pub struct ReportData {
     pub session: SessionSummary,
     /// Loss counters by their session column, and the events --max-db evicted.
     pub losses: Vec<(&'static str, u64)>,
+    /// What the page covers: evictions (and the whole-run series in their place), the keyframe
+    /// read from, what tracer did not see, when each layout was exact again.
+    pub coverage: Vec<String>,
     /// Exactly what `tracer explain --json` prints for the same window.
     pub explain: Report,
     pub comms: HashMap<u32, String>,
@@ -79,22 +85,22 @@ pub struct ReportData {
     pub sites: HashMap<u32, String>,
 }
 
-/// Reads and analyses the session; `q` as for explain.
+/// Reads and analyses the session in one walk; `q` as for explain.
 pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
-    let (explained, all) = explain::explain_with_calls(db, q)?;
-    let report = explained.report;
-    let window = report.window;
     let store = Store::open(db, Access::ReadOnly)?;
-    let session = events::session_summary(store.conn(), report.session)?;
-    let comms = events::comms(store.conn(), session.id)?;
-    let confs: HashMap<u32, AllocConf> = events::alloc_confs(store.conn(), session.id)?
+    let conn = store.conn();
+    // The window and the moments to map are known before the walk.
+    let windowed = explain::window(db, conn, q)?;
+    let (window, session_id) = (windowed.window, windowed.session);
+    let comms = events::comms(conn, session_id)?;
+    let confs: HashMap<u32, AllocConf> = events::alloc_confs(conn, session_id)?
         .into_iter()
         .map(|(p, c)| (p, AllocConf::parse(&c)))
         .collect();
-    let messages = events::messages(store.conn(), session.id)?;
+    let messages = events::messages(conn, session_id)?;
     // PyTorch raises its OOM just after the last call of a session that ended with it: such
     // an OOM still belongs to the window.
-    let oom = explain::oom_time(db, store.conn(), session.id, q.pid)?
+    let oom = layouts::oom_time(conn, session_id, q.pid)?
         .filter(|t| (window.from_ns..=window.to_ns.saturating_add(OOM_AFTER_END_NS)).contains(t))
         .map(|t| t.min(window.to_ns));
     let mut times: Vec<(i64, &'static str)> = (0..SPACED_SNAPSHOTS)
@@ -109,19 +115,16 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
     times.push((window.to_ns, "end"));
     times.sort_by_key(|&(t, label)| (t, label != "oom"));
 
-    let mut pass = Pass::new(&confs, &comms, window.from_ns, window.to_ns);
-    let mut next = times.iter().peekable();
-    for e in &all {
-        while let Some(&&(at, label)) = next.peek() {
-            if e.ts_ns <= at {
-                break;
-            }
-            pass.snapshot(at, label);
-            next.next();
-        }
-        pass.call(e);
-    }
-    for &(at, label) in next {
+    let mut walk = ReportWalk {
+        pass: Pass::new(&confs, &comms, window.from_ns, window.to_ns),
+        times: &times,
+        next: 0,
+        calls: 0,
+    };
+    let explained = explain::explain_visiting(db, q, &mut walk)?;
+    let calls_read = walk.calls;
+    let mut pass = walk.pass;
+    for &(at, label) in &times[walk.next..] {
         pass.snapshot(at, label);
     }
     for m in &messages {
@@ -129,9 +132,10 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
             pass.message(m);
         }
     }
+    let report = explained.report;
     pass.markers.sort_by_key(|m| m.ts_ns);
     let snapshots = bound_runs(pass.snapshots);
-    let site_labels = events::site_labels(store.conn(), session.id, &q.skip_frames)?;
+    let site_labels = events::site_labels(conn, session_id, &q.skip_frames)?;
     let sites = snapshots
         .iter()
         .flat_map(|s| &s.processes)
@@ -145,14 +149,17 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
             ))
         })
         .collect();
+    let session = events::session_summary(conn, session_id)?;
     let mut losses = session.counters.losses().to_vec();
     losses.push(("evicted_events", session.evicted_events));
+    let coverage = report.coverage.lines(report.window);
     Ok(ReportData {
         tracer_version: env!("CARGO_PKG_VERSION"),
         losses,
+        coverage,
         explain: report,
         comms: comms.clone(),
-        calls_read: all.len() as u64,
+        calls_read,
         bucket_ns: pass.timeline.bucket_ns(),
         lines: pass.timeline.lines(),
         markers: pass.markers,
@@ -161,6 +168,32 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
         sites,
         session,
     })
+}
+
+/// The report's share of explain's walk: the pass, and the moments to map as it goes by them.
+struct ReportWalk<'a, 't> {
+    pass: Pass<'a>,
+    times: &'t [(i64, &'static str)],
+    next: usize,
+    calls: u64,
+}
+
+impl explain::Visit for ReportWalk<'_, '_> {
+    fn start(&mut self, begin: &super::Begin) {
+        self.pass.start_from(begin);
+    }
+
+    fn call(&mut self, e: &Event) {
+        self.calls += 1;
+        while let Some(&(at, label)) = self.times.get(self.next) {
+            if e.ts_ns <= at {
+                break;
+            }
+            self.pass.snapshot(at, label);
+            self.next += 1;
+        }
+        self.pass.call(e);
+    }
 }
 
 /// One walk over the calls in time order.
@@ -197,6 +230,13 @@ impl<'a> Pass<'a> {
             markers: Vec::new(),
             markers_omitted: 0,
             snapshots: Vec::new(),
+        }
+    }
+
+    /// The processes' states where the walk begins (a keyframe's).
+    fn start_from(&mut self, begin: &super::Begin) {
+        for s in &begin.states {
+            self.allocators.restore(s.clone());
         }
     }
 
@@ -323,7 +363,7 @@ impl<'a> Pass<'a> {
             .into_iter()
             .filter_map(|pid| {
                 let layout = self.allocators.layout(pid)?;
-                Some(explain::process_layout(
+                Some(layouts::process_layout(
                     pid,
                     self.comms.get(&pid).cloned(),
                     layout,

@@ -1,0 +1,171 @@
+//! A process's state at a moment: everything a later answer about it depends on, so that
+//! answers can start from it instead of from the process's first call. The writer stores one per
+//! process in each keyframe (SCHEMA.md, `keyframes`); a tracer restarted while the process runs
+//! takes it up again.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use tracer_common::{Op, OpClass, Space};
+
+use super::{
+    layout::Layout,
+    live::moves_memory,
+    pressure::{Alarm, Pressure},
+    Event,
+};
+
+/// How a keyframe's `data` is encoded (postcard of [`ProcessState`]).
+pub const KEYFRAME_FORMAT: i64 = 1;
+
+/// An allocation (or a framework block) the process still held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LiveAlloc {
+    /// Its pointer space (tracer_common::Space as u32) and pointer.
+    pub space: u32,
+    pub ptr: u64,
+    pub size: u64,
+    pub device: Option<i32>,
+    /// The op that made it (Op as u32).
+    pub op: u32,
+    /// Wall clock, ns.
+    pub ts_ns: i64,
+}
+
+impl LiveAlloc {
+    pub fn op(&self) -> Option<Op> {
+        Op::from_u32(self.op)
+    }
+}
+
+/// The most a process held on one device, since it was first seen.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DevicePeaks {
+    pub held: u64,
+    pub reserved: u64,
+    pub allocated: u64,
+}
+
+impl DevicePeaks {
+    fn raise(&mut self, held: u64, reserved: u64, allocated: u64) {
+        self.held = self.held.max(held);
+        self.reserved = self.reserved.max(reserved);
+        self.allocated = self.allocated.max(allocated);
+    }
+}
+
+/// One process's state after the calls of every stored block up to a keyframe's.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ProcessState {
+    pub pid: u32,
+    /// The process's start (boot-relative ns, as /proc says): a later tracer takes the state
+    /// up only for the same process, not another that reuses the pid.
+    pub start_time_ns: Option<i64>,
+    /// When the process was first seen, and its last call before the keyframe (wall ns).
+    pub first_ns: i64,
+    pub last_ns: i64,
+    /// The allocator's segments and blocks (PyTorch's probes), or the device allocations.
+    pub layout: Layout,
+    /// The early warning's state: the device's free memory and the sizes requested lately.
+    pub pressure: Pressure,
+    /// The call-level join: what each live pointer holds, by (space, pointer), and each
+    /// thread's device.
+    pub live: BTreeMap<(u32, u64), LiveAlloc>,
+    pub thread_devices: Vec<(u32, i32)>,
+    /// Per device: the most held since the process was first seen.
+    pub peaks: Vec<(i32, DevicePeaks)>,
+    /// Calls and block events seen since the process was first seen.
+    pub events: u64,
+}
+
+impl ProcessState {
+    /// Advances the memory model by one of the process's calls (in the order they happened):
+    /// its layout, early-warning state, peaks and counts. The early warning's figures when the
+    /// call leaves its pool in the state in which the next request fails.
+    pub fn apply_memory(&mut self, e: &Event) -> Option<Alarm> {
+        if self.events == 0 {
+            self.first_ns = e.ts_ns;
+        }
+        self.events += 1;
+        self.last_ns = self.last_ns.max(e.ts_ns);
+        let class = e.class();
+        if !moves_memory(class) {
+            return None;
+        }
+        self.pressure.observe(e);
+        self.layout.apply(e);
+        if let Some(device) = e.device() {
+            let t = self.layout.device_total(device);
+            let held = t.reserved + self.layout.outside(device);
+            match self.peaks.iter_mut().find(|(d, _)| *d == device) {
+                Some((_, peak)) => peak.raise(held, t.reserved, t.allocated),
+                None => self.peaks.push((
+                    device,
+                    DevicePeaks {
+                        held,
+                        reserved: t.reserved,
+                        allocated: t.allocated,
+                    },
+                )),
+            }
+        }
+        (class == OpClass::BlockAlloc && e.ptr != 0)
+            .then(|| {
+                self.pressure
+                    .after_block(e, self.layout.conf(), &self.layout)
+            })
+            .flatten()
+    }
+
+    /// Advances the call-level join by one call: live pointers and thread devices (what the
+    /// recording's registry keeps apart, record/join.rs).
+    pub fn apply_join(&mut self, e: &Event) {
+        let spec = e.op.spec();
+        if spec.class == OpClass::SetDevice && e.ret == 0 {
+            if let Some(device) = e.device() {
+                match self.thread_devices.iter_mut().find(|(t, _)| *t == e.tid) {
+                    Some((_, d)) => *d = device,
+                    None => self.thread_devices.push((e.tid, device)),
+                }
+            }
+            return;
+        }
+        if spec.space == Space::None || e.ret != 0 {
+            return;
+        }
+        let key = (spec.space as u32, e.ptr);
+        match spec.class {
+            OpClass::Alloc | OpClass::BlockAlloc if e.ptr != 0 => {
+                let alloc = LiveAlloc {
+                    space: key.0,
+                    ptr: e.ptr,
+                    size: e.size,
+                    device: e.device(),
+                    op: e.op as u32,
+                    ts_ns: e.ts_ns,
+                };
+                self.live.insert(key, alloc);
+            }
+            OpClass::Free | OpClass::BlockFree => {
+                self.live.remove(&key);
+            }
+            _ => {}
+        }
+    }
+
+    /// The call-level join's share of the state (record/join.rs keeps it apart while recording).
+    pub fn take_join(&mut self, live: Vec<LiveAlloc>, thread_devices: Vec<(u32, i32)>) {
+        self.live = live.into_iter().map(|a| ((a.space, a.ptr), a)).collect();
+        self.thread_devices = thread_devices;
+    }
+
+    pub fn encode(&self) -> anyhow::Result<Vec<u8>> {
+        postcard::to_stdvec(self)
+            .map_err(|e| anyhow::anyhow!("encode the state of pid {}: {e}", self.pid))
+    }
+
+    pub fn decode(bytes: &[u8]) -> anyhow::Result<ProcessState> {
+        postcard::from_bytes(bytes)
+            .map_err(|e| anyhow::anyhow!("decode a keyframe's process state: {e}"))
+    }
+}

@@ -1,0 +1,295 @@
+//! Explaining a session: the window, one walk from the nearest keyframe through analysis's
+//! collector, and what the answer covers (what --max-db evicted and the whole-run series in its
+//! place, what tracer did not see). Every presenter of a report (text, JSON, the demo's live
+//! chains, the HTML report, mcp) goes through it.
+
+use std::{collections::HashMap, path::Path, time::Duration};
+
+use anyhow::Result;
+use rusqlite::Connection;
+
+use crate::{
+    analysis::{self, Collector, Coverage, Evicted, Host, Inputs, Report, SpanFigures},
+    exit::user_error,
+    model::{layout::AllocConf, Event, MessageRow, Rank, SiteLabels, Window},
+    store::{events, series, Access, Store},
+    units::format_utc,
+};
+
+/// Which part of which session to explain.
+#[derive(Clone, Debug, Default)]
+pub struct ExplainQuery {
+    /// The session (default: the latest).
+    pub session: Option<i64>,
+    /// Only the last part, ending at the session's last event (or now, while it runs).
+    pub since: Option<Duration>,
+    /// Window start and end, ns since the epoch.
+    pub from: Option<i64>,
+    pub to: Option<i64>,
+    pub pid: Option<u32>,
+    /// Frames whose file contains one of these are not the user's code.
+    pub skip_frames: Vec<String>,
+}
+
+/// A session's report, and how it was made.
+pub struct Explained {
+    pub report: Report,
+    /// The session was still being recorded: the window ends now.
+    pub running: bool,
+    /// Time spent reading the calls (with the analysis they fed), and finishing the analysis.
+    pub load_time: Duration,
+    pub analysis_time: Duration,
+}
+
+/// What explain knows of a session beside its calls.
+pub struct Known {
+    pub comms: HashMap<u32, String>,
+    pub sites: SiteLabels,
+    pub confs: HashMap<u32, AllocConf>,
+    pub ranks: HashMap<u32, Rank>,
+    pub messages: Vec<MessageRow>,
+}
+
+impl Known {
+    pub fn read(conn: &Connection, session: i64, skip_frames: &[String]) -> Result<Known> {
+        let mut confs = HashMap::new();
+        let mut ranks = HashMap::new();
+        for (pid, env) in events::envs(conn, session)? {
+            let get = |k: &str| env.get(k).map(String::as_str);
+            confs.extend(AllocConf::from_env(get).map(|c| (pid, c)));
+            ranks.extend(Rank::from_env(get).map(|r| (pid, r)));
+        }
+        Ok(Known {
+            comms: events::comms(conn, session)?,
+            sites: events::site_labels(conn, session, skip_frames)?,
+            confs,
+            ranks,
+            messages: events::messages(conn, session)?,
+        })
+    }
+
+    pub fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            comms: &self.comms,
+            sites: &self.sites,
+            confs: &self.confs,
+            messages: &self.messages,
+            ranks: &self.ranks,
+        }
+    }
+}
+
+/// The window a query asks for, and whether the user chose its start.
+pub struct Windowed {
+    pub session: i64,
+    pub running: bool,
+    pub window: Window,
+    pub from_given: bool,
+}
+
+/// The window of `q` in its session.
+pub fn window(db: &Path, conn: &Connection, q: &ExplainQuery) -> Result<Windowed> {
+    let info = events::session(conn, q.session)?;
+    let running = info.status == "running";
+    let Some((first, last)) = span(db, info.id, q.pid, q.to)? else {
+        return Err(user_error(match (q.pid, q.to) {
+            (Some(pid), _) => format!(
+                "session {} recorded no calls of pid {pid}: nothing to explain",
+                info.id
+            ),
+            (None, Some(_)) => format!(
+                "session {} recorded no calls before --to: nothing to explain",
+                info.id
+            ),
+            (None, None) => format!("session {} recorded no calls: nothing to explain", info.id),
+        }));
+    };
+    let end = if running {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(last, |d| d.as_nanos() as i64)
+    } else {
+        last
+    };
+    let window = match (q.since, q.from, q.to) {
+        (Some(since), _, _) => {
+            let back = i64::try_from(since.as_nanos()).unwrap_or(i64::MAX);
+            if back > end {
+                return Err(user_error(format!(
+                    "--since {}s reaches before 1970: give a duration within the trace (the session began at {})",
+                    since.as_secs(),
+                    format_utc(first)
+                )));
+            }
+            Window {
+                from_ns: end - back,
+                to_ns: end,
+            }
+        }
+        (None, from, to) => Window {
+            from_ns: from.unwrap_or(first),
+            to_ns: to.unwrap_or(end),
+        },
+    };
+    if window.from_ns >= window.to_ns {
+        return Err(user_error(format!(
+            "empty window: --from {} is not before --to {}",
+            format_utc(window.from_ns),
+            format_utc(window.to_ns)
+        )));
+    }
+    Ok(Windowed {
+        session: info.id,
+        running,
+        window,
+        from_given: q.since.is_some() || q.from.is_some(),
+    })
+}
+
+/// The first and last stored call of the session (of `pid`: one pass over its calls), up to
+/// `to`.
+fn span(db: &Path, session: i64, pid: Option<u32>, to: Option<i64>) -> Result<Option<(i64, i64)>> {
+    let to = to.unwrap_or(i64::MAX);
+    if pid.is_none() {
+        let Some((first, last)) = events::stored_span(db, session)? else {
+            return Ok(None);
+        };
+        return Ok((first <= to).then_some((first, last.min(to))));
+    }
+    let mut span: Option<(i64, i64)> = None;
+    crate::store::walk::walk(db, session, 0, to, pid, |e| {
+        span = Some(span.map_or((e.ts_ns, e.ts_ns), |(a, b)| {
+            (a.min(e.ts_ns), b.max(e.ts_ns))
+        }));
+    })?;
+    Ok(span)
+}
+
+/// Explains the window: one walk from the nearest keyframe at or before it.
+pub fn explain(db: &Path, q: &ExplainQuery) -> Result<Explained> {
+    explain_visiting(db, q, &mut ())
+}
+
+/// What else sees explain's walk (the HTML report draws from the same walk): where it starts,
+/// then each call.
+pub trait Visit {
+    fn start(&mut self, _begin: &super::Begin) {}
+    fn call(&mut self, e: &Event);
+}
+
+impl Visit for () {
+    fn call(&mut self, _: &Event) {}
+}
+
+/// [`explain`], also handing the walk to `visit`.
+pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> Result<Explained> {
+    let store = Store::open(db, Access::ReadOnly)?;
+    let conn = store.conn();
+    let t0 = std::time::Instant::now();
+    let Windowed {
+        session,
+        running,
+        mut window,
+        from_given,
+    } = window(db, conn, q)?;
+    let begin = super::begin(conn, session, window.from_ns, q.pid)?;
+    visit.start(&begin);
+    let mut clipped_from = None;
+    if let Some(k) = begin.keyframe().filter(|k| k.ts_ns >= window.from_ns) {
+        // The calls before the keyframe were evicted: the window begins at it.
+        if from_given {
+            clipped_from = Some(window.from_ns);
+        }
+        window.from_ns = k.ts_ns.min(window.to_ns - 1);
+    }
+    let known = Known::read(conn, session, &q.skip_frames)?;
+    let host = Host::new(events::host(conn, session, window.to_ns, q.pid)?);
+    let inputs = known.inputs();
+    let mut collector = Collector::new(window, &inputs, begin.states.clone());
+    let mut implausible: Option<Event> = None;
+    super::walk(db, session, &begin, window.to_ns, q.pid, |e| {
+        if implausible.is_none()
+            && events::check_plausible(session, std::slice::from_ref(e)).is_err()
+        {
+            implausible = Some(*e);
+        }
+        collector.feed(e);
+        visit.call(e);
+    })?;
+    if let Some(e) = implausible {
+        events::check_plausible(session, &[e])?;
+    }
+    let t1 = std::time::Instant::now();
+    let mut report =
+        analysis::analyze_collected(session, collector.finish(), &host, window, &inputs);
+    report.coverage = Coverage {
+        states: std::mem::take(&mut report.coverage.states),
+        ..coverage(conn, session, q.pid, &begin, clipped_from)?
+    };
+    let explained = Explained {
+        report,
+        running,
+        load_time: t1 - t0,
+        analysis_time: t1.elapsed(),
+    };
+    Ok(explained)
+}
+
+/// What the answer covers: evictions, the whole-run series where the detail is gone, gaps.
+fn coverage(
+    conn: &Connection,
+    session: i64,
+    pid: Option<u32>,
+    begin: &super::Begin,
+    clipped_from: Option<i64>,
+) -> Result<Coverage> {
+    let s = events::session_summary(conn, session)?;
+    let evicted = (s.evicted_events > 0).then_some(Evicted {
+        events: s.evicted_events,
+        calls: s.evicted_calls,
+        block_events: s.evicted_block_events,
+        offcpu: s.evicted_offcpu,
+        until_ns: s.evicted_until_ns,
+    });
+    let keyframe_ns = begin.keyframe().map(|k| k.ts_ns);
+    let before_detail = match (&evicted, keyframe_ns) {
+        (Some(_), Some(k)) => span_figures(&series::series(conn, session, pid)?, k),
+        _ => Vec::new(),
+    };
+    let gaps = series::gaps(conn, session)?
+        .into_iter()
+        .filter(|g| pid.is_none_or(|p| p == g.pid))
+        .collect();
+    Ok(Coverage {
+        keyframe_ns,
+        window_clipped_from_ns: clipped_from,
+        evicted,
+        gaps,
+        before_detail,
+        states: Vec::new(),
+    })
+}
+
+/// Per process and device, the whole-run series' figures before `until_ns`.
+fn span_figures(rows: &[crate::model::run_series::SeriesRow], until_ns: i64) -> Vec<SpanFigures> {
+    let mut out: Vec<SpanFigures> = Vec::new();
+    for r in rows.iter().filter(|r| r.start_ns < until_ns) {
+        let i = match out
+            .iter()
+            .position(|f| f.pid == r.pid && f.device == r.device)
+        {
+            Some(i) => i,
+            None => {
+                out.push(SpanFigures {
+                    pid: r.pid,
+                    device: r.device,
+                    from_ns: r.start_ns,
+                    ..SpanFigures::default()
+                });
+                out.len() - 1
+            }
+        };
+        out[i].absorb(r);
+    }
+    out
+}

@@ -1,0 +1,258 @@
+//! The allocator's layout at a moment (`tracer layout`): each process's state from the nearest
+//! keyframe before the moment, advanced call by call to it.
+
+use std::path::Path;
+
+use anyhow::Result;
+use rusqlite::params;
+
+use crate::{
+    exit::user_error,
+    model::{state::ProcessState, Event},
+    store::{events, Access, Store},
+};
+
+/// The moment a layout is shown at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum At {
+    /// The session's last event.
+    End,
+    /// A wall-clock time, ns since the epoch.
+    Time(i64),
+    /// The first out-of-memory: PyTorch's message, else the first failed allocation.
+    Oom,
+}
+
+/// Which layout to show.
+#[derive(Clone, Debug)]
+pub struct LayoutQuery {
+    pub session: Option<i64>,
+    pub pid: Option<u32>,
+    pub device: Option<i32>,
+    pub at: At,
+}
+
+/// One process's layout at a moment.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ProcessLayout {
+    pub pid: u32,
+    pub comm: Option<String>,
+    pub at_ns: i64,
+    /// "allocator": PyTorch's probes were seen, the blocks are known; "segments": only the
+    /// device allocations are (no probes: another framework, an older PyTorch, the
+    /// cudaMallocAsync backend).
+    pub view: &'static str,
+    pub devices: Vec<DeviceLayout>,
+    pub unexplained: crate::model::layout::Unexplained,
+    /// What tracer did not see of the allocator, and whether the layout is exact again.
+    pub unknown: crate::model::layout::Unknown,
+    /// Blocks in segments tracer never saw created, and blocks carried over a gap not seen
+    /// since: (blocks, bytes).
+    pub orphans: (u64, u64),
+    pub carried: (u64, u64),
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub segments: Vec<crate::model::layout::SegmentMap>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceLayout {
+    pub device: i32,
+    pub total: crate::model::layout::PoolStats,
+    pub pools: Vec<(crate::model::layout::Pool, crate::model::layout::PoolStats)>,
+    /// Device memory allocated outside the allocator's segments.
+    pub outside: u64,
+}
+
+/// The session's processes' layouts at `q.at` (processes with device allocations only).
+pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
+    use crate::model::layout::{AllocConf, Layout};
+    let store = Store::open(db, Access::ReadOnly)?;
+    let conn = store.conn();
+    let info = events::session(conn, q.session)?;
+    let at_ns = match q.at {
+        At::End => i64::MAX,
+        At::Time(t) => t,
+        At::Oom => oom_time(conn, info.id, q.pid)?.ok_or_else(|| {
+            user_error(format!(
+                "session {} recorded no out-of-memory: no failed allocation and no PyTorch OOM",
+                info.id
+            ))
+        })?,
+    };
+    let comms = events::comms(conn, info.id)?;
+    let confs = events::alloc_confs(conn, info.id)?;
+    let begin = super::begin(conn, info.id, at_ns, q.pid)?;
+    let mut states: std::collections::BTreeMap<u32, (ProcessState, i64)> = begin
+        .states
+        .iter()
+        .map(|s| (s.pid, (s.clone(), s.last_ns)))
+        .collect();
+    super::walk(db, info.id, &begin, at_ns, q.pid, |e: &Event| {
+        let (s, last) = states.entry(e.pid).or_insert_with(|| {
+            let conf = confs
+                .get(&e.pid)
+                .map_or_else(AllocConf::default, |c| AllocConf::parse(c));
+            (
+                ProcessState {
+                    pid: e.pid,
+                    layout: Layout::new(conf),
+                    ..Default::default()
+                },
+                e.ts_ns,
+            )
+        });
+        s.layout.apply(e);
+        *last = e.ts_ns;
+    })?;
+    let out = states
+        .into_iter()
+        .map(|(pid, (s, last))| (pid, s.layout, last))
+        .filter(|(_, l, _)| !l.stats().is_empty() || !l.segments().is_empty() || l.blocks_seen > 0)
+        .map(|(pid, l, last)| {
+            process_layout(pid, comms.get(&pid).cloned(), &l, last.min(at_ns), q.device)
+        })
+        .collect();
+    Ok((info.id, out))
+}
+
+pub(crate) fn process_layout(
+    pid: u32,
+    comm: Option<String>,
+    l: &crate::model::layout::Layout,
+    at_ns: i64,
+    device: Option<i32>,
+) -> ProcessLayout {
+    let mut devices: Vec<i32> = l.stats().keys().map(|(d, _)| *d).collect();
+    devices.dedup();
+    devices.retain(|d| device.is_none_or(|want| want == *d));
+    ProcessLayout {
+        pid,
+        comm,
+        at_ns,
+        view: if l.blocks_seen > 0 {
+            "allocator"
+        } else {
+            "segments"
+        },
+        devices: devices
+            .into_iter()
+            .map(|d| DeviceLayout {
+                device: d,
+                total: l.device_total(d),
+                pools: l
+                    .stats()
+                    .iter()
+                    .filter(|((dev, _), _)| *dev == d)
+                    .map(|((_, pool), s)| (*pool, *s))
+                    .collect(),
+                outside: l.outside(d),
+            })
+            .collect(),
+        unexplained: l.unexplained,
+        unknown: l.unknown,
+        orphans: l.orphans(device),
+        carried: l.carried(),
+        segments: l
+            .segments()
+            .into_iter()
+            .filter(|s| device.is_none_or(|d| d == s.device))
+            .collect(),
+    }
+}
+
+/// When the first out-of-memory happened: PyTorch's message, else the first failed allocation.
+pub(crate) fn oom_time(
+    conn: &rusqlite::Connection,
+    session: i64,
+    pid: Option<u32>,
+) -> Result<Option<i64>> {
+    let message = events::messages(conn, session)?
+        .into_iter()
+        .find(|m| m.op == tracer_common::Op::TorchOom.name() && pid.is_none_or(|p| p == m.pid))
+        .map(|m| m.ts_ns);
+    if message.is_some() {
+        return Ok(message);
+    }
+    // Failed allocations are CUDA calls: they have rows (the block events do not fail).
+    Ok(conn.query_row(
+        "SELECT min(c.ts_ns) FROM calls c JOIN ops o ON o.id = c.op_id
+         WHERE c.session_id = ?1 AND c.ret != 0 AND o.class = 'alloc' AND (?2 IS NULL OR c.pid = ?2)",
+        params![session, pid],
+        |r| r.get(0),
+    )?)
+}
+
+/// The figures after one of PyTorch's block events.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LayoutPoint {
+    pub ts_ns: i64,
+    pub pid: u32,
+    pub op: &'static str,
+    pub ptr: u64,
+    pub total: crate::model::layout::PoolStats,
+    pub pools: std::collections::BTreeMap<String, crate::model::layout::PoolStats>,
+}
+
+/// The layout's figures after every block event of the session (one process, or all), from
+/// its first stored call (or the keyframe the calls --max-db left begin at).
+pub fn layout_timeline(
+    db: &Path,
+    session: Option<i64>,
+    pid: Option<u32>,
+    mut point: impl FnMut(LayoutPoint) -> Result<()>,
+) -> Result<()> {
+    use crate::model::layout::{AllocConf, Layout, Pool};
+    let store = Store::open(db, Access::ReadOnly)?;
+    let conn = store.conn();
+    let info = events::session(conn, session)?;
+    let confs = events::alloc_confs(conn, info.id)?;
+    let begin = super::begin(conn, info.id, i64::MIN, pid)?;
+    let mut layouts: std::collections::HashMap<u32, Layout> = begin
+        .states
+        .iter()
+        .map(|s| (s.pid, s.layout.clone()))
+        .collect();
+    let mut failed = None;
+    super::walk(db, info.id, &begin, i64::MAX, pid, |e| {
+        if failed.is_some() {
+            return;
+        }
+        let l = layouts.entry(e.pid).or_insert_with(|| {
+            Layout::new(
+                confs
+                    .get(&e.pid)
+                    .map_or_else(AllocConf::default, |c| AllocConf::parse(c)),
+            )
+        });
+        l.apply(e);
+        if !matches!(
+            e.class(),
+            tracer_common::OpClass::BlockAlloc | tracer_common::OpClass::BlockFree
+        ) {
+            return;
+        }
+        let mut pools = std::collections::BTreeMap::new();
+        for ((_, pool), s) in l.stats() {
+            let name = if *pool == Pool::Small {
+                "small"
+            } else {
+                "large"
+            };
+            let p: &mut crate::model::layout::PoolStats = pools.entry(name.to_owned()).or_default();
+            p.allocated += s.allocated;
+            p.reserved += s.reserved;
+            p.free_blocks += s.free_blocks;
+            p.largest_free = p.largest_free.max(s.largest_free);
+        }
+        failed = point(LayoutPoint {
+            ts_ns: e.ts_ns,
+            pid: e.pid,
+            op: e.op.name(),
+            ptr: e.ptr,
+            total: l.total(),
+            pools,
+        })
+        .err();
+    })?;
+    failed.map_or(Ok(()), Err)
+}

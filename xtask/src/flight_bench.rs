@@ -1,0 +1,387 @@
+//! `cargo xtask bench-flight`: the flight recorder on a job that runs long, at the rate tracer
+//! sustains here (demos/simcuda/simjob.c: a caching allocator with PyTorch's probes, its weights
+//! allocated first and held, then steps, then a fragmentation OOM, its own account written at the
+//! end), traced with --max-db. Measured in one run:
+//! - keyframes' cost, side by side: tracer's CPU per million events with and without keyframes
+//!   (rounds interleaved, no --max-db);
+//! - the long run: every block event the job fired stored, evicted or counted; the database's
+//!   footprint (its write-ahead log included) against --max-db, sampled each second; at each of
+//!   the given minutes of history, the read side's wall time and peak RSS (explain, `layout --at
+//!   end`, report, the Perfetto export, mcp's explain tool) while the trace runs; at the end, the
+//!   layout at the OOM against the job's own account, and the whole-run series' coverage.
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, ensure, Context as _, Result};
+use clap::Args;
+use serde_json::{json, Value};
+
+use crate::bench::{build_release, children_cpu_s, root, run_ok, Tracer};
+
+#[derive(Args)]
+pub struct FlightBenchArgs {
+    /// Minutes of the long run.
+    #[arg(long, default_value_t = 30)]
+    minutes: u64,
+    /// --max-db of the long run.
+    #[arg(long, default_value = "256MiB")]
+    max_db: String,
+    /// Minutes of history at which the read side is measured.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,30")]
+    at: Vec<u64>,
+    /// Seconds of each keyframe cost run, and how many rounds of each.
+    #[arg(long, default_value_t = 20)]
+    keyframe_secs: u64,
+    #[arg(long, default_value_t = 3)]
+    keyframe_rounds: usize,
+}
+
+struct Setup {
+    tracer: PathBuf,
+    sim: PathBuf,
+    tmp: PathBuf,
+}
+
+impl Setup {
+    fn job(&self, secs: u64, account: Option<&Path>) -> Command {
+        let mut cmd = Command::new(self.sim.join("simjob"));
+        cmd.env("SIMCUDA_MEM", "512MiB")
+            .env("SIMCUDA_LATENCY", "default=0")
+            .arg("--cudart")
+            .arg(self.sim.join("libcudart.so.12"))
+            .args(["--seconds", &secs.to_string()]);
+        if let Some(a) = account {
+            cmd.arg("--account").arg(a);
+        }
+        cmd
+    }
+
+    fn trace(&self, db: &Path, extra: &[&str]) -> Result<Tracer> {
+        let torch = self.sim.join("libsimtorch.so");
+        let mut args = vec!["--lib", torch.to_str().unwrap_or_default()];
+        args.extend_from_slice(extra);
+        Tracer::start_with(&self.tracer, db, &self.sim.join("libcudart.so.12"), &args)
+    }
+}
+
+/// Tracer's CPU seconds per million events stored, for one run of the job under `extra`.
+fn keyframe_run(s: &Setup, secs: u64, extra: &[&str]) -> Result<(f64, u64)> {
+    let db = s.tmp.join("keyframes.db");
+    let before = children_cpu_s();
+    let tracer = s.trace(&db, extra)?;
+    let started = children_cpu_s();
+    let out = s.job(secs, None).output().context("run simjob")?;
+    let job_cpu = children_cpu_s() - started;
+    let summary = tracer.stop()?;
+    ensure!(
+        out.status.code() == Some(1),
+        "simjob did not end with its OOM: {out:?}"
+    );
+    let tracer_cpu = children_cpu_s() - before - job_cpu;
+    let stored = summary["counters"]["events_stored"].as_u64().unwrap_or(0);
+    Ok((tracer_cpu * 1e6 / stored.max(1) as f64, stored))
+}
+
+/// Wall seconds and peak RSS (MiB) of a command run to its end.
+fn measured(cmd: &mut Command, stdin: Option<&str>) -> Result<(f64, f64)> {
+    let t = Instant::now();
+    let mut child = cmd
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("run {cmd:?}"))?;
+    if let Some(text) = stdin {
+        mcp_explain(&mut child, text)?;
+    }
+    let mut status = 0;
+    // SAFETY: rusage is plain data wait4 fills for our own child.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: wait4 on our own child's pid.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut ru) };
+    ensure!(pid > 0, "wait4 failed");
+    let wall = t.elapsed().as_secs_f64();
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut err);
+    }
+    ensure!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{cmd:?} failed: {err}"
+    );
+    Ok((wall, ru.ru_maxrss as f64 / 1024.0))
+}
+
+/// Speaks MCP to `tracer mcp`: initialize, then the explain tool; waits for its answer.
+fn mcp_explain(child: &mut std::process::Child, _: &str) -> Result<()> {
+    let mut stdin = child.stdin.take().ok_or_else(|| anyhow!("no stdin"))?;
+    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+    let mut lines = BufReader::new(stdout).lines();
+    let mut send = |v: Value| -> Result<()> {
+        writeln!(stdin, "{v}")?;
+        stdin.flush()?;
+        Ok(())
+    };
+    send(
+        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "bench-flight", "version": "0"}}}),
+    )?;
+    lines
+        .next()
+        .ok_or_else(|| anyhow!("mcp: no answer to initialize"))??;
+    send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}))?;
+    send(json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "explain", "arguments": {}}}))?;
+    let answer = lines
+        .next()
+        .ok_or_else(|| anyhow!("mcp: no answer to explain"))??;
+    let v: Value = serde_json::from_str(&answer)?;
+    ensure!(
+        v["result"]["isError"] != true && v["error"].is_null(),
+        "mcp explain failed: {answer}"
+    );
+    Ok(())
+}
+
+/// The read side at one moment of the long run: (what, wall s, peak RSS MiB).
+fn read_side(s: &Setup, db: &Path) -> Result<Vec<(&'static str, f64, f64)>> {
+    let t = &s.tracer;
+    let db_arg = db.display().to_string();
+    let html = s.tmp.join("flight.html").display().to_string();
+    let trace = s.tmp.join("flight.pftrace").display().to_string();
+    let runs: [(&'static str, Vec<&str>); 4] = [
+        ("explain", vec!["explain", "--json", "--db", &db_arg]),
+        ("layout --at end", vec!["layout", "--json", "--db", &db_arg]),
+        ("report", vec!["report", "-o", &html, "--db", &db_arg]),
+        (
+            "export perfetto",
+            vec![
+                "export", "--format", "perfetto", "-o", &trace, "--db", &db_arg,
+            ],
+        ),
+    ];
+    let mut out = Vec::new();
+    for (what, args) in runs {
+        let (wall, rss) = measured(Command::new(t).args(&args), None)?;
+        out.push((what, wall, rss));
+    }
+    let (wall, rss) = measured(
+        Command::new(t).args(["mcp", "--db", &db_arg]),
+        Some("explain"),
+    )?;
+    out.push(("mcp explain", wall, rss));
+    Ok(out)
+}
+
+fn footprint(db: &Path) -> u64 {
+    ["", "-wal"]
+        .iter()
+        .map(|s| std::fs::metadata(format!("{}{s}", db.display())).map_or(0, |m| m.len()))
+        .sum()
+}
+
+fn query(s: &Setup, db: &Path, sql: &str) -> Result<Value> {
+    let out = Command::new(&s.tracer)
+        .args(["query", "--format", "json", "--db"])
+        .arg(db)
+        .arg(sql)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "query {sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(rows[0].clone())
+}
+
+/// Segments as (address, size, blocks as (address, size, allocated)).
+type Map = Vec<(u64, u64, Vec<(u64, u64, bool)>)>;
+
+/// The [`Map`] of the job's account or of `tracer layout --json`.
+fn segments(v: &Value, seg_addr: &str, runs: &str, addr: &str) -> Map {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|seg| {
+            let blocks = seg[runs]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|b| {
+                    let allocated = b["allocated"].as_bool().unwrap_or(b["kind"] == "allocated");
+                    (
+                        b[addr].as_u64().unwrap_or(0),
+                        b["size"].as_u64().unwrap_or(0),
+                        allocated,
+                    )
+                })
+                .collect();
+            (
+                seg[seg_addr].as_u64().unwrap_or(0),
+                seg["size"].as_u64().unwrap_or(0),
+                blocks,
+            )
+        })
+        .collect()
+}
+
+pub fn run(args: FlightBenchArgs) -> Result<()> {
+    let root = root();
+    build_release(&root)?;
+    let sim = root.join("target/simcuda-bench");
+    run_ok(
+        Command::new("bash")
+            .arg(root.join("demos/simcuda/build.sh"))
+            .arg(&sim)
+            .stdout(Stdio::null()),
+    )?;
+    let tmp = root.join("target/bench");
+    std::fs::create_dir_all(&tmp)?;
+    let s = Setup {
+        tracer: root.join("target/release/tracer"),
+        sim,
+        tmp,
+    };
+
+    eprintln!(
+        "bench-flight: keyframes' cost, {} rounds of {} s each way",
+        args.keyframe_rounds, args.keyframe_secs
+    );
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for _ in 0..args.keyframe_rounds {
+        off.push(keyframe_run(&s, args.keyframe_secs, &["--no-keyframes"])?);
+        on.push(keyframe_run(&s, args.keyframe_secs, &[])?);
+    }
+    let median = |v: &[(f64, u64)]| {
+        let mut x: Vec<f64> = v.iter().map(|r| r.0).collect();
+        x.sort_by(f64::total_cmp);
+        x[x.len() / 2]
+    };
+    let rate = |v: &[(f64, u64)]| {
+        v.iter().map(|r| r.1).sum::<u64>() as f64 / (v.len() as f64 * args.keyframe_secs as f64)
+    };
+    println!("keyframes' cost (tracer CPU-s per million events stored, median of {} interleaved rounds):", args.keyframe_rounds);
+    println!(
+        "  without keyframes {:.3} (runs {:?}), with {:.3} (runs {:?}): with / without {:.3} x",
+        median(&off),
+        off.iter()
+            .map(|r| (r.0 * 1000.0).round() / 1000.0)
+            .collect::<Vec<_>>(),
+        median(&on),
+        on.iter()
+            .map(|r| (r.0 * 1000.0).round() / 1000.0)
+            .collect::<Vec<_>>(),
+        median(&on) / median(&off)
+    );
+    println!(
+        "  events stored a second: without {:.0}, with {:.0}",
+        rate(&off),
+        rate(&on)
+    );
+
+    let db = s.tmp.join("flight.db");
+    let account = s.tmp.join("flight-account.json");
+    eprintln!(
+        "bench-flight: the long run, {} min with --max-db {}",
+        args.minutes, args.max_db
+    );
+    let tracer = s.trace(&db, &["--max-db", &args.max_db])?;
+    let started = Instant::now();
+    let mut job = s
+        .job(args.minutes * 60, Some(&account))
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("start simjob")?;
+    let mut peak_footprint = 0u64;
+    let mut moments = args.at.clone();
+    moments.retain(|&m| m <= args.minutes);
+    let mut readings = Vec::new();
+    loop {
+        peak_footprint = peak_footprint.max(footprint(&db));
+        if let Some(&m) = moments.first() {
+            // Just before the job's end at the last one: history of nearly all of it.
+            let at = Duration::from_secs(m * 60).min(Duration::from_secs(args.minutes * 60 - 20));
+            if started.elapsed() >= at {
+                moments.remove(0);
+                eprintln!("bench-flight: the read side after {m} min");
+                readings.push((m, read_side(&s, &db)?));
+            }
+        }
+        if job.try_wait()?.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let job_out = job.wait_with_output()?;
+    let rep: Value = serde_json::from_slice(&job_out.stdout).context("simjob's line")?;
+    std::thread::sleep(Duration::from_secs(1));
+    peak_footprint = peak_footprint.max(footprint(&db));
+    let summary = tracer.stop()?;
+    let c = &summary["counters"];
+    let session = query(&s, &db, "SELECT events_stored, evicted_events, evicted_calls, evicted_block_events, evicted_offcpu, dropped_ring_full, started_ns, ended_ns FROM sessions ORDER BY id DESC LIMIT 1")?;
+    let series = query(&s, &db, "SELECT count(*) AS rows, min(start_ns) AS first, max(end_ns) AS last, sum(length(ops)) + count(*) * 120 AS bytes FROM series")?;
+    let keyframes = query(&s, &db, "SELECT count(*) AS n, (SELECT sum(length(data)) FROM keyframe_states) AS bytes FROM keyframes")?;
+    let layout: Value = {
+        let out = Command::new(&s.tracer)
+            .args(["layout", "--at", "oom", "--json", "--db"])
+            .arg(&db)
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "layout --at oom: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout)?
+    };
+    let truth: Value = serde_json::from_slice(&std::fs::read(&account)?)?;
+    let rebuilt = segments(&layout[0]["segments"], "addr", "runs", "addr");
+    let own = segments(&truth["segments"], "ptr", "blocks", "ptr");
+    let fired = rep["block_events"].as_u64().unwrap_or(0);
+    println!("long run: {} min, --max-db {}", args.minutes, args.max_db);
+    println!(
+        "  the job fired {fired} block events ({:.0} a second), {} steps",
+        fired as f64 / started.elapsed().as_secs_f64(),
+        rep["steps"]
+    );
+    println!("  tracer: {} events read, {} stored, {} dropped (ring full), {} decode errors; evicted {} ({} CUDA calls, {} block events, {} off-CPU intervals)",
+        c["events_read"], c["events_stored"], c["dropped_ring_full"], c["decode_errors"],
+        session["evicted_events"], session["evicted_calls"], session["evicted_block_events"], session["evicted_offcpu"]);
+    println!("  database footprint (with its log): peak {:.1} MiB sampled each second, {:.1} MiB at the end",
+        peak_footprint as f64 / 1048576.0, footprint(&db) as f64 / 1048576.0);
+    println!(
+        "  keyframes kept at the end: {} ({} bytes of states)",
+        keyframes["n"], keyframes["bytes"]
+    );
+    let span =
+        session["ended_ns"].as_i64().unwrap_or(0) - session["started_ns"].as_i64().unwrap_or(0);
+    println!(
+        "  whole-run series: {} rows covering {:.0} of the session's {:.0} s, about {} bytes",
+        series["rows"],
+        (series["last"].as_i64().unwrap_or(0) - series["first"].as_i64().unwrap_or(0)) as f64 / 1e9,
+        span as f64 / 1e9,
+        series["bytes"]
+    );
+    println!("  layout at the OOM: {} segments, {} blocks; the job's own: {} segments, {} blocks; equal: {}",
+        rebuilt.len(), rebuilt.iter().map(|s| s.2.len()).sum::<usize>(), own.len(),
+        own.iter().map(|s| s.2.len()).sum::<usize>(), rebuilt == own);
+    println!("read side while the trace ran (wall s / peak RSS MiB):");
+    for (m, rows) in &readings {
+        let cells: Vec<String> = rows
+            .iter()
+            .map(|(w, t, r)| format!("{w} {t:.2} s / {r:.0} MiB"))
+            .collect();
+        println!("  after {m:>2} min: {}", cells.join("; "));
+    }
+    Ok(())
+}

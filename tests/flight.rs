@@ -89,22 +89,6 @@ fn libs(fx: &Fixture) -> Vec<String> {
         .collect()
 }
 
-fn tracer_json(db: &Path, args: &[&str]) -> Value {
-    let out = Command::new(TRACER)
-        .args(args)
-        .arg("--db")
-        .arg(db)
-        .arg("--json")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "tracer {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// Each segment as (address, size, its blocks as (address, size, allocated)).
 type Map = Vec<(u64, u64, Vec<(u64, u64, bool)>)>;
 
@@ -137,7 +121,7 @@ fn account_map(account: &Value) -> Map {
 
 /// tracer's layout at the OOM, as the account has it.
 fn layout_at_oom(db: &Path) -> Map {
-    let layouts = tracer_json(db, &["layout", "--at", "oom"]);
+    let layouts = tracer_json(db, &["layout", "--at", "oom", "--json"]);
     assert_eq!(layouts.as_array().unwrap().len(), 1, "{layouts:#}");
     layouts[0]["segments"]
         .as_array()
@@ -192,6 +176,18 @@ fn chain<'a>(report: &'a Value, rule: &str) -> Option<&'a Value> {
     chains(report).into_iter().find(|c| c["rule"] == rule)
 }
 
+/// The OOM chain's verdict is the allocator's own, and no chain names an unknown device or
+/// compares peaks of nothing.
+fn assert_oom_verdict(report: &Value, account: &Value) {
+    let oom = chain(report, "oom").expect("an OOM chain");
+    let effect = oom["effect"].as_str().unwrap();
+    assert!(
+        effect.contains(&format!("({})", true_verdict(account))),
+        "{effect}"
+    );
+    no_empty_comparisons(report);
+}
+
 /// No chain names an unknown device or compares peaks of nothing.
 fn no_empty_comparisons(report: &Value) {
     for c in chains(report) {
@@ -240,7 +236,7 @@ fn after_eviction_the_oom_layout_is_the_allocators_own() {
     );
     // The weights were allocated in the job's first moments, long evicted: still in the map.
     assert_same_map(&layout_at_oom(&fx.db), &account_map(&account));
-    let report = tracer_json(&fx.db, &["explain"]);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
     let coverage = &report["coverage"];
     assert_eq!(coverage["evicted"]["block_events"], evicted);
     assert!(coverage["keyframe_ns"].is_i64(), "{coverage:#}");
@@ -248,13 +244,7 @@ fn after_eviction_the_oom_layout_is_the_allocators_own() {
         !coverage["before_detail"].as_array().unwrap().is_empty(),
         "the whole-run series stands where the detail was evicted: {coverage:#}"
     );
-    let oom = chain(&report, "oom").expect("an OOM chain");
-    let effect = oom["effect"].as_str().unwrap();
-    assert!(
-        effect.contains(&format!("({})", true_verdict(&account))),
-        "{effect}"
-    );
-    no_empty_comparisons(&report);
+    assert_oom_verdict(&report, &account);
 }
 
 #[test]
@@ -279,6 +269,7 @@ fn a_tracer_killed_and_restarted_takes_the_job_up() {
     let pid = job.pid();
     let account = job.finish();
     let stopped = second.stop(SIGINT);
+    assert_eq!(stopped.counter("dropped_ring_full"), 0, "every event kept");
     assert!(
         stopped
             .stderr
@@ -301,7 +292,7 @@ fn a_tracer_killed_and_restarted_takes_the_job_up() {
     let _ = std::fs::copy(&fx.db, "/tmp/flight-restart.db");
     let _ = std::fs::write("/tmp/flight-restart.json", account.to_string());
     assert_same_map(&layout_at_oom(&fx.db), &account_map(&account));
-    let report = tracer_json(&fx.db, &["explain"]);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
     let state = &report["coverage"]["states"][0];
     assert_eq!(state["gaps"], 1, "{state:#}");
     let exact = state["exact_ns"].as_i64().unwrap_or_else(|| {
@@ -313,13 +304,7 @@ fn a_tracer_killed_and_restarted_takes_the_job_up() {
     });
     assert!(exact > gaps[0]["to_ns"].as_i64().unwrap());
     assert_eq!(report["coverage"]["gaps"][0]["kind"], "restart");
-    let oom = chain(&report, "oom").expect("an OOM chain");
-    let effect = oom["effect"].as_str().unwrap();
-    assert!(
-        effect.contains(&format!("({})", true_verdict(&account))),
-        "{effect}"
-    );
-    no_empty_comparisons(&report);
+    assert_oom_verdict(&report, &account);
 }
 
 #[test]
@@ -335,12 +320,13 @@ fn a_tracer_started_after_the_job_draws_no_verdict_from_what_it_did_not_see() {
     std::thread::sleep(Duration::from_secs(2));
     let pid = job.pid();
     let account = job.finish();
-    trace.stop(SIGINT);
+    let stopped = trace.stop(SIGINT);
+    assert_eq!(stopped.counter("dropped_ring_full"), 0, "every event kept");
     let gaps = query(&fx.db, "SELECT pid, kind FROM gaps");
     assert_eq!(gaps.len(), 1, "{gaps:?}");
     assert_eq!(gaps[0]["pid"].as_u64(), Some(u64::from(pid)));
     assert_eq!(gaps[0]["kind"], "before_trace");
-    let report = tracer_json(&fx.db, &["explain"]);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
     let unknown = chain(&report, "unknown_state").expect("the unknown stated");
     assert!(
         unknown["fix"][0]

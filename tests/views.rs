@@ -9,21 +9,6 @@ use std::{path::Path, process::Command};
 use common::*;
 use serde_json::Value;
 
-fn tracer_json(db: &Path, args: &[&str]) -> Value {
-    let out = Command::new(TRACER)
-        .args(args)
-        .arg("--db")
-        .arg(db)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "tracer {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 fn python(script: &str, args: &[&std::ffi::OsStr]) -> Value {
     let path = workspace().join("tests/python").join(script);
     let mut all = vec![path.as_os_str()];

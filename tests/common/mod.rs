@@ -297,6 +297,22 @@ pub fn query(db: &Path, sql: &str) -> Vec<Value> {
     }
 }
 
+/// `tracer ARGS --db DB` as JSON (ARGS asks for it: `--json`); it must succeed.
+pub fn tracer_json(db: &Path, args: &[&str]) -> Value {
+    let out = Command::new(TRACER)
+        .args(args)
+        .arg("--db")
+        .arg(db)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tracer {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 pub fn scalar(db: &Path, sql: &str) -> i64 {
     query(db, sql)[0]
         .as_object()

@@ -54,6 +54,20 @@ pub fn run_ok(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// The simulated runtime built for benchmarks, and the benchmarks' scratch folder.
+pub fn bench_dirs(root: &Path) -> Result<(PathBuf, PathBuf)> {
+    let sim = root.join("target/simcuda-bench");
+    run_ok(
+        Command::new("bash")
+            .arg(root.join("demos/simcuda/build.sh"))
+            .arg(&sim)
+            .stdout(Stdio::null()),
+    )?;
+    let tmp = root.join("target/bench");
+    std::fs::create_dir_all(&tmp)?;
+    Ok((sim, tmp))
+}
+
 pub fn build_release(root: &Path) -> Result<()> {
     run_ok(
         Command::new("cargo")
@@ -388,15 +402,7 @@ const STACK: &[&str] = &["--stack"];
 pub fn run(args: BenchArgs) -> Result<()> {
     let root = root();
     build_release(&root)?;
-    let sim = root.join("target/simcuda-bench");
-    run_ok(
-        Command::new("bash")
-            .arg(root.join("demos/simcuda/build.sh"))
-            .arg(&sim)
-            .stdout(Stdio::null()),
-    )?;
-    let tmp = root.join("target/bench");
-    std::fs::create_dir_all(&tmp)?;
+    let (sim, tmp) = bench_dirs(&root)?;
     let usdt = tmp.join("usdt_loop");
     run_ok(
         Command::new("cc")

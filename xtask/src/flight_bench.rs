@@ -21,7 +21,7 @@ use anyhow::{anyhow, ensure, Context as _, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::bench::{build_release, children_cpu_s, root, run_ok, Tracer};
+use crate::bench::{bench_dirs, build_release, children_cpu_s, root, Tracer};
 
 #[derive(Args)]
 pub struct FlightBenchArgs {
@@ -239,15 +239,7 @@ fn segments(v: &Value, seg_addr: &str, runs: &str, addr: &str) -> Map {
 pub fn run(args: FlightBenchArgs) -> Result<()> {
     let root = root();
     build_release(&root)?;
-    let sim = root.join("target/simcuda-bench");
-    run_ok(
-        Command::new("bash")
-            .arg(root.join("demos/simcuda/build.sh"))
-            .arg(&sim)
-            .stdout(Stdio::null()),
-    )?;
-    let tmp = root.join("target/bench");
-    std::fs::create_dir_all(&tmp)?;
+    let (sim, tmp) = bench_dirs(&root)?;
     let s = Setup {
         tracer: root.join("target/release/tracer"),
         sim,

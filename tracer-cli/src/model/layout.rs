@@ -755,38 +755,73 @@ impl Layout {
             return;
         };
         let key = (seg.device, pool);
-        let old = std::mem::take(&mut seg.gaps);
-        let new: Vec<u64> = runs_of(addr, seg)
-            .into_iter()
-            .filter(|r| r.kind == RunKind::Free)
-            .map(|r| r.size)
-            .collect();
-        seg.gaps = new.clone();
+        let new = free_gaps(addr, seg);
+        let old = std::mem::replace(&mut seg.gaps, new.clone());
         self.count_gaps(key, &old, false);
         self.count_gaps(key, &new, true);
     }
 
     fn count_gaps(&mut self, key: (i32, Pool), gaps: &[u64], add: bool) {
         let set = self.gaps.entry(key).or_default();
+        let mut counted = 0u64;
         for &g in gaps {
             if add {
                 *set.entry(g).or_default() += 1;
+                counted += 1;
             } else if let Some(n) = set.get_mut(&g) {
                 *n -= 1;
+                counted += 1;
                 if *n == 0 {
                     set.remove(&g);
                 }
             }
         }
+        let t = self.totals.entry(key).or_default();
+        t.free_blocks = if add {
+            t.free_blocks + counted
+        } else {
+            t.free_blocks.saturating_sub(counted)
+        };
         self.refresh_largest(key);
     }
 
     fn refresh_largest(&mut self, key: (i32, Pool)) {
-        let set = self.gaps.get(&key);
-        let t = self.totals.entry(key).or_default();
-        t.largest_free = set.and_then(|s| s.keys().next_back().copied()).unwrap_or(0);
-        t.free_blocks = set.map_or(0, |s| s.values().sum());
+        let largest = self
+            .gaps
+            .get(&key)
+            .and_then(|s| s.keys().next_back().copied())
+            .unwrap_or(0);
+        self.totals.entry(key).or_default().largest_free = largest;
     }
+}
+
+/// The sizes of a segment's free runs in address order ([`runs_of`]'s free runs, without
+/// building the runs: this is done at every block event).
+fn free_gaps(addr: u64, seg: &Segment) -> Vec<u64> {
+    let mut gaps = Vec::new();
+    let mut free = |from: u64, to: u64| match &seg.mapped {
+        None => gaps.push(to - from),
+        Some(ranges) => {
+            for (&s, &e) in ranges.range(..to) {
+                let (s, e) = (s.max(from), e.min(to));
+                if s < e {
+                    gaps.push(e - s);
+                }
+            }
+        }
+    };
+    let mut at = addr;
+    for (&b, block) in &seg.blocks {
+        if b > at {
+            free(at, b);
+        }
+        at = at.max(b + block.size);
+    }
+    let end = addr + seg.size;
+    if at < end {
+        free(at, end);
+    }
+    gaps
 }
 
 /// The runtime's and driver's device allocations (and frees) that can be the allocator's

@@ -41,6 +41,20 @@ struct Held {
     ts: u64,
 }
 
+impl Held {
+    /// As a keyframe keeps it (wall-clock time).
+    fn as_live(&self, space: u32, ptr: u64, wall_offset_ns: i64) -> LiveAlloc {
+        LiveAlloc {
+            space,
+            ptr,
+            size: self.size,
+            device: self.device,
+            op: self.op as u32,
+            ts_ns: self.ts as i64 + wall_offset_ns,
+        }
+    }
+}
+
 pub struct Join {
     live: HashMap<Key, Held>,
     devices: HashMap<(u32, u32), i32>,
@@ -129,14 +143,10 @@ impl Join {
     pub fn snapshot(&self, wall_offset_ns: i64) -> HashMap<u32, JoinState> {
         let mut out: HashMap<u32, JoinState> = HashMap::new();
         for (&(pid, space, ptr), h) in &self.live {
-            out.entry(pid).or_default().live.push(LiveAlloc {
-                space,
-                ptr,
-                size: h.size,
-                device: h.device,
-                op: h.op as u32,
-                ts_ns: h.ts as i64 + wall_offset_ns,
-            });
+            out.entry(pid)
+                .or_default()
+                .live
+                .push(h.as_live(space, ptr, wall_offset_ns));
         }
         for (&(pid, tid), &device) in &self.devices {
             out.entry(pid).or_default().devices.push((tid, device));
@@ -154,14 +164,7 @@ impl Join {
             .live
             .iter()
             .filter(|(k, _)| k.0 == pid)
-            .map(|(&(_, space, ptr), h)| LiveAlloc {
-                space,
-                ptr,
-                size: h.size,
-                device: h.device,
-                op: h.op as u32,
-                ts_ns: h.ts as i64 + wall_offset_ns,
-            })
+            .map(|(&(_, space, ptr), h)| h.as_live(space, ptr, wall_offset_ns))
             .collect();
         let devices = self
             .devices

@@ -455,7 +455,12 @@ impl Registry {
     }
 
     /// Takes up processes an earlier session kept (tracer restarted while they ran).
-    pub fn take_up(&mut self, taken: Vec<super::restore::TakenUp>, shared: &Shared) -> Result<()> {
+    pub fn take_up(
+        &mut self,
+        taken: Vec<super::restore::TakenUp>,
+        gaps: Vec<GapRow>,
+        shared: &Shared,
+    ) -> Result<()> {
         let mut allocators = shared
             .allocators
             .lock()
@@ -470,8 +475,8 @@ impl Registry {
             );
             allocators.restore(t.state);
             self.taken_up.insert(pid);
-            self.gaps.push(t.gap);
         }
+        self.gaps.extend(gaps);
         Ok(())
     }
 

@@ -27,19 +27,38 @@ fn conf_of(conn: &rusqlite::Connection, session: i64, pid: u32) -> Result<AllocC
 /// A process taken up from an earlier session.
 pub struct TakenUp {
     pub state: ProcessState,
-    pub gap: GapRow,
     pub from_session: i64,
+    /// The keyframe it came from (None: that session's first call), and the calls stored after.
+    keyframe: Option<i64>,
+    walked: u64,
+}
+
+impl TakenUp {
+    /// The gap from that session's last call of the process to `to_ns` (when this session's
+    /// probes were attached): marked on its layout, and said.
+    pub fn close_gap(&mut self, to_ns: i64) -> GapRow {
+        let from = self.state.last_ns;
+        self.state.layout.mark_gap(Some(from), to_ns);
+        GapRow {
+            pid: self.state.pid,
+            from_ns: Some(from),
+            to_ns,
+            kind: "restart".into(),
+            detail: format!(
+                "state taken up from session {}: {} and the {} calls it stored after it; the calls between its last one and this session were not seen",
+                self.from_session,
+                self.keyframe
+                    .map_or_else(|| "its first call".to_owned(), |k| format!("its keyframe {k}")),
+                self.walked
+            ),
+        }
+    }
 }
 
 /// The states of the processes running now (in `scope`, or all) that an earlier session of
-/// this boot kept in a keyframe, advanced by that session's later calls of them.
-pub fn take_up(
-    store: &Store,
-    db: &Path,
-    session: i64,
-    now_ns: i64,
-    scope: Option<&[u32]>,
-) -> Result<Vec<TakenUp>> {
+/// this boot kept, advanced by that session's calls of them after its last keyframe. Done
+/// before any probe is attached: probes filling a ring nobody reads yet would lose calls.
+pub fn take_up(store: &Store, db: &Path, scope: Option<&[u32]>) -> Result<Vec<TakenUp>> {
     let boot = boot_id();
     let conn = store.conn();
     // Every process of an earlier session of this boot, with the latest session that knew it.
@@ -51,10 +70,10 @@ pub fn take_up(
                  SELECT s.pid, s.start_time_ns, k.session_id FROM keyframe_states s
                  JOIN keyframes k ON k.id = s.keyframe_id
              ) JOIN sessions ss ON ss.id = session_id
-             WHERE ss.boot_id = ?1 AND session_id < ?2 AND start_time_ns IS NOT NULL
+             WHERE ss.boot_id = ?1 AND start_time_ns IS NOT NULL
              GROUP BY pid, start_time_ns",
         )?
-        .query_map(rusqlite::params![boot, session], |r| {
+        .query_map(rusqlite::params![boot], |r| {
             Ok((r.get(0)?, r.get(1)?, r.get(2)?))
         })?
         .collect::<rusqlite::Result<_>>()
@@ -88,23 +107,11 @@ pub fn take_up(
         if state.events == 0 && keyframe.is_none() {
             continue;
         }
-        let from = state.last_ns;
-        state.layout.mark_gap(Some(from), now_ns);
-        let gap = GapRow {
-            pid,
-            from_ns: Some(from),
-            to_ns: now_ns,
-            kind: "restart".into(),
-            detail: format!(
-                "state taken up from session {from_session}: {} and the {} calls it stored after it; the calls between its last one and this session were not seen",
-                keyframe.map_or_else(|| "its first call".to_owned(), |k| format!("its keyframe {k}")),
-                walked.calls
-            ),
-        };
         out.push(TakenUp {
             state,
-            gap,
             from_session,
+            keyframe,
+            walked: walked.calls,
         });
     }
     Ok(out)

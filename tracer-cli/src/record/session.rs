@@ -221,6 +221,11 @@ impl Recording {
         let explicit = discover::explicit_libraries(&opts.libs)?;
         let who = paths::invoker();
         let mut store = Store::open_writable(&opts.db, who.owner)?;
+        for id in store.close_orphaned_sessions()? {
+            eprintln!("tracer: session {id} was left running by a tracer that is gone: marked crashed (its calls are kept)");
+        }
+        let pid_scope = (!opts.pids.is_empty()).then_some(opts.pids.as_slice());
+        let mut taken = restore::take_up(&store, &opts.db, pid_scope)?;
         let mut probes = Probes::load(LoadOptions {
             // At most 2 GiB: checked above.
             ring_bytes: opts.ring_bytes as u32,
@@ -254,37 +259,27 @@ impl Recording {
             eprintln!("tracer: no CUDA library found yet; watching for processes that load one (rescanning every second)");
         }
         let clock = Clock::now();
-        for id in store.close_orphaned_sessions()? {
-            eprintln!("tracer: session {id} was left running by a tracer that is gone: marked crashed (its calls are kept)");
-        }
         let session = begin_session(&store, &clock, &opts, &pid_filter)?;
         let session_started_ns = clock.wall_now();
-        let taken = restore::take_up(
-            &store,
-            &opts.db,
-            session,
-            session_started_ns,
-            pid_filter.as_deref(),
-        )?;
+        let mut gaps = Vec::new();
         if let Some(from) = taken.iter().map(|t| t.from_session).max() {
             store.set_restored_from(session, from)?;
-            // The session's first keyframe, before any of its calls: reading it from its
-            // start starts from what was taken up.
-            let states = taken
-                .iter()
-                .map(|t| {
-                    Ok(KeyframeState {
-                        pid: t.state.pid,
-                        start_time_ns: t.state.start_time_ns,
-                        data: t.state.encode()?,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
             // Its time is the latest call the states include: before any of this session's.
             let included = taken.iter().map(|t| t.state.last_ns).max().unwrap_or(0);
+            let mut states = Vec::new();
+            for t in &mut taken {
+                gaps.push(t.close_gap(session_started_ns));
+                states.push(KeyframeState {
+                    pid: t.state.pid,
+                    start_time_ns: t.state.start_time_ns,
+                    data: t.state.encode()?,
+                });
+            }
+            // The session's first keyframe, before any of its calls: reading it from its
+            // start starts from what was taken up.
             store.insert_keyframe(session, included, &states)?;
             eprintln!(
-                "tracer: took up the state of {} running process(es) from session {from}'s last keyframe; the gap since is recorded",
+                "tracer: took up the state of {} running process(es) from session {from}; the gap since is recorded",
                 taken.len()
             );
         }
@@ -309,6 +304,7 @@ impl Recording {
                 clock,
                 started_ns: session_started_ns,
                 taken,
+                gaps,
             },
         )?;
         let program_stats = if opts.program_stats {
@@ -606,6 +602,8 @@ struct Begun {
     clock: Clock,
     started_ns: i64,
     taken: Vec<restore::TakenUp>,
+    /// What the processes taken up did unseen, until this session's probes were attached.
+    gaps: Vec<crate::model::run_series::GapRow>,
 }
 
 /// The recording's three threads.
@@ -631,6 +629,7 @@ fn spawn_pipeline(
         clock,
         started_ns,
         taken,
+        gaps,
     } = begun;
     let source = reader::Source {
         ring: probes.take_ring()?,
@@ -680,7 +679,7 @@ fn spawn_pipeline(
         ended: Vec::new(),
         ended_joins: HashMap::new(),
     };
-    registry.take_up(taken, shared)?;
+    registry.take_up(taken, gaps, shared)?;
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);
     let reader = {
         let shared = shared.clone();

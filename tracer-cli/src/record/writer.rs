@@ -110,6 +110,9 @@ pub fn write_loop(
     // creates later, such as a new -wal, are theirs and only where they could create them).
     let _as_user = crate::paths::act_as(opts.owner);
     let result = (|| -> Result<()> {
+        if let Some(max) = opts.max_db {
+            store.limit_log(max)?;
+        }
         // What waits for the next commit: calls, processes and off-CPU records (sites are
         // stored as they arrive, before the calls that point at them).
         let mut pending = Delivery::default();

@@ -26,6 +26,16 @@ pub struct Store {
     path: PathBuf,
 }
 
+/// What evicting the current session's oldest calls did.
+enum Evicted {
+    /// Its note.
+    Some(String),
+    /// No keyframe lies past the oldest block: a new one is needed first.
+    NeedKeyframe,
+    /// The session has no call block left.
+    Nothing,
+}
+
 /// What one round of --max-db did.
 #[derive(Debug, Default)]
 pub struct Eviction {
@@ -561,6 +571,26 @@ impl Store {
         Ok(((pages - free).max(0) * size) as u64)
     }
 
+    /// Gives the free pages back to the file system. `PRAGMA incremental_vacuum` frees one page a
+    /// step: run as one statement (sqlite3_exec, `execute_batch`) it frees a single page.
+    fn give_back_free_pages(&self) -> Result<()> {
+        let mut stmt = self.conn.prepare("PRAGMA incremental_vacuum")?;
+        let mut rows = stmt.query([])?;
+        while rows.next()?.is_some() {}
+        Ok(())
+    }
+
+    /// Keeps the write-ahead log to a small share of --max-db: a checkpoint once it holds an
+    /// eighth of it (at least 64 pages).
+    pub fn limit_log(&self, max_bytes: u64) -> Result<()> {
+        let page: i64 = self.conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+        let pages = (max_bytes as i64 / 8 / page.max(512)).max(64);
+        self.conn
+            .pragma_update(None, "wal_autocheckpoint", pages)
+            .with_context(|| format!("set the log's checkpoint of {}", self.path.display()))?;
+        Ok(())
+    }
+
     /// Bytes of the write-ahead log beside the database.
     pub fn wal_bytes(&self) -> u64 {
         let mut name = self.path.clone().into_os_string();
@@ -568,9 +598,15 @@ impl Store {
         std::fs::symlink_metadata(name).map_or(0, |m| m.len())
     }
 
-    /// What --max-db counts: the database's used pages and its write-ahead log.
+    /// What --max-db counts: the database file (its pages, free ones included) and its
+    /// write-ahead log.
     pub fn footprint(&self) -> Result<u64> {
-        Ok(self.used_bytes()? + self.wal_bytes())
+        let (pages, size): (i64, i64) = self.conn.query_row(
+            "SELECT (SELECT page_count FROM pragma_page_count), (SELECT page_size FROM pragma_page_size)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        Ok((pages.max(0) * size) as u64 + self.wal_bytes())
     }
 
     /// Keeps the database, its log included, under `max_bytes`: once it passes nine tenths of
@@ -582,6 +618,8 @@ impl Store {
         if self.footprint()? <= max_bytes / 10 * 9 {
             return Ok(out);
         }
+        // The log first: what a checkpoint gives back costs no data.
+        let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
         while self.footprint()? > max_bytes / 10 * 8 {
             let oldest: Option<(i64, i64)> = self
                 .conn
@@ -601,14 +639,23 @@ impl Store {
                     ));
                 }
                 None => match self.evict_oldest_calls(current)? {
-                    Some(note) => out.notes.push(note),
-                    None => {
+                    Evicted::Some(note) => out.notes.push(note),
+                    Evicted::NeedKeyframe => {
                         out.need_keyframe = true;
+                        break;
+                    }
+                    Evicted::Nothing => {
+                        if self.footprint()? > max_bytes {
+                            bail!(
+                                "--max-db {max_bytes} bytes is smaller than what a session needs beside its calls ({} bytes): raise it",
+                                self.footprint()?
+                            );
+                        }
                         break;
                     }
                 },
             }
-            self.conn.execute_batch("PRAGMA incremental_vacuum")?;
+            self.give_back_free_pages()?;
             // Readers may hold the log: then it is truncated at a later round.
             let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
         }
@@ -661,7 +708,7 @@ impl Store {
     /// a keyframe, exactly the rows they copy, the off-CPU intervals before them and the
     /// keyframes they make useless; counts each kind. None when no keyframe lies past the
     /// oldest block.
-    fn evict_oldest_calls(&mut self, current: i64) -> Result<Option<String>> {
+    fn evict_oldest_calls(&mut self, current: i64) -> Result<Evicted> {
         let tx = self.conn.transaction()?;
         let (blocks, first): (i64, Option<i64>) = tx.query_row(
             "SELECT count(*), min(id) FROM call_blocks WHERE session_id = ?1",
@@ -670,10 +717,7 @@ impl Store {
         )?;
         let Some(first) = first else {
             tx.commit()?;
-            bail!(
-                "--max-db is smaller than what the session needs beside its calls ({} bytes now): raise it",
-                self.footprint()?
-            );
+            return Ok(Evicted::Nothing);
         };
         let tenth: i64 = tx.query_row(
             "SELECT id FROM call_blocks WHERE session_id = ?1 ORDER BY id LIMIT 1 OFFSET ?2",
@@ -693,7 +737,7 @@ impl Store {
                 Some(c) => c,
                 None => {
                     tx.commit()?;
-                    return Ok(None);
+                    return Ok(Evicted::NeedKeyframe);
                 }
             },
         };
@@ -738,7 +782,7 @@ impl Store {
             params![current, n, n - rowless, rowless, offcpu, until.unwrap_or(0)],
         )?;
         tx.commit()?;
-        Ok(Some(format!(
+        Ok(Evicted::Some(format!(
             "--max-db: deleted the oldest {n} events of this session ({} calls, {rowless} allocator block events; what they built is kept in a keyframe)",
             n - rowless
         )))

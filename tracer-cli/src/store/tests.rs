@@ -625,6 +625,12 @@ fn evicting_part_of_the_current_session_keeps_blocks_and_rows_equal() {
         .unwrap();
     assert!(keyframes < 5);
     assert_eq!(first_through + 1, first_block);
+    // The pages the deleted blocks used went back to the file system.
+    let free: i64 = store
+        .conn()
+        .query_row("PRAGMA freelist_count", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(free, 0);
     let (left, rows_left, evicted): (i64, i64, i64) = store
         .conn()
         .query_row(

@@ -131,18 +131,6 @@ pub fn stored_span(path: &Path, session: i64) -> Result<Option<(i64, i64)>> {
     Ok(first.zip(last))
 }
 
-/// Every call of a session recorded in call blocks, in the order the writer stored them (nearly
-/// time order: a call is stored when it returns), one block in memory at a time.
-pub fn stream(path: &Path, session: i64, emit: impl FnMut(Event)) -> Result<()> {
-    if !has_call_blocks(path, session)? {
-        return Err(user_error(format!(
-            "session {session} was recorded by a tracer older than its call blocks (schema 4): \
-             record a new session to export it"
-        )));
-    }
-    read_blocks(path, session, i64::MIN, i64::MAX, i64::MAX, emit)
-}
-
 /// The session's calls kept in its blocks only (the allocator's block events, schema 6).
 fn rowless_calls(path: &Path, session: i64) -> Result<i64> {
     let conn = open_reader(path)?;

@@ -8,7 +8,9 @@
  * request no cached block holds fails: PyTorch's OOM. At the end it writes its own account
  * (segments and blocks) to --account and one JSON line to stdout.
  *
- *   simjob --cudart PATH --seconds S [--until FILE] [--account FILE] [--ready FILE] */
+ * --rate N paces it to N block events a second (the rate a tracer keeps up with).
+ *
+ *   simjob --cudart PATH --seconds S [--rate N] [--until FILE] [--account FILE] [--ready FILE] */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
@@ -280,10 +282,11 @@ static void write_account(const char *path, uint64_t request, uint64_t steps) {
 
 int main(int argc, char **argv) {
     const char *cudart = NULL, *until = NULL, *account = NULL, *ready = NULL;
-    double seconds = 10;
+    double seconds = 10, rate = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--cudart")) cudart = argv[i + 1];
         else if (!strcmp(argv[i], "--seconds")) seconds = atof(argv[i + 1]);
+        else if (!strcmp(argv[i], "--rate")) rate = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--until")) until = argv[i + 1];
         else if (!strcmp(argv[i], "--account")) account = argv[i + 1];
         else if (!strcmp(argv[i], "--ready")) ready = argv[i + 1];
@@ -293,7 +296,7 @@ int main(int argc, char **argv) {
         }
     }
     if (!cudart) {
-        fprintf(stderr, "usage: simjob --cudart PATH [--seconds S] [--until FILE] [--account FILE] [--ready FILE]\n");
+        fprintf(stderr, "usage: simjob --cudart PATH [--seconds S] [--rate N] [--until FILE] [--account FILE] [--ready FILE]\n");
         return 2;
     }
     void *rt = dlopen(cudart, RTLD_NOW | RTLD_GLOBAL);
@@ -327,9 +330,14 @@ int main(int argc, char **argv) {
     }
     struct block *kept[KEPT] = {0};
     uint64_t step = 0;
-    double end = now_s() + seconds;
+    double start = now_s(), end = start + seconds;
+    uint64_t paced_from = events;
     for (;;) {
         if ((step & 255) == 0 && now_s() >= end && !(until && access(until, F_OK) != 0)) break;
+        if ((step & 255) == 0 && rate > 0) {
+            double ahead = (double)(events - paced_from) / rate - (now_s() - start);
+            if (ahead > 0) usleep((useconds_t)(ahead * 1e6));
+        }
         uint64_t seq = randint(16, 256);
         struct block *t[10];
         for (int i = 0; i < 4; i++) t[i] = alloc_block(seq * randint(8, 40) * KIB);

@@ -547,7 +547,6 @@ fn run_simulated(
         &format!("simulated: events reported by the simulated runtime; {outcome}"),
         "complete",
     )?;
-    store.secure_files(owner)?;
     watch.finish(db, session);
     let _as_user = paths::act_as(owner);
     drop(log_dir);

@@ -236,6 +236,26 @@ pub fn create_parent_dirs(db: &Path, owner: Option<(u32, u32)>) -> Result<()> {
 /// descriptor opened without following links; the file must be a regular file owned by the
 /// one it is for (`owner`, else this process's user). Call it inside [`act_as`]. A file that
 /// does not exist is left alone.
+/// Creates `file` empty with mode 0600 unless it exists (as the current file-system ids; a link
+/// in its place is refused).
+pub fn create_private(file: &Path) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(file)
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(crate::exit::user_error(format!(
+            "create {}: {e}: pass a --db in a folder the invoking user can write",
+            file.display()
+        ))),
+    }
+}
+
 pub fn make_private(file: &Path, owner: Option<(u32, u32)>) -> Result<()> {
     use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
     let opened = std::fs::OpenOptions::new()

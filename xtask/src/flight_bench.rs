@@ -39,6 +39,10 @@ pub struct FlightBenchArgs {
     keyframe_secs: u64,
     #[arg(long, default_value_t = 3)]
     keyframe_rounds: usize,
+    /// Block events a second the long run's job fires (the rate tracer keeps up with here, the
+    /// read side running beside it); 0: as fast as it can.
+    #[arg(long, default_value_t = 600_000)]
+    rate: u64,
 }
 
 struct Setup {
@@ -48,13 +52,13 @@ struct Setup {
 }
 
 impl Setup {
-    fn job(&self, secs: u64, account: Option<&Path>) -> Command {
+    fn job(&self, secs: u64, rate: u64, account: Option<&Path>) -> Command {
         let mut cmd = Command::new(self.sim.join("simjob"));
         cmd.env("SIMCUDA_MEM", "512MiB")
             .env("SIMCUDA_LATENCY", "default=0")
             .arg("--cudart")
             .arg(self.sim.join("libcudart.so.12"))
-            .args(["--seconds", &secs.to_string()]);
+            .args(["--seconds", &secs.to_string(), "--rate", &rate.to_string()]);
         if let Some(a) = account {
             cmd.arg("--account").arg(a);
         }
@@ -75,7 +79,7 @@ fn keyframe_run(s: &Setup, secs: u64, extra: &[&str]) -> Result<(f64, u64)> {
     let before = children_cpu_s();
     let tracer = s.trace(&db, extra)?;
     let started = children_cpu_s();
-    let out = s.job(secs, None).output().context("run simjob")?;
+    let out = s.job(secs, 0, None).output().context("run simjob")?;
     let job_cpu = children_cpu_s() - started;
     let summary = tracer.stop()?;
     ensure!(
@@ -88,7 +92,7 @@ fn keyframe_run(s: &Setup, secs: u64, extra: &[&str]) -> Result<(f64, u64)> {
 }
 
 /// Wall seconds and peak RSS (MiB) of a command run to its end.
-fn measured(cmd: &mut Command, stdin: Option<&str>) -> Result<(f64, f64)> {
+fn measured(cmd: &mut Command, stdin: Option<&str>, errors: &Path) -> Result<(f64, f64)> {
     let t = Instant::now();
     let mut child = cmd
         .stdin(if stdin.is_some() {
@@ -96,8 +100,14 @@ fn measured(cmd: &mut Command, stdin: Option<&str>) -> Result<(f64, f64)> {
         } else {
             Stdio::null()
         })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        // Only MCP's answers are read: other output is dropped, and the errors go to a file, so
+        // that no pipe fills while wait4 waits.
+        .stdout(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stderr(std::fs::File::create(errors).context("create the errors' file")?)
         .spawn()
         .with_context(|| format!("run {cmd:?}"))?;
     if let Some(text) = stdin {
@@ -110,10 +120,7 @@ fn measured(cmd: &mut Command, stdin: Option<&str>) -> Result<(f64, f64)> {
     let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut ru) };
     ensure!(pid > 0, "wait4 failed");
     let wall = t.elapsed().as_secs_f64();
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        let _ = std::io::Read::read_to_string(&mut e, &mut err);
-    }
+    let err = std::fs::read_to_string(errors).unwrap_or_default();
     ensure!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "{cmd:?} failed: {err}"
@@ -159,6 +166,7 @@ fn read_side(s: &Setup, db: &Path) -> Result<Vec<(&'static str, f64, f64)>> {
     let db_arg = db.display().to_string();
     let html = s.tmp.join("flight.html").display().to_string();
     let trace = s.tmp.join("flight.pftrace").display().to_string();
+    let errors = s.tmp.join("flight-read.err");
     let runs: [(&'static str, Vec<&str>); 4] = [
         ("explain", vec!["explain", "--json", "--db", &db_arg]),
         ("layout --at end", vec!["layout", "--json", "--db", &db_arg]),
@@ -172,12 +180,13 @@ fn read_side(s: &Setup, db: &Path) -> Result<Vec<(&'static str, f64, f64)>> {
     ];
     let mut out = Vec::new();
     for (what, args) in runs {
-        let (wall, rss) = measured(Command::new(t).args(&args), None)?;
+        let (wall, rss) = measured(Command::new(t).args(&args), None, &errors)?;
         out.push((what, wall, rss));
     }
     let (wall, rss) = measured(
         Command::new(t).args(["mcp", "--db", &db_arg]),
         Some("explain"),
+        &errors,
     )?;
     out.push(("mcp explain", wall, rss));
     Ok(out)
@@ -291,7 +300,7 @@ pub fn run(args: FlightBenchArgs) -> Result<()> {
     let tracer = s.trace(&db, &["--max-db", &args.max_db])?;
     let started = Instant::now();
     let mut job = s
-        .job(args.minutes * 60, Some(&account))
+        .job(args.minutes * 60, args.rate, Some(&account))
         .stdout(Stdio::piped())
         .spawn()
         .context("start simjob")?;
@@ -340,7 +349,10 @@ pub fn run(args: FlightBenchArgs) -> Result<()> {
     let rebuilt = segments(&layout[0]["segments"], "addr", "runs", "addr");
     let own = segments(&truth["segments"], "ptr", "blocks", "ptr");
     let fired = rep["block_events"].as_u64().unwrap_or(0);
-    println!("long run: {} min, --max-db {}", args.minutes, args.max_db);
+    println!(
+        "long run: {} min, --max-db {}, the job paced to {} block events a second",
+        args.minutes, args.max_db, args.rate
+    );
     println!(
         "  the job fired {fired} block events ({:.0} a second), {} steps",
         fired as f64 / started.elapsed().as_secs_f64(),

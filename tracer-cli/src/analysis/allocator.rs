@@ -253,6 +253,14 @@ impl<'a> Replay<'a> {
         }
     }
 
+    /// Goes on from `state` (the keyframe after calls --max-db deleted): the layout and the
+    /// early warning's state are the keyframe's, the findings so far stay.
+    pub fn resume(&mut self, state: &ProcessState) {
+        self.layout = state.layout.clone();
+        self.pressure = state.pressure.clone();
+        self.pending = None;
+    }
+
     /// The findings at the window's end.
     pub fn finish(mut self) -> Findings {
         while self.next_sample <= SAMPLES {

@@ -4,13 +4,14 @@
 //! the volume (tens of thousands a second), so memory is the live state and the CUDA calls,
 //! never the block events.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use tracer_common::{Op, OpClass};
 
 use super::{allocator, Inputs};
 use crate::model::{
-    layout::AllocConf, state::ProcessState, Event, SiteLabels, StackId, Window, NO_DEVICE,
+    layout::AllocConf, run_series::Hole, state::ProcessState, Event, SiteLabels, StackId, Window,
+    NO_DEVICE,
 };
 
 /// One op's calls (in the window): their count, errors, bytes and durations (zeros counted,
@@ -75,23 +76,7 @@ impl<'a> Collector<'a> {
     pub fn new(window: Window, inputs: &Inputs<'a>, starts: Vec<ProcessState>) -> Collector<'a> {
         let mut calls = Vec::new();
         for s in &starts {
-            calls.extend(s.live.values().filter_map(|a| {
-                let op = a.op()?;
-                (op.spec().class == OpClass::Alloc).then_some(Event {
-                    ts_ns: a.ts_ns,
-                    duration_ns: 0,
-                    size: a.size,
-                    ptr: a.ptr,
-                    aux0: 0,
-                    aux1: 0,
-                    pid: s.pid,
-                    tid: 0,
-                    ret: 0,
-                    device: a.device.unwrap_or(NO_DEVICE),
-                    stack: None,
-                    op,
-                })
-            }));
+            calls.extend(live_allocations(s, i64::MIN));
         }
         calls.sort_by_key(|e| e.ts_ns);
         Collector {
@@ -129,6 +114,29 @@ impl<'a> Collector<'a> {
         }
     }
 
+    /// Goes on after calls --max-db deleted (`hole`) from the processes' states after them: the
+    /// allocator replays resume from them; allocations the calls kept show as freed unless
+    /// still live there, and those made in the hole and still live join the calls.
+    pub fn resume(&mut self, hole: &Hole, states: Vec<ProcessState>) {
+        for s in states {
+            if let Some((replay, _)) = self.processes.get_mut(&s.pid) {
+                replay.resume(&s);
+            }
+            let live: HashSet<u64> = s.live.values().map(|a| a.ptr).collect();
+            let freed_unseen: HashSet<usize> = open_allocations(&self.calls, s.pid)
+                .into_iter()
+                .filter(|&i| !live.contains(&self.calls[i].ptr))
+                .collect();
+            let mut i = 0;
+            self.calls.retain(|_| {
+                i += 1;
+                !freed_unseen.contains(&(i - 1))
+            });
+            self.calls.extend(live_allocations(&s, hole.from_ns));
+            self.starts.insert(s.pid, s);
+        }
+    }
+
     pub fn finish(self) -> Collected {
         let mut calls = self.calls;
         // Calls come in time order, the keyframe's allocations before them: a stable sort of
@@ -143,4 +151,48 @@ impl<'a> Collector<'a> {
                 .collect(),
         }
     }
+}
+
+/// A state's live allocations made at or after `since_ns`, as the calls that made them.
+fn live_allocations(s: &ProcessState, since_ns: i64) -> impl Iterator<Item = Event> + '_ {
+    s.live
+        .values()
+        .filter(move |a| a.ts_ns >= since_ns)
+        .filter_map(|a| {
+            let op = a.op()?;
+            (op.spec().class == OpClass::Alloc).then_some(Event {
+                ts_ns: a.ts_ns,
+                duration_ns: 0,
+                size: a.size,
+                ptr: a.ptr,
+                aux0: 0,
+                aux1: 0,
+                pid: s.pid,
+                tid: 0,
+                ret: 0,
+                device: a.device.unwrap_or(NO_DEVICE),
+                stack: None,
+                op,
+            })
+        })
+}
+
+/// Where `pid`'s allocations that no later call freed lie in `calls`.
+fn open_allocations(calls: &[Event], pid: u32) -> Vec<usize> {
+    let mut open: HashMap<u64, usize> = HashMap::new();
+    for (i, c) in calls.iter().enumerate() {
+        if c.pid != pid || c.ret != 0 {
+            continue;
+        }
+        match c.class() {
+            OpClass::Alloc => {
+                open.insert(c.ptr, i);
+            }
+            OpClass::Free => {
+                open.remove(&c.ptr);
+            }
+            _ => {}
+        }
+    }
+    open.into_values().collect()
 }

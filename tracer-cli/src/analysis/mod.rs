@@ -576,6 +576,13 @@ pub struct Coverage {
     /// Where the detail was evicted: the whole-run series' figures, per process and device.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub before_detail: Vec<SpanFigures>,
+    /// Evicted spans the walk passed between kept parts (it resumed from the keyframe after
+    /// each).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub holes: Vec<crate::model::run_series::Hole>,
+    /// The detail kept from eviction around incidents.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kept: Vec<crate::model::run_series::KeptRow>,
     /// Processes whose allocator state was not (or is not) exactly known in the window.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub states: Vec<StateNote>,
@@ -612,6 +619,24 @@ impl Coverage {
             format_utc(from),
             format_utc(window.from_ns)
         ));
+        }
+        for k in &c.kept {
+            lines.push(format!(
+                "Kept from eviction around {}: {} .. {} (`tracer explain --from {} --to {}`)",
+                k.reason,
+                format_utc(k.from_ns),
+                format_utc(k.to_ns),
+                k.from_ns,
+                k.to_ns
+            ));
+        }
+        for h in &c.holes {
+            lines.push(format!(
+                "Evicted within the window: {} events from {} to {}; the state after them was read from a keyframe",
+                h.calls,
+                format_utc(h.from_ns),
+                format_utc(h.to_ns)
+            ));
         }
         if !c.before_detail.is_empty() {
             lines.push("Before the detail (the whole-run series, which eviction keeps):".into());

@@ -81,10 +81,14 @@ fn export_perfetto(
     let begin = query::begin(conn, info.id, i64::MIN, pid)?;
     writer.start_from(begin.states.iter().cloned());
     let mut failed = None;
-    query::walk(db, info.id, &begin, i64::MAX, pid, |e| {
-        if failed.is_none() {
-            failed = writer.call(e).err();
+    query::walk(db, info.id, &begin, i64::MAX, pid, |step| match step {
+        query::Step::Call(e) => {
+            if failed.is_none() {
+                failed = writer.call(e).err();
+            }
         }
+        // The calls of the hole were evicted: the allocators go on from the keyframe after it.
+        query::Step::Resume { states, .. } => writer.start_from(states),
     })?;
     if let Some(e) = failed {
         return Err(e);

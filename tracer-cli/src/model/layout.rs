@@ -196,8 +196,35 @@ struct Segment {
     /// Its pool, once known (a block or a mapping said).
     pool: Option<Pool>,
     blocks: BTreeMap<u64, Block>,
-    /// The free gaps' sizes, as last counted into the pool's multiset.
-    gaps: Vec<u64>,
+}
+
+impl Segment {
+    /// Its free gaps' sizes, as counted in its pool's multiset (once it has a pool).
+    fn counted_gaps(&self, addr: u64) -> Vec<u64> {
+        if self.pool.is_some() {
+            free_gaps(addr, self)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The free span around [from, to) an unmapped segment's blocks leave (the blocks from
+    /// `from` up to `to` not counted): from the end of the block before to the start of the one
+    /// after. None where the blocks overlap it (the exact recount is needed).
+    fn span_around(&self, addr: u64, from: u64, to: u64) -> Option<(u64, u64)> {
+        if self.mapped.is_some() || self.pool.is_none() {
+            return None;
+        }
+        let lo = match self.blocks.range(..from).next_back() {
+            Some((&b, block)) => b + block.size,
+            None => addr,
+        };
+        let hi = match self.blocks.range(from.saturating_add(1)..).next() {
+            Some((&b, _)) => b,
+            None => addr + self.size,
+        };
+        (lo <= from && to <= hi).then_some((lo, hi))
+    }
 }
 
 /// One segment as a map, for `tracer layout`.
@@ -424,7 +451,6 @@ impl Layout {
                 mapped,
                 pool: None,
                 blocks: BTreeMap::new(),
-                gaps: Vec::new(),
             },
         );
         if !expandable {
@@ -443,7 +469,7 @@ impl Layout {
         match seg.pool {
             Some(pool) => {
                 let key = (seg.device, pool);
-                self.count_gaps(key, &seg.gaps, false);
+                self.count_gaps(key, &seg.counted_gaps(addr), false);
                 let t = self.totals.entry(key).or_default();
                 t.reserved = t.reserved.saturating_sub(reserved_of(&seg));
                 t.allocated = t
@@ -467,6 +493,7 @@ impl Layout {
         let Some(seg) = self.segments.get_mut(&addr) else {
             return;
         };
+        let before = seg.counted_gaps(addr);
         let Some(ranges) = seg.mapped.as_mut() else {
             return;
         };
@@ -487,7 +514,7 @@ impl Layout {
             let delta = size as i64 * if mapped { 1 } else { -1 };
             let t = self.totals.entry(key).or_default();
             t.reserved = (t.reserved as i64 + delta).max(0) as u64;
-            self.regap(addr);
+            self.regap(addr, &before);
         }
     }
 
@@ -523,7 +550,7 @@ impl Layout {
             }
             let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
             self.totals.entry(key).or_default().reserved += reserved_of(seg);
-            self.regap(addr);
+            self.regap(addr, &[]);
         }
         let Some(seg) = self.segments.get_mut(&addr) else {
             return;
@@ -545,6 +572,12 @@ impl Layout {
         } else {
             gap_end.saturating_sub(e.ptr).max(rounded)
         };
+        let span = seg.span_around(addr, e.ptr, e.ptr.saturating_add(size));
+        let before = if span.is_some() {
+            Vec::new()
+        } else {
+            seg.counted_gaps(addr)
+        };
         seg.blocks.insert(
             e.ptr,
             Block {
@@ -558,7 +591,18 @@ impl Layout {
         );
         self.settle(e.ts_ns);
         self.totals.entry(key).or_default().allocated += size;
-        self.regap(addr);
+        match span {
+            // The span it landed in is cut in two (either may be empty).
+            Some((lo, hi)) => {
+                let end = e.ptr + size;
+                let after: Vec<u64> = [e.ptr - lo, hi - end]
+                    .into_iter()
+                    .filter(|&g| g > 0)
+                    .collect();
+                self.swap_gaps(key, &[hi - lo], &after);
+            }
+            None => self.regap(addr, &before),
+        }
     }
 
     /// A block where no known segment lies: its segment was created unseen.
@@ -597,6 +641,7 @@ impl Layout {
         if stale.is_empty() {
             return;
         }
+        let before = seg.counted_gaps(addr);
         let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
         let mut bytes = 0;
         for b in &stale {
@@ -609,7 +654,7 @@ impl Layout {
         self.unknown.freed_unseen_bytes += bytes;
         let t = self.totals.entry(key).or_default();
         t.allocated = t.allocated.saturating_sub(bytes);
-        self.regap(addr);
+        self.regap(addr, &before);
         self.evidence(e.ts_ns);
     }
 
@@ -726,10 +771,23 @@ impl Layout {
         self.block_events += 1;
         let found = self.segment_at(e.ptr).and_then(|addr| {
             let seg = self.segments.get_mut(&addr)?;
+            let size = seg.blocks.get(&e.ptr)?.size;
+            let span = seg.span_around(addr, e.ptr, e.ptr.saturating_add(size));
+            let before = if span.is_some() {
+                Vec::new()
+            } else {
+                seg.counted_gaps(addr)
+            };
             let block = seg.blocks.remove(&e.ptr)?;
-            Some((addr, (seg.device, seg.pool.unwrap_or(Pool::Large)), block))
+            Some((
+                addr,
+                (seg.device, seg.pool.unwrap_or(Pool::Large)),
+                block,
+                span,
+                before,
+            ))
         });
-        let Some((addr, key, block)) = found else {
+        let Some((addr, key, block, span, before)) = found else {
             if self.orphans.remove(&e.ptr).is_none() {
                 self.unexplained.unmatched_frees += 1;
                 self.evidence(e.ts_ns);
@@ -738,7 +796,18 @@ impl Layout {
         };
         let t = self.totals.entry(key).or_default();
         t.allocated = t.allocated.saturating_sub(block.size);
-        self.regap(addr);
+        match span {
+            // The spans on either side of it (either may be empty) become one.
+            Some((lo, hi)) => {
+                let end = e.ptr + block.size;
+                let old: Vec<u64> = [e.ptr - lo, hi - end]
+                    .into_iter()
+                    .filter(|&g| g > 0)
+                    .collect();
+                self.swap_gaps(key, &old, &[hi - lo]);
+            }
+            None => self.regap(addr, &before),
+        }
         if !block.carried && !self.unknown.exact() {
             let life = self.block_events - block.event;
             self.unknown.longest_life_events = self.unknown.longest_life_events.max(life);
@@ -746,9 +815,9 @@ impl Layout {
         self.settle(e.ts_ns);
     }
 
-    /// Recounts a segment's free gaps into its pool's multiset.
-    fn regap(&mut self, addr: u64) {
-        let Some(seg) = self.segments.get_mut(&addr) else {
+    /// Recounts a segment's free gaps into its pool's multiset, where they were `before`.
+    fn regap(&mut self, addr: u64, before: &[u64]) {
+        let Some(seg) = self.segments.get(&addr) else {
             return;
         };
         let Some(pool) = seg.pool else {
@@ -756,12 +825,23 @@ impl Layout {
         };
         let key = (seg.device, pool);
         let new = free_gaps(addr, seg);
-        let old = std::mem::replace(&mut seg.gaps, new.clone());
-        self.count_gaps(key, &old, false);
-        self.count_gaps(key, &new, true);
+        self.swap_gaps(key, before, &new);
+    }
+
+    /// Takes the pool's free gaps `old` out of its multiset and counts `new` in.
+    fn swap_gaps(&mut self, key: (i32, Pool), old: &[u64], new: &[u64]) {
+        self.tally_gaps(key, old, false);
+        self.tally_gaps(key, new, true);
+        self.refresh_largest(key);
     }
 
     fn count_gaps(&mut self, key: (i32, Pool), gaps: &[u64], add: bool) {
+        self.tally_gaps(key, gaps, add);
+        self.refresh_largest(key);
+    }
+
+    /// Counts `gaps` into (or out of) the pool's multiset and free-block count.
+    fn tally_gaps(&mut self, key: (i32, Pool), gaps: &[u64], add: bool) {
         let set = self.gaps.entry(key).or_default();
         let mut counted = 0u64;
         for &g in gaps {
@@ -782,7 +862,6 @@ impl Layout {
         } else {
             t.free_blocks.saturating_sub(counted)
         };
-        self.refresh_largest(key);
     }
 
     fn refresh_largest(&mut self, key: (i32, Pool)) {
@@ -974,6 +1053,54 @@ mod tests {
     }
 
     const SEG: u64 = 0x7f00_0000_0000;
+
+    /// The free gaps counted as blocks come and go (only the spans beside each one) equal a
+    /// recount of every segment's gaps, through random allocations and frees in three segments
+    /// of both pools, healing overlaps included.
+    #[test]
+    fn free_gaps_counted_as_blocks_come_and_go_equal_a_recount() {
+        let mut l = Layout::default();
+        let segs = [
+            (SEG, SMALL_SEGMENT),
+            (SEG + (1 << 30), LARGE_SEGMENT),
+            (SEG + (2 << 30), 64 << 20),
+        ];
+        for (a, size) in segs {
+            l.apply(&ev(Op::CudaMalloc, a, size));
+        }
+        let mut held: Vec<u64> = Vec::new();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for step in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let (a, size) = segs[(x % 3) as usize];
+            if x % 5 < 2 && !held.is_empty() {
+                let ptr = held.swap_remove((x >> 8) as usize % held.len());
+                l.apply(&ev(Op::TorchFree, ptr, 0));
+            } else {
+                let unit = if size == SMALL_SEGMENT { 512 } else { 1 << 20 };
+                let ptr = a + (x >> 20) % (size / unit) * unit;
+                let req = 1 + (x >> 40) % (4 * unit);
+                l.apply(&ev(Op::TorchMalloc, ptr, req));
+                held.push(ptr);
+            }
+            let mut counted: BTreeMap<(i32, Pool), (u64, u64)> = BTreeMap::new();
+            for (&addr, seg) in &l.segments {
+                if let Some(pool) = seg.pool {
+                    let c = counted.entry((seg.device, pool)).or_default();
+                    for g in free_gaps(addr, seg) {
+                        c.0 += 1;
+                        c.1 = c.1.max(g);
+                    }
+                }
+            }
+            for (key, s) in l.stats() {
+                let c = counted.get(key).copied().unwrap_or_default();
+                assert_eq!((s.free_blocks, s.largest_free), c, "step {step}, {key:?}");
+            }
+        }
+    }
 
     #[test]
     fn small_pool_splits_and_merges_as_pytorch() {

@@ -72,6 +72,30 @@ pub struct GapRow {
     pub detail: String,
 }
 
+/// Blocks --max-db deleted between two kept parts of a session (SCHEMA.md, `holes`): a walk
+/// that reaches one resumes at the keyframe after `through_block`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Hole {
+    #[serde(skip)]
+    pub after_block: i64,
+    #[serde(skip)]
+    pub through_block: i64,
+    /// The first and last call deleted (wall ns).
+    pub from_ns: i64,
+    pub to_ns: i64,
+    /// Calls and block events deleted.
+    pub calls: i64,
+}
+
+/// Detail --max-db kept around incidents (SCHEMA.md, `kept`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KeptRow {
+    pub from_ns: i64,
+    pub to_ns: i64,
+    /// The incidents: OOM, failed allocation, early warning.
+    pub reason: String,
+}
+
 #[derive(Default)]
 struct Interval {
     start_ns: i64,

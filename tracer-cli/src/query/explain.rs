@@ -11,8 +11,8 @@ use rusqlite::Connection;
 use crate::{
     analysis::{self, Collector, Coverage, Evicted, Host, Inputs, Report, SpanFigures},
     exit::user_error,
-    model::{layout::AllocConf, Event, MessageRow, Rank, SiteLabels, Window},
-    store::{events, series, Access, Store},
+    model::{layout::AllocConf, state::ProcessState, Event, MessageRow, Rank, SiteLabels, Window},
+    store::{events, series, walk::Hole, Access, Store},
     units::format_utc,
 };
 
@@ -157,10 +157,13 @@ fn span(db: &Path, session: i64, pid: Option<u32>, to: Option<i64>) -> Result<Op
         return Ok((first <= to).then_some((first, last.min(to))));
     }
     let mut span: Option<(i64, i64)> = None;
-    crate::store::walk::walk(db, session, 0, to, pid, |e| {
-        span = Some(span.map_or((e.ts_ns, e.ts_ns), |(a, b)| {
-            (a.min(e.ts_ns), b.max(e.ts_ns))
-        }));
+    crate::store::walk::walk(db, session, 0, to, pid, |step| {
+        if let crate::store::walk::Step::Call(e) = step {
+            span = Some(span.map_or((e.ts_ns, e.ts_ns), |(a, b)| {
+                (a.min(e.ts_ns), b.max(e.ts_ns))
+            }));
+        }
+        Ok(())
     })?;
     Ok(span)
 }
@@ -175,6 +178,8 @@ pub fn explain(db: &Path, q: &ExplainQuery) -> Result<Explained> {
 pub trait Visit {
     fn start(&mut self, _begin: &super::Begin) {}
     fn call(&mut self, e: &Event);
+    /// The walk passed a hole --max-db left: the processes' states after it.
+    fn resume(&mut self, _hole: &Hole, _states: &[ProcessState]) {}
 }
 
 impl Visit for () {
@@ -207,15 +212,30 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
     let inputs = known.inputs();
     let mut collector = Collector::new(window, &inputs, begin.states.clone());
     let mut implausible: Option<Event> = None;
-    super::walk(db, session, &begin, window.to_ns, q.pid, |e| {
-        if implausible.is_none()
-            && events::check_plausible(session, std::slice::from_ref(e)).is_err()
-        {
-            implausible = Some(*e);
-        }
-        collector.feed(e);
-        visit.call(e);
-    })?;
+    let mut holes = Vec::new();
+    super::walk(
+        db,
+        session,
+        &begin,
+        window.to_ns,
+        q.pid,
+        |step| match step {
+            super::Step::Call(e) => {
+                if implausible.is_none()
+                    && events::check_plausible(session, std::slice::from_ref(e)).is_err()
+                {
+                    implausible = Some(*e);
+                }
+                collector.feed(e);
+                visit.call(e);
+            }
+            super::Step::Resume { hole, states } => {
+                visit.resume(hole, &states);
+                collector.resume(hole, states);
+                holes.push(*hole);
+            }
+        },
+    )?;
     if let Some(e) = implausible {
         events::check_plausible(session, &[e])?;
     }
@@ -224,7 +244,7 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
         analysis::analyze_collected(session, collector.finish(), &host, window, &inputs);
     report.coverage = Coverage {
         states: std::mem::take(&mut report.coverage.states),
-        ..coverage(conn, session, q.pid, &begin, clipped_from)?
+        ..coverage(conn, session, q.pid, &begin, clipped_from, holes)?
     };
     let explained = Explained {
         report,
@@ -242,6 +262,7 @@ fn coverage(
     pid: Option<u32>,
     begin: &super::Begin,
     clipped_from: Option<i64>,
+    holes: Vec<Hole>,
 ) -> Result<Coverage> {
     let s = events::session_summary(conn, session)?;
     let evicted = (s.evicted_events > 0).then_some(Evicted {
@@ -266,6 +287,8 @@ fn coverage(
         evicted,
         gaps,
         before_detail,
+        holes,
+        kept: series::kept(conn, session)?,
         states: Vec::new(),
     })
 }

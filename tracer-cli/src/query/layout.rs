@@ -8,7 +8,7 @@ use rusqlite::params;
 
 use crate::{
     exit::user_error,
-    model::{state::ProcessState, Event},
+    model::state::ProcessState,
     store::{events, Access, Store},
 };
 
@@ -87,7 +87,17 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         .iter()
         .map(|s| (s.pid, (s.clone(), s.last_ns)))
         .collect();
-    super::walk(db, info.id, &begin, at_ns, q.pid, |e: &Event| {
+    super::walk(db, info.id, &begin, at_ns, q.pid, |step| {
+        let e = match step {
+            super::Step::Call(e) => e,
+            super::Step::Resume { states: after, .. } => {
+                for s in after {
+                    let last = s.last_ns;
+                    states.insert(s.pid, (s, last));
+                }
+                return;
+            }
+        };
         let (s, last) = states.entry(e.pid).or_insert_with(|| {
             let conf = confs
                 .get(&e.pid)
@@ -213,7 +223,14 @@ pub fn layout_timeline(
         .map(|s| (s.pid, s.layout.clone()))
         .collect();
     let mut failed = None;
-    super::walk(db, info.id, &begin, i64::MAX, pid, |e| {
+    super::walk(db, info.id, &begin, i64::MAX, pid, |step| {
+        let e = match step {
+            super::Step::Call(e) => e,
+            super::Step::Resume { states, .. } => {
+                layouts.extend(states.into_iter().map(|s| (s.pid, s.layout)));
+                return;
+            }
+        };
         if failed.is_some() {
             return;
         }

@@ -19,7 +19,7 @@ use crate::{
     model::{state::ProcessState, Event},
     store::{
         keyframes::{self, Keyframe, Start},
-        walk::{self, Walked},
+        walk::{self, Hole, Walked},
     },
 };
 
@@ -55,15 +55,57 @@ pub fn begin(conn: &Connection, session: i64, from_ns: i64, pid: Option<u32>) ->
     Ok(Begin { start, states })
 }
 
+/// What a walk hands on.
+pub enum Step<'a> {
+    /// The next call.
+    Call(&'a Event),
+    /// --max-db deleted the calls of `hole` (the detail kept around incidents lies on either
+    /// side): the processes' states at its end replace those the walk built.
+    Resume {
+        hole: &'a Hole,
+        states: Vec<ProcessState>,
+    },
+}
+
 /// Hands `visit` the calls of `session` (of `pid`, or all) after `begin`'s keyframe that began
-/// at or before `to_ns`, in time order.
+/// at or before `to_ns`, in time order, and the states to resume from at each hole.
 pub fn walk(
     db: &Path,
     session: i64,
     begin: &Begin,
     to_ns: i64,
     pid: Option<u32>,
-    visit: impl FnMut(&Event),
+    mut visit: impl FnMut(Step<'_>),
 ) -> Result<Walked> {
-    walk::walk(db, session, begin.start.after_block(), to_ns, pid, visit)
+    let conn = crate::store::events::open_reader(db)?;
+    walk::walk(db, session, begin.start.after_block(), to_ns, pid, |step| {
+        match step {
+            walk::Step::Call(e) => visit(Step::Call(e)),
+            walk::Step::Hole(hole) => {
+                let states = match keyframes::at_block(&conn, session, hole.through_block)? {
+                    Some(k) => keyframes::states(&conn, &k, pid)?,
+                    None => Vec::new(),
+                };
+                visit(Step::Resume { hole, states });
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Hands `visit` the calls only: for answers that keep no state across a hole (counts).
+pub fn walk_calls(
+    db: &Path,
+    session: i64,
+    begin: &Begin,
+    to_ns: i64,
+    pid: Option<u32>,
+    mut visit: impl FnMut(&Event),
+) -> Result<Walked> {
+    walk::walk(db, session, begin.start.after_block(), to_ns, pid, |step| {
+        if let walk::Step::Call(e) = step {
+            visit(e);
+        }
+        Ok(())
+    })
 }

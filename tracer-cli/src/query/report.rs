@@ -15,7 +15,9 @@ use crate::{
         figures::Figures,
         layout::AllocConf,
         live::{self, LiveAllocators},
+        run_series::Hole,
         series::{Line, Sample, Timeline},
+        state::ProcessState,
         Event, MessageRow,
     },
     query::{
@@ -181,6 +183,12 @@ struct ReportWalk<'a, 't> {
 impl explain::Visit for ReportWalk<'_, '_> {
     fn start(&mut self, begin: &super::Begin) {
         self.pass.start_from(begin);
+    }
+
+    fn resume(&mut self, _hole: &Hole, states: &[ProcessState]) {
+        for s in states {
+            self.pass.allocators.restore(s.clone());
+        }
     }
 
     fn call(&mut self, e: &Event) {

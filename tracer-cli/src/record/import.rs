@@ -215,7 +215,6 @@ pub fn import_log(log: &Path, db: &Path) -> Result<Imported> {
             "interrupted"
         },
     )?;
-    store.secure_files(who.owner)?;
     result.with_context(|| format!("import {} into session {session}", log.display()))?;
     if calls == 0 {
         return Err(user_error(format!(

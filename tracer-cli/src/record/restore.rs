@@ -14,7 +14,11 @@ use crate::{
         run_series::GapRow,
         state::ProcessState,
     },
-    store::{boot_id, events, keyframes, walk::walk, Store},
+    store::{
+        boot_id, events, keyframes,
+        walk::{walk, Step},
+        Store,
+    },
 };
 
 /// The allocator settings the process ran with, as that session kept them.
@@ -100,9 +104,13 @@ pub fn take_up(store: &Store, db: &Path, scope: Option<&[u32]>) -> Result<Vec<Ta
                 ),
                 None => continue,
             };
-        let walked = walk(db, from_session, after_block, i64::MAX, Some(pid), |e| {
-            state.apply_memory(e);
-            state.apply_join(e);
+        // From the latest keyframe (or a session nothing was evicted of): no hole follows.
+        let walked = walk(db, from_session, after_block, i64::MAX, Some(pid), |step| {
+            if let Step::Call(e) = step {
+                state.apply_memory(e);
+                state.apply_join(e);
+            }
+            Ok(())
         })?;
         if state.events == 0 && keyframe.is_none() {
             continue;

@@ -495,7 +495,6 @@ impl Recording {
         };
         store.set_libraries(session, &serde_json::to_string(&libraries)?)?;
         store.end_session(session, self.clock.wall_now(), status)?;
-        store.secure_files(paths::invoker().owner)?;
         drop(store);
         eprintln!("tracer: stopped: {reason}");
         let stats = self

@@ -120,7 +120,6 @@ pub fn write_loop(
         let mut site_writer = SiteWriter::default();
         let mut last_commit = Instant::now();
         let mut last_housekeeping = Instant::now();
-        let mut owned = false;
         let mut ended: Vec<u32> = Vec::new();
         let mut keyframes_seen = 0;
         loop {
@@ -176,10 +175,6 @@ pub fn write_loop(
                 }
                 pending = Delivery::default();
                 last_commit = Instant::now();
-                if !owned {
-                    store.secure_files(opts.owner)?;
-                    owned = true;
-                }
             }
             let every = if opts.max_db.is_some() {
                 Duration::from_millis(250)

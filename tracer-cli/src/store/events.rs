@@ -384,7 +384,7 @@ pub(super) fn load_split(
     })
 }
 
-pub(super) fn open_reader(path: &Path) -> Result<Connection> {
+pub(crate) fn open_reader(path: &Path) -> Result<Connection> {
     let conn = Connection::open_with_flags(
         path,
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,

@@ -158,6 +158,21 @@ pub fn start_for(conn: &Connection, session: i64, from_ns: i64) -> Result<Start>
     })
 }
 
+/// The keyframe of `session` that holds the calls through `block` (where a walk resumes after a
+/// hole).
+pub fn at_block(conn: &Connection, session: i64, block: i64) -> Result<Option<Keyframe>> {
+    conn.query_row(
+        &format!(
+            "SELECT {KEYFRAME_COLUMNS} FROM keyframes WHERE session_id = ?1 AND through_block = ?2
+             ORDER BY id DESC LIMIT 1"
+        ),
+        params![session, block],
+        keyframe_row,
+    )
+    .optional()
+    .context("find the keyframe after a hole")
+}
+
 /// The states of a keyframe (one process's, or all).
 pub fn states(
     conn: &Connection,

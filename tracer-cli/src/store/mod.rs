@@ -2,6 +2,7 @@
 
 pub mod blocks;
 pub mod events;
+mod evict;
 pub mod keyframes;
 pub mod readonly;
 mod schema;
@@ -11,11 +12,12 @@ pub mod walk;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context as _, Result};
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension as _};
+use anyhow::{Context as _, Result};
+use rusqlite::{params, Connection, OpenFlags};
 use serde::Serialize;
 use tracer_common::{Op, OpClass};
 
+pub use evict::{Eviction, KEPT_SHARE};
 pub use schema::SCHEMA_VERSION;
 pub use series::{GapRow, OpFigures, SeriesRow};
 
@@ -24,24 +26,6 @@ use crate::{decode::Call, exit::user_error, model::ProcessInfo};
 pub struct Store {
     conn: Connection,
     path: PathBuf,
-}
-
-/// What evicting the current session's oldest calls did.
-enum Evicted {
-    /// Its note.
-    Some(String),
-    /// No keyframe lies past the oldest block: a new one is needed first.
-    NeedKeyframe,
-    /// The session has no call block left.
-    Nothing,
-}
-
-/// What one round of --max-db did.
-#[derive(Debug, Default)]
-pub struct Eviction {
-    pub notes: Vec<String>,
-    /// Calls can be evicted only up to a keyframe: a new one is needed.
-    pub need_keyframe: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -571,15 +555,6 @@ impl Store {
         Ok(((pages - free).max(0) * size) as u64)
     }
 
-    /// Gives the free pages back to the file system. `PRAGMA incremental_vacuum` frees one page a
-    /// step: run as one statement (sqlite3_exec, `execute_batch`) it frees a single page.
-    fn give_back_free_pages(&self) -> Result<()> {
-        let mut stmt = self.conn.prepare("PRAGMA incremental_vacuum")?;
-        let mut rows = stmt.query([])?;
-        while rows.next()?.is_some() {}
-        Ok(())
-    }
-
     /// Keeps the write-ahead log to a small share of --max-db: a checkpoint once it holds an
     /// eighth of it (at least 64 pages).
     pub fn limit_log(&self, max_bytes: u64) -> Result<()> {
@@ -609,215 +584,42 @@ impl Store {
         Ok((pages.max(0) * size) as u64 + self.wal_bytes())
     }
 
-    /// Keeps the database, its log included, under `max_bytes`: once it passes nine tenths of
-    /// it, deletes the oldest data until it is under eight tenths: whole older sessions first,
-    /// then the oldest calls of `current`, never past its latest keyframe (what they built is
-    /// kept there). Says when a keyframe is needed to go on.
-    pub fn enforce_max_size(&mut self, current: i64, max_bytes: u64) -> Result<Eviction> {
-        let mut out = Eviction::default();
-        if self.footprint()? <= max_bytes / 10 * 9 {
-            return Ok(out);
-        }
-        // The log first: what a checkpoint gives back costs no data.
-        let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
-        while self.footprint()? > max_bytes / 10 * 8 {
-            let oldest: Option<(i64, i64)> = self
-                .conn
-                .query_row(
-                    "SELECT id, max((SELECT count(*) FROM calls WHERE session_id = s.id),
-                                    (SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = s.id))
-                     FROM sessions s WHERE id != ?1 ORDER BY id LIMIT 1",
-                    [current],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .optional()?;
-            match oldest {
-                Some((id, events)) => {
-                    self.delete_session(id)?;
-                    out.notes.push(format!(
-                        "--max-db: deleted session {id} ({events} events) to stay under {max_bytes} bytes"
-                    ));
-                }
-                None => match self.evict_oldest_calls(current)? {
-                    Evicted::Some(note) => out.notes.push(note),
-                    Evicted::NeedKeyframe => {
-                        out.need_keyframe = true;
-                        break;
-                    }
-                    Evicted::Nothing => {
-                        if self.footprint()? > max_bytes {
-                            bail!(
-                                "--max-db {max_bytes} bytes is smaller than what a session needs beside its calls ({} bytes): raise it",
-                                self.footprint()?
-                            );
-                        }
-                        break;
-                    }
-                },
-            }
-            self.give_back_free_pages()?;
-            // Readers may hold the log: then it is truncated at a later round.
-            let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
-        }
-        let latest: Option<i64> = self.conn.query_row(
-            "SELECT max(through_block) FROM keyframes WHERE session_id = ?1",
-            [current],
-            |r| r.get(0),
-        )?;
-        let first_block: Option<i64> = self.conn.query_row(
-            "SELECT min(id) FROM call_blocks WHERE session_id = ?1",
-            [current],
-            |r| r.get(0),
-        )?;
-        // The next eviction needs a keyframe past the oldest calls.
-        out.need_keyframe |= latest.is_none_or(|k| first_block.is_some_and(|b| k < b));
-        Ok(out)
-    }
-
-    /// Deletes an older session whole.
-    fn delete_session(&mut self, id: i64) -> Result<()> {
-        let tx = self.conn.transaction()?;
-        for table in [
-            "calls",
-            "call_blocks",
-            "threads",
-            "offcpu",
-            "messages",
-            "series",
-            "gaps",
-            "processes",
-        ] {
-            tx.execute(&format!("DELETE FROM {table} WHERE session_id = ?1"), [id])?;
-        }
-        tx.execute(
-            "DELETE FROM keyframe_states WHERE keyframe_id IN (SELECT id FROM keyframes WHERE session_id = ?1)",
-            [id],
-        )?;
-        tx.execute("DELETE FROM keyframes WHERE session_id = ?1", [id])?;
-        tx.execute(
-            "DELETE FROM stack_frames WHERE stack_id IN (SELECT id FROM stacks WHERE session_id = ?1)",
-            [id],
-        )?;
-        tx.execute("DELETE FROM stacks WHERE session_id = ?1", [id])?;
-        tx.execute("DELETE FROM sessions WHERE id = ?1", [id])?;
-        tx.commit()?;
-        Ok(())
-    }
-
-    /// Deletes the current session's oldest tenth of call blocks (every call is in one), cut at
-    /// a keyframe, exactly the rows they copy, the off-CPU intervals before them and the
-    /// keyframes they make useless; counts each kind. None when no keyframe lies past the
-    /// oldest block.
-    fn evict_oldest_calls(&mut self, current: i64) -> Result<Evicted> {
-        let tx = self.conn.transaction()?;
-        let (blocks, first): (i64, Option<i64>) = tx.query_row(
-            "SELECT count(*), min(id) FROM call_blocks WHERE session_id = ?1",
-            [current],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )?;
-        let Some(first) = first else {
-            tx.commit()?;
-            return Ok(Evicted::Nothing);
-        };
-        let tenth: i64 = tx.query_row(
-            "SELECT id FROM call_blocks WHERE session_id = ?1 ORDER BY id LIMIT 1 OFFSET ?2",
-            params![current, (blocks / 10).max(1) - 1],
-            |r| r.get(0),
-        )?;
-        let keyframe_at = |sql: &str| -> Result<Option<i64>> {
-            Ok(tx.query_row(sql, params![current, first, tenth], |r| r.get(0))?)
-        };
-        let cutoff = match keyframe_at(
-            "SELECT max(through_block) FROM keyframes WHERE session_id = ?1 AND through_block >= ?2 AND through_block <= ?3",
-        )? {
-            Some(c) => c,
-            None => match keyframe_at(
-                "SELECT min(through_block) FROM keyframes WHERE session_id = ?1 AND through_block >= ?2 AND ?3 = ?3",
-            )? {
-                Some(c) => c,
-                None => {
-                    tx.commit()?;
-                    return Ok(Evicted::NeedKeyframe);
-                }
-            },
-        };
-        let (last_row, n, rowless, until): (Option<i64>, i64, i64, Option<i64>) = tx.query_row(
-            "SELECT max(last_call), coalesce(sum(calls), 0), coalesce(sum(rowless), 0), max(max_ts_ns)
-             FROM call_blocks WHERE session_id = ?1 AND id <= ?2",
-            params![current, cutoff],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
-        )?;
-        if let Some(last_row) = last_row {
-            tx.execute(
-                "DELETE FROM calls WHERE session_id = ?1 AND id <= ?2",
-                params![current, last_row],
-            )?;
-        }
-        tx.execute(
-            "DELETE FROM call_blocks WHERE session_id = ?1 AND id <= ?2",
-            params![current, cutoff],
-        )?;
-        tx.execute(
-            "DELETE FROM keyframe_states WHERE keyframe_id IN
-               (SELECT id FROM keyframes WHERE session_id = ?1 AND through_block < ?2)",
-            params![current, cutoff],
-        )?;
-        tx.execute(
-            "DELETE FROM keyframes WHERE session_id = ?1 AND through_block < ?2",
-            params![current, cutoff],
-        )?;
-        let offcpu = match until {
-            Some(t) => tx.execute(
-                "DELETE FROM offcpu WHERE session_id = ?1 AND on_ns <= ?2",
-                params![current, t],
-            )? as i64,
-            None => 0,
-        };
-        tx.execute(
-            "UPDATE sessions SET evicted_events = evicted_events + ?2,
-                 evicted_calls = evicted_calls + ?3, evicted_block_events = evicted_block_events + ?4,
-                 evicted_offcpu = evicted_offcpu + ?5,
-                 evicted_until_ns = max(coalesce(evicted_until_ns, ?6), ?6)
-             WHERE id = ?1",
-            params![current, n, n - rowless, rowless, offcpu, until.unwrap_or(0)],
-        )?;
-        tx.commit()?;
-        Ok(Evicted::Some(format!(
-            "--max-db: deleted the oldest {n} events of this session ({} calls, {rowless} allocator block events; what they built is kept in a keyframe)",
-            n - rowless
-        )))
-    }
-
     /// Opens (creating it if needed) the database tracer writes, as `owner` (the user who ran
     /// sudo) would: a path that is a link is refused, the folders and files are created with
     /// their file-system ids (so only where they could create them, and theirs), and the files
-    /// are made private through descriptors that follow no link.
+    /// are made private through descriptors that follow no link, before SQLite opens them (the
+    /// log and the shared memory it creates later take the database's mode and owner).
     pub fn open_writable(path: &Path, owner: Option<(u32, u32)>) -> Result<Store> {
         crate::paths::refuse_links(path)?;
         let _as_user = crate::paths::act_as(owner);
         crate::paths::create_parent_dirs(path, owner)?;
+        secure_files(path, owner)?;
         let store = Store::open(path, Access::ReadWrite).map_err(|e| match owner {
             Some((uid, _)) => user_error(format!(
                 "{e:#} (opened as uid {uid}, who ran sudo: choose a --db the invoking user can write)"
             )),
             None => e,
         })?;
-        store.secure_files(owner)?;
         Ok(store)
     }
-
-    /// Makes the database files private (0600) through descriptors opened without following
-    /// links, as `owner`; a file that is not a regular file of theirs is refused, never chown'ed.
-    pub fn secure_files(&self, owner: Option<(u32, u32)>) -> Result<()> {
-        let _as_user = crate::paths::act_as(owner);
-        for suffix in ["", "-wal", "-shm"] {
-            let mut name = self.path.clone().into_os_string();
-            name.push(suffix);
-            crate::paths::make_private(&PathBuf::from(name), owner)?;
-        }
-        Ok(())
-    }
 }
+
+/// Creates the database file private (0600), or makes the database's files private, through
+/// descriptors opened without following links, as `owner`; a file that is not a regular file
+/// of theirs is refused, never chown'ed. Only before SQLite opens them: closing any descriptor
+/// of a file drops every POSIX lock the process holds on it, SQLite's included, and a reader
+/// then believing itself alone truncates the shared memory the writer has mapped (SIGBUS).
+fn secure_files(path: &Path, owner: Option<(u32, u32)>) -> Result<()> {
+    crate::paths::create_private(path)?;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut name = path.to_owned().into_os_string();
+        name.push(suffix);
+        crate::paths::make_private(&PathBuf::from(name), owner)?;
+    }
+    Ok(())
+}
+
+impl Store {}
 
 /// Rows per multi-row INSERT (14 parameters each; SQLite allows 32766).
 const CALLS_PER_INSERT: usize = 64;

@@ -230,6 +230,24 @@ CREATE TABLE gaps (
     detail     TEXT NOT NULL
 );
 CREATE INDEX gaps_session ON gaps(session_id, pid);
+CREATE TABLE holes (
+    session_id    INTEGER NOT NULL,
+    after_block   INTEGER NOT NULL,
+    through_block INTEGER NOT NULL,
+    from_ns       INTEGER NOT NULL,
+    to_ns         INTEGER NOT NULL,
+    calls         INTEGER NOT NULL
+);
+CREATE INDEX holes_session ON holes(session_id, through_block);
+CREATE TABLE kept (
+    session_id    INTEGER NOT NULL,
+    after_block   INTEGER NOT NULL,
+    through_block INTEGER NOT NULL,
+    from_ns       INTEGER NOT NULL,
+    to_ns         INTEGER NOT NULL,
+    reason        TEXT NOT NULL
+);
+CREATE INDEX kept_session ON kept(session_id, through_block);
 ALTER TABLE sessions ADD COLUMN evicted_calls INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN evicted_block_events INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN evicted_offcpu INTEGER NOT NULL DEFAULT 0;

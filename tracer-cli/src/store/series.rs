@@ -2,7 +2,7 @@
 //! what tracer did not see of a process (SCHEMA.md, `series`, `gaps`).
 
 use super::Store;
-pub use crate::model::run_series::{GapRow, OpFigures, SeriesRow};
+pub use crate::model::run_series::{GapRow, KeptRow, OpFigures, SeriesRow};
 use anyhow::{Context as _, Result};
 use rusqlite::{params, Connection};
 
@@ -102,6 +102,24 @@ pub fn series(conn: &Connection, session: i64, pid: Option<u32>) -> Result<Vec<S
         })?
         .collect::<rusqlite::Result<Vec<_>>>()
         .with_context(|| format!("read the series of session {session}"))?;
+    Ok(rows)
+}
+
+/// The detail --max-db kept around incidents of a session, oldest first.
+pub fn kept(conn: &Connection, session: i64) -> Result<Vec<KeptRow>> {
+    let mut stmt = conn.prepare(
+        "SELECT from_ns, to_ns, reason FROM kept WHERE session_id = ?1 ORDER BY after_block",
+    )?;
+    let rows = stmt
+        .query_map([session], |r| {
+            Ok(KeptRow {
+                from_ns: r.get(0)?,
+                to_ns: r.get(1)?,
+                reason: r.get(2)?,
+            })
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .with_context(|| format!("read the detail kept of session {session}"))?;
     Ok(rows)
 }
 

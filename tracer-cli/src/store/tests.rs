@@ -1,3 +1,4 @@
+use rusqlite::params;
 use tracer_common::Op;
 
 use super::*;
@@ -783,12 +784,22 @@ fn the_walk_reads_what_the_loader_reads_in_its_order() {
     }
     for (to_ns, pid) in [(i64::MAX, None), (250_000_000, Some(101))] {
         let mut walked = Vec::new();
-        let w = super::walk::walk(&path, session, 0, to_ns, pid, |e| walked.push(*e)).unwrap();
+        let w = super::walk::walk(&path, session, 0, to_ns, pid, |step| {
+            if let super::walk::Step::Call(e) = step {
+                walked.push(*e);
+            }
+            Ok(())
+        })
+        .unwrap();
         assert_eq!(walked, events::load(&path, session, to_ns, pid).unwrap());
         assert_eq!((w.calls as usize, w.out_of_order), (walked.len(), 0));
     }
     let mut after = 0;
-    super::walk::walk(&path, session, through, i64::MAX, None, |_| after += 1).unwrap();
+    super::walk::walk(&path, session, through, i64::MAX, None, |_| {
+        after += 1;
+        Ok(())
+    })
+    .unwrap();
     let expected: i64 = store
         .conn()
         .query_row(
@@ -799,4 +810,90 @@ fn the_walk_reads_what_the_loader_reads_in_its_order() {
         .unwrap();
     assert_eq!(after, expected);
     assert_eq!(expected, 40_000);
+}
+
+/// --max-db keeps the detail around an incident the whole-run series counted (an OOM in the
+/// fifth of twenty batches, 100 s apart) and deletes the rest of the oldest calls; a walk over
+/// what is left passes each hole once, between the kept calls and the latest ones, and every
+/// call is either walked or counted evicted.
+#[test]
+fn eviction_keeps_the_detail_around_an_incident_and_walks_resume_after_holes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, session) = new_store(&dir);
+    let gap = 100_000_000_000u64;
+    for batch in 0..20u64 {
+        store
+            .insert_keyframe(session, (batch * gap) as i64 + 1_000, &[])
+            .unwrap();
+        let mut calls = varied_calls(5000, batch % 7);
+        for c in &mut calls {
+            c.ts_mono_ns += batch * gap;
+        }
+        write(&mut store, session, &calls);
+    }
+    store
+        .insert_keyframe(session, (20 * gap) as i64, &[])
+        .unwrap();
+    let oom_at = (4 * gap) as i64 + 412_000_000;
+    store
+        .conn()
+        .execute(
+            "INSERT INTO series (session_id, pid, device, start_ns, end_ns, allocated, reserved, cached,
+               largest_free, fragmentation, largest_request, calls, errors, failures, ooms, retries, warnings, ops)
+             VALUES (?1, 100, 0, ?2, ?2 + 10000000000, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, '[]')",
+            params![session, oom_at],
+        )
+        .unwrap();
+    let budget = store.footprint().unwrap() * 6 / 10;
+    let eviction = store.enforce_max_size(session, budget).unwrap();
+    assert!(
+        eviction.notes.iter().any(|n| n.contains("incident")),
+        "{:?}",
+        eviction.notes
+    );
+    let (from, to, reason): (i64, i64, String) = store
+        .conn()
+        .query_row("SELECT from_ns, to_ns, reason FROM kept", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .unwrap();
+    // From the first call left in the minute before it to 5 s after its 10 s interval.
+    assert!((oom_at - 60_000_000_000..oom_at).contains(&from), "{from}");
+    assert_eq!(
+        (to, reason.as_str()),
+        (oom_at + 15_000_000_000, "OOM, failed allocation")
+    );
+    let mut batches = std::collections::BTreeSet::new();
+    let (mut calls, mut holes) = (0i64, Vec::new());
+    super::walk::walk(&path, session, 0, i64::MAX, None, |step| {
+        match step {
+            super::walk::Step::Call(e) => {
+                calls += 1;
+                batches.insert(e.ts_ns as u64 / gap);
+            }
+            super::walk::Step::Hole(h) => {
+                holes.push((h.from_ns as u64 / gap, h.to_ns as u64 / gap))
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    // The minute before the OOM holds no call (batch 3 lies at 300 s): the OOM's batch is kept,
+    // from the keyframe at its start; those before and the next ones went.
+    let first_after = batches.iter().copied().nth(1).unwrap();
+    assert_eq!(batches.first(), Some(&4), "{batches:?}");
+    assert!(first_after > 5, "{batches:?}");
+    assert_eq!(holes, [(0, 3), (5, first_after - 1)], "{batches:?}");
+    assert!(batches.iter().skip(1).copied().eq(first_after..20));
+    let (evicted, hole_calls): (i64, i64) = store
+        .conn()
+        .query_row(
+            "SELECT evicted_events, (SELECT sum(calls) FROM holes) FROM sessions WHERE id = ?1",
+            [session],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(calls + evicted, 100_000);
+    assert_eq!(hole_calls, evicted);
 }

@@ -26,28 +26,59 @@ pub struct Walked {
     /// Calls handed on before a call stored later that began earlier (more than [`MAX_HELD`]
     /// were waiting).
     pub out_of_order: u64,
+    /// Holes passed.
+    pub holes: u64,
 }
 
-/// Hands `emit` the calls of `session` stored in blocks after `after_block` (0: all), begun at
-/// or before `to_ns`, of `pid` (or every process), in time order.
+pub use crate::model::run_series::Hole;
+
+/// What a walk hands on: the next call, or a hole it passed (every call before it was handed).
+pub enum Step<'a> {
+    Call(&'a Event),
+    Hole(&'a Hole),
+}
+
+/// The holes of `session` a walk from `after_block` passes, in order.
+pub fn holes(conn: &rusqlite::Connection, session: i64, after_block: i64) -> Result<Vec<Hole>> {
+    conn.prepare(
+        "SELECT after_block, through_block, from_ns, to_ns, calls FROM holes
+         WHERE session_id = ?1 AND through_block > ?2 ORDER BY through_block",
+    )?
+    .query_map(params![session, after_block], |r| {
+        Ok(Hole {
+            after_block: r.get(0)?,
+            through_block: r.get(1)?,
+            from_ns: r.get(2)?,
+            to_ns: r.get(3)?,
+            calls: r.get(4)?,
+        })
+    })?
+    .collect::<rusqlite::Result<_>>()
+    .with_context(|| format!("list the holes --max-db left in session {session}"))
+}
+
+/// Hands `visit` the calls of `session` stored in blocks after `after_block` (0: all), begun at
+/// or before `to_ns`, of `pid` (or every process), in time order, and each hole it passes.
 pub fn walk(
     path: &Path,
     session: i64,
     after_block: i64,
     to_ns: i64,
     pid: Option<u32>,
-    mut emit: impl FnMut(&Event),
+    mut visit: impl FnMut(Step<'_>) -> Result<()>,
 ) -> Result<Walked> {
     let mut walked = Walked::default();
     if !has_call_blocks(path, session)? {
         // Sessions older than the call blocks (schema 4) are read whole.
         for e in load(path, session, to_ns, pid)? {
             walked.calls += 1;
-            emit(&e);
+            visit(Step::Call(&e))?;
         }
         return Ok(walked);
     }
     let conn = open_reader(path)?;
+    let holes = holes(&conn, session, after_block)?;
+    let mut next_hole = 0;
     let list: Vec<(i64, i64)> = conn
         .prepare(
             "SELECT id, min_ts_ns FROM call_blocks WHERE session_id = ?1 AND id > ?2 ORDER BY id",
@@ -69,6 +100,16 @@ pub fn walk(
     for (i, &(id, _)) in list.iter().enumerate() {
         if later_min[i] > to_ns {
             break;
+        }
+        while let Some(hole) = holes.get(next_hole).filter(|h| h.through_block < id) {
+            // Everything after the hole began after what was read before it.
+            for e in pending.drain(..) {
+                walked.calls += 1;
+                visit(Step::Call(&e))?;
+            }
+            visit(Step::Hole(hole))?;
+            walked.holes += 1;
+            next_hole += 1;
         }
         batch.clear();
         let mut rows = block.query(params![id, session])?;
@@ -107,12 +148,12 @@ pub fn walk(
         }
         for e in pending.drain(..cut) {
             walked.calls += 1;
-            emit(&e);
+            visit(Step::Call(&e))?;
         }
     }
     for e in pending.drain(..) {
         walked.calls += 1;
-        emit(&e);
+        visit(Step::Call(&e))?;
     }
     Ok(walked)
 }

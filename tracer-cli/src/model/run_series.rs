@@ -19,6 +19,12 @@ pub const INTERVAL_NS: i64 = 10_000_000_000;
 /// cache.
 const RETRY_WITHIN_NS: i64 = 2_000_000_000;
 
+/// An interval is over once a call this much later than its end came in (calls reach the
+/// registry 10-20 ms after they are made, later when it falls behind) ...
+const LATE_NS: i64 = 2_000_000_000;
+/// ... or, when no call comes, once the wall clock is this far past its end.
+const IDLE_NS: i64 = 60_000_000_000;
+
 /// One process's figures on one device over one interval of the series.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SeriesRow {
@@ -120,6 +126,12 @@ struct Interval {
 pub struct RunSeries {
     open: BTreeMap<(u32, i32), Interval>,
     closed: Vec<SeriesRow>,
+    /// Per (pid, device): where the interval after the last one stored starts. A call later
+    /// than that row counts in the next interval: one row per interval, however late calls
+    /// come.
+    next_start: HashMap<(u32, i32), i64>,
+    /// The latest call taken in.
+    latest_ns: i64,
     /// Per process: the last failed device allocation (device, size, when).
     last_failure: HashMap<u32, (i32, u64, i64)>,
 }
@@ -131,12 +143,12 @@ fn interval_start(ts_ns: i64) -> i64 {
 impl RunSeries {
     /// The interval of (pid, device) holding `ts_ns`; the one before it, if any, is over.
     fn interval(&mut self, pid: u32, device: i32, ts_ns: i64) -> &mut Interval {
-        let start = interval_start(ts_ns);
         let key = (pid, device);
+        self.latest_ns = self.latest_ns.max(ts_ns);
+        let start =
+            interval_start(ts_ns).max(self.next_start.get(&key).copied().unwrap_or(i64::MIN));
         if self.open.get(&key).is_some_and(|i| i.start_ns < start) {
-            if let Some(done) = self.open.remove(&key) {
-                self.closed.push(row(pid, device, done));
-            }
+            self.close(key);
         }
         self.open.entry(key).or_insert_with(|| Interval {
             start_ns: start,
@@ -202,19 +214,25 @@ impl RunSeries {
         self.interval(pid, device.max(-1), ts_ns).ooms += 1;
     }
 
-    /// The rows whose interval is over by `now_ns` (all, with `now_ns` i64::MAX).
+    fn close(&mut self, key: (u32, i32)) {
+        if let Some(done) = self.open.remove(&key) {
+            self.next_start.insert(key, done.start_ns + INTERVAL_NS);
+            self.closed.push(row(key.0, key.1, done));
+        }
+    }
+
+    /// The rows whose interval is over at the wall clock's `now_ns` (all, with i64::MAX): a
+    /// call [`LATE_NS`] past its end came in, or none did for [`IDLE_NS`].
     pub fn take_closed(&mut self, now_ns: i64) -> Vec<SeriesRow> {
-        let current = interval_start(now_ns);
+        let over_at = (self.latest_ns - LATE_NS).max(now_ns.saturating_sub(IDLE_NS));
         let over: Vec<(u32, i32)> = self
             .open
             .iter()
-            .filter(|(_, i)| now_ns == i64::MAX || i.start_ns < current)
+            .filter(|(_, i)| now_ns == i64::MAX || i.start_ns + INTERVAL_NS <= over_at)
             .map(|(&k, _)| k)
             .collect();
         for key in over {
-            if let Some(done) = self.open.remove(&key) {
-                self.closed.push(row(key.0, key.1, done));
-            }
+            self.close(key);
         }
         std::mem::take(&mut self.closed)
     }
@@ -227,10 +245,9 @@ impl RunSeries {
             .map(|(&k, _)| k)
             .collect();
         for key in keys {
-            if let Some(done) = self.open.remove(&key) {
-                self.closed.push(row(pid, key.1, done));
-            }
+            self.close(key);
         }
+        self.next_start.retain(|&(p, _), _| p != pid);
         self.last_failure.remove(&pid);
     }
 }
@@ -266,5 +283,61 @@ fn row(pid: u32, device: i32, i: Interval) -> SeriesRow {
                 max_ns: h.quantile(1.0),
             })
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(ts_ns: i64) -> Event {
+        Event {
+            ts_ns,
+            duration_ns: 1_000,
+            size: 4096,
+            ptr: 0x1000,
+            aux0: 0,
+            aux1: 0,
+            pid: 7,
+            tid: 7,
+            ret: 0,
+            device: 0,
+            stack: None,
+            op: Op::CudaMalloc,
+        }
+    }
+
+    /// Calls reaching the series 5 s after they were made (a recording behind the job), some
+    /// later still, and the rows taken every 250 ms of wall clock: one row per interval, every
+    /// call counted once.
+    #[test]
+    fn calls_arriving_late_make_one_row_per_interval() {
+        let mut series = RunSeries::default();
+        let mut rows = Vec::new();
+        let base = 1_800_000_000_000_000_000i64;
+        let lag = 5_000_000_000;
+        let mut ts = base;
+        let mut calls = 0;
+        while ts < base + 60_000_000_000 {
+            series.apply(&call(ts), None, None);
+            // Every 97th call comes 3 s later than the rest.
+            if calls % 97 == 0 {
+                series.apply(&call(ts - 3_000_000_000), None, None);
+                calls += 1;
+            }
+            calls += 1;
+            if calls % 25 == 0 {
+                rows.extend(series.take_closed(ts + lag));
+            }
+            ts += 10_000_000;
+        }
+        rows.extend(series.take_closed(i64::MAX));
+        let starts: Vec<i64> = rows.iter().map(|r| r.start_ns).collect();
+        let mut unique = starts.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(starts.len(), unique.len(), "{starts:?}");
+        assert_eq!(rows.len(), 6);
+        assert_eq!(rows.iter().map(|r| r.calls).sum::<u64>(), calls);
     }
 }

@@ -378,7 +378,7 @@ impl Registry {
             }
         }
         drop(allocators);
-        delivery.series = self.series.take_closed(wall_now_ns() - SERIES_LATE_NS);
+        delivery.series = self.series.take_closed(wall_now_ns());
         delivery.gaps = std::mem::take(&mut self.gaps);
         tx.send(delivery)
             .map_err(|_| anyhow!("the database writer stopped"))
@@ -398,11 +398,9 @@ impl Registry {
             d.keyframe = Some(self.keyframe(&allocators)?);
             shared.keyframe_wanted.store(false, Ordering::SeqCst);
         }
-        d.series = self.series.take_closed(if last {
-            i64::MAX
-        } else {
-            wall_now_ns() - SERIES_LATE_NS
-        });
+        d.series = self
+            .series
+            .take_closed(if last { i64::MAX } else { wall_now_ns() });
         d.gaps = std::mem::take(&mut self.gaps);
         Ok(())
     }
@@ -533,10 +531,6 @@ impl Registry {
         out
     }
 }
-
-/// How late the series takes a call: an interval's row is stored once this has passed since
-/// its end (calls reach the registry 10-20 ms after they are made).
-const SERIES_LATE_NS: i64 = 2_000_000_000;
 
 /// How much earlier than the session a process must have started to have run unseen (tracer
 /// attaches its probes before it begins the session).

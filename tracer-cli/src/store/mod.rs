@@ -477,9 +477,15 @@ impl Store {
             } else {
                 tx.last_insert_rowid() - rowed.len() as i64 + 1
             };
+            // A block's id orders the walk, and holes and keyframes name blocks by id: an id
+            // must never be given again, even when eviction deleted every block above it
+            // (SQLite's own rowid would restart at one past the largest left).
             let mut block_stmt = tx.prepare_cached(
-                "INSERT INTO call_blocks (session_id, first_call, last_call, calls, min_ts_ns, max_ts_ns, format, data, rowless)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                "INSERT INTO call_blocks (id, session_id, first_call, last_call, calls, min_ts_ns, max_ts_ns, format, data, rowless)
+                 VALUES (1 + max(coalesce((SELECT max(id) FROM call_blocks), 0),
+                                 coalesce((SELECT max(through_block) FROM holes), 0),
+                                 coalesce((SELECT max(through_block) FROM keyframes), 0)),
+                         ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
             )?;
             for chunk in batch.calls.chunks(blocks::MAX_CALLS) {
                 let block = blocks::encode(chunk, batch.wall_offset_ns);

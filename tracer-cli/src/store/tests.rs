@@ -897,3 +897,45 @@ fn eviction_keeps_the_detail_around_an_incident_and_walks_resume_after_holes() {
     assert_eq!(calls + evicted, 100_000);
     assert_eq!(hole_calls, evicted);
 }
+
+/// A block written after eviction deleted every block gets an id above the hole's: the walk
+/// reads it after the hole, not as a call from before it (SQLite's rowid would have started
+/// again at one).
+#[test]
+fn blocks_written_after_everything_was_evicted_come_after_the_hole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, session) = new_store(&dir);
+    for batch in 0..3u64 {
+        store.insert_keyframe(session, 0, &[]).unwrap();
+        write(&mut store, session, &varied_calls(5000, batch));
+    }
+    store.insert_keyframe(session, 0, &[]).unwrap();
+    store.enforce_max_size(session, 131_072).unwrap();
+    let (blocks, hole_end): (i64, i64) = store
+        .conn()
+        .query_row(
+            "SELECT (SELECT count(*) FROM call_blocks), (SELECT max(through_block) FROM holes)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(blocks, 0);
+    write(&mut store, session, &varied_calls(5000, 3));
+    let first: i64 = store
+        .conn()
+        .query_row("SELECT min(id) FROM call_blocks", [], |r| r.get(0))
+        .unwrap();
+    assert!(
+        first > hole_end,
+        "block {first} after hole through {hole_end}"
+    );
+    let mut steps = Vec::new();
+    super::walk::walk(&path, session, 0, i64::MAX, None, |step| {
+        steps.push(matches!(step, super::walk::Step::Hole(_)));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(steps.len(), 5001);
+    assert!(steps[0], "the hole first, then the new calls");
+}

@@ -1,5 +1,6 @@
 //! Fuzzing every decoder of untrusted bytes: ring records, call blocks, CPython line tables,
-//! /proc/PID/maps lines, USDT notes and argument specs, the simulated runtime's log. Each gets
+//! /proc/PID/maps lines, USDT notes and argument specs, the simulated runtime's log, PyTorch's
+//! memory snapshots (pickles). Each gets
 //! random inputs and mutations of valid ones; none may panic (a decoder's answer to garbage is
 //! an error or nothing). The quick run is part of every test run; for minutes:
 //!
@@ -171,6 +172,29 @@ fn feed(rng: &mut Rng, block: &[u8], records: &[Vec<u8>], elf: &[u8]) {
     let _ = record::usdt::parse_arg(&text(random));
     let _ = record::usdt::sites_of(rng.mutate(elf).as_slice());
     let _ = record::mappings::parse_record(&rng.mutate(&perf_seed()));
+    for pickle in [rng.mutate(SNAPSHOT_SEED), random_pickle(rng)] {
+        if let Ok(p) = decode::pickle::decode(&pickle) {
+            let _ = decode::memory_snapshot::read(&p);
+        }
+    }
+}
+
+/// A PyTorch memory snapshot as Python pickles it.
+const SNAPSHOT_SEED: &[u8] = include_bytes!("../testdata/tiny_snapshot.pickle");
+
+/// Opcodes of the pickle machine in random order, with random arguments: stack and memo
+/// misuse rather than byte noise.
+fn random_pickle(rng: &mut Rng) -> Vec<u8> {
+    const OPS: &[u8] = b"(012N\x88\x89JKM\x8a\x8c]}\x29lt\x85\x86\x87aesud\x94qhjX.";
+    let mut v = vec![0x80, 4];
+    for _ in 0..rng.below(40) {
+        v.push(OPS[rng.below(OPS.len())]);
+        for _ in 0..rng.below(3) {
+            v.push(rng.next() as u8);
+        }
+    }
+    v.push(b'.');
+    v
 }
 
 /// Runs `feed` until `budget` passes or `rounds` inputs, whichever first; the inputs made.

@@ -2,6 +2,8 @@
 //! field is read; nothing here needs privileges, so it is unit-tested directly.
 
 mod call;
+pub mod memory_snapshot;
+pub mod pickle;
 mod sched;
 pub mod simlog;
 mod stack;

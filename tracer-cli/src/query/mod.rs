@@ -9,6 +9,7 @@
 pub mod explain;
 pub mod layout;
 pub mod report;
+pub mod snapshot_check;
 
 use std::path::Path;
 

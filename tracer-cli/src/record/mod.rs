@@ -13,6 +13,7 @@ pub mod import;
 pub mod join;
 pub mod mappings;
 pub mod memmap;
+pub mod memory_snapshot;
 pub mod on_warning;
 mod perf;
 pub mod pods;

@@ -1,0 +1,508 @@
+//! `tracer import --snapshot`: a PyTorch memory snapshot becomes a session (source `snapshot`)
+//! of the events PyTorch's probes and the CUDA runtime would have given: `alloc` a
+//! pytorch:malloc, `free_completed` a pytorch:free (the block is back in its pool), segments
+//! cudaMalloc/cudaFree, expandable segments' pages cuMemMap/cuMemUnmap in a reserved range, an
+//! `oom` the failed cudaMalloc and PyTorch's message. The trace's frames become call sites.
+//!
+//! A trace is a ring: it may start after the job did. The state before its first entry is
+//! rebuilt backwards from the final `segments` (as PyTorch's memory_viz does) and stored as
+//! the events that made it, just before the first entry: the segments, then the blocks live at
+//! that moment (highest address first, so that each block's split is decided beside the block
+//! that followed it).
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::Path,
+};
+
+use anyhow::{Context as _, Result};
+use serde::Serialize;
+use tracer_common::Op;
+
+use crate::{
+    decode::{
+        memory_snapshot::{self, Action, BlockKind, MemorySnapshot, TraceEntry},
+        pickle, Call, Message,
+    },
+    exit::user_error,
+    model::{layout::SMALL_SIZE, ProcessInfo},
+    paths,
+    store::{Batch, SessionCounters, SessionStart, StackFrame, StackRow, Store},
+};
+
+/// The process the snapshot describes: the file names none.
+pub const SNAPSHOT_PID: u32 = 1;
+const SNAPSHOT_TID: u32 = 1;
+/// cudaErrorMemoryAllocation.
+const CUDA_OOM: i32 = 2;
+/// Calls per write transaction.
+const BATCH_CALLS: usize = 100_000;
+
+/// What [`import_snapshot`] stored.
+#[derive(Clone, Debug, Serialize)]
+pub struct ImportedSnapshot {
+    pub session: i64,
+    /// Events stored (calls and block events).
+    pub calls: u64,
+    /// Trace entries read, of all devices.
+    pub entries: u64,
+    /// Entries of actions this tracer does not know (skipped).
+    pub unknown_actions: u64,
+    /// The trace starts after the job did: segments and blocks live before its first entry,
+    /// rebuilt backwards from the final state.
+    pub segments_before_trace: u64,
+    pub blocks_before_trace: u64,
+    /// Entries the backward rebuild could not place (a free of a block it did not hold...).
+    pub inconsistent_entries: u64,
+    /// The file has no times (older snapshots): entries are 1 µs apart, ending at the file's
+    /// modification time.
+    pub times_synthesized: bool,
+    /// PYTORCH_CUDA_ALLOC_CONF as the snapshot's settings say it.
+    pub alloc_conf: Option<String>,
+}
+
+/// Reads and checks a snapshot file (untrusted): a bad one is the user's error, naming it.
+pub fn read_snapshot(file: &Path) -> Result<MemorySnapshot> {
+    if !file.is_file() {
+        return Err(user_error(format!(
+            "memory snapshot {} is not a file: give the file torch.cuda.memory._dump_snapshot() wrote",
+            file.display()
+        )));
+    }
+    let bytes = std::fs::read(file).with_context(|| format!("read {}", file.display()))?;
+    let decoded = pickle::decode(&bytes).map_err(|e| {
+        user_error(format!(
+            "{} is not a memory snapshot tracer can read: {e}",
+            file.display()
+        ))
+    })?;
+    memory_snapshot::read(&decoded).map_err(|e| {
+        user_error(format!(
+            "{} is not a memory snapshot tracer can read: {e}",
+            file.display()
+        ))
+    })
+}
+
+/// Stores `snap` (read from `file`) as a new session of `db`.
+pub fn import_snapshot(file: &Path, snap: &MemorySnapshot, db: &Path) -> Result<ImportedSnapshot> {
+    let who = paths::invoker();
+    let mut store = Store::open_writable(db, who.owner)?;
+    let mut plan = Plan::new(snap, file_time_ns(file));
+    for trace in &snap.traces {
+        plan.device(snap, trace.device, &trace.entries);
+    }
+    plan.calls.sort_by_key(|c| c.ts_mono_ns);
+    let session = store.begin_session(&SessionStart {
+        started_ns: plan.calls.first().map_or(0, |c| c.ts_mono_ns as i64),
+        source: "snapshot",
+        host: String::new(),
+        kernel: String::new(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        pid_filter: None,
+    })?;
+    let result = store_plan(&mut store, session, snap, file, &mut plan);
+    let stored = plan.calls.len() as u64;
+    store.set_counters(
+        session,
+        &SessionCounters {
+            submitted: stored,
+            events_read: stored,
+            events_stored: stored,
+            ..Default::default()
+        },
+    )?;
+    store.append_note(
+        session,
+        &format!(
+            "imported from the PyTorch memory snapshot {}",
+            file.display()
+        ),
+    )?;
+    let end = plan.calls.last().map_or(0, |c| c.ts_mono_ns as i64);
+    store.end_session(
+        session,
+        end,
+        if result.is_ok() {
+            "complete"
+        } else {
+            "interrupted"
+        },
+    )?;
+    result.with_context(|| format!("import {} into session {session}", file.display()))?;
+    Ok(ImportedSnapshot {
+        session,
+        calls: stored,
+        entries: snap.traces.iter().map(|t| t.entries.len() as u64).sum(),
+        unknown_actions: snap.unknown_actions,
+        segments_before_trace: plan.segments_before,
+        blocks_before_trace: plan.blocks_before,
+        inconsistent_entries: plan.inconsistent,
+        times_synthesized: plan.synthesized,
+        alloc_conf: snap.alloc_conf.clone(),
+    })
+}
+
+fn store_plan(
+    store: &mut Store,
+    session: i64,
+    snap: &MemorySnapshot,
+    file: &Path,
+    plan: &mut Plan,
+) -> Result<()> {
+    // Each call site once, with its stored id.
+    let mut sites: HashMap<u32, i64> = HashMap::new();
+    for call in &mut plan.calls {
+        let Some(idx) = call.stack else { continue };
+        let id = match sites.get(&(idx as u32)) {
+            Some(&id) => id,
+            None => {
+                let frames = stack_frames(&snap.stacks[idx as usize]);
+                let id = store.insert_stack(
+                    session,
+                    &StackRow {
+                        pid: SNAPSHOT_PID,
+                        native_depth: frames.iter().filter(|f| f.kind == "native").count() as u32,
+                        python: "ok",
+                        frames: &frames,
+                    },
+                )?;
+                sites.insert(idx as u32, id);
+                id
+            }
+        };
+        call.stack = Some(id);
+    }
+    let first = plan.calls.first().map_or(0, |c| c.ts_mono_ns as i64);
+    let process = ProcessInfo {
+        pid: SNAPSHOT_PID,
+        start_time_ns: None,
+        first_seen_ns: first,
+        comm: Some("snapshot".into()),
+        cmdline: Some(format!("PyTorch memory snapshot {}", file.display())),
+        exe: None,
+        cgroup: None,
+        env: snap
+            .alloc_conf
+            .as_ref()
+            .map(|c| serde_json::json!({ "PYTORCH_CUDA_ALLOC_CONF": c }).to_string()),
+    };
+    let threads = [(SNAPSHOT_PID, SNAPSHOT_TID, "snapshot".to_owned())];
+    let mut messages = std::mem::take(&mut plan.messages);
+    for (i, chunk) in plan.calls.chunks(BATCH_CALLS).enumerate() {
+        let last = chunk.last().map_or(i64::MAX, |c| c.ts_mono_ns as i64);
+        let split = messages.partition_point(|m| m.ts_mono_ns as i64 <= last);
+        let now: Vec<Message> = messages.drain(..split).collect();
+        store.write_batch(&Batch {
+            session,
+            wall_offset_ns: 0,
+            calls: chunk,
+            threads: if i == 0 { &threads } else { &[] },
+            processes: if i == 0 {
+                std::slice::from_ref(&process)
+            } else {
+                &[]
+            },
+            offcpu: &[],
+            messages: &now,
+        })?;
+    }
+    if !messages.is_empty() {
+        store.write_batch(&Batch {
+            session,
+            wall_offset_ns: 0,
+            calls: &[],
+            threads: &[],
+            processes: &[],
+            offcpu: &[],
+            messages: &messages,
+        })?;
+    }
+    Ok(())
+}
+
+/// The innermost frames of PyTorch's own recording and of its allocator: where a probe in
+/// the allocator fires, not where the program asked.
+const RECORDER_FRAMES: [&str; 5] = [
+    "torch::unwind::",
+    "torch::CapturedTraceback::",
+    "torch::cuda::(anonymous namespace)::gather",
+    "c10::cuda::CUDACachingAllocator::",
+    "c10::cuda::MemPool",
+];
+
+/// PyTorch's frames (innermost first) as tracer stores a call site's, from the first frame
+/// outside the recording and the allocator.
+fn stack_frames(frames: &[memory_snapshot::Frame]) -> Vec<StackFrame> {
+    let inner = frames
+        .iter()
+        .take_while(|f| RECORDER_FRAMES.iter().any(|r| f.name.starts_with(r)))
+        .count();
+    frames[inner..]
+        .iter()
+        .map(|f| {
+            let python = f.is_python();
+            StackFrame {
+                kind: if python { "python" } else { "native" },
+                function: Some(f.name.clone()),
+                file: (python || f.filename != "??").then(|| f.filename.clone()),
+                line: (f.line > 0).then_some(f.line),
+                module: None,
+                address: None,
+            }
+        })
+        .collect()
+}
+
+/// The events to store, built device by device.
+struct Plan {
+    calls: Vec<Call>,
+    messages: Vec<Message>,
+    /// Wall-clock ns of the newest entry when the file has no times.
+    file_ns: i64,
+    synthesized: bool,
+    segments_before: u64,
+    blocks_before: u64,
+    inconsistent: u64,
+}
+
+/// What the allocator held just before the trace's first entry.
+#[derive(Default)]
+struct Before {
+    /// Segments by address: (size, expandable).
+    segments: BTreeMap<u64, (u64, bool)>,
+    /// Live blocks by address: (requested size, stream).
+    blocks: BTreeMap<u64, (u64, u64)>,
+    /// Expandable segments' mapped chunks by address: size.
+    mapped: BTreeMap<u64, u64>,
+}
+
+impl Plan {
+    fn new(snap: &MemorySnapshot, file_ns: i64) -> Plan {
+        Plan {
+            calls: Vec::with_capacity(snap.traces.iter().map(|t| t.entries.len()).sum()),
+            messages: Vec::new(),
+            file_ns,
+            synthesized: false,
+            segments_before: 0,
+            blocks_before: 0,
+            inconsistent: 0,
+        }
+    }
+
+    fn device(&mut self, snap: &MemorySnapshot, device: i32, entries: &[TraceEntry]) {
+        let times = self.times(entries);
+        let before = self.rebuild_before(snap, device, entries);
+        let start = times.first().copied().unwrap_or(self.file_ns);
+        self.state_before(device, &before, snap, entries, start);
+        for (e, &ts) in entries.iter().zip(&times) {
+            self.entry(device, e, ts);
+        }
+    }
+
+    /// Each entry's time in ns, strictly increasing.
+    fn times(&mut self, entries: &[TraceEntry]) -> Vec<i64> {
+        let mut out = Vec::with_capacity(entries.len());
+        let n = entries.len() as i64;
+        let mut last = i64::MIN;
+        for (i, e) in entries.iter().enumerate() {
+            let ts = match e.time_us {
+                Some(us) => us.saturating_mul(1000),
+                None => {
+                    self.synthesized = true;
+                    self.file_ns - (n - i as i64) * 1000
+                }
+            };
+            last = ts.max(last.saturating_add(1));
+            out.push(last);
+        }
+        out
+    }
+
+    /// Undoes the trace from the final state of `device`.
+    fn rebuild_before(
+        &mut self,
+        snap: &MemorySnapshot,
+        device: i32,
+        entries: &[TraceEntry],
+    ) -> Before {
+        let mut b = Before::default();
+        for s in snap.segments.iter().filter(|s| s.device == device) {
+            b.segments.insert(s.address, (s.total_size, s.expandable));
+            if s.expandable {
+                b.mapped.insert(s.address, s.total_size);
+            }
+            for blk in &s.blocks {
+                if blk.state != BlockKind::Inactive {
+                    b.blocks.insert(blk.address, (blk.requested_size, s.stream));
+                }
+            }
+        }
+        for e in entries.iter().rev() {
+            let consistent = match e.action {
+                Action::Alloc => b.blocks.remove(&e.addr).is_some(),
+                Action::FreeCompleted => b.blocks.insert(e.addr, (e.size, e.stream)).is_none(),
+                Action::SegmentAlloc => b.segments.remove(&e.addr).is_some(),
+                Action::SegmentFree => b.segments.insert(e.addr, (e.size, false)).is_none(),
+                Action::SegmentMap => b.mapped.remove(&e.addr).is_some(),
+                Action::SegmentUnmap => b.mapped.insert(e.addr, e.size).is_none(),
+                Action::FreeRequested | Action::Oom | Action::Snapshot => true,
+            };
+            if !consistent {
+                self.inconsistent += 1;
+            }
+        }
+        b
+    }
+
+    /// The segments and blocks live before the first entry, as the events that made them.
+    fn state_before(
+        &mut self,
+        device: i32,
+        before: &Before,
+        snap: &MemorySnapshot,
+        entries: &[TraceEntry],
+        start: i64,
+    ) {
+        let events = before.segments.len() + before.mapped.len() + before.blocks.len();
+        let mut ts = start - events as i64 - 1;
+        for (&addr, &(size, expandable)) in &before.segments {
+            if expandable {
+                let extent = reserved_extent(addr, size, snap, entries);
+                self.push(Op::CuMemAddressReserve, device, addr, extent, ts, 0, None);
+            } else {
+                self.push(Op::CudaMalloc, device, addr, size, ts, 0, None);
+            }
+            self.segments_before += 1;
+            ts += 1;
+        }
+        for (&addr, &size) in &before.mapped {
+            self.push(Op::CuMemMap, device, addr, size, ts, 0, None);
+            ts += 1;
+        }
+        for (&addr, &(requested, stream)) in before.blocks.iter().rev() {
+            self.push(Op::TorchMalloc, device, addr, requested, ts, stream, None);
+            self.blocks_before += 1;
+            ts += 1;
+        }
+    }
+
+    fn entry(&mut self, device: i32, e: &TraceEntry, ts: i64) {
+        let op = match e.action {
+            Action::Alloc => Op::TorchMalloc,
+            Action::FreeCompleted => Op::TorchFree,
+            Action::SegmentAlloc => Op::CudaMalloc,
+            Action::SegmentFree => Op::CudaFree,
+            Action::SegmentMap => Op::CuMemMap,
+            Action::SegmentUnmap => Op::CuMemUnmap,
+            Action::Oom => return self.oom(device, e, ts),
+            Action::FreeRequested | Action::Snapshot => return,
+        };
+        self.push(op, device, e.addr, e.size, ts, e.stream, e.stack);
+    }
+
+    /// The device refused the segment the request needed: the failed cudaMalloc, then
+    /// PyTorch's message (its figures as the trace has them).
+    fn oom(&mut self, device: i32, e: &TraceEntry, ts: i64) {
+        let segment = segment_size(e.size);
+        self.push(Op::CudaMalloc, device, 0, segment, ts, e.stream, e.stack);
+        if let Some(c) = self.calls.last_mut() {
+            c.ret = CUDA_OOM;
+        }
+        self.messages.push(Message {
+            ts_mono_ns: ts as u64 + 1,
+            pid: SNAPSHOT_PID,
+            tid: SNAPSHOT_TID,
+            op: Op::TorchOom,
+            text: format!(
+                "CUDA out of memory. Tried to allocate {}. GPU {device} has {} free (PyTorch's memory snapshot: the allocator's trace entry of the failure).",
+                pytorch_size(e.size),
+                pytorch_size(e.addr)
+            ),
+            truncated: false,
+        });
+    }
+
+    #[allow(clippy::too_many_arguments)] // reason: one call's fields, named at each use
+    fn push(
+        &mut self,
+        op: Op,
+        device: i32,
+        ptr: u64,
+        size: u64,
+        ts: i64,
+        stream: u64,
+        stack: Option<u32>,
+    ) {
+        self.calls.push(Call {
+            ts_mono_ns: ts.max(0) as u64,
+            pid: SNAPSHOT_PID,
+            tid: SNAPSHOT_TID,
+            op,
+            device: Some(device),
+            ret: 0,
+            duration_ns: 0,
+            size: Some(size),
+            ptr: Some(ptr),
+            aux0: stream,
+            aux1: 0,
+            flags: 0,
+            comm: String::new(),
+            site: None,
+            stack: stack.map(i64::from),
+        });
+    }
+}
+
+/// An expandable segment's reserved range: it grows upward as chunks are mapped at its end.
+fn reserved_extent(addr: u64, size: u64, snap: &MemorySnapshot, entries: &[TraceEntry]) -> u64 {
+    let final_end = snap
+        .segments
+        .iter()
+        .filter(|s| s.address == addr)
+        .map(|s| addr + s.total_size)
+        .max()
+        .unwrap_or(addr + size);
+    let mapped_end = entries
+        .iter()
+        .filter(|e| matches!(e.action, Action::SegmentMap | Action::SegmentUnmap) && e.addr >= addr)
+        .map(|e| e.addr + e.size)
+        .max()
+        .unwrap_or(0);
+    final_end.max(mapped_end) - addr
+}
+
+/// The segment PyTorch asks the device for to serve a request (get_allocation_size).
+pub fn segment_size(request: u64) -> u64 {
+    const MIB: u64 = 1 << 20;
+    if request <= SMALL_SIZE {
+        2 * MIB
+    } else if request < 10 * MIB {
+        20 * MIB
+    } else {
+        request.div_ceil(2 * MIB) * 2 * MIB
+    }
+}
+
+/// A size as PyTorch's format_size writes it.
+fn pytorch_size(bytes: u64) -> String {
+    const KIB: f64 = 1024.0;
+    let b = bytes as f64;
+    if bytes <= 1024 {
+        format!("{bytes} bytes")
+    } else if b <= KIB * KIB {
+        format!("{:.2} KiB", b / KIB)
+    } else if b <= KIB * KIB * KIB {
+        format!("{:.2} MiB", b / KIB / KIB)
+    } else {
+        format!("{:.2} GiB", b / KIB / KIB / KIB)
+    }
+}
+
+fn file_time_ns(file: &Path) -> i64 {
+    std::fs::metadata(file)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as i64)
+}

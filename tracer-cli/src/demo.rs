@@ -358,10 +358,14 @@ impl ChainWatch {
         };
         let (comms, sites) = (HashMap::new(), HashMap::new());
         let (mut confs, mut ranks) = (HashMap::new(), HashMap::new());
+        let mut expandable = std::collections::HashSet::new();
         for (pid, env) in events::envs(store.conn(), session).unwrap_or_default() {
             let get = |k: &str| env.get(k).map(String::as_str);
             confs.extend(AllocConf::from_env(get).map(|c| (pid, c)));
             ranks.extend(Rank::from_env(get).map(|r| (pid, r)));
+            if AllocConf::expandable_from_env(get) {
+                expandable.insert(pid);
+            }
         }
         let report = analysis::analyze(
             session,
@@ -371,6 +375,7 @@ impl ChainWatch {
             &analysis::Inputs {
                 confs: &confs,
                 ranks: &ranks,
+                expandable: &expandable,
                 ..analysis::Inputs::new(&comms, &sites)
             },
         );

@@ -34,8 +34,60 @@ pub struct Forensics {
     pub outside: u64,
     /// The device's free memory (cudaMemGetInfo, kept current), when known.
     pub device_free: Option<u64>,
-    /// The cached free bytes could have held the request: it failed for want of one block.
-    pub fragmentation: bool,
+    /// The device's pools at the failure.
+    pub pools: Vec<(Pool, PoolStats)>,
+    /// The failed call asked for a whole segment (cudaMalloc), whose size bounds the request;
+    /// not a chunk of an expandable segment (cuMemCreate), which says nothing of it.
+    pub whole_segment: bool,
+}
+
+/// What an out-of-memory was, from the evidence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OomVerdict {
+    /// The pool's free bytes could have served the request: no block fit.
+    Fragmentation,
+    /// The request was larger than everything the pool had free.
+    Capacity,
+    /// The evidence does not tell: why, and what would settle it.
+    Unknown(String),
+}
+
+impl Forensics {
+    fn pool(&self, pool: Pool) -> PoolStats {
+        self.pools
+            .iter()
+            .find(|(p, _)| *p == pool)
+            .map_or_else(PoolStats::default, |(_, s)| *s)
+    }
+
+    /// Fragmentation only when the free bytes of the pool the request goes to could have
+    /// served it. The request is PyTorch's (`tried`, from its message); without it, a failed
+    /// cudaMalloc bounds it from above and the largest free block from below (it did not fit).
+    pub fn verdict(&self, tried: Option<u64>) -> OomVerdict {
+        if let Some(request) = tried {
+            let pool = self.pool(pool_of(request));
+            return if pool.cached() >= request {
+                OomVerdict::Fragmentation
+            } else {
+                OomVerdict::Capacity
+            };
+        }
+        let small = self.whole_segment && self.requested <= SMALL_SEGMENT;
+        let pool = self.pool(if small { Pool::Small } else { Pool::Large });
+        if self.whole_segment && pool.cached() >= self.requested {
+            OomVerdict::Fragmentation
+        } else if pool.cached() <= pool.largest_free {
+            OomVerdict::Capacity
+        } else {
+            OomVerdict::Unknown(format!(
+                "the request itself is not known ({} asked the device for {}); the pool held {} free, largest block {}: PyTorch's out-of-memory message (its probe, libc10.so traced) names the request",
+                if self.whole_segment { "cudaMalloc" } else { "the expandable segment" },
+                b(self.requested),
+                b(pool.cached()),
+                b(pool.largest_free)
+            ))
+        }
+    }
 }
 
 /// The state in which the next request of the sizes being made fails.
@@ -81,6 +133,8 @@ pub struct Findings {
     /// (blocks, bytes).
     pub orphans: (u64, u64),
     pub carried: (u64, u64),
+    /// PyTorch's expandable segments: the reserved ranges (start, end) its blocks landed in.
+    pub expandable: Vec<(u64, u64)>,
 }
 
 /// What one process did on one device in the window, for comparing ranks and devices.
@@ -203,6 +257,11 @@ impl<'a> Replay<'a> {
             peak.failures += 1;
             peak.first_failure_ns.get_or_insert(e.ts_ns);
         }
+        if class == OpClass::Free && spec.space == Space::AddressRange {
+            // The range goes: remember it if it was the allocator's.
+            f.expandable
+                .extend(layout.expandable_segments().filter(|r| r.0 == e.ptr));
+        }
         layout.apply(e);
         let holding = matches!(
             class,
@@ -276,6 +335,9 @@ impl<'a> Replay<'a> {
         f.unknown = self.layout.unknown;
         f.orphans = self.layout.orphans(None);
         f.carried = self.layout.carried();
+        f.expandable.extend(self.layout.expandable_segments());
+        f.expandable.sort_unstable();
+        f.expandable.dedup();
         f
     }
 
@@ -383,7 +445,12 @@ fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics
         total,
         outside: layout.outside(e.device),
         device_free: free.map(|d| d.free.max(0) as u64),
-        fragmentation: total.cached() >= e.size,
+        pools: layout
+            .stats()
+            .range((e.device, Pool::Small)..=(e.device, Pool::Large))
+            .map(|(&(_, pool), s)| (pool, *s))
+            .collect(),
+        whole_segment: e.op.spec().space == Space::Device,
     }
 }
 
@@ -472,11 +539,7 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
     }
     Some(Chain {
         rule: "fragmentation",
-        severity: if f.forced.count >= 3 || s.fragmentation() >= 0.8 {
-            Severity::High
-        } else {
-            Severity::Medium
-        },
+        severity: fragmentation_severity(&f.forced, &s),
         pid,
         title: "fragmentation inside the allocator's cached segments".into(),
         root,
@@ -512,6 +575,22 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
             f.block_events
         ),
     })
+}
+
+/// How much fragmentation cost, in bytes against the memory held: a scattered cache that is a
+/// real share of reserved memory, or new segments it forced worth a real share of it. A high
+/// ratio of a tiny cache is not High (132 MiB in 13 blocks of 78 GiB reserved is 0.2 %).
+pub(super) fn fragmentation_severity(forced: &Forced, worst: &PoolStats) -> Severity {
+    let reserved = worst.reserved.max(1) as f64;
+    let scattered = worst.cached() as f64 / reserved * worst.fragmentation();
+    let forced_share = forced.bytes as f64 / reserved;
+    if scattered >= 0.15 || (forced.count >= 3 && forced_share >= 0.10) {
+        Severity::High
+    } else if scattered >= 0.05 || forced_share >= 0.01 {
+        Severity::Medium
+    } else {
+        Severity::Low
+    }
 }
 
 /// The early warning: the layout in which the next request of the sizes being made fails;
@@ -618,7 +697,20 @@ pub fn oom_forensics(
         text.push_str(&format!("; the device had {} free", b(free)));
     }
     let verdict = if f.unknown.exact() {
-        Some(x.fragmentation)
+        match x.verdict(message.and_then(pytorch_tried)) {
+            OomVerdict::Fragmentation => Some(true),
+            OomVerdict::Capacity => Some(false),
+            OomVerdict::Unknown(why) => {
+                text.push_str(&format!(": fragmentation or capacity is not known: {why}"));
+                return Some((
+                    text,
+                    vec![
+                        FIX_EXPANDABLE.into(),
+                        "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
+                    ],
+                ));
+            }
+        }
     } else {
         // tracer's layout may differ from the allocator's here: only PyTorch's own figures
         // can tell.

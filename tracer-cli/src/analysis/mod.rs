@@ -153,7 +153,7 @@ fn process_table(
             let ratio = row.p99_ns as f64 / row.p50_ns as f64;
             if ratio >= TAIL_RATIO_WARNING {
                 warnings.push(format!(
-                    "{} p99 ({}) is {:.0}x p50 ({}) - fragmentation pressure",
+                    "{} p99 ({}) is {:.0}x p50 ({}) - a slow tail",
                     row.op,
                     crate::units::format_ns(row.p99_ns),
                     ratio,
@@ -330,6 +330,8 @@ fn processes<'a>(
                 pid: *pid,
                 all: &evs[..end],
                 window: &evs[start..end],
+                expandable: &[],
+                expandable_setting: false,
             }
         })
         .collect();
@@ -339,6 +341,8 @@ fn processes<'a>(
                 pid,
                 all: &[],
                 window: &[],
+                expandable: &[],
+                expandable_setting: false,
             });
         }
     }
@@ -742,6 +746,8 @@ pub struct Inputs<'a> {
     pub messages: &'a [crate::model::MessageRow],
     /// Each process's rank in a distributed job (RANK, LOCAL_RANK, WORLD_SIZE).
     pub ranks: &'a HashMap<u32, Rank>,
+    /// The processes whose settings turn on PyTorch's expandable segments.
+    pub expandable: &'a std::collections::HashSet<u32>,
 }
 
 impl<'a> Inputs<'a> {
@@ -749,12 +755,15 @@ impl<'a> Inputs<'a> {
     pub fn new(comms: &'a HashMap<u32, String>, sites: &'a SiteLabels) -> Inputs<'a> {
         static NO_CONFS: std::sync::OnceLock<HashMap<u32, AllocConf>> = std::sync::OnceLock::new();
         static NO_RANKS: std::sync::OnceLock<HashMap<u32, Rank>> = std::sync::OnceLock::new();
+        static NO_EXPANDABLE: std::sync::OnceLock<std::collections::HashSet<u32>> =
+            std::sync::OnceLock::new();
         Inputs {
             comms,
             sites,
             confs: NO_CONFS.get_or_init(HashMap::new),
             messages: &[],
             ranks: NO_RANKS.get_or_init(HashMap::new),
+            expandable: NO_EXPANDABLE.get_or_init(Default::default),
         }
     }
 }
@@ -805,6 +814,15 @@ pub fn analyze_collected(
     let layouts: Vec<allocator::Findings> = active
         .iter()
         .map(|p| findings.remove(&p.pid).unwrap_or_default())
+        .collect();
+    let active: Vec<Proc<'_>> = active
+        .into_iter()
+        .zip(&layouts)
+        .map(|(p, f)| Proc {
+            expandable: &f.expandable,
+            expandable_setting: inputs.expandable.contains(&p.pid),
+            ..p
+        })
         .collect();
     // The replaying rules on this core; the tables, the other rules and the call sites on the
     // other (they read the same calls independently).

@@ -29,7 +29,7 @@ pub struct TimelineEntry {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Chain {
-    /// Stable rule name (fragmentation_pressure, allocator_retry, oom, leak, churn,
+    /// Stable rule name (latency_growth, allocator_retry, oom, leak, churn,
     /// empty_cache_churn, driver_bypass, sync_stall, periodic_spike).
     pub rule: &'static str,
     pub severity: Severity,
@@ -63,9 +63,13 @@ pub struct Proc<'a> {
     pub pid: u32,
     pub all: &'a [Event],
     pub window: &'a [Event],
+    /// PyTorch's expandable segments: the reserved ranges its blocks landed in.
+    pub expandable: &'a [(u64, u64)],
+    /// The process's settings turn expandable segments on.
+    pub expandable_setting: bool,
 }
 
-/// The chains of the rules that replay allocations (fragmentation pressure, leak, churn) for
+/// The chains of the rules that replay allocations (latency growth, leak, churn) for
 /// each process, with what the replay left live at the window's end.
 pub fn replayed<'a>(
     procs: &[Proc<'a>],
@@ -80,9 +84,13 @@ pub fn replayed<'a>(
             let samples = leak_samples(window);
             let mut r = replay::replay(p.all, window, &samples, allocs.map(|a| a.buckets()));
             let chains = ReplayChains {
-                fragmentation: allocs.and_then(|a| fragmentation_pressure(p, a, &mut r, host)),
+                fragmentation: allocs.and_then(|a| latency_growth(p, a, &mut r, host)),
                 leak: leak(p, window, &samples, &r, sites),
-                churn: churn(p.pid, std::mem::take(&mut r.churn), window),
+                churn: churn(
+                    p.pid,
+                    allocator_pages_out(p, std::mem::take(&mut r.churn)),
+                    window,
+                ),
             };
             (chains, r.live)
         })
@@ -124,10 +132,7 @@ pub fn direct(
         retry: allocator_retry(p.pid, p.window, &scan.failed),
         oom: oom(p, everyone, &scan.failed, sites),
         empty_cache: empty_cache_churn(p.pid, p.window, scan.device_frees_ok),
-        bypass: scan
-            .driver_allocs
-            .then(|| driver_bypass(p.pid, p.window))
-            .flatten(),
+        bypass: scan.driver_allocs.then(|| driver_bypass(p)).flatten(),
         sync: sync_stall(p.pid, &scan.syncs, window, host),
         periodic: periodic_spike(p.pid, p.window, scan.device_alloc_durations, host),
         cpu,
@@ -170,7 +175,7 @@ pub fn merge(replayed: Vec<ReplayChains>, direct: Vec<DirectChains>) -> Vec<Chai
     chains
 }
 
-/// The first and last successful device allocation of a window, which fragmentation pressure
+/// The first and last successful device allocation of a window, which latency growth
 /// divides into buckets.
 #[derive(Clone, Copy, Debug)]
 struct AllocTimes {
@@ -215,8 +220,10 @@ fn rising(medians: &[(usize, u64)]) -> bool {
 }
 
 /// Rule 1: allocation latency climbing over the window (bucket medians, not one outlier) while
-/// the bytes held grow.
-fn fragmentation_pressure(
+/// the bytes held grow. Named as that and never as fragmentation: at the call level tracer
+/// sees no device layout (the allocator's probes measure it, and the measured chain replaces
+/// this one), and a hole between live allocations proves nothing of it.
+fn latency_growth(
     p: &Proc<'_>,
     times: AllocTimes,
     r: &mut replay::Replayed<'_>,
@@ -235,16 +242,11 @@ fn fragmentation_pressure(
     if count < 30 {
         return None;
     }
-    // Without holes (frees between live allocations) memory cannot fragment: a workload that
-    // only grows is growth, or a leak, whatever its latencies do.
     let frees = p
         .window
         .iter()
         .filter(|e| e.class() == OpClass::Free && e.ret == 0 && e.space() == Space::Device)
         .count();
-    if frees * 20 < count {
-        return None;
-    }
     let medians = bucket_medians(durations)?;
     let (first, last) = (medians[0].1.max(1), medians[medians.len() - 1].1);
     // Memory held, as the peak of each bucket (a point sample would catch a transient).
@@ -257,14 +259,14 @@ fn fragmentation_pressure(
     let growth = last as f64 / first as f64;
     let (start, end, span) = (times.start, times.end, buckets.span);
     Some(Chain {
-        rule: "fragmentation_pressure",
+        rule: "latency_growth",
         severity: if growth >= 4.0 {
             Severity::High
         } else {
             Severity::Medium
         },
         pid: p.pid,
-        title: format!("memory fragmentation -> {} latency spike", ops.join("/")),
+        title: format!("{} latency climbs with the memory held", ops.join("/")),
         root: format!(
             "{} allocations in {:.0}s ({:.1}/s), sizes {}-{}; memory held grew from {} to {}",
             count,
@@ -276,11 +278,16 @@ fn fragmentation_pressure(
             b(held_last)
         ),
         effect: format!(
-            "median allocation latency climbed from {} to {} ({:.1}x) over the run; p99 {}",
+            "median allocation latency climbed from {} to {} ({:.1}x) over the run; p99 {}; {}",
             t(first),
             t(last),
             growth,
-            t(select_quantile(&mut d, 0.99))
+            t(select_quantile(&mut d, 0.99)),
+            if frees * 20 < count {
+                format!("the memory held only grew ({frees} frees for {count} allocations): a leak if it goes on")
+            } else {
+                "whether it is fragmentation is not known: tracer sees no device layout at the call level (PyTorch's probes, libc10_cuda.so traced, measure the allocator's)".into()
+            }
         ),
         compounding: {
             let p90 = select_quantile(&mut d, 0.9);
@@ -303,9 +310,8 @@ fn fragmentation_pressure(
             })
             .collect(),
         fix: vec![
-            FIX_EXPANDABLE.into(),
-            FIX_MAX_SPLIT.into(),
-            FIX_FRACTION.into(),
+            "trace the process's libc10_cuda.so too (PyTorch's allocator probes): the allocator's own layout says whether its cache is fragmented".into(),
+            "if the memory held keeps growing: look for tensors kept across iterations".into(),
         ],
         evidence: format!(
             "{} successful allocations in {} time buckets",
@@ -700,8 +706,93 @@ fn empty_cache_churn(pid: u32, evs: &[Event], device_frees: u64) -> Option<Chain
     })
 }
 
-/// Rule 6: driver allocations not made inside a runtime call of the same thread.
-fn driver_bypass(pid: u32, evs: &[Event]) -> Option<Chain> {
+/// The process runs PyTorch's expandable segments: by its settings, or its blocks seen in a
+/// reserved range.
+fn expandable(p: &Proc<'_>) -> bool {
+    p.expandable_setting || !p.expandable.is_empty()
+}
+
+/// Churn of the allocator's own pages (expandable segments mapping and unmapping chunks as it
+/// grows, or releases them to retry) is the allocator at work, not the program's churn.
+fn allocator_pages_out(
+    p: &Proc<'_>,
+    mut cycles: BTreeMap<(Op, u64), Vec<u64>>,
+) -> BTreeMap<(Op, u64), Vec<u64>> {
+    if expandable(p) {
+        cycles.retain(|(op, _), _| {
+            !matches!(
+                op.spec().space,
+                Space::Mapping | Space::Handle | Space::AddressRange
+            )
+        });
+    }
+    cycles
+}
+
+/// The driver calls of PyTorch's expandable segments, by index in `evs`: the reserved ranges
+/// its blocks landed in (or, when its settings turn them on, ranges mapped in whole 2 MiB
+/// pages, its granularity), the chunks mapped into and unmapped from them, and each chunk's
+/// cuMemCreate (the thread's next driver call maps it there).
+fn expandable_calls(p: &Proc<'_>) -> std::collections::HashSet<usize> {
+    let evs = p.window;
+    let mut out = std::collections::HashSet::new();
+    if !expandable(p) {
+        return out;
+    }
+    const PAGE: u64 = 2 << 20;
+    let in_range =
+        |ranges: &[(u64, u64)], ptr: u64| ranges.iter().any(|&(s, e)| ptr >= s && ptr < e);
+    let reserves: Vec<(u64, u64)> = evs
+        .iter()
+        .filter(|e| e.op == Op::CuMemAddressReserve && e.ret == 0)
+        .map(|e| (e.ptr, e.ptr.saturating_add(e.size)))
+        .collect();
+    let maps_whole_pages = |r: &(u64, u64)| {
+        evs.iter()
+            .filter(|e| e.space() == Space::Mapping && in_range(std::slice::from_ref(r), e.ptr))
+            .all(|e| e.size % PAGE == 0)
+    };
+    let ranges: Vec<(u64, u64)> = reserves
+        .into_iter()
+        .filter(|r| {
+            p.expandable.iter().any(|&(s, _)| s >= r.0 && s < r.1)
+                || (p.expandable_setting && maps_whole_pages(r))
+        })
+        .chain(p.expandable.iter().copied())
+        .collect();
+    let mut last_create: FastMap<u32, usize> = FastMap::default();
+    for (i, e) in evs.iter().enumerate() {
+        let spec = e.op.spec();
+        if spec.library != Library::Driver {
+            continue;
+        }
+        match spec.space {
+            Space::AddressRange if in_range(&ranges, e.ptr) => {
+                out.insert(i);
+            }
+            Space::Mapping if in_range(&ranges, e.ptr) => {
+                out.insert(i);
+                if let Some(create) = last_create.remove(&e.tid) {
+                    out.insert(create);
+                }
+            }
+            Space::Handle if e.class() == OpClass::Alloc => {
+                last_create.insert(e.tid, i);
+            }
+            _ => {
+                last_create.remove(&e.tid);
+            }
+        }
+    }
+    out
+}
+
+/// Rule 6: driver allocations not made inside a runtime call of the same thread, nor by
+/// PyTorch's expandable segments. Bytes are counted once: physical memory (cuMemCreate,
+/// cuMemAlloc), not the address ranges it is mapped into.
+fn driver_bypass(p: &Proc<'_>) -> Option<Chain> {
+    let (pid, evs) = (p.pid, p.window);
+    let allocator = expandable_calls(p);
     let driver_alloc =
         |e: &Event| e.op.spec().library == Library::Driver && e.class() == OpClass::Alloc;
     if !evs.iter().any(driver_alloc) {
@@ -724,13 +815,19 @@ fn driver_bypass(pid: u32, evs: &[Event]) -> Option<Chain> {
     };
     let bypass: Vec<&Event> = evs
         .iter()
-        .filter(|e| driver_alloc(e))
+        .enumerate()
+        .filter(|(i, e)| driver_alloc(e) && !allocator.contains(i))
+        .map(|(_, e)| e)
         .filter(|d| !nested(d))
         .collect();
     if bypass.is_empty() {
         return None;
     }
-    let bytes: u64 = bypass.iter().filter(|e| e.ret == 0).map(|e| e.size).sum();
+    let bytes: u64 = bypass
+        .iter()
+        .filter(|e| e.ret == 0 && matches!(e.space(), Space::Device | Space::Handle))
+        .map(|e| e.size)
+        .sum();
     let mut ops: BTreeMap<&str, u64> = BTreeMap::new();
     for e in &bypass {
         *ops.entry(e.op.name()).or_default() += 1;
@@ -742,7 +839,7 @@ fn driver_bypass(pid: u32, evs: &[Event]) -> Option<Chain> {
         pid,
         title: "allocations bypass the CUDA runtime".into(),
         root: format!(
-            "{} driver allocation(s) ({}) made outside any libcudart call, {} in all",
+            "{} driver allocation(s) ({}) made outside any libcudart call, {} of device memory",
             bypass.len(),
             listing.join(", "),
             b(bytes)

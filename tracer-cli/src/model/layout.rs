@@ -75,6 +75,20 @@ impl AllocConf {
             .map(AllocConf::parse)
     }
 
+    /// The process's settings turn on expandable segments (PYTORCH_CUDA_ALLOC_CONF, else
+    /// PYTORCH_ALLOC_CONF: "expandable_segments:True").
+    pub fn expandable_from_env<'a>(get: impl Fn(&str) -> Option<&'a str>) -> bool {
+        get("PYTORCH_CUDA_ALLOC_CONF")
+            .or_else(|| get("PYTORCH_ALLOC_CONF"))
+            .is_some_and(|v| {
+                v.split(',').any(|item| {
+                    item.split_once(':').is_some_and(|(k, v)| {
+                        k.trim() == "expandable_segments" && v.trim().eq_ignore_ascii_case("true")
+                    })
+                })
+            })
+    }
+
     /// The block size a request gets (PyTorch's round_size).
     pub fn round_size(&self, size: u64) -> u64 {
         if size < MIN_BLOCK {
@@ -322,6 +336,10 @@ pub struct Layout {
     /// Blocks held in segments tracer never saw, by address.
     orphans: BTreeMap<u64, Orphan>,
     pub unknown: Unknown,
+    /// Expandable segments a block landed in since this layout was built or restored (a
+    /// restored one also knows those holding blocks now): not kept in keyframes.
+    #[serde(skip)]
+    expandable_used: std::collections::BTreeSet<u64>,
 }
 
 impl Layout {
@@ -421,6 +439,17 @@ impl Layout {
                 runs: runs_of(addr, s),
             })
             .collect()
+    }
+
+    /// Expandable segments the allocator's blocks landed in, as (start, end) of the reserved
+    /// range: PyTorch's own, not another library's use of the driver.
+    pub fn expandable_segments(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.segments
+            .iter()
+            .filter(|(addr, s)| {
+                s.mapped.is_some() && (!s.blocks.is_empty() || self.expandable_used.contains(addr))
+            })
+            .map(|(&addr, s)| (addr, addr + s.size))
     }
 
     /// The segment holding `ptr`, by its start address.
@@ -531,6 +560,9 @@ impl Layout {
             return;
         };
         let rounded = conf.round_size(e.size);
+        if seg.mapped.is_some() {
+            self.expandable_used.insert(addr);
+        }
         if seg.pool.is_none() {
             // cudaMalloc'ed: 2 MiB segments serve the small pool; expandable: the first
             // mapping said, else the request's size does.

@@ -177,7 +177,7 @@ fn chains(out: &mut impl Write, r: &Report) -> Result<()> {
     if r.chains.is_empty() {
         writeln!(
             out,
-            "No causal chain: the calls in this window show no fragmentation pressure, allocator retry, \
+            "No causal chain: the calls in this window show no latency growth, fragmentation, allocator retry, \
              out-of-memory, leak, churn, driver bypass, synchronisation stall or periodic spike."
         )?;
         return Ok(());

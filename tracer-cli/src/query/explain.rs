@@ -48,16 +48,21 @@ pub struct Known {
     pub confs: HashMap<u32, AllocConf>,
     pub ranks: HashMap<u32, Rank>,
     pub messages: Vec<MessageRow>,
+    pub expandable: std::collections::HashSet<u32>,
 }
 
 impl Known {
     pub fn read(conn: &Connection, session: i64, skip_frames: &[String]) -> Result<Known> {
         let mut confs = HashMap::new();
         let mut ranks = HashMap::new();
+        let mut expandable = std::collections::HashSet::new();
         for (pid, env) in events::envs(conn, session)? {
             let get = |k: &str| env.get(k).map(String::as_str);
             confs.extend(AllocConf::from_env(get).map(|c| (pid, c)));
             ranks.extend(Rank::from_env(get).map(|r| (pid, r)));
+            if AllocConf::expandable_from_env(get) {
+                expandable.insert(pid);
+            }
         }
         Ok(Known {
             comms: events::comms(conn, session)?,
@@ -65,6 +70,7 @@ impl Known {
             confs,
             ranks,
             messages: events::messages(conn, session)?,
+            expandable,
         })
     }
 
@@ -75,6 +81,7 @@ impl Known {
             confs: &self.confs,
             messages: &self.messages,
             ranks: &self.ranks,
+            expandable: &self.expandable,
         }
     }
 }

@@ -245,7 +245,8 @@ fn stack_frames(frames: &[memory_snapshot::Frame]) -> Vec<StackFrame> {
             StackFrame {
                 kind: if python { "python" } else { "native" },
                 function: Some(f.name.clone()),
-                file: (python || f.filename != "??").then(|| f.filename.clone()),
+                file: (python || !matches!(f.filename.as_str(), "" | "??"))
+                    .then(|| f.filename.clone()),
                 line: (f.line > 0).then_some(f.line),
                 module: None,
                 address: None,

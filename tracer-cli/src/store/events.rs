@@ -724,6 +724,7 @@ pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<S
                     1,
                     match file {
                         Some(file) => format!("{} ({f})", where_(&file)),
+                        None if module.is_empty() => f,
                         None => format!("{f} ({})", short_path(&module)),
                     },
                 )),

@@ -101,3 +101,83 @@ fn a_file_that_is_not_a_snapshot_exits_2_naming_it() {
         "{err}"
     );
 }
+
+/// Writes, with Python's own pickle, a snapshot of PyTorch's expandable segments from an empty
+/// allocator: one reserved range whose 20 MiB pages are mapped as it grows (and one unmapped
+/// when the cache is released), blocks split in it, then a request of 100 MiB the device
+/// refuses with 10 MiB free. Its final state is what the allocator would report.
+fn expandable_snapshot(path: &std::path::Path) {
+    const SCRIPT: &str = r#"
+import pickle, sys
+MIB = 1 << 20
+A = 0x7f0000000000
+fr = [{'name': 'forward', 'filename': 'train.py', 'line': 42}]
+def e(action, addr, size, t):
+    return {'action': action, 'addr': addr, 'size': size, 'stream': 0, 'time_us': 1000 + t, 'frames': fr}
+trace = [
+    e('segment_map', A, 20 * MIB, 1),
+    e('alloc', A, 8 * MIB, 2),
+    e('alloc', A + 8 * MIB, 4 * MIB, 3),
+    e('free_requested', A, 8 * MIB, 4),
+    e('free_completed', A, 8 * MIB, 4),
+    e('segment_map', A + 20 * MIB, 20 * MIB, 5),
+    e('alloc', A + 12 * MIB, 20 * MIB, 6),
+    e('segment_map', A + 40 * MIB, 20 * MIB, 7),
+    e('segment_unmap', A + 40 * MIB, 20 * MIB, 8),
+    e('oom', 10 * MIB, 100 * MIB, 9),
+]
+blocks = [
+    {'address': A, 'size': 8 * MIB, 'requested_size': 0, 'state': 'inactive'},
+    {'address': A + 8 * MIB, 'size': 4 * MIB, 'requested_size': 4 * MIB, 'state': 'active_allocated'},
+    {'address': A + 12 * MIB, 'size': 20 * MIB, 'requested_size': 20 * MIB, 'state': 'active_allocated'},
+    {'address': A + 32 * MIB, 'size': 8 * MIB, 'requested_size': 0, 'state': 'inactive'},
+]
+seg = {'device': 0, 'address': A, 'total_size': 40 * MIB, 'allocated_size': 24 * MIB, 'active_size': 24 * MIB,
+       'requested_size': 24 * MIB, 'stream': 0, 'segment_type': 'large', 'segment_pool_id': (0, 0),
+       'is_expandable': True, 'frames': [], 'blocks': blocks}
+settings = {'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True', 'max_split_size': -1,
+            'garbage_collection_threshold': 0.0, 'expandable_segments': True}
+pickle.dump({'segments': [seg], 'device_traces': [trace], 'allocator_settings': settings}, open(sys.argv[1], 'wb'))
+"#;
+    let status = std::process::Command::new("python3")
+        .args(["-c", SCRIPT])
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn an_expandable_segments_oom_is_capacity_and_the_allocator_is_no_bypass() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("expandable.pickle");
+    expandable_snapshot(&file);
+    let db = dir.path().join("t.db");
+    let r = import(&db, &file);
+    assert_eq!(r["check"]["first_difference"], Value::Null, "{r:#}");
+    assert_eq!(r["check"]["blocks_equal"], 4, "{r:#}");
+    assert_eq!(r["import"]["alloc_conf"], "expandable_segments:True");
+    // From an empty allocator: nothing before the trace, nothing contradicts it.
+    assert_eq!(r["import"]["segments_before_trace"], 0, "{r:#}");
+    assert_eq!(r["import"]["blocks_before_trace"], 0, "{r:#}");
+    assert_eq!(r["import"]["inconsistent_entries"], 0, "{r:#}");
+    let report = tracer_json(&db, &["explain", "--json"]);
+    let rules: Vec<&str> = report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["rule"].as_str().unwrap())
+        .collect();
+    assert!(!rules.contains(&"driver_bypass"), "{rules:?}");
+    assert!(!rules.contains(&"churn"), "{rules:?}");
+    // 16 MiB free in the cache could not have served PyTorch's 100 MiB.
+    let oom = report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == "oom")
+        .unwrap_or_else(|| panic!("an OOM chain: {rules:?}"));
+    let effect = oom["effect"].as_str().unwrap();
+    assert!(effect.contains("Tried to allocate 100.00 MiB"), "{effect}");
+    assert!(effect.contains("(capacity)"), "{effect}");
+}

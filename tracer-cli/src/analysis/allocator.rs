@@ -577,14 +577,17 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
     })
 }
 
-/// How much fragmentation cost, in bytes against the memory held: a scattered cache that is a
-/// real share of reserved memory, or new segments it forced worth a real share of it. A high
-/// ratio of a tiny cache is not High (132 MiB in 13 blocks of 78 GiB reserved is 0.2 %).
+/// How much fragmentation cost, in bytes against the memory held: new segments it forced
+/// worth a real share of it, or a scattered cache that is a real share of reserved memory while
+/// requests had to go past it. A high ratio of a tiny cache is not High (132 MiB in 13 blocks
+/// of 78 GiB reserved is 0.2 %), nor is a scattered cache no request needed.
 pub(super) fn fragmentation_severity(forced: &Forced, worst: &PoolStats) -> Severity {
     let reserved = worst.reserved.max(1) as f64;
     let scattered = worst.cached() as f64 / reserved * worst.fragmentation();
     let forced_share = forced.bytes as f64 / reserved;
-    if scattered >= 0.15 || (forced.count >= 3 && forced_share >= 0.10) {
+    // High only when it cost memory: segments reserved because no cached block fit.
+    let forced_some = forced.count > 0;
+    if (forced.count >= 3 && forced_share >= 0.10) || (forced_some && scattered >= 0.15) {
         Severity::High
     } else if scattered >= 0.05 || forced_share >= 0.01 {
         Severity::Medium
@@ -684,8 +687,13 @@ pub fn oom_forensics(
         " in the segments tracer saw"
     };
     let mut text = format!(
-        "Tried to allocate {tried} (a {} segment){seen}: {} free inside cached segments in {} blocks, largest {}; reserved {}, allocated {}; {} outside PyTorch",
+        "Tried to allocate {tried} (a {} {}){seen}: {} free inside cached segments in {} blocks, largest {}; reserved {}, allocated {}; {} outside PyTorch",
         b(x.requested),
+        if x.whole_segment {
+            "segment"
+        } else {
+            "page of an expandable segment"
+        },
         b(x.total.cached()),
         x.total.free_blocks,
         b(x.total.largest_free),

@@ -731,8 +731,9 @@ fn allocator_pages_out(
 
 /// The driver calls of PyTorch's expandable segments, by index in `evs`: the reserved ranges
 /// its blocks landed in (or, when its settings turn them on, ranges mapped in whole 2 MiB
-/// pages, its granularity), the chunks mapped into and unmapped from them, and each chunk's
-/// cuMemCreate (the thread's next driver call maps it there).
+/// pages, its granularity), the chunks mapped into and unmapped from them, each chunk's
+/// cuMemCreate (the thread's next driver call maps it there), and the creations the device
+/// refused.
 fn expandable_calls(p: &Proc<'_>) -> std::collections::HashSet<usize> {
     let evs = p.window;
     let mut out = std::collections::HashSet::new();
@@ -775,6 +776,10 @@ fn expandable_calls(p: &Proc<'_>) -> std::collections::HashSet<usize> {
                 if let Some(create) = last_create.remove(&e.tid) {
                     out.insert(create);
                 }
+            }
+            // A page the device refused: the allocator growing, the out-of-memory's call.
+            Space::Handle if e.class() == OpClass::Alloc && e.ret != 0 => {
+                out.insert(i);
             }
             Space::Handle if e.class() == OpClass::Alloc => {
                 last_create.insert(e.tid, i);

@@ -49,13 +49,19 @@ pub fn check(db: &Path, session: i64, snap: &MemorySnapshot) -> Result<SnapshotC
         .iter()
         .flat_map(|p| &p.segments)
         .map(|s| {
-            let blocks = s
+            let blocks: Blocks = s
                 .runs
                 .iter()
                 .filter(|r| r.kind != RunKind::Unmapped)
                 .map(|r| (r.addr, r.size, r.kind == RunKind::Allocated))
                 .collect();
-            ((s.device, s.addr), (s.size, blocks))
+            // An expandable segment's size, as PyTorch reports it, is what is mapped of it.
+            let size = if s.expandable {
+                blocks.iter().map(|b| b.1).sum()
+            } else {
+                s.size
+            };
+            ((s.device, s.addr), (size, blocks))
         })
         .collect();
     let mut out = SnapshotCheck::default();

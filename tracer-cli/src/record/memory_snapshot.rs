@@ -25,7 +25,10 @@ use crate::{
         pickle, Call, Message,
     },
     exit::user_error,
-    model::{layout::SMALL_SIZE, ProcessInfo},
+    model::{
+        layout::{AllocConf, SMALL_SIZE},
+        ProcessInfo,
+    },
     paths,
     store::{Batch, SessionCounters, SessionStart, StackFrame, StackRow, Store},
 };
@@ -261,6 +264,8 @@ struct Plan {
     messages: Vec<Message>,
     /// Wall-clock ns of the newest entry when the file has no times.
     file_ns: i64,
+    /// The allocator ran expandable segments (its settings, or a segment says so).
+    expandable: bool,
     synthesized: bool,
     segments_before: u64,
     blocks_before: u64,
@@ -274,7 +279,7 @@ struct Before {
     segments: BTreeMap<u64, (u64, bool)>,
     /// Live blocks by address: (requested size, stream).
     blocks: BTreeMap<u64, (u64, u64)>,
-    /// Expandable segments' mapped chunks by address: size.
+    /// Expandable segments' mapped ranges: start -> end, disjoint and merged.
     mapped: BTreeMap<u64, u64>,
 }
 
@@ -284,6 +289,11 @@ impl Plan {
             calls: Vec::with_capacity(snap.traces.iter().map(|t| t.entries.len()).sum()),
             messages: Vec::new(),
             file_ns,
+            expandable: snap.segments.iter().any(|s| s.expandable)
+                || snap
+                    .alloc_conf
+                    .as_deref()
+                    .is_some_and(|c| AllocConf::expandable_from_env(|_| Some(c))),
             synthesized: false,
             segments_before: 0,
             blocks_before: 0,
@@ -331,7 +341,7 @@ impl Plan {
         for s in snap.segments.iter().filter(|s| s.device == device) {
             b.segments.insert(s.address, (s.total_size, s.expandable));
             if s.expandable {
-                b.mapped.insert(s.address, s.total_size);
+                map_range(&mut b.mapped, s.address, s.address + s.total_size, true);
             }
             for blk in &s.blocks {
                 if blk.state != BlockKind::Inactive {
@@ -345,8 +355,8 @@ impl Plan {
                 Action::FreeCompleted => b.blocks.insert(e.addr, (e.size, e.stream)).is_none(),
                 Action::SegmentAlloc => b.segments.remove(&e.addr).is_some(),
                 Action::SegmentFree => b.segments.insert(e.addr, (e.size, false)).is_none(),
-                Action::SegmentMap => b.mapped.remove(&e.addr).is_some(),
-                Action::SegmentUnmap => b.mapped.insert(e.addr, e.size).is_none(),
+                Action::SegmentMap => map_range(&mut b.mapped, e.addr, e.addr + e.size, false),
+                Action::SegmentUnmap => map_range(&mut b.mapped, e.addr, e.addr + e.size, true),
                 Action::FreeRequested | Action::Oom | Action::Snapshot => true,
             };
             if !consistent {
@@ -369,16 +379,21 @@ impl Plan {
         let mut ts = start - events as i64 - 1;
         for (&addr, &(size, expandable)) in &before.segments {
             if expandable {
+                // The reservation is never in the trace: it held memory before the trace
+                // only if pages were mapped in it.
                 let extent = reserved_extent(addr, size, snap, entries);
                 self.push(Op::CuMemAddressReserve, device, addr, extent, ts, 0, None);
+                if before.mapped.range(addr..addr + extent).next().is_some() {
+                    self.segments_before += 1;
+                }
             } else {
                 self.push(Op::CudaMalloc, device, addr, size, ts, 0, None);
+                self.segments_before += 1;
             }
-            self.segments_before += 1;
             ts += 1;
         }
-        for (&addr, &size) in &before.mapped {
-            self.push(Op::CuMemMap, device, addr, size, ts, 0, None);
+        for (&addr, &end) in &before.mapped {
+            self.push(Op::CuMemMap, device, addr, end - addr, ts, 0, None);
             ts += 1;
         }
         for (&addr, &(requested, stream)) in before.blocks.iter().rev() {
@@ -405,8 +420,19 @@ impl Plan {
     /// The device refused the segment the request needed: the failed cudaMalloc, then
     /// PyTorch's message (its figures as the trace has them).
     fn oom(&mut self, device: i32, e: &TraceEntry, ts: i64) {
-        let segment = segment_size(e.size);
-        self.push(Op::CudaMalloc, device, 0, segment, ts, e.stream, e.stack);
+        // Expandable segments grow by a page of the pool, created then mapped: the creation
+        // is what the device refuses.
+        let (op, size) = if self.expandable {
+            let page = if e.size <= SMALL_SIZE {
+                2 << 20
+            } else {
+                20 << 20
+            };
+            (Op::CuMemCreate, page)
+        } else {
+            (Op::CudaMalloc, segment_size(e.size))
+        };
+        self.push(op, device, 0, size, ts, e.stream, e.stack);
         if let Some(c) = self.calls.last_mut() {
             c.ret = CUDA_OOM;
         }
@@ -452,6 +478,51 @@ impl Plan {
             site: None,
             stack: stack.map(i64::from),
         });
+    }
+}
+
+/// Maps (or unmaps) [start, end) in a set of disjoint merged ranges; true when the change is
+/// consistent with it (nothing mapped twice, nothing unmapped that was not mapped).
+fn map_range(ranges: &mut BTreeMap<u64, u64>, start: u64, end: u64, mapped: bool) -> bool {
+    let overlapping: Vec<(u64, u64)> = ranges
+        .range(..end)
+        .filter(|&(_, &e)| e > start)
+        .map(|(&s, &e)| (s, e))
+        .collect();
+    let covered: u64 = overlapping
+        .iter()
+        .map(|&(s, e)| e.min(end) - s.max(start))
+        .sum();
+    for (s, _) in &overlapping {
+        ranges.remove(s);
+    }
+    let (mut lo, mut hi) = (start, end);
+    for &(s, e) in &overlapping {
+        if mapped {
+            (lo, hi) = (lo.min(s), hi.max(e));
+        } else {
+            if s < start {
+                ranges.insert(s, start);
+            }
+            if e > end {
+                ranges.insert(end, e);
+            }
+        }
+    }
+    if mapped {
+        // Join the neighbours it touches.
+        if let Some((&s, &e)) = ranges.range(..lo).next_back().filter(|(_, &e)| e == lo) {
+            ranges.remove(&s);
+            lo = s.min(lo);
+            hi = hi.max(e);
+        }
+        if let Some(e) = ranges.remove(&hi) {
+            hi = e;
+        }
+        ranges.insert(lo, hi);
+        covered == 0
+    } else {
+        covered == end - start
     }
 }
 
@@ -506,4 +577,27 @@ fn file_time_ns(file: &Path) -> i64 {
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapped_ranges_merge_split_and_check() {
+        let mut r = BTreeMap::new();
+        assert!(map_range(&mut r, 0, 40, true));
+        assert!(map_range(&mut r, 40, 60, true));
+        assert_eq!(r, BTreeMap::from([(0, 60)]));
+        assert!(map_range(&mut r, 20, 40, false));
+        assert_eq!(r, BTreeMap::from([(0, 20), (40, 60)]));
+        assert!(
+            !map_range(&mut r, 10, 30, false),
+            "half of it was not mapped"
+        );
+        assert_eq!(r, BTreeMap::from([(0, 10), (40, 60)]));
+        assert!(!map_range(&mut r, 50, 70, true), "half of it was mapped");
+        assert!(map_range(&mut r, 10, 40, true));
+        assert_eq!(r, BTreeMap::from([(0, 70)]));
+    }
 }

@@ -73,6 +73,19 @@ fn every_real_snapshot_rebuilds_to_the_allocators_own_layout() {
         assert!(import["blocks_before_trace"].as_u64().unwrap() > 0, "{r:#}");
         assert_eq!(import["inconsistent_entries"], 0, "{r:#}");
         assert_eq!(import["unknown_actions"], 0, "{r:#}");
+        // An older snapshot has no times: no rule reads rates or intervals from its order.
+        let session = import["session"].as_i64().unwrap().to_string();
+        let report = tracer_json(&db, &["explain", "--json", "--session", &session]);
+        assert_eq!(report["untimed"], import["times_synthesized"], "{report:#}");
+        if report["untimed"] == true {
+            for c in report["chains"].as_array().unwrap() {
+                assert!(
+                    ["fragmentation", "oom", "allocator_retry", "early_warning"]
+                        .contains(&c["rule"].as_str().unwrap()),
+                    "{c:#}"
+                );
+            }
+        }
     }
 }
 

@@ -734,7 +734,22 @@ pub struct Report {
     pub devices: Vec<ranks::DeviceRow>,
     /// What the answer covers: evictions, the series in their place, gaps.
     pub coverage: Coverage,
+    /// The session's times give only the calls' order (an older PyTorch snapshot): no rule
+    /// that reads rates, durations or intervals was applied.
+    pub untimed: bool,
 }
+
+/// The rules that read rates, durations or intervals: not applied to a session whose times
+/// give only the order of its calls.
+const TIMED_RULES: [&str; 7] = [
+    "latency_growth",
+    "leak",
+    "churn",
+    "empty_cache_churn",
+    "sync_stall",
+    "periodic_spike",
+    "cpu_contention",
+];
 
 /// What explain knows of a session beside its calls.
 pub struct Inputs<'a> {
@@ -748,6 +763,8 @@ pub struct Inputs<'a> {
     pub ranks: &'a HashMap<u32, Rank>,
     /// The processes whose settings turn on PyTorch's expandable segments.
     pub expandable: &'a std::collections::HashSet<u32>,
+    /// The session's times give only the order of its calls.
+    pub untimed: bool,
 }
 
 impl<'a> Inputs<'a> {
@@ -764,6 +781,7 @@ impl<'a> Inputs<'a> {
             messages: &[],
             ranks: NO_RANKS.get_or_init(HashMap::new),
             expandable: NO_EXPANDABLE.get_or_init(Default::default),
+            untimed: false,
         }
     }
 }
@@ -860,6 +878,9 @@ pub fn analyze_collected(
         replay_chains.push(chains);
     }
     let mut chains = rules::merge(replay_chains, direct);
+    if inputs.untimed {
+        chains.retain(|c| !TIMED_RULES.contains(&c.rule));
+    }
     for (p, findings) in active.iter().zip(&layouts) {
         allocator_chains(p, findings, inputs.messages, &mut chains);
         chains.extend(allocator::unknown_chain(p.pid, findings));
@@ -901,6 +922,7 @@ pub fn analyze_collected(
             states,
             ..Coverage::default()
         },
+        untimed: inputs.untimed,
     }
 }
 

@@ -27,7 +27,9 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
         format_utc(r.window.to_ns),
         r.window.secs(),
         r.events_in_window,
-        if r.host_context {
+        if r.untimed {
+            "; the snapshot has no times (an older PyTorch): its entries are in order only, so rates, latencies and bursts are not assessed"
+        } else if r.host_context {
             ""
         } else {
             "; no scheduler record (host context), so CPU contention is not assessed"

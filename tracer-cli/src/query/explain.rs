@@ -49,6 +49,7 @@ pub struct Known {
     pub ranks: HashMap<u32, Rank>,
     pub messages: Vec<MessageRow>,
     pub expandable: std::collections::HashSet<u32>,
+    pub untimed: bool,
 }
 
 impl Known {
@@ -71,6 +72,7 @@ impl Known {
             ranks,
             messages: events::messages(conn, session)?,
             expandable,
+            untimed: events::source(conn, session)? == crate::store::SNAPSHOT_UNTIMED,
         })
     }
 
@@ -82,6 +84,7 @@ impl Known {
             messages: &self.messages,
             ranks: &self.ranks,
             expandable: &self.expandable,
+            untimed: self.untimed,
         }
     }
 }

@@ -30,7 +30,7 @@ use crate::{
         ProcessInfo,
     },
     paths,
-    store::{Batch, SessionCounters, SessionStart, StackFrame, StackRow, Store},
+    store::{Batch, SessionCounters, SessionStart, StackFrame, StackRow, Store, SNAPSHOT_UNTIMED},
 };
 
 /// The process the snapshot describes: the file names none.
@@ -98,7 +98,11 @@ pub fn import_snapshot(file: &Path, snap: &MemorySnapshot, db: &Path) -> Result<
     plan.calls.sort_by_key(|c| c.ts_mono_ns);
     let session = store.begin_session(&SessionStart {
         started_ns: plan.calls.first().map_or(0, |c| c.ts_mono_ns as i64),
-        source: "snapshot",
+        source: if plan.synthesized {
+            SNAPSHOT_UNTIMED
+        } else {
+            "snapshot"
+        },
         host: String::new(),
         kernel: String::new(),
         command: std::env::args().collect::<Vec<_>>().join(" "),

@@ -19,6 +19,16 @@ pub struct SessionInfo {
     pub status: String,
 }
 
+/// The session's source (`ebpf`, `simulated`, `snapshot`, ...).
+pub fn source(conn: &Connection, session: i64) -> Result<String> {
+    conn.query_row(
+        "SELECT source FROM sessions WHERE id = ?1",
+        [session],
+        |r| r.get(0),
+    )
+    .context("read the session's source")
+}
+
 /// The session `id`, or the latest one.
 pub fn session(conn: &Connection, id: Option<i64>) -> Result<SessionInfo> {
     let row = conn

@@ -52,6 +52,10 @@ impl SessionCounters {
     }
 }
 
+/// The source of a session imported from a PyTorch memory snapshot without times (older
+/// PyTorch): its calls' times give their order only.
+pub const SNAPSHOT_UNTIMED: &str = "snapshot_untimed";
+
 /// What a session records about itself at its start.
 #[derive(Debug, Default, Serialize)]
 pub struct SessionStart {

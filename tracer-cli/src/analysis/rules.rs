@@ -102,15 +102,29 @@ pub fn replayed<'a>(
 pub struct ReplayChains {
     fragmentation: Option<Chain>,
     leak: Option<Chain>,
-    churn: Option<Chain>,
+    /// The chain, and the op whose cycles it counts.
+    churn: Option<(Chain, Op)>,
 }
 
 impl ReplayChains {
     /// Puts what the allocator's own layout measured in place of what the segments suggest:
-    /// fragmentation from its blocks, a leak in tensors rather than in its cache.
+    /// fragmentation from its blocks, a leak in tensors rather than in its cache. Segments
+    /// given back and taken again are then the allocator's doing, not the program's.
     pub fn replace_with_measured(&mut self, fragmentation: Option<Chain>, leak: Option<Chain>) {
         self.fragmentation = fragmentation;
         self.leak = leak;
+        let segments = |op: Op| op.spec().space == Space::Device;
+        if let Some((c, _)) = self.churn.as_mut().filter(|(_, op)| segments(*op)) {
+            c.title = c.title.replace(
+                "alloc/free churn",
+                "the allocator's cache released and refilled",
+            );
+            c.effect = "PyTorch's caching allocator gave these segments back to the device and reserved them again: it releases cached blocks to retry a cudaMalloc the device refused (running near its limit), or torch.cuda.empty_cache() is called; each cycle pays cudaMalloc again".into();
+            c.fix = vec![
+                "leave the device headroom (a smaller batch or sequence length), or remove empty_cache() from the loop".into(),
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the cache grows in place instead".into(),
+            ];
+        }
     }
 }
 
@@ -161,7 +175,7 @@ pub fn merge(replayed: Vec<ReplayChains>, direct: Vec<DirectChains>) -> Vec<Chai
                 d.retry,
                 d.oom,
                 r.leak,
-                r.churn,
+                r.churn.map(|(c, _)| c),
                 d.empty_cache,
                 d.bypass,
                 d.sync,
@@ -595,19 +609,19 @@ fn leak(
 }
 
 /// Rule 5a: tight alloc/free cycles of the same size (found by the replay).
-fn churn(pid: u32, cycles: BTreeMap<(Op, u64), Vec<u64>>, window: Window) -> Option<Chain> {
+fn churn(pid: u32, cycles: BTreeMap<(Op, u64), Vec<u64>>, window: Window) -> Option<(Chain, Op)> {
     // By op name, then size: the order ties are broken in.
-    let cycles: BTreeMap<(&str, u64), Vec<u64>> = cycles
+    let cycles: BTreeMap<(&str, u64), (Op, Vec<u64>)> = cycles
         .into_iter()
-        .map(|((op, size), lives)| ((op.name(), size), lives))
+        .map(|((op, size), lives)| ((op.name(), size), (op, lives)))
         .collect();
-    let ((op, size), lives) = cycles.into_iter().max_by_key(|(_, v)| v.len())?;
+    let ((op, size), (which, lives)) = cycles.into_iter().max_by_key(|(_, v)| v.1.len())?;
     let rate = lives.len() as f64 / window.secs();
     if lives.len() < 50 || rate < 10.0 {
         return None;
     }
     let mut lives = lives;
-    Some(Chain {
+    Some((Chain {
         rule: "churn",
         severity: if rate >= 1000.0 { Severity::Medium } else { Severity::Low },
         pid,
@@ -626,7 +640,7 @@ fn churn(pid: u32, cycles: BTreeMap<(Op, u64), Vec<u64>>, window: Window) -> Opt
             "keep the buffer across iterations (allocate once, reuse), or let PyTorch's caching allocator own it".into(),
         ],
         evidence: format!("{} alloc/free pairs with lifetimes under 10 ms", lives.len()),
-    })
+    }, which))
 }
 
 /// Rule 5b: bursts of frees followed by re-allocation of the same sizes (empty_cache in a loop).

@@ -961,3 +961,30 @@ fn a_tiny_cache_is_not_high_fragmentation_and_a_capacity_oom_is_not_fragmentatio
         allocator::OomVerdict::Capacity
     );
 }
+
+/// Segments cycled while PyTorch's probes show its allocator at work are its cache being
+/// released and refilled, not the program's churn (the real cs336 full-step snapshots: 20 MiB
+/// segments freed and reserved again within 5 ms).
+#[test]
+fn segment_cycles_under_pytorchs_allocator_are_its_cache_released_and_refilled() {
+    let mut v = Vec::new();
+    for i in 0..200 {
+        let t = i as f64 * 2.0;
+        v.push(ev(t, Op::CudaMalloc, 20 * MIB, 0x7000_0000, 0, 20));
+        v.push(ev(t + 0.5, Op::TorchMalloc, 12 * MIB, 0x7000_0000, 0, 0));
+        v.push(ev(t + 0.7, Op::TorchFree, 0, 0x7000_0000, 0, 0));
+        v.push(ev(t + 1.0, Op::CudaFree, 20 * MIB, 0x7000_0000, 0, 5));
+    }
+    let c = chains(&v);
+    let churn = c.iter().find(|c| c.rule == "churn").expect("fires");
+    assert!(
+        churn.title.contains("cache released and refilled"),
+        "{}",
+        churn.title
+    );
+    assert!(
+        !churn.fix.iter().any(|f| f.contains("keep the buffer")),
+        "{:?}",
+        churn.fix
+    );
+}

@@ -161,14 +161,20 @@ fn call_sites(out: &mut impl Write, r: &Report) -> Result<()> {
             writeln!(out, "Top {} call sites (pid {}):", row.op, row.pid)?;
         }
         let bytes = bytes_column(row.bytes);
+        // Point events (PyTorch's probes) and imported snapshots have no durations.
+        let latency = if row.p99_ns == 0 {
+            String::new()
+        } else {
+            format!(
+                " | avg {} | p99 {}",
+                format_ns(row.avg_ns),
+                format_ns(row.p99_ns)
+            )
+        };
         writeln!(
             out,
-            "  {} -> {} | {} calls{bytes} | avg {} | p99 {}",
-            row.site,
-            row.op,
-            row.calls,
-            format_ns(row.avg_ns),
-            format_ns(row.p99_ns)
+            "  {} -> {} | {} calls{bytes}{latency}",
+            row.site, row.op, row.calls,
         )?;
     }
     Ok(())

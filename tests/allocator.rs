@@ -247,12 +247,7 @@ fn a_workload_that_only_grows_is_growth_or_a_leak_never_fragmentation() {
         .output()
         .unwrap();
     let report: Value = serde_json::from_slice(&json.stdout).unwrap();
-    let rules: Vec<&str> = report["chains"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["rule"].as_str().unwrap())
-        .collect();
+    let rules = rule_names(&report);
     assert!(
         !rules.iter().any(|r| r.starts_with("fragmentation")),
         "{rules:?}"

@@ -34,20 +34,10 @@ fn snapshots() -> Option<Vec<PathBuf>> {
 }
 
 fn import(db: &std::path::Path, file: &std::path::Path) -> Value {
-    let out = std::process::Command::new(TRACER)
-        .args(["import", "--json", "--snapshot"])
-        .arg(file)
-        .arg("--db")
-        .arg(db)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}: {}",
-        file.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    tracer_json(
+        db,
+        &["import", "--json", "--snapshot", file.to_str().unwrap()],
+    )
 }
 
 #[test]
@@ -175,12 +165,7 @@ fn an_expandable_segments_oom_is_capacity_and_the_allocator_is_no_bypass() {
     assert_eq!(r["import"]["blocks_before_trace"], 0, "{r:#}");
     assert_eq!(r["import"]["inconsistent_entries"], 0, "{r:#}");
     let report = tracer_json(&db, &["explain", "--json"]);
-    let rules: Vec<&str> = report["chains"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["rule"].as_str().unwrap())
-        .collect();
+    let rules = rule_names(&report);
     assert!(!rules.contains(&"driver_bypass"), "{rules:?}");
     assert!(!rules.contains(&"churn"), "{rules:?}");
     // 16 MiB free in the cache could not have served PyTorch's 100 MiB.

@@ -313,6 +313,16 @@ pub fn tracer_json(db: &Path, args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// The rules of an explain report's chains, in its order.
+pub fn rule_names(report: &Value) -> Vec<&str> {
+    report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["rule"].as_str().unwrap())
+        .collect()
+}
+
 pub fn scalar(db: &Path, sql: &str) -> i64 {
     query(db, sql)[0]
         .as_object()

@@ -283,6 +283,19 @@ impl Machine<'_> {
         Ok(())
     }
 
+    /// The memo key an opcode names: the next free one, in 1 or 4 bytes, or as text.
+    fn memo_key(&mut self, opcode: u8, at: usize) -> Result<u64, PickleError> {
+        match opcode {
+            0x94 => Ok(self.memo.len() as u64),
+            b'q' | b'h' => self.uint(1),
+            b'r' | b'j' => self.uint(4),
+            _ => self.line()?.parse().map_err(|_| PickleError::Malformed {
+                at,
+                what: "a memo key that does not parse",
+            }),
+        }
+    }
+
     fn memo_put(&mut self, key: u64, at: usize) -> Result<(), PickleError> {
         let id = self.top(at)?;
         self.memo.insert(key, id);
@@ -463,38 +476,14 @@ impl Machine<'_> {
                 let dict = self.top(at)?;
                 self.set_items(dict, &kv, at)?;
             }
-            0x94 => {
-                let key = self.memo.len() as u64;
+            // MEMOIZE, BINPUT, LONG_BINPUT, PUT.
+            0x94 | b'q' | b'r' | b'p' => {
+                let key = self.memo_key(opcode, at)?;
                 self.memo_put(key, at)?;
             }
-            b'q' => {
-                let key = self.uint(1)?;
-                self.memo_put(key, at)?;
-            }
-            b'r' => {
-                let key = self.uint(4)?;
-                self.memo_put(key, at)?;
-            }
-            b'p' => {
-                let key = self.line()?.parse().map_err(|_| PickleError::Malformed {
-                    at,
-                    what: "a memo key that does not parse",
-                })?;
-                self.memo_put(key, at)?;
-            }
-            b'h' => {
-                let key = self.uint(1)?;
-                self.memo_get(key, at)?;
-            }
-            b'j' => {
-                let key = self.uint(4)?;
-                self.memo_get(key, at)?;
-            }
-            b'g' => {
-                let key = self.line()?.parse().map_err(|_| PickleError::Malformed {
-                    at,
-                    what: "a memo key that does not parse",
-                })?;
+            // BINGET, LONG_BINGET, GET.
+            b'h' | b'j' | b'g' => {
+                let key = self.memo_key(opcode, at)?;
                 self.memo_get(key, at)?;
             }
             // GLOBAL, STACK_GLOBAL, REDUCE, BUILD, INST, OBJ, NEWOBJ, NEWOBJ_EX, EXT1-4,

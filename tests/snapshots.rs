@@ -79,30 +79,57 @@ fn every_real_snapshot_rebuilds_to_the_allocators_own_layout() {
     }
 }
 
+/// Each bad file exits 2 naming the file and what is wrong with it, and stores nothing.
 #[test]
 fn a_file_that_is_not_a_snapshot_exits_2_naming_it() {
     let dir = tempfile::tempdir().unwrap();
-    let bad = dir.path().join("model.pt");
-    // pickle.dumps(collections.OrderedDict()): names a class.
-    std::fs::write(
-        &bad,
-        b"\x80\x04\x95\"\x00\x00\x00\x00\x00\x00\x00\x8c\x0bcollections\x94\x8c\x0bOrderedDict\x94\x93\x94)R\x94.",
-    )
-    .unwrap();
+    let cases: [(&str, &[u8], &str); 4] = [
+        // pickle.dumps(collections.OrderedDict()): names a class.
+        (
+            "model.pt",
+            b"\x80\x04\x95\"\x00\x00\x00\x00\x00\x00\x00\x8c\x0bcollections\x94\x8c\x0bOrderedDict\x94\x93\x94)R\x94.",
+            "Python object",
+        ),
+        // pickle.dumps([1, 2]) cut short.
+        (
+            "cut.pickle",
+            b"\x80\x04\x95\x09\x00\x00\x00\x00\x00\x00\x00]\x94(K\x01K",
+            "cut short",
+        ),
+        // pickle.dumps([1, 2]): plain data, but no snapshot.
+        (
+            "list.pickle",
+            b"\x80\x04\x95\x09\x00\x00\x00\x00\x00\x00\x00]\x94(K\x01K\x02e.",
+            "not a dict",
+        ),
+        // pickle.dumps({'segments': []}): no trace.
+        (
+            "no_trace.pickle",
+            b"\x80\x04\x95\x11\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x08segments\x94]\x94s.",
+            "_record_memory_history",
+        ),
+    ];
     let db = dir.path().join("t.db");
-    let out = std::process::Command::new(TRACER)
-        .args(["import", "--snapshot"])
-        .arg(&bad)
-        .arg("--db")
-        .arg(&db)
-        .output()
-        .unwrap();
+    let import = |file: &std::path::Path| {
+        std::process::Command::new(TRACER)
+            .args(["import", "--snapshot"])
+            .arg(file)
+            .arg("--db")
+            .arg(&db)
+            .output()
+            .unwrap()
+    };
+    for (name, bytes, why) in cases {
+        let bad = dir.path().join(name);
+        std::fs::write(&bad, bytes).unwrap();
+        let out = import(&bad);
+        assert_eq!(out.status.code(), Some(2), "{name}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(name) && err.contains(why), "{name}: {err}");
+    }
+    let out = import(&dir.path().join("missing.pickle"));
     assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("model.pt") && err.contains("Python object"),
-        "{err}"
-    );
+    assert!(!db.exists(), "nothing stored for a bad file");
 }
 
 /// Writes, with Python's own pickle, a snapshot of PyTorch's expandable segments from an empty

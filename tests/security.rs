@@ -283,3 +283,41 @@ fn report_and_export_outputs_are_written_as_the_user_never_through_a_link() {
         std::fs::remove_file(&fine).unwrap();
     }
 }
+
+#[test]
+fn a_snapshot_is_read_as_the_user_who_asked() {
+    if !privileged() {
+        return;
+    }
+    let scene = Scene::new();
+    // A snapshot only root may read, beside the target.
+    let snapshot = scene.target.with_file_name("snapshot.pickle");
+    std::fs::copy(
+        workspace().join("tracer-cli/testdata/tiny_snapshot.pickle"),
+        &snapshot,
+    )
+    .unwrap();
+    std::fs::set_permissions(&snapshot, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let db = scene.user_dir.join("t.db");
+    let import = |sudo: bool| {
+        let mut cmd = Command::new(TRACER);
+        cmd.args(["import", "--snapshot"])
+            .arg(&snapshot)
+            .arg("--db")
+            .arg(&db);
+        if sudo {
+            cmd.env("SUDO_UID", NOBODY.to_string())
+                .env("SUDO_GID", NOBODY.to_string());
+        }
+        cmd.output().unwrap()
+    };
+    let out = import(true);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("Permission denied"), "{stderr}");
+    assert!(!db.exists(), "nothing stored");
+    // Root on its own behalf may read it.
+    let out = import(false);
+    assert!(out.status.success(), "{out:?}");
+    scene.assert_untouched();
+}

@@ -65,14 +65,23 @@ pub struct ImportedSnapshot {
 }
 
 /// Reads and checks a snapshot file (untrusted): a bad one is the user's error, naming it.
+/// Under sudo the file is opened with the invoking user's file-system ids: root reads nothing
+/// through it that they could not read themselves.
 pub fn read_snapshot(file: &Path) -> Result<MemorySnapshot> {
+    let as_user = paths::act_as(paths::invoker().owner);
     if !file.is_file() {
         return Err(user_error(format!(
             "memory snapshot {} is not a file: give the file torch.cuda.memory._dump_snapshot() wrote",
             file.display()
         )));
     }
-    let bytes = std::fs::read(file).with_context(|| format!("read {}", file.display()))?;
+    let bytes = std::fs::read(file).map_err(|e| {
+        user_error(format!(
+            "cannot read the memory snapshot {}: {e}",
+            file.display()
+        ))
+    })?;
+    drop(as_user);
     let decoded = pickle::decode(&bytes).map_err(|e| {
         user_error(format!(
             "{} is not a memory snapshot tracer can read: {e}",

@@ -97,6 +97,24 @@ pub struct Windowed {
     pub from_given: bool,
 }
 
+/// Why a session holds no calls: none recorded, or --max-db evicted them all (said with what
+/// is left: the whole-run series).
+fn nothing_kept(conn: &Connection, session: i64) -> String {
+    let evicted: (i64, i64) = conn
+        .query_row(
+            "SELECT evicted_events, (SELECT count(*) FROM series WHERE session_id = ?1) FROM sessions WHERE id = ?1",
+            [session],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap_or((0, 0));
+    match evicted {
+        (0, _) => format!("session {session} recorded no calls: nothing to explain"),
+        (events, rows) => format!(
+            "session {session} keeps no calls: --max-db evicted all {events} of its events; what is left is its whole-run series ({rows} rows: `tracer query \"SELECT * FROM series WHERE session_id = {session}\"`); a larger --max-db keeps the detail"
+        ),
+    }
+}
+
 /// The window of `q` in its session.
 pub fn window(db: &Path, conn: &Connection, q: &ExplainQuery) -> Result<Windowed> {
     let info = events::session(conn, q.session)?;
@@ -111,7 +129,7 @@ pub fn window(db: &Path, conn: &Connection, q: &ExplainQuery) -> Result<Windowed
                 "session {} recorded no calls before --to: nothing to explain",
                 info.id
             ),
-            (None, None) => format!("session {} recorded no calls: nothing to explain", info.id),
+            (None, None) => nothing_kept(conn, info.id),
         }));
     };
     let end = if running {

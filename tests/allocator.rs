@@ -17,7 +17,7 @@ fn workspace_file(rel: &str) -> std::path::PathBuf {
 /// Traces the simulated allocator's training loop (scripts/gpu_check/sim_workload.py) with its
 /// probes, the allocator writing its own layout after every block event; returns (what tracer
 /// rebuilt, what the allocator said), one JSON value per block event each.
-fn rebuilt_and_truth(fx: &Fixture, expandable: bool) -> (Vec<Value>, Vec<Value>) {
+fn rebuilt_and_truth(fx: &Fixture, expandable: bool, streams: bool) -> (Vec<Value>, Vec<Value>) {
     let dir = tempfile::tempdir().unwrap();
     let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
     let trace = Trace::start(
@@ -46,6 +46,11 @@ fn rebuilt_and_truth(fx: &Fixture, expandable: bool) -> (Vec<Value>, Vec<Value>)
         .env("SIMTORCH_TRUTH", &truth);
     if expandable {
         cmd.arg("--expandable");
+    }
+    if streams {
+        // Side-stream work of about 0.1 ms per MiB: some of it is still running at the
+        // allocator's next malloc (its events not ready), all of it done a few steps later.
+        cmd.arg("--streams").env("SIMCUDA_MEMSET_BPS", "1e10");
     }
     let out = cmd.output().unwrap();
     assert!(
@@ -80,9 +85,11 @@ fn figures(v: &Value) -> [i64; 4] {
     ["allocated", "reserved", "free_blocks", "largest_free"].map(|k| v[k].as_i64().unwrap_or(0))
 }
 
-fn check_every_block_event(expandable: bool) {
-    let Some(fx) = Fixture::new() else { return };
-    let (rebuilt, truth) = rebuilt_and_truth(&fx, expandable);
+fn check_every_block_event(expandable: bool, streams: bool) -> Vec<Value> {
+    let Some(fx) = Fixture::new() else {
+        return Vec::new();
+    };
+    let (rebuilt, truth) = rebuilt_and_truth(&fx, expandable, streams);
     assert!(truth.len() > 500, "{} block events", truth.len());
     assert_eq!(
         rebuilt.len(),
@@ -90,7 +97,17 @@ fn check_every_block_event(expandable: bool) {
         "one rebuilt layout per block event"
     );
     for (i, (r, t)) in rebuilt.iter().zip(&truth).enumerate() {
-        assert_eq!(r["ptr"], t["ptr"], "event {i}");
+        // A block back in its pool when its last stream event completed: tracer's point names
+        // the event, the allocator's the block.
+        let completed = t["op"] == "free_completed";
+        assert_eq!(
+            r["op"] == "free_completed",
+            completed,
+            "event {i}: {r} vs {t}"
+        );
+        if !completed {
+            assert_eq!(r["ptr"], t["ptr"], "event {i}");
+        }
         assert_eq!(
             figures(&r["total"]),
             figures(t),
@@ -130,16 +147,47 @@ fn check_every_block_event(expandable: bool) {
         text.contains("(allocator view)") && text.contains("] "),
         "{text}"
     );
+    truth
 }
 
 #[test]
 fn the_layout_rebuilt_from_pytorchs_probes_equals_the_allocators_own_at_every_block_event() {
-    check_every_block_event(false);
+    check_every_block_event(false, false);
+}
+
+/// Blocks used on a side stream (record_stream) are freed, kept out of the pool while the side
+/// stream's work runs, and returned when the allocator finds its events complete: tracer's
+/// layout (from cudaEventRecord made by the allocator's library, and cudaEventQuery and
+/// cudaEventSynchronize succeeding) equals the allocator's own at every step, kept blocks
+/// neither allocated nor free.
+#[test]
+fn a_block_used_on_another_stream_is_not_free_before_its_events_complete() {
+    let truth = check_every_block_event(false, true);
+    if truth.is_empty() {
+        return;
+    }
+    let count = |op: &str| truth.iter().filter(|t| t["op"] == op).count();
+    assert!(
+        count("free_requested") >= 100,
+        "{}",
+        count("free_requested")
+    );
+    assert_eq!(count("free_requested"), count("free_completed"));
+    // Some were still kept at a later block event: the case a layout that freed them at once
+    // gets wrong.
+    let kept_at_malloc = truth
+        .iter()
+        .filter(|t| t["op"] == "malloc" && t["pending"].as_u64().unwrap_or(0) > 0)
+        .count();
+    assert!(
+        kept_at_malloc >= 20,
+        "{kept_at_malloc} mallocs saw blocks kept"
+    );
 }
 
 #[test]
 fn with_expandable_segments_too() {
-    check_every_block_event(true);
+    check_every_block_event(true, false);
 }
 
 /// The file offset of `symbol` in `lib`, from its section (nm for the address, readelf for

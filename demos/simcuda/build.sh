@@ -15,7 +15,7 @@ cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcudart.so.12" -Wl,-son
   -Wl,--version-script="$src/libcudart.map" "$src/runtime.c" -L"$out" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
 # PyTorch's own probes (USDT, sys/sdt.h) for the simulated caching allocator.
 cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libsimtorch.so" "$src/torchprobes.c" \
-  -L"$out" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
+  -L"$out" -l:libcudart.so.12 -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
 cc "${cflags[@]}" -o "$out/simdriver" "$src/simdriver.c" -ldl -lpthread
 # The long training job (demos/workloads/long_job.py in C, for the flight recorder's benchmark).
 cc "${cflags[@]}" -o "$out/simjob" "$src/simjob.c" -ldl

@@ -1,6 +1,7 @@
 /* Simulated CUDA runtime API (libcudart.so.12). Like the real runtime it keeps a current device
  * per thread and reports cudaError_t codes; memory comes from the model in libcuda.so.1. With
  * SIMCUDA_EVENTS set, every call is also logged (for demos on machines without eBPF rights). */
+#define _GNU_SOURCE
 #include "simcuda.h"
 
 typedef int cudaError_t;
@@ -85,11 +86,140 @@ API cudaError_t cudaSetDevice(int device) {
 }
 API cudaError_t cudaGetDevice(int *device) { if (!device) return cudaErrorInvalidValue; *device = sim_get_device(); return cudaSuccess; }
 API cudaError_t cudaGetDeviceCount(int *count) { if (!count) return cudaErrorInvalidValue; *count = sim_device_count(); return cudaSuccess; }
-API cudaError_t cudaDeviceSynchronize(void) { BEGIN("cudaDeviceSynchronize"); return RECORD(cudaSuccess, SIM_NONE, SIM_NONE, SIM_NONE, SIM_NONE); }
+static void wait_device(void);
+static void wait_stream(cudaStream_t s);
+API cudaError_t cudaDeviceSynchronize(void) {
+    BEGIN("cudaDeviceSynchronize");
+    wait_device();
+    return RECORD(cudaSuccess, SIM_NONE, SIM_NONE, SIM_NONE, SIM_NONE);
+}
 /* Not through the exported symbol: that call would be probed as a second cudaStreamSynchronize. */
 static cudaError_t stream_sync(cudaStream_t s) {
     BEGIN("cudaStreamSynchronize");
+    wait_stream(s);
     return RECORD(cudaSuccess, SIM_NONE, SIM_NONE, (uint64_t)(uintptr_t)s, SIM_NONE);
 }
 API cudaError_t cudaStreamSynchronize(cudaStream_t s) { return stream_sync(s); }
 API cudaError_t cudaStreamSynchronize_ptsz(cudaStream_t s) { return stream_sync(s); }
+
+/* Streams and events. A stream's work ends at `busy_until` (monotonic ns); cudaMemsetAsync
+ * queues work that takes count / SIMCUDA_MEMSET_BPS seconds (default 2e12 bytes/s, an H100's
+ * order of memory bandwidth). An event recorded on a stream completes when the work queued
+ * before it does, as on a GPU: cudaEventQuery says cudaErrorNotReady until then,
+ * cudaEventSynchronize waits for it. */
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void *cudaEvent_t;
+#define cudaErrorNotReady 600
+
+struct sim_stream { uint64_t busy_until; };
+struct sim_event { uint64_t complete_at; int recorded; };
+
+static struct sim_stream default_stream;
+/* The latest end of any stream's work, for cudaDeviceSynchronize. */
+static uint64_t device_busy_until;
+
+static struct sim_stream *stream_of(cudaStream_t s) { return s ? (struct sim_stream *)s : &default_stream; }
+
+static void wait_until(uint64_t t) {
+    while (sim_mono_ns() < t) {
+    }
+}
+
+static double memset_bytes_per_ns(void) {
+    static double rate;
+    if (rate == 0) {
+        const char *v = getenv("SIMCUDA_MEMSET_BPS");
+        double bps = v ? strtod(v, NULL) : 0;
+        rate = (bps > 0 ? bps : 2e12) / 1e9;
+    }
+    return rate;
+}
+
+/* 1 when the caller's return address lies in the simulated PyTorch allocator's library (what
+ * tracer tells from the address itself when it traces with eBPF). */
+static uint64_t from_allocator(void *ret_addr) {
+    Dl_info info;
+    if (!dladdr(ret_addr, &info) || !info.dli_fname) return 0;
+    return strstr(info.dli_fname, "libsimtorch") ? 1 : 0;
+}
+
+API cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    if (!s) return cudaErrorInvalidValue;
+    struct sim_stream *st = calloc(1, sizeof *st);
+    if (!st) return cudaErrorMemoryAllocation;
+    *s = st;
+    return cudaSuccess;
+}
+
+API cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    free(s);
+    return cudaSuccess;
+}
+
+API cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t s) {
+    (void)ptr; (void)value;
+    struct sim_stream *st = stream_of(s);
+    uint64_t now = sim_mono_ns();
+    uint64_t start = __atomic_load_n(&st->busy_until, __ATOMIC_ACQUIRE);
+    uint64_t end = (start > now ? start : now) + (uint64_t)((double)count / memset_bytes_per_ns());
+    __atomic_store_n(&st->busy_until, end, __ATOMIC_RELEASE);
+    uint64_t dev = __atomic_load_n(&device_busy_until, __ATOMIC_ACQUIRE);
+    while (end > dev && !__atomic_compare_exchange_n(&device_busy_until, &dev, end, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    }
+    return cudaSuccess;
+}
+
+API cudaError_t cudaEventCreateWithFlags(cudaEvent_t *ev, unsigned flags) {
+    (void)flags;
+    if (!ev) return cudaErrorInvalidValue;
+    struct sim_event *e = calloc(1, sizeof *e);
+    if (!e) return cudaErrorMemoryAllocation;
+    *ev = e;
+    return cudaSuccess;
+}
+
+API cudaError_t cudaEventCreate(cudaEvent_t *ev) { return cudaEventCreateWithFlags(ev, 0); }
+
+API cudaError_t cudaEventDestroy(cudaEvent_t ev) {
+    free(ev);
+    return cudaSuccess;
+}
+
+static cudaError_t event_record(cudaEvent_t ev, cudaStream_t s, void *caller) {
+    BEGIN("cudaEventRecord");
+    uint64_t who = from_allocator(caller);
+    if (!ev) return RECORD(cudaErrorInvalidValue, SIM_NONE, 0, (uint64_t)(uintptr_t)s, who);
+    struct sim_event *e = ev;
+    e->complete_at = __atomic_load_n(&stream_of(s)->busy_until, __ATOMIC_ACQUIRE);
+    e->recorded = 1;
+    return RECORD(cudaSuccess, SIM_NONE, (uint64_t)(uintptr_t)ev, (uint64_t)(uintptr_t)s, who);
+}
+
+API cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t s) {
+    return event_record(ev, s, __builtin_return_address(0));
+}
+API cudaError_t cudaEventRecord_ptsz(cudaEvent_t ev, cudaStream_t s) {
+    return event_record(ev, s, __builtin_return_address(0));
+}
+
+API cudaError_t cudaEventQuery(cudaEvent_t ev) {
+    BEGIN("cudaEventQuery");
+    if (!ev) return RECORD(cudaErrorInvalidValue, SIM_NONE, 0, SIM_NONE, SIM_NONE);
+    struct sim_event *e = ev;
+    cudaError_t r = !e->recorded || sim_mono_ns() >= e->complete_at ? cudaSuccess : cudaErrorNotReady;
+    return RECORD(r, SIM_NONE, (uint64_t)(uintptr_t)ev, SIM_NONE, SIM_NONE);
+}
+
+API cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
+    BEGIN("cudaEventSynchronize");
+    if (!ev) return RECORD(cudaErrorInvalidValue, SIM_NONE, 0, SIM_NONE, SIM_NONE);
+    struct sim_event *e = ev;
+    if (e->recorded) wait_until(e->complete_at);
+    return RECORD(cudaSuccess, SIM_NONE, (uint64_t)(uintptr_t)ev, SIM_NONE, SIM_NONE);
+}
+
+static void wait_device(void) { wait_until(__atomic_load_n(&device_busy_until, __ATOMIC_ACQUIRE)); }
+static void wait_stream(cudaStream_t s) { wait_until(__atomic_load_n(&stream_of(s)->busy_until, __ATOMIC_ACQUIRE)); }

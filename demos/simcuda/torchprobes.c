@@ -54,3 +54,10 @@ API void simtorch_oom(const char *text) {
     struct cxx_string msg = {text, strlen(text), {{0}}};
     oom_error_ctor(self, loc, &msg);
 }
+
+/* The allocator's stream events are recorded from its own library, as PyTorch's are from
+ * libc10_cuda.so (insert_events, inside the free of a block used on other streams). */
+int cudaEventRecord(void *event, void *stream);
+API __attribute__((noinline)) int simtorch_record_event(void *event, void *stream) {
+    return cudaEventRecord(event, stream);
+}

@@ -6,7 +6,12 @@ Segments come from cudaMalloc: requests up to 1 MiB are served from 2 MiB segmen
 Segments are split into blocks; freed blocks stay cached and merge with free neighbours. When
 cudaMalloc fails, the allocator frees its unused cached segments and retries once (counted in
 num_alloc_retries); if that fails too it raises OutOfMemoryError with the numbers PyTorch prints
-(num_ooms). With expandable=True it works as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True does:
+(num_ooms). Each segment serves one stream; a block used on other streams (record_stream) is
+kept out of its pool when freed until the CUDA events recorded on those streams complete
+(PyTorch's insert_events / process_events, with cudaEventRecord called from the allocator's own
+library, cudaEventQuery at the next malloc, cudaEventSynchronize before releasing the cache).
+raw_alloc / raw_delete hand blocks out and take them back without the probes, as PyTorch's do.
+With expandable=True it works as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True does:
 one reserved address range per pool (cuMemAddressReserve), mapped and unmapped in chunks of 2 MiB
 (small pool) or 20 MiB (large pool) with cuMemCreate + cuMemMap and cuMemUnmap + cuMemRelease.
 stats() reports the allocator's own truth (allocated, reserved, blocks, largest free block) for
@@ -39,7 +44,7 @@ class OutOfMemoryError(RuntimeError):
 
 
 class Block:
-    __slots__ = ("segment", "offset", "size", "free", "requested", "mapped")
+    __slots__ = ("segment", "offset", "size", "free", "requested", "mapped", "stream_uses", "event_count")
 
     def __init__(self, segment, offset, size, free=True, mapped=True):
         self.segment = segment
@@ -47,6 +52,9 @@ class Block:
         self.size = size
         self.free = free
         self.requested = 0
+        # Streams other than its segment's it was used on, and its events not yet complete.
+        self.stream_uses = set()
+        self.event_count = 0
         # Only blocks of expandable segments are ever unmapped (address space without memory).
         self.mapped = mapped
 
@@ -56,12 +64,13 @@ class Block:
 
 
 class Segment:
-    __slots__ = ("ptr", "size", "small", "blocks", "chunk", "handles")
+    __slots__ = ("ptr", "size", "small", "blocks", "chunk", "handles", "stream")
 
-    def __init__(self, ptr, size, small, chunk=None):
+    def __init__(self, ptr, size, small, chunk=None, stream=0):
         self.ptr = ptr
         self.size = size
         self.small = small
+        self.stream = stream
         # Expandable segments: the mapping granularity, and the physical handle of each chunk.
         self.chunk = chunk
         self.handles = {}
@@ -124,6 +133,19 @@ class CachingAllocator:
             self.probes.simtorch_malloc.argtypes = [ctypes.c_uint64, ctypes.c_int8, ctypes.c_uint64, ctypes.c_uint64]
             self.probes.simtorch_free.argtypes = [ctypes.c_uint64]
             self.probes.simtorch_oom.argtypes = [ctypes.c_char_p]
+            self.probes.simtorch_record_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        for name, args in (
+            ("cudaStreamCreate", [ctypes.POINTER(ctypes.c_void_p)]),
+            ("cudaMemsetAsync", [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]),
+            ("cudaEventCreateWithFlags", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+            ("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+            ("cudaEventQuery", [ctypes.c_void_p]),
+            ("cudaEventSynchronize", [ctypes.c_void_p]),
+        ):
+            getattr(self.rt, name).argtypes = args
+        # Per stream, (event, block) in the order recorded; events to reuse (PyTorch's pool).
+        self.cuda_events = {}
+        self.event_pool = []
         truth = os.environ.get("SIMTORCH_TRUTH")
         self.truth = open(truth, "a", buffering=1) if truth else None
         self.drv = None
@@ -154,10 +176,10 @@ class CachingAllocator:
         ret = self.rt.cudaMalloc(ctypes.byref(ptr), size)
         return ptr.value if ret == 0 else None
 
-    def _best_fit(self, size, small):
+    def _best_fit(self, size, small, stream):
         best = None
         for seg in self.segments:
-            if seg.small != small:
+            if seg.small != small or seg.stream != stream:
                 continue
             for block in seg.blocks:
                 if block.free and block.mapped and block.size >= size and (best is None or block.size < best.size):
@@ -176,6 +198,7 @@ class CachingAllocator:
     def _release_cached(self):
         """Returns every unused cached segment, or with expandable segments every unused chunk,
         to the device (what a failed allocation and empty_cache() do)."""
+        self._synchronize_and_free_events()
         self.synchronize()
         if self.expandable:
             for seg in self.segments:
@@ -191,33 +214,43 @@ class CachingAllocator:
         self.segments = kept
         return True
 
-    def _new_segment(self, size, small):
+    def _new_segment(self, size, small, stream):
         """A new cudaMalloc'ed segment for `size`, or None when the device has no room."""
         seg_size = segment_size(size)
         ptr = self._cuda_malloc(seg_size)
         if ptr is None:
             return None
         self._reserved_changed(seg_size)
-        seg = Segment(ptr, seg_size, small)
+        seg = Segment(ptr, seg_size, small, stream=stream)
         self.segments.append(seg)
         return seg.blocks[0]
 
-    def _grow(self, size, small):
-        return self._grow_expandable(size, small) if self.expandable else self._new_segment(size, small)
+    def _grow(self, size, small, stream):
+        if self.expandable:
+            return self._grow_expandable(size, small, stream)
+        return self._new_segment(size, small, stream)
 
-    def malloc(self, size):
+    def malloc(self, size, stream=0):
+        return self._malloc(size, stream, probes=True)
+
+    def raw_alloc(self, size, stream=0):
+        """As torch.cuda.caching_allocator_alloc (raw_alloc): a block, no probe fires."""
+        return self._malloc(size, stream, probes=False)
+
+    def _malloc(self, size, stream, probes):
         with self.lock:
+            self._process_events()
             requested = size
             size = round_size(size)
             small = size <= SMALL_SIZE
-            block = self._best_fit(size, small)
+            block = self._best_fit(size, small, stream)
             if block is None:
-                block = self._grow(size, small)
+                block = self._grow(size, small, stream)
             if block is None:
                 # As PyTorch: release the cache, then one retry, counted whether or not it helps.
                 self._release_cached()
                 self.num_alloc_retries += 1
-                block = self._grow(size, small)
+                block = self._grow(size, small, stream)
             if block is None:
                 self.num_ooms += 1
                 message = self._oom_message(size)
@@ -227,8 +260,8 @@ class CachingAllocator:
             self._split(block, size, small)
             block.free = False
             block.requested = size
-            if self.probes:
-                self.probes.simtorch_malloc(block.ptr, self.device, requested, 0)
+            if self.probes and probes:
+                self.probes.simtorch_malloc(block.ptr, self.device, requested, stream)
             self._record_truth("malloc", block.ptr, requested)
             return block
 
@@ -255,7 +288,7 @@ class CachingAllocator:
             segs = [seg for seg in self.segments if seg.small == small]
             free = [b.size for seg in segs for b in seg.blocks if b.free and b.mapped]
             pools[name] = {
-                "allocated": sum(b.size for seg in segs for b in seg.blocks if not b.free),
+                "allocated": sum(b.size for seg in segs for b in seg.blocks if not b.free and not b.event_count),
                 "reserved": sum(seg.mapped_bytes() for seg in segs),
                 "free_blocks": len(free),
                 "largest_free": max(free, default=0),
@@ -263,14 +296,14 @@ class CachingAllocator:
         self.truth.write(json.dumps({
             "op": op, "ptr": ptr, "requested": requested, "allocated": s["allocated"],
             "reserved": s["reserved"], "free_blocks": len([1 for seg in self.segments for b in seg.blocks if b.free and b.mapped]),
-            "largest_free": s["largest_free_block"], "pools": pools,
+            "largest_free": s["largest_free_block"], "pools": pools, "pending": self.pending()[1],
         }) + "\n")
 
     # Expandable segments -------------------------------------------------------------------
 
-    def _expandable_segment(self, small):
+    def _expandable_segment(self, small, stream):
         for seg in self.segments:
-            if seg.small == small:
+            if seg.small == small and seg.stream == stream:
                 return seg
         chunk = SMALL_SEGMENT if small else LARGE_SEGMENT
         _free, total = self.mem_get_info()
@@ -278,7 +311,7 @@ class CachingAllocator:
         size = round_up(total + total // 8, chunk)
         ptr = ctypes.c_uint64()
         self.check(self.drv.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
-        seg = Segment(ptr.value, size, small, chunk)
+        seg = Segment(ptr.value, size, small, chunk, stream)
         self.segments.append(seg)
         return seg
 
@@ -300,10 +333,10 @@ class CachingAllocator:
         self._reserved_changed(end - start)
         return True
 
-    def _grow_expandable(self, size, small):
+    def _grow_expandable(self, size, small, stream):
         """Maps more of the pool's segment: the run of free blocks with room for `size` that needs
         the fewest new bytes mapped, merged into one free block. None when the device is full."""
-        seg = self._expandable_segment(small)
+        seg = self._expandable_segment(small, stream)
         blocks = seg.blocks
         best = None
         for i, first in enumerate(blocks):
@@ -378,21 +411,102 @@ class CachingAllocator:
             seg.blocks.insert(seg.blocks.index(block) + 1, rest)
             block.size = size
 
-    def free(self, block):
+    def new_stream(self):
+        s = ctypes.c_void_p()
+        self.check(self.rt.cudaStreamCreate(ctypes.byref(s)), "cudaStreamCreate")
+        return s.value
+
+    def fill(self, block, stream):
+        """Work on `stream` that uses the block (a kernel, here a memset)."""
+        self.check(self.rt.cudaMemsetAsync(ctypes.c_void_p(block.ptr), 0, block.size, ctypes.c_void_p(stream)), "cudaMemsetAsync")
+
+    def record_stream(self, block, stream):
+        """As Tensor.record_stream: the block is used on `stream` too; no CUDA call."""
         with self.lock:
-            if self.probes:
+            if stream != block.segment.stream:
+                block.stream_uses.add(stream)
+
+    def free(self, block):
+        self._free(block, probes=True)
+
+    def raw_delete(self, block):
+        """As torch.cuda.caching_allocator_delete (raw_delete): no probe fires."""
+        self._free(block, probes=False)
+
+    def _free(self, block, probes):
+        with self.lock:
+            if self.probes and probes:
                 self.probes.simtorch_free(block.ptr)
-            block.free = True
             block.requested = 0
-            blocks = block.segment.blocks
-            i = blocks.index(block)
-            if i + 1 < len(blocks) and blocks[i + 1].free and blocks[i + 1].mapped:
-                block.size += blocks[i + 1].size
-                del blocks[i + 1]
-            if i > 0 and blocks[i - 1].free and blocks[i - 1].mapped:
-                blocks[i - 1].size += block.size
-                del blocks[i]
-            self._record_truth("free", block.ptr, 0)
+            if block.stream_uses:
+                self._insert_events(block)
+            else:
+                self._free_block(block)
+
+    def _insert_events(self, block):
+        """As PyTorch's insert_events: one event per stream the block was used on, recorded from
+        the allocator's library; the block stays out of its pool until they complete."""
+        for stream in block.stream_uses:
+            if self.event_pool:
+                event = self.event_pool.pop()
+            else:
+                e = ctypes.c_void_p()
+                self.check(self.rt.cudaEventCreateWithFlags(ctypes.byref(e), 2), "cudaEventCreateWithFlags")
+                event = e.value
+            self.check(self.probes.simtorch_record_event(event, stream), "cudaEventRecord")
+            block.event_count += 1
+            self.cuda_events.setdefault(stream, []).append((event, block))
+        block.stream_uses = set()
+        self._record_truth("free_requested", block.ptr, 0)
+
+    def _process_events(self):
+        """As PyTorch's process_events (at each malloc): blocks whose events completed return
+        to their pool; a stream's queue stops at its first event not ready."""
+        for stream in list(self.cuda_events):
+            queue = self.cuda_events[stream]
+            while queue:
+                event, block = queue[0]
+                ret = self.rt.cudaEventQuery(ctypes.c_void_p(event))
+                if ret == 600:
+                    break
+                self.check(ret, "cudaEventQuery")
+                self._event_done(event, block)
+                queue.pop(0)
+            if not queue:
+                del self.cuda_events[stream]
+
+    def _synchronize_and_free_events(self):
+        for queue in self.cuda_events.values():
+            for event, block in queue:
+                self.check(self.rt.cudaEventSynchronize(ctypes.c_void_p(event)), "cudaEventSynchronize")
+                self._event_done(event, block)
+        self.cuda_events = {}
+
+    def _event_done(self, event, block):
+        self.event_pool.append(event)
+        block.event_count -= 1
+        if block.event_count == 0:
+            self._free_block(block, "free_completed")
+
+    def pending(self):
+        """Blocks freed and kept for other streams' work: (blocks, bytes)."""
+        blocks = [b for q in self.cuda_events.values() for _, b in q]
+        unique = {id(b): b for b in blocks}.values()
+        return len(unique), sum(b.size for b in unique)
+
+    def _free_block(self, block, op="free"):
+        """The block back in its pool, merged with free neighbours."""
+        ptr = block.ptr
+        block.free = True
+        blocks = block.segment.blocks
+        i = blocks.index(block)
+        if i + 1 < len(blocks) and blocks[i + 1].free and blocks[i + 1].mapped:
+            block.size += blocks[i + 1].size
+            del blocks[i + 1]
+        if i > 0 and blocks[i - 1].free and blocks[i - 1].mapped:
+            blocks[i - 1].size += block.size
+            del blocks[i]
+        self._record_truth(op, ptr, 0)
 
     def empty_cache(self):
         with self.lock:
@@ -416,7 +530,9 @@ class CachingAllocator:
         }
 
     def stats(self):
-        allocated = sum(b.size for s in self.segments for b in s.blocks if not b.free)
+        # As PyTorch: a block freed and kept for other streams' work is no longer allocated,
+        # and not free either.
+        allocated = sum(b.size for s in self.segments for b in s.blocks if not b.free and not b.event_count)
         reserved = sum(s.mapped_bytes() for s in self.segments)
         free_blocks = [b.size for s in self.segments for b in s.blocks if b.free and b.mapped]
         return {

@@ -29,11 +29,17 @@ def forward(alloc, rng, batch, seq, layers=6):
     return acts
 
 
-def train_step(alloc, rng, params):
+def train_step(alloc, rng, params, side=None):
     batch, seq = rng.choice((4, 8, 16)), rng.randint(32, 512)
     tokens = alloc.malloc(batch * seq * 8)  # cuda-call
     acts = forward(alloc, rng, batch, seq)
     grads = [alloc.malloc(p.size) for p in params]  # cuda-call
+    if side is not None:
+        # Two activations are also used by work on a side stream (Tensor.record_stream): freed
+        # below, they stay out of the pool until that work is done.
+        for t in rng.sample(acts, 2):
+            alloc.record_stream(t, side)
+            alloc.fill(t, side)  # cuda-call
     for t in acts + grads + [tokens]:
         alloc.free(t)
     alloc.rt.cudaStreamSynchronize(None)  # cuda-call
@@ -54,6 +60,7 @@ def main():
     parser = handshake.parse_common(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--cudart", required=True)
     parser.add_argument("--expandable", action="store_true")
+    parser.add_argument("--streams", action="store_true", help="use some blocks on a side stream too (record_stream)")
     args = parser.parse_args()
     alloc = CachingAllocator(args.cudart, expandable=args.expandable)
     _free, total = alloc.mem_get_info()
@@ -62,9 +69,10 @@ def main():
     rng = random.Random(args.seed)
     params = [alloc.malloc(rng.randint(1, 24) * MIB) for _ in range(8)]  # cuda-call
     step_s = []
+    side = alloc.new_stream() if args.streams else None
     for step in range(args.steps):
         t0 = time.perf_counter()
-        train_step(alloc, rng, params)
+        train_step(alloc, rng, params, side)
         step_s.append(time.perf_counter() - t0)
         if step % args.empty_cache_every == args.empty_cache_every - 1:
             alloc.empty_cache()  # cuda-call

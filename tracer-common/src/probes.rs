@@ -64,6 +64,11 @@ pub enum OpClass {
     BlockFree = 7,
     /// The framework raised out-of-memory (c10::OutOfMemoryError), with its message.
     Oom = 8,
+    /// An event recorded on a stream (cudaEventRecord): the caching allocator records one per
+    /// stream a freed block was used on (`record_stream`) and keeps the block until they complete.
+    EventRecord = 9,
+    /// An event found complete (cudaEventQuery, cudaEventSynchronize returning success).
+    EventWait = 10,
 }
 
 /// The meaning of one argument.
@@ -96,6 +101,9 @@ pub enum ArgRole {
     Handle,
     /// A `const CUmemAllocationProp *`: the device is read from its `location.id`.
     AllocProp,
+    /// Not an argument: the call's return address (who called it), read from the stack at
+    /// entry into this position and stored in aux1. Listed after the real arguments.
+    Caller,
 }
 
 /// One traced API.
@@ -167,9 +175,12 @@ ops! {
     TorchMalloc = 27,
     TorchFree = 28,
     TorchOom = 29,
+    CudaEventRecord = 30,
+    CudaEventQuery = 31,
+    CudaEventSynchronize = 32,
 }
 
-pub const OP_COUNT: usize = 30;
+pub const OP_COUNT: usize = 33;
 
 use ArgRole::*;
 use Library::{Driver, Runtime, Torch};
@@ -448,6 +459,32 @@ pub const PROBES: [ProbeSpec; OP_COUNT] = [
         space: Space::None,
         args: &[Ignored, Ignored],
     },
+    // Stream events: how the caching allocator keeps a block freed while other streams still
+    // use it (`record_stream`) until their work is done. The event handle is the pointer.
+    probe(
+        Op::CudaEventRecord,
+        "cudaEventRecord",
+        Runtime,
+        OpClass::EventRecord,
+        Space::None,
+        &[Ptr, Stream, Caller],
+    ),
+    probe(
+        Op::CudaEventQuery,
+        "cudaEventQuery",
+        Runtime,
+        OpClass::EventWait,
+        Space::None,
+        &[Ptr],
+    ),
+    probe(
+        Op::CudaEventSynchronize,
+        "cudaEventSynchronize",
+        Runtime,
+        OpClass::EventWait,
+        Space::None,
+        &[Ptr],
+    ),
 ];
 
 const _: () = {
@@ -493,7 +530,9 @@ pub struct OpPlan {
     /// Copied into aux1 (flags or width).
     pub aux1_arg: u8,
     pub prop_arg: u8,
-    pub _pad: [u8; 5],
+    /// The argument position that holds the return address instead (read at entry).
+    pub caller_arg: u8,
+    pub _pad: [u8; 4],
 }
 
 /// Offset of `location.id` in CUmemAllocationProp (type, requestedHandleTypes, location.type
@@ -515,7 +554,8 @@ const fn plan(spec: &ProbeSpec) -> OpPlan {
         aux0_arg: NO_ARG,
         aux1_arg: NO_ARG,
         prop_arg: NO_ARG,
-        _pad: [0; 5],
+        caller_arg: NO_ARG,
+        _pad: [0; 4],
     };
     let mut i = 0;
     while i < spec.args.len() {
@@ -533,6 +573,10 @@ const fn plan(spec: &ProbeSpec) -> OpPlan {
             PitchOut => p.pitch_out_arg = idx,
             Height => p.height_arg = idx,
             AllocProp => p.prop_arg = idx,
+            Caller => {
+                p.caller_arg = idx;
+                p.aux1_arg = idx;
+            }
         }
         i += 1;
     }

@@ -124,7 +124,7 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
     }
     // SAFETY: the helper only reads the cookie of the perf link that fired.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
-    let Some((op, _plan)) = plan_for(cookie) else {
+    let Some((op, plan)) = plan_for(cookie) else {
         return 0;
     };
     let tid = bpf_get_current_pid_tgid() as u32;
@@ -137,6 +137,12 @@ pub fn call_entry(ctx: ProbeContext) -> u32 {
     while i < MAX_ARGS {
         state.args[i] = ctx.arg::<u64>(i).unwrap_or(0);
         i += 1;
+    }
+    if (plan.caller_arg as usize) < MAX_ARGS {
+        // At a function's first instruction the return address is on top of the stack.
+        // SAFETY: `regs` is the probed thread's saved registers, valid for this program's run.
+        let sp = unsafe { (*ctx.regs).rsp };
+        state.args[plan.caller_arg as usize] = read_user_u64(sp).unwrap_or(0);
     }
     save_inflight(tid, op, &state);
     0

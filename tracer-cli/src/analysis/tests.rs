@@ -766,7 +766,11 @@ fn a_report_started_from_a_keyframe_equals_one_from_the_first_call() {
     // A keyframe at a third of the run (before the window), encoded and decoded as stored.
     let cut = evs.len() / 3;
     let state = state_after(&evs[..cut]);
-    let state = crate::model::state::ProcessState::decode(&state.encode().unwrap()).unwrap();
+    let state = crate::model::state::ProcessState::decode(
+        &state.encode().unwrap(),
+        crate::model::state::KEYFRAME_FORMAT,
+    )
+    .unwrap();
     let mut c = Collector::new(window, &inputs, vec![state]);
     for e in &evs[cut..] {
         c.feed(e);

@@ -170,6 +170,9 @@ impl PoolStats {
 #[serde(rename_all = "lowercase")]
 pub enum RunKind {
     Allocated,
+    /// Freed by the program but used on other streams (`record_stream`): the allocator keeps it
+    /// until the events it recorded on them complete.
+    Pending,
     Free,
     Unmapped,
 }
@@ -340,7 +343,46 @@ pub struct Layout {
     /// restored one also knows those holding blocks now): not kept in keyframes.
     #[serde(skip)]
     expandable_used: std::collections::BTreeSet<u64>,
+    /// Blocks freed while other streams' work may still use them. Kept in keyframes after the
+    /// state (model/state.rs), so that keyframes written before it existed still decode.
+    #[serde(skip)]
+    pub(crate) pending: PendingFrees,
 }
+
+/// Blocks the program freed that the allocator keeps until other streams' work is done.
+///
+/// PyTorch's `pytorch:free` fires before its allocator looks at the block. A block used on
+/// other streams (`Tensor.record_stream`) is not returned to its pool then: the allocator
+/// records a CUDA event on each of those streams (cudaEventRecord, called from its own library,
+/// right after the free on the same thread) and returns the block when the last one is found
+/// complete (cudaEventQuery or cudaEventSynchronize succeeding). Such a block is not allocated
+/// (PyTorch's allocated bytes dropped at the free) and not free either.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PendingFrees {
+    /// Block address -> its events not yet seen complete.
+    blocks: BTreeMap<u64, u32>,
+    /// Event handle -> the block it was recorded for.
+    events: BTreeMap<u64, u64>,
+    /// Per thread, the block it freed last (while events recorded next may be that free's).
+    freeing: BTreeMap<u32, Freed>,
+}
+
+/// A block a thread freed last: where, when, and what it was.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Freed {
+    ptr: u64,
+    ts_ns: i64,
+    block: Block,
+}
+
+/// The longest a free's own event records follow it (they are made inside the same call, a
+/// few microseconds later; the allocator's later records are for blocks freed during a CUDA
+/// graph capture, long before).
+const FREE_RECORDS_WITHIN_NS: i64 = 10_000_000;
+
+/// `aux1` of a cudaEventRecord called from the library that holds PyTorch's allocator probes
+/// (the recording tells so from the call's return address).
+pub const EVENT_FROM_ALLOCATOR: u64 = 1;
 
 impl Layout {
     pub fn new(conf: AllocConf) -> Layout {
@@ -360,6 +402,10 @@ impl Layout {
         match (spec.class, spec.space) {
             (OpClass::BlockAlloc, _) if e.ptr != 0 => self.block_alloc(e),
             (OpClass::BlockFree, _) if e.ptr != 0 => self.block_free(e),
+            (OpClass::EventRecord, _) if e.ret == 0 && e.aux1 == EVENT_FROM_ALLOCATOR => {
+                self.event_recorded(e)
+            }
+            (OpClass::EventWait, _) if e.ret == 0 => self.event_complete(e.ptr),
             (OpClass::Alloc, Space::Device) if e.ret == 0 && e.ptr != 0 && is_segment_op(e.op) => {
                 self.segment_alloc(e.ptr, e.size, e.device, None, e.ts_ns)
             }
@@ -436,9 +482,28 @@ impl Layout {
                 device: s.device,
                 pool: s.pool,
                 expandable: s.mapped.is_some(),
-                runs: runs_of(addr, s),
+                runs: runs_of(addr, s, &self.pending.blocks),
             })
             .collect()
+    }
+
+    /// Blocks freed and kept for other streams' work (`record_stream`), on `device` (all:
+    /// None): (blocks, bytes).
+    pub fn pending(&self, device: Option<i32>) -> (u64, u64) {
+        let mut out = (0, 0);
+        for &ptr in self.pending.blocks.keys() {
+            let Some(addr) = self.segment_at(ptr) else {
+                continue;
+            };
+            let seg = &self.segments[&addr];
+            if let Some(b) = seg.blocks.get(&ptr) {
+                if device.is_none_or(|d| d == seg.device) {
+                    out.0 += 1;
+                    out.1 += b.size;
+                }
+            }
+        }
+        out
     }
 
     /// Expandable segments the allocator's blocks landed in, as (start, end) of the reserved
@@ -499,11 +564,18 @@ impl Layout {
             Some(pool) => {
                 let key = (seg.device, pool);
                 self.count_gaps(key, &seg.counted_gaps(addr), false);
+                let held: u64 = seg
+                    .blocks
+                    .iter()
+                    .filter(|(b, _)| !self.pending.blocks.contains_key(b))
+                    .map(|(_, b)| b.size)
+                    .sum();
+                for b in seg.blocks.keys() {
+                    self.forget_pending(*b);
+                }
                 let t = self.totals.entry(key).or_default();
                 t.reserved = t.reserved.saturating_sub(reserved_of(&seg));
-                t.allocated = t
-                    .allocated
-                    .saturating_sub(seg.blocks.values().map(|b| b.size).sum());
+                t.allocated = t.allocated.saturating_sub(held);
                 self.refresh_largest(key);
             }
             None if seg.mapped.is_none() => {
@@ -604,30 +676,37 @@ impl Layout {
         } else {
             gap_end.saturating_sub(e.ptr).max(rounded)
         };
-        let span = seg.span_around(addr, e.ptr, e.ptr.saturating_add(size));
+        let block = Block {
+            size,
+            requested: e.size,
+            stack: e.stack.map(|s| s.get()),
+            ts_ns: e.ts_ns,
+            event: self.block_events,
+            carried: false,
+        };
+        self.insert_block(addr, key, e.ptr, block);
+        self.settle(e.ts_ns);
+        self.totals.entry(key).or_default().allocated += size;
+    }
+
+    /// Puts a block into free space of segment `addr`, counting its pool's free gaps.
+    fn insert_block(&mut self, addr: u64, key: (i32, Pool), ptr: u64, block: Block) {
+        let Some(seg) = self.segments.get_mut(&addr) else {
+            return;
+        };
+        let size = block.size;
+        let span = seg.span_around(addr, ptr, ptr.saturating_add(size));
         let before = if span.is_some() {
             Vec::new()
         } else {
             seg.counted_gaps(addr)
         };
-        seg.blocks.insert(
-            e.ptr,
-            Block {
-                size,
-                requested: e.size,
-                stack: e.stack.map(|s| s.get()),
-                ts_ns: e.ts_ns,
-                event: self.block_events,
-                carried: false,
-            },
-        );
-        self.settle(e.ts_ns);
-        self.totals.entry(key).or_default().allocated += size;
+        seg.blocks.insert(ptr, block);
         match span {
             // The span it landed in is cut in two (either may be empty).
             Some((lo, hi)) => {
-                let end = e.ptr + size;
-                let after: Vec<u64> = [e.ptr - lo, hi - end]
+                let end = ptr + size;
+                let after: Vec<u64> = [ptr - lo, hi - end]
                     .into_iter()
                     .filter(|&g| g > 0)
                     .collect();
@@ -676,16 +755,23 @@ impl Layout {
         let before = seg.counted_gaps(addr);
         let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
         let mut bytes = 0;
+        let mut allocated = 0;
         for b in &stale {
             if let Some(block) = seg.blocks.remove(b) {
                 bytes += block.size;
+                if !self.pending.blocks.contains_key(b) {
+                    allocated += block.size;
+                }
             }
+        }
+        for b in &stale {
+            self.forget_pending(*b);
         }
         self.unexplained.overlapping_blocks += 1;
         self.unknown.freed_unseen += stale.len() as u64;
         self.unknown.freed_unseen_bytes += bytes;
         let t = self.totals.entry(key).or_default();
-        t.allocated = t.allocated.saturating_sub(bytes);
+        t.allocated = t.allocated.saturating_sub(allocated);
         self.regap(addr, &before);
         self.evidence(e.ts_ns);
     }
@@ -801,25 +887,14 @@ impl Layout {
 
     fn block_free(&mut self, e: &Event) {
         self.block_events += 1;
-        let found = self.segment_at(e.ptr).and_then(|addr| {
-            let seg = self.segments.get_mut(&addr)?;
-            let size = seg.blocks.get(&e.ptr)?.size;
-            let span = seg.span_around(addr, e.ptr, e.ptr.saturating_add(size));
-            let before = if span.is_some() {
-                Vec::new()
-            } else {
-                seg.counted_gaps(addr)
-            };
-            let block = seg.blocks.remove(&e.ptr)?;
-            Some((
-                addr,
-                (seg.device, seg.pool.unwrap_or(Pool::Large)),
-                block,
-                span,
-                before,
-            ))
-        });
-        let Some((addr, key, block, span, before)) = found else {
+        if self.forget_pending(e.ptr) {
+            // Freed again while believed kept for other streams: their events completed unseen.
+            self.remove_block(e.ptr);
+            self.unexplained.unmatched_frees += 1;
+            self.evidence(e.ts_ns);
+            return;
+        }
+        let Some((key, block)) = self.remove_block(e.ptr) else {
             if self.orphans.remove(&e.ptr).is_none() {
                 self.unexplained.unmatched_frees += 1;
                 self.evidence(e.ts_ns);
@@ -828,11 +903,40 @@ impl Layout {
         };
         let t = self.totals.entry(key).or_default();
         t.allocated = t.allocated.saturating_sub(block.size);
+        if !block.carried && !self.unknown.exact() {
+            let life = self.block_events - block.event;
+            self.unknown.longest_life_events = self.unknown.longest_life_events.max(life);
+        }
+        self.settle(e.ts_ns);
+        self.pending.freeing.insert(
+            e.tid,
+            Freed {
+                ptr: e.ptr,
+                ts_ns: e.ts_ns,
+                block,
+            },
+        );
+    }
+
+    /// Takes the block at `ptr` out of its segment, its space counted free again: its pool and
+    /// the block, or None where no known segment holds a block there.
+    fn remove_block(&mut self, ptr: u64) -> Option<((i32, Pool), Block)> {
+        let addr = self.segment_at(ptr)?;
+        let seg = self.segments.get_mut(&addr)?;
+        let size = seg.blocks.get(&ptr)?.size;
+        let span = seg.span_around(addr, ptr, ptr.saturating_add(size));
+        let before = if span.is_some() {
+            Vec::new()
+        } else {
+            seg.counted_gaps(addr)
+        };
+        let block = seg.blocks.remove(&ptr)?;
+        let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
         match span {
             // The spans on either side of it (either may be empty) become one.
             Some((lo, hi)) => {
-                let end = e.ptr + block.size;
-                let old: Vec<u64> = [e.ptr - lo, hi - end]
+                let end = ptr + block.size;
+                let old: Vec<u64> = [ptr - lo, hi - end]
                     .into_iter()
                     .filter(|&g| g > 0)
                     .collect();
@@ -840,11 +944,67 @@ impl Layout {
             }
             None => self.regap(addr, &before),
         }
-        if !block.carried && !self.unknown.exact() {
-            let life = self.block_events - block.event;
-            self.unknown.longest_life_events = self.unknown.longest_life_events.max(life);
+        Some((key, block))
+    }
+
+    /// The allocator recorded an event for the block its thread just freed: the block is kept
+    /// out of its pool until the event completes.
+    fn event_recorded(&mut self, e: &Event) {
+        if self.pending.events.contains_key(&e.ptr) {
+            // The pool hands an event out again only once it completed: its completion was
+            // not seen.
+            self.event_complete(e.ptr);
         }
-        self.settle(e.ts_ns);
+        let Some(freed) = self.pending.freeing.get(&e.tid) else {
+            return;
+        };
+        if e.ts_ns.saturating_sub(freed.ts_ns) > FREE_RECORDS_WITHIN_NS {
+            return;
+        }
+        let ptr = freed.ptr;
+        if let Some(n) = self.pending.blocks.get_mut(&ptr) {
+            *n += 1;
+        } else {
+            let Some(addr) = self.segment_at(ptr) else {
+                return;
+            };
+            let seg = &self.segments[&addr];
+            let fits = free_end(addr, seg, ptr).is_some_and(|end| end >= ptr + freed.block.size);
+            if !fits {
+                // Its space was handed out since: not this block's event.
+                return;
+            }
+            let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
+            let block = freed.block.clone();
+            self.insert_block(addr, key, ptr, block);
+            self.pending.blocks.insert(ptr, 1);
+        }
+        self.pending.events.insert(e.ptr, ptr);
+    }
+
+    /// An event found complete: the block it was recorded for returns to its pool with its
+    /// last one.
+    fn event_complete(&mut self, event: u64) {
+        let Some(ptr) = self.pending.events.remove(&event) else {
+            return;
+        };
+        let Some(n) = self.pending.blocks.get_mut(&ptr) else {
+            return;
+        };
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.pending.blocks.remove(&ptr);
+            self.remove_block(ptr);
+        }
+    }
+
+    /// Forgets that the block at `ptr` waits for events; whether it did.
+    fn forget_pending(&mut self, ptr: u64) -> bool {
+        if self.pending.blocks.remove(&ptr).is_none() {
+            return false;
+        }
+        self.pending.events.retain(|_, b| *b != ptr);
+        true
     }
 
     /// Recounts a segment's free gaps into its pool's multiset, where they were `before`.
@@ -971,7 +1131,7 @@ fn free_end(addr: u64, seg: &Segment, ptr: u64) -> Option<u64> {
 }
 
 /// The segment's runs in address order.
-fn runs_of(addr: u64, seg: &Segment) -> Vec<Run> {
+fn runs_of(addr: u64, seg: &Segment, pending: &BTreeMap<u64, u32>) -> Vec<Run> {
     let end = addr + seg.size;
     // Mapped ranges (the whole segment when not expandable).
     let mapped: Vec<(u64, u64)> = match &seg.mapped {
@@ -1005,7 +1165,11 @@ fn runs_of(addr: u64, seg: &Segment) -> Vec<Run> {
         runs.push(Run {
             addr: b,
             size: block.size,
-            kind: RunKind::Allocated,
+            kind: if pending.contains_key(&b) {
+                RunKind::Pending
+            } else {
+                RunKind::Allocated
+            },
             requested: block.requested,
             stack: block.stack,
             since_ns: Some(block.ts_ns),
@@ -1327,5 +1491,109 @@ mod tests {
             (back.carried(), back.unknown, back.total()),
             (l.carried(), l.unknown, l.total())
         );
+    }
+}
+
+#[cfg(test)]
+mod pending_tests {
+    use super::*;
+
+    const SEG: u64 = 0x7f00_0000_0000;
+    const EVENT: u64 = 0x5555_0000;
+
+    fn ev(op: Op, ptr: u64, size: u64, ts_ns: i64) -> Event {
+        Event {
+            ts_ns,
+            duration_ns: 0,
+            size,
+            ptr,
+            aux0: 0,
+            aux1: 0,
+            pid: 1,
+            tid: 1,
+            ret: 0,
+            device: 0,
+            stack: None,
+            op,
+        }
+    }
+
+    fn record(ts_ns: i64, from_allocator: bool) -> Event {
+        Event {
+            aux1: from_allocator as u64,
+            ..ev(Op::CudaEventRecord, EVENT, 0, ts_ns)
+        }
+    }
+
+    /// A 20 MiB segment with two 4 MiB blocks; the first freed at t=1000.
+    fn freed_first() -> Layout {
+        let mut l = Layout::default();
+        l.apply(&ev(Op::CudaMalloc, SEG, LARGE_SEGMENT, 0));
+        l.apply(&ev(Op::TorchMalloc, SEG, 4 << 20, 10));
+        l.apply(&ev(Op::TorchMalloc, SEG + (4 << 20), 4 << 20, 20));
+        l.apply(&ev(Op::TorchFree, SEG, 0, 1000));
+        l
+    }
+
+    #[test]
+    fn a_block_whose_free_recorded_events_is_kept_until_the_last_completes() {
+        let mut l = freed_first();
+        assert_eq!(l.total().free_blocks, 2);
+        l.apply(&record(1500, true));
+        l.apply(&Event {
+            ptr: EVENT + 1,
+            ..record(1600, true)
+        });
+        // Kept: not allocated (PyTorch's figure dropped at the free), not free either.
+        assert_eq!(l.pending(None), (1, 4 << 20));
+        assert_eq!(l.total().allocated, 4 << 20);
+        assert_eq!(l.total().free_blocks, 1);
+        let runs = &l.segments()[0].runs;
+        assert_eq!(runs[0].kind, RunKind::Pending);
+        // Not ready yet: nothing changes.
+        l.apply(&Event {
+            ret: 600,
+            ..ev(Op::CudaEventQuery, EVENT, 0, 2000)
+        });
+        l.apply(&ev(Op::CudaEventQuery, EVENT, 0, 3000));
+        assert_eq!(l.pending(None), (1, 4 << 20));
+        l.apply(&ev(Op::CudaEventSynchronize, EVENT + 1, 0, 4000));
+        assert_eq!(l.pending(None), (0, 0));
+        assert_eq!(l.total().free_blocks, 2);
+        assert_eq!(l.total().allocated, 4 << 20);
+        assert!(l.unknown.exact());
+    }
+
+    #[test]
+    fn events_the_program_records_or_recorded_long_after_a_free_keep_nothing() {
+        let mut l = freed_first();
+        l.apply(&record(1500, false));
+        assert_eq!(l.pending(None), (0, 0));
+        l.apply(&record(1000 + FREE_RECORDS_WITHIN_NS + 1, true));
+        assert_eq!(l.pending(None), (0, 0));
+        assert_eq!(l.total().free_blocks, 2);
+    }
+
+    #[test]
+    fn a_kept_block_survives_a_keyframe_and_older_keyframes_still_decode() {
+        use crate::model::state::{ProcessState, KEYFRAME_FORMAT};
+        let mut l = freed_first();
+        l.apply(&record(1500, true));
+        let state = ProcessState {
+            pid: 1,
+            layout: l,
+            ..Default::default()
+        };
+        let bytes = state.encode().unwrap();
+        let mut back = ProcessState::decode(&bytes, KEYFRAME_FORMAT).unwrap();
+        assert_eq!(back.layout.pending(None), (1, 4 << 20));
+        back.layout.apply(&ev(Op::CudaEventQuery, EVENT, 0, 2000));
+        assert_eq!(back.layout.pending(None), (0, 0));
+        assert_eq!(back.layout.total().free_blocks, 2);
+        // Format 1 was the state alone.
+        let old = postcard::to_stdvec(&state).unwrap();
+        let back = ProcessState::decode(&old, 1).unwrap();
+        assert_eq!(back.layout.pending(None), (0, 0));
+        assert_eq!(back.layout.total().allocated, 4 << 20);
     }
 }

@@ -9,14 +9,17 @@ use serde::{Deserialize, Serialize};
 use tracer_common::{Op, OpClass, Space};
 
 use super::{
-    layout::Layout,
+    layout::{Layout, PendingFrees},
     live::moves_memory,
     pressure::{Alarm, Pressure},
     Event,
 };
 
-/// How a keyframe's `data` is encoded (postcard of [`ProcessState`]).
-pub const KEYFRAME_FORMAT: i64 = 1;
+/// How a keyframe's `data` is encoded: postcard of [`ProcessState`] followed (since format 2)
+/// by its layout's blocks kept for other streams ([`PendingFrees`]). Format 1 is still read.
+pub const KEYFRAME_FORMAT: i64 = 2;
+/// The oldest format this tracer reads.
+pub const KEYFRAME_FORMAT_OLDEST: i64 = 1;
 
 /// An allocation (or a framework block) the process still held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,6 +92,11 @@ impl ProcessState {
         self.events += 1;
         self.last_ns = self.last_ns.max(e.ts_ns);
         let class = e.class();
+        if matches!(class, OpClass::EventRecord | OpClass::EventWait) {
+            // The allocator's events keep blocks used on other streams from their pool.
+            self.layout.apply(e);
+            return None;
+        }
         if !moves_memory(class) {
             return None;
         }
@@ -159,13 +167,23 @@ impl ProcessState {
         self.thread_devices = thread_devices;
     }
 
+    /// In [`KEYFRAME_FORMAT`].
     pub fn encode(&self) -> anyhow::Result<Vec<u8>> {
-        postcard::to_stdvec(self)
+        postcard::to_stdvec(&(self, &self.layout.pending))
             .map_err(|e| anyhow::anyhow!("encode the state of pid {}: {e}", self.pid))
     }
 
-    pub fn decode(bytes: &[u8]) -> anyhow::Result<ProcessState> {
-        postcard::from_bytes(bytes)
-            .map_err(|e| anyhow::anyhow!("decode a keyframe's process state: {e}"))
+    /// From `format` (1: without the blocks kept for other streams, which format 1 did not
+    /// know of).
+    pub fn decode(bytes: &[u8], format: i64) -> anyhow::Result<ProcessState> {
+        let decoded = if format == 1 {
+            postcard::from_bytes(bytes).map(|s| (s, PendingFrees::default()))
+        } else {
+            postcard::from_bytes::<(ProcessState, PendingFrees)>(bytes)
+        };
+        let (mut state, pending) =
+            decoded.map_err(|e| anyhow::anyhow!("decode a keyframe's process state: {e}"))?;
+        state.layout.pending = pending;
+        Ok(state)
     }
 }

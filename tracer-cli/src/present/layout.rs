@@ -1,5 +1,6 @@
 //! `tracer layout` as text: per process and device the allocator's figures, then each segment
-//! as a bar (`#` allocated, `.` free, space unmapped) with its largest free block.
+//! as a bar (`#` allocated, `~` freed but kept for other streams, `.` free, space unmapped)
+//! with its largest free block.
 
 use std::io::Write;
 
@@ -12,6 +13,8 @@ use crate::{
 };
 
 const BAR: usize = 64;
+/// Run kinds, indexed by `RunKind as usize`.
+const KINDS: usize = RunKind::Unmapped as usize + 1;
 
 fn figures(s: &PoolStats) -> String {
     format!(
@@ -35,17 +38,18 @@ fn bar(seg: &SegmentMap) -> String {
                 seg.addr + (i as f64 * per) as u64,
                 seg.addr + ((i + 1) as f64 * per) as u64,
             );
-            let mut by_kind = [0u64; 3];
+            let mut by_kind = [0u64; KINDS];
             for r in &seg.runs {
                 let (s, e) = (r.addr.max(from), (r.addr + r.size).min(to));
                 if s < e {
                     by_kind[r.kind as usize] += e - s;
                 }
             }
-            let most = (0..3).max_by_key(|&k| by_kind[k]).unwrap_or(0);
+            let most = (0..KINDS).max_by_key(|&k| by_kind[k]).unwrap_or(0);
             match most {
-                0 => '#',
-                1 => '.',
+                k if k == RunKind::Allocated as usize => '#',
+                k if k == RunKind::Pending as usize => '~',
+                k if k == RunKind::Free as usize => '.',
                 _ => ' ',
             }
         })
@@ -69,6 +73,14 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
             }
             if d.outside > 0 {
                 writeln!(out, "    outside the allocator: {}", b(d.outside))?;
+            }
+            if d.pending.0 > 0 {
+                writeln!(
+                    out,
+                    "    freed, kept until other streams' work completes (record_stream): {} in {} blocks, neither allocated nor free",
+                    b(d.pending.1),
+                    d.pending.0
+                )?;
             }
         }
         let u = p.unexplained;

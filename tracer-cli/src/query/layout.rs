@@ -61,6 +61,8 @@ pub struct DeviceLayout {
     pub pools: Vec<(crate::model::layout::Pool, crate::model::layout::PoolStats)>,
     /// Device memory allocated outside the allocator's segments.
     pub outside: u64,
+    /// Blocks freed but kept for other streams' work (`record_stream`): (blocks, bytes).
+    pub pending: (u64, u64),
 }
 
 /// The session's processes' layouts at `q.at` (processes with device allocations only).
@@ -156,6 +158,7 @@ pub(crate) fn process_layout(
                     .map(|((_, pool), s)| (*pool, *s))
                     .collect(),
                 outside: l.outside(d),
+                pending: l.pending(Some(d)),
             })
             .collect(),
         unexplained: l.unexplained,
@@ -204,14 +207,18 @@ pub struct LayoutPoint {
 }
 
 /// The layout's figures after every block event of the session (one process, or all), from
-/// its first stored call (or the keyframe the calls --max-db left begin at).
+/// its first stored call (or the keyframe the calls --max-db left begin at). A free's figures
+/// include the stream events the allocator recorded for it (`record_stream`: the block is then
+/// kept, not free); a block returned to its pool when its last event completed has a point of
+/// its own (op `free_completed`).
 pub fn layout_timeline(
     db: &Path,
     session: Option<i64>,
     pid: Option<u32>,
     mut point: impl FnMut(LayoutPoint) -> Result<()>,
 ) -> Result<()> {
-    use crate::model::layout::{AllocConf, Layout, Pool};
+    use crate::model::layout::{AllocConf, Layout};
+    use tracer_common::OpClass;
     let store = Store::open(db, Access::ReadOnly)?;
     let conn = store.conn();
     let info = events::session(conn, session)?;
@@ -222,7 +229,9 @@ pub fn layout_timeline(
         .iter()
         .map(|s| (s.pid, s.layout.clone()))
         .collect();
-    let mut failed = None;
+    // Per process, the free whose point waits for the event records that may follow it.
+    let mut held: std::collections::HashMap<u32, (i64, &'static str, u64)> = Default::default();
+    let mut result = Ok(());
     super::walk(db, info.id, &begin, i64::MAX, pid, |step| {
         let e = match step {
             super::Step::Call(e) => e,
@@ -231,7 +240,7 @@ pub fn layout_timeline(
                 return;
             }
         };
-        if failed.is_some() {
+        if result.is_err() {
             return;
         }
         let l = layouts.entry(e.pid).or_insert_with(|| {
@@ -241,35 +250,68 @@ pub fn layout_timeline(
                     .map_or_else(AllocConf::default, |c| AllocConf::parse(c)),
             )
         });
+        let class = e.class();
+        if class != OpClass::EventRecord {
+            if let Some((ts, op, ptr)) = held.remove(&e.pid) {
+                result = point(point_of(l, e.pid, ts, op, ptr));
+            }
+        }
+        let pending = l.pending(None).0;
         l.apply(e);
-        if !matches!(
-            e.class(),
-            tracer_common::OpClass::BlockAlloc | tracer_common::OpClass::BlockFree
-        ) {
+        if result.is_err() {
             return;
         }
-        let mut pools = std::collections::BTreeMap::new();
-        for ((_, pool), s) in l.stats() {
-            let name = if *pool == Pool::Small {
-                "small"
-            } else {
-                "large"
-            };
-            let p: &mut crate::model::layout::PoolStats = pools.entry(name.to_owned()).or_default();
-            p.allocated += s.allocated;
-            p.reserved += s.reserved;
-            p.free_blocks += s.free_blocks;
-            p.largest_free = p.largest_free.max(s.largest_free);
-        }
-        failed = point(LayoutPoint {
-            ts_ns: e.ts_ns,
-            pid: e.pid,
-            op: e.op.name(),
-            ptr: e.ptr,
-            total: l.total(),
-            pools,
-        })
-        .err();
+        result = match class {
+            OpClass::BlockAlloc => point(point_of(l, e.pid, e.ts_ns, e.op.name(), e.ptr)),
+            OpClass::BlockFree => {
+                held.insert(e.pid, (e.ts_ns, e.op.name(), e.ptr));
+                Ok(())
+            }
+            OpClass::EventWait if l.pending(None).0 < pending => {
+                point(point_of(l, e.pid, e.ts_ns, "free_completed", e.ptr))
+            }
+            _ => Ok(()),
+        };
     })?;
-    failed.map_or(Ok(()), Err)
+    result?;
+    let mut rest: Vec<_> = held.into_iter().collect();
+    rest.sort_by_key(|(_, (ts, _, _))| *ts);
+    for (pid, (ts, op, ptr)) in rest {
+        if let Some(l) = layouts.get(&pid) {
+            point(point_of(l, pid, ts, op, ptr))?;
+        }
+    }
+    Ok(())
+}
+
+/// The layout's figures in total and per pool, as one point of the timeline.
+fn point_of(
+    l: &crate::model::layout::Layout,
+    pid: u32,
+    ts_ns: i64,
+    op: &'static str,
+    ptr: u64,
+) -> LayoutPoint {
+    use crate::model::layout::{Pool, PoolStats};
+    let mut pools = std::collections::BTreeMap::new();
+    for ((_, pool), s) in l.stats() {
+        let name = if *pool == Pool::Small {
+            "small"
+        } else {
+            "large"
+        };
+        let p: &mut PoolStats = pools.entry(name.to_owned()).or_default();
+        p.allocated += s.allocated;
+        p.reserved += s.reserved;
+        p.free_blocks += s.free_blocks;
+        p.largest_free = p.largest_free.max(s.largest_free);
+    }
+    LayoutPoint {
+        ts_ns,
+        pid,
+        op,
+        ptr,
+        total: l.total(),
+        pools,
+    }
 }

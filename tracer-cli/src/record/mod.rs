@@ -6,6 +6,7 @@
 //! machine can record at all.
 
 pub mod attach;
+mod callers;
 pub mod check;
 pub mod discover;
 pub mod elf;

@@ -163,6 +163,8 @@ pub struct Registry {
     pub ended: Vec<ProcessState>,
     /// The live pointers of processes whose end was read, until their state is kept.
     pub ended_joins: HashMap<u32, JoinState>,
+    /// Which library made a call, where it matters (the allocator's stream events).
+    pub callers: super::callers::Callers,
 }
 
 /// A keyframe every [`KEYFRAME_EVERY`], or after [`KEYFRAME_EVENTS`] calls (more when the
@@ -500,6 +502,10 @@ impl Registry {
                             python.register(call.pid);
                         }
                     }
+                    if call.op == tracer_common::Op::CudaEventRecord {
+                        // aux1: the return address, from the eBPF program.
+                        call.aux1 = self.callers.in_allocator(call.pid, call.aux1) as u64;
+                    }
                     self.join.apply(&mut call);
                     if let Some(python) = self.python.as_ref() {
                         if python.before_registration(&call) {
@@ -517,6 +523,7 @@ impl Registry {
                     // Everything it made was read before this record: forget it, so that a
                     // process reusing the pid starts afresh.
                     pids_seen.remove(&pid);
+                    self.callers.forget(pid);
                     self.ended_joins
                         .insert(pid, self.join.snapshot_of(pid, self.wall_offset_ns));
                     self.join.forget_process(pid);

@@ -677,6 +677,7 @@ fn spawn_pipeline(
         gaps: Vec::new(),
         ended: Vec::new(),
         ended_joins: HashMap::new(),
+        callers: Default::default(),
     };
     registry.take_up(taken, gaps, shared)?;
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);

@@ -7,7 +7,7 @@ use anyhow::{Context as _, Result};
 use rusqlite::{params, Connection, OptionalExtension as _};
 
 use super::Store;
-use crate::model::state::{ProcessState, KEYFRAME_FORMAT};
+use crate::model::state::{ProcessState, KEYFRAME_FORMAT, KEYFRAME_FORMAT_OLDEST};
 
 /// One process's encoded state, for [`Store::insert_keyframe`].
 pub struct KeyframeState {
@@ -187,14 +187,14 @@ pub fn states(
     while let Some(r) = rows.next().context("read a keyframe")? {
         let pid: i64 = r.get(0)?;
         let format: i64 = r.get(1)?;
-        if format != KEYFRAME_FORMAT {
+        if !(KEYFRAME_FORMAT_OLDEST..=KEYFRAME_FORMAT).contains(&format) {
             anyhow::bail!(
                 "keyframe {} of session {} holds the state of pid {pid} in format {format}, which this tracer does not read: use the tracer that recorded it",
                 keyframe.id,
                 keyframe.session
             );
         }
-        let state = ProcessState::decode(r.get_ref(2)?.as_blob()?).with_context(|| {
+        let state = ProcessState::decode(r.get_ref(2)?.as_blob()?, format).with_context(|| {
             format!(
                 "keyframe {} of session {} (pid {pid}) is damaged",
                 keyframe.id, keyframe.session

@@ -106,6 +106,8 @@ pub fn class_name(class: OpClass) -> &'static str {
         OpClass::BlockAlloc => "block_alloc",
         OpClass::BlockFree => "block_free",
         OpClass::Oom => "oom",
+        OpClass::EventRecord => "event_record",
+        OpClass::EventWait => "event_wait",
     }
 }
 

@@ -505,3 +505,68 @@ fn the_perfetto_export_holds_every_call_the_counters_and_the_oom() {
         r["largest_free_block"]
     );
 }
+
+/// A block handed out without PyTorch's probes (torch.cuda.caching_allocator_alloc: raw_alloc)
+/// takes space tracer cannot see. When the allocator then makes a new segment although the
+/// layout shows a free block that fits, that space was held: the layout says so, shows itself
+/// not exact, and explain draws no verdict from it.
+#[test]
+fn blocks_handed_out_without_probes_show_as_held_unseen_never_as_free() {
+    let Some(fx) = Fixture::new() else { return };
+    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
+    let trace = Trace::start(
+        &fx.db,
+        &[
+            "--lib",
+            &lib("libcudart.so.12"),
+            "--lib",
+            &lib("libsimtorch.so"),
+        ],
+    );
+    // A 4 MiB tensor in a 20 MiB segment; 12 MiB raw_alloc'ed beside it (no probe); an 8 MiB
+    // tensor then needs a new segment: the 16 MiB tracer sees free holds only 4.
+    let script = format!(
+        "import sys\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, MIB\na = CachingAllocator({cudart:?})\nt = a.malloc(4 * MIB)\nr = a.raw_alloc(12 * MIB)\nu = a.malloc(8 * MIB)\nassert len(a.segments) == 2, len(a.segments)\nprint(a.stats()['largest_free_block'])\n",
+        dir = workspace_file("demos/workloads").to_str().unwrap(),
+        cudart = lib("libcudart.so.12"),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    trace.stop(SIGINT);
+    let json = Command::new(TRACER)
+        .args(["layout", "--json", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let layouts: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let p = &layouts[0];
+    assert_eq!(p["held_unseen"], 1, "{p}");
+    assert!(p["unknown"]["since_ns"].is_i64(), "{p}");
+    assert!(p["unknown"]["exact_ns"].is_null(), "{p}");
+    let text = Command::new(TRACER)
+        .args(["layout", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("without PyTorch's probes"), "{text}");
+    let json = Command::new(TRACER)
+        .args(["explain", "--json", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let rules = rule_names(&report);
+    assert!(rules.contains(&"unknown_state"), "{rules:?}");
+    assert!(
+        !rules.iter().any(|r| r.starts_with("fragmentation")),
+        "{rules:?}"
+    );
+}

@@ -133,6 +133,9 @@ pub struct Findings {
     /// (blocks, bytes).
     pub orphans: (u64, u64),
     pub carried: (u64, u64),
+    /// New segments made while a free block that fit was believed free: blocks handed out
+    /// without the probes (raw_alloc) hold memory the layout shows free.
+    pub held_unseen: u64,
     /// PyTorch's expandable segments: the reserved ranges (start, end) its blocks landed in.
     pub expandable: Vec<(u64, u64)>,
 }
@@ -335,6 +338,7 @@ impl<'a> Replay<'a> {
         f.unknown = self.layout.unknown;
         f.orphans = self.layout.orphans(None);
         f.carried = self.layout.carried();
+        f.held_unseen = self.layout.held_unseen();
         f.expandable.extend(self.layout.expandable_segments());
         f.expandable.sort_unstable();
         f.expandable.dedup();
@@ -783,6 +787,12 @@ pub fn unknown_said(f: &Findings) -> String {
             "{} blocks ({}) were freed while tracer did not see",
             u.freed_unseen,
             b(u.freed_unseen_bytes)
+        ));
+    }
+    if f.held_unseen > 0 {
+        parts.push(format!(
+            "{} segment(s) were made while a free block of the same pool and stream that fit was believed free: blocks handed out without PyTorch's probes (torch.cuda.caching_allocator_alloc, raw_alloc) hold memory the layout shows free",
+            f.held_unseen
         ));
     }
     if parts.is_empty() {

@@ -365,6 +365,12 @@ pub struct PendingFrees {
     events: BTreeMap<u64, u64>,
     /// Per thread, the block it freed last (while events recorded next may be that free's).
     freeing: BTreeMap<u32, Freed>,
+    /// Each cudaMalloc'ed segment's stream (a segment serves one), from its first block.
+    segment_streams: BTreeMap<u64, u64>,
+    /// New segments made while a free block of the same pool and stream that fit the request
+    /// was believed free: the allocator did not have it, something held it unseen (blocks
+    /// handed out without the probes: `torch.cuda.caching_allocator_alloc`, `raw_alloc`).
+    pub held_unseen: u64,
 }
 
 /// A block a thread freed last: where, when, and what it was.
@@ -557,6 +563,7 @@ impl Layout {
         let Some(seg) = self.segments.remove(&addr) else {
             return;
         };
+        self.pending.segment_streams.remove(&addr);
         if !seg.blocks.is_empty() {
             self.unexplained.segments_freed_with_blocks += 1;
         }
@@ -635,6 +642,7 @@ impl Layout {
         if seg.mapped.is_some() {
             self.expandable_used.insert(addr);
         }
+        let fresh = seg.pool.is_none() && seg.mapped.is_none();
         if seg.pool.is_none() {
             // cudaMalloc'ed: 2 MiB segments serve the small pool; expandable: the first
             // mapping said, else the request's size does.
@@ -655,6 +663,9 @@ impl Layout {
             let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
             self.totals.entry(key).or_default().reserved += reserved_of(seg);
             self.regap(addr, &[]);
+        }
+        if fresh {
+            self.new_segment_for(addr, e, rounded);
         }
         let Some(seg) = self.segments.get_mut(&addr) else {
             return;
@@ -996,6 +1007,43 @@ impl Layout {
             self.pending.blocks.remove(&ptr);
             self.remove_block(ptr);
         }
+    }
+
+    /// The allocator made segment `addr` for a request of `rounded` bytes on `e`'s stream. It
+    /// does so only when no free block of that pool and stream fits; one believed free that
+    /// would have is held by something tracer did not see.
+    fn new_segment_for(&mut self, addr: u64, e: &Event, rounded: u64) {
+        let stream = e.aux0;
+        let Some(seg) = self.segments.get(&addr) else {
+            return;
+        };
+        let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
+        let max_split = self.conf.max_split_size;
+        // PyTorch's get_free_block: an oversize block serves only requests near its size.
+        let serves = |gap: u64| {
+            gap >= rounded
+                && (key.1 == Pool::Small
+                    || !((rounded < max_split && gap >= max_split)
+                        || (rounded >= max_split && gap >= rounded.saturating_add(LARGE_SEGMENT))))
+        };
+        let unseen = self.segments.iter().any(|(&a, s)| {
+            a != addr
+                && s.mapped.is_none()
+                && (s.device, s.pool) == (key.0, Some(key.1))
+                && self.pending.segment_streams.get(&a) == Some(&stream)
+                && free_gaps(a, s).into_iter().any(serves)
+        });
+        self.pending.segment_streams.insert(addr, stream);
+        if unseen {
+            self.pending.held_unseen += 1;
+            self.evidence(e.ts_ns);
+        }
+    }
+
+    /// Blocks made without PyTorch's probes: new segments made while a free block that fit
+    /// was believed free.
+    pub fn held_unseen(&self) -> u64 {
+        self.pending.held_unseen
     }
 
     /// Forgets that the block at `ptr` waits for events; whether it did.
@@ -1595,5 +1643,53 @@ mod pending_tests {
         let back = ProcessState::decode(&old, 1).unwrap();
         assert_eq!(back.layout.pending(None), (0, 0));
         assert_eq!(back.layout.total().allocated, 4 << 20);
+    }
+}
+
+#[cfg(test)]
+mod held_unseen_tests {
+    use super::*;
+
+    const SEG: u64 = 0x7f00_0000_0000;
+
+    fn ev(op: Op, ptr: u64, size: u64, stream: u64) -> Event {
+        Event {
+            ts_ns: 1,
+            duration_ns: 0,
+            size,
+            ptr,
+            aux0: stream,
+            aux1: 0,
+            pid: 1,
+            tid: 1,
+            ret: 0,
+            device: 0,
+            stack: None,
+            op,
+        }
+    }
+
+    /// A 4 MiB block in a 20 MiB segment; then a new segment for an 8 MiB request on `stream`.
+    fn second_segment_for(stream: u64) -> Layout {
+        let mut l = Layout::default();
+        l.apply(&ev(Op::CudaMalloc, SEG, LARGE_SEGMENT, 0));
+        l.apply(&ev(Op::TorchMalloc, SEG, 4 << 20, 7));
+        l.apply(&ev(Op::CudaMalloc, SEG + (1 << 30), LARGE_SEGMENT, 0));
+        l.apply(&ev(Op::TorchMalloc, SEG + (1 << 30), 8 << 20, stream));
+        l
+    }
+
+    #[test]
+    fn a_new_segment_while_a_fitting_block_looked_free_means_blocks_held_unseen() {
+        let l = second_segment_for(7);
+        assert_eq!(l.held_unseen(), 1);
+        assert!(!l.unknown.exact());
+    }
+
+    #[test]
+    fn a_new_segment_for_another_stream_is_the_allocators_rule() {
+        let l = second_segment_for(8);
+        assert_eq!(l.held_unseen(), 0);
+        assert!(l.unknown.exact());
     }
 }

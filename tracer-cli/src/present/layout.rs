@@ -104,13 +104,23 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
                 b(p.carried.1),
                 p.unknown.gaps
             )?;
-        } else if let (Some(since), Some(exact)) = (p.unknown.since_ns, p.unknown.exact_ns) {
+        }
+        if p.held_unseen > 0 {
             writeln!(
                 out,
-                "  uncertain from {} (tracer did not see everything), exact again at {}",
-                format_utc(since),
-                format_utc(exact)
+                "  {} segment(s) made while a free block that fit was shown free: blocks handed out without PyTorch's probes (torch.cuda.caching_allocator_alloc, raw_alloc) hold memory shown free here",
+                p.held_unseen
             )?;
+        }
+        if p.unknown.exact() {
+            if let (Some(since), Some(exact)) = (p.unknown.since_ns, p.unknown.exact_ns) {
+                writeln!(
+                    out,
+                    "  uncertain from {} (tracer did not see everything), exact again at {}",
+                    format_utc(since),
+                    format_utc(exact)
+                )?;
+            }
         }
         for seg in &p.segments {
             let largest = seg

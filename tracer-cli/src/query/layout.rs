@@ -50,6 +50,9 @@ pub struct ProcessLayout {
     /// since: (blocks, bytes).
     pub orphans: (u64, u64),
     pub carried: (u64, u64),
+    /// New segments made while a free block that fit was believed free (blocks handed out
+    /// without PyTorch's probes hold memory shown free).
+    pub held_unseen: u64,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub segments: Vec<crate::model::layout::SegmentMap>,
 }
@@ -165,6 +168,7 @@ pub(crate) fn process_layout(
         unknown: l.unknown,
         orphans: l.orphans(device),
         carried: l.carried(),
+        held_unseen: l.held_unseen(),
         segments: l
             .segments()
             .into_iter()

@@ -1279,7 +1279,7 @@ mod tests {
     use super::*;
     use crate::model::NO_DEVICE;
 
-    fn ev(op: Op, ptr: u64, size: u64) -> Event {
+    pub(super) fn ev(op: Op, ptr: u64, size: u64) -> Event {
         Event {
             ts_ns: 0,
             duration_ns: 0,
@@ -1552,17 +1552,7 @@ mod pending_tests {
     fn ev(op: Op, ptr: u64, size: u64, ts_ns: i64) -> Event {
         Event {
             ts_ns,
-            duration_ns: 0,
-            size,
-            ptr,
-            aux0: 0,
-            aux1: 0,
-            pid: 1,
-            tid: 1,
-            ret: 0,
-            device: 0,
-            stack: None,
-            op,
+            ..super::tests::ev(op, ptr, size)
         }
     }
 
@@ -1655,17 +1645,8 @@ mod held_unseen_tests {
     fn ev(op: Op, ptr: u64, size: u64, stream: u64) -> Event {
         Event {
             ts_ns: 1,
-            duration_ns: 0,
-            size,
-            ptr,
             aux0: stream,
-            aux1: 0,
-            pid: 1,
-            tid: 1,
-            ret: 0,
-            device: 0,
-            stack: None,
-            op,
+            ..super::tests::ev(op, ptr, size)
         }
     }
 

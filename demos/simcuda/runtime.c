@@ -121,7 +121,15 @@ static struct sim_stream default_stream;
 /* The latest end of any stream's work, for cudaDeviceSynchronize. */
 static uint64_t device_busy_until;
 
-static struct sim_stream *stream_of(cudaStream_t s) { return s ? (struct sim_stream *)s : &default_stream; }
+/* Streams this runtime made; any other handle (the legacy or per-thread default stream, or a
+ * value a test passes) is the default stream. */
+enum { MAX_STREAMS = 64 };
+static struct sim_stream *streams[MAX_STREAMS];
+static struct sim_stream *stream_of(cudaStream_t s) {
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (s && __atomic_load_n(&streams[i], __ATOMIC_ACQUIRE) == s) return s;
+    return &default_stream;
+}
 
 static void wait_until(uint64_t t) {
     while (sim_mono_ns() < t) {
@@ -150,13 +158,26 @@ API cudaError_t cudaStreamCreate(cudaStream_t *s) {
     if (!s) return cudaErrorInvalidValue;
     struct sim_stream *st = calloc(1, sizeof *st);
     if (!st) return cudaErrorMemoryAllocation;
-    *s = st;
-    return cudaSuccess;
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        struct sim_stream *none = NULL;
+        if (__atomic_compare_exchange_n(&streams[i], &none, st, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *s = st;
+            return cudaSuccess;
+        }
+    }
+    free(st);
+    return cudaErrorMemoryAllocation;
 }
 
 API cudaError_t cudaStreamDestroy(cudaStream_t s) {
-    free(s);
-    return cudaSuccess;
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        struct sim_stream *mine = s;
+        if (s && __atomic_compare_exchange_n(&streams[i], &mine, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            free(s);
+            return cudaSuccess;
+        }
+    }
+    return cudaErrorInvalidValue;
 }
 
 API cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t s) {

@@ -540,12 +540,7 @@ fn blocks_handed_out_without_probes_show_as_held_unseen_never_as_free() {
         String::from_utf8_lossy(&out.stderr)
     );
     trace.stop(SIGINT);
-    let json = Command::new(TRACER)
-        .args(["layout", "--json", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    let layouts: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let layouts = tracer_json(&fx.db, &["layout", "--json"]);
     let p = &layouts[0];
     assert_eq!(p["held_unseen"], 1, "{p}");
     assert!(p["unknown"]["since_ns"].is_i64(), "{p}");
@@ -557,12 +552,7 @@ fn blocks_handed_out_without_probes_show_as_held_unseen_never_as_free() {
         .unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("without PyTorch's probes"), "{text}");
-    let json = Command::new(TRACER)
-        .args(["explain", "--json", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    let report: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
     let rules = rule_names(&report);
     assert!(rules.contains(&"unknown_state"), "{rules:?}");
     assert!(

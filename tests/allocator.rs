@@ -420,15 +420,20 @@ fn the_early_warning_runs_the_on_warning_command_as_the_user_before_the_oom() {
 }
 
 /// Decodes a Perfetto trace with Perfetto's own protos (PyPI perfetto) into a summary: slices
-/// and instants per name, each counter track's last value, and the format's invariants.
+/// and instants per name (interned names resolved as the trace processor does), each counter
+/// track's last value, and the format's invariants.
 const PERFETTO_SUMMARY: &str = r#"
 import json, sys
 from collections import Counter
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as p
 t = p.Trace(); t.ParseFromString(open(sys.argv[1], 'rb').read())
 tracks, slices, instants, last, problems = {}, Counter(), Counter(), {}, []
+names, arg_names, clock = {}, {}, None
 for i, pk in enumerate(t.packet):
     if pk.trusted_packet_sequence_id != 1: problems.append(f'packet {i}: sequence {pk.trusted_packet_sequence_id}')
+    if pk.HasField('trace_packet_defaults'): clock = pk.trace_packet_defaults.timestamp_clock_id
+    for n in pk.interned_data.event_names: names[n.iid] = n.name
+    for n in pk.interned_data.debug_annotation_names: arg_names[n.iid] = n.name
     if pk.HasField('clock_snapshot'):
         if i != 0: problems.append('clock snapshot not first')
         if pk.clock_snapshot.primary_trace_clock != 1: problems.append('primary clock not REALTIME')
@@ -437,10 +442,15 @@ for i, pk in enumerate(t.packet):
         tracks[d.uuid] = d.name or (f'process {d.process.pid}' if d.HasField('process') else f'thread {d.thread.tid}')
     elif pk.HasField('track_event'):
         e = pk.track_event
-        if pk.timestamp_clock_id != 1: problems.append(f'packet {i}: clock {pk.timestamp_clock_id}')
+        c = pk.timestamp_clock_id if pk.HasField('timestamp_clock_id') else clock
+        if c != 1: problems.append(f'packet {i}: clock {c}')
         if e.track_uuid not in tracks: problems.append(f'packet {i}: track {e.track_uuid} used before described')
-        if e.type == e.TYPE_SLICE_BEGIN: slices[e.name] += 1
-        elif e.type == e.TYPE_INSTANT: instants[e.name] += 1
+        name = e.name if e.HasField('name') else names.get(e.name_iid)
+        if e.type != e.TYPE_SLICE_END and e.type != e.TYPE_COUNTER and name is None: problems.append(f'packet {i}: name {e.name_iid} not interned')
+        for a in e.debug_annotations:
+            if not a.HasField('name') and a.name_iid not in arg_names: problems.append(f'packet {i}: argument {a.name_iid} not interned')
+        if e.type == e.TYPE_SLICE_BEGIN: slices[name] += 1
+        elif e.type == e.TYPE_INSTANT: instants[name] += 1
         elif e.type == e.TYPE_COUNTER: last[tracks.get(e.track_uuid)] = e.counter_value
 print(json.dumps({'slices': slices, 'instants': instants, 'counters': last, 'problems': problems[:5]}))
 "#;

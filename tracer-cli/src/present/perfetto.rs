@@ -5,7 +5,9 @@
 //! reserved, device memory held and the largest free block; instant events for OOMs, failed
 //! allocations, retries and early warnings. Timestamps are tracer's (wall-clock ns, converted
 //! from CLOCK_MONOTONIC at record time), declared as the REALTIME clock, which a clock snapshot
-//! makes the trace's primary clock.
+//! makes the trace's primary clock. Names (of events and arguments) are interned: each is
+//! written once, in the packet that first uses it, and referred to by number after; pointers are
+//! Perfetto's pointer values. A block event takes about half the bytes it would spelled out.
 
 use std::{collections::HashMap, io::Write};
 
@@ -14,7 +16,8 @@ use prost::Message as _;
 use tracer_common::OpClass;
 
 use crate::model::{
-    figures::Figures, layout::AllocConf, live::LiveAllocators, Event, MessageRow, SiteLabels,
+    figures::Figures, layout::AllocConf, live::LiveAllocators, Event, FastMap, MessageRow,
+    SiteLabels,
 };
 
 /// Perfetto's builtin clock ids.
@@ -27,7 +30,8 @@ const INSTANT: i32 = 3;
 const COUNTER: i32 = 4;
 /// CounterDescriptor.Unit.UNIT_SIZE_BYTES.
 const UNIT_SIZE_BYTES: i32 = 3;
-/// TracePacket.SequenceFlags.SEQ_INCREMENTAL_STATE_CLEARED.
+/// TracePacket.SequenceFlags.SEQ_INCREMENTAL_STATE_CLEARED: the interned names and the packet
+/// defaults start here.
 const SEQ_INCREMENTAL_STATE_CLEARED: u32 = 1;
 /// Every packet comes from this one writer.
 const SEQUENCE: u32 = 1;
@@ -42,12 +46,39 @@ struct TracePacket {
     trusted_packet_sequence_id: Option<u32>,
     #[prost(message, optional, tag = "11")]
     track_event: Option<TrackEvent>,
+    #[prost(message, optional, tag = "12")]
+    interned_data: Option<InternedData>,
     #[prost(uint32, optional, tag = "13")]
     sequence_flags: Option<u32>,
-    #[prost(uint32, optional, tag = "58")]
-    timestamp_clock_id: Option<u32>,
+    #[prost(message, optional, tag = "59")]
+    trace_packet_defaults: Option<TracePacketDefaults>,
     #[prost(message, optional, tag = "60")]
     track_descriptor: Option<TrackDescriptor>,
+}
+
+/// The sequence's defaults: every timestamp is on the REALTIME clock.
+#[derive(Clone, PartialEq, prost::Message)]
+struct TracePacketDefaults {
+    #[prost(uint32, optional, tag = "58")]
+    timestamp_clock_id: Option<u32>,
+}
+
+/// Names first used by the packet that carries them.
+#[derive(Clone, PartialEq, prost::Message)]
+struct InternedData {
+    #[prost(message, repeated, tag = "2")]
+    event_names: Vec<InternedName>,
+    #[prost(message, repeated, tag = "3")]
+    debug_annotation_names: Vec<InternedName>,
+}
+
+/// EventName and DebugAnnotationName have the same two fields.
+#[derive(Clone, PartialEq, prost::Message)]
+struct InternedName {
+    #[prost(uint64, optional, tag = "1")]
+    iid: Option<u64>,
+    #[prost(string, optional, tag = "2")]
+    name: Option<String>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -112,39 +143,57 @@ struct TrackEvent {
     debug_annotations: Vec<DebugAnnotation>,
     #[prost(int32, optional, tag = "9")]
     r#type: Option<i32>,
+    #[prost(uint64, optional, tag = "10")]
+    name_iid: Option<u64>,
     #[prost(uint64, optional, tag = "11")]
     track_uuid: Option<u64>,
-    #[prost(string, optional, tag = "23")]
-    name: Option<String>,
     #[prost(int64, optional, tag = "30")]
     counter_value: Option<i64>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
 struct DebugAnnotation {
-    #[prost(uint64, optional, tag = "3")]
-    uint_value: Option<u64>,
+    #[prost(uint64, optional, tag = "1")]
+    name_iid: Option<u64>,
     #[prost(int64, optional, tag = "4")]
     int_value: Option<i64>,
     #[prost(string, optional, tag = "6")]
     string_value: Option<String>,
-    #[prost(string, optional, tag = "10")]
-    name: Option<String>,
+    #[prost(uint64, optional, tag = "7")]
+    pointer_value: Option<u64>,
 }
 
-fn int(name: &str, v: i64) -> DebugAnnotation {
-    DebugAnnotation {
-        name: Some(name.into()),
-        int_value: Some(v),
-        ..Default::default()
-    }
+/// An argument before its name is interned.
+#[derive(Clone)]
+enum Arg {
+    Int(&'static str, i64),
+    Text(&'static str, String),
+    Pointer(&'static str, u64),
 }
 
-fn text(name: &str, v: String) -> DebugAnnotation {
-    DebugAnnotation {
-        name: Some(name.into()),
-        string_value: Some(v),
-        ..Default::default()
+fn int(name: &'static str, v: i64) -> Arg {
+    Arg::Int(name, v)
+}
+
+fn text(name: &'static str, v: String) -> Arg {
+    Arg::Text(name, v)
+}
+
+/// Names written once each, numbered from 1 (a sequence's interning tables).
+#[derive(Default)]
+struct Interned {
+    ids: FastMap<String, u64>,
+}
+
+impl Interned {
+    /// The name's number, and whether this is its first use (the packet must carry it).
+    fn id(&mut self, name: &str) -> (u64, bool) {
+        if let Some(&id) = self.ids.get(name) {
+            return (id, false);
+        }
+        let id = self.ids.len() as u64 + 1;
+        self.ids.insert(name.to_owned(), id);
+        (id, true)
     }
 }
 
@@ -174,9 +223,11 @@ pub struct PerfettoWriter<W: Write> {
     confs: HashMap<u32, AllocConf>,
     sites: SiteLabels,
     next_uuid: u64,
-    processes: HashMap<u32, u64>,
-    threads: HashMap<(u32, u32), u64>,
-    counters: HashMap<(u32, i32, usize), (u64, i64)>,
+    processes: FastMap<u32, u64>,
+    threads: FastMap<(u32, u32), u64>,
+    counters: FastMap<(u32, i32, usize), (u64, i64)>,
+    event_names: Interned,
+    annotation_names: Interned,
     allocators: LiveAllocators,
     figures: Figures,
     started: bool,
@@ -199,9 +250,11 @@ impl<W: Write> PerfettoWriter<W> {
             confs,
             sites,
             next_uuid: 1,
-            processes: HashMap::new(),
-            threads: HashMap::new(),
-            counters: HashMap::new(),
+            processes: FastMap::default(),
+            threads: FastMap::default(),
+            counters: FastMap::default(),
+            event_names: Interned::default(),
+            annotation_names: Interned::default(),
             allocators: LiveAllocators::default(),
             figures: Figures::default(),
             started: false,
@@ -222,9 +275,6 @@ impl<W: Write> PerfettoWriter<W> {
 
     fn packet(&mut self, mut p: TracePacket) -> Result<()> {
         p.trusted_packet_sequence_id = Some(SEQUENCE);
-        if p.timestamp.is_some() {
-            p.timestamp_clock_id = Some(CLOCK_REALTIME);
-        }
         self.buf.clear();
         // Trace.packet (field 1, length-delimited), one at a time.
         self.buf.push(0x0a);
@@ -251,6 +301,9 @@ impl<W: Write> PerfettoWriter<W> {
             clock_snapshot: Some(ClockSnapshot {
                 clocks: vec![at(CLOCK_REALTIME), at(CLOCK_BOOTTIME)],
                 primary_trace_clock: Some(CLOCK_REALTIME as i32),
+            }),
+            trace_packet_defaults: Some(TracePacketDefaults {
+                timestamp_clock_id: Some(CLOCK_REALTIME),
             }),
             sequence_flags: Some(SEQ_INCREMENTAL_STATE_CLEARED),
             ..Default::default()
@@ -316,24 +369,78 @@ impl<W: Write> PerfettoWriter<W> {
         })
     }
 
-    fn instant(
+    /// A named event: its name and its arguments' names by number, the ones used for the first
+    /// time carried in the same packet.
+    fn named_event(
         &mut self,
         ts: u64,
-        track: u64,
         name: &str,
-        args: Vec<DebugAnnotation>,
+        args: Vec<Arg>,
+        mut event: TrackEvent,
     ) -> Result<()> {
+        let mut new = InternedData::default();
+        let (name_iid, first) = self.event_names.id(name);
+        if first {
+            new.event_names.push(InternedName {
+                iid: Some(name_iid),
+                name: Some(name.to_owned()),
+            });
+        }
+        event.name_iid = Some(name_iid);
+        event.debug_annotations = args
+            .into_iter()
+            .map(|arg| {
+                let (name, mut annotation) = match arg {
+                    Arg::Int(n, v) => (
+                        n,
+                        DebugAnnotation {
+                            int_value: Some(v),
+                            ..Default::default()
+                        },
+                    ),
+                    Arg::Text(n, v) => (
+                        n,
+                        DebugAnnotation {
+                            string_value: Some(v),
+                            ..Default::default()
+                        },
+                    ),
+                    Arg::Pointer(n, v) => (
+                        n,
+                        DebugAnnotation {
+                            pointer_value: Some(v),
+                            ..Default::default()
+                        },
+                    ),
+                };
+                let (iid, first) = self.annotation_names.id(name);
+                if first {
+                    new.debug_annotation_names.push(InternedName {
+                        iid: Some(iid),
+                        name: Some(name.to_owned()),
+                    });
+                }
+                annotation.name_iid = Some(iid);
+                annotation
+            })
+            .collect();
+        let carries = !new.event_names.is_empty() || !new.debug_annotation_names.is_empty();
+        self.packet(TracePacket {
+            timestamp: Some(ts),
+            track_event: Some(event),
+            interned_data: carries.then_some(new),
+            ..Default::default()
+        })
+    }
+
+    fn instant(&mut self, ts: u64, track: u64, name: &str, args: Vec<Arg>) -> Result<()> {
         self.written.instants += 1;
-        self.event(
-            ts,
-            TrackEvent {
-                r#type: Some(INSTANT),
-                track_uuid: Some(track),
-                name: Some(name.into()),
-                debug_annotations: args,
-                ..Default::default()
-            },
-        )
+        let event = TrackEvent {
+            r#type: Some(INSTANT),
+            track_uuid: Some(track),
+            ..Default::default()
+        };
+        self.named_event(ts, name, args, event)
     }
 
     /// One stored call: its slice (an instant for the allocator's probes, which have no
@@ -342,12 +449,18 @@ impl<W: Write> PerfettoWriter<W> {
         let ts = e.ts_ns.max(0) as u64;
         self.start(ts)?;
         let track = self.thread_track(e.pid, e.tid)?;
-        let mut args = vec![int("ret", e.ret.into())];
+        let class = e.op.spec().class;
+        let probe = matches!(class, OpClass::BlockAlloc | OpClass::BlockFree);
+        // The allocator's probes return nothing: no `ret` to show.
+        let mut args = Vec::with_capacity(4);
+        if !probe {
+            args.push(int("ret", e.ret.into()));
+        }
         if e.size != 0 {
             args.push(int("size", e.size as i64));
         }
         if e.ptr != 0 {
-            args.push(text("ptr", format!("{:#x}", e.ptr)));
+            args.push(Arg::Pointer("ptr", e.ptr));
         }
         if let Some(device) = e.device() {
             args.push(int("device", device.into()));
@@ -355,21 +468,16 @@ impl<W: Write> PerfettoWriter<W> {
         if let Some(site) = e.stack.and_then(|s| self.sites.get(&s)) {
             args.push(text("call site", site.clone()));
         }
-        let class = e.op.spec().class;
-        if matches!(class, OpClass::BlockAlloc | OpClass::BlockFree) {
+        if probe {
             self.instant(ts, track, e.op.name(), args)?;
         } else {
             self.written.slices += 1;
-            self.event(
-                ts,
-                TrackEvent {
-                    r#type: Some(SLICE_BEGIN),
-                    track_uuid: Some(track),
-                    name: Some(e.op.name().into()),
-                    debug_annotations: args,
-                    ..Default::default()
-                },
-            )?;
+            let begin = TrackEvent {
+                r#type: Some(SLICE_BEGIN),
+                track_uuid: Some(track),
+                ..Default::default()
+            };
+            self.named_event(ts, e.op.name(), args, begin)?;
             self.event(
                 ts + e.duration_ns,
                 TrackEvent {

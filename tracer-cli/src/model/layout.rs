@@ -1275,11 +1275,12 @@ fn remove_range(ranges: &mut BTreeMap<u64, u64>, s: u64, e: u64) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::NO_DEVICE;
 
-    pub(super) fn ev(op: Op, ptr: u64, size: u64) -> Event {
+    /// A block event of process 1 on device 0 (the model's tests build theirs from it).
+    pub(crate) fn ev(op: Op, ptr: u64, size: u64) -> Event {
         Event {
             ts_ns: 0,
             duration_ns: 0,

@@ -214,6 +214,87 @@ impl Visit for () {
     fn call(&mut self, _: &Event) {}
 }
 
+/// Calls handed to a visitor on its own thread at a time.
+const BATCH: usize = 16 * 1024;
+
+/// What the walk hands a visitor on another thread, in the walk's order.
+enum Handed {
+    Start(Box<super::Begin>),
+    Calls(Vec<Event>),
+    Resume(Hole, Vec<ProcessState>),
+}
+
+/// The walk's side of a visitor on another thread: calls in batches, the rest as it comes.
+struct Handing {
+    tx: std::sync::mpsc::SyncSender<Handed>,
+    batch: Vec<Event>,
+}
+
+impl Handing {
+    fn hand(&mut self, what: Handed) {
+        // The receiver goes only when the visitor panicked: the join below reports it.
+        let _ = self.tx.send(what);
+    }
+
+    fn flush(&mut self) {
+        if !self.batch.is_empty() {
+            let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
+            self.hand(Handed::Calls(batch));
+        }
+    }
+}
+
+impl Visit for Handing {
+    fn start(&mut self, begin: &super::Begin) {
+        self.flush();
+        self.hand(Handed::Start(Box::new(begin.clone())));
+    }
+
+    fn call(&mut self, e: &Event) {
+        self.batch.push(*e);
+        if self.batch.len() == BATCH {
+            self.flush();
+        }
+    }
+
+    fn resume(&mut self, hole: &Hole, states: &[ProcessState]) {
+        self.flush();
+        self.hand(Handed::Resume(*hole, states.to_vec()));
+    }
+}
+
+/// [`explain_visiting`] with `visit` on a thread of its own: explain's analysis and the
+/// visitor's work (the report's pass) each take a core instead of one after the other.
+pub fn explain_beside<V: Visit + Send>(
+    db: &Path,
+    q: &ExplainQuery,
+    visit: &mut V,
+) -> Result<Explained> {
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(4);
+        let worker = scope.spawn(move || {
+            for handed in rx {
+                match handed {
+                    Handed::Start(begin) => visit.start(&begin),
+                    Handed::Calls(calls) => calls.iter().for_each(|e| visit.call(e)),
+                    Handed::Resume(hole, states) => visit.resume(&hole, &states),
+                }
+            }
+        });
+        let mut handing = Handing {
+            tx,
+            batch: Vec::with_capacity(BATCH),
+        };
+        let explained = explain_visiting(db, q, &mut handing);
+        handing.flush();
+        drop(handing);
+        worker
+            .join()
+            .map_err(|_| anyhow::anyhow!("the report's pass over the calls panicked"))?;
+        explained
+    })
+}
+
 /// [`explain`], also handing the walk to `visit`.
 pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> Result<Explained> {
     let store = Store::open(db, Access::ReadOnly)?;

@@ -25,6 +25,7 @@ use crate::{
 };
 
 /// Where a walk starts, and the processes' states there.
+#[derive(Clone)]
 pub struct Begin {
     pub start: Start,
     pub states: Vec<ProcessState>,

@@ -123,7 +123,7 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
         next: 0,
         calls: 0,
     };
-    let explained = explain::explain_visiting(db, q, &mut walk)?;
+    let explained = explain::explain_beside(db, q, &mut walk)?;
     let calls_read = walk.calls;
     let mut pass = walk.pass;
     for &(at, label) in &times[walk.next..] {

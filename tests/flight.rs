@@ -222,6 +222,15 @@ fn after_eviction_the_oom_layout_is_the_allocators_own() {
         &fx.db,
         "SELECT evicted_events, evicted_calls, evicted_block_events, events_stored FROM sessions",
     )[0];
+    // Keyframes made and what they cost, counted by the threads that made them: eviction
+    // removed the older ones.
+    let made = &stopped.summary["keyframes"];
+    let kept = scalar(&fx.db, "SELECT count(*) FROM keyframes");
+    assert!(
+        kept >= 1 && made["written"].as_i64().unwrap() > kept,
+        "{made} vs {kept} kept"
+    );
+    assert!(made["cpu_s"].as_f64().unwrap() > 0.0, "{made}");
     let evicted = s["evicted_block_events"].as_i64().unwrap();
     assert!(
         evicted > s["events_stored"].as_i64().unwrap() / 2,

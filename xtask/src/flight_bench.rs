@@ -3,12 +3,16 @@
 //! allocated first and held, then steps, then a fragmentation OOM, its own account written at the
 //! end), traced with --max-db. Measured in one run:
 //! - keyframes' cost, side by side: tracer's CPU per million events with and without keyframes
-//!   (rounds interleaved, no --max-db);
+//!   (rounds interleaved, no --max-db); and counted where it is spent: the CPU time tracer's
+//!   threads report for making and storing keyframes, as a share of tracer's CPU;
 //! - the long run: every block event the job fired stored, evicted or counted; the database's
 //!   footprint (its write-ahead log included) against --max-db, sampled each second; at each of
 //!   the given minutes of history, the read side's wall time and peak RSS (explain, `layout --at
-//!   end`, report, the Perfetto export, mcp's explain tool) while the trace runs; at the end, the
-//!   layout at the OOM against the job's own account, and the whole-run series' coverage.
+//!   end`, report, the Perfetto export, mcp's explain tool) while the trace runs, and again after
+//!   the job, alone on the machine, over a consistent copy of the database taken at that moment
+//!   (job and tracer keep both cores of a 2-core machine busy: the first figures measure the
+//!   contention as much as the read side); at the end, the layout at the OOM against the job's
+//!   own account, and the whole-run series' coverage.
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
@@ -25,7 +29,7 @@ use crate::bench::{bench_dirs, build_release, children_cpu_s, root, Tracer};
 
 #[derive(Args)]
 pub struct FlightBenchArgs {
-    /// Minutes of the long run.
+    /// Minutes of the long run (0: only keyframes' cost).
     #[arg(long, default_value_t = 30)]
     minutes: u64,
     /// --max-db of the long run.
@@ -73,8 +77,19 @@ impl Setup {
     }
 }
 
-/// Tracer's CPU seconds per million events stored, for one run of the job under `extra`.
-fn keyframe_run(s: &Setup, secs: u64, extra: &[&str]) -> Result<(f64, u64)> {
+/// One run of the job for keyframes' cost.
+struct KeyframeRun {
+    /// tracer's CPU seconds per million events stored.
+    cpu_per_million: f64,
+    stored: u64,
+    tracer_cpu_s: f64,
+    keyframes: u64,
+    /// What tracer's threads counted for making and storing keyframes.
+    keyframe_cpu_s: f64,
+}
+
+/// Tracer's CPU for one run of the job under `extra`.
+fn keyframe_run(s: &Setup, secs: u64, extra: &[&str]) -> Result<KeyframeRun> {
     let db = s.tmp.join("keyframes.db");
     let before = children_cpu_s();
     let tracer = s.trace(&db, extra)?;
@@ -88,7 +103,13 @@ fn keyframe_run(s: &Setup, secs: u64, extra: &[&str]) -> Result<(f64, u64)> {
     );
     let tracer_cpu = children_cpu_s() - before - job_cpu;
     let stored = summary["counters"]["events_stored"].as_u64().unwrap_or(0);
-    Ok((tracer_cpu * 1e6 / stored.max(1) as f64, stored))
+    Ok(KeyframeRun {
+        cpu_per_million: tracer_cpu * 1e6 / stored.max(1) as f64,
+        stored,
+        tracer_cpu_s: tracer_cpu,
+        keyframes: summary["keyframes"]["written"].as_u64().unwrap_or(0),
+        keyframe_cpu_s: summary["keyframes"]["cpu_s"].as_f64().unwrap_or(0.0),
+    })
 }
 
 /// Wall seconds and peak RSS (MiB) of a command run to its end.
@@ -160,8 +181,15 @@ fn mcp_explain(child: &mut std::process::Child, _: &str) -> Result<()> {
     Ok(())
 }
 
-/// The read side at one moment of the long run: (what, wall s, peak RSS MiB).
-fn read_side(s: &Setup, db: &Path) -> Result<Vec<(&'static str, f64, f64)>> {
+/// One read-side command's cost.
+struct Reading {
+    what: &'static str,
+    wall_s: f64,
+    rss_mib: f64,
+}
+
+/// The read side at one moment of the long run.
+fn read_side(s: &Setup, db: &Path) -> Result<Vec<Reading>> {
     let t = &s.tracer;
     let db_arg = db.display().to_string();
     let html = s.tmp.join("flight.html").display().to_string();
@@ -180,16 +208,37 @@ fn read_side(s: &Setup, db: &Path) -> Result<Vec<(&'static str, f64, f64)>> {
     ];
     let mut out = Vec::new();
     for (what, args) in runs {
-        let (wall, rss) = measured(Command::new(t).args(&args), None, &errors)?;
-        out.push((what, wall, rss));
+        let (wall_s, rss_mib) = measured(Command::new(t).args(&args), None, &errors)?;
+        out.push(Reading {
+            what,
+            wall_s,
+            rss_mib,
+        });
     }
-    let (wall, rss) = measured(
+    let (wall_s, rss_mib) = measured(
         Command::new(t).args(["mcp", "--db", &db_arg]),
         Some("explain"),
         &errors,
     )?;
-    out.push(("mcp explain", wall, rss));
+    out.push(Reading {
+        what: "mcp explain",
+        wall_s,
+        rss_mib,
+    });
     Ok(out)
+}
+
+/// A consistent copy of the database as it is now (SQLite's VACUUM INTO, read-only on the
+/// original while tracer writes it).
+fn snapshot(db: &Path, copy: &Path) -> Result<()> {
+    let _ = std::fs::remove_file(copy);
+    let conn =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .with_context(|| format!("open {}", db.display()))?;
+    conn.busy_timeout(Duration::from_secs(30))?;
+    conn.execute("VACUUM INTO ?1", [copy.display().to_string()])
+        .with_context(|| format!("copy {} to {}", db.display(), copy.display()))?;
+    Ok(())
 }
 
 fn footprint(db: &Path) -> u64 {
@@ -264,25 +313,27 @@ pub fn run(args: FlightBenchArgs) -> Result<()> {
         off.push(keyframe_run(&s, args.keyframe_secs, &["--no-keyframes"])?);
         on.push(keyframe_run(&s, args.keyframe_secs, &[])?);
     }
-    let median = |v: &[(f64, u64)]| {
-        let mut x: Vec<f64> = v.iter().map(|r| r.0).collect();
+    let median = |v: &[KeyframeRun]| {
+        let mut x: Vec<f64> = v.iter().map(|r| r.cpu_per_million).collect();
         x.sort_by(f64::total_cmp);
         x[x.len() / 2]
     };
-    let rate = |v: &[(f64, u64)]| {
-        v.iter().map(|r| r.1).sum::<u64>() as f64 / (v.len() as f64 * args.keyframe_secs as f64)
+    let runs = |v: &[KeyframeRun]| {
+        v.iter()
+            .map(|r| (r.cpu_per_million * 1000.0).round() / 1000.0)
+            .collect::<Vec<_>>()
+    };
+    let rate = |v: &[KeyframeRun]| {
+        v.iter().map(|r| r.stored).sum::<u64>() as f64
+            / (v.len() as f64 * args.keyframe_secs as f64)
     };
     println!("keyframes' cost (tracer CPU-s per million events stored, median of {} interleaved rounds):", args.keyframe_rounds);
     println!(
         "  without keyframes {:.3} (runs {:?}), with {:.3} (runs {:?}): with / without {:.3} x",
         median(&off),
-        off.iter()
-            .map(|r| (r.0 * 1000.0).round() / 1000.0)
-            .collect::<Vec<_>>(),
+        runs(&off),
         median(&on),
-        on.iter()
-            .map(|r| (r.0 * 1000.0).round() / 1000.0)
-            .collect::<Vec<_>>(),
+        runs(&on),
         median(&on) / median(&off)
     );
     println!(
@@ -290,6 +341,16 @@ pub fn run(args: FlightBenchArgs) -> Result<()> {
         rate(&off),
         rate(&on)
     );
+    let spent: f64 = on.iter().map(|r| r.keyframe_cpu_s).sum();
+    let tracer: f64 = on.iter().map(|r| r.tracer_cpu_s).sum();
+    println!(
+        "  counted where spent: {} keyframes took {spent:.3} s of tracer's {tracer:.1} CPU-s: {:.2} %",
+        on.iter().map(|r| r.keyframes).sum::<u64>(),
+        100.0 * spent / tracer.max(f64::MIN_POSITIVE)
+    );
+    if args.minutes == 0 {
+        return Ok(());
+    }
 
     let db = s.tmp.join("flight.db");
     let account = s.tmp.join("flight-account.json");
@@ -308,6 +369,7 @@ pub fn run(args: FlightBenchArgs) -> Result<()> {
     let mut moments = args.at.clone();
     moments.retain(|&m| m <= args.minutes);
     let mut readings = Vec::new();
+    let mut copies = Vec::new();
     loop {
         peak_footprint = peak_footprint.max(footprint(&db));
         if let Some(&m) = moments.first() {
@@ -317,6 +379,9 @@ pub fn run(args: FlightBenchArgs) -> Result<()> {
                 moments.remove(0);
                 eprintln!("bench-flight: the read side after {m} min");
                 readings.push((m, read_side(&s, &db)?));
+                let copy = s.tmp.join(format!("flight-{m}min.db"));
+                snapshot(&db, &copy)?;
+                copies.push((m, copy));
             }
         }
         if job.try_wait()?.is_some() {
@@ -380,12 +445,23 @@ pub fn run(args: FlightBenchArgs) -> Result<()> {
         rebuilt.len(), rebuilt.iter().map(|s| s.2.len()).sum::<usize>(), own.len(),
         own.iter().map(|s| s.2.len()).sum::<usize>(), rebuilt == own);
     println!("read side while the trace ran (wall s / peak RSS MiB):");
-    for (m, rows) in &readings {
+    print_readings(&readings);
+    let mut alone = Vec::new();
+    for (m, copy) in &copies {
+        alone.push((*m, read_side(&s, copy)?));
+        let _ = std::fs::remove_file(copy);
+    }
+    println!("read side alone, over the copy taken at that moment (wall s / peak RSS MiB):");
+    print_readings(&alone);
+    Ok(())
+}
+
+fn print_readings(readings: &[(u64, Vec<Reading>)]) {
+    for (m, rows) in readings {
         let cells: Vec<String> = rows
             .iter()
-            .map(|(w, t, r)| format!("{w} {t:.2} s / {r:.0} MiB"))
+            .map(|r| format!("{} {:.2} s / {:.0} MiB", r.what, r.wall_s, r.rss_mib))
             .collect();
         println!("  after {m:>2} min: {}", cells.join("; "));
     }
-    Ok(())
 }

@@ -78,6 +78,13 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
     for run in &s.on_warning {
         writeln!(out, "{}", run.note("--on-warning"))?;
     }
+    if s.keyframes.written > 0 {
+        writeln!(
+            out,
+            "keyframes: {} written, {:.3} s of CPU",
+            s.keyframes.written, s.keyframes.cpu_s
+        )?;
+    }
     for p in &s.programs {
         writeln!(
             out,
@@ -133,6 +140,7 @@ mod tests {
             allocators: Vec::new(),
             on_warning: Vec::new(),
             kernel_maps: Default::default(),
+            keyframes: Default::default(),
             counters: SessionCounters {
                 submitted: 2,
                 events_read: 2,

@@ -20,7 +20,7 @@ use super::{
     mappings::Notice,
     on_warning::WarningHook,
     pods, procinfo,
-    shared::Shared,
+    shared::{thread_cpu_ns, Shared},
     sites::Sites,
     writer::Delivery,
 };
@@ -358,17 +358,19 @@ impl Registry {
             shared.keyframe_wanted.load(Ordering::SeqCst),
             allocators.blocks_held(),
         ) {
-            delivery.keyframe = Some(self.keyframe(&allocators)?);
+            delivery.keyframe = Some(self.keyframe(&allocators, shared)?);
             shared.keyframe_wanted.store(false, Ordering::SeqCst);
         }
         for &pid in &delivery.exited {
             let join = self.ended_joins.remove(&pid);
             if let Some(state) = allocators.state(pid).filter(|_| self.keyframes.on) {
+                let started = thread_cpu_ns();
                 let mut state = state.clone();
                 if let Some(join) = join {
                     state.take_join(join.live, join.devices);
                 }
                 self.ended.push(state);
+                shared.keyframe_cpu_since(started);
             }
             allocators.exited(pid);
             self.series.exited(pid);
@@ -397,7 +399,7 @@ impl Registry {
         if (last && self.keyframes.events > 0)
             || self.keyframes.due(wanted, allocators.blocks_held())
         {
-            d.keyframe = Some(self.keyframe(&allocators)?);
+            d.keyframe = Some(self.keyframe(&allocators, shared)?);
             shared.keyframe_wanted.store(false, Ordering::SeqCst);
         }
         d.series = self
@@ -409,7 +411,12 @@ impl Registry {
 
     /// Every followed process's state now, encoded for a keyframe: (the latest call it
     /// includes, the states).
-    fn keyframe(&mut self, allocators: &LiveAllocators) -> Result<(i64, Vec<ProcessState>)> {
+    fn keyframe(
+        &mut self,
+        allocators: &LiveAllocators,
+        shared: &Shared,
+    ) -> Result<(i64, Vec<ProcessState>)> {
+        let started = thread_cpu_ns();
         let mut joins = self.join.snapshot(self.wall_offset_ns);
         let mut states = Vec::new();
         let mut ts = self.keyframes.latest_ns;
@@ -435,6 +442,7 @@ impl Registry {
             latest_ns: ts,
             ..KeyframeClock::new(true)
         };
+        shared.keyframe_cpu_since(started);
         Ok((ts, states))
     }
 

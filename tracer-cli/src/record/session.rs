@@ -170,8 +170,16 @@ pub struct Summary {
     pub on_warning: Vec<HookRun>,
     /// Entries left in the per-thread kernel maps at the end (they go as threads exit).
     pub kernel_maps: std::collections::BTreeMap<String, u64>,
+    pub keyframes: KeyframeCost,
     #[serde(skip)]
     pub stats: LiveStats,
+}
+
+/// Keyframes stored, and the CPU seconds the recording's threads spent making and storing them.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct KeyframeCost {
+    pub written: u64,
+    pub cpu_s: f64,
 }
 
 /// A finished recording: everything is stored; the probes are still attached until
@@ -524,6 +532,10 @@ impl Recording {
                     .into_iter()
                     .map(|(name, n)| (name.to_owned(), n))
                     .collect(),
+                keyframes: KeyframeCost {
+                    written: self.shared.keyframes.load(Ordering::SeqCst),
+                    cpu_s: self.shared.keyframe_cpu_ns.load(Ordering::SeqCst) as f64 / 1e9,
+                },
                 stats,
             },
             probes: self.probes,

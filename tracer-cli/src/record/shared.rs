@@ -26,8 +26,10 @@ pub struct Shared {
     pub sessions_evicted: AtomicU64,
     /// --max-db can evict calls only up to a keyframe: the writer asks the registry for one.
     pub keyframe_wanted: std::sync::atomic::AtomicBool,
-    /// Keyframes stored.
+    /// Keyframes stored, and the CPU time the registry and the writer spent making and storing
+    /// them (what keyframes cost, counted where it is spent).
     pub keyframes: AtomicU64,
+    pub keyframe_cpu_ns: AtomicU64,
     pub events_read: AtomicU64,
     pub events_stored: AtomicU64,
     pub decode_errors: AtomicU64,
@@ -49,7 +51,27 @@ pub struct Shared {
     pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
 }
 
+/// CPU time the calling thread has used (ns): what one stage of the recording costs.
+pub fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec we own; this clock exists on every Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 impl Shared {
+    /// Counts the CPU time spent on keyframes since `started` (a [`thread_cpu_ns`] reading).
+    pub fn keyframe_cpu_since(&self, started: u64) {
+        self.keyframe_cpu_ns
+            .fetch_add(thread_cpu_ns().saturating_sub(started), Ordering::Relaxed);
+    }
+
     pub fn counters(&self, kernel: &[u64; Counter::COUNT as usize]) -> SessionCounters {
         SessionCounters {
             entries: kernel[Counter::Entries as usize],

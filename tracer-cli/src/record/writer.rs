@@ -15,7 +15,7 @@ use anyhow::{anyhow, Result};
 
 use super::{
     procinfo,
-    shared::Shared,
+    shared::{thread_cpu_ns, Shared},
     sites::{Site, SiteWriter, LOCAL_SITE_BASE},
 };
 use crate::{
@@ -159,9 +159,11 @@ pub fn write_loop(
                 // stored so far.
                 ended.append(&mut pending.exited);
                 if let Some((ts_ns, states)) = pending.keyframe.take() {
+                    let started = thread_cpu_ns();
                     let states = keyframe_states(states, &site_writer)?;
                     store.insert_keyframe(opts.session, ts_ns, &states)?;
                     shared.keyframes.fetch_add(1, Ordering::SeqCst);
+                    shared.keyframe_cpu_since(started);
                 }
                 // An ended process's last state goes in the next keyframe, with its call sites:
                 // they are forgotten once it is stored (or, without keyframes, soon).

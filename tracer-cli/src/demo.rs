@@ -3,7 +3,7 @@
 //! as they form, then explained.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::BTreeMap,
     io::{IsTerminal as _, Read as _},
     os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
@@ -16,14 +16,9 @@ use anyhow::{anyhow, Context as _, Result};
 use tracer_common::maps::DEFAULT_RING_BYTES;
 
 use crate::{
-    analysis::{self, Host},
     exit::user_error,
     model::{
-        layout::AllocConf,
-        live::{AllocatorRow, LiveAllocators},
-        span,
-        stats::LiveStats,
-        Event, Rank, Window,
+        layout::AllocConf, live::LiveAllocators, state::ProcessState, stats::LiveStats, Event, Rank,
     },
     paths,
     present::{
@@ -314,81 +309,26 @@ impl ChainWatch {
         }
     }
 
-    /// The allocators' figures after the calls recorded so far, as `tracer trace` shows them.
-    fn allocator_rows(&mut self, store: &Store, session: i64, all: &[Event]) -> Vec<AllocatorRow> {
-        let mut live = LiveAllocators::default();
-        for (pid, env) in events::envs(store.conn(), session).unwrap_or_default() {
-            let get = |k: &str| env.get(k).map(String::as_str);
-            live.describe(pid, AllocConf::from_env(get), Rank::from_env(get));
-        }
-        let mut interval_started = false;
-        for e in all {
-            if !interval_started && e.ts_ns > self.last_look_ns {
-                live.rows();
-                interval_started = true;
-            }
-            live.apply(e);
-        }
-        self.last_look_ns = all
-            .iter()
-            .map(|e| e.ts_ns)
-            .max()
-            .unwrap_or(self.last_look_ns);
-        live.rows()
-    }
-
     fn look(&mut self, db: &Path, session: i64) {
         self.looks += 1;
         let Ok(store) = Store::open(db, Access::ReadOnly) else {
             return;
         };
-        let Ok(all) = events::load(db, session, i64::MAX, None) else {
+        // The live table's figures come from the same walk as the chains: explain's.
+        let mut seen = LookVisit::new(store.conn(), session, self.last_look_ns);
+        let q = ExplainQuery {
+            session: Some(session),
+            ..Default::default()
+        };
+        let Ok(explained) = explain::explain_visiting(db, &q, &mut seen) else {
             return;
         };
-        let Some((first, last)) = span(&all) else {
+        let report = explained.report;
+        let Some((first, last)) = seen.span else {
             return;
         };
-        let Ok(host) = events::host(store.conn(), session, last, None) else {
-            return;
-        };
-        let host = Host::new(host);
-        let window = Window {
-            from_ns: first,
-            to_ns: last,
-        };
-        let (comms, sites) = (HashMap::new(), HashMap::new());
-        let (mut confs, mut ranks) = (HashMap::new(), HashMap::new());
-        let mut expandable = std::collections::HashSet::new();
-        for (pid, env) in events::envs(store.conn(), session).unwrap_or_default() {
-            let get = |k: &str| env.get(k).map(String::as_str);
-            confs.extend(AllocConf::from_env(get).map(|c| (pid, c)));
-            ranks.extend(Rank::from_env(get).map(|r| (pid, r)));
-            if AllocConf::expandable_from_env(get) {
-                expandable.insert(pid);
-            }
-        }
-        let report = analysis::analyze(
-            session,
-            &all,
-            &host,
-            window,
-            &analysis::Inputs {
-                confs: &confs,
-                ranks: &ranks,
-                expandable: &expandable,
-                ..analysis::Inputs::new(&comms, &sites)
-            },
-        );
-        let mut stats = LiveStats::default();
-        for e in &all {
-            stats.add_one(
-                e.pid,
-                e.op,
-                e.ret,
-                (e.size != 0).then_some(e.size),
-                e.duration_ns,
-            );
-        }
+        self.last_look_ns = last;
+        let stats = seen.stats;
         let elapsed = Duration::from_nanos((last - first).max(0) as u64);
         let mut table = vec![format!(
             "demo {:>5.1}s | session {session} | {} processes | {} calls | {} chains",
@@ -398,9 +338,7 @@ impl ChainWatch {
             report.chains.len()
         )];
         table.extend(live::op_table(&stats, elapsed));
-        table.extend(live::allocator_table(
-            &self.allocator_rows(&store, session, &all),
-        ));
+        table.extend(live::allocator_table(&seen.allocators.rows()));
         self.view.clear();
         for chain in &report.chains {
             if let std::collections::btree_map::Entry::Vacant(slot) =
@@ -426,6 +364,69 @@ impl ChainWatch {
     fn finish(&mut self, db: &Path, session: i64) {
         self.looks = 0;
         self.look(db, session);
+    }
+}
+
+/// What a look gathers beside the chains from explain's walk: the per-op figures and the
+/// allocators' layouts, as `tracer trace` shows them, and the calls' span.
+struct LookVisit {
+    allocators: LiveAllocators,
+    stats: LiveStats,
+    span: Option<(i64, i64)>,
+    /// The previous look's last call: the live table's interval starts after it.
+    interval_from_ns: i64,
+    interval_started: bool,
+}
+
+impl LookVisit {
+    fn new(conn: &rusqlite::Connection, session: i64, interval_from_ns: i64) -> LookVisit {
+        let mut allocators = LiveAllocators::default();
+        for (pid, env) in events::envs(conn, session).unwrap_or_default() {
+            let get = |k: &str| env.get(k).map(String::as_str);
+            allocators.describe(pid, AllocConf::from_env(get), Rank::from_env(get));
+        }
+        LookVisit {
+            allocators,
+            stats: LiveStats::default(),
+            span: None,
+            interval_from_ns,
+            interval_started: false,
+        }
+    }
+}
+
+impl explain::Visit for LookVisit {
+    fn start(&mut self, begin: &crate::query::Begin) {
+        for s in &begin.states {
+            self.allocators.restore(s.clone());
+        }
+    }
+
+    fn call(&mut self, e: &Event) {
+        if !self.interval_started && e.ts_ns > self.interval_from_ns {
+            // Rows close the previous interval's figures.
+            self.allocators.rows();
+            self.interval_started = true;
+        }
+        self.allocators.apply(e);
+        self.stats.add_one(
+            e.pid,
+            e.op,
+            e.ret,
+            (e.size != 0).then_some(e.size),
+            e.duration_ns,
+        );
+        let end = e.ts_ns;
+        self.span = Some(
+            self.span
+                .map_or((end, end), |(a, b)| (a.min(end), b.max(end))),
+        );
+    }
+
+    fn resume(&mut self, _hole: &crate::store::walk::Hole, states: &[ProcessState]) {
+        for s in states {
+            self.allocators.restore(s.clone());
+        }
     }
 }
 

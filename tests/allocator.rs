@@ -570,3 +570,78 @@ fn blocks_handed_out_without_probes_show_as_held_unseen_never_as_free() {
         "{rules:?}"
     );
 }
+
+/// whatif on the incident: with the settings it ran with, the simulator makes the run's own
+/// decisions (every device allocation, every block where the allocator put it, the OOM at the
+/// same request, the same peak reserved); and the incident run again with the setting whatif
+/// says avoids the OOM ends as simulated (OOM or not, peak reserved within 2 %).
+#[test]
+fn whatif_reproduces_the_run_and_predicts_it_under_expandable_segments() {
+    let Some(fx) = Fixture::new() else { return };
+    let incident = |conf: &str, final_request: Option<u64>| {
+        let mut cmd = incident_workload(&fx.sim);
+        cmd.args(["--steps", "200", "--speed", "100"])
+            .env("PYTORCH_CUDA_ALLOC_CONF", conf);
+        if let Some(bytes) = final_request {
+            cmd.arg("--final-request").arg(bytes.to_string());
+        }
+        cmd.output().unwrap()
+    };
+    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
+    let (cudart, torch) = (lib("libcudart.so.12"), lib("libsimtorch.so"));
+    let trace = Trace::start(&fx.db, &["--lib", &cudart, "--lib", &torch, "--quiet"]);
+    let out = incident("", None);
+    trace.stop(2);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
+    let recorded = workload_result(&out.stdout);
+
+    let w = tracer_json(
+        &fx.db,
+        &["whatif", "--json", "--conf", "expandable_segments:True"],
+    );
+    let f = &w["fidelity"];
+    assert_eq!(f["holds"], true, "{f:#}");
+    assert_eq!(f["placements_matched"], f["placements"], "{f:#}");
+    assert_eq!(
+        f["device_allocs_recorded"],
+        recorded["memory_stats"]["num_device_alloc"]
+    );
+    assert_eq!(w["recorded_ooms"], 1);
+    let as_run = &w["rows"][0];
+    assert_eq!(as_run["recorded_settings"], true);
+    assert!(as_run["oom_request"].is_u64(), "{as_run:#}");
+    assert_eq!(
+        as_run["peak_reserved"],
+        recorded["memory_stats"]["reserved_bytes.all.peak"]
+    );
+    assert_eq!(
+        as_run["retries"],
+        recorded["memory_stats"]["num_alloc_retries"]
+    );
+
+    let predicted = &w["rows"][1];
+    assert_eq!(predicted["conf"], "expandable_segments:True");
+    let again = incident(
+        "expandable_segments:True",
+        recorded["final_request"].as_u64(),
+    );
+    let result = workload_result(&again.stdout);
+    assert_eq!(
+        predicted["oom_request"].is_null(),
+        again.status.success(),
+        "{predicted:#} vs {}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    let simulated = predicted["peak_reserved"].as_f64().unwrap();
+    let real = result["memory_stats"]["reserved_bytes.all.peak"]
+        .as_f64()
+        .unwrap();
+    eprintln!(
+        "expandable_segments: simulated OOM {}, peak reserved {simulated}; the run: exit {:?}, peak reserved {real}",
+        predicted["oom_request"], again.status.code()
+    );
+    assert!(
+        (simulated - real).abs() <= 0.02 * real,
+        "peak reserved: simulated {simulated}, run {real}"
+    );
+}

@@ -80,6 +80,64 @@ fn every_real_snapshot_rebuilds_to_the_allocators_own_layout() {
 }
 
 /// Each bad file exits 2 naming the file and what is wrong with it, and stores nothing.
+/// whatif's fidelity gate on what PyTorch's real allocator decided: replayed under the settings
+/// the job ran with, from the state each trace began in, the simulator makes every segment
+/// allocation the allocator made (count and sizes, in order) and puts every block at the
+/// address the allocator did.
+#[test]
+fn the_simulator_makes_the_real_allocators_decisions_on_every_snapshot() {
+    let Some(files) = snapshots() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("t.db");
+    for file in &files {
+        let import = &import(&db, file)["import"];
+        let session = import["session"].as_i64().unwrap().to_string();
+        let w = tracer_json(
+            &db,
+            &[
+                "whatif",
+                "--json",
+                "--session",
+                &session,
+                "--conf",
+                "expandable_segments:True",
+            ],
+        );
+        let f = &w["fidelity"];
+        assert_eq!(f["holds"], true, "{}: {f:#}", file.display());
+        assert_eq!(
+            f["placements_matched"],
+            f["placements"],
+            "{}: {f:#}",
+            file.display()
+        );
+        assert!(f["placements"].as_u64().unwrap() > 900, "{f:#}");
+        assert_eq!(w["seeded_blocks"], import["blocks_before_trace"], "{w:#}");
+        // Every segment the trace made; none before the trace (those are the seed).
+        let made = scalar(
+            &db,
+            &format!("SELECT count(*) FROM events WHERE session_id = {session} AND op = 'cudaMalloc' AND ret = 0"),
+        );
+        let before = import["segments_before_trace"].as_i64().unwrap();
+        assert_eq!(
+            f["device_allocs_recorded"].as_i64().unwrap(),
+            made - before,
+            "{f:#}"
+        );
+        // Two rows: the settings as run, then expandable segments; each needs at most what it
+        // reserved at its peak.
+        let rows = w["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 2);
+        for r in rows {
+            assert!(
+                r["least_memory"].as_u64().unwrap()
+                    <= r["peak_reserved"].as_u64().unwrap() + (2 << 20),
+                "{r:#}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_file_that_is_not_a_snapshot_exits_2_naming_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -177,14 +177,29 @@ class CachingAllocator:
         return ptr.value if ret == 0 else None
 
     def _best_fit(self, size, small, stream):
-        best = None
-        for seg in self.segments:
-            if seg.small != small or seg.stream != stream:
-                continue
-            for block in seg.blocks:
-                if block.free and block.mapped and block.size >= size and (best is None or block.size < best.size):
-                    best = block
-        return best
+        """As PyTorch's get_free_block: the smallest free block of the pool and stream that
+        fits, the lowest address among equals; in an expandable segment, a block that cannot
+        grow is taken before a larger-growing one (the next in that order while its size with
+        the unmapped space after it is smaller)."""
+        fits = sorted(
+            (block for seg in self.segments if seg.small == small and seg.stream == stream
+             for block in seg.blocks if block.free and block.mapped and block.size >= size),
+            key=lambda b: (b.size, b.ptr),
+        )
+        if not fits:
+            return None
+        i = 0
+        while fits[i].segment.chunk and i + 1 < len(fits) and fits[i + 1].segment.chunk \
+                and self._growable(fits[i + 1]) < self._growable(fits[i]):
+            i += 1
+        return fits[i]
+
+    @staticmethod
+    def _growable(block):
+        blocks = block.segment.blocks
+        i = blocks.index(block)
+        after = blocks[i + 1] if i + 1 < len(blocks) else None
+        return block.size + (after.size if after is not None and not after.mapped else 0)
 
     def _reserved_changed(self, delta):
         if delta > 0:
@@ -334,46 +349,55 @@ class CachingAllocator:
         return True
 
     def _grow_expandable(self, size, small, stream):
-        """Maps more of the pool's segment: the run of free blocks with room for `size` that needs
-        the fewest new bytes mapped, merged into one free block. None when the device is full."""
+        """As PyTorch's find_expandable_block and try_allocate_expandable_block: the lowest
+        unmapped range (with the free block just before it) that, with the free and unmapped
+        blocks after it, holds `size`, mapped chunk by chunk until its free block does. None
+        when the device is full."""
         seg = self._expandable_segment(small, stream)
         blocks = seg.blocks
-        best = None
-        for i, first in enumerate(blocks):
-            if not first.free:
-                continue
-            total = unmapped = 0
-            j = i
-            while j < len(blocks) and blocks[j].free and total < size:
-                if not blocks[j].mapped:
-                    unmapped += min(blocks[j].size, size - total)
-                total += blocks[j].size
-                j += 1
-            if total >= size and (best is None or unmapped < best[2]):
-                best = (i, j, unmapped)
-        if best is None:
-            return None
-        i, j, _ = best
-        need_end = blocks[i].offset + size
-        for b in list(blocks[i:j]):
+        start = None
+        for i, b in enumerate(blocks):
             if b.mapped:
                 continue
-            end = min(b.offset + b.size, round_up(need_end, seg.chunk))
-            if end <= b.offset:
-                continue
-            if not self._map_chunks(seg, b.offset, end):
+            j = i - 1 if i > 0 and blocks[i - 1].free and blocks[i - 1].mapped else i
+            total, k = 0, j
+            while k < len(blocks) and blocks[k].free and total < size:
+                total += blocks[k].size
+                k += 1
+            if total >= size:
+                start = j
+                break
+        if start is None:
+            return None
+        i = start
+        if not blocks[i].mapped:
+            i = self._map_front(seg, i, size)
+        while i is not None and blocks[i].size < size:
+            if i + 1 >= len(blocks) or blocks[i + 1].mapped:
                 return None
-            if end < b.offset + b.size:
-                rest = Block(seg, end, b.offset + b.size - end, mapped=False)
-                blocks.insert(blocks.index(b) + 1, rest)
-                b.size = end - b.offset
-            b.mapped = True
-        # Merge the now mapped run [i, j') into its first block.
-        first = blocks[i]
-        while i + 1 < len(blocks) and blocks[i + 1].free and blocks[i + 1].mapped and first.size < size:
-            first.size += blocks[i + 1].size
+            i = self._map_front(seg, i + 1, size - blocks[i].size)
+        return None if i is None else blocks[i]
+
+    def _map_front(self, seg, i, length):
+        """Maps whole chunks covering the first `length` bytes of unmapped block i; they become
+        a free block merged with free mapped neighbours. Its index, or None."""
+        blocks = seg.blocks
+        b = blocks[i]
+        end = b.offset + min(round_up(length, seg.chunk), b.size)
+        if not self._map_chunks(seg, b.offset, end):
+            return None
+        if end < b.offset + b.size:
+            blocks.insert(i + 1, Block(seg, end, b.offset + b.size - end, mapped=False))
+            b.size = end - b.offset
+        b.mapped = True
+        if i + 1 < len(blocks) and blocks[i + 1].free and blocks[i + 1].mapped:
+            b.size += blocks[i + 1].size
             del blocks[i + 1]
-        return first
+        if i > 0 and blocks[i - 1].free and blocks[i - 1].mapped:
+            blocks[i - 1].size += b.size
+            del blocks[i]
+            i -= 1
+        return i
 
     def _unmap_free_chunks(self, seg):
         """Unmaps the whole chunks inside free blocks (empty_cache with expandable segments)."""

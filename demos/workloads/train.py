@@ -1,6 +1,6 @@
 """Training-like workloads on a CUDA runtime (the simulated one), through the caching allocator.
 
-    python3 train.py SCENARIO [--duration 20] [--speed 1.0] [--cudart PATH] [--seed 1]
+    python3 train.py SCENARIO [--duration 20] [--speed 1.0] [--cudart PATH] [--seed 1] [--steps N] [--final-request BYTES]
 
 Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu. Each prints one JSON
 line of the allocator's own statistics at the end ("result"), and exits 1 with PyTorch's message on
@@ -52,7 +52,8 @@ def incident(alloc, args, rng, dataloader_workers=4):
     kept = collections.deque()
     end = time.time() + args.duration * 0.85
     step = 0
-    while time.time() < end:
+    # --steps: the same requests whatever the pace (to run a recorded job again).
+    while (step < args.steps) if args.steps else (time.time() < end):
         seq = rng.randint(64, 1024)
         # Activations scale with the sequence length: sizes vary from step to step, so cached
         # blocks seldom fit and new segments keep being reserved.
@@ -74,7 +75,8 @@ def incident(alloc, args, rng, dataloader_workers=4):
         step += 1
     alloc.empty_cache()  # what is left in the cache is pinned between live blocks
     free, _total = alloc.mem_get_info()
-    request = fragmented_request(alloc.stats(), free)
+    request = args.final_request or fragmented_request(alloc.stats(), free)
+    alloc.final_request = request
     print(f"step {step}: cudaMemGetInfo reports {free / MIB:.0f} MiB free; allocating {request / MIB:.0f} MiB", flush=True)
     try:
         alloc.malloc(request)
@@ -219,18 +221,29 @@ def main():
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--speed", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=0, help="incident: this many steps, not a duration")
+    parser.add_argument("--final-request", type=int, default=0, help="incident: the last request's bytes")
     parser.add_argument("--cudart", default=os.environ.get("SIMCUDA_CUDART", "libcudart.so.12"))
     args = parser.parse_args()
     if args.scenario == "multi-gpu" and "RANK" not in os.environ:
         return launch_ranks(args)
-    alloc = CachingAllocator(args.cudart, device=int(os.environ.get("LOCAL_RANK", "0")))
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    alloc = CachingAllocator(
+        args.cudart,
+        device=int(os.environ.get("LOCAL_RANK", "0")),
+        expandable="expandable_segments:true" in conf.split(","),
+    )
+    alloc.final_request = None
     status = 0
     try:
         SCENARIOS[args.scenario](alloc, args, random.Random(args.seed))
     except OutOfMemoryError as e:
         print(f"torch.cuda.OutOfMemoryError: {e}", file=sys.stderr, flush=True)
         status = 1
-    print(json.dumps({"result": alloc.stats(), "pid": os.getpid()}), flush=True)
+    print(json.dumps({
+        "result": alloc.stats(), "memory_stats": alloc.memory_stats(), "pid": os.getpid(),
+        "final_request": alloc.final_request,
+    }), flush=True)
     return status
 
 

@@ -44,6 +44,8 @@ enum Command {
     Report(cmd::report::ReportArgs),
     /// Serve a trace database to an assistant over MCP (stdio), read-only.
     Mcp(cmd::mcp::McpArgs),
+    /// Replay a job's recorded requests under other allocator settings: OOM or not, memory needed.
+    Whatif(cmd::whatif::WhatIfArgs),
 }
 
 fn main() -> ExitCode {
@@ -61,6 +63,7 @@ fn main() -> ExitCode {
         Command::Export(args) => cmd::export::run(args),
         Command::Report(args) => cmd::report::run(args),
         Command::Mcp(args) => cmd::mcp::run(args),
+        Command::Whatif(args) => cmd::whatif::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

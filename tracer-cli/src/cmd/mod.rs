@@ -9,3 +9,4 @@ pub mod query;
 pub mod report;
 pub mod stacks;
 pub mod trace;
+pub mod whatif;

@@ -14,111 +14,11 @@ use tracer_common::{Op, OpClass, Space};
 
 use super::Event;
 
-const KIB: u64 = 1024;
-const MIB: u64 = 1024 * KIB;
-/// The smallest block, and the unit sizes are rounded to.
-pub const MIN_BLOCK: u64 = 512;
-/// Requests up to this size go to the small pool (2 MiB segments).
-pub const SMALL_SIZE: u64 = MIB;
-pub const SMALL_SEGMENT: u64 = 2 * MIB;
-pub const LARGE_SEGMENT: u64 = 20 * MIB;
-pub const MIN_LARGE_ALLOC: u64 = 10 * MIB;
-pub const ROUND_LARGE: u64 = 2 * MIB;
-
-/// The allocator's settings (PYTORCH_CUDA_ALLOC_CONF) that shape the layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AllocConf {
-    /// Blocks at least this large are never split (max_split_size_mb; default: no limit).
-    pub max_split_size: u64,
-    /// roundup_power2_divisions (0: plain 512-byte rounding).
-    pub roundup_power2_divisions: u64,
-}
-
-impl Default for AllocConf {
-    fn default() -> Self {
-        AllocConf {
-            max_split_size: u64::MAX,
-            roundup_power2_divisions: 0,
-        }
-    }
-}
-
-impl AllocConf {
-    /// From a PYTORCH_CUDA_ALLOC_CONF value ("expandable_segments:True,max_split_size_mb:128").
-    pub fn parse(value: &str) -> AllocConf {
-        let mut conf = AllocConf::default();
-        for item in value.split(',') {
-            let Some((key, v)) = item.split_once(':') else {
-                continue;
-            };
-            match key.trim() {
-                "max_split_size_mb" => {
-                    if let Ok(mb) = v.trim().parse::<u64>() {
-                        conf.max_split_size = mb.saturating_mul(MIB);
-                    }
-                }
-                "roundup_power2_divisions" => {
-                    if let Ok(d) = v.trim().parse::<u64>() {
-                        conf.roundup_power2_divisions = d;
-                    }
-                }
-                _ => {}
-            }
-        }
-        conf
-    }
-
-    /// From a process's environment: PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF.
-    pub fn from_env<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Option<AllocConf> {
-        get("PYTORCH_CUDA_ALLOC_CONF")
-            .or_else(|| get("PYTORCH_ALLOC_CONF"))
-            .map(AllocConf::parse)
-    }
-
-    /// The process's settings turn on expandable segments (PYTORCH_CUDA_ALLOC_CONF, else
-    /// PYTORCH_ALLOC_CONF: "expandable_segments:True").
-    pub fn expandable_from_env<'a>(get: impl Fn(&str) -> Option<&'a str>) -> bool {
-        get("PYTORCH_CUDA_ALLOC_CONF")
-            .or_else(|| get("PYTORCH_ALLOC_CONF"))
-            .is_some_and(|v| {
-                v.split(',').any(|item| {
-                    item.split_once(':').is_some_and(|(k, v)| {
-                        k.trim() == "expandable_segments" && v.trim().eq_ignore_ascii_case("true")
-                    })
-                })
-            })
-    }
-
-    /// The block size a request gets (PyTorch's round_size).
-    pub fn round_size(&self, size: u64) -> u64 {
-        if size < MIN_BLOCK {
-            return MIN_BLOCK;
-        }
-        let divisions = self.roundup_power2_divisions;
-        if divisions > 1 && size > MIN_BLOCK * divisions {
-            // The next of `divisions` equal steps between two powers of two.
-            if size.is_power_of_two() {
-                return size;
-            }
-            let floor = 1u64 << (63 - size.leading_zeros());
-            let step = floor >> (63 - divisions.leading_zeros());
-            if step == 0 {
-                return floor << 1;
-            }
-            let down = size & !(step - 1);
-            return if down == size { size } else { down + step };
-        }
-        size.div_ceil(MIN_BLOCK) * MIN_BLOCK
-    }
-}
-
-/// PyTorch's two pools: small requests (up to 1 MiB) share 2 MiB segments.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Pool {
-    Small,
-    Large,
-}
+use super::policy::{serves, should_split};
+pub use super::policy::{
+    AllocConf, Pool, LARGE_SEGMENT, MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_SEGMENT,
+    SMALL_SIZE,
+};
 
 /// The figures of one pool (or of all pools) at a moment.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -479,9 +379,15 @@ impl Layout {
 
     /// The segments as maps of runs.
     pub fn segments(&self) -> Vec<SegmentMap> {
+        self.segment_maps(false)
+    }
+
+    /// The segments as maps; `unused` adds the device allocations no block was seen in (their
+    /// pool unknown: the allocator's only if every device allocation is, as in a snapshot).
+    pub fn segment_maps(&self, unused: bool) -> Vec<SegmentMap> {
         self.segments
             .iter()
-            .filter(|(_, s)| s.pool.is_some())
+            .filter(|(_, s)| unused || s.pool.is_some())
             .map(|(&addr, s)| SegmentMap {
                 addr,
                 size: s.size,
@@ -491,6 +397,11 @@ impl Layout {
                 runs: runs_of(addr, s, &self.pending.blocks),
             })
             .collect()
+    }
+
+    /// The stream a segment serves, when tracer saw the allocation that made it.
+    pub fn segment_stream(&self, addr: u64) -> Option<u64> {
+        self.pending.segment_streams.get(&addr).copied()
     }
 
     /// Blocks freed and kept for other streams' work (`record_stream`), on `device` (all:
@@ -677,11 +588,7 @@ impl Layout {
             return;
         };
         let remaining = gap_end.saturating_sub(e.ptr).saturating_sub(rounded);
-        let split = if seg.mapped.is_some() || key.1 == Pool::Small {
-            remaining >= MIN_BLOCK
-        } else {
-            rounded < conf.max_split_size && remaining > SMALL_SIZE
-        };
+        let split = should_split(key.1, seg.mapped.is_some(), conf, rounded, remaining);
         let size = if split {
             rounded
         } else {
@@ -1018,14 +925,9 @@ impl Layout {
             return;
         };
         let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
-        let max_split = self.conf.max_split_size;
+        let conf = self.conf;
         // PyTorch's get_free_block: an oversize block serves only requests near its size.
-        let serves = |gap: u64| {
-            gap >= rounded
-                && (key.1 == Pool::Small
-                    || !((rounded < max_split && gap >= max_split)
-                        || (rounded >= max_split && gap >= rounded.saturating_add(LARGE_SEGMENT))))
-        };
+        let serves = |gap: u64| serves(key.1, conf, rounded, gap);
         let unseen = self.segments.iter().any(|(&a, s)| {
             a != addr
                 && s.mapped.is_none()
@@ -1277,7 +1179,7 @@ fn remove_range(ranges: &mut BTreeMap<u64, u64>, s: u64, e: u64) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::model::NO_DEVICE;
+    use crate::model::{policy::MIB, NO_DEVICE};
 
     /// A block event of process 1 on device 0 (the model's tests build theirs from it).
     pub(crate) fn ev(op: Op, ptr: u64, size: u64) -> Event {

@@ -5,10 +5,12 @@ mod event;
 pub mod figures;
 pub mod layout;
 pub mod live;
+pub mod policy;
 pub mod pressure;
 mod process;
 pub mod run_series;
 pub mod series;
+pub mod simulator;
 pub mod state;
 pub mod stats;
 

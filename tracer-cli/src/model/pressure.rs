@@ -9,36 +9,14 @@ use std::collections::{BTreeMap, VecDeque};
 use serde::{Deserialize, Serialize};
 use tracer_common::{OpClass, Space};
 
+pub use super::policy::{pool_of, segment_size};
 use super::{
-    layout::{
-        AllocConf, Layout, Pool, PoolStats, LARGE_SEGMENT, MIN_LARGE_ALLOC, ROUND_LARGE,
-        SMALL_SEGMENT, SMALL_SIZE,
-    },
+    layout::{AllocConf, Layout, Pool, PoolStats},
     Event,
 };
 
 /// Requests remembered per pool: the warning asks whether the sizes being requested still fit.
 const RECENT_REQUESTS: usize = 64;
-
-/// The device segment a request of `rounded` bytes needs (PyTorch's get_allocation_size).
-pub fn segment_size(rounded: u64) -> u64 {
-    if rounded <= SMALL_SIZE {
-        SMALL_SEGMENT
-    } else if rounded < MIN_LARGE_ALLOC {
-        LARGE_SEGMENT
-    } else {
-        rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
-    }
-}
-
-/// The pool a request of `rounded` bytes is served from.
-pub fn pool_of(rounded: u64) -> Pool {
-    if rounded <= SMALL_SIZE {
-        Pool::Small
-    } else {
-        Pool::Large
-    }
-}
 
 /// The device's free memory as last reported by cudaMemGetInfo, then kept current with the
 /// process's own segment allocations and frees.

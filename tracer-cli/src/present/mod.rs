@@ -12,3 +12,4 @@ pub mod report;
 pub mod rows;
 pub mod stacks;
 pub mod summary;
+pub mod whatif;

@@ -10,6 +10,7 @@ pub mod explain;
 pub mod layout;
 pub mod report;
 pub mod snapshot_check;
+pub mod whatif;
 
 use std::path::Path;
 

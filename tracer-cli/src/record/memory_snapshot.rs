@@ -27,10 +27,13 @@ use crate::{
     exit::user_error,
     model::{
         layout::{AllocConf, SMALL_SIZE},
+        policy::segment_size,
         ProcessInfo,
     },
     paths,
-    store::{Batch, SessionCounters, SessionStart, StackFrame, StackRow, Store, SNAPSHOT_UNTIMED},
+    store::{
+        Batch, GapRow, SessionCounters, SessionStart, StackFrame, StackRow, Store, SNAPSHOT_UNTIMED,
+    },
 };
 
 /// The process the snapshot describes: the file names none.
@@ -117,7 +120,21 @@ pub fn import_snapshot(file: &Path, snap: &MemorySnapshot, db: &Path) -> Result<
         command: std::env::args().collect::<Vec<_>>().join(" "),
         pid_filter: None,
     })?;
-    let result = store_plan(&mut store, session, snap, file, &mut plan);
+    let mut result = store_plan(&mut store, session, snap, file, &mut plan);
+    if let (Ok(()), Some(to_ns)) = (&result, plan.trace_begins_ns) {
+        // What the trace did not see: its state before was rebuilt from the final one.
+        let gap = GapRow {
+            pid: SNAPSHOT_PID,
+            from_ns: None,
+            to_ns,
+            kind: "before_trace".into(),
+            detail: format!(
+                "the snapshot's trace began while the allocator was in use: {} segments and {} blocks live before its first entry were rebuilt from its final state",
+                plan.segments_before, plan.blocks_before
+            ),
+        };
+        result = store.write_series(session, &[], &[gap]);
+    }
     let stored = plan.calls.len() as u64;
     store.set_counters(
         session,
@@ -282,6 +299,9 @@ struct Plan {
     synthesized: bool,
     segments_before: u64,
     blocks_before: u64,
+    /// The latest device's first trace entry, when a state before the trace was rebuilt: the
+    /// allocator was in use before it.
+    trace_begins_ns: Option<i64>,
     inconsistent: u64,
 }
 
@@ -310,6 +330,7 @@ impl Plan {
             synthesized: false,
             segments_before: 0,
             blocks_before: 0,
+            trace_begins_ns: None,
             inconsistent: 0,
         }
     }
@@ -389,6 +410,9 @@ impl Plan {
         start: i64,
     ) {
         let events = before.segments.len() + before.mapped.len() + before.blocks.len();
+        if events > 0 {
+            self.trace_begins_ns = Some(self.trace_begins_ns.map_or(start, |t| t.max(start)));
+        }
         let mut ts = start - events as i64 - 1;
         for (&addr, &(size, expandable)) in &before.segments {
             if expandable {
@@ -555,18 +579,6 @@ fn reserved_extent(addr: u64, size: u64, snap: &MemorySnapshot, entries: &[Trace
         .max()
         .unwrap_or(0);
     final_end.max(mapped_end) - addr
-}
-
-/// The segment PyTorch asks the device for to serve a request (get_allocation_size).
-pub fn segment_size(request: u64) -> u64 {
-    const MIB: u64 = 1 << 20;
-    if request <= SMALL_SIZE {
-        2 * MIB
-    } else if request < 10 * MIB {
-        20 * MIB
-    } else {
-        request.div_ceil(2 * MIB) * 2 * MIB
-    }
 }
 
 /// A size as PyTorch's format_size writes it.

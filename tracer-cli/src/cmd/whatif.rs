@@ -1,0 +1,57 @@
+//! `tracer whatif`: the recorded requests replayed under other allocator settings: whether the
+//! OOM happens, the memory reserved, and the least memory the job needs under each.
+
+use std::{io::Write as _, path::PathBuf};
+
+use anyhow::Result;
+use clap::Args;
+use tracer_cli::{
+    paths, present,
+    query::whatif::{self, WhatIfQuery},
+};
+
+#[derive(Debug, Args)]
+pub struct WhatIfArgs {
+    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
+    #[arg(long, env = paths::DB_ENV)]
+    pub db: Option<PathBuf>,
+    /// The session (default: the latest).
+    #[arg(long)]
+    pub session: Option<i64>,
+    /// The process (default: the one with an OOM, else the one with the most requests).
+    #[arg(long)]
+    pub pid: Option<u32>,
+    /// The device (default: the process's busiest).
+    #[arg(long)]
+    pub device: Option<i32>,
+    /// Settings to try, as PYTORCH_CUDA_ALLOC_CONF writes them, each added to the recorded
+    /// ones (repeatable; default: expandable segments, max_split_size_mb 64-512,
+    /// roundup_power2_divisions, garbage_collection_threshold and useful pairs).
+    #[arg(long = "conf", value_name = "SETTINGS")]
+    pub confs: Vec<String>,
+    /// As JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: WhatIfArgs) -> Result<()> {
+    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let answer = whatif::whatif(
+        &db,
+        &WhatIfQuery {
+            session: args.session,
+            pid: args.pid,
+            device: args.device,
+            confs: args.confs,
+        },
+    )?;
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        serde_json::to_writer_pretty(&mut out, &answer)?;
+        writeln!(out)?;
+    } else {
+        present::whatif::text(&mut out, &answer)?;
+    }
+    out.flush()?;
+    Ok(())
+}

@@ -1,0 +1,576 @@
+//! `tracer whatif`: a process's recorded requests (pytorch:malloc and pytorch:free on one
+//! device, in order) replayed through the allocator simulator under the settings it ran with
+//! and under others. First the fidelity gate: with the recorded settings the simulator must
+//! make the same device allocations (count and sizes, in order) and put the blocks where the
+//! allocator did; a session where it does not is said to be so, with the first divergence.
+
+use std::{collections::HashMap, path::Path};
+
+use anyhow::Result;
+use serde::Serialize;
+use tracer_common::{Op, OpClass, Space};
+
+use crate::{
+    exit::user_error,
+    model::{
+        layout::{AllocConf, Layout, Pool, RunKind, SMALL_SEGMENT},
+        simulator::{Outcome, Request, SeedSegment, Settings, Simulator},
+        Event,
+    },
+    store::{events, series, Access, Store},
+};
+
+/// Placement agreement the gate asks for when the trace began with the allocator already in
+/// use (the state before it rebuilt); from an empty allocator every placement must agree.
+const GATE_SHARE: f64 = 0.99;
+/// The least-memory search stops at this granularity (the large pool's segment rounding).
+const SEARCH_STEP: u64 = 2 << 20;
+
+/// What one process recorded on one device, as the simulator takes it.
+#[derive(Clone, Debug, Default)]
+pub struct RecordedRun {
+    pub pid: u32,
+    pub device: i32,
+    pub conf_text: String,
+    pub settings: Option<Settings>,
+    /// The state when the requests begin (a keyframe's, or one a snapshot's trace rebuilt).
+    pub seed: Vec<SeedSegment>,
+    pub requests: Vec<Request>,
+    /// Where the allocator put each malloc (0: a request that failed, PyTorch's OOM).
+    pub placed: Vec<u64>,
+    /// The requests PyTorch refused (its OOMs): their index among the requests. No probe fires
+    /// for them: their size is the segment they needed, the most they asked for.
+    pub refused: Vec<usize>,
+    /// The device allocations (cudaMalloc, or pages mapped): address and size, in order.
+    pub device_allocs: Vec<(u64, u64)>,
+    /// Address ranges reserved for expandable segments, in order.
+    pub reserves: Vec<u64>,
+    /// Bytes the allocator could hold (from cudaMemGetInfo, or bounded by a failed request).
+    pub capacity: Option<u64>,
+    pub device_total: Option<u64>,
+    pub recorded_ooms: u64,
+    pub recorded_peak_reserved: u64,
+}
+
+impl RecordedRun {
+    fn settings(&self) -> Settings {
+        self.settings.unwrap_or(Settings {
+            conf: AllocConf::default(),
+            expandable: false,
+            gc_threshold: None,
+        })
+    }
+
+    fn mallocs(&self) -> usize {
+        self.placed.len()
+    }
+}
+
+/// Settings from a PYTORCH_CUDA_ALLOC_CONF value.
+pub fn parse_settings(text: &str) -> Settings {
+    let gc_threshold = text.split(',').find_map(|item| {
+        let (k, v) = item.split_once(':')?;
+        (k.trim() == "garbage_collection_threshold")
+            .then(|| v.trim().parse::<f64>().ok())
+            .flatten()
+            .filter(|t| *t > 0.0 && *t < 1.0)
+    });
+    Settings {
+        conf: AllocConf::parse(text),
+        expandable: AllocConf::expandable_from_env(|_| Some(text)),
+        gc_threshold,
+    }
+}
+
+/// Builds one device's run from the calls.
+#[derive(Default)]
+struct Builder {
+    run: RecordedRun,
+    live: HashMap<u64, u32>,
+    handles: u32,
+    /// A cudaMalloc failed since the last malloc: its cudaFrees are the retry's release.
+    failed_since_malloc: bool,
+    /// A device allocation failed and none succeeded after it (yet): the request it was for,
+    /// refused unless a retry succeeds.
+    refusal: Option<u64>,
+    last_stream: u64,
+    released_since_malloc: bool,
+    segment_sizes: HashMap<u64, u64>,
+    reserved: u64,
+    capacity_seen: Option<u64>,
+    capacity_bound: Option<u64>,
+}
+
+impl Builder {
+    /// `unused`: every device allocation is the allocator's (a snapshot's), also those no
+    /// block was seen in yet (a small pool's segment is 2 MiB, a large pool's never is).
+    fn seed_from(&mut self, layout: &Layout, device: i32, unused: bool) {
+        for s in layout
+            .segment_maps(unused)
+            .into_iter()
+            .filter(|s| s.device == device)
+        {
+            let pool = s.pool.unwrap_or(if s.size == SMALL_SEGMENT {
+                Pool::Small
+            } else {
+                Pool::Large
+            });
+            let blocks: Vec<(u64, u64)> = s
+                .runs
+                .iter()
+                .filter(|r| matches!(r.kind, RunKind::Allocated | RunKind::Pending))
+                .map(|r| (r.addr, r.size))
+                .collect();
+            for &(addr, _) in &blocks {
+                self.live.insert(addr, self.handles);
+                self.handles += 1;
+            }
+            self.run.seed.push(SeedSegment {
+                addr: s.addr,
+                size: s.size,
+                pool,
+                stream: layout.segment_stream(s.addr).unwrap_or(0),
+                blocks,
+            });
+            self.reserved += s.size;
+            self.segment_sizes.insert(s.addr, s.size);
+        }
+        self.run.recorded_peak_reserved = self.reserved;
+    }
+
+    /// A failed device allocation no retry made good: PyTorch refused the request.
+    fn settle_refusal(&mut self) {
+        if let Some(size) = self.refusal.take() {
+            self.run.refused.push(self.run.requests.len());
+            self.run.requests.push(Request::Malloc {
+                size,
+                stream: self.last_stream,
+            });
+            self.run.placed.push(0);
+            self.handles += 1;
+        }
+    }
+
+    fn call(&mut self, e: &Event) {
+        let spec = e.op.spec();
+        if matches!(spec.class, OpClass::BlockAlloc | OpClass::BlockFree) {
+            self.settle_refusal();
+        }
+        match (spec.class, spec.space) {
+            (OpClass::BlockAlloc, _) => {
+                self.last_stream = e.aux0;
+                self.live.insert(e.ptr, self.handles);
+                self.handles += 1;
+                self.run.requests.push(Request::Malloc {
+                    size: e.size,
+                    stream: e.aux0,
+                });
+                self.run.placed.push(e.ptr);
+                self.failed_since_malloc = false;
+                self.released_since_malloc = false;
+            }
+            (OpClass::BlockFree, _) => {
+                if let Some(handle) = self.live.remove(&e.ptr) {
+                    self.run.requests.push(Request::Free { handle });
+                }
+            }
+            (OpClass::Alloc, Space::Device | Space::Handle) if e.ret != 0 => {
+                self.failed_since_malloc = true;
+                self.refusal = Some(e.size);
+                let bound = (self.reserved + e.size).saturating_sub(1);
+                self.capacity_bound = Some(self.capacity_bound.map_or(bound, |b| b.min(bound)));
+            }
+            (OpClass::Alloc, Space::Device) => {
+                self.refusal = None;
+                self.run.device_allocs.push((e.ptr, e.size));
+                self.segment_sizes.insert(e.ptr, e.size);
+                self.grew(e.size);
+            }
+            (OpClass::Alloc, Space::Handle) if e.op == Op::CuMemMap && e.ret == 0 => {
+                self.refusal = None;
+                self.run.device_allocs.push((e.ptr, e.size));
+                self.grew(e.size);
+            }
+            (OpClass::Alloc, Space::AddressRange) if e.ret == 0 => self.run.reserves.push(e.ptr),
+            (OpClass::Free, Space::Device) if e.ret == 0 => {
+                self.reserved = self
+                    .reserved
+                    .saturating_sub(self.segment_sizes.remove(&e.ptr).unwrap_or(0));
+                self.released();
+            }
+            (OpClass::Free, Space::Handle) if e.op == Op::CuMemUnmap && e.ret == 0 => {
+                self.reserved = self.reserved.saturating_sub(e.size);
+                self.released();
+            }
+            (OpClass::MemInfo, _) if e.ret == 0 && e.aux1 > 0 => {
+                let capacity = e.aux0 + self.reserved;
+                self.capacity_seen = Some(self.capacity_seen.map_or(capacity, |c| c.min(capacity)));
+                let total = self.run.device_total.unwrap_or(0).max(e.aux1);
+                self.run.device_total = Some(total);
+            }
+            _ => {}
+        }
+    }
+
+    fn grew(&mut self, size: u64) {
+        self.reserved += size;
+        self.run.recorded_peak_reserved = self.run.recorded_peak_reserved.max(self.reserved);
+    }
+
+    /// Memory went back to the device not on a failed request's retry: the program released
+    /// the cache (torch.cuda.empty_cache()), once per burst.
+    fn released(&mut self) {
+        if !self.failed_since_malloc && !self.released_since_malloc {
+            self.run.requests.push(Request::EmptyCache);
+        }
+        self.released_since_malloc = true;
+    }
+
+    fn finish(mut self) -> RecordedRun {
+        self.settle_refusal();
+        self.run.capacity = match (self.capacity_seen, self.capacity_bound) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.run
+    }
+}
+
+/// The process (the one with an OOM, else the most requests) and device (its most requests)
+/// to replay, unless given.
+fn choose(db: &Path, conn: &rusqlite::Connection, session: i64, pid: Option<u32>) -> Result<u32> {
+    if let Some(p) = pid {
+        return Ok(p);
+    }
+    if let Some(m) = events::messages(conn, session)?
+        .into_iter()
+        .find(|m| m.op == Op::TorchOom.name())
+    {
+        return Ok(m.pid);
+    }
+    let mut requests: HashMap<u32, u64> = HashMap::new();
+    let begin = super::begin(conn, session, i64::MIN, None)?;
+    super::walk_calls(db, session, &begin, i64::MAX, None, |e| {
+        if e.class() == OpClass::BlockAlloc {
+            *requests.entry(e.pid).or_default() += 1;
+        }
+    })?;
+    let busiest = requests
+        .into_iter()
+        .max_by_key(|&(pid, n)| (n, pid))
+        .map(|(pid, _)| pid);
+    busiest.ok_or_else(|| {
+        user_error(format!(
+            "session {session} holds no pytorch:malloc events: whatif replays PyTorch's allocator requests (trace a PyTorch job, or import a memory snapshot with `tracer import --snapshot`)"
+        ))
+    })
+}
+
+/// One process's requests on one device (its busiest, unless given), from the session's start
+/// or from the state a keyframe or a snapshot's rebuilt past holds.
+pub fn recorded_run(
+    db: &Path,
+    session: Option<i64>,
+    pid: Option<u32>,
+    device: Option<i32>,
+) -> Result<(i64, RecordedRun)> {
+    let store = Store::open(db, Access::ReadOnly)?;
+    let conn = store.conn();
+    let info = events::session(conn, session)?;
+    let pid = choose(db, conn, info.id, pid)?;
+    let snapshot = events::source(conn, info.id)?.starts_with("snapshot");
+    let conf_text = events::alloc_confs(conn, info.id)?
+        .remove(&pid)
+        .unwrap_or_default();
+    let settings = parse_settings(&conf_text);
+    // The requests begin where the trace saw the allocator from: after a snapshot's rebuilt
+    // past, or at the keyframe the walk starts from.
+    let begins_ns = series::gaps(conn, info.id)?
+        .into_iter()
+        .filter(|g| g.pid == pid && g.kind == "before_trace")
+        .map(|g| g.to_ns)
+        .max();
+    let begin = super::begin(conn, info.id, i64::MIN, Some(pid))?;
+    let mut past = begin
+        .states
+        .iter()
+        .find(|s| s.pid == pid)
+        .map(|s| s.layout.clone())
+        .unwrap_or_else(|| Layout::new(settings.conf));
+    let mut builders: HashMap<i32, Builder> = HashMap::new();
+    let mut seeded = begins_ns.is_none() && begin.keyframe().is_none();
+    super::walk_calls(db, info.id, &begin, i64::MAX, Some(pid), |e| {
+        if !seeded {
+            if begins_ns.is_some_and(|t| e.ts_ns < t) {
+                past.apply(e);
+                return;
+            }
+            seeded = true;
+            let devices: std::collections::BTreeSet<i32> =
+                past.segment_maps(true).iter().map(|s| s.device).collect();
+            for d in devices {
+                builders.entry(d).or_default().seed_from(&past, d, snapshot);
+            }
+        }
+        builders.entry(e.device).or_default().call(e);
+    })?;
+    let device = match device {
+        Some(d) => d,
+        None => builders
+            .iter()
+            .max_by_key(|(_, b)| b.run.placed.len())
+            .map(|(&d, _)| d)
+            .unwrap_or(0),
+    };
+    let mut run = builders.remove(&device).unwrap_or_default().finish();
+    if run.placed.is_empty() {
+        return Err(user_error(format!(
+            "pid {pid} made no pytorch:malloc on device {device} in session {}: name another with --pid or --device",
+            info.id
+        )));
+    }
+    run.pid = pid;
+    run.device = device;
+    run.conf_text = conf_text;
+    run.settings = Some(settings);
+    run.recorded_ooms = events::messages(conn, info.id)?
+        .iter()
+        .filter(|m| m.pid == pid && m.op == Op::TorchOom.name())
+        .count() as u64;
+    Ok((info.id, run))
+}
+
+/// Whether the simulator, under the recorded settings, made the recorded run's decisions.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Fidelity {
+    pub holds: bool,
+    pub device_allocs_recorded: usize,
+    pub device_allocs_simulated: usize,
+    /// The first device allocation that differs (index, recorded size, simulated size).
+    pub first_device_divergence: Option<(usize, u64, u64)>,
+    pub placements_matched: usize,
+    pub placements: usize,
+    /// The first malloc placed elsewhere (index, recorded address, simulated address).
+    pub first_placement_divergence: Option<(usize, u64, u64)>,
+    /// The share the gate asks for: all of them from an empty allocator.
+    pub required_share: f64,
+    /// The requests PyTorch refused, and those the simulator refuses (the first ten).
+    pub refused_recorded: Vec<usize>,
+    pub refused_simulated: Vec<usize>,
+}
+
+/// Runs the recorded settings against the recorded decisions.
+pub fn fidelity(run: &RecordedRun) -> Fidelity {
+    let settings = run.settings();
+    let addresses = if settings.expandable {
+        run.reserves.clone()
+    } else {
+        run.device_allocs.iter().map(|&(a, _)| a).collect()
+    };
+    let capacity = run.capacity.unwrap_or(u64::MAX / 4);
+    let mut sim = Simulator::new(
+        settings,
+        capacity,
+        run.device_total.unwrap_or(capacity),
+        addresses,
+    )
+    .recording();
+    sim.seed(&run.seed);
+    let (outcome, placed, sizes) = sim.run(&run.requests);
+    let (placed, sizes) = (placed.unwrap_or_default(), sizes.unwrap_or_default());
+    let recorded: Vec<u64> = run.device_allocs.iter().map(|&(_, s)| s).collect();
+    let first_device_divergence = (0..recorded.len().max(sizes.len()))
+        .find(|&i| recorded.get(i) != sizes.get(i))
+        .map(|i| {
+            (
+                i,
+                recorded.get(i).copied().unwrap_or(0),
+                sizes.get(i).copied().unwrap_or(0),
+            )
+        });
+    let matched = run
+        .placed
+        .iter()
+        .zip(&placed)
+        .filter(|(a, b)| a == b)
+        .count();
+    let first_placement_divergence = run
+        .placed
+        .iter()
+        .zip(&placed)
+        .position(|(a, b)| a != b)
+        .map(|i| (i, run.placed[i], placed[i]));
+    let refused_simulated: Vec<usize> = outcome.refused.iter().take(10).copied().collect();
+    let refused_recorded: Vec<usize> = run.refused.iter().take(10).copied().collect();
+    let required_share = if run.seed.is_empty() { 1.0 } else { GATE_SHARE };
+    let share = matched as f64 / run.mallocs().max(1) as f64;
+    Fidelity {
+        holds: first_device_divergence.is_none()
+            && share >= required_share
+            && refused_recorded == refused_simulated,
+        device_allocs_recorded: recorded.len(),
+        device_allocs_simulated: sizes.len(),
+        first_device_divergence,
+        placements_matched: matched,
+        placements: run.mallocs(),
+        first_placement_divergence,
+        required_share,
+        refused_recorded,
+        refused_simulated,
+    }
+}
+
+/// The run under `settings` on a device where the allocator may hold `capacity` bytes.
+pub fn simulate(run: &RecordedRun, settings: Settings, capacity: u64) -> Outcome {
+    let mut sim = Simulator::new(
+        settings,
+        capacity,
+        run.device_total.unwrap_or(capacity),
+        Vec::new(),
+    );
+    sim.seed(&run.seed);
+    sim.run(&run.requests).0
+}
+
+/// The least memory the allocator needs under `settings` for the run to end without an OOM,
+/// to [`SEARCH_STEP`] (a search: taken as monotonic, which allocators nearly are).
+pub fn least_memory(run: &RecordedRun, settings: Settings) -> u64 {
+    let unlimited = simulate(run, settings, u64::MAX / 4);
+    let (mut lo, mut hi) = (unlimited.peak_allocated, unlimited.peak_reserved.max(1));
+    while hi - lo > SEARCH_STEP {
+        let mid = lo + (hi - lo) / 2;
+        if simulate(run, settings, mid).oom.is_some() {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    hi.div_ceil(SEARCH_STEP) * SEARCH_STEP
+}
+
+/// The settings tried by default, each added to what the job ran with: PyTorch's documented
+/// remedies for fragmentation and their useful pairs.
+pub const CANDIDATES: [&str; 11] = [
+    "expandable_segments:True",
+    "max_split_size_mb:64",
+    "max_split_size_mb:128",
+    "max_split_size_mb:256",
+    "max_split_size_mb:512",
+    "roundup_power2_divisions:4",
+    "roundup_power2_divisions:16",
+    "garbage_collection_threshold:0.8",
+    "max_split_size_mb:128,garbage_collection_threshold:0.8",
+    "expandable_segments:True,roundup_power2_divisions:4",
+    "max_split_size_mb:256,roundup_power2_divisions:4",
+];
+
+/// What to replay, and under which settings.
+#[derive(Clone, Debug, Default)]
+pub struct WhatIfQuery {
+    pub session: Option<i64>,
+    pub pid: Option<u32>,
+    pub device: Option<i32>,
+    /// Settings to try (default: [`CANDIDATES`]), each added to the recorded ones.
+    pub confs: Vec<String>,
+}
+
+/// One setting's simulated run.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct WhatIfRow {
+    /// PYTORCH_CUDA_ALLOC_CONF as simulated ("" for PyTorch's defaults).
+    pub conf: String,
+    pub recorded_settings: bool,
+    /// The first request that fails on the recorded device (index among the requests).
+    pub oom_request: Option<usize>,
+    pub oom_size: Option<u64>,
+    pub peak_reserved: u64,
+    pub peak_allocated: u64,
+    pub peak_cached: u64,
+    pub device_allocs: u64,
+    pub retries: u64,
+    /// The least memory the allocator needs for no OOM under these settings.
+    pub least_memory: u64,
+}
+
+/// The answer: the recorded run, whether the simulator reproduces it, and each setting.
+#[derive(Clone, Debug, Serialize)]
+pub struct WhatIf {
+    pub session: i64,
+    pub pid: u32,
+    pub device: i32,
+    pub recorded_conf: String,
+    pub requests: usize,
+    pub mallocs: usize,
+    /// Blocks live when the requests begin (a keyframe's or a snapshot's rebuilt state).
+    pub seeded_blocks: usize,
+    pub capacity: Option<u64>,
+    pub recorded_ooms: u64,
+    pub recorded_peak_reserved: u64,
+    pub fidelity: Fidelity,
+    pub rows: Vec<WhatIfRow>,
+}
+
+/// Replays the session's requests under the recorded settings and each of `q.confs`.
+pub fn whatif(db: &Path, q: &WhatIfQuery) -> Result<WhatIf> {
+    let (session, run) = recorded_run(db, q.session, q.pid, q.device)?;
+    let fidelity = fidelity(&run);
+    let capacity = run.capacity.unwrap_or(u64::MAX / 4);
+    let tried: Vec<String> = if q.confs.is_empty() {
+        CANDIDATES.iter().map(|c| c.to_string()).collect()
+    } else {
+        q.confs.clone()
+    };
+    let mut confs = vec![(run.conf_text.clone(), true)];
+    for c in tried {
+        let text = if run.conf_text.is_empty() {
+            c
+        } else {
+            format!("{},{c}", run.conf_text)
+        };
+        confs.push((text, false));
+    }
+    let rows = std::thread::scope(|scope| {
+        let handles: Vec<_> = confs
+            .iter()
+            .map(|(conf, recorded)| {
+                let run = &run;
+                scope.spawn(move || row(run, conf, *recorded, capacity))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| h.join().ok())
+            .collect::<Vec<_>>()
+    });
+    Ok(WhatIf {
+        session,
+        pid: run.pid,
+        device: run.device,
+        recorded_conf: run.conf_text.clone(),
+        requests: run.requests.len(),
+        mallocs: run.mallocs(),
+        seeded_blocks: run.seed.iter().map(|s| s.blocks.len()).sum(),
+        capacity: run.capacity,
+        recorded_ooms: run.recorded_ooms,
+        recorded_peak_reserved: run.recorded_peak_reserved,
+        fidelity,
+        rows,
+    })
+}
+
+fn row(run: &RecordedRun, conf: &str, recorded: bool, capacity: u64) -> WhatIfRow {
+    let settings = parse_settings(conf);
+    let o = simulate(run, settings, capacity);
+    WhatIfRow {
+        conf: conf.to_owned(),
+        recorded_settings: recorded,
+        oom_request: o.oom.map(|(i, _)| i),
+        oom_size: o.oom.map(|(_, s)| s),
+        peak_reserved: o.peak_reserved,
+        peak_allocated: o.peak_allocated,
+        peak_cached: o.peak_cached,
+        device_allocs: o.device_allocs,
+        retries: o.retries,
+        least_memory: least_memory(run, settings),
+    }
+}

@@ -11,6 +11,11 @@ use rusqlite::{params, OptionalExtension as _, Transaction};
 
 use super::Store;
 
+/// Eviction starts when the footprint passes this share of --max-db (in percent) and goes down
+/// to the next: the headroom takes what is written while a reader keeps SQLite from truncating
+/// its log (a backup, `VACUUM INTO`), and between two rounds.
+const EVICT_ABOVE_PCT: u64 = 85;
+const EVICT_TO_PCT: u64 = 75;
 /// Incident detail is kept up to 1/KEPT_SHARE of --max-db.
 pub const KEPT_SHARE: u64 = 4;
 /// Kept before an incident's 10 s interval of the series, and after it.
@@ -54,18 +59,19 @@ struct Island {
 }
 
 impl Store {
-    /// Keeps the database, its log included, under `max_bytes`: once it passes nine tenths of
-    /// it, deletes the oldest data until it is under eight tenths: whole older sessions first,
+    /// Keeps the database, its log included, under `max_bytes`: once it passes
+    /// [`EVICT_ABOVE_PCT`] % of it, deletes the oldest data until it is under [`EVICT_TO_PCT`] %:
+    /// whole older sessions first,
     /// then the oldest calls of `current` but the detail kept around incidents, never past its
     /// latest keyframe (what they built is kept there). Says when a keyframe is needed to go on.
     pub fn enforce_max_size(&mut self, current: i64, max_bytes: u64) -> Result<Eviction> {
         let mut out = Eviction::default();
-        if self.footprint()? <= max_bytes / 10 * 9 {
+        if self.footprint()? <= max_bytes / 100 * EVICT_ABOVE_PCT {
             return Ok(out);
         }
         // The log first: what a checkpoint gives back costs no data.
         let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
-        while self.footprint()? > max_bytes / 10 * 8 {
+        while self.footprint()? > max_bytes / 100 * EVICT_TO_PCT {
             let oldest: Option<(i64, i64)> = self
                 .conn
                 .query_row(

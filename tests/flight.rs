@@ -261,6 +261,19 @@ fn after_eviction_the_oom_layout_is_the_allocators_own() {
         "the whole-run series stands where the detail was evicted: {coverage:#}"
     );
     assert_oom_verdict(&report, &account);
+    // A window whose every call was evicted is answered from the series, and no chain is drawn
+    // from it.
+    let start = scalar(&fx.db, "SELECT started_ns FROM sessions");
+    let keyframe = coverage["keyframe_ns"].as_i64().unwrap();
+    let (from, to) = (
+        start.to_string(),
+        (start + (keyframe - start) / 2).to_string(),
+    );
+    let early = tracer_json(&fx.db, &["explain", "--json", "--from", &from, "--to", &to]);
+    let c = &early["coverage"];
+    assert_eq!(c["window_evicted"], true, "{c:#}");
+    assert!(!c["before_detail"].as_array().unwrap().is_empty(), "{c:#}");
+    assert_eq!(early["chains"], serde_json::json!([]), "{early:#}");
 }
 
 #[test]

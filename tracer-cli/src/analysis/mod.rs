@@ -572,6 +572,9 @@ pub struct Coverage {
     /// keyframe.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub window_clipped_from_ns: Option<i64>,
+    /// Every call of the window asked for was evicted: only the whole-run series is left of it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub window_evicted: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub evicted: Option<Evicted>,
     /// What tracer did not see of the processes: they ran before the trace, or it restarted.
@@ -611,13 +614,18 @@ impl Coverage {
                 .unwrap_or_default()
         ));
         }
-        if let Some(k) = c.keyframe_ns {
+        if c.window_evicted {
+            lines.push(
+                "Every call of this window was evicted: the whole-run series below is what is kept of it (a larger --max-db keeps the detail)"
+                    .into(),
+            );
+        } else if let Some(k) = c.keyframe_ns {
             lines.push(format!(
                 "Read from the keyframe at {} onwards (the state there, then every call after it)",
                 format_utc(k)
             ));
         }
-        if let Some(from) = c.window_clipped_from_ns {
+        if let Some(from) = c.window_clipped_from_ns.filter(|_| !c.window_evicted) {
             lines.push(format!(
             "The window asked for began at {}: its calls before {} were evicted, so the window begins there",
             format_utc(from),
@@ -642,7 +650,9 @@ impl Coverage {
                 format_utc(h.to_ns)
             ));
         }
-        if !c.before_detail.is_empty() {
+        if c.window_evicted {
+            lines.push("The window, from the whole-run series (which eviction keeps):".into());
+        } else if !c.before_detail.is_empty() {
             lines.push("Before the detail (the whole-run series, which eviction keeps):".into());
         }
         for f in &c.before_detail {

@@ -14,7 +14,9 @@ use crate::{
 /// the causal chains with their evidence.
 pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> Result<()> {
     let r = &explained.report;
-    let ends = if explained.running {
+    let ends = if explained.to_given {
+        "the time asked"
+    } else if explained.running {
         "now: the trace is still running"
     } else {
         "the session's last event"
@@ -182,6 +184,14 @@ fn call_sites(out: &mut impl Write, r: &Report) -> Result<()> {
 
 /// The causal chains, most severe first, with their evidence.
 fn chains(out: &mut impl Write, r: &Report) -> Result<()> {
+    if r.chains.is_empty() && r.coverage.window_evicted {
+        writeln!(
+            out,
+            "No causal chain is drawn: every call of this window was evicted, so nothing is known of its calls beyond the series above. \
+             A larger --max-db, or a window within the detail kept around incidents, would settle it."
+        )?;
+        return Ok(());
+    }
     if r.chains.is_empty() {
         writeln!(
             out,

@@ -5,7 +5,7 @@
 
 use std::{collections::HashMap, path::Path, time::Duration};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use rusqlite::Connection;
 
 use crate::{
@@ -36,6 +36,8 @@ pub struct Explained {
     pub report: Report,
     /// The session was still being recorded: the window ends now.
     pub running: bool,
+    /// The window ends where --to said (not at the session's end).
+    pub to_given: bool,
     /// Time spent reading the calls (with the analysis they fed), and finishing the analysis.
     pub load_time: Duration,
     pub analysis_time: Duration,
@@ -95,6 +97,7 @@ pub struct Windowed {
     pub running: bool,
     pub window: Window,
     pub from_given: bool,
+    pub to_given: bool,
 }
 
 /// Why a session holds no calls: none recorded, or --max-db evicted them all (said with what
@@ -115,11 +118,28 @@ fn nothing_kept(conn: &Connection, session: i64) -> String {
     }
 }
 
+/// A window that ends before the first call kept: its calls were evicted by --max-db, and the
+/// whole-run series answers for it (from the session's start, or --from, to --to).
+fn evicted_span(conn: &Connection, session: i64, q: &ExplainQuery) -> Result<Option<(i64, i64)>> {
+    let (Some(to), None) = (q.to, q.pid) else {
+        return Ok(None);
+    };
+    let (started, evicted): (i64, i64) = conn
+        .query_row(
+            "SELECT started_ns, evicted_events FROM sessions WHERE id = ?1",
+            [session],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .with_context(|| format!("read session {session}"))?;
+    Ok((evicted > 0).then_some((q.from.unwrap_or(started).min(to), to)))
+}
+
 /// The window of `q` in its session.
 pub fn window(db: &Path, conn: &Connection, q: &ExplainQuery) -> Result<Windowed> {
     let info = events::session(conn, q.session)?;
     let running = info.status == "running";
-    let Some((first, last)) = span(db, info.id, q.pid, q.to)? else {
+    let Some((first, last)) = span(db, info.id, q.pid, q.to)?.or(evicted_span(conn, info.id, q)?)
+    else {
         return Err(user_error(match (q.pid, q.to) {
             (Some(pid), _) => format!(
                 "session {} recorded no calls of pid {pid}: nothing to explain",
@@ -171,6 +191,7 @@ pub fn window(db: &Path, conn: &Connection, q: &ExplainQuery) -> Result<Windowed
         running,
         window,
         from_given: q.since.is_some() || q.from.is_some(),
+        to_given: q.since.is_none() && q.to.is_some(),
     })
 }
 
@@ -305,16 +326,22 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
         running,
         mut window,
         from_given,
+        to_given,
     } = window(db, conn, q)?;
     let begin = super::begin(conn, session, window.from_ns, q.pid)?;
     visit.start(&begin);
     let mut clipped_from = None;
+    let mut window_evicted = false;
     if let Some(k) = begin.keyframe().filter(|k| k.ts_ns >= window.from_ns) {
-        // The calls before the keyframe were evicted: the window begins at it.
+        // The calls before the keyframe were evicted: the window begins at it, unless all of
+        // it was.
         if from_given {
             clipped_from = Some(window.from_ns);
         }
-        window.from_ns = k.ts_ns.min(window.to_ns - 1);
+        window_evicted = k.ts_ns >= window.to_ns;
+        if !window_evicted {
+            window.from_ns = k.ts_ns;
+        }
     }
     let known = Known::read(conn, session, &q.skip_frames)?;
     let host = Host::new(events::host(conn, session, window.to_ns, q.pid)?);
@@ -353,11 +380,20 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
         analysis::analyze_collected(session, collector.finish(), &host, window, &inputs);
     report.coverage = Coverage {
         states: std::mem::take(&mut report.coverage.states),
-        ..coverage(conn, session, q.pid, &begin, clipped_from, holes)?
+        window_evicted,
+        ..coverage(
+            conn,
+            session,
+            q.pid,
+            &begin,
+            (clipped_from, window.to_ns),
+            holes,
+        )?
     };
     let explained = Explained {
         report,
         running,
+        to_given,
         load_time: t1 - t0,
         analysis_time: t1.elapsed(),
     };
@@ -370,7 +406,7 @@ fn coverage(
     session: i64,
     pid: Option<u32>,
     begin: &super::Begin,
-    clipped_from: Option<i64>,
+    (clipped_from, to_ns): (Option<i64>, i64),
     holes: Vec<Hole>,
 ) -> Result<Coverage> {
     let s = events::session_summary(conn, session)?;
@@ -383,7 +419,12 @@ fn coverage(
     });
     let keyframe_ns = begin.keyframe().map(|k| k.ts_ns);
     let before_detail = match (&evicted, keyframe_ns) {
-        (Some(_), Some(k)) => span_figures(&series::series(conn, session, pid)?, k),
+        // The part of the window before the keyframe: its detail was evicted.
+        (Some(_), Some(k)) => span_figures(
+            &series::series(conn, session, pid)?,
+            clipped_from.unwrap_or(i64::MIN),
+            k.min(to_ns),
+        ),
         _ => Vec::new(),
     };
     let gaps = series::gaps(conn, session)?
@@ -393,6 +434,7 @@ fn coverage(
     Ok(Coverage {
         keyframe_ns,
         window_clipped_from_ns: clipped_from,
+        window_evicted: false,
         evicted,
         gaps,
         before_detail,
@@ -402,10 +444,18 @@ fn coverage(
     })
 }
 
-/// Per process and device, the whole-run series' figures before `until_ns`.
-fn span_figures(rows: &[crate::model::run_series::SeriesRow], until_ns: i64) -> Vec<SpanFigures> {
+/// Per process and device, the whole-run series' figures of the intervals that overlap
+/// [`from_ns`, `until_ns`).
+fn span_figures(
+    rows: &[crate::model::run_series::SeriesRow],
+    from_ns: i64,
+    until_ns: i64,
+) -> Vec<SpanFigures> {
     let mut out: Vec<SpanFigures> = Vec::new();
-    for r in rows.iter().filter(|r| r.start_ns < until_ns) {
+    for r in rows
+        .iter()
+        .filter(|r| r.end_ns > from_ns && r.start_ns < until_ns)
+    {
         let i = match out
             .iter()
             .position(|f| f.pid == r.pid && f.device == r.device)

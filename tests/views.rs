@@ -251,7 +251,7 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
     names.sort_unstable();
     assert_eq!(
         names,
-        ["explain", "layout", "op_stats", "query", "sessions", "stacks"]
+        ["explain", "layout", "op_stats", "query", "sessions", "stacks", "whatif"]
     );
     assert!(tools.values().all(|t| t["output_schema"] == true));
     assert!(tools["query"]["description"]
@@ -266,6 +266,7 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
         "op_stats",
         "stacks",
         "layout_oom",
+        "whatif",
         "query",
     ] {
         assert_eq!(
@@ -318,6 +319,27 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
             assert_eq!(go["p99_ns"], o["p99_ns"]);
             assert_eq!(go["b"], o["bytes"]);
         }
+    }
+
+    // whatif: tracer whatif's answer, compact.
+    let w = tracer_json(
+        &fx.db,
+        &["whatif", "--json", "--conf", "expandable_segments:True"],
+    );
+    let m = &seen["whatif"]["structured"];
+    assert_eq!(m["fid"]["ok"], w["fidelity"]["holds"], "{m:#}");
+    assert_eq!(m["fid"]["placed"][1], w["fidelity"]["placements"]);
+    assert_eq!(m["rows"].as_array().unwrap().len(), 2);
+    for (g, r) in m["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(w["rows"].as_array().unwrap())
+    {
+        assert_eq!(g["conf"], r["conf"]);
+        assert_eq!(g["oom"], r["oom_request"]);
+        assert_eq!(g["res"], r["peak_reserved"]);
+        assert_eq!(g["least"], r["least_memory"]);
     }
 
     // op_stats: the same windows counted by SQL over the events view.

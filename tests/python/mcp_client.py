@@ -59,6 +59,7 @@ async def main(tracer, db, mode, query_time):
                 out["op_stats_page2"] = await call(session, "op_stats", {"window_s": 0.005, "from_s": nxt})
             out["stacks"] = await call(session, "stacks", {"top": 5})
             out["layout_oom"] = await call(session, "layout", {"at": "oom"})
+            out["whatif"] = await call(session, "whatif", {"conf": ["expandable_segments:True"]})
             out["query"] = await call(
                 session,
                 "query",

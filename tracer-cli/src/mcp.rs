@@ -884,6 +884,18 @@ impl TracerMcp {
     ) -> Result<Json<LayoutOut>, String> {
         self.blocking(move |db| layout(db, &args)).await.map(Json)
     }
+
+    #[tool(
+        name = "whatif",
+        description = "One process's recorded allocator requests on one device replayed through PyTorch's allocator policy. fid: whether the simulator reproduces the run (ok; dev = device allocations recorded/simulated, placed = blocks at the recorded address / all, div = the first divergence); when ok is false the rows are the simulator's, not a prediction. rows: conf (PYTORCH_CUDA_ALLOC_CONF simulated; the first row is as run), oom (the first refused request's index, null: none), res = peak reserved, cached = peak reserved-not-allocated, allocs = device allocations, retries, least = the least memory the allocator needs for no OOM; h = the same in human units. conf: settings to try, each added to the recorded ones (at most 12; default: expandable segments, max_split_size_mb 64-512, roundup_power2_divisions, garbage_collection_threshold, pairs).",
+        annotations(read_only_hint = true, open_world_hint = false)
+    )]
+    async fn whatif(
+        &self,
+        Parameters(args): Parameters<WhatIfArgs>,
+    ) -> Result<Json<WhatIfOut>, String> {
+        self.blocking(move |db| whatif(db, &args)).await.map(Json)
+    }
 }
 
 #[prompt_router]
@@ -938,6 +950,116 @@ pub async fn serve(db: PathBuf, query_time: Duration) -> Result<()> {
     Ok(())
 }
 
+// ---- whatif ----
+
+/// Settings one call may try.
+const MAX_CONFS: usize = 12;
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct WhatIfArgs {
+    /// The session (default: the latest).
+    pub session: Option<i64>,
+    /// The process (default: the one with an OOM, else the busiest).
+    pub pid: Option<u32>,
+    /// The device (default: the process's busiest).
+    pub device: Option<i32>,
+    /// Settings to try, each added to the recorded ones.
+    pub conf: Option<Vec<String>>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct FidelityOut {
+    pub ok: bool,
+    /// device allocations recorded / simulated
+    pub dev: (usize, usize),
+    /// blocks at the recorded address / all
+    pub placed: (usize, usize),
+    /// the first divergence, in words
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub div: Option<String>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct WhatIfRowOut {
+    pub conf: String,
+    pub oom: Option<usize>,
+    pub res: u64,
+    pub cached: u64,
+    pub allocs: u64,
+    pub retries: u64,
+    pub least: u64,
+    pub h: String,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct WhatIfOut {
+    pub session: i64,
+    pub pid: u32,
+    pub device: i32,
+    pub requests: usize,
+    pub fid: FidelityOut,
+    pub rows: Vec<WhatIfRowOut>,
+}
+
+pub fn whatif(db: &Path, args: &WhatIfArgs) -> Result<WhatIfOut> {
+    let confs = args.conf.clone().unwrap_or_default();
+    if confs.len() > MAX_CONFS {
+        return Err(crate::exit::user_error(format!(
+            "conf: {} settings asked, at most {MAX_CONFS} a call: split them",
+            confs.len()
+        )));
+    }
+    let w = crate::query::whatif::whatif(
+        db,
+        &crate::query::whatif::WhatIfQuery {
+            session: args.session,
+            pid: args.pid,
+            device: args.device,
+            confs,
+        },
+    )?;
+    let f = &w.fidelity;
+    let div = f
+        .first_device_divergence
+        .map(|(i, a, b)| format!("device allocation #{i}: recorded {a} B, simulated {b} B"))
+        .or_else(|| {
+            f.first_placement_divergence
+                .map(|(i, a, b)| format!("allocation #{i}: recorded {a:#x}, simulated {b:#x}"))
+        });
+    Ok(WhatIfOut {
+        session: w.session,
+        pid: w.pid,
+        device: w.device,
+        requests: w.requests,
+        fid: FidelityOut {
+            ok: f.holds,
+            dev: (f.device_allocs_recorded, f.device_allocs_simulated),
+            placed: (f.placements_matched, f.placements),
+            div,
+        },
+        rows: w
+            .rows
+            .iter()
+            .map(|r| WhatIfRowOut {
+                conf: r.conf.clone(),
+                oom: r.oom_request,
+                res: r.peak_reserved,
+                cached: r.peak_cached,
+                allocs: r.device_allocs,
+                retries: r.retries,
+                least: r.least_memory,
+                h: format!(
+                    "{}; peak reserved {}, least memory {}",
+                    r.oom_request
+                        .map_or("no OOM".to_owned(), |i| format!("OOM at request {i}")),
+                    format_bytes(r.peak_reserved),
+                    format_bytes(r.least_memory)
+                ),
+            })
+            .collect(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -946,7 +1068,7 @@ mod tests {
     fn every_tool_has_an_output_schema() {
         let server = TracerMcp::new(PathBuf::from("/nonexistent"), QUERY_TIME);
         let tools = server.tool_router.list_all();
-        assert_eq!(tools.len(), 6);
+        assert_eq!(tools.len(), 7);
         for t in tools {
             assert!(t.output_schema.is_some(), "{} has no output schema", t.name);
         }

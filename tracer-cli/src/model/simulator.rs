@@ -559,27 +559,24 @@ impl Simulator {
         let next = self.blocks[b as usize].next;
         if next != NONE && self.blocks[next as usize].state == state {
             self.take_out(next, state);
-            let n = self.blocks[next as usize];
-            self.blocks[b as usize].size += n.size;
-            self.blocks[b as usize].next = n.next;
-            if n.next != NONE {
-                self.blocks[n.next as usize].prev = b;
-            }
-            self.spare.push(next);
+            self.absorb_next(b);
         }
         let prev = self.blocks[b as usize].prev;
         if prev != NONE && self.blocks[prev as usize].state == state {
             self.take_out(prev, state);
-            let blk = self.blocks[b as usize];
-            self.blocks[prev as usize].size += blk.size;
-            self.blocks[prev as usize].next = blk.next;
-            if blk.next != NONE {
-                self.blocks[blk.next as usize].prev = prev;
-            }
-            self.spare.push(b);
+            self.absorb_next(prev);
             return prev;
         }
         b
+    }
+
+    /// `first` takes over the block after it.
+    fn absorb_next(&mut self, first: u32) {
+        let gone = self.blocks[first as usize].next;
+        let g = self.blocks[gone as usize];
+        self.blocks[first as usize].size += g.size;
+        self.link(first, g.next);
+        self.spare.push(gone);
     }
 
     fn take_out(&mut self, b: u32, state: State) {

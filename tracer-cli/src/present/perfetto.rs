@@ -186,14 +186,18 @@ struct Interned {
 }
 
 impl Interned {
-    /// The name's number, and whether this is its first use (the packet must carry it).
-    fn id(&mut self, name: &str) -> (u64, bool) {
+    /// The name's number; on its first use it goes in `carried` (the packet must carry it).
+    fn id(&mut self, name: &str, carried: &mut Vec<InternedName>) -> u64 {
         if let Some(&id) = self.ids.get(name) {
-            return (id, false);
+            return id;
         }
         let id = self.ids.len() as u64 + 1;
         self.ids.insert(name.to_owned(), id);
-        (id, true)
+        carried.push(InternedName {
+            iid: Some(id),
+            name: Some(name.to_owned()),
+        });
+        id
     }
 }
 
@@ -379,14 +383,7 @@ impl<W: Write> PerfettoWriter<W> {
         mut event: TrackEvent,
     ) -> Result<()> {
         let mut new = InternedData::default();
-        let (name_iid, first) = self.event_names.id(name);
-        if first {
-            new.event_names.push(InternedName {
-                iid: Some(name_iid),
-                name: Some(name.to_owned()),
-            });
-        }
-        event.name_iid = Some(name_iid);
+        event.name_iid = Some(self.event_names.id(name, &mut new.event_names));
         event.debug_annotations = args
             .into_iter()
             .map(|arg| {
@@ -413,14 +410,10 @@ impl<W: Write> PerfettoWriter<W> {
                         },
                     ),
                 };
-                let (iid, first) = self.annotation_names.id(name);
-                if first {
-                    new.debug_annotation_names.push(InternedName {
-                        iid: Some(iid),
-                        name: Some(name.to_owned()),
-                    });
-                }
-                annotation.name_iid = Some(iid);
+                annotation.name_iid = Some(
+                    self.annotation_names
+                        .id(name, &mut new.debug_annotation_names),
+                );
                 annotation
             })
             .collect();

@@ -7,6 +7,16 @@ use anyhow::Result;
 
 use crate::{query::whatif::WhatIf, units::format_bytes};
 
+/// Sizes in the table: GiB to two decimals (the settings often differ by less than a tenth).
+fn size(bytes: u64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    if bytes as f64 >= GIB {
+        format!("{:.2} GiB", bytes as f64 / GIB)
+    } else {
+        format_bytes(bytes)
+    }
+}
+
 pub fn text(out: &mut impl Write, w: &WhatIf) -> Result<()> {
     let conf = if w.recorded_conf.is_empty() {
         "PyTorch's defaults".to_owned()
@@ -22,10 +32,10 @@ pub fn text(out: &mut impl Write, w: &WhatIf) -> Result<()> {
         w.requests,
         w.mallocs,
         w.recorded_ooms,
-        format_bytes(w.recorded_peak_reserved)
+        size(w.recorded_peak_reserved)
     )?;
     match w.capacity {
-        Some(c) => writeln!(out, "The allocator could hold {} on that device (cudaMemGetInfo, or the request the device refused).", format_bytes(c))?,
+        Some(c) => writeln!(out, "The allocator could hold {} on that device (cudaMemGetInfo, or the request the device refused).", size(c))?,
         None => writeln!(out, "The device's capacity is unknown (no cudaMemGetInfo and no refused request): simulated without a limit; 'least memory' still holds.")?,
     }
     if w.seeded_blocks > 0 {
@@ -53,11 +63,11 @@ pub fn text(out: &mut impl Write, w: &WhatIf) -> Result<()> {
         writeln!(
             out,
             "{label:<52} {oom:>14} {:>14} {:>12} {:>8} {:>8} {:>13}",
-            format_bytes(r.peak_reserved),
-            format_bytes(r.peak_cached),
+            size(r.peak_reserved),
+            size(r.peak_cached),
             r.device_allocs,
             r.retries,
-            format_bytes(r.least_memory)
+            size(r.least_memory)
         )?;
     }
     Ok(())

@@ -619,6 +619,24 @@ fn whatif_reproduces_the_run_and_predicts_it_under_expandable_segments() {
         recorded["memory_stats"]["num_alloc_retries"]
     );
 
+    // explain's fixes that name the setting say what the simulator found.
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    let cited: Vec<&str> = report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["fix"].as_array().unwrap())
+        .filter_map(|f| f.as_str())
+        .filter(|f| f.contains("expandable_segments:True") && f.contains("[simulated from the"))
+        .collect();
+    assert!(
+        cited
+            .iter()
+            .any(|f| f.contains("no OOM") && f.contains("as run: an OOM at request")),
+        "{:#}",
+        report["chains"]
+    );
+
     let predicted = &w["rows"][1];
     assert_eq!(predicted["conf"], "expandable_segments:True");
     let again = incident(

@@ -16,6 +16,10 @@ use crate::{
     units::format_utc,
 };
 
+/// explain replays the requests under the settings its fixes name up to this many events in
+/// the window.
+const CITE_EVENTS: u64 = 2_000_000;
+
 /// Which part of which session to explain.
 #[derive(Clone, Debug, Default)]
 pub struct ExplainQuery {
@@ -390,6 +394,13 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
             holes,
         )?
     };
+    // The fixes that name an allocator setting say what it would have done to these requests
+    // (a replay per setting: small runs only, `tracer whatif` for the rest).
+    if report.events_in_window <= CITE_EVENTS {
+        if let Err(e) = super::whatif::cite_in_fixes(db, session, &mut report.chains) {
+            log::warn!("simulating the fixes of session {session}: {e:#}");
+        }
+    }
     let explained = Explained {
         report,
         running,

@@ -574,3 +574,113 @@ fn row(run: &RecordedRun, conf: &str, recorded: bool, capacity: u64) -> WhatIfRo
         least_memory: least_memory(run, settings),
     }
 }
+
+/// explain simulates the settings its fixes name only for runs up to this many requests (a
+/// simulation per setting; `tracer whatif` takes any size).
+const CITE_REQUESTS: usize = 1_000_000;
+/// The chains whose fixes are allocator settings.
+const CITING_RULES: [&str; 3] = ["fragmentation", "oom", "early_warning"];
+
+/// The allocator setting a fix line names ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+/// (...)" names "expandable_segments:True").
+fn named_setting(fix: &str) -> Option<&str> {
+    let rest = fix.split_once("PYTORCH_CUDA_ALLOC_CONF=")?.1;
+    let setting = rest
+        .split_whitespace()
+        .next()?
+        .trim_end_matches([':', ',', ';']);
+    setting.contains(':').then_some(setting)
+}
+
+/// Appends to each fix of `chains` that names an allocator setting what the simulator says the
+/// recorded requests would have done under it, beside what they did as run; or why it could
+/// not say.
+pub fn cite_in_fixes(db: &Path, session: i64, chains: &mut [crate::analysis::Chain]) -> Result<()> {
+    let mut runs: HashMap<u32, Option<(RecordedRun, Outcome)>> = HashMap::new();
+    for chain in chains.iter_mut().filter(|c| CITING_RULES.contains(&c.rule)) {
+        if !chain.fix.iter().any(|f| named_setting(f).is_some()) {
+            continue;
+        }
+        let entry = match runs.entry(chain.pid) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let run = recorded_run(db, Some(session), Some(chain.pid), None)
+                    .ok()
+                    .map(|(_, run)| run)
+                    .filter(|run| run.requests.len() <= CITE_REQUESTS);
+                v.insert(run.map(|run| {
+                    let capacity = run.capacity.unwrap_or(u64::MAX / 4);
+                    let as_run = simulate(&run, run.settings(), capacity);
+                    (run, as_run)
+                }))
+            }
+        };
+        let Some((run, as_run)) = entry.as_ref() else {
+            continue;
+        };
+        let holds = fidelity(run).holds;
+        for fix in chain.fix.iter_mut() {
+            let Some(setting) = named_setting(fix) else {
+                continue;
+            };
+            let text = if holds {
+                let conf = if run.conf_text.is_empty() {
+                    setting.to_owned()
+                } else {
+                    format!("{},{setting}", run.conf_text)
+                };
+                let capacity = run.capacity.unwrap_or(u64::MAX / 4);
+                let o = simulate(run, parse_settings(&conf), capacity);
+                format!(
+                    " [simulated from the {} recorded requests: {}, peak reserved {}; as run: {}, peak reserved {} (`tracer whatif`)]",
+                    run.requests.len(),
+                    ending(&o),
+                    crate::units::format_bytes(o.peak_reserved),
+                    ending(as_run),
+                    crate::units::format_bytes(as_run.peak_reserved)
+                )
+            } else {
+                " [not simulated: the simulator does not reproduce this run's decisions (`tracer whatif` shows where)]".to_owned()
+            };
+            fix.push_str(&text);
+        }
+    }
+    Ok(())
+}
+
+fn ending(o: &Outcome) -> String {
+    match o.oom {
+        Some((i, _)) => format!("an OOM at request {i}"),
+        None => "no OOM".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_setting_a_fix_names_is_read_from_its_text() {
+        assert_eq!(
+            named_setting(
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: segments grow in place"
+            ),
+            Some("expandable_segments:True")
+        );
+        assert_eq!(
+            named_setting("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 (large cached blocks)"),
+            Some("max_split_size_mb:128")
+        );
+        assert_eq!(named_setting("reduce the batch size"), None);
+        let s = parse_settings(
+            "expandable_segments:True,garbage_collection_threshold:0.8,max_split_size_mb:128",
+        );
+        assert!(s.expandable);
+        assert_eq!(s.gc_threshold, Some(0.8));
+        assert_eq!(s.conf.max_split_size, 128 << 20);
+        assert_eq!(
+            parse_settings("garbage_collection_threshold:1.5").gc_threshold,
+            None
+        );
+    }
+}

@@ -1016,6 +1016,7 @@ pub fn whatif(db: &Path, args: &WhatIfArgs) -> Result<WhatIfOut> {
             pid: args.pid,
             device: args.device,
             confs,
+            search: true,
         },
     )?;
     let f = &w.fidelity;
@@ -1047,13 +1048,13 @@ pub fn whatif(db: &Path, args: &WhatIfArgs) -> Result<WhatIfOut> {
                 cached: r.peak_cached,
                 allocs: r.device_allocs,
                 retries: r.retries,
-                least: r.least_memory,
+                least: r.least_memory.unwrap_or(0),
                 h: format!(
                     "{}; peak reserved {}, least memory {}",
                     r.oom_request
                         .map_or("no OOM".to_owned(), |i| format!("OOM at request {i}")),
                     format_bytes(r.peak_reserved),
-                    format_bytes(r.least_memory)
+                    format_bytes(r.least_memory.unwrap_or(0))
                 ),
             })
             .collect(),

@@ -5,6 +5,7 @@ mod explain_bench;
 mod flight_bench;
 mod prologue;
 mod tensor_bench;
+mod whatif_bench;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +26,8 @@ enum Task {
     /// The flight recorder on a long job under --max-db: keyframes' cost, eviction, the OOM
     /// layout against the job's own, the read side over 1, 10 and 30 minutes of history.
     BenchFlight(flight_bench::FlightBenchArgs),
+    /// Time `tracer whatif` over N recorded allocator requests under 12 settings.
+    BenchWhatif(whatif_bench::WhatIfBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,5 +36,6 @@ fn main() -> anyhow::Result<()> {
         Task::BenchExplain(args) => explain_bench::explain(args),
         Task::BenchTensor(args) => tensor_bench::run(args),
         Task::BenchFlight(args) => flight_bench::run(args),
+        Task::BenchWhatif(args) => whatif_bench::run(args),
     }
 }

@@ -29,6 +29,9 @@ pub struct WhatIfArgs {
     /// roundup_power2_divisions, garbage_collection_threshold and useful pairs).
     #[arg(long = "conf", value_name = "SETTINGS")]
     pub confs: Vec<String>,
+    /// Skip the least-memory search (about 15 replays a setting; for long runs).
+    #[arg(long)]
+    pub no_search: bool,
     /// As JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -43,6 +46,7 @@ pub fn run(args: WhatIfArgs) -> Result<()> {
             pid: args.pid,
             device: args.device,
             confs: args.confs,
+            search: !args.no_search,
         },
     )?;
     let mut out = std::io::stdout().lock();

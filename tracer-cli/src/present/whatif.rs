@@ -67,7 +67,7 @@ pub fn text(out: &mut impl Write, w: &WhatIf) -> Result<()> {
             size(r.peak_cached),
             r.device_allocs,
             r.retries,
-            size(r.least_memory)
+            r.least_memory.map_or("-".to_owned(), size)
         )?;
     }
     Ok(())

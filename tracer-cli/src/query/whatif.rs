@@ -472,6 +472,8 @@ pub struct WhatIfQuery {
     pub device: Option<i32>,
     /// Settings to try (default: [`CANDIDATES`]), each added to the recorded ones.
     pub confs: Vec<String>,
+    /// Search each setting's least memory.
+    pub search: bool,
 }
 
 /// One setting's simulated run.
@@ -488,8 +490,10 @@ pub struct WhatIfRow {
     pub peak_cached: u64,
     pub device_allocs: u64,
     pub retries: u64,
-    /// The least memory the allocator needs for no OOM under these settings.
-    pub least_memory: u64,
+    /// The least memory the allocator needs for no OOM under these settings (not searched:
+    /// absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub least_memory: Option<u64>,
 }
 
 /// The answer: the recorded run, whether the simulator reproduces it, and each setting.
@@ -534,7 +538,7 @@ pub fn whatif(db: &Path, q: &WhatIfQuery) -> Result<WhatIf> {
             .iter()
             .map(|(conf, recorded)| {
                 let run = &run;
-                scope.spawn(move || row(run, conf, *recorded, capacity))
+                scope.spawn(move || row(run, conf, *recorded, capacity, q.search))
             })
             .collect();
         handles
@@ -558,7 +562,7 @@ pub fn whatif(db: &Path, q: &WhatIfQuery) -> Result<WhatIf> {
     })
 }
 
-fn row(run: &RecordedRun, conf: &str, recorded: bool, capacity: u64) -> WhatIfRow {
+fn row(run: &RecordedRun, conf: &str, recorded: bool, capacity: u64, search: bool) -> WhatIfRow {
     let settings = parse_settings(conf);
     let o = simulate(run, settings, capacity);
     WhatIfRow {
@@ -571,7 +575,7 @@ fn row(run: &RecordedRun, conf: &str, recorded: bool, capacity: u64) -> WhatIfRo
         peak_cached: o.peak_cached,
         device_allocs: o.device_allocs,
         retries: o.retries,
-        least_memory: least_memory(run, settings),
+        least_memory: search.then(|| least_memory(run, settings)),
     }
 }
 

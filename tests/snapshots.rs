@@ -138,6 +138,62 @@ fn the_simulator_makes_the_real_allocators_decisions_on_every_snapshot() {
     }
 }
 
+/// diff between two runs of the same job (the cs336 full training step at context 128 and at
+/// 256): the call sites whose peak held bytes changed most come first, and the attention
+/// scores' softmax, quadratic in the context, holds four times the bytes at twice the context.
+#[test]
+fn diff_names_the_call_sites_that_grew_between_two_runs() {
+    let Some(files) = snapshots() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("t.db");
+    let session = |name: &str| {
+        let file = files
+            .iter()
+            .find(|f| f.to_string_lossy().contains(name))
+            .unwrap();
+        import(&db, file)["import"]["session"]
+            .as_i64()
+            .unwrap()
+            .to_string()
+    };
+    let (a, b) = (session("ctx128"), session("ctx256"));
+    let d = tracer_json(&db, &["diff", &a, &b, "--json"]);
+    let sites = d["sites"].as_array().unwrap();
+    assert!(!sites.is_empty(), "{d:#}");
+    let change = |s: &Value| s["a"].as_i64().unwrap().abs_diff(s["b"].as_i64().unwrap());
+    assert!(
+        sites.windows(2).all(|w| change(&w[0]) >= change(&w[1])),
+        "{d:#}"
+    );
+    let softmax: Vec<&Value> = sites
+        .iter()
+        .filter(|s| s["site"].as_str().unwrap().contains("(softmax)"))
+        .collect();
+    assert!(!softmax.is_empty(), "{d:#}");
+    for s in softmax {
+        assert_eq!(
+            s["b"].as_u64().unwrap(),
+            4 * s["a"].as_u64().unwrap(),
+            "{s}"
+        );
+    }
+    // The peaks are at least what the layout holds at the end.
+    for (run, id) in [(&d["a"], &a), (&d["b"], &b)] {
+        let layout = tracer_json(&db, &["layout", "--json", "--session", id]);
+        let reserved: u64 = layout[0]["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["total"]["reserved"].as_u64().unwrap())
+            .sum();
+        assert!(
+            run["peak_reserved"].as_u64().unwrap() >= reserved,
+            "{run:#} vs {reserved}"
+        );
+        assert_eq!(run["conf"], "");
+    }
+}
+
 #[test]
 fn a_file_that_is_not_a_snapshot_exits_2_naming_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -46,6 +46,8 @@ enum Command {
     Mcp(cmd::mcp::McpArgs),
     /// Replay a job's recorded requests under other allocator settings: OOM or not, memory needed.
     Whatif(cmd::whatif::WhatIfArgs),
+    /// What changed between two runs of a job: peaks, fragmentation, first warning and OOM, settings, call sites.
+    Diff(cmd::diff::DiffArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
         Command::Report(args) => cmd::report::run(args),
         Command::Mcp(args) => cmd::mcp::run(args),
         Command::Whatif(args) => cmd::whatif::run(args),
+        Command::Diff(args) => cmd::diff::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

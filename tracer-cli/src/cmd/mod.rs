@@ -1,5 +1,6 @@
 pub mod check;
 pub mod demo;
+pub mod diff;
 pub mod explain;
 pub mod export;
 pub mod import;

@@ -2,6 +2,7 @@
 //! what the other rooms computed and only render it.
 
 pub mod check;
+pub mod diff;
 pub mod explain;
 pub mod json;
 pub mod layout;

@@ -6,6 +6,7 @@
 //! keyframe as exact as the first call. Presenters (present/) render what this returns; nothing
 //! here renders.
 
+pub mod diff;
 pub mod explain;
 pub mod layout;
 pub mod report;

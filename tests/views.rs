@@ -116,6 +116,17 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
         })
         .collect();
     assert_eq!(seen["chain_titles"], serde_json::json!(titles));
+    // What would have avoided it: whatif's rows, as tracer whatif computes them.
+    let whatif = &data["whatif"];
+    assert_eq!(whatif["fidelity"]["holds"], true, "{whatif:#}");
+    let rows = seen["whatif_rows"].as_array().unwrap();
+    assert_eq!(rows.len(), whatif["rows"].as_array().unwrap().len());
+    assert_eq!(rows.len(), 12, "the settings as run and eleven others");
+    assert!(rows[0][0].as_str().unwrap().starts_with("(as run)"));
+    assert!(
+        rows[0][1].as_str().unwrap().starts_with("request "),
+        "{rows:?}"
+    );
     for p in explain["processes"].as_array().unwrap() {
         let rows = seen["ops"][p["pid"].to_string()].as_array().unwrap();
         let ops = p["ops"].as_array().unwrap();

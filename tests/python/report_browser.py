@@ -78,6 +78,8 @@ try:
         "ops": ops,
         "losses": losses,
         "segments": len(driver.find_elements(By.CSS_SELECTOR, "#segmap .seg")),
+        "whatif_rows": [[td.text for td in tr.find_elements(By.CSS_SELECTOR, "td")]
+                        for tr in driver.find_elements(By.CSS_SELECTOR, "#whatif table tr")[1:]],
         "runs": len(driver.find_elements(By.CSS_SELECTOR, "#segmap .run")),
         "snapshot_label": driver.execute_script(
             "const s = document.getElementById('snapshot'); return s.options[s.selectedIndex].text"

@@ -235,6 +235,21 @@
     chainSec.append(box);
   }
 
+  // The requests under other allocator settings (tracer whatif).
+  if (D.whatif) {
+    const W = D.whatif, F = W.fidelity;
+    const wSec = section("What would have avoided it", "whatif");
+    wSec.append(el("p", { text: F.holds
+      ? "Replayed through PyTorch's allocator policy, pid " + W.pid + " on device " + W.device + ": with the settings it ran with the simulator makes the same " + F.device_allocs_recorded + " device allocations and places " + F.placements_matched + " of " + F.placements + " blocks where the allocator did, so the other rows are a prediction."
+      : "The simulator does not reproduce this run (" + F.placements_matched + " of " + F.placements + " blocks where the allocator put them): the rows below are the simulator's, not a prediction." }));
+    const t = table(["settings", "OOM", "peak reserved", "peak cached", "device allocations", "retries", "least memory"],
+      W.rows.map((r) => [(r.recorded_settings ? "(as run) " : "") + (r.conf || "defaults"), r.oom_request === null ? "none" : "request " + r.oom_request,
+        bytes(r.peak_reserved), bytes(r.peak_cached), count(r.device_allocs), count(r.retries), r.least_memory === undefined ? "-" : bytes(r.least_memory)]),
+      [false, false, true, true, true, true, true]);
+    t.classList.add("whatif");
+    wSec.append(t);
+  }
+
   // Per-process tables.
   const procSec = section("Calls per process", "processes");
   for (const p of E.processes) {

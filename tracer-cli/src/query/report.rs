@@ -85,7 +85,14 @@ pub struct ReportData {
     pub snapshots: Vec<Snapshot>,
     /// Call sites of the blocks in the maps, by stack id.
     pub sites: HashMap<u32, String>,
+    /// The recorded requests under other allocator settings (`tracer whatif`), for runs of at
+    /// most [`WHATIF_EVENTS`] events in the window.
+    pub whatif: Option<super::whatif::WhatIf>,
 }
+
+/// The report replays the requests under the default settings (with the least-memory search)
+/// up to this many events in its window; `tracer whatif` takes any size.
+const WHATIF_EVENTS: u64 = 100_000;
 
 /// Reads and analyses the session in one walk; `q` as for explain.
 pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
@@ -155,6 +162,17 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
     let mut losses = session.counters.losses().to_vec();
     losses.push(("evicted_events", session.evicted_events));
     let coverage = report.coverage.lines(report.window);
+    let whatif = (report.events_in_window <= WHATIF_EVENTS)
+        .then(|| {
+            let q = super::whatif::WhatIfQuery {
+                session: Some(session_id),
+                pid: q.pid,
+                search: true,
+                ..Default::default()
+            };
+            super::whatif::whatif(db, &q).ok()
+        })
+        .flatten();
     Ok(ReportData {
         tracer_version: env!("CARGO_PKG_VERSION"),
         losses,
@@ -169,6 +187,7 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
         snapshots,
         sites,
         session,
+        whatif,
     })
 }
 

@@ -194,6 +194,49 @@ fn diff_names_the_call_sites_that_grew_between_two_runs() {
     }
 }
 
+/// whatif and diff over what they cannot replay exit 2 naming the session and what would do.
+#[test]
+fn whatif_and_diff_refuse_sessions_without_allocator_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, log) = (dir.path().join("t.db"), dir.path().join("calls.log"));
+    // Two CUDA calls, no allocator probe (the simulated runtime's log format).
+    std::fs::write(
+        &log,
+        "1795000000000000000 1000 7 7 cudaMalloc 0 0 2097152 140000000000000 - -\n\
+         1795000000000100000 1000 7 7 cudaFree 0 0 - 140000000000000 - -\n",
+    )
+    .unwrap();
+    let imported = tracer_json(&db, &["import", "--json", log.to_str().unwrap()]);
+    let session = imported["session"].as_i64().unwrap().to_string();
+    let run = |args: &[&str]| {
+        std::process::Command::new(TRACER)
+            .args(args)
+            .arg("--db")
+            .arg(&db)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["whatif", "--session", &session]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("session {session} holds no pytorch:malloc")),
+        "{err}"
+    );
+    assert!(err.contains("import a memory snapshot"), "{err}");
+    let out = run(&["whatif", "--session", "99"]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&["diff", &session, "99"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("99"), "{err}");
+}
+
 #[test]
 fn a_file_that_is_not_a_snapshot_exits_2_naming_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -235,6 +235,35 @@ fn whatif_and_diff_refuse_sessions_without_allocator_requests() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("99"), "{err}");
+    // Requests whose placements no allocator made (no segment recorded): imported whole, and
+    // whatif says the simulator does not reproduce them before any figure.
+    let probes = dir.path().join("probes.log");
+    std::fs::write(
+        &probes,
+        "1795000000000000000 0 8 8 pytorch:malloc 0 0 7821312 140000000000000 0 -\n\
+         1795000000000100000 0 8 8 pytorch:free 0 0 - 140000000000000 - -\n",
+    )
+    .unwrap();
+    let imported = tracer_json(&db, &["import", "--json", probes.to_str().unwrap()]);
+    assert_eq!(
+        imported["calls"], 2,
+        "block events count as calls: {imported}"
+    );
+    let session = imported["session"].as_i64().unwrap().to_string();
+    let w = tracer_json(
+        &db,
+        &["whatif", "--json", "--session", &session, "--no-search"],
+    );
+    assert_eq!(w["fidelity"]["holds"], false, "{w:#}");
+    assert_eq!(
+        w["fidelity"]["first_device_divergence"],
+        serde_json::json!([0, 0, 20 << 20]),
+        "{w:#}"
+    );
+    let text = run(&["whatif", "--session", &session]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    let verdict = text.find("Fidelity NOT met").expect(&text);
+    assert!(verdict < text.find("settings").unwrap(), "{text}");
 }
 
 #[test]

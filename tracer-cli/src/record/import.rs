@@ -73,10 +73,13 @@ impl SimlogImporter {
         note: &str,
         status: &str,
     ) -> Result<u64> {
+        // The call blocks hold every call, the allocator's block events too (which have no
+        // row in `calls`).
         let stored: i64 = store
             .conn()
             .query_row(
-                "SELECT count(*) FROM calls WHERE session_id = ?1",
+                "SELECT max((SELECT count(*) FROM calls WHERE session_id = ?1),
+                            (SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = ?1))",
                 [session],
                 |r| r.get(0),
             )

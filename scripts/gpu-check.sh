@@ -174,6 +174,24 @@ for mode in default expandable; do
   gzip -9 -c "$work/check-$mode/trace.db" >"$out/trace-$mode.db.gz"
 done
 
+# 2b. whatif: the default run's requests replayed with expandable segments, against that run --
+"$tracer" whatif --db "$work/check-default/trace.db" --conf expandable_segments:True --no-search --json \
+  >"$work/whatif.json" 2>"$work/whatif.err" || cat "$work/whatif.err"
+"$python" - "$work/whatif.json" "$work/check-expandable/stats.json" <<'PY' || true
+import json, sys
+w, s = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+f, row = w["fidelity"], w["rows"][1]
+real = s["final"]["reserved_bytes.all.peak"]
+sim = row["peak_reserved"]
+print("gpu-check: whatif: the default run %s (%d of %d blocks where the allocator put them); "
+      "with expandable_segments:True it predicts %s and peak reserved %d B; the expandable run: "
+      "%d OOMs, peak reserved %d B (%+.1f %%)" % (
+          "reproduced" if f["holds"] else "NOT reproduced", f["placements_matched"], f["placements"],
+          "no OOM" if row["oom_request"] is None else "an OOM at request %d" % row["oom_request"],
+          sim, s["final"]["num_ooms"] - s["baseline"]["num_ooms"], real,
+          100.0 * (sim - real) / real if real else 0.0))
+PY
+
 # 3. Cost: the same steps untraced, traced and traced with --stack, interleaved ---------------
 echo '[' >"$work/runs.json"
 sep=""

@@ -865,6 +865,11 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
         String::from_utf8_lossy(&run.stderr)
     );
     assert!(stdout.contains("NOT a GPU"), "{stdout}");
+    // whatif's prediction for the expandable run, from the default run's requests.
+    assert!(
+        stdout.contains("gpu-check: whatif: the default run reproduced"),
+        "{stdout}"
+    );
     // What comes back from a GPU machine: at most 8 files of at most 16 MiB.
     let files: Vec<_> = std::fs::read_dir(&out)
         .unwrap()

@@ -177,8 +177,12 @@ impl Builder {
             (OpClass::Alloc, Space::Device | Space::Handle) if e.ret != 0 => {
                 self.failed_since_malloc = true;
                 self.refusal = Some(e.size);
-                let bound = (self.reserved + e.size).saturating_sub(1);
-                self.capacity_bound = Some(self.capacity_bound.map_or(bound, |b| b.min(bound)));
+                // A refused segment bounds the capacity; a refused page does not (the pages
+                // created for the same request before it hold memory no mapping shows yet).
+                if e.space() == Space::Device {
+                    let bound = (self.reserved + e.size).saturating_sub(1);
+                    self.capacity_bound = Some(self.capacity_bound.map_or(bound, |b| b.min(bound)));
+                }
             }
             (OpClass::Alloc, Space::Device) => {
                 self.refusal = None;
@@ -186,7 +190,7 @@ impl Builder {
                 self.segment_sizes.insert(e.ptr, e.size);
                 self.grew(e.size);
             }
-            (OpClass::Alloc, Space::Handle) if e.op == Op::CuMemMap && e.ret == 0 => {
+            (OpClass::Alloc, Space::Mapping) if e.ret == 0 => {
                 self.refusal = None;
                 self.run.device_allocs.push((e.ptr, e.size));
                 self.grew(e.size);
@@ -198,7 +202,7 @@ impl Builder {
                     .saturating_sub(self.segment_sizes.remove(&e.ptr).unwrap_or(0));
                 self.released();
             }
-            (OpClass::Free, Space::Handle) if e.op == Op::CuMemUnmap && e.ret == 0 => {
+            (OpClass::Free, Space::Mapping) if e.ret == 0 => {
                 self.reserved = self.reserved.saturating_sub(e.size);
                 self.released();
             }
@@ -299,6 +303,7 @@ pub fn recorded_run(
         .unwrap_or_else(|| Layout::new(settings.conf));
     let mut builders: HashMap<i32, Builder> = HashMap::new();
     let mut seeded = begins_ns.is_none() && begin.keyframe().is_none();
+    let mut probe_device: Option<i32> = None;
     super::walk_calls(db, info.id, &begin, i64::MAX, Some(pid), |e| {
         if !seeded {
             if begins_ns.is_some_and(|t| e.ts_ns < t) {
@@ -312,7 +317,18 @@ pub fn recorded_run(
                 builders.entry(d).or_default().seed_from(&past, d, snapshot);
             }
         }
-        builders.entry(e.device).or_default().call(e);
+        // A CUDA call whose thread's device tracer did not learn (no cudaSetDevice seen) is on
+        // the device the allocator's probes last named: PyTorch's current device.
+        let device =
+            if e.device < 0 && !matches!(e.class(), OpClass::BlockAlloc | OpClass::BlockFree) {
+                probe_device.unwrap_or(0)
+            } else {
+                e.device
+            };
+        if e.class() == OpClass::BlockAlloc {
+            probe_device = Some(e.device);
+        }
+        builders.entry(device).or_default().call(e);
     })?;
     let device = match device {
         Some(d) => d,
@@ -331,13 +347,51 @@ pub fn recorded_run(
     }
     run.pid = pid;
     run.device = device;
+    // Address ranges reserved and pages mapped are expandable segments, whatever the
+    // environment said (an allocator can turn them on in code).
+    let (conf_text, settings) = if !run.reserves.is_empty() && !settings.expandable {
+        let text = if conf_text.is_empty() {
+            "expandable_segments:True".to_owned()
+        } else {
+            format!("{conf_text},expandable_segments:True")
+        };
+        let settings = parse_settings(&text);
+        (text, settings)
+    } else {
+        (conf_text, settings)
+    };
     run.conf_text = conf_text;
     run.settings = Some(settings);
-    run.recorded_ooms = events::messages(conn, info.id)?
-        .iter()
+    let ooms: Vec<_> = events::messages(conn, info.id)?
+        .into_iter()
         .filter(|m| m.pid == pid && m.op == Op::TorchOom.name())
-        .count() as u64;
+        .collect();
+    run.recorded_ooms = ooms.len() as u64;
+    // A refused page (expandable segments) says little of the request: PyTorch's message says
+    // how much it tried to allocate (to its two decimals).
+    for (&i, m) in run.refused.iter().zip(&ooms) {
+        if let (Some(asked), Some(Request::Malloc { size, .. })) =
+            (tried_to_allocate(&m.text), run.requests.get_mut(i))
+        {
+            *size = (*size).max(asked);
+        }
+    }
     Ok((info.id, run))
+}
+
+/// The bytes of PyTorch's "Tried to allocate 1.50 GiB" (its format_size: two decimals).
+fn tried_to_allocate(message: &str) -> Option<u64> {
+    let rest = message.split_once("Tried to allocate ")?.1;
+    let mut words = rest.split_whitespace();
+    let value: f64 = words.next()?.parse().ok()?;
+    let unit = match words.next()?.trim_end_matches(['.', ';', ',']) {
+        "bytes" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        _ => return None,
+    };
+    Some((value * unit) as u64)
 }
 
 /// Whether the simulator, under the recorded settings, made the recorded run's decisions.
@@ -676,6 +730,12 @@ mod tests {
             Some("max_split_size_mb:128")
         );
         assert_eq!(named_setting("reduce the batch size"), None);
+        assert_eq!(
+            tried_to_allocate("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has"),
+            Some(3 << 29)
+        );
+        assert_eq!(tried_to_allocate("Tried to allocate 512 bytes."), Some(512));
+        assert_eq!(tried_to_allocate("out of memory"), None);
         let s = parse_settings(
             "expandable_segments:True,garbage_collection_threshold:0.8,max_split_size_mb:128",
         );

@@ -97,9 +97,13 @@ impl AllocConf {
                 return floor << 1;
             }
             let down = size & !(step - 1);
-            return if down == size { size } else { down + step };
+            return if down == size {
+                size
+            } else {
+                down.saturating_add(step)
+            };
         }
-        size.div_ceil(MIN_BLOCK) * MIN_BLOCK
+        size.div_ceil(MIN_BLOCK).saturating_mul(MIN_BLOCK)
     }
 }
 
@@ -127,7 +131,7 @@ pub fn segment_size(rounded: u64) -> u64 {
     } else if rounded < MIN_LARGE_ALLOC {
         LARGE_SEGMENT
     } else {
-        rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
+        rounded.div_ceil(ROUND_LARGE).saturating_mul(ROUND_LARGE)
     }
 }
 

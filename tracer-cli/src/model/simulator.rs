@@ -17,6 +17,8 @@ use super::policy::{
 
 /// No block (a free or failed request's handle, a list's end).
 const NONE: u32 = u32::MAX;
+/// The most address space a simulated expandable segment reserves.
+const MAX_RESERVE: u64 = 1 << 40;
 /// Failed requests whose index an outcome keeps.
 pub const REFUSALS_KEPT: usize = 10;
 /// Where made-up segment addresses start (a recorded run's are used where it has them).
@@ -305,7 +307,9 @@ impl Simulator {
     fn address(&mut self, size: u64) -> u64 {
         self.addresses.next().unwrap_or_else(|| {
             let a = self.next_address;
-            self.next_address += size.div_ceil(SMALL_SEGMENT) * SMALL_SEGMENT;
+            self.next_address = self
+                .next_address
+                .saturating_add(size.div_ceil(SMALL_SEGMENT).saturating_mul(SMALL_SEGMENT));
             a
         })
     }
@@ -407,7 +411,8 @@ impl Simulator {
     /// alloc_block: a new segment (or pages of an expandable one) from the device, which has
     /// room only within the capacity.
     fn alloc_block(&mut self, pool: Pool, stream: u64, rounded: u64, alloc_size: u64) -> u32 {
-        if self.reserved + alloc_size > self.capacity {
+        // Sizes come from recordings (a refused request may be absurd): no overflow.
+        if self.reserved.saturating_add(alloc_size) > self.capacity {
             return NONE;
         }
         if self.settings.expandable {
@@ -646,10 +651,13 @@ impl Simulator {
         } else {
             LARGE_SEGMENT
         };
-        let size = (self.device_total + self.device_total / 8)
+        // 9/8 of the device's memory; a device of unknown size gets a range of 1 TiB (the
+        // range's size changes no decision, only where made-up addresses fall).
+        let total = self.device_total.min(MAX_RESERVE);
+        let size = (total.saturating_add(total / 8))
             .div_ceil(page)
             .max(rounded.div_ceil(page))
-            * page;
+            .saturating_mul(page);
         let addr = self.address(size);
         let seg = self.push_segment(pool, stream, Some(page));
         let b = self.push_block(addr, size, seg, State::Unmapped);
@@ -662,14 +670,14 @@ impl Simulator {
     fn map(&mut self, u: u32, len: u64) -> u32 {
         let page = self.segment_of(u).page.unwrap_or(LARGE_SEGMENT);
         let blk = self.blocks[u as usize];
-        let mapped = (len.div_ceil(page) * page).min(blk.size);
-        if self.reserved + mapped > self.capacity {
+        let mapped = len.div_ceil(page).saturating_mul(page).min(blk.size);
+        if self.reserved.saturating_add(mapped) > self.capacity {
             return NONE;
         }
         self.take_out(u, State::Unmapped);
         if mapped < blk.size {
             let rest = self.push_block(
-                blk.addr + mapped,
+                blk.addr.saturating_add(mapped),
                 blk.size - mapped,
                 blk.seg,
                 State::Unmapped,

@@ -180,7 +180,7 @@ impl Builder {
                 // A refused segment bounds the capacity; a refused page does not (the pages
                 // created for the same request before it hold memory no mapping shows yet).
                 if e.space() == Space::Device {
-                    let bound = (self.reserved + e.size).saturating_sub(1);
+                    let bound = self.reserved.saturating_add(e.size).saturating_sub(1);
                     self.capacity_bound = Some(self.capacity_bound.map_or(bound, |b| b.min(bound)));
                 }
             }
@@ -207,7 +207,7 @@ impl Builder {
                 self.released();
             }
             (OpClass::MemInfo, _) if e.ret == 0 && e.aux1 > 0 => {
-                let capacity = e.aux0 + self.reserved;
+                let capacity = e.aux0.saturating_add(self.reserved);
                 self.capacity_seen = Some(self.capacity_seen.map_or(capacity, |c| c.min(capacity)));
                 let total = self.run.device_total.unwrap_or(0).max(e.aux1);
                 self.run.device_total = Some(total);
@@ -217,7 +217,7 @@ impl Builder {
     }
 
     fn grew(&mut self, size: u64) {
-        self.reserved += size;
+        self.reserved = self.reserved.saturating_add(size);
         self.run.recorded_peak_reserved = self.run.recorded_peak_reserved.max(self.reserved);
     }
 

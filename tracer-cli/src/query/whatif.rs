@@ -654,7 +654,9 @@ fn named_setting(fix: &str) -> Option<&str> {
 /// recorded requests would have done under it, beside what they did as run; or why it could
 /// not say.
 pub fn cite_in_fixes(db: &Path, session: i64, chains: &mut [crate::analysis::Chain]) -> Result<()> {
-    let mut runs: HashMap<u32, Option<(RecordedRun, Outcome)>> = HashMap::new();
+    // Per process: its run, what the run did as simulated, and whether the gate holds (each
+    // computed once, however many chains cite it).
+    let mut runs: HashMap<u32, Option<(RecordedRun, Outcome, bool)>> = HashMap::new();
     for chain in chains.iter_mut().filter(|c| CITING_RULES.contains(&c.rule)) {
         if !chain.fix.iter().any(|f| named_setting(f).is_some()) {
             continue;
@@ -669,14 +671,15 @@ pub fn cite_in_fixes(db: &Path, session: i64, chains: &mut [crate::analysis::Cha
                 v.insert(run.map(|run| {
                     let capacity = run.capacity.unwrap_or(u64::MAX / 4);
                     let as_run = simulate(&run, run.settings(), capacity);
-                    (run, as_run)
+                    let holds = fidelity(&run).holds;
+                    (run, as_run, holds)
                 }))
             }
         };
-        let Some((run, as_run)) = entry.as_ref() else {
+        let Some((run, as_run, holds)) = entry.as_ref() else {
             continue;
         };
-        let holds = fidelity(run).holds;
+        let holds = *holds;
         for fix in chain.fix.iter_mut() {
             let Some(setting) = named_setting(fix) else {
                 continue;

@@ -1064,6 +1064,34 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
         .unwrap()
         .to_owned();
     assert_eq!(source, if simulated { "simulated" } else { "ebpf" });
+    // whatif's fidelity gate holds on every demo's session, traced or from the runtime's log:
+    // the simulator makes the allocator's own decisions, block for block.
+    let whatif = Command::new(TRACER)
+        .args(["whatif", "--no-search", "--json", "--db"])
+        .arg(&db)
+        .output()
+        .unwrap();
+    assert!(
+        whatif.status.success(),
+        "{}",
+        String::from_utf8_lossy(&whatif.stderr)
+    );
+    let whatif: Value = serde_json::from_slice(&whatif.stdout).unwrap();
+    let fidelity = &whatif["fidelity"];
+    assert_eq!(fidelity["holds"], true, "demo {scenario}: {fidelity:#}");
+    assert_eq!(
+        fidelity["placements_matched"], fidelity["placements"],
+        "demo {scenario}: {fidelity:#}"
+    );
+    assert!(fidelity["placements"].as_u64().unwrap() > 0, "{fidelity:#}");
+    assert_eq!(
+        fidelity["device_allocs_recorded"], fidelity["device_allocs_simulated"],
+        "demo {scenario}: {fidelity:#}"
+    );
+    assert_eq!(
+        fidelity["refused_recorded"], fidelity["refused_simulated"],
+        "demo {scenario}: {fidelity:#}"
+    );
     (
         stdout,
         stderr,
@@ -1190,6 +1218,16 @@ fn check_demos(simulated: bool) {
             .as_str()
             .unwrap()
             .contains("expandable_segments:True"),
+        "{oom}"
+    );
+    // PyTorch's own message is kept with the failure, traced (its OutOfMemoryError probe) or
+    // from the runtime's log.
+    let raised = &message[message.find("CUDA out of memory.").unwrap()..];
+    assert!(
+        oom["evidence"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("PyTorch raised: {raised}")),
         "{oom}"
     );
     // The forensics are the allocator's own state at the failure, as PyTorch's message says it.

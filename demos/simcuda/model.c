@@ -419,3 +419,17 @@ void sim_record(const char *op, uint64_t ts_ns, uint64_t mono0, int ret, uint64_
     ssize_t n = write(events_fd, line, (size_t)(at - line));
     (void)n;
 }
+
+void sim_record_message(const char *op, uint64_t ts_ns, const char *text) {
+    pthread_once(&events_once, open_events);
+    if (events_fd < 0) return;
+    /* The call fields as sim_record writes them (no duration, size or pointer), then the text on
+     * the same line: line breaks become spaces, and a text longer than the line is cut. */
+    char line[2048];
+    int at = snprintf(line, sizeof line, "%llu 0 %d %ld %s 0 %d - - - - ", (unsigned long long)ts_ns,
+                      getpid(), (long)syscall(SYS_gettid), op, current_device);
+    for (const char *c = text; *c && at < (int)sizeof line - 1; c++) line[at++] = *c == '\n' ? ' ' : *c;
+    line[at++] = '\n';
+    ssize_t n = write(events_fd, line, (size_t)at);
+    (void)n;
+}

@@ -30,6 +30,8 @@ uint64_t sim_mono_ns(void);
 #define SIM_NONE UINT64_MAX
 void sim_record(const char *op, uint64_t ts_ns, uint64_t mono0, int ret, uint64_t size, uint64_t ptr,
                 uint64_t aux0, uint64_t aux1);
+/* A message (PyTorch's out-of-memory text) in the event log, after the call fields. */
+void sim_record_message(const char *op, uint64_t ts_ns, const char *text);
 /* Spends the configured latency of `op` (busy-waiting, as a driver call does). */
 void sim_delay(const char *op);
 #pragma GCC visibility pop

@@ -53,6 +53,7 @@ API void simtorch_oom(const char *text) {
     struct source_location loc = {"malloc", "CUDACachingAllocator.cpp", 1};
     struct cxx_string msg = {text, strlen(text), {{0}}};
     oom_error_ctor(self, loc, &msg);
+    sim_record_message("pytorch:oom", sim_realtime_ns(), text);
 }
 
 /* The allocator's stream events are recorded from its own library, as PyTorch's are from

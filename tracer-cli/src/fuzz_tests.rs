@@ -139,6 +139,8 @@ fn perf_seed() -> Vec<u8> {
 
 const MAPS_LINE: &str = "7f00a000-7f00c000 r-xp 00002000 08:01 1234   /usr/lib/libcudart.so.12";
 const SIMLOG_LINE: &str = "1000 250 7 8 cudaMalloc 0 0 4096 139637976727552 - -";
+const SIMLOG_OOM_LINE: &str =
+    "1795326684373497239 0 22534 22536 pytorch:oom 0 0 - - - - CUDA out of memory. Tried to allocate 2.00 MiB.";
 
 /// One input to every decoder; a panic is the failure.
 fn feed(rng: &mut Rng, block: &[u8], records: &[Vec<u8>], elf: &[u8]) {
@@ -168,6 +170,7 @@ fn feed(rng: &mut Rng, block: &[u8], records: &[Vec<u8>], elf: &[u8]) {
     let _ = record::memmap::parse_line(&text(rng.mutate(MAPS_LINE.as_bytes())));
     let _ = record::memmap::parse_line(&text(random.clone()));
     let _ = crate::decode::simlog::parse_line(&text(rng.mutate(SIMLOG_LINE.as_bytes())));
+    let _ = crate::decode::simlog::parse_line(&text(rng.mutate(SIMLOG_OOM_LINE.as_bytes())));
     let _ = record::usdt::parse_arg(&text(rng.mutate(b"-8@-56(%rbp)")));
     let _ = record::usdt::parse_arg(&text(random));
     let _ = record::usdt::sites_of(rng.mutate(elf).as_slice());

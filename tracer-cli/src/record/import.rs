@@ -132,10 +132,18 @@ impl SimlogImporter {
         let mut calls = Vec::new();
         let mut threads = Vec::new();
         let mut processes = Vec::new();
+        let mut messages = Vec::new();
         for line in text.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
-            let Some(mut call) = std::str::from_utf8(line).ok().and_then(simlog::parse_line) else {
-                self.unreadable_lines += 1;
-                continue;
+            let mut call = match std::str::from_utf8(line).ok().and_then(simlog::parse_line) {
+                Some(simlog::Line::Call(call)) => call,
+                Some(simlog::Line::Message(message)) => {
+                    messages.push(message);
+                    continue;
+                }
+                None => {
+                    self.unreadable_lines += 1;
+                    continue;
+                }
             };
             self.join.apply(&mut call);
             if self.threads.insert((call.pid, call.tid)) {
@@ -172,7 +180,7 @@ impl SimlogImporter {
             threads: &threads,
             processes: &processes,
             offcpu: &[],
-            messages: &[],
+            messages: &messages,
         })?;
         Ok(calls.len() as u64)
     }

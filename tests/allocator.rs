@@ -232,7 +232,7 @@ fn symbol_file_offset(lib: &Path, symbol: &str) -> u64 {
 fn usdt_notes_of_a_library_built_with_sys_sdt_h_are_read_exactly() {
     // The simulated allocator's probes: compiled by demos/simcuda/build.sh with sys/sdt.h.
     let lib = sim().join("libsimtorch.so");
-    let sites = tracer_cli::record::usdt::read_sites(&lib).unwrap();
+    let sites = tracer_cli::probe::usdt::read_sites(&lib).unwrap();
     let names: Vec<(&str, &str)> = sites
         .iter()
         .map(|s| (s.provider.as_str(), s.name.as_str()))
@@ -261,7 +261,7 @@ fn usdt_notes_of_a_library_built_with_sys_sdt_h_are_read_exactly() {
     }
     // An executable without semaphores or notes: none.
     assert!(
-        tracer_cli::record::usdt::read_sites(&sim().join("simdriver"))
+        tracer_cli::probe::usdt::read_sites(&sim().join("simdriver"))
             .unwrap()
             .is_empty()
     );

@@ -25,8 +25,9 @@ use crate::{
         self,
         live::{self, LiveView},
     },
+    probe::privileges,
     query::explain::{self, ExplainQuery},
-    record::{import::SimlogImporter, privileges, signals, RecordOptions, Recording, Stop},
+    record::{import::SimlogImporter, signals, RecordOptions, Recording, Stop},
     store::{events, Access, Store},
 };
 

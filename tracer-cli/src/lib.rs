@@ -11,11 +11,14 @@ pub mod exit;
 pub mod mcp;
 pub mod model;
 pub mod paths;
+pub mod perf_event;
 pub mod present;
+pub mod probe;
 pub mod query;
 pub mod record;
 pub mod serve;
 pub mod store;
+pub mod target;
 pub mod units;
 
 #[cfg(test)]

@@ -4,8 +4,11 @@
 
 mod call;
 mod counters;
+mod inflight;
+mod maps;
 mod sched;
 mod stack;
+mod stage;
 mod usdt;
 
 #[cfg(not(test))]

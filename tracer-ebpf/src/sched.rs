@@ -7,7 +7,7 @@ use aya_ebpf::{
     bindings::BPF_ANY,
     helpers::bpf_ktime_get_ns,
     macros::{map, tracepoint},
-    maps::{HashMap, LruHashMap},
+    maps::HashMap,
     programs::TracePointContext,
 };
 use tracer_common::{
@@ -17,13 +17,9 @@ use tracer_common::{
 };
 
 use crate::{
-    call::{global, CONTROL, EVENTS},
     counters::bump,
+    maps::{global, paused, EVENTS, SCHED_TIDS},
 };
-
-#[map(name = "SCHED_TIDS")]
-pub static SCHED_TIDS: LruHashMap<u32, u32> =
-    LruHashMap::with_max_entries(names::SCHED_TIDS_ENTRIES, 0);
 
 #[map(name = "OFFCPU")]
 static OFFCPU: HashMap<u32, OffCpu> = HashMap::with_max_entries(names::SCHED_TIDS_ENTRIES, 0);
@@ -48,7 +44,7 @@ const EXITED: i64 = 0x10 | 0x20;
 
 #[tracepoint]
 pub fn sched_switch(ctx: TracePointContext) -> u32 {
-    if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
+    if paused() {
         return 0;
     }
     // SAFETY: reads within the tracepoint record at offsets taken from its format file.
@@ -160,7 +156,7 @@ pub fn sched_process_exit(_ctx: TracePointContext) -> u32 {
     // Removals of absent keys fail harmlessly: most exiting threads were never followed.
     let _ = SCHED_TIDS.remove(&tid);
     let _ = OFFCPU.remove(&tid);
-    crate::call::forget_thread(tid);
+    crate::inflight::forget_thread(tid);
     crate::stack::forget_thread(pid, tid);
     if tid != pid {
         return 0;

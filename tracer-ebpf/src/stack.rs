@@ -19,10 +19,7 @@ use tracer_common::{
     CallEvent, CallStackEvent, EventHeader, PyFrame, PyOffsets, PyProcess, PyStack,
 };
 
-use crate::{
-    call::{global, EVENTS},
-    counters::bump,
-};
+use crate::{counters::bump, maps::EVENTS};
 use tracer_common::maps::Counter;
 
 #[map(name = "PY_PROCS")]
@@ -152,15 +149,6 @@ impl Frame {
         // masked == offset <= FRAME_HEADER - size_of::<T>().
         Some(unsafe { core::ptr::read_unaligned(self.header.add(masked) as *const T) })
     }
-}
-
-/// Non-zero: capture call sites (set by userspace at load for --stack).
-#[unsafe(no_mangle)]
-static STACK_MODE: u32 = 0;
-
-#[inline(always)]
-pub fn enabled() -> bool {
-    global(&STACK_MODE) != 0
 }
 
 #[inline(always)]

@@ -24,8 +24,9 @@ use tracer_common::{
 };
 
 use crate::{
-    call::{claim_stage, send_event, stage_event, CONTROL, EVENTS},
     counters::bump,
+    maps::{floor_work, global, paused, stack_enabled, EVENTS, FLOOR_MODE},
+    stage::{claim_stage, deliver},
 };
 
 #[map(name = "USDT_PLANS")]
@@ -98,15 +99,15 @@ fn fetch(ctx: &ProbeContext, a: &UsdtArg) -> Option<u64> {
 
 #[uprobe]
 pub fn usdt_hit(ctx: ProbeContext) -> u32 {
-    if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
+    if paused() {
         return 0;
     }
     bump(Counter::Entries);
-    let floor = crate::call::global(&crate::call::FLOOR_MODE);
+    let floor = global(&FLOOR_MODE);
     if floor != 0 {
         // The benchmark's floors: the bare probe at the site, or with the one clock read an
         // event's time needs.
-        crate::call::floor_work(floor);
+        floor_work(floor);
         return 0;
     }
     // SAFETY: the helper only reads the cookie of the perf link that fired.
@@ -115,8 +116,8 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         return 0;
     };
     let pid_tgid = bpf_get_current_pid_tgid();
-    let stack = crate::stack::enabled();
-    // Claimed before the clock is read, as the return program does (call::flush_stage).
+    let stack = stack_enabled();
+    // Claimed before the clock is read, as the return program does (stage::flush_stage).
     let stage = if stack { None } else { claim_stage() };
     let mut event = CallEvent {
         header: EventHeader {
@@ -164,17 +165,8 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         }
         i += 1;
     }
-    if stack {
-        // The call site of a block: who holds the memory (--stack).
-        crate::stack::tail_call_site(&ctx, &event);
-        // Only a failed tail call gets here: the event is lost, and counted as such.
-        bump(Counter::TailCallFailed);
-        return 0;
-    }
-    match stage {
-        Some(stage) => stage_event(stage, &event),
-        None => send_event(&event, false),
-    }
+    // Under --stack, the call site of a block: who holds the memory.
+    deliver(&ctx, stage, stack, &event, false);
     0
 }
 
@@ -182,7 +174,7 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
 /// argument points at the message, a libstdc++ std::string (data pointer, then length).
 #[uprobe]
 pub fn torch_oom(ctx: ProbeContext) -> u32 {
-    if CONTROL.get(0).is_some_and(|paused| *paused != 0) {
+    if paused() {
         return 0;
     }
     bump(Counter::Entries);

@@ -5,7 +5,7 @@ use clap::Args;
 use tracer_cli::{
     exit::{Coded, NO_PRIVILEGE},
     present,
-    record::check,
+    probe::check,
 };
 
 #[derive(Debug, Args)]

@@ -9,12 +9,9 @@ use tracer_cli::{
     exit::user_error,
     paths,
     present::{self, live},
-    record::{
-        on_warning::OnWarning,
-        pods::{KubeSource, PodDirectory},
-        signals, RecordOptions, Recording, Snapshot, Stop,
-    },
+    record::{on_warning::OnWarning, signals, RecordOptions, Recording, Snapshot, Stop},
     serve::{self, MetricsServer},
+    target::pods::{KubeSource, PodDirectory},
     units::{parse_duration, parse_size},
 };
 use tracer_common::maps::DEFAULT_RING_BYTES;

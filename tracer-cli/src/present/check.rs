@@ -4,7 +4,7 @@ use std::io::Write;
 
 use anyhow::Result;
 
-use crate::record::check::CheckReport;
+use crate::probe::check::CheckReport;
 
 /// One line per check, its fix when it failed, then the libraries found.
 pub fn text(out: &mut impl Write, report: &CheckReport, verbose: bool) -> Result<()> {

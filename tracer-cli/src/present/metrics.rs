@@ -16,7 +16,8 @@ use crate::{
         figures::{ProcessFigures, LATENCY_BOUNDS_NS},
         live::AllocatorRow,
     },
-    record::{pods::PodName, Snapshot},
+    record::Snapshot,
+    target::pods::PodName,
 };
 
 /// Processes exported at most (the most recently seen pids beyond are counted, not shown).

@@ -486,3 +486,34 @@ fn span_figures(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::store::tests::{new_store, varied_calls, write};
+
+    /// explain on a session whose calls --max-db evicted all says so, with what is left, rather
+    /// than that it recorded none.
+    #[test]
+    fn explain_says_every_call_was_evicted_not_that_none_was_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let (mut store, session) = new_store(&dir);
+        store.insert_keyframe(session, 0, &[]).unwrap();
+        write(&mut store, session, &varied_calls(5000, 1));
+        store.insert_keyframe(session, 0, &[]).unwrap();
+        store.enforce_max_size(session, 131_072).unwrap();
+        let q = super::ExplainQuery {
+            session: Some(session),
+            since: None,
+            from: None,
+            to: None,
+            pid: None,
+            skip_frames: Vec::new(),
+        };
+        let Err(e) = super::window(&path, store.conn(), &q) else {
+            panic!("a window of nothing");
+        };
+        let text = e.to_string();
+        assert!(text.contains("evicted all 5000 of its events"), "{text}");
+    }
+}

@@ -5,9 +5,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::record::{
-    discover::{file_id, FileId},
-    elf, memmap,
+use crate::{
+    probe::discover::{file_id, FileId},
+    target::{elf, maps},
 };
 
 /// Executable ranges of one process: (start, end, holds PyTorch's allocator probes).
@@ -43,12 +43,12 @@ impl Callers {
     }
 
     fn ranges_of(&mut self, pid: u32) -> Ranges {
-        let Ok(maps) = memmap::read(pid) else {
+        let Ok(maps) = maps::read(pid) else {
             return Vec::new();
         };
         let mut out = Vec::new();
         for m in maps.iter().filter(|m| m.executable) {
-            let open = memmap::open_path(pid, m);
+            let open = maps::open_path(pid, m);
             let torch = match file_id(&open) {
                 Some(id) => *self
                     .files

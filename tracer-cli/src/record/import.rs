@@ -15,8 +15,9 @@ use crate::{
     decode::simlog,
     exit::user_error,
     paths,
-    record::{join::Join, procinfo},
+    record::join::Join,
     store::{Batch, SessionCounters, SessionStart, Store},
+    target::procinfo,
 };
 
 /// Bytes of log read per write transaction: bounds memory whatever the log's size.

@@ -21,12 +21,11 @@ use nix::{
     time::{clock_gettime, ClockId},
 };
 
-use super::{
-    registry::Inbound,
-    shared::Shared,
-    stage::{Round, Stages},
+use super::{registry::Inbound, shared::Shared};
+use crate::{
+    decode::{self, Record},
+    probe::stage::{Round, Stages},
 };
-use crate::decode::{self, Record};
 
 /// How long events may wait in the ring before the reader looks (the delivery bound).
 const POLL_INTERVAL_MS: u16 = 10;

@@ -15,13 +15,9 @@ use std::{
 use anyhow::{anyhow, Result};
 
 use super::{
-    attach::{Followed, PyProcs},
     join::{Join, JoinState},
-    mappings::Notice,
     on_warning::WarningHook,
-    pods, procinfo,
     shared::{thread_cpu_ns, Shared},
-    sites::Sites,
     writer::Delivery,
 };
 use crate::{
@@ -35,6 +31,13 @@ use crate::{
         state::ProcessState,
         Event, Rank, NO_DEVICE,
     },
+};
+use crate::{
+    probe::{
+        attach::{Followed, PyProcs},
+        discover,
+    },
+    target::{mappings::Notice, maps, pods, procinfo, sites::Sites},
 };
 
 /// How often running processes are looked at for interpreters started since (--stack).
@@ -71,9 +74,9 @@ impl Python {
                     .lock()
                     .map(|f| f.clone())
                     .unwrap_or_default();
-                super::discover::all_pids()
+                discover::all_pids()
                     .into_iter()
-                    .filter(|&pid| super::memmap::maps_any(pid, &probed))
+                    .filter(|&pid| maps::maps_any(pid, &probed))
                     .collect()
             }
         };

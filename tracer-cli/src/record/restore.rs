@@ -7,7 +7,7 @@ use std::path::Path;
 
 use anyhow::{Context as _, Result};
 
-use super::procinfo;
+use crate::target::procinfo;
 use crate::{
     model::{
         layout::{AllocConf, Layout},

@@ -18,16 +18,22 @@ use anyhow::{anyhow, Context as _, Result};
 use serde::Serialize;
 
 use super::{
-    attach::{self, AttachedLibrary, LoadOptions, Probes, ProgramStat},
-    discover::{self, Candidate, Origin, Scanner},
-    mappings::{Mappings, SharedMappings},
     on_warning::{HookOutcome, HookRun, OnWarning, WarningHook},
-    procinfo, reader,
+    reader,
     registry::{Inbound, KeyframeClock, Python, Registry},
     restore,
     shared::Shared,
-    sites::Sites,
     writer::{self, WriterOptions},
+};
+use crate::probe::{
+    attach::{self, AttachedLibrary, LoadOptions, Probes, ProgramStat},
+    discover::{self, Candidate, Origin, Scanner},
+    privileges,
+};
+use crate::target::{
+    mappings::{Mappings, SharedMappings},
+    procinfo,
+    sites::Sites,
 };
 use crate::{
     exit::{privilege_error, user_error},
@@ -584,7 +590,7 @@ const CALLS_IN_FLIGHT_WAIT: Duration = Duration::from_secs(1);
 
 /// Refuses what cannot be recorded before anything is attached.
 fn check_options(opts: &RecordOptions) -> Result<()> {
-    super::privileges::can_trace().map_err(privilege_error)?;
+    privileges::can_trace().map_err(privilege_error)?;
     let ring = opts.ring_bytes;
     if !ring.is_power_of_two() || !(4096..=(1 << 31)).contains(&ring) {
         return Err(user_error(format!(

@@ -13,9 +13,9 @@ use std::{
 
 use anyhow::{anyhow, Result};
 
-use super::{
+use super::shared::{thread_cpu_ns, Shared};
+use crate::target::{
     procinfo,
-    shared::{thread_cpu_ns, Shared},
     sites::{Site, SiteWriter, LOCAL_SITE_BASE},
 };
 use crate::{

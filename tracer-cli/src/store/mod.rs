@@ -750,7 +750,7 @@ fn corrupt(path: &Path, e: rusqlite::Error) -> anyhow::Error {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// This boot's id (changes when the machine restarts).
 pub fn boot_id() -> String {

@@ -15,7 +15,8 @@ use std::{
 
 use anyhow::{anyhow, Context as _, Result};
 
-use super::{memmap::Mapping, perf::PerfEventAttr};
+use super::maps::Mapping;
+use crate::perf_event::{PerfEventAttr, PERF_FLAG_FD_CLOEXEC};
 
 const PERF_TYPE_SOFTWARE: u32 = 1;
 const PERF_COUNT_SW_DUMMY: u64 = 9;
@@ -29,7 +30,6 @@ const MMAP2: u64 = 1 << 23;
 const COMM_EXEC: u64 = 1 << 24;
 const USE_CLOCKID: u64 = 1 << 25;
 const WATERMARK: u64 = 1 << 14;
-const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 1 << 3;
 
 // Record types and the misc bit of an exec's COMM record.
 const RECORD_LOST: u32 = 2;

@@ -14,9 +14,9 @@ use tracer_common::PyProcess;
 use super::mappings::SharedMappings;
 use crate::{
     decode::{PyStatus, RawSite},
-    record::memmap::{self, Mapping},
-    record::python,
     store::{StackFrame, StackRow, Store},
+    target::maps::{self, Mapping},
+    target::python,
 };
 
 /// A native frame, located in its file.
@@ -181,7 +181,7 @@ impl Sites {
                 addr,
                 offset: located.as_ref().map_or(0, |(_, off)| off.saturating_sub(1)),
                 module: located.map(|(m, _)| {
-                    let open = memmap::open_path(pid, &m);
+                    let open = maps::open_path(pid, &m);
                     (m.path, open)
                 }),
             });
@@ -215,7 +215,7 @@ impl Sites {
     /// Reads the process's maps again; keeps those read before when it has exited since (its
     /// last calls' sites are still resolved with them). Whether anything new was read.
     fn refresh_maps(&mut self, pid: u32) -> bool {
-        match memmap::read(pid) {
+        match maps::read(pid) {
             Ok(maps) if !maps.is_empty() => {
                 self.maps.insert(pid, maps);
                 true
@@ -228,20 +228,20 @@ impl Sites {
         if let Some(mappings) = &self.mappings {
             if let Ok(m) = mappings.lock() {
                 if let Some(maps) = m.complete(pid) {
-                    return memmap::locate(maps, addr).map(|(m, off)| (m.clone(), off));
+                    return maps::locate(maps, addr).map(|(m, off)| (m.clone(), off));
                 }
                 if !self.maps.contains_key(&pid) && !alive(pid) {
                     // Gone before its maps were read: what the side band saw is all there is.
                     let maps = m.known(pid)?;
-                    return memmap::locate(maps, addr).map(|(m, off)| (m.clone(), off));
+                    return maps::locate(maps, addr).map(|(m, off)| (m.clone(), off));
                 }
             }
         }
         let maps = self
             .maps
             .entry(pid)
-            .or_insert_with(|| memmap::read(pid).unwrap_or_default());
-        memmap::locate(maps, addr).map(|(m, off)| (m.clone(), off))
+            .or_insert_with(|| maps::read(pid).unwrap_or_default());
+        maps::locate(maps, addr).map(|(m, off)| (m.clone(), off))
     }
 }
 

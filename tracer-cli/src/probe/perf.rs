@@ -13,30 +13,7 @@ use std::{
 
 use anyhow::{anyhow, Context as _, Result};
 
-/// `struct perf_event_attr` up to `config3` (PERF_ATTR_SIZE_VER8); what a caller leaves out
-/// stays zero.
-#[repr(C)]
-#[derive(Default)]
-pub(super) struct PerfEventAttr {
-    pub kind: u32,
-    pub size: u32,
-    pub config: u64,
-    pub sample_period: u64,
-    pub sample_type: u64,
-    pub read_format: u64,
-    pub flags: u64,
-    pub wakeup_events: u32,
-    pub bp_type: u32,
-    /// uprobe_path for a uprobe.
-    pub config1: u64,
-    /// probe_offset for a uprobe.
-    pub config2: u64,
-    pub branch_sample_type: u64,
-    pub sample_regs_user: u64,
-    pub sample_stack_user: u32,
-    pub clockid: i32,
-    pub rest: [u64; 5],
-}
+use crate::perf_event::{PerfEventAttr, PERF_FLAG_FD_CLOEXEC};
 
 /// The `link_create` member of `union bpf_attr` for a perf-event link.
 #[repr(C)]
@@ -51,7 +28,6 @@ struct LinkCreate {
 }
 
 const BPF_LINK_CREATE: libc::c_long = 28;
-const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 1 << 3;
 const BPF_PERF_EVENT: u32 = 41;
 const PMU_TYPE: &str = "/sys/bus/event_source/devices/uprobe/type";
 

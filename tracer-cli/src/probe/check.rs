@@ -5,10 +5,8 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::{
-    paths,
-    record::{attach, discover, privileges},
-};
+use super::{attach, discover, privileges};
+use crate::paths;
 
 #[derive(Debug, Serialize)]
 pub struct Check {

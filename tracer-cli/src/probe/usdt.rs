@@ -175,9 +175,9 @@ fn parse_int(text: &str) -> Option<i64> {
 
 /// The sites of `path`'s `.note.stapsdt` (none when it has no such section).
 pub fn read_sites(path: &Path) -> Result<Vec<Site>> {
-    let sites = match super::safe_file::bytes(path)? {
-        super::safe_file::Bytes::Mapped(map) => sites_of(&*map),
-        super::safe_file::Bytes::Read(cache) => sites_of(&cache),
+    let sites = match crate::target::safe_file::bytes(path)? {
+        crate::target::safe_file::Bytes::Mapped(map) => sites_of(&*map),
+        crate::target::safe_file::Bytes::Read(cache) => sites_of(&cache),
     };
     sites.with_context(|| format!("read the USDT notes of {}", path.display()))
 }

@@ -188,9 +188,9 @@ mod truncation {
             .set_len(0)
             .unwrap();
         assert!(object::File::parse(cache).is_err());
-        assert!(crate::record::elf::read_symbols(&lib).is_err());
-        assert!(!crate::record::elf::has_torch_probes(&lib));
-        assert!(crate::record::usdt::read_sites(&lib).is_err());
+        assert!(crate::target::elf::read_symbols(&lib).is_err());
+        assert!(!crate::target::elf::has_torch_probes(&lib));
+        assert!(crate::probe::usdt::read_sites(&lib).is_err());
         // Truncated half-way: still an error or a partial answer, never a signal.
         let lib = writable_elf(dir.path());
         let len = std::fs::metadata(&lib).unwrap().len();

@@ -16,7 +16,7 @@ use tracer_common::{PyOffsets, PyProcess};
 
 use crate::{
     decode::RawPyFrame,
-    record::memmap::{self, Mapping},
+    target::maps::{self, Mapping},
 };
 
 const NONE: u32 = PyOffsets::NONE;
@@ -231,9 +231,9 @@ impl PyElf {
 
 fn read_py_elf(path: &Path) -> Option<PyElf> {
     // Bounded reads of a file a user may own (never a map their truncation could fault).
-    match crate::record::safe_file::bytes(path).ok()? {
-        crate::record::safe_file::Bytes::Mapped(map) => py_elf_of(&*map),
-        crate::record::safe_file::Bytes::Read(cache) => py_elf_of(&cache),
+    match crate::target::safe_file::bytes(path).ok()? {
+        crate::target::safe_file::Bytes::Mapped(map) => py_elf_of(&*map),
+        crate::target::safe_file::Bytes::Read(cache) => py_elf_of(&cache),
     }
 }
 
@@ -311,12 +311,12 @@ impl Finder {
     /// tracer cannot walk.
     pub fn find(&mut self, pid: u32) -> Result<Option<Interpreter>, String> {
         // A process that is gone or not ours to read runs no interpreter we can walk.
-        let Ok(maps) = memmap::read(pid) else {
+        let Ok(maps) = maps::read(pid) else {
             return Ok(None);
         };
         let mut seen = std::collections::HashSet::new();
         for m in &maps {
-            if !crate::record::mappings::looks_like_python(&m.path)
+            if !crate::target::mappings::looks_like_python(&m.path)
                 || !m.executable
                 || !seen.insert(m.path.clone())
             {
@@ -335,7 +335,7 @@ impl Finder {
         let elf = match self.elves.get(&(m.dev, m.inode)) {
             Some(elf) => elf.clone(),
             None => {
-                let elf = read_py_elf(&memmap::path_in(pid, &m.path));
+                let elf = read_py_elf(&maps::path_in(pid, &m.path));
                 self.elves.insert((m.dev, m.inode), elf.clone());
                 elf
             }

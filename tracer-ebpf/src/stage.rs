@@ -1,0 +1,202 @@
+//! Each CPU's stage: call events wait there and reach the ring [`STAGE_EVENTS`] at a time, in
+//! one record; userspace empties every stage each round (`flush_stage`, run on each CPU). And
+//! the one ending every program that makes a call event shares: to the stage, straight to the
+//! ring, or, under --stack, to the call-site program.
+
+use core::sync::atomic::{compiler_fence, Ordering as AtomicOrdering};
+
+use aya_ebpf::{
+    bindings::{BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    macros::{map, raw_tracepoint},
+    maps::PerCpuArray,
+    programs::RawTracePointContext,
+    EbpfContext,
+};
+use tracer_common::{
+    maps::{Counter, FlushResult, Stage, STAGE_EVENTS},
+    CallEvent,
+};
+
+use crate::{
+    counters::bump,
+    inflight::comm_unsent,
+    maps::{global, EVENTS, WAKEUP_BYTES},
+};
+
+/// This CPU's call events not yet in the ring.
+#[map(name = "STAGE")]
+static STAGE: PerCpuArray<Stage> = PerCpuArray::with_max_entries(1, 0);
+
+/// Where a program's call event goes: `claimed` is this CPU's stage when the program claimed
+/// it (before reading the clock), `stack` whether call sites are wanted.
+#[inline(always)]
+pub fn deliver<C: EbpfContext>(
+    ctx: &C,
+    claimed: Option<*mut Stage>,
+    stack: bool,
+    event: &CallEvent,
+    send_comm: bool,
+) {
+    if stack {
+        // The call-site program sends the event (and counts it), waking the reader its own way.
+        crate::stack::tail_call_site(ctx, event);
+        // Only a failed tail call gets here: the event is lost, and counted as such.
+        bump(Counter::TailCallFailed);
+        return;
+    }
+    match claimed {
+        Some(stage) => stage_event(stage, event),
+        None => send_event(event, send_comm),
+    }
+}
+
+/// Events a CPU submits between two looks at how much waits in the ring.
+const WAKEUP_CHECK_EVERY: u64 = 64;
+
+/// The ring's wake-up flag for the `submitted`-th event of this CPU: waking the reader costs
+/// about a third of a traced call and even asking how much waits costs a tenth, so every 64th
+/// event looks, and wakes the reader when a batch waits (it also looks every 10 ms by itself).
+#[inline(always)]
+fn wakeup_flag(submitted: u64) -> u32 {
+    let wakeup = global(&WAKEUP_BYTES);
+    if wakeup == 0
+        || (submitted % WAKEUP_CHECK_EVERY == WAKEUP_CHECK_EVERY - 1 && EVENTS.query(0) >= wakeup)
+    {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    }
+}
+
+/// The wake-up flag for a full stage (32 events in one write): looking at how much waits is
+/// cheap at that rate, so every write looks.
+#[inline(always)]
+fn stage_wakeup_flag() -> u64 {
+    let wakeup = global(&WAKEUP_BYTES);
+    if wakeup == 0 || EVENTS.query(0) >= wakeup {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        BPF_RB_NO_WAKEUP as u64
+    }
+}
+
+/// This CPU's stage, marked busy; None when a program this one interrupted or preempted holds
+/// it (this event then goes to the ring by itself).
+#[inline(always)]
+pub fn claim_stage() -> Option<*mut Stage> {
+    let stage = STAGE.get_ptr_mut(0)?;
+    // SAFETY: this CPU's value, valid for this run; only programs of this CPU touch it, and
+    // the busy mark keeps one from writing it while another is halfway through.
+    unsafe {
+        if core::ptr::read_volatile(&(*stage).busy) != 0 {
+            return None;
+        }
+        core::ptr::write_volatile(&mut (*stage).busy, 1);
+    }
+    compiler_fence(AtomicOrdering::SeqCst);
+    Some(stage)
+}
+
+/// Appends the event to the claimed stage, sends the stage when full, and frees it.
+#[inline(always)]
+pub fn stage_event(stage: *mut Stage, event: &CallEvent) {
+    // SAFETY: claimed by this program (claim_stage).
+    unsafe {
+        let len = (*stage).len as usize;
+        match (*stage).events.get_mut(len) {
+            Some(slot) => {
+                *slot = *event;
+                (*stage).len = len as u32 + 1;
+            }
+            // Never: a full stage is sent at once. Should it be, the event still goes.
+            None => send_event(event, false),
+        }
+        if (*stage).len as usize >= STAGE_EVENTS {
+            send_stage(stage, stage_wakeup_flag());
+        }
+    }
+    compiler_fence(AtomicOrdering::SeqCst);
+    // SAFETY: as above; the last write of the claim.
+    unsafe { core::ptr::write_volatile(&mut (*stage).busy, 0) };
+}
+
+/// One event straight to the ring, when the stage is held or the call site is wanted.
+#[inline(always)]
+pub fn send_event(event: &CallEvent, send_comm: bool) {
+    let submitted = crate::counters::slot(Counter::Submitted);
+    // SAFETY: this CPU's counter slot, valid for this run.
+    let flag = wakeup_flag(submitted.map_or(0, |n| unsafe { *n }));
+    if EVENTS.output::<CallEvent>(event, flag as u64).is_err() {
+        bump(Counter::RingFull);
+        if send_comm {
+            // The thread's name goes with the pair's next event instead.
+            comm_unsent(event.header.tid, event.op);
+        }
+        return;
+    }
+    if let Some(n) = submitted {
+        // SAFETY: as above; a CPU runs one program at a time, so the increment is race-free.
+        unsafe { *n += 1 };
+    }
+}
+
+/// Writes what the stage holds to the ring in one record (events back to back) and empties
+/// it; a full ring loses them, counted, and their threads' names go with their next events.
+///
+/// # Safety
+/// `stage` must be this CPU's stage, claimed or in a context nothing of this CPU interrupts.
+#[inline(always)]
+unsafe fn send_stage(stage: *mut Stage, flags: u64) -> FlushResult {
+    // SAFETY: per the contract.
+    let len = unsafe { (*stage).len } as usize;
+    if len == 0 {
+        return FlushResult::Sent;
+    }
+    // SAFETY: per the contract.
+    let Some(events) = (unsafe { (*stage).events.get(..len.min(STAGE_EVENTS)) }) else {
+        return FlushResult::Sent;
+    };
+    let sent = EVENTS.output::<[CallEvent]>(events, flags).is_ok();
+    if sent {
+        crate::counters::bump_by(Counter::Submitted, len as u64);
+    } else {
+        crate::counters::bump_by(Counter::RingFull, len as u64);
+        let mut i = 0;
+        while i < STAGE_EVENTS && i < len {
+            if let Some(event) = events.get(i) {
+                if event.comm[0] != 0 {
+                    comm_unsent(event.header.tid, event.op);
+                }
+            }
+            i += 1;
+        }
+    }
+    // SAFETY: per the contract.
+    unsafe { (*stage).len = 0 };
+    if sent {
+        FlushResult::Sent
+    } else {
+        FlushResult::RingFull
+    }
+}
+
+/// Run by userspace on each CPU in turn (never attached): sends what waits in that CPU's
+/// stage. It runs in an interrupt of that CPU (or with its preemption off), so no program of
+/// the CPU runs until it ends; a stage found busy was claimed by a program it interrupted,
+/// whose event and everything before it will be sent later. A stage found free therefore
+/// holds every event of this CPU whose return read the clock before now, and all of them
+/// are in the ring when this returns.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn flush_stage(_ctx: RawTracePointContext) -> i32 {
+    let Some(stage) = STAGE.get_ptr_mut(0) else {
+        return FlushResult::Sent as i32;
+    };
+    // SAFETY: this CPU's value; see above for why nothing of this CPU writes it meanwhile.
+    unsafe {
+        if core::ptr::read_volatile(&(*stage).busy) != 0 {
+            return FlushResult::Busy as i32;
+        }
+        // The reader drains right after: no wake-up needed.
+        send_stage(stage, BPF_RB_NO_WAKEUP as u64) as i32
+    }
+}

@@ -3,11 +3,9 @@
 //! against the allocator's own account at every block event, and what a workload that only
 //! grows is (and is not) called.
 
-mod common;
-
 use std::{path::Path, process::Command};
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 fn workspace_file(rel: &str) -> std::path::PathBuf {

@@ -2,9 +2,7 @@
 //! runtime (demos/simcuda) and the real libcudart from PyPI. They need root (BPF, uprobes);
 //! without it they skip, except under CI=true where a missing capability fails.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::{
     collections::BTreeMap,
     os::unix::{fs::MetadataExt as _, process::CommandExt as _},

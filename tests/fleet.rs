@@ -5,8 +5,6 @@
 //! Kubernetes schemas; a process in a crafted pod cgroup gets its pod's names from a stub of
 //! the Kubernetes API; and 100 concurrent scrapers do not slow event delivery.
 
-mod common;
-
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::{Read as _, Write as _},
@@ -21,7 +19,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 fn deploy(rel: &str) -> PathBuf {

@@ -4,15 +4,13 @@
 //! of its segments and blocks; tracer's layout at the OOM must equal it, and no verdict may rest
 //! on state tracer did not see.
 
-mod common;
-
 use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// Steps after which the job (seed 7) reserves no new segment.

@@ -1,11 +1,9 @@
 //! What a long trace must not accumulate or misreport: state of processes and threads that
 //! ended, and the scheduler's view of a thread that was preempted.
 
-mod common;
-
 use std::{process::Command, time::Duration};
 
-use common::*;
+use crate::common::*;
 
 /// Builds a test program from tests/native against the simulated runtime, with `flags`.
 fn build_native(sim: &std::path::Path, name: &str, flags: &[&str]) -> std::path::PathBuf {

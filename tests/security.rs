@@ -1,8 +1,6 @@
 //! Root safety: what tracer does as root on a user's behalf (sudo) never reaches a file that user
 //! could not reach themselves.
 
-mod common;
-
 use std::{
     os::unix::fs::{MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
@@ -14,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use common::*;
+use crate::common::*;
 
 /// A folder the user (nobody) owns, as their home would be, and a root-owned file elsewhere
 /// that they must never get: (folder, target, its content).

@@ -3,11 +3,9 @@
 //! an unprivileged user would. The layout tracer rebuilds from the events must equal each
 //! snapshot's own final segments, blocks and states.
 
-mod common;
-
 use std::path::PathBuf;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// The snapshots, or None (said) outside CI when ../shared is not beside the checkout.

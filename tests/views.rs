@@ -2,11 +2,9 @@
 //! headless Chromium, and `tracer mcp` driven by a real MCP client; both checked against
 //! `tracer explain --json`, `tracer query`, `tracer layout` and the workload's own account.
 
-mod common;
-
 use std::{path::Path, process::Command};
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 fn python(script: &str, args: &[&std::ffi::OsStr]) -> Value {

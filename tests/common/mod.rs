@@ -1,6 +1,5 @@
 //! What the end-to-end test files share: the tracer binary, fixtures, a running trace,
 //! queries and the simulated runtime.
-#![allow(dead_code, reason = "each test file uses part of it")]
 
 use std::{
     io::{BufRead as _, BufReader},

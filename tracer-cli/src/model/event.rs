@@ -146,3 +146,16 @@ pub fn advise_huge_pages(v: &mut Vec<Event>) {
         libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
     }
 }
+
+/// The calls that change, or tell, what a process holds on a device: the only ones the
+/// allocators' figures follow.
+pub fn moves_memory(class: OpClass) -> bool {
+    matches!(
+        class,
+        OpClass::Alloc
+            | OpClass::Free
+            | OpClass::BlockAlloc
+            | OpClass::BlockFree
+            | OpClass::MemInfo
+    )
+}

@@ -1446,20 +1446,20 @@ pub(crate) mod tests {
 }
 
 #[cfg(test)]
-mod pending_tests {
+pub(crate) mod pending_tests {
     use super::*;
 
     const SEG: u64 = 0x7f00_0000_0000;
-    const EVENT: u64 = 0x5555_0000;
+    pub(crate) const EVENT: u64 = 0x5555_0000;
 
-    fn ev(op: Op, ptr: u64, size: u64, ts_ns: i64) -> Event {
+    pub(crate) fn ev(op: Op, ptr: u64, size: u64, ts_ns: i64) -> Event {
         Event {
             ts_ns,
             ..super::tests::ev(op, ptr, size)
         }
     }
 
-    fn record(ts_ns: i64, from_allocator: bool) -> Event {
+    pub(crate) fn record(ts_ns: i64, from_allocator: bool) -> Event {
         Event {
             aux1: from_allocator as u64,
             ..ev(Op::CudaEventRecord, EVENT, 0, ts_ns)
@@ -1467,7 +1467,7 @@ mod pending_tests {
     }
 
     /// A 20 MiB segment with two 4 MiB blocks; the first freed at t=1000.
-    fn freed_first() -> Layout {
+    pub(crate) fn freed_first() -> Layout {
         let mut l = Layout::default();
         l.apply(&ev(Op::CudaMalloc, SEG, LARGE_SEGMENT, 0));
         l.apply(&ev(Op::TorchMalloc, SEG, 4 << 20, 10));
@@ -1513,29 +1513,6 @@ mod pending_tests {
         l.apply(&record(1000 + FREE_RECORDS_WITHIN_NS + 1, true));
         assert_eq!(l.pending(None), (0, 0));
         assert_eq!(l.total().free_blocks, 2);
-    }
-
-    #[test]
-    fn a_kept_block_survives_a_keyframe_and_older_keyframes_still_decode() {
-        use crate::model::state::{ProcessState, KEYFRAME_FORMAT};
-        let mut l = freed_first();
-        l.apply(&record(1500, true));
-        let state = ProcessState {
-            pid: 1,
-            layout: l,
-            ..Default::default()
-        };
-        let bytes = state.encode().unwrap();
-        let mut back = ProcessState::decode(&bytes, KEYFRAME_FORMAT).unwrap();
-        assert_eq!(back.layout.pending(None), (1, 4 << 20));
-        back.layout.apply(&ev(Op::CudaEventQuery, EVENT, 0, 2000));
-        assert_eq!(back.layout.pending(None), (0, 0));
-        assert_eq!(back.layout.total().free_blocks, 2);
-        // Format 1 was the state alone.
-        let old = postcard::to_stdvec(&state).unwrap();
-        let back = ProcessState::decode(&old, 1).unwrap();
-        assert_eq!(back.layout.pending(None), (0, 0));
-        assert_eq!(back.layout.total().allocated, 4 << 20);
     }
 }
 

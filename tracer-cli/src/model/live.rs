@@ -8,6 +8,7 @@ use tracer_common::OpClass;
 
 use super::{
     layout::{AllocConf, Layout, PoolStats},
+    moves_memory,
     pressure::Alarm,
     state::ProcessState,
     Event, Rank,
@@ -44,19 +45,6 @@ struct Process {
     rank: Option<String>,
     /// Per device: the largest request since the last look.
     largest_request: BTreeMap<i32, u64>,
-}
-
-/// The calls that change, or tell, what a process holds on a device: the only ones the
-/// allocators' figures follow.
-pub fn moves_memory(class: OpClass) -> bool {
-    matches!(
-        class,
-        OpClass::Alloc
-            | OpClass::Free
-            | OpClass::BlockAlloc
-            | OpClass::BlockFree
-            | OpClass::MemInfo
-    )
 }
 
 /// Every traced process's layout, as the calls arrive.

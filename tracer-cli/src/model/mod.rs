@@ -15,7 +15,7 @@ pub mod state;
 pub mod stats;
 
 pub use event::{
-    advise_huge_pages, span, stack_id, Event, FastMap, HostRecord, MessageRow, OffSlice,
-    SiteLabels, StackId, Window, NO_DEVICE,
+    advise_huge_pages, moves_memory, span, stack_id, Event, FastMap, HostRecord, MessageRow,
+    OffSlice, SiteLabels, StackId, Window, NO_DEVICE,
 };
 pub use process::{env_map, ProcessInfo, Rank, KEPT_ENV};

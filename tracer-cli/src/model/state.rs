@@ -10,7 +10,7 @@ use tracer_common::{Op, OpClass, Space};
 
 use super::{
     layout::{Layout, PendingFrees},
-    live::moves_memory,
+    moves_memory,
     pressure::{Alarm, Pressure},
     Event,
 };
@@ -185,5 +185,35 @@ impl ProcessState {
             decoded.map_err(|e| anyhow::anyhow!("decode a keyframe's process state: {e}"))?;
         state.layout.pending = pending;
         Ok(state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::Op;
+
+    use super::*;
+    use crate::model::layout::pending_tests::{ev, freed_first, record, EVENT};
+
+    #[test]
+    fn a_kept_block_survives_a_keyframe_and_older_keyframes_still_decode() {
+        let mut l = freed_first();
+        l.apply(&record(1500, true));
+        let state = ProcessState {
+            pid: 1,
+            layout: l,
+            ..Default::default()
+        };
+        let bytes = state.encode().unwrap();
+        let mut back = ProcessState::decode(&bytes, KEYFRAME_FORMAT).unwrap();
+        assert_eq!(back.layout.pending(None), (1, 4 << 20));
+        back.layout.apply(&ev(Op::CudaEventQuery, EVENT, 0, 2000));
+        assert_eq!(back.layout.pending(None), (0, 0));
+        assert_eq!(back.layout.total().free_blocks, 2);
+        // Format 1 was the state alone.
+        let old = postcard::to_stdvec(&state).unwrap();
+        let back = ProcessState::decode(&old, 1).unwrap();
+        assert_eq!(back.layout.pending(None), (0, 0));
+        assert_eq!(back.layout.total().allocated, 4 << 20);
     }
 }

@@ -14,7 +14,7 @@ use crate::{
     model::{
         figures::Figures,
         layout::AllocConf,
-        live::{self, LiveAllocators},
+        live::LiveAllocators,
         run_series::Hole,
         series::{Line, Sample, Timeline},
         state::ProcessState,
@@ -338,7 +338,7 @@ impl<'a> Pass<'a> {
 
     fn sample(&mut self, e: &Event, device: i32) {
         let class = e.class();
-        if !live::moves_memory(class) {
+        if !crate::model::moves_memory(class) {
             return;
         }
         let Some(row) = self.allocators.row(e.pid, device) else {

@@ -1,0 +1,13 @@
+//! tracer's integration tests: the real binary against real processes, one binary with a module
+//! per area. tests/README.md says which need root and how a test without it shows.
+
+mod allocator;
+mod architecture;
+mod common;
+mod e2e;
+mod fleet;
+mod flight;
+mod lifecycle;
+mod security;
+mod snapshots;
+mod views;

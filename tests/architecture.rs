@@ -250,6 +250,18 @@ impl<'ast> Visit<'ast> for Paths {
         syn::visit::visit_path(self, path);
     }
 
+    /// Macro bodies are tokens to syn: read those that are expressions (assert!, format!,
+    /// vec!, ...), so a path inside one counts too.
+    fn visit_macro(&mut self, mac: &'ast syn::Macro) {
+        let parser = syn::punctuated::Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated;
+        if let Ok(exprs) = mac.parse_body_with(parser) {
+            for expr in &exprs {
+                self.visit_expr(expr);
+            }
+        }
+        syn::visit::visit_macro(self, mac);
+    }
+
     fn visit_item_mod(&mut self, item: &'ast syn::ItemMod) {
         self.inline.push(item.ident.to_string());
         syn::visit::visit_item_mod(self, item);
@@ -334,7 +346,7 @@ fn the_checker_sees_cycles_and_upward_imports() {
     std::fs::write(src.join("store/a.rs"), "use super::b::Y;\npub struct X;\n").unwrap();
     std::fs::write(
         src.join("store/b.rs"),
-        "pub struct Y;\nfn f() { let _ = crate::store::a::X; let _ = crate::query::Z; }\n",
+        "pub struct Y;\nfn f() { assert!(crate::store::a::X == 1); let _ = crate::query::Z; }\n",
     )
     .unwrap();
     let krate = Crate::read(src, "lib.rs");

@@ -1062,6 +1062,42 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
         .unwrap()
         .to_owned();
     assert_eq!(source, if simulated { "simulated" } else { "ebpf" });
+    // A time explain prints is a time --from takes: from the session's printed start, the
+    // same calls as the whole session.
+    let explain_text = |extra: &[&str]| {
+        let out = Command::new(TRACER)
+            .args(["explain", "--db"])
+            .arg(&db)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let whole = explain_text(&[]);
+    let first_line = whole.lines().next().unwrap();
+    let start = first_line
+        .split_once(": ")
+        .and_then(|(_, rest)| rest.split_once(" .. "))
+        .map(|(start, _)| start.to_owned())
+        .unwrap_or_else(|| panic!("no printed start: {first_line}"));
+    assert!(start.ends_with(" UTC"), "{start}");
+    let calls = |line: &str| {
+        line.split("; ")
+            .find(|p| p.ends_with("calls in the window"))
+            .map(str::to_owned)
+            .unwrap_or_else(|| panic!("no call count: {line}"))
+    };
+    let from_start = explain_text(&["--from", &start]);
+    assert_eq!(
+        calls(from_start.lines().next().unwrap()),
+        calls(first_line),
+        "--from {start:?}"
+    );
     // whatif's fidelity gate holds on every demo's session, traced or from the runtime's log:
     // the simulator makes the allocator's own decisions, block for block.
     let whatif = Command::new(TRACER)

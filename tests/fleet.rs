@@ -109,11 +109,11 @@ impl Prometheus {
             addr,
             _dir: dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while get(addr, "/-/ready").map(|(c, _)| c) != Some(200) {
-            assert!(Instant::now() < deadline, "prometheus did not become ready");
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        wait_until(
+            Duration::from_secs(30),
+            "prometheus to become ready",
+            || get(addr, "/-/ready").map(|(c, _)| c) == Some(200),
+        );
         p
     }
 
@@ -501,8 +501,31 @@ fn a_real_prometheus_scrapes_a_live_trace_and_agrees_with_the_session() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
     let result = workload_result(&out.stdout);
     let pid = result["pid"].as_u64().unwrap();
-    // Everything the process made is stored a moment after it ends.
-    std::thread::sleep(Duration::from_secs(3));
+    // Everything the process made is stored a moment after it ends: the database holds as
+    // many of its calls as tracer's own live counters saw.
+    let seen_live = || -> f64 {
+        let Some((_, page)) = get(metrics, "/metrics") else {
+            return -1.0;
+        };
+        let pid_label = format!("pid=\"{pid}\"");
+        page.lines()
+            .filter(|l| l.starts_with("tracer_calls_total{") && l.contains(&pid_label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let stored = || {
+        scalar(
+            &fx.db,
+            &format!(
+                "SELECT (SELECT count(*) FROM events WHERE pid = {pid}) + (SELECT count(*) FROM tensor_events WHERE pid = {pid})"
+            ),
+        ) as f64
+    };
+    wait_until(
+        Duration::from_secs(20),
+        "the process's calls stored",
+        || stored() == seen_live(),
+    );
 
     // Calls and errors per op: Prometheus' numbers are the database's.
     let sql = |col: &str| -> BTreeMap<String, f64> {
@@ -922,14 +945,19 @@ fn a_killed_tracer_loses_nothing_committed_and_the_next_marks_its_session_crashe
         .unwrap(),
     );
     // Committed within a second or two of the calls.
-    std::thread::sleep(Duration::from_secs(3));
-    let committed = scalar(
-        &fx.db,
-        &format!(
-            "SELECT count(*) FROM events WHERE session_id = {}",
-            first.session
-        ),
-    );
+    let stored = || {
+        scalar(
+            &fx.db,
+            &format!(
+                "SELECT count(*) FROM events WHERE session_id = {}",
+                first.session
+            ),
+        )
+    };
+    wait_until(Duration::from_secs(10), "the 1000 calls committed", || {
+        stored() >= 1000
+    });
+    let committed = stored();
     assert_eq!(committed, 1000);
     first.child.kill().unwrap();
     first.child.wait().unwrap();

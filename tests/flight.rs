@@ -7,7 +7,7 @@
 use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use crate::common::*;
@@ -69,14 +69,6 @@ impl Job {
             String::from_utf8_lossy(&out.stderr)
         );
         serde_json::from_slice(&std::fs::read(self.dir.join("account.json")).unwrap()).unwrap()
-    }
-}
-
-fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "waited {limit:?} for {what}");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -25,7 +25,7 @@ fn snapshots() -> Option<Vec<PathBuf>> {
             "CI=true: no snapshot in {}",
             dir.display()
         );
-        eprintln!("skipped: no snapshot in {}", dir.display());
+        skipped(&format!("no snapshot in {}", dir.display()));
         return None;
     }
     Some(files)

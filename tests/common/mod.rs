@@ -28,8 +28,24 @@ pub fn privileged() -> bool {
         std::env::var("CI").as_deref() != Ok("true"),
         "CI=true: end-to-end tests need root"
     );
-    eprintln!("skipped: end-to-end tests need root");
+    skipped("needs root");
     false
+}
+
+/// Says on standard error, past the harness's capture, that this test did not run and why.
+pub fn skipped(why: &str) {
+    use std::io::Write as _;
+    let test = std::thread::current().name().unwrap_or("a test").to_owned();
+    let _ = writeln!(std::io::stderr(), "skipped ({why}): {test}");
+}
+
+/// Waits until `done` holds, looking every 20 ms; fails naming `what` after `limit`.
+pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "waited {limit:?} for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 pub fn nix_is_root() -> bool {

@@ -111,24 +111,9 @@ pub fn format_ns(ns: u64) -> String {
 
 /// Seconds (with a fraction) or nanoseconds since the epoch; values above 1e12 are nanoseconds.
 pub fn parse_time(text: &str) -> Result<i64, String> {
-    // Nanoseconds do not fit an f64 exactly: take integers as they are.
-    let ns = match text.trim().parse::<i64>() {
-        Ok(ns) if ns > 1_000_000_000_000 => ns,
-        _ => {
-            let v: f64 = text.trim().parse().map_err(|_| {
-                format!("invalid time {text:?}: give Unix seconds (1795323312.5) or nanoseconds")
-            })?;
-            if !v.is_finite() || !(0.0..9.2e18).contains(&v) {
-                return Err(format!(
-                    "invalid time {text:?}: must be a Unix time (seconds or nanoseconds) within 64 bits"
-                ));
-            }
-            if v > 1e12 {
-                v as i64
-            } else {
-                (v * 1e9) as i64
-            }
-        }
+    let ns = match utc_time(text.trim()) {
+        Some(ns) => ns?,
+        None => unix_time(text)?,
     };
     // No trace holds calls from before 2001 (tracer and its eBPF did not exist): a time that
     // early is a mistake (a 0, a duration given as a time), not a window.
@@ -140,6 +125,51 @@ pub fn parse_time(text: &str) -> Result<i64, String> {
     Ok(ns)
 }
 
+/// A date and time, as tracer prints them ("2026-11-22 05:01:02.345 UTC") or as RFC 3339
+/// writes them ("2026-11-22T05:01:02Z", with an offset); None when `text` is not a date.
+fn utc_time(text: &str) -> Option<Result<i64, String>> {
+    if !text.contains('-') || text.starts_with('-') {
+        return None;
+    }
+    let invalid = |e: jiff::Error| {
+        format!("invalid time {text:?}: {e}; give it as tracer prints it (2026-11-22 05:01:02.345 UTC), in RFC 3339, or as Unix seconds")
+    };
+    let stamp = match text
+        .strip_suffix(" UTC")
+        .or_else(|| text.strip_suffix("UTC"))
+    {
+        Some(civil) => civil
+            .trim_end()
+            .parse::<jiff::civil::DateTime>()
+            .and_then(|t| t.to_zoned(jiff::tz::TimeZone::UTC))
+            .map(|z| z.timestamp()),
+        None => text.parse::<jiff::Timestamp>(),
+    };
+    Some(stamp.map_err(invalid).and_then(|t| {
+        i64::try_from(t.as_nanosecond())
+            .map_err(|_| format!("invalid time {text:?}: past 64 bits of nanoseconds"))
+    }))
+}
+
+/// Unix seconds (with a fraction) or nanoseconds.
+fn unix_time(text: &str) -> Result<i64, String> {
+    // Nanoseconds do not fit an f64 exactly: take integers as they are.
+    match text.trim().parse::<i64>() {
+        Ok(ns) if ns > 1_000_000_000_000 => Ok(ns),
+        _ => {
+            let v: f64 = text.trim().parse().map_err(|_| {
+                format!("invalid time {text:?}: give it as tracer prints it (2026-11-22 05:01:02.345 UTC), in RFC 3339, as Unix seconds (1795323312.5) or nanoseconds")
+            })?;
+            if !v.is_finite() || !(0.0..9.2e18).contains(&v) {
+                return Err(format!(
+                    "invalid time {text:?}: must be a Unix time (seconds or nanoseconds) within 64 bits"
+                ));
+            }
+            Ok(if v > 1e12 { v as i64 } else { (v * 1e9) as i64 })
+        }
+    }
+}
+
 /// 2001-09-09 01:46:40 UTC, as nanoseconds since the epoch: earlier times are refused.
 pub const EARLIEST_TIME_NS: i64 = 1_000_000_000 * 1_000_000_000;
 
@@ -148,25 +178,11 @@ pub const MAX_DURATION_S: f64 = 4_102_444_800.0;
 
 /// 2026-11-22 05:01:02.345 UTC.
 pub fn format_utc(ns: i64) -> String {
-    let secs = ns.div_euclid(1_000_000_000);
-    let ms = ns.rem_euclid(1_000_000_000) / 1_000_000;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{ms:03} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    match jiff::Timestamp::from_nanosecond(i128::from(ns)) {
+        Ok(t) => t.strftime("%Y-%m-%d %H:%M:%S%.3f UTC").to_string(),
+        // Past jiff's range (years beyond 9999): the number itself, never a made-up date.
+        Err(_) => format!("{ns} ns since the epoch"),
+    }
 }
 
 #[cfg(test)]
@@ -240,5 +256,49 @@ mod tests {
             Ok(1_795_323_312_817_067_163)
         );
         assert!(super::parse_time("yesterday").is_err());
+    }
+
+    #[test]
+    fn times_as_tracer_prints_them() {
+        // Every printed time reads back to its millisecond.
+        for ns in [
+            1_795_323_312_817_067_163,
+            1_000_000_000_000_000_000,
+            4_102_444_799_999_000_000,
+        ] {
+            let printed = super::format_utc(ns);
+            assert_eq!(
+                super::parse_time(&printed),
+                Ok(ns / 1_000_000 * 1_000_000),
+                "{printed}"
+            );
+        }
+        assert_eq!(
+            super::parse_time("2026-11-22 04:55:12.817 UTC"),
+            Ok(1_795_323_312_817_000_000)
+        );
+        assert_eq!(
+            super::parse_time("2026-11-22T04:55:12Z"),
+            Ok(1_795_323_312_000_000_000)
+        );
+        assert_eq!(
+            super::parse_time("2026-11-22T05:55:12+01:00"),
+            Ok(1_795_323_312_000_000_000)
+        );
+        assert_eq!(
+            super::parse_time("2026-11-22 04:55:12 UTC"),
+            Ok(1_795_323_312_000_000_000)
+        );
+        // Dates that are not: a clear message naming the forms accepted.
+        let e = super::parse_time("2026-13-40 04:55:12 UTC").unwrap_err();
+        assert!(e.contains("as tracer prints it"), "{e}");
+        assert!(
+            super::parse_time("2026-11-22 04:55:12").is_err(),
+            "no zone: not UTC by guess"
+        );
+        assert!(
+            super::parse_time("1999-01-01 00:00:00 UTC").is_err(),
+            "before 2001"
+        );
     }
 }

@@ -487,7 +487,7 @@ fn allocator_chains(
         .iter()
         .position(|c| c.rule == "oom" && c.pid == p.pid);
     let fatal_ns = oom.and_then(|i| chains[i].timeline.last()).map(|t| t.ts_ns);
-    chains.extend(allocator::warning_chain(p.pid, f, fatal_ns));
+    chains.extend(rules::warning_chain(p.pid, f, fatal_ns));
     let (Some(i), Some(fatal_ns)) = (oom, fatal_ns) else {
         return;
     };
@@ -497,7 +497,7 @@ fn allocator_chains(
             m.pid == p.pid && m.op == tracer_common::Op::TorchOom.name() && m.ts_ns >= fatal_ns
         })
         .map(|m| m.text.as_str());
-    let Some((forensics, fixes)) = allocator::oom_forensics(f, fatal_ns, message) else {
+    let Some((forensics, fixes)) = rules::oom_forensics(f, fatal_ns, message) else {
         return;
     };
     let c = &mut chains[i];
@@ -880,8 +880,8 @@ pub fn analyze_collected(
         if findings.visible {
             // The allocator's own layout replaces the inference from latencies.
             chains.replace_with_measured(
-                allocator::fragmentation_chain(table.pid, findings),
-                allocator::leak_chain(table.pid, findings, window),
+                rules::fragmentation_chain(table.pid, findings),
+                rules::leak_chain(table.pid, findings, window),
             );
             table.allocator = Some(allocator_figures(findings));
         }
@@ -893,7 +893,7 @@ pub fn analyze_collected(
     }
     for (p, findings) in active.iter().zip(&layouts) {
         allocator_chains(p, findings, inputs.messages, &mut chains);
-        chains.extend(allocator::unknown_chain(p.pid, findings));
+        chains.extend(rules::unknown_chain(p.pid, findings));
     }
     let devices = device_rows(&active, &layouts, inputs.ranks);
     let states = active
@@ -913,7 +913,7 @@ pub fn analyze_collected(
             })
         })
         .collect();
-    chains.extend(ranks::outlier_chain(&devices, window.from_ns));
+    chains.extend(rules::outlier_chain(&devices, window.from_ns));
     chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
     let events_in_window = active
         .iter()

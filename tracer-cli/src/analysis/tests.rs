@@ -923,7 +923,7 @@ fn a_tiny_cache_is_not_high_fragmentation_and_a_capacity_oom_is_not_fragmentatio
         ..Default::default()
     };
     assert_eq!(
-        allocator::fragmentation_severity(&forced, &tiny),
+        rules::measured::fragmentation_severity(&forced, &tiny),
         Severity::Low
     );
     // The demo's: 296 MiB scattered in 64 blocks of 2.8 GiB, 142 segments (4 GiB) forced.
@@ -934,7 +934,7 @@ fn a_tiny_cache_is_not_high_fragmentation_and_a_capacity_oom_is_not_fragmentatio
         ..Default::default()
     };
     assert_eq!(
-        allocator::fragmentation_severity(&forced, &demo),
+        rules::measured::fragmentation_severity(&forced, &demo),
         Severity::High
     );
     // PyTorch's request decides, not the 20 MiB chunk whose mapping failed.

@@ -1,12 +1,11 @@
 //! `tracer demo`: a training workload on the simulated CUDA runtime, recorded and explained.
 
-use std::{io::Write as _, path::PathBuf, time::Duration};
+use std::{io::Write as _, time::Duration};
 
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
     demo::{self, DemoOptions},
-    paths,
     units::parse_duration,
 };
 
@@ -24,9 +23,8 @@ pub struct DemoArgs {
     /// How long the workload runs.
     #[arg(long, value_parser = parse_duration, default_value = "20s")]
     pub duration: Duration,
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// Use the simulated runtime's own event log even when eBPF tracing is possible.
     #[arg(long)]
     pub simulated: bool,
@@ -44,7 +42,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         scenario: args.scenario.unwrap_or_default(),
         speed: args.speed,
         duration: args.duration,
-        db: paths::db_path(args.db.as_deref(), &paths::invoker())?,
+        db: args.db.path()?,
         simulated: args.simulated,
     })
 }

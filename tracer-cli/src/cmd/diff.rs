@@ -1,10 +1,10 @@
 //! `tracer diff A B`: what changed between two runs of a job (two sessions).
 
-use std::{io::Write as _, path::PathBuf};
+use std::io::Write as _;
 
 use anyhow::Result;
 use clap::Args;
-use tracer_cli::{paths, present, query::diff};
+use tracer_cli::{present, query::diff};
 
 #[derive(Debug, Args)]
 pub struct DiffArgs {
@@ -12,9 +12,8 @@ pub struct DiffArgs {
     pub a: i64,
     /// The run after.
     pub b: i64,
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// A's process (default: its busiest).
     #[arg(long)]
     pub pid_a: Option<u32>,
@@ -27,7 +26,7 @@ pub struct DiffArgs {
 }
 
 pub fn run(args: DiffArgs) -> Result<()> {
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let db = args.db.path()?;
     let d = diff::diff(&db, args.a, args.b, args.pid_a, args.pid_b)?;
     let mut out = std::io::stdout().lock();
     if args.json {

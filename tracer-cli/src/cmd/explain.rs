@@ -1,21 +1,20 @@
 //! `tracer explain`: what went wrong in a recorded session, why, where, and what to change.
 //! Works without privileges on the database a trace left behind.
 
-use std::{io::Write as _, path::PathBuf, time::Duration};
+use std::{io::Write as _, time::Duration};
 
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
-    paths, present,
+    present,
     query::explain::{self, ExplainQuery},
     units::{parse_duration, parse_time},
 };
 
 #[derive(Debug, Args)]
 pub struct ExplainArgs {
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     #[command(flatten)]
     pub window: WindowArgs,
     /// Per-process tables: calls, latency, bytes, outstanding allocations, warnings.
@@ -36,10 +35,11 @@ pub struct WindowArgs {
     /// the trace runs).
     #[arg(long, value_parser = parse_duration, conflicts_with_all = ["from", "to"])]
     pub since: Option<Duration>,
-    /// Window start: Unix time in seconds (e.g. 1795323312.5) or nanoseconds.
+    /// Window start: a time as tracer prints it (2026-11-22 04:55:12.817 UTC), RFC 3339, or
+    /// Unix seconds (1795323312.5) or nanoseconds.
     #[arg(long, value_parser = parse_time)]
     pub from: Option<i64>,
-    /// Window end: Unix time in seconds or nanoseconds.
+    /// Window end, written as --from.
     #[arg(long, value_parser = parse_time)]
     pub to: Option<i64>,
     /// Only this process.
@@ -65,7 +65,7 @@ impl WindowArgs {
 }
 
 pub fn run(args: ExplainArgs) -> Result<()> {
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let db = args.db.path()?;
     let explained = explain::explain(&db, &args.window.query())?;
     if std::env::var_os("TRACER_TIMING").is_some() {
         eprintln!(

@@ -26,9 +26,8 @@ pub struct ExportArgs {
     /// The file to write (replaced if it exists).
     #[arg(short, long, value_name = "FILE")]
     pub output: PathBuf,
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// The session (default: the latest).
     #[arg(long)]
     pub session: Option<i64>,
@@ -39,7 +38,7 @@ pub struct ExportArgs {
 
 pub fn run(args: ExportArgs) -> Result<()> {
     let who = paths::invoker();
-    let db = paths::db_path(args.db.as_deref(), &who)?;
+    let db = args.db.path_for(&who)?;
     // A failed export leaves no partial trace and the previous file in place.
     let mut output = paths::create_output(&args.output, &who)?;
     let out = std::io::BufWriter::with_capacity(1 << 20, &mut output);

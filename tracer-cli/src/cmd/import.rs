@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
-    paths,
     present::json,
     query::snapshot_check,
     record::{import, memory_snapshot},
@@ -23,9 +22,8 @@ pub struct ImportArgs {
     /// against the snapshot's own final segments.
     #[arg(long, value_name = "FILE")]
     pub snapshot: Option<PathBuf>,
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// One JSON line on stdout: {"session", "calls", "skipped_lines"}; with --snapshot the
     /// import's figures and "check" (the rebuilt layout against the snapshot's).
     #[arg(long)]
@@ -33,7 +31,7 @@ pub struct ImportArgs {
 }
 
 pub fn run(args: ImportArgs) -> Result<()> {
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let db = args.db.path()?;
     if let Some(file) = &args.snapshot {
         return snapshot(file, &db, args.json);
     }

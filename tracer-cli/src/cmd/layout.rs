@@ -1,21 +1,20 @@
 //! `tracer layout`: the allocator's segments and blocks at a moment (the end, a time, or the
 //! first out-of-memory), rebuilt from a session's calls and PyTorch's own probes.
 
-use std::{io::Write as _, path::PathBuf};
+use std::io::Write as _;
 
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
-    paths, present,
+    present,
     query::layout::{self, At, LayoutQuery},
     units::parse_time,
 };
 
 #[derive(Debug, Args)]
 pub struct LayoutArgs {
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// The session (default: the latest).
     #[arg(long)]
     pub session: Option<i64>,
@@ -25,7 +24,8 @@ pub struct LayoutArgs {
     /// Only this device.
     #[arg(long)]
     pub device: Option<i32>,
-    /// When: `oom` (the first out-of-memory), Unix seconds or nanoseconds (default: the end).
+    /// When: `oom` (the first out-of-memory), a time as tracer prints it (2026-11-22
+    /// 04:55:12.817 UTC), RFC 3339, or Unix seconds or nanoseconds (default: the end).
     #[arg(long, value_parser = parse_at)]
     pub at: Option<At>,
     /// As JSON on stdout.
@@ -44,7 +44,7 @@ fn parse_at(text: &str) -> Result<At, String> {
 }
 
 pub fn run(args: LayoutArgs) -> Result<()> {
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let db = args.db.path()?;
     if args.timeline {
         let mut out = std::io::BufWriter::new(std::io::stdout().lock());
         layout::layout_timeline(&db, args.session, args.pid, |point| {

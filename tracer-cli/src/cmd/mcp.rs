@@ -1,17 +1,16 @@
 //! `tracer mcp`: an MCP server over stdio for assistants (Claude, Cursor, any MCP client),
 //! read-only over a trace database. stdout carries only the protocol; logs go to stderr.
 
-use std::{path::PathBuf, time::Duration};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use clap::Args;
-use tracer_cli::{paths, store, units::parse_duration};
+use tracer_cli::{store, units::parse_duration};
 
 #[derive(Debug, Args)]
 pub struct McpArgs {
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// How long one `query` may run before it is stopped.
     #[arg(long, value_parser = parse_duration, default_value = "20s")]
     pub query_time: Duration,
@@ -23,7 +22,7 @@ pub fn run(args: McpArgs) -> Result<()> {
             "--query-time 0 would stop every query: give a duration such as 20s",
         ));
     }
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let db = args.db.path()?;
     // Fail at once, with the fix, rather than at the first tool call.
     store::Store::open(&db, store::Access::ReadOnly)?;
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -1,4 +1,5 @@
 pub mod check;
+pub mod db;
 pub mod demo;
 pub mod diff;
 pub mod explain;

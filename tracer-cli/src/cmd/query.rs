@@ -1,21 +1,19 @@
 //! `tracer query`: read-only SQL over a trace database.
 
-use std::{io::Write as _, path::PathBuf};
+use std::io::Write as _;
 
 use anyhow::Result;
 use clap::Args;
 
 use tracer_cli::{
-    paths,
     present::rows::{Format, RowWriter},
     store::{readonly, Access, Store},
 };
 
 #[derive(Debug, Args)]
 pub struct QueryArgs {
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     #[arg(long, value_enum, default_value = "table")]
     pub format: Format,
     /// One SQL statement; it may only read (see SCHEMA.md for the tables and the `events` view).
@@ -23,7 +21,7 @@ pub struct QueryArgs {
 }
 
 pub fn run(args: QueryArgs) -> Result<()> {
-    let path = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let path = args.db.path()?;
     let store = Store::open(&path, Access::ReadOnly)?;
     let stdout = std::io::stdout().lock();
     let writer =

@@ -12,16 +12,15 @@ pub struct ReportArgs {
     /// The file to write (replaced if it exists).
     #[arg(short, long, value_name = "FILE")]
     pub output: PathBuf,
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     #[command(flatten)]
     pub window: super::explain::WindowArgs,
 }
 
 pub fn run(args: ReportArgs) -> Result<()> {
     let who = paths::invoker();
-    let db = paths::db_path(args.db.as_deref(), &who)?;
+    let db = args.db.path_for(&who)?;
     // The path is checked before the session is read; a failed run leaves no partial page
     // and the previous one in place.
     let mut output = paths::create_output(&args.output, &who)?;

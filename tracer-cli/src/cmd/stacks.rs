@@ -1,22 +1,21 @@
 //! `tracer stacks`: the full call sites of a --stack session, Python frames where the
 //! interpreter ran them, most frequent first.
 
-use std::{io::Write as _, path::PathBuf};
+use std::io::Write as _;
 
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
     exit::user_error,
-    paths, present,
+    present,
     store::{events, Access, Store},
 };
 use tracer_common::Op;
 
 #[derive(Debug, Args)]
 pub struct StacksArgs {
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// The session (default: the latest).
     #[arg(long)]
     pub session: Option<i64>,
@@ -43,7 +42,7 @@ pub fn run(args: StacksArgs) -> Result<()> {
         })?),
         None => None,
     };
-    let path = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let path = args.db.path()?;
     let store = Store::open(&path, Access::ReadOnly)?;
     let info = events::session(store.conn(), args.session)?;
     let stacks = events::stacks(store.conn(), info.id, op, args.pid, args.top)?;

@@ -27,9 +27,8 @@ pub struct TraceArgs {
     /// Stop after this long (e.g. 300s, 5m). Default: until Ctrl-C or SIGTERM.
     #[arg(long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
-    /// The database (default: the invoking user's ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// Bound the database size (e.g. 2GiB): the oldest sessions are deleted first.
     #[arg(long, value_parser = parse_size)]
     pub max_db: Option<u64>,
@@ -109,7 +108,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let (stop_tx, stops) = std::sync::mpsc::channel();
     signals::stop_on_signals(stop_tx)?;
     let who = paths::invoker();
-    let db = paths::db_path(args.db.as_deref(), &who)?;
+    let db = args.db.path_for(&who)?;
     let on_warning = match &args.on_warning {
         Some(command) => Some(OnWarning {
             command: command.clone(),

@@ -1,20 +1,19 @@
 //! `tracer whatif`: the recorded requests replayed under other allocator settings: whether the
 //! OOM happens, the memory reserved, and the least memory the job needs under each.
 
-use std::{io::Write as _, path::PathBuf};
+use std::io::Write as _;
 
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
-    paths, present,
+    present,
     query::whatif::{self, WhatIfQuery},
 };
 
 #[derive(Debug, Args)]
 pub struct WhatIfArgs {
-    /// The database (default: ~/.local/share/tracer/tracer.db, or TRACER_DB).
-    #[arg(long, env = paths::DB_ENV)]
-    pub db: Option<PathBuf>,
+    #[command(flatten)]
+    pub db: super::db::DbArgs,
     /// The session (default: the latest).
     #[arg(long)]
     pub session: Option<i64>,
@@ -38,7 +37,7 @@ pub struct WhatIfArgs {
 }
 
 pub fn run(args: WhatIfArgs) -> Result<()> {
-    let db = paths::db_path(args.db.as_deref(), &paths::invoker())?;
+    let db = args.db.path()?;
     let answer = whatif::whatif(
         &db,
         &WhatIfQuery {

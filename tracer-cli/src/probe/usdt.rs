@@ -182,13 +182,23 @@ pub fn read_sites(path: &Path) -> Result<Vec<Site>> {
     sites.with_context(|| format!("read the USDT notes of {}", path.display()))
 }
 
-/// The sites of an ELF image.
+/// The sites of an ELF image (a 64-bit one: USDT notes of 32-bit images are not read).
 pub fn sites_of<'a, R: object::ReadRef<'a>>(data: R) -> Result<Vec<Site>> {
-    let elf = object::File::parse(data)?;
-    let Some(notes) = elf.section_by_name(".note.stapsdt") else {
+    use object::{
+        read::elf::{ElfFile64, SectionHeader as _},
+        Endian as _, Endianness,
+    };
+    if object::FileKind::parse(data)? != object::FileKind::Elf64 {
+        return Ok(Vec::new());
+    }
+    let elf = ElfFile64::<Endianness, R>::parse(data)?;
+    let Some(section) = elf.section_by_name(".note.stapsdt") else {
         return Ok(Vec::new());
     };
-    let notes = notes.data()?;
+    let endian = elf.endian();
+    let Some(mut notes) = section.elf_section_header().notes(endian, data)? else {
+        return Ok(Vec::new());
+    };
     let base_actual = elf.section_by_name(".stapsdt.base").map(|s| s.address());
     let segments: Vec<(u64, u64, u64)> = elf
         .segments()
@@ -201,57 +211,48 @@ pub fn sites_of<'a, R: object::ReadRef<'a>>(data: R) -> Result<Vec<Site>> {
             .map(|(start, _, off)| addr - start + off)
     };
     let mut sites = Vec::new();
-    let mut rest = notes;
-    while rest.len() >= 12 {
-        let word = |i: usize| u32::from_le_bytes([rest[i], rest[i + 1], rest[i + 2], rest[i + 3]]);
-        let (namesz, descsz, kind) = (word(0) as usize, word(4) as usize, word(8));
-        let name_end = 12 + namesz;
-        let desc_at = 12 + namesz.next_multiple_of(4);
-        let end = desc_at + descsz.next_multiple_of(4);
-        if end > rest.len() || name_end > rest.len() {
-            return Err(anyhow!("a note runs past the end of .note.stapsdt"));
-        }
+    while let Some(note) = notes
+        .next()
+        .context("a note runs past the end of .note.stapsdt")?
+    {
         // Type 3, owner "stapsdt": a probe site (version 3 notes).
-        if kind == 3 && &rest[12..name_end] == b"stapsdt\0" && descsz >= 24 {
-            let desc = &rest[desc_at..desc_at + descsz];
-            let u64_at = |i: usize| {
-                let mut b = [0u8; 8];
-                b.copy_from_slice(&desc[i..i + 8]);
-                u64::from_le_bytes(b)
-            };
-            let (pc, base, semaphore) = (u64_at(0), u64_at(8), u64_at(16));
-            // A prelinked or relocated image: the note's base is where .stapsdt.base was then.
-            let shift = |addr: u64| match base_actual {
-                Some(actual) if base != 0 => addr.wrapping_add(actual).wrapping_sub(base),
-                _ => addr,
-            };
-            let mut strings = desc[24..]
-                .split(|&b| b == 0)
-                .map(|s| String::from_utf8_lossy(s).into_owned());
-            let provider = strings.next().unwrap_or_default();
-            let name = strings.next().unwrap_or_default();
-            let args = strings.next().unwrap_or_default();
-            let offset = file_offset(shift(pc)).ok_or_else(|| {
-                anyhow!("USDT site {provider}:{name} at {pc:#x} lies in no segment")
-            })?;
-            let semaphore = if semaphore == 0 {
-                0
-            } else {
-                file_offset(shift(semaphore)).ok_or_else(|| {
-                    anyhow!(
-                        "the semaphore of {provider}:{name} at {semaphore:#x} lies in no segment"
-                    )
-                })?
-            };
-            sites.push(Site {
-                provider,
-                name,
-                offset,
-                semaphore,
-                args,
-            });
+        let desc = note.desc();
+        if note.n_type(endian) != 3 || note.name() != b"stapsdt" || desc.len() < 24 {
+            continue;
         }
-        rest = &rest[end..];
+        let u64_at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&desc[i..i + 8]);
+            endian.read_u64_bytes(b)
+        };
+        let (pc, base, semaphore) = (u64_at(0), u64_at(8), u64_at(16));
+        // A prelinked or relocated image: the note's base is where .stapsdt.base was then.
+        let shift = |addr: u64| match base_actual {
+            Some(actual) if base != 0 => addr.wrapping_add(actual).wrapping_sub(base),
+            _ => addr,
+        };
+        let mut strings = desc[24..]
+            .split(|&b| b == 0)
+            .map(|s| String::from_utf8_lossy(s).into_owned());
+        let provider = strings.next().unwrap_or_default();
+        let name = strings.next().unwrap_or_default();
+        let args = strings.next().unwrap_or_default();
+        let offset = file_offset(shift(pc))
+            .ok_or_else(|| anyhow!("USDT site {provider}:{name} at {pc:#x} lies in no segment"))?;
+        let semaphore = if semaphore == 0 {
+            0
+        } else {
+            file_offset(shift(semaphore)).ok_or_else(|| {
+                anyhow!("the semaphore of {provider}:{name} at {semaphore:#x} lies in no segment")
+            })?
+        };
+        sites.push(Site {
+            provider,
+            name,
+            offset,
+            semaphore,
+            args,
+        });
     }
     Ok(sites)
 }
@@ -377,5 +378,19 @@ mod tests {
             ..site
         };
         assert!(short.plan().unwrap().is_err());
+    }
+
+    #[test]
+    fn a_library_truncated_under_the_reader_is_an_error_not_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = crate::target::safe_file::truncation::writable_elf(dir.path());
+        assert!(read_sites(&lib).is_ok(), "the whole file reads");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&lib)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        assert!(read_sites(&lib).is_err());
     }
 }

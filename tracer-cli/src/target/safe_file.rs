@@ -159,11 +159,11 @@ mod tests {
 }
 
 #[cfg(test)]
-mod truncation {
+pub(crate) mod truncation {
     use super::*;
 
     /// A copy of this test binary (an ELF file with symbols and notes) that anyone may change.
-    fn writable_elf(dir: &Path) -> PathBuf {
+    pub(crate) fn writable_elf(dir: &Path) -> PathBuf {
         let lib = dir.join("libwritable.so");
         std::fs::copy("/proc/self/exe", &lib).unwrap();
         std::fs::set_permissions(&lib, std::os::unix::fs::PermissionsExt::from_mode(0o666))
@@ -179,7 +179,7 @@ mod truncation {
         let Bytes::Read(cache) = &held else {
             panic!("a file others can write was mapped");
         };
-        // Its owner truncates it while tracer holds it: with a map, the next read of its pages
+        // Its owner truncates it while tracer holds it (probe/usdt.rs tests its notes' reader alike): with a map, the next read of its pages
         // would raise SIGBUS.
         std::fs::OpenOptions::new()
             .write(true)
@@ -190,7 +190,6 @@ mod truncation {
         assert!(object::File::parse(cache).is_err());
         assert!(crate::target::elf::read_symbols(&lib).is_err());
         assert!(!crate::target::elf::has_torch_probes(&lib));
-        assert!(crate::probe::usdt::read_sites(&lib).is_err());
         // Truncated half-way: still an error or a partial answer, never a signal.
         let lib = writable_elf(dir.path());
         let len = std::fs::metadata(&lib).unwrap().len();

@@ -1,0 +1,442 @@
+//! The chains drawn from the allocator's own layout (PyTorch's probes seen; analysis/allocator.rs
+//! measures it): fragmentation measured from its blocks, a leak in tensors, the early warning
+//! before an out-of-memory, the layout at the failure, and what is not known when the layout
+//! is not exact.
+
+use super::{Chain, Severity, TimelineEntry};
+use crate::{
+    analysis::{
+        allocator::{Findings, Forced, OomVerdict},
+        Window,
+    },
+    model::layout::{Pool, PoolStats},
+    units::{format_bytes as b, format_ns as t},
+};
+
+/// A leak measured in tensors: the bytes the allocator hands out (not its cache) growing
+/// steadily, still growing in the second half of the window.
+pub fn leak_chain(pid: u32, f: &Findings, window: Window) -> Option<Chain> {
+    if !f.unknown.exact() {
+        return None;
+    }
+    let held: Vec<(i64, u64)> = f.samples.iter().map(|(ts, s)| (*ts, s.allocated)).collect();
+    if held.len() < 3 || window.secs() < 5.0 || f.allocs_in_window < 50 {
+        return None;
+    }
+    let steps = held.windows(2);
+    let up = steps.clone().filter(|w| w[1].1 > w[0].1).count();
+    let big_drop = steps
+        .clone()
+        .any(|w| (w[1].1 as f64) < w[0].1 as f64 * 0.95);
+    let (first, mid, last) = (held[0].1, held[held.len() / 2].1, held[held.len() - 1].1);
+    // A working set that filled up and levelled off is not a leak.
+    let still_growing = last.saturating_sub(mid) as f64 >= last as f64 * 0.1;
+    if up < (held.len() - 1) * 3 / 4 || big_drop || last <= first || !still_growing {
+        return None;
+    }
+    let per_min = (last - first) as f64 / window.secs() * 60.0;
+    let sites: Vec<String> = f
+        .live_in_window
+        .iter()
+        .map(|(site, n, bytes)| format!("{site} ({n} blocks, {})", b(*bytes)))
+        .collect();
+    Some(Chain {
+        rule: "leak",
+        severity: if last >= 2 * first.max(1) { Severity::High } else { Severity::Medium },
+        pid,
+        title: "tensors held grow steadily -> leak".into(),
+        root: format!(
+            "the allocator's allocated bytes grew from {} to {} over {:.0}s ({}/min), rising in {up} of {} intervals and still rising at the end",
+            b(first),
+            b(last),
+            window.secs(),
+            b(per_min as u64),
+            held.len() - 1
+        ),
+        effect: if sites.is_empty() {
+            "blocks allocated in the window are still held".into()
+        } else {
+            format!("blocks allocated in the window and still held: {}", sites.join(", "))
+        },
+        compounding: Vec::new(),
+        timeline: held
+            .iter()
+            .map(|(ts, v)| TimelineEntry {
+                ts_ns: *ts,
+                text: format!("allocated {}", b(*v)),
+            })
+            .collect(),
+        fix: vec![
+            "look for tensors kept across iterations (losses appended without .item(), cached outputs, growing lists)".into(),
+            "torch.cuda.memory._record_memory_history() around the loop shows who holds them".into(),
+        ],
+        evidence: format!(
+            "{} samples of the allocator's allocated bytes (PyTorch's probes), not its cache",
+            held.len()
+        ),
+    })
+}
+
+fn figures(s: &PoolStats) -> String {
+    format!(
+        "{} cached in {} free blocks, largest {} (fragmentation {:.0} %); reserved {}, allocated {}",
+        b(s.cached()),
+        s.free_blocks,
+        b(s.largest_free),
+        s.fragmentation() * 100.0,
+        b(s.reserved),
+        b(s.allocated)
+    )
+}
+
+const FIX_EXPANDABLE: &str = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: segments grow in place, so the free bytes stay in one block";
+const FIX_MAX_SPLIT: &str = "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: large cached blocks are not cut for small tensors";
+
+/// Fragmentation inside the cached segments, measured: new segments the cache could have held
+/// in bytes but not in one block, and the worst moment's layout.
+pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
+    if !f.unknown.exact() {
+        // Measured in a layout tracer did not see whole: [`unknown_chain`] says so.
+        return None;
+    }
+    let worst = f.worst;
+    // Without a segment forced by it, fragmentation is only worth a chain when the scattered
+    // cache is a real share of the memory held.
+    let harmless = |w: &(i64, i32, Pool, PoolStats)| {
+        w.3.fragmentation() < 0.5 || w.3.cached() * 10 < w.3.reserved
+    };
+    if f.forced.count == 0 && worst.as_ref().is_none_or(harmless) {
+        return None;
+    }
+    let (ts, device, pool, s) = worst.or_else(|| {
+        f.end
+            .iter()
+            .max_by_key(|(_, s)| s.cached())
+            .map(|((d, p), s)| (0, *d, *p, *s))
+    })?;
+    let mut root = format!(
+        "at the worst moment the {pool:?} pool of device {device} held {}",
+        figures(&s)
+    );
+    if f.forced.count > 0 {
+        root.push_str(&format!(
+            "; {} new segment(s) ({}) were reserved while the cache held enough free bytes for the request but no block that fit",
+            f.forced.count,
+            b(f.forced.bytes)
+        ));
+    }
+    Some(Chain {
+        rule: "fragmentation",
+        severity: fragmentation_severity(&f.forced, &s),
+        pid,
+        title: "fragmentation inside the allocator's cached segments".into(),
+        root,
+        effect: format!(
+            "{} of reserved memory was free but scattered in {} blocks: requests larger than {} need new segments from the device, and fail when it has no room",
+            b(s.cached()),
+            s.free_blocks,
+            b(s.largest_free)
+        ),
+        compounding: Vec::new(),
+        timeline: f
+            .samples
+            .iter()
+            .map(|(ts, s)| TimelineEntry {
+                ts_ns: *ts,
+                text: format!(
+                    "reserved {}, allocated {}, cached {} in {} blocks, largest {}",
+                    b(s.reserved),
+                    b(s.allocated),
+                    b(s.cached()),
+                    s.free_blocks,
+                    b(s.largest_free)
+                ),
+            })
+            .chain(std::iter::once(TimelineEntry {
+                ts_ns: ts,
+                text: format!("worst: fragmentation {:.0} % in the {pool:?} pool", s.fragmentation() * 100.0),
+            }))
+            .collect(),
+        fix: vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into()],
+        evidence: format!(
+            "the allocator's own layout, rebuilt from {} pytorch:malloc/free events and the device allocations",
+            f.block_events
+        ),
+    })
+}
+
+/// How much fragmentation cost, in bytes against the memory held: new segments it forced
+/// worth a real share of it, or a scattered cache that is a real share of reserved memory while
+/// requests had to go past it. A high ratio of a tiny cache is not High (132 MiB in 13 blocks
+/// of 78 GiB reserved is 0.2 %), nor is a scattered cache no request needed.
+pub fn fragmentation_severity(forced: &Forced, worst: &PoolStats) -> Severity {
+    let reserved = worst.reserved.max(1) as f64;
+    let scattered = worst.cached() as f64 / reserved * worst.fragmentation();
+    let forced_share = forced.bytes as f64 / reserved;
+    // High only when it cost memory: segments reserved because no cached block fit.
+    let forced_some = forced.count > 0;
+    if (forced.count >= 3 && forced_share >= 0.10) || (forced_some && scattered >= 0.15) {
+        Severity::High
+    } else if scattered >= 0.05 || forced_share >= 0.01 {
+        Severity::Medium
+    } else {
+        Severity::Low
+    }
+}
+
+/// The early warning: the layout in which the next request of the sizes being made fails;
+/// none when it came no earlier than the out-of-memory (`first_failure`: the OOM chain tells).
+pub fn warning_chain(pid: u32, f: &Findings, first_failure: Option<i64>) -> Option<Chain> {
+    let warning = f.warning.as_ref().filter(|_| f.unknown.exact())?;
+    let w = &warning.alarm;
+    if first_failure.is_some_and(|fail| fail <= w.ts_ns) {
+        // Not early: the failure came first (or with it); the OOM chain tells it.
+        return None;
+    }
+    let mut timeline = vec![TimelineEntry {
+        ts_ns: w.ts_ns,
+        text: format!(
+            "{:?} pool: largest free block {} < {} requested; the device has {} free, the new segment needs {}",
+            w.pool,
+            b(w.stats.largest_free),
+            b(w.request),
+            b(w.device_free),
+            b(w.segment)
+        ),
+    }];
+    if let Some(fail) = first_failure {
+        timeline.push(TimelineEntry {
+            ts_ns: fail,
+            text: format!(
+                "the out-of-memory came {} later",
+                t((fail - w.ts_ns).max(0) as u64)
+            ),
+        });
+    }
+    let pinning: Vec<String> = warning
+        .pinning
+        .iter()
+        .map(|(site, n, bytes)| format!("{site} ({n} blocks, {})", b(*bytes)))
+        .collect();
+    Some(Chain {
+        rule: "early_warning",
+        severity: Severity::High,
+        pid,
+        title: format!(
+            "early warning: the next {} request on device {} will fail",
+            b(w.request),
+            w.device
+        ),
+        root: format!(
+            "the {:?} pool holds {} but no block of {}, and the device has only {} free for the {} segment such a request needs",
+            w.pool,
+            figures(&w.stats),
+            b(w.request),
+            b(w.device_free),
+            b(w.segment)
+        ),
+        effect: if pinning.is_empty() {
+            "the free bytes are pinned between live blocks in partly used segments".into()
+        } else {
+            format!("the partly free segments are pinned by blocks from {}", pinning.join(", "))
+        },
+        compounding: Vec::new(),
+        timeline,
+        fix: vec![
+            "checkpoint now, or free what the pinning blocks hold".into(),
+            FIX_EXPANDABLE.into(),
+            FIX_MAX_SPLIT.into(),
+        ],
+        evidence: "the allocator's layout at that moment and cudaMemGetInfo kept current with the segments since".into(),
+    })
+}
+
+/// The layout at the out-of-memory that was not recovered (the failure at `fatal_ns`, or the
+/// allocator's retry of it within a second: PyTorch's message describes the state after its
+/// cache flush), and the fixes that fit it.
+pub fn oom_forensics(
+    f: &Findings,
+    fatal_ns: i64,
+    message: Option<&str>,
+) -> Option<(String, Vec<String>)> {
+    let x = f
+        .forensics
+        .iter()
+        .rfind(|x| x.ts_ns >= fatal_ns && x.ts_ns - fatal_ns < 1_000_000_000)?;
+    // "... Tried to allocate 46.00 MiB. GPU 0 has ...": the size PyTorch itself names.
+    let tried = message
+        .and_then(|m| m.split_once("Tried to allocate "))
+        .and_then(|(_, rest)| rest.split(". ").next())
+        .filter(|s| !s.is_empty())
+        .map_or_else(|| b(x.requested), str::to_owned);
+    let seen = if f.unknown.exact() {
+        ""
+    } else {
+        " in the segments tracer saw"
+    };
+    let mut text = format!(
+        "Tried to allocate {tried} (a {} {}){seen}: {} free inside cached segments in {} blocks, largest {}; reserved {}, allocated {}; {} outside PyTorch",
+        b(x.requested),
+        if x.whole_segment {
+            "segment"
+        } else {
+            "page of an expandable segment"
+        },
+        b(x.total.cached()),
+        x.total.free_blocks,
+        b(x.total.largest_free),
+        b(x.total.reserved),
+        b(x.total.allocated),
+        b(x.outside)
+    );
+    if let Some(free) = x.device_free {
+        text.push_str(&format!("; the device had {} free", b(free)));
+    }
+    let verdict = if f.unknown.exact() {
+        match x.verdict(message.and_then(pytorch_tried)) {
+            OomVerdict::Fragmentation => Some(true),
+            OomVerdict::Capacity => Some(false),
+            OomVerdict::Unknown(why) => {
+                text.push_str(&format!(": fragmentation or capacity is not known: {why}"));
+                return Some((
+                    text,
+                    vec![
+                        FIX_EXPANDABLE.into(),
+                        "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
+                    ],
+                ));
+            }
+        }
+    } else {
+        // tracer's layout may differ from the allocator's here: only PyTorch's own figures
+        // can tell.
+        let said = message
+            .and_then(pytorch_cached)
+            .zip(message.and_then(pytorch_tried));
+        match said {
+            Some((cached, tried)) => {
+                text.push_str(&format!(
+                    "; tracer's layout is not exact here ({}), but PyTorch's message says {} reserved but unallocated",
+                    unknown_said(f),
+                    b(cached)
+                ));
+                Some(cached >= tried)
+            }
+            None => None,
+        }
+    };
+    let fixes = if verdict.is_none() {
+        text.push_str(&format!(
+            ": whether the cache held the bytes is unknown: tracer's layout is not exact here ({}); PyTorch's out-of-memory message (its probe, libc10.so traced) or a trace from the job's start would settle it",
+            unknown_said(f)
+        ));
+        vec![
+            FIX_EXPANDABLE.into(),
+            "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
+        ]
+    } else if verdict == Some(true) {
+        text.push_str(": the cache held the bytes, not one block that fit (fragmentation)");
+        vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into()]
+    } else {
+        text.push_str(": the memory is in use, not lost to fragmentation (capacity)");
+        vec![
+            "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
+            "leave the device to this job (other processes hold memory on it)".into(),
+        ]
+    };
+    Some((text, fixes))
+}
+
+/// What is not known of the allocator's layout, in a few words.
+pub fn unknown_said(f: &Findings) -> String {
+    let u = &f.unknown;
+    let mut parts = Vec::new();
+    if f.orphans.0 > 0 || u.unseen_segments {
+        parts.push(format!(
+            "{} blocks ({}) lie in segments tracer never saw created",
+            f.orphans.0,
+            b(f.orphans.1)
+        ));
+    }
+    if u.gaps > 0 {
+        parts.push(format!(
+            "{} gap(s) in the trace; {} blocks ({}) held since before are believed still held",
+            u.gaps,
+            f.carried.0,
+            b(f.carried.1)
+        ));
+    }
+    if u.freed_unseen > 0 {
+        parts.push(format!(
+            "{} blocks ({}) were freed while tracer did not see",
+            u.freed_unseen,
+            b(u.freed_unseen_bytes)
+        ));
+    }
+    if f.held_unseen > 0 {
+        parts.push(format!(
+            "{} segment(s) were made while a free block of the same pool and stream that fit was believed free: blocks handed out without PyTorch's probes (torch.cuda.caching_allocator_alloc, raw_alloc) hold memory the layout shows free",
+            f.held_unseen
+        ));
+    }
+    if parts.is_empty() {
+        parts.push("frees of blocks tracer never saw allocated".into());
+    }
+    parts.join("; ")
+}
+
+/// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.
+fn pytorch_cached(message: &str) -> Option<u64> {
+    let before = message
+        .split(" is reserved by PyTorch but unallocated")
+        .next()?;
+    pytorch_size(before.rsplit(", and ").next()?)
+}
+
+/// A size as PyTorch's format_size writes it ("55.66 MiB", "512 bytes").
+fn pytorch_size(text: &str) -> Option<u64> {
+    let compact = text.trim().replace("bytes", "B").replace(' ', "");
+    if compact.trim_start_matches('0').starts_with(['B', '.']) || compact == "0" {
+        return Some(0);
+    }
+    crate::units::parse_size(&compact).ok()
+}
+
+/// "Tried to allocate 22.00 MiB.": the request PyTorch names.
+fn pytorch_tried(message: &str) -> Option<u64> {
+    let rest = message.split_once("Tried to allocate ")?.1;
+    pytorch_size(rest.split(". ").next()?)
+}
+
+/// What tracer did not see of the process's allocator, when that keeps its layout from being
+/// exact: stated instead of a verdict (no rule concludes from it), with what would settle it.
+pub fn unknown_chain(pid: u32, f: &Findings) -> Option<Chain> {
+    let u = &f.unknown;
+    if u.exact() || !f.visible {
+        return None;
+    }
+    let since = u.since_ns.unwrap_or(0);
+    let settle = if u.unseen_segments {
+        "a trace that runs from the job's start (a DaemonSet running before jobs start), or the job restarted under trace; PyTorch's out-of-memory message, when it comes, gives the allocator's own figures"
+    } else {
+        "the job's next steps: the layout is exact again once no block event has contradicted it for twice the longest life of a block seen since, counted in block events (at least 1000)"
+    };
+    Some(Chain {
+        rule: "unknown_state",
+        severity: Severity::Low,
+        pid,
+        title: "the allocator's layout is not fully known: no verdict is drawn from it".into(),
+        root: format!("since {}: {}", crate::units::format_utc(since), unknown_said(f)),
+        effect: "fragmentation, capacity, the early warning, leaks and comparisons between ranks are not concluded from this process's layout".into(),
+        compounding: Vec::new(),
+        timeline: vec![TimelineEntry {
+            ts_ns: since,
+            text: "first evidence that tracer did not see everything".into(),
+        }],
+        fix: vec![format!("what would settle it: {settle}")],
+        evidence: format!(
+            "{} blocks outside known segments, {} allocations over blocks believed held, {} gap(s)",
+            f.orphans.0, u.freed_unseen, u.gaps
+        ),
+    })
+}

@@ -168,37 +168,48 @@ pub struct ExplainArgs {
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct ChainOut {
     /// rule
-    pub r: String,
+    #[serde(rename = "r")]
+    pub rule: String,
     /// severity
-    pub sev: String,
+    #[serde(rename = "sev")]
+    pub severity: String,
     pub pid: u32,
     /// title
-    pub t: String,
+    #[serde(rename = "t")]
+    pub title: String,
     pub root: String,
     /// effect
-    pub eff: String,
+    #[serde(rename = "eff")]
+    pub effect: String,
     /// compounding
-    pub cmp: Vec<String>,
+    #[serde(rename = "cmp")]
+    pub compounding: Vec<String>,
     /// timeline: [seconds since the window's start, text]
-    pub tl: Vec<(f64, String)>,
+    #[serde(rename = "tl")]
+    pub timeline: Vec<(f64, String)>,
     pub fix: Vec<String>,
     /// evidence
-    pub ev: String,
+    #[serde(rename = "ev")]
+    pub evidence: String,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct OpOut {
     pub op: String,
     /// calls
-    pub n: u64,
+    #[serde(rename = "n")]
+    pub calls: u64,
     /// errors
-    pub err: u64,
+    #[serde(rename = "err")]
+    pub errors: u64,
     pub p50_ns: u64,
     pub p99_ns: u64,
     pub max_ns: u64,
     /// bytes, and in human units
-    pub b: u64,
-    pub bh: String,
+    #[serde(rename = "b")]
+    pub bytes: u64,
+    #[serde(rename = "bh")]
+    pub bytes_human: String,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
@@ -214,41 +225,56 @@ pub struct ProcOut {
 pub struct DevOut {
     pub pid: u32,
     /// device
-    pub d: i32,
+    #[serde(rename = "d")]
+    pub device: i32,
     /// view: blocks (PyTorch's probes seen) or segments
-    pub v: String,
+    #[serde(rename = "v")]
+    pub view: String,
     /// peak device memory held, and in human units
     pub held: u64,
-    pub held_h: String,
+    #[serde(rename = "held_h")]
+    pub held_human: String,
     /// peak reserved and allocated (blocks view)
-    pub res: u64,
-    pub alloc: u64,
+    #[serde(rename = "res")]
+    pub reserved: u64,
+    #[serde(rename = "alloc")]
+    pub allocated: u64,
     /// highest fragmentation ratio
-    pub frag: f64,
+    #[serde(rename = "frag")]
+    pub fragmentation: f64,
     /// failed allocations
-    pub fail: u64,
+    #[serde(rename = "fail")]
+    pub failures: u64,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct ExplainOut {
     /// session
-    pub s: i64,
+    #[serde(rename = "s")]
+    pub session: i64,
     /// window [from_ns, to_ns] and as UTC text
-    pub w: (i64, i64),
-    pub wt: String,
+    #[serde(rename = "w")]
+    pub window_ns: (i64, i64),
+    #[serde(rename = "wt")]
+    pub window_text: String,
     /// calls in the window
-    pub n: u64,
+    #[serde(rename = "n")]
+    pub events: u64,
     /// causal chains, most severe first
-    pub ch: Vec<ChainOut>,
+    #[serde(rename = "ch")]
+    pub chains: Vec<ChainOut>,
     /// per process
-    pub pr: Vec<ProcOut>,
+    #[serde(rename = "pr")]
+    pub processes: Vec<ProcOut>,
     /// per process and device
-    pub dev: Vec<DevOut>,
+    #[serde(rename = "dev")]
+    pub devices: Vec<DevOut>,
     /// what was left out to keep the answer short: chains, processes, process-device rows
     pub omitted: (usize, usize, usize),
     /// what the answer covers: evictions (and the whole-run series in their place), the
     /// keyframe read from, what tracer did not see, when each layout was exact again
-    pub cov: Vec<String>,
+    #[serde(rename = "cov")]
+    pub coverage: Vec<String>,
 }
 
 pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
@@ -276,37 +302,37 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
     let processes = r.processes.len();
     let devices = r.devices.len();
     Ok(ExplainOut {
-        s: r.session,
-        w: (r.window.from_ns, r.window.to_ns),
-        wt: format!(
+        session: r.session,
+        window_ns: (r.window.from_ns, r.window.to_ns),
+        window_text: format!(
             "{} - {}",
             format_utc(r.window.from_ns),
             format_utc(r.window.to_ns)
         ),
-        n: r.events_in_window,
-        ch: r
+        events: r.events_in_window,
+        chains: r
             .chains
             .iter()
             .take(MAX_CHAINS)
             .map(|c| ChainOut {
-                r: c.rule.to_owned(),
-                sev: format!("{:?}", c.severity).to_uppercase(),
+                rule: c.rule.to_owned(),
+                severity: format!("{:?}", c.severity).to_uppercase(),
                 pid: c.pid,
-                t: c.title.clone(),
+                title: c.title.clone(),
                 root: c.root.clone(),
-                eff: c.effect.clone(),
-                cmp: c.compounding.clone(),
-                tl: c
+                effect: c.effect.clone(),
+                compounding: c.compounding.clone(),
+                timeline: c
                     .timeline
                     .iter()
                     .take(MAX_TIMELINE)
                     .map(|e| ((e.ts_ns - from) as f64 / 1e9, e.text.clone()))
                     .collect(),
                 fix: c.fix.clone(),
-                ev: c.evidence.clone(),
+                evidence: c.evidence.clone(),
             })
             .collect(),
-        pr: r
+        processes: r
             .processes
             .iter()
             .take(MAX_PROCESSES)
@@ -318,32 +344,32 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
                     .iter()
                     .map(|o| OpOut {
                         op: o.op.to_owned(),
-                        n: o.calls,
-                        err: o.errors,
+                        calls: o.calls,
+                        errors: o.errors,
                         p50_ns: o.p50_ns,
                         p99_ns: o.p99_ns,
                         max_ns: o.max_ns,
-                        b: o.bytes,
-                        bh: format_bytes(o.bytes),
+                        bytes: o.bytes,
+                        bytes_human: format_bytes(o.bytes),
                     })
                     .collect(),
                 warn: p.warnings.clone(),
             })
             .collect(),
-        dev: r
+        devices: r
             .devices
             .iter()
             .take(MAX_PROCESSES * 8)
             .map(|d| DevOut {
                 pid: d.pid,
-                d: d.device,
-                v: d.view.to_owned(),
+                device: d.device,
+                view: d.view.to_owned(),
                 held: d.peak_held,
-                held_h: format_bytes(d.peak_held),
-                res: d.peak_reserved,
-                alloc: d.peak_allocated,
-                frag: d.fragmentation,
-                fail: d.failures,
+                held_human: format_bytes(d.peak_held),
+                reserved: d.peak_reserved,
+                allocated: d.peak_allocated,
+                fragmentation: d.fragmentation,
+                failures: d.failures,
             })
             .collect(),
         omitted: (
@@ -351,7 +377,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
             processes.saturating_sub(MAX_PROCESSES),
             devices.saturating_sub(MAX_PROCESSES * 8),
         ),
-        cov,
+        coverage: cov,
     })
 }
 
@@ -462,22 +488,28 @@ pub struct OpStatsArgs {
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct WindowOut {
     /// window start, seconds since the session's first call
-    pub w: f64,
+    #[serde(rename = "w")]
+    pub start_s: f64,
     pub op: String,
     /// calls, errors
-    pub n: u64,
-    pub err: u64,
+    #[serde(rename = "n")]
+    pub calls: u64,
+    #[serde(rename = "err")]
+    pub errors: u64,
     pub p50_ns: u64,
     pub p99_ns: u64,
     pub max_ns: u64,
     /// bytes of successful calls, and in human units
-    pub b: u64,
-    pub bh: String,
+    #[serde(rename = "b")]
+    pub bytes: u64,
+    #[serde(rename = "bh")]
+    pub bytes_human: String,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct OpStatsOut {
-    pub s: i64,
+    #[serde(rename = "s")]
+    pub session: i64,
     /// the session's first call, ns since the epoch
     pub t0_ns: i64,
     pub window_s: f64,
@@ -552,19 +584,19 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
         .into_iter()
         .take_while(|((w, _), _)| next_window.is_none_or(|next| *w < next))
         .map(|((w, op), (mut d, err, b))| WindowOut {
-            w: (w * width) as f64 / 1e9,
+            start_s: (w * width) as f64 / 1e9,
             op: op.to_owned(),
-            n: d.len() as u64,
-            err,
+            calls: d.len() as u64,
+            errors: err,
             p50_ns: select_quantile(&mut d, 0.5),
             p99_ns: select_quantile(&mut d, 0.99),
             max_ns: d.iter().max().copied().unwrap_or(0),
-            b,
-            bh: format_bytes(b),
+            bytes: b,
+            bytes_human: format_bytes(b),
         })
         .collect();
     Ok(OpStatsOut {
-        s: info.id,
+        session: info.id,
         t0_ns: t0.unwrap_or(0),
         window_s,
         rows,
@@ -588,24 +620,30 @@ pub struct StacksArgs {
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
-pub struct StackOut {
+pub struct StackSiteOut {
     pub id: i64,
     pub op: String,
     pub pid: u32,
     /// calls, bytes and in human units
-    pub n: u64,
-    pub b: u64,
-    pub bh: String,
+    #[serde(rename = "n")]
+    pub calls: u64,
+    #[serde(rename = "b")]
+    pub bytes: u64,
+    #[serde(rename = "bh")]
+    pub bytes_human: String,
     /// the Python call site (file:line function), if any
-    pub py: String,
+    #[serde(rename = "py")]
+    pub python: String,
     /// innermost frames first, at most 6: "function file:line" or "function (module)"
-    pub fr: Vec<String>,
+    #[serde(rename = "fr")]
+    pub frames: Vec<String>,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct StacksOut {
-    pub s: i64,
-    pub sites: Vec<StackOut>,
+    #[serde(rename = "s")]
+    pub session: i64,
+    pub sites: Vec<StackSiteOut>,
 }
 
 pub fn stacks(db: &Path, args: &StacksArgs) -> Result<StacksOut> {
@@ -618,15 +656,15 @@ pub fn stacks(db: &Path, args: &StacksArgs) -> Result<StacksOut> {
     let top = args.top.unwrap_or(10).clamp(1, 50);
     let sites = events::stacks(store.conn(), info.id, op, args.pid, top)?
         .into_iter()
-        .map(|s| StackOut {
+        .map(|s| StackSiteOut {
             id: s.stack_id,
             op: s.op.to_owned(),
             pid: s.pid,
-            n: s.calls,
-            b: s.bytes,
-            bh: format_bytes(s.bytes),
-            py: s.python,
-            fr: s
+            calls: s.calls,
+            bytes: s.bytes,
+            bytes_human: format_bytes(s.bytes),
+            python: s.python,
+            frames: s
                 .frames
                 .iter()
                 .take(6)
@@ -641,7 +679,10 @@ pub fn stacks(db: &Path, args: &StacksArgs) -> Result<StacksOut> {
                 .collect(),
         })
         .collect();
-    Ok(StacksOut { s: info.id, sites })
+    Ok(StacksOut {
+        session: info.id,
+        sites,
+    })
 }
 
 // ---- layout ----
@@ -659,11 +700,14 @@ pub struct LayoutArgs {
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct SegOut {
     /// address (hex), device, pool, size and in human units
-    pub a: String,
-    pub d: i32,
+    #[serde(rename = "a")]
+    pub address: String,
+    #[serde(rename = "d")]
+    pub device: i32,
     pub pool: String,
     pub size: u64,
-    pub sh: String,
+    #[serde(rename = "sh")]
+    pub size_human: String,
     /// allocated and free blocks in it, its largest free run
     pub alloc_blocks: u64,
     pub free_blocks: u64,
@@ -673,13 +717,15 @@ pub struct SegOut {
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct DevLayoutOut {
     /// device
-    pub d: i32,
+    #[serde(rename = "d")]
+    pub device: i32,
     pub allocated: u64,
     pub reserved: u64,
     pub free_blocks: u64,
     pub largest_free: u64,
     /// the same in human units: allocated / reserved / largest free
-    pub h: String,
+    #[serde(rename = "h")]
+    pub figures: String,
     /// device memory outside the allocator's segments
     pub outside: u64,
 }
@@ -691,16 +737,20 @@ pub struct ProcLayoutOut {
     pub at_ns: i64,
     /// blocks (PyTorch's probes seen) or segments
     pub view: String,
-    pub devs: Vec<DevLayoutOut>,
+    #[serde(rename = "devs")]
+    pub devices: Vec<DevLayoutOut>,
     /// segments, largest first, at most 12; how many in all
-    pub segs: Vec<SegOut>,
+    #[serde(rename = "segs")]
+    pub segments: Vec<SegOut>,
     pub seg_count: usize,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct LayoutOut {
-    pub s: i64,
-    pub procs: Vec<ProcLayoutOut>,
+    #[serde(rename = "s")]
+    pub session: i64,
+    #[serde(rename = "procs")]
+    pub processes: Vec<ProcLayoutOut>,
     /// processes left out (at most 32 are returned)
     pub procs_omitted: usize,
 }
@@ -735,13 +785,13 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
                 .map(|seg| {
                     let runs = |kind| seg.runs.iter().filter(move |r| r.kind == kind);
                     SegOut {
-                        a: format!("{:#x}", seg.addr),
-                        d: seg.device,
+                        address: format!("{:#x}", seg.addr),
+                        device: seg.device,
                         pool: seg
                             .pool
                             .map_or("?".into(), |p| format!("{p:?}").to_lowercase()),
                         size: seg.size,
-                        sh: format_bytes(seg.size),
+                        size_human: format_bytes(seg.size),
                         alloc_blocks: runs(crate::model::layout::RunKind::Allocated).count() as u64,
                         free_blocks: runs(crate::model::layout::RunKind::Free).count() as u64,
                         largest_free: runs(crate::model::layout::RunKind::Free)
@@ -759,16 +809,16 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
                 comm: p.comm,
                 at_ns: p.at_ns,
                 view: p.view.to_owned(),
-                devs: p
+                devices: p
                     .devices
                     .iter()
                     .map(|d| DevLayoutOut {
-                        d: d.device,
+                        device: d.device,
                         allocated: d.total.allocated,
                         reserved: d.total.reserved,
                         free_blocks: d.total.free_blocks,
                         largest_free: d.total.largest_free,
-                        h: format!(
+                        figures: format!(
                             "{} / {} / {}",
                             format_bytes(d.total.allocated),
                             format_bytes(d.total.reserved),
@@ -777,14 +827,14 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
                         outside: d.outside,
                     })
                     .collect(),
-                segs,
+                segments: segs,
                 seg_count,
             }
         })
         .collect();
     Ok(LayoutOut {
-        s,
-        procs,
+        session: s,
+        processes: procs,
         procs_omitted,
     })
 }
@@ -969,26 +1019,34 @@ pub struct WhatIfArgs {
 
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct FidelityOut {
-    pub ok: bool,
+    #[serde(rename = "ok")]
+    pub holds: bool,
     /// device allocations recorded / simulated
-    pub dev: (usize, usize),
+    #[serde(rename = "dev")]
+    pub device_allocs: (usize, usize),
     /// blocks at the recorded address / all
-    pub placed: (usize, usize),
+    #[serde(rename = "placed")]
+    pub placements: (usize, usize),
     /// the first divergence, in words
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub div: Option<String>,
+    #[serde(rename = "div")]
+    pub divergence: Option<String>,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct WhatIfRowOut {
     pub conf: String,
     pub oom: Option<usize>,
-    pub res: u64,
-    pub cached: u64,
+    #[serde(rename = "res")]
+    pub peak_reserved: u64,
+    #[serde(rename = "cached")]
+    pub peak_cached: u64,
     pub allocs: u64,
     pub retries: u64,
-    pub least: u64,
-    pub h: String,
+    #[serde(rename = "least")]
+    pub least_memory: u64,
+    #[serde(rename = "h")]
+    pub text: String,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
@@ -997,7 +1055,8 @@ pub struct WhatIfOut {
     pub pid: u32,
     pub device: i32,
     pub requests: usize,
-    pub fid: FidelityOut,
+    #[serde(rename = "fid")]
+    pub fidelity: FidelityOut,
     pub rows: Vec<WhatIfRowOut>,
 }
 
@@ -1032,11 +1091,11 @@ pub fn whatif(db: &Path, args: &WhatIfArgs) -> Result<WhatIfOut> {
         pid: w.pid,
         device: w.device,
         requests: w.requests,
-        fid: FidelityOut {
-            ok: f.holds,
-            dev: (f.device_allocs_recorded, f.device_allocs_simulated),
-            placed: (f.placements_matched, f.placements),
-            div,
+        fidelity: FidelityOut {
+            holds: f.holds,
+            device_allocs: (f.device_allocs_recorded, f.device_allocs_simulated),
+            placements: (f.placements_matched, f.placements),
+            divergence: div,
         },
         rows: w
             .rows
@@ -1044,12 +1103,12 @@ pub fn whatif(db: &Path, args: &WhatIfArgs) -> Result<WhatIfOut> {
             .map(|r| WhatIfRowOut {
                 conf: r.conf.clone(),
                 oom: r.oom_request,
-                res: r.peak_reserved,
-                cached: r.peak_cached,
+                peak_reserved: r.peak_reserved,
+                peak_cached: r.peak_cached,
                 allocs: r.device_allocs,
                 retries: r.retries,
-                least: r.least_memory.unwrap_or(0),
-                h: format!(
+                least_memory: r.least_memory.unwrap_or(0),
+                text: format!(
                     "{}; peak reserved {}, least memory {}",
                     r.oom_request
                         .map_or("no OOM".to_owned(), |i| format!("OOM at request {i}")),

@@ -437,39 +437,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let usdt_sites = prologue::usdt_sites(&p.usdt)?;
 
     let n = args.iters;
-    let mut sim: [Samples; 6] = Default::default();
-    let mut real: [Samples; 3] = Default::default();
-    let mut py: [Samples; 4] = Default::default();
-    let mut usdt_s: [Samples; 2] = Default::default();
+    let mut sim = SimSamples::default();
+    let mut real = RealSamples::default();
+    let mut py = PySamples::default();
+    let mut usdt_s = UsdtSamples::default();
     let mut peer_recorded = Vec::new();
     for round in 0..args.runs {
         eprintln!("bench: round {}/{}", round + 1, args.runs);
-        for (i, setup) in [
-            None,
-            Some(FLOOR),
-            Some(FLOOR_CLOCK),
-            Some(TRACER),
-            Some(STACK),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            sim[i].push(run_setup(&p, Workload::Sim, n, setup)?.0);
-        }
+        let run = |w, setup| run_setup(&p, w, n, setup).map(|(ns, _)| ns);
+        sim.untraced.push(run(Workload::Sim, None)?);
+        sim.floor.push(run(Workload::Sim, Some(FLOOR))?);
+        sim.floor_clock.push(run(Workload::Sim, Some(FLOOR_CLOCK))?);
+        sim.tracer.push(run(Workload::Sim, Some(TRACER))?);
+        sim.stack.push(run(Workload::Sim, Some(STACK))?);
         let (ns, recorded) = bpftrace_pair_ns(&p, n)?;
-        sim[5].push(ns);
+        sim.bpftrace.push(ns);
         peer_recorded.push(recorded);
-        for (i, setup) in [None, Some(FLOOR), Some(TRACER)].into_iter().enumerate() {
-            real[i].push(run_setup(&p, Workload::Real, n, setup)?.0);
-        }
-        for (i, setup) in [None, Some(FLOOR), Some(TRACER), Some(STACK)]
-            .into_iter()
-            .enumerate()
-        {
-            py[i].push(run_setup(&p, Workload::Python, n, setup)?.0);
-        }
-        usdt_s[0].push(usdt_hit_ns(&p, 4 * n, false)?);
-        usdt_s[1].push(usdt_hit_ns(&p, 4 * n, true)?);
+        real.untraced.push(run(Workload::Real, None)?);
+        real.floor.push(run(Workload::Real, Some(FLOOR))?);
+        real.tracer.push(run(Workload::Real, Some(TRACER))?);
+        py.untraced.push(run(Workload::Python, None)?);
+        py.floor.push(run(Workload::Python, Some(FLOOR))?);
+        py.tracer.push(run(Workload::Python, Some(TRACER))?);
+        py.stack.push(run(Workload::Python, Some(STACK))?);
+        usdt_s.untraced.push(usdt_hit_ns(&p, 4 * n, false)?);
+        usdt_s.floor.push(usdt_hit_ns(&p, 4 * n, true)?);
     }
 
     // The programs' own time: runs of their own, since the kernel's statistics cost a little.
@@ -505,57 +497,67 @@ pub fn run(args: BenchArgs) -> Result<()> {
     println!("\nsimulated runtime, C loop, {n} pairs");
     print_sites(&sim_sites);
     println!("  {:<22} {:>10} {:>10}", "setup", "median", "min");
-    row("untraced", &sim[0], "");
-    row("floor", &sim[1], "same probes, programs that only count");
+    row("untraced", &sim.untraced, "");
+    row("floor", &sim.floor, "same probes, programs that only count");
     row(
         "floor + clock",
-        &sim[2],
+        &sim.floor_clock,
         "the floor reading the clock at entry and return",
     );
-    row("tracer", &sim[3], "");
-    row("tracer --stack", &sim[4], "native stack (no Python)");
+    row("tracer", &sim.tracer, "");
+    row("tracer --stack", &sim.stack, "native stack (no Python)");
     row(
         "bpftrace (peer)",
-        &sim[5],
+        &sim.bpftrace,
         &format!("printed {peer_recorded:?} of {} calls per run", 2 * n),
     );
     match prologue_verdict(&sim_sites) {
         Some(why) => println!("  ratios {why}"),
         None => {
-            ratio("tracer / floor", &sim[3], &sim[1], "target <= 1.25");
-            ratio("tracer / floor+clock", &sim[3], &sim[2], "");
-            ratio("--stack / tracer", &sim[4], &sim[3], "target <= 2");
-            ratio("bpftrace / tracer", &sim[5], &sim[3], "> 1: tracer cheaper");
-            ratio("tracer / untraced", &sim[3], &sim[0], "");
+            ratio("tracer / floor", &sim.tracer, &sim.floor, "target <= 1.25");
+            ratio("tracer / floor+clock", &sim.tracer, &sim.floor_clock, "");
+            ratio("--stack / tracer", &sim.stack, &sim.tracer, "target <= 2");
+            ratio(
+                "bpftrace / tracer",
+                &sim.bpftrace,
+                &sim.tracer,
+                "> 1: tracer cheaper",
+            );
+            ratio("tracer / untraced", &sim.tracer, &sim.untraced, "");
         }
     }
     println!("\nreal libcudart.so.12 (PyPI), no GPU: every call returns 35, {n} pairs");
     print_sites(&real_sites);
-    row("untraced", &real[0], "");
-    row("floor", &real[1], "");
+    row("untraced", &real.untraced, "");
+    row("floor", &real.floor, "");
     row(
         "tracer",
-        &real[2],
+        &real.tracer,
         "no out-pointer to read, nothing allocated",
     );
     match prologue_verdict(&real_sites) {
         Some(why) => println!("  ratios {why}"),
-        None => ratio("tracer / floor", &real[2], &real[1], "target <= 1.25"),
+        None => ratio(
+            "tracer / floor",
+            &real.tracer,
+            &real.floor,
+            "target <= 1.25",
+        ),
     }
     println!(
         "\nPython (ctypes), 20 frames deep, {} pairs, the simulated runtime",
         (n / 4).max(1000)
     );
-    row("untraced", &py[0], "");
-    row("floor", &py[1], "");
-    row("tracer", &py[2], "");
-    row("tracer --stack", &py[3], "native + Python frames");
+    row("untraced", &py.untraced, "");
+    row("floor", &py.floor, "");
+    row("tracer", &py.tracer, "");
+    row("tracer --stack", &py.stack, "native + Python frames");
     match prologue_verdict(&sim_sites) {
         Some(why) => println!("  ratios {why}"),
         None => {
-            ratio("tracer / floor", &py[2], &py[1], "");
-            ratio("--stack / floor", &py[3], &py[1], "");
-            ratio("--stack / tracer", &py[3], &py[2], "target <= 2");
+            ratio("tracer / floor", &py.tracer, &py.floor, "");
+            ratio("--stack / floor", &py.stack, &py.floor, "");
+            ratio("--stack / tracer", &py.stack, &py.tracer, "target <= 2");
         }
     }
     println!(
@@ -563,10 +565,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         4 * n
     );
     print_sites(&usdt_sites);
-    row("untraced", &usdt_s[0], "semaphore 0: the site does not run");
+    row(
+        "untraced",
+        &usdt_s.untraced,
+        "semaphore 0: the site does not run",
+    );
     row(
         "floor",
-        &usdt_s[1],
+        &usdt_s.floor,
         "bpftrace, empty action: the probe hit alone",
     );
     if let Some(why) = prologue_verdict(&usdt_sites) {
@@ -666,4 +672,40 @@ fn throughput(p: &Paths, secs: u64) -> Result<Throughput> {
         t.dropped
     );
     Ok(t)
+}
+
+/// The simulated runtime's C loop, per setup: CPU ns per pair, one sample a round.
+#[derive(Default)]
+struct SimSamples {
+    untraced: Samples,
+    floor: Samples,
+    floor_clock: Samples,
+    tracer: Samples,
+    stack: Samples,
+    /// The peer: bpftrace with the same probes.
+    bpftrace: Samples,
+}
+
+/// The real libcudart (PyPI, no GPU: every call fails), per setup.
+#[derive(Default)]
+struct RealSamples {
+    untraced: Samples,
+    floor: Samples,
+    tracer: Samples,
+}
+
+/// The Python (ctypes) loop, per setup.
+#[derive(Default)]
+struct PySamples {
+    untraced: Samples,
+    floor: Samples,
+    tracer: Samples,
+    stack: Samples,
+}
+
+/// A USDT site: the semaphore down (the site does not run), and the bare probe hit.
+#[derive(Default)]
+struct UsdtSamples {
+    untraced: Samples,
+    floor: Samples,
 }

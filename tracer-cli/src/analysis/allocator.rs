@@ -170,18 +170,18 @@ impl DevicePeak {
 /// A segment just reserved (when, how large), and the pools' figures before it.
 type NewSegment = (i64, u64, BTreeMap<(i32, Pool), PoolStats>);
 
-/// Replays the process's calls up to the window's end.
-pub fn replay(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels) -> Findings {
-    let mut r = Replay::new(None, window, conf, sites);
+/// Measures the allocator's layout over the process's calls up to the window's end.
+pub fn measure(all: &[Event], window: Window, conf: AllocConf, sites: &SiteLabels) -> Findings {
+    let mut r = LayoutMeasure::new(None, window, conf, sites);
     for e in all {
         r.feed(e);
     }
     r.finish()
 }
 
-/// [`replay`] a call at a time: the process's calls in time order, from its first or from a
+/// [`measure`] a call at a time: the process's calls in time order, from its first or from a
 /// keyframe's state.
-pub struct Replay<'a> {
+pub struct LayoutMeasure<'a> {
     sites: &'a SiteLabels,
     layout: Layout,
     pressure: Pressure,
@@ -193,14 +193,14 @@ pub struct Replay<'a> {
     next_sample: i64,
 }
 
-impl<'a> Replay<'a> {
+impl<'a> LayoutMeasure<'a> {
     /// From `start` (a keyframe's state of the process), else from nothing.
     pub fn new(
         start: Option<&ProcessState>,
         window: Window,
         conf: AllocConf,
         sites: &'a SiteLabels,
-    ) -> Replay<'a> {
+    ) -> LayoutMeasure<'a> {
         let (layout, pressure) = match start {
             Some(s) => (s.layout.clone(), s.pressure.clone()),
             None => (Layout::new(conf), Pressure::default()),
@@ -210,7 +210,7 @@ impl<'a> Replay<'a> {
             visible: layout.blocks_seen > 0,
             ..Findings::default()
         };
-        Replay {
+        LayoutMeasure {
             sites,
             layout,
             pressure,

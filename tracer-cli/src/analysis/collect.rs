@@ -62,7 +62,7 @@ pub struct Collector<'a> {
     confs: &'a HashMap<u32, AllocConf>,
     sites: &'a SiteLabels,
     calls: Vec<Event>,
-    processes: BTreeMap<u32, (allocator::Replay<'a>, BlockTally)>,
+    processes: BTreeMap<u32, (allocator::LayoutMeasure<'a>, BlockTally)>,
     starts: HashMap<u32, ProcessState>,
 }
 
@@ -96,7 +96,7 @@ impl<'a> Collector<'a> {
             let conf = self.confs.get(&e.pid).copied().unwrap_or_default();
             let start = self.starts.get(&e.pid);
             (
-                allocator::Replay::new(start, window, conf, sites),
+                allocator::LayoutMeasure::new(start, window, conf, sites),
                 BlockTally::default(),
             )
         });

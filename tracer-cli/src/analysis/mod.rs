@@ -730,7 +730,7 @@ pub struct StateNote {
 
 /// Everything explain shows.
 #[derive(Clone, Debug, Serialize)]
-pub struct Report {
+pub struct Explanation {
     pub session: i64,
     pub window: Window,
     pub events_in_window: u64,
@@ -804,7 +804,7 @@ pub fn analyze(
     host: &Host,
     window: Window,
     inputs: &Inputs<'_>,
-) -> Report {
+) -> Explanation {
     let mut c = Collector::new(window, inputs, Vec::new());
     for e in all {
         c.feed(e);
@@ -819,7 +819,7 @@ pub fn analyze_collected(
     host: &Host,
     window: Window,
     inputs: &Inputs<'_>,
-) -> Report {
+) -> Explanation {
     let (comms, sites) = (inputs.comms, inputs.sites);
     let Collected {
         calls,
@@ -919,7 +919,7 @@ pub fn analyze_collected(
         .iter()
         .map(|p| p.window.len() as u64 + blocks.get(&p.pid).map_or(0, |b| b.in_window))
         .sum();
-    Report {
+    Explanation {
         session,
         window,
         events_in_window,

@@ -776,7 +776,7 @@ fn a_report_started_from_a_keyframe_equals_one_from_the_first_call() {
         c.feed(e);
     }
     let from_keyframe = analyze_collected(1, c.finish(), &Host::default(), window, &inputs);
-    let json = |r: &Report| serde_json::to_value(r).unwrap();
+    let json = |r: &Explanation| serde_json::to_value(r).unwrap();
     assert_eq!(json(&from_keyframe), json(&whole));
     assert!(
         whole.chains.iter().any(|c| c.rule == "oom"),

@@ -9,7 +9,7 @@ use tracer_cli::{
     exit::user_error,
     paths,
     present::{self, live},
-    record::{on_warning::OnWarning, signals, RecordOptions, Recording, Snapshot, Stop},
+    record::{on_warning::OnWarning, signals, RecordOptions, Recording, RecordingStatus, Stop},
     serve::{self, MetricsServer},
     target::pods::{KubeSource, PodDirectory},
     units::{parse_duration, parse_size},
@@ -227,7 +227,7 @@ impl Exporter {
     }
 
     /// What a second of recording adds up to; asks for the names of pods not yet known.
-    fn publish(&self, snapshot: &Snapshot, session: i64) {
+    fn publish(&self, snapshot: &RecordingStatus, session: i64) {
         for p in snapshot.figures.processes() {
             if let Some(pod) = &p.pod {
                 if self.pods.name(&pod.pod_uid).is_none() {

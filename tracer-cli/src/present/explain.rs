@@ -5,7 +5,7 @@ use std::io::Write;
 use anyhow::Result;
 
 use crate::{
-    analysis::Report,
+    analysis::Explanation,
     query::explain::Explained,
     units::{bytes_column, format_bytes, format_ns, format_utc},
 };
@@ -47,7 +47,7 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
     chains(out, r)
 }
 
-fn coverage(out: &mut impl Write, r: &Report) -> Result<()> {
+fn coverage(out: &mut impl Write, r: &Explanation) -> Result<()> {
     for line in r.coverage.lines(r.window) {
         writeln!(out, "{line}")?;
     }
@@ -55,7 +55,7 @@ fn coverage(out: &mut impl Write, r: &Report) -> Result<()> {
 }
 
 /// Ranks and devices side by side, when there are several or they carry ranks.
-fn devices(out: &mut impl Write, r: &Report) -> Result<()> {
+fn devices(out: &mut impl Write, r: &Explanation) -> Result<()> {
     if r.devices.len() < 2 && r.devices.iter().all(|d| d.rank.is_none()) {
         return Ok(());
     }
@@ -104,7 +104,7 @@ fn devices(out: &mut impl Write, r: &Report) -> Result<()> {
 }
 
 /// Per process: each op's calls, latency and bytes, outstanding allocations, warnings.
-fn process_tables(out: &mut impl Write, r: &Report) -> Result<()> {
+fn process_tables(out: &mut impl Write, r: &Explanation) -> Result<()> {
     for p in &r.processes {
         writeln!(out)?;
         writeln!(
@@ -154,7 +154,7 @@ fn process_tables(out: &mut impl Write, r: &Report) -> Result<()> {
 }
 
 /// The busiest call sites of each op (--stack sessions).
-fn call_sites(out: &mut impl Write, r: &Report) -> Result<()> {
+fn call_sites(out: &mut impl Write, r: &Explanation) -> Result<()> {
     let mut current_op = None;
     for row in &r.call_sites {
         if current_op != Some((row.op, row.pid)) {
@@ -183,7 +183,7 @@ fn call_sites(out: &mut impl Write, r: &Report) -> Result<()> {
 }
 
 /// The causal chains, most severe first, with their evidence.
-fn chains(out: &mut impl Write, r: &Report) -> Result<()> {
+fn chains(out: &mut impl Write, r: &Explanation) -> Result<()> {
     if r.chains.is_empty() && r.coverage.window_evicted {
         writeln!(
             out,

@@ -16,7 +16,7 @@ use crate::{
         figures::{ProcessFigures, LATENCY_BOUNDS_NS},
         live::AllocatorRow,
     },
-    record::Snapshot,
+    record::RecordingStatus,
     target::pods::PodName,
 };
 
@@ -40,7 +40,7 @@ pub struct Health {
 
 /// The exposition: every family with at least one series.
 pub fn render(
-    snapshot: Option<&Snapshot>,
+    snapshot: Option<&RecordingStatus>,
     health: &Health,
     pod_name: &dyn Fn(&str) -> Option<PodName>,
 ) -> String {
@@ -165,7 +165,11 @@ fn process_labels(
     labels
 }
 
-fn process_families(f: &mut Families, s: &Snapshot, pod_name: &dyn Fn(&str) -> Option<PodName>) {
+fn process_families(
+    f: &mut Families,
+    s: &RecordingStatus,
+    pod_name: &dyn Fn(&str) -> Option<PodName>,
+) {
     let shown: Vec<&ProcessFigures> = {
         let mut all: Vec<&ProcessFigures> = s.figures.processes().collect();
         // The living first, then the most recently ended; the highest pids among equals.
@@ -347,7 +351,7 @@ fn histogram(buckets: &[u64], sum_ns: u64) -> Histogram {
     h
 }
 
-fn health_families(f: &mut Families, s: Option<&Snapshot>, health: &Health) {
+fn health_families(f: &mut Families, s: Option<&RecordingStatus>, health: &Health) {
     f.gauge(
         "tracer_tracing",
         "1 while probes are attached and calls are recorded; 0 when tracer cannot trace (see tracer_not_tracing_info).",
@@ -494,7 +498,7 @@ mod tests {
         figures.describe(8, "bash", None, None);
         figures.apply(&call(8, Op::CudaMalloc, 1));
         figures.exited(8, Instant::now());
-        let snapshot = Snapshot {
+        let snapshot = RecordingStatus {
             elapsed: Duration::from_secs(1),
             libraries: 1,
             probes: 2,

@@ -4,9 +4,9 @@ use std::io::Write;
 
 use anyhow::Result;
 
-use crate::{store::events::StackOut, units::bytes_column};
+use crate::{store::events::StackSite, units::bytes_column};
 
-pub fn text(out: &mut impl Write, stacks: &[StackOut]) -> Result<()> {
+pub fn text(out: &mut impl Write, stacks: &[StackSite]) -> Result<()> {
     for s in stacks {
         let bytes = bytes_column(s.bytes);
         writeln!(

@@ -9,7 +9,7 @@ use anyhow::{Context as _, Result};
 use rusqlite::Connection;
 
 use crate::{
-    analysis::{self, Collector, Coverage, Evicted, Host, Inputs, Report, SpanFigures},
+    analysis::{self, Collector, Coverage, Evicted, Explanation, Host, Inputs, SpanFigures},
     exit::user_error,
     model::{layout::AllocConf, state::ProcessState, Event, MessageRow, Rank, SiteLabels, Window},
     store::{events, series, walk::Hole, Access, Store},
@@ -37,7 +37,7 @@ pub struct ExplainQuery {
 
 /// A session's report, and how it was made.
 pub struct Explained {
-    pub report: Report,
+    pub report: Explanation,
     /// The session was still being recorded: the window ends now.
     pub running: bool,
     /// The window ends where --to said (not at the session's end).

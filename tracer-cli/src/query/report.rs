@@ -10,7 +10,7 @@ use serde::Serialize;
 use tracer_common::{Op, OpClass};
 
 use crate::{
-    analysis::Report,
+    analysis::Explanation,
     model::{
         figures::Figures,
         layout::AllocConf,
@@ -52,7 +52,7 @@ pub struct Marker {
 
 /// The segment maps of every process at one moment.
 #[derive(Clone, Debug, Serialize)]
-pub struct Snapshot {
+pub struct SegmentMaps {
     pub at_ns: i64,
     /// "oom", "end" or "time".
     pub label: &'static str,
@@ -73,7 +73,7 @@ pub struct ReportData {
     /// read from, what tracer did not see, when each layout was exact again.
     pub coverage: Vec<String>,
     /// Exactly what `tracer explain --json` prints for the same window.
-    pub explain: Report,
+    pub explain: Explanation,
     pub comms: HashMap<u32, String>,
     /// The calls read to draw the charts (the whole session up to the window's end).
     pub calls_read: u64,
@@ -82,7 +82,7 @@ pub struct ReportData {
     pub lines: Vec<Line>,
     pub markers: Vec<Marker>,
     pub markers_omitted: u64,
-    pub snapshots: Vec<Snapshot>,
+    pub snapshots: Vec<SegmentMaps>,
     /// Call sites of the blocks in the maps, by stack id.
     pub sites: HashMap<u32, String>,
     /// The recorded requests under other allocator settings (`tracer whatif`), for runs of at
@@ -233,7 +233,7 @@ struct Pass<'a> {
     timeline: Timeline,
     markers: Vec<Marker>,
     markers_omitted: u64,
-    snapshots: Vec<Snapshot>,
+    snapshots: Vec<SegmentMaps>,
 }
 
 impl<'a> Pass<'a> {
@@ -399,7 +399,7 @@ impl<'a> Pass<'a> {
                 ))
             })
             .collect();
-        self.snapshots.push(Snapshot {
+        self.snapshots.push(SegmentMaps {
             at_ns,
             label,
             processes,
@@ -416,7 +416,7 @@ fn oom_device(text: &str) -> Option<i32> {
 }
 
 /// Keeps each snapshot's largest segments within its share of [`MAX_RUNS`].
-fn bound_runs(mut snapshots: Vec<Snapshot>) -> Vec<Snapshot> {
+fn bound_runs(mut snapshots: Vec<SegmentMaps>) -> Vec<SegmentMaps> {
     let share = MAX_RUNS / snapshots.len().max(1);
     for s in &mut snapshots {
         let mut all: Vec<(usize, usize, u64, usize)> = Vec::new();

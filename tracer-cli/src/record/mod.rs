@@ -19,4 +19,4 @@ mod shared;
 pub mod signals;
 mod writer;
 
-pub use session::{Finished, RecordOptions, Recording, Snapshot, Started, Stop, Summary};
+pub use session::{Finished, RecordOptions, Recording, RecordingStatus, Started, Stop, Summary};

@@ -138,7 +138,7 @@ impl Clock {
 }
 
 /// How the recording stands, for a live view.
-pub struct Snapshot {
+pub struct RecordingStatus {
     pub elapsed: Duration,
     pub libraries: usize,
     pub probes: usize,
@@ -362,7 +362,7 @@ impl Recording {
         &mut self,
         stops: &Receiver<Stop>,
         duration: Option<Duration>,
-        mut on_tick: impl FnMut(&Snapshot),
+        mut on_tick: impl FnMut(&RecordingStatus),
     ) -> Result<Stop> {
         let deadline = duration.map(|d| Instant::now() + d);
         let mut next_tick = Instant::now() + Duration::from_secs(1);
@@ -419,9 +419,9 @@ impl Recording {
         Ok(None)
     }
 
-    pub fn snapshot(&self) -> Result<Snapshot> {
+    pub fn snapshot(&self) -> Result<RecordingStatus> {
         let kernel = self.probes.counters()?;
-        Ok(Snapshot {
+        Ok(RecordingStatus {
             elapsed: self.began.elapsed(),
             libraries: self.probes.library_count(),
             probes: self.probes.probe_count(),

@@ -768,7 +768,7 @@ pub struct FrameOut {
 
 /// One call site with the calls made from it.
 #[derive(Clone, Debug, serde::Serialize)]
-pub struct StackOut {
+pub struct StackSite {
     pub stack_id: i64,
     pub op: &'static str,
     pub pid: u32,
@@ -800,7 +800,7 @@ pub fn stacks(
     op: Option<Op>,
     pid: Option<u32>,
     top: u32,
-) -> Result<Vec<StackOut>> {
+) -> Result<Vec<StackSite>> {
     let mut stmt = conn.prepare(
         "WITH c AS (
              SELECT stack_id, op_id, pid, size, ret FROM calls
@@ -848,7 +848,7 @@ pub fn stacks(
             })?
             .collect::<rusqlite::Result<Vec<_>>>()
             .context("read stack_frames")?;
-        out.push(StackOut {
+        out.push(StackSite {
             stack_id,
             op: op.name(),
             pid,

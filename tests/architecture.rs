@@ -362,3 +362,33 @@ fn the_checker_sees_cycles_and_upward_imports() {
         "the inline test module's super is store itself, and a parent naming its child is not an import"
     );
 }
+
+/// A long file says why at its top: no file over 700 lines without a reason.
+#[test]
+fn a_file_over_700_lines_says_why() {
+    let mut long = Vec::new();
+    for src in [
+        "tracer-cli/src",
+        "tracer-ebpf/src",
+        "tracer-common/src",
+        "xtask/src",
+    ] {
+        let mut files = Vec::new();
+        collect_rs(&workspace().join(src), &mut files);
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            let head: String = text
+                .lines()
+                .take_while(|l| l.starts_with("//!"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            if text.lines().count() > 700 && !head.contains("Over 700 lines because") {
+                long.push(file.display().to_string());
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "over 700 lines with no reason at the top: {long:?}"
+    );
+}

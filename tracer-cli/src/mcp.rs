@@ -3,6 +3,9 @@
 //! writing shows its newest sessions), answers in abbreviated fields whose meaning each tool's
 //! description gives, and bounds what it returns. Errors and refusals come back as tool results
 //! marked as errors. Nothing here can write, attach another database, trace or run a demo.
+//!
+//! Over 700 lines because each tool is its arguments, its bounded answer type and its handler, and
+//! the server lists them in one place.
 
 use std::{
     collections::BTreeMap,

@@ -13,6 +13,9 @@
 //! Then the eBPF programs' own time per pair (kernel BPF statistics, runs of their own), and two
 //! producer threads at full speed: events stored per second, drops, tracer CPU, bytes per event.
 //! Costs are the workload's CPU time (user + kernel: the probes run in it).
+//!
+//! Over 700 lines because every setup of every workload is run and printed here, side by side, so
+//! that the ratios come from one run.
 
 use std::{
     io::{BufRead as _, BufReader},

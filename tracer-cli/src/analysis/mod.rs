@@ -1,5 +1,8 @@
 //! Analysis of recorded calls: per-process tables, outstanding allocations, and causal chains.
 //! Pure functions over [`Event`] lists, so every rule is unit-tested on constructed data.
+//!
+//! Over 700 lines because explain's answer (its types) and the one pass that fills it live
+//! together; the rules are in rules/.
 
 pub mod allocator;
 mod collect;

@@ -1,4 +1,6 @@
 //! Each rule on constructed event sets: where it must fire, and where it must not.
+//!
+//! Over 700 lines because every rule's fire and not-fire cases share the event builders here.
 
 use std::collections::HashMap;
 

@@ -6,6 +6,9 @@
 //!
 //! Feed events in the order they happened ([`Layout::apply`]); read [`Layout::stats`] at any
 //! moment, or [`Layout::segments`] for the map.
+//!
+//! Over 700 lines because the layout's rules and their unit tests (about 400 lines) are kept beside
+//! the code they pin.
 
 use std::collections::BTreeMap;
 

@@ -8,6 +8,9 @@
 //! unused cached segment and retries (counted as a retry); if that fails too, it is PyTorch's
 //! OOM. Expandable segments map pages of 2 MiB (small pool) or 20 MiB (large pool) in one
 //! reserved range per pool and stream instead.
+//!
+//! Over 700 lines because PyTorch's malloc and free are one state machine (pools, splits, retries,
+//! expandable ranges) with its unit tests beside it.
 
 use std::collections::BTreeMap;
 

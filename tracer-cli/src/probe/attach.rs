@@ -1,6 +1,9 @@
 //! Loading the eBPF object and attaching its programs: the entry and return programs to every
 //! probed symbol of a library, the USDT program to every PyTorch probe site, the OOM uprobe to
 //! PyTorch's OutOfMemoryError constructor.
+//!
+//! Over 700 lines because loading, attaching by symbol, by USDT site and at the OOM constructor,
+//! and the self-test share the loaded object's state.
 
 use std::{
     collections::BTreeMap,

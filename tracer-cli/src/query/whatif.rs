@@ -3,6 +3,9 @@
 //! and under others. First the fidelity gate: with the recorded settings the simulator must
 //! make the same device allocations (count and sizes, in order) and put the blocks where the
 //! allocator did; a session where it does not is said to be so, with the first divergence.
+//!
+//! Over 700 lines because the recorded run, its fidelity check and the settings' outcomes are one
+//! walk over the same requests; the simulator itself is model/simulator.rs.
 
 use std::{collections::HashMap, path::Path};
 

@@ -1,6 +1,9 @@
 //! A recording from start to the final flush: attach, begin the session, run the reader, the
 //! registry and the writer on their threads, keep attaching what discovery finds, and on stop
 //! pause the probes, drain everything submitted, commit, and end the session.
+//!
+//! Over 700 lines because start, the threads' hand-offs and the ordered stop (pause, drain, commit,
+//! end, detach) must read as one sequence.
 
 use std::{
     collections::{HashMap, HashSet},

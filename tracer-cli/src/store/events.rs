@@ -1,4 +1,7 @@
 //! Reading sessions and events back for analysis.
+//!
+//! Over 700 lines because each small reader (sessions, events, messages, stacks, processes) is a
+//! query and its owned row type, kept together so the SQL and its row read as one.
 
 use std::{collections::HashMap, path::Path};
 

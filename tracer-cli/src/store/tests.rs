@@ -1,3 +1,7 @@
+//! The store's unit tests: writes, reads, walks, keyframes, eviction, migrations.
+//!
+//! Over 700 lines because they share one set of fixtures (a store, varied calls, keyframes).
+
 use rusqlite::params;
 use tracer_common::Op;
 

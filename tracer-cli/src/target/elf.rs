@@ -181,4 +181,19 @@ mod tests {
         let symbols = read_symbols(&exe).unwrap();
         assert!(symbols.targets.is_empty());
     }
+
+    #[test]
+    fn a_library_truncated_under_the_reader_is_an_error_not_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = crate::target::safe_file::truncation::writable_elf(dir.path());
+        assert!(read_symbols(&lib).is_ok(), "the whole file reads");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&lib)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        assert!(read_symbols(&lib).is_err());
+        assert!(!has_torch_probes(&lib));
+    }
 }

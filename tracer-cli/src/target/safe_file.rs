@@ -179,7 +179,7 @@ pub(crate) mod truncation {
         let Bytes::Read(cache) = &held else {
             panic!("a file others can write was mapped");
         };
-        // Its owner truncates it while tracer holds it (probe/usdt.rs tests its notes' reader alike): with a map, the next read of its pages
+        // Its owner truncates it while tracer holds it (elf.rs and probe/usdt.rs test their readers alike): with a map, the next read of its pages
         // would raise SIGBUS.
         std::fs::OpenOptions::new()
             .write(true)
@@ -188,8 +188,6 @@ pub(crate) mod truncation {
             .set_len(0)
             .unwrap();
         assert!(object::File::parse(cache).is_err());
-        assert!(crate::target::elf::read_symbols(&lib).is_err());
-        assert!(!crate::target::elf::has_torch_probes(&lib));
         // Truncated half-way: still an error or a partial answer, never a signal.
         let lib = writable_elf(dir.path());
         let len = std::fs::metadata(&lib).unwrap().len();

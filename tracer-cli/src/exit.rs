@@ -55,5 +55,9 @@ pub fn is_broken_pipe(err: &anyhow::Error) -> bool {
             // serde_json keeps the write's error inside its own.
             || e.downcast_ref::<serde_json::Error>()
                 .is_some_and(|j| j.io_error_kind() == Some(std::io::ErrorKind::BrokenPipe))
+            // And csv (tracer query --format csv).
+            || e.downcast_ref::<csv::Error>().is_some_and(|c| {
+                matches!(c.kind(), csv::ErrorKind::Io(io) if io.kind() == std::io::ErrorKind::BrokenPipe)
+            })
     })
 }

@@ -4,6 +4,7 @@ use std::io::Write;
 
 use anyhow::Result;
 use clap::ValueEnum;
+use unicode_width::UnicodeWidthStr as _;
 
 use crate::store::readonly::Cell;
 
@@ -36,18 +37,17 @@ fn json(cell: &Cell) -> serde_json::Value {
     }
 }
 
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n', '\r']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_owned()
-    }
+/// Where the rows go: a table needs every row for its widths; CSV (the csv crate: quoting,
+/// escapes) and JSON stream.
+enum Out<W: Write> {
+    Table(W),
+    Csv(csv::Writer<W>),
+    Json(W),
 }
 
-/// Collects or streams rows, depending on the format (a table needs every row for its widths).
+/// Collects or streams rows, depending on the format.
 pub struct RowWriter<W: Write> {
-    out: W,
-    format: Format,
+    out: Out<W>,
     columns: Vec<String>,
     buffered: Vec<Vec<String>>,
     rows: u64,
@@ -55,9 +55,17 @@ pub struct RowWriter<W: Write> {
 
 impl<W: Write> RowWriter<W> {
     pub fn new(out: W, format: Format) -> Self {
+        let out = match format {
+            Format::Table => Out::Table(out),
+            Format::Csv => Out::Csv(
+                csv::WriterBuilder::new()
+                    .terminator(csv::Terminator::Any(b'\n'))
+                    .from_writer(out),
+            ),
+            Format::Json => Out::Json(out),
+        };
         RowWriter {
             out,
-            format,
             columns: Vec::new(),
             buffered: Vec::new(),
             rows: 0,
@@ -66,23 +74,19 @@ impl<W: Write> RowWriter<W> {
 
     pub fn columns(&mut self, columns: &[String]) -> Result<()> {
         self.columns = columns.to_vec();
-        if self.format == Format::Csv {
-            let line: Vec<String> = columns.iter().map(|c| csv_field(c)).collect();
-            writeln!(self.out, "{}", line.join(","))?;
-        } else if self.format == Format::Json {
-            write!(self.out, "[")?;
+        match &mut self.out {
+            Out::Table(_) => {}
+            Out::Csv(w) => w.write_record(columns)?,
+            Out::Json(w) => write!(w, "[")?,
         }
         Ok(())
     }
 
     pub fn row(&mut self, cells: &[Cell]) -> Result<()> {
-        match self.format {
-            Format::Table => self.buffered.push(cells.iter().map(text).collect()),
-            Format::Csv => {
-                let line: Vec<String> = cells.iter().map(|c| csv_field(&text(c))).collect();
-                writeln!(self.out, "{}", line.join(","))?;
-            }
-            Format::Json => {
+        match &mut self.out {
+            Out::Table(_) => self.buffered.push(cells.iter().map(text).collect()),
+            Out::Csv(w) => w.write_record(cells.iter().map(text))?,
+            Out::Json(w) => {
                 let object: serde_json::Map<String, serde_json::Value> = self
                     .columns
                     .iter()
@@ -90,44 +94,53 @@ impl<W: Write> RowWriter<W> {
                     .zip(cells.iter().map(json))
                     .collect();
                 let sep = if self.rows == 0 { "\n" } else { ",\n" };
-                write!(self.out, "{sep}{}", serde_json::Value::Object(object))?;
+                write!(w, "{sep}{}", serde_json::Value::Object(object))?;
             }
         }
         self.rows += 1;
         Ok(())
     }
 
-    pub fn finish(mut self) -> Result<u64> {
-        match self.format {
-            Format::Table => {
-                let mut widths: Vec<usize> =
-                    self.columns.iter().map(|c| c.chars().count()).collect();
-                for row in &self.buffered {
-                    for (w, cell) in widths.iter_mut().zip(row) {
-                        *w = (*w).max(cell.chars().count());
-                    }
-                }
-                let render = |cells: &[String]| -> String {
-                    let parts: Vec<String> = cells
-                        .iter()
-                        .zip(&widths)
-                        .map(|(c, w)| format!("{c:<w$}", w = *w))
-                        .collect();
-                    parts.join("  ").trim_end().to_owned()
-                };
-                writeln!(self.out, "{}", render(&self.columns))?;
-                let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
-                writeln!(self.out, "{}", rule.join("  "))?;
-                for row in &self.buffered {
-                    writeln!(self.out, "{}", render(row))?;
-                }
+    pub fn finish(self) -> Result<u64> {
+        match self.out {
+            Out::Table(mut w) => {
+                table(&mut w, &self.columns, &self.buffered)?;
+                w.flush()?;
             }
-            Format::Csv => {}
-            Format::Json => writeln!(self.out, "{}]", if self.rows == 0 { "" } else { "\n" })?,
+            Out::Csv(mut w) => w.flush()?,
+            Out::Json(mut w) => {
+                writeln!(w, "{}]", if self.rows == 0 { "" } else { "\n" })?;
+                w.flush()?;
+            }
         }
-        self.out.flush()?;
         Ok(self.rows)
     }
+}
+
+/// Columns padded to their widest cell as a terminal shows it (wide and combining characters
+/// measured by unicode-width), two spaces apart, under a rule.
+fn table(out: &mut impl Write, columns: &[String], rows: &[Vec<String>]) -> Result<()> {
+    let mut widths: Vec<usize> = columns.iter().map(|c| c.width()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.width());
+        }
+    }
+    let render = |cells: &[String]| -> String {
+        let parts: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c}{}", " ".repeat(w.saturating_sub(c.width()))))
+            .collect();
+        parts.join("  ").trim_end().to_owned()
+    };
+    writeln!(out, "{}", render(columns))?;
+    let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+    writeln!(out, "{}", rule.join("  "))?;
+    for row in rows {
+        writeln!(out, "{}", render(row))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -158,5 +171,26 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&render(Format::Json)).unwrap();
         assert_eq!(v[0]["n"], 3);
         assert_eq!(v[1]["n"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn wide_characters_are_measured_as_a_terminal_shows_them() {
+        let mut buf = Vec::new();
+        let mut w = RowWriter::new(&mut buf, Format::Table);
+        w.columns(&["comm".into(), "n".into()]).unwrap();
+        w.row(&[Cell::Text("训练".into()), Cell::Int(1)]).unwrap();
+        w.row(&[Cell::Text("abcde".into()), Cell::Int(2)]).unwrap();
+        w.finish().unwrap();
+        // 训练 is four columns wide: one space pads it to abcde's five.
+        assert_eq!(
+            String::from_utf8(buf).unwrap(),
+            "comm   n\n-----  -\n训练   1\nabcde  2\n"
+        );
+        let mut buf = Vec::new();
+        let mut w = RowWriter::new(&mut buf, Format::Csv);
+        w.columns(&["text".into()]).unwrap();
+        w.row(&[Cell::Text("two\nlines".into())]).unwrap();
+        w.finish().unwrap();
+        assert_eq!(String::from_utf8(buf).unwrap(), "text\n\"two\nlines\"\n");
     }
 }

@@ -41,7 +41,7 @@ fn json(cell: &Cell) -> serde_json::Value {
 /// escapes) and JSON stream.
 enum Out<W: Write> {
     Table(W),
-    Csv(csv::Writer<W>),
+    Csv(Box<csv::Writer<W>>),
     Json(W),
 }
 
@@ -57,11 +57,11 @@ impl<W: Write> RowWriter<W> {
     pub fn new(out: W, format: Format) -> Self {
         let out = match format {
             Format::Table => Out::Table(out),
-            Format::Csv => Out::Csv(
+            Format::Csv => Out::Csv(Box::new(
                 csv::WriterBuilder::new()
                     .terminator(csv::Terminator::Any(b'\n'))
                     .from_writer(out),
-            ),
+            )),
             Format::Json => Out::Json(out),
         };
         RowWriter {

@@ -4,12 +4,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/as-user.sh
+# Where the time goes, a line per phase on stderr (README: "How long the tests take").
+phase_start=$SECONDS
+phase() {
+  echo "test.sh: $1 took $((SECONDS - phase_start)) s" >&2
+  phase_start=$SECONDS
+}
 bash scripts/setup.sh --tests
+phase "setup"
 # House rules first: formatting and lints (the eBPF crate is checked by its build).
 as_user cargo fmt --all --check
 as_user cargo clippy --locked --all-targets -- -D warnings
+phase "fmt and clippy"
 if ! invoked_through_sudo; then
-  exec cargo test --locked "$@"
+  cargo test --locked --no-run
+  phase "test build"
+  cargo test --locked "$@"
+  phase "tests"
+  echo "test.sh: all took $SECONDS s" >&2
+  exit 0
 fi
 # Under sudo: everything is built as the invoking user (the tests' simulated runtime too); only
 # the test programs run as root, from their package folder as cargo runs them; arguments go to
@@ -17,6 +30,7 @@ fi
 as_user bash demos/simcuda/build.sh target/simcuda-e2e >/dev/null
 export TRACER_TEST_SIM="$PWD/target/simcuda-e2e"
 as_user cargo test --locked --no-run >&2
+phase "test build"
 as_user cargo test --locked --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, os, sys
@@ -29,3 +43,5 @@ for line in sys.stdin:
     # As plain root: the tests that need a sudo caller set its variables themselves.
     (cd "$dir" && env -u SUDO_USER -u SUDO_UID -u SUDO_GID -u SUDO_COMMAND "$exe" "$@")
   done
+phase "tests"
+echo "test.sh: all took $SECONDS s" >&2

@@ -25,7 +25,7 @@ use tracer_common::{
 use crate::{
     counters::bump,
     inflight::{save_inflight, take_inflight},
-    maps::{floor_work, global, paused, stack_enabled, FLOOR_MODE, SCHED_TIDS},
+    maps::{entry_proceeds, floor_done, stack_enabled, SCHED_TIDS},
     stage::{claim_stage, deliver},
 };
 
@@ -65,13 +65,7 @@ fn current_ids() -> (u32, u32) {
 
 #[uprobe]
 pub fn call_entry(ctx: ProbeContext) -> u32 {
-    if paused() {
-        return 0;
-    }
-    bump(Counter::Entries);
-    let floor = global(&FLOOR_MODE);
-    if floor != 0 {
-        floor_work(floor);
+    if !entry_proceeds() {
         return 0;
     }
     // SAFETY: the helper only reads the cookie of the perf link that fired.
@@ -183,9 +177,7 @@ fn outcome(args: &[u64; MAX_ARGS], plan: &OpPlan, ok: bool) -> Outcome {
 
 #[uretprobe]
 pub fn call_return(ctx: RetProbeContext) -> u32 {
-    let floor = global(&FLOOR_MODE);
-    if floor != 0 {
-        floor_work(floor);
+    if floor_done() {
         return 0;
     }
     // SAFETY: as in call_entry.

@@ -30,7 +30,7 @@ pub(crate) static FLOOR_MODE: u32 = 0;
 
 /// The floor's work: nothing, or one clock read (kept from being optimized away).
 #[inline(always)]
-pub(crate) fn floor_work(mode: u32) {
+fn floor_work(mode: u32) {
     // SAFETY: no preconditions.
     if mode == 2 && unsafe { bpf_ktime_get_ns() } == 0 {
         bump(Counter::UnmatchedReturns);
@@ -48,6 +48,28 @@ pub fn global<T: Copy>(value: &T) -> T {
 #[inline(always)]
 pub fn paused() -> bool {
     CONTROL.get(0).is_some_and(|paused| *paused != 0)
+}
+
+/// The benchmark's floors: the same probes with no work. True when this run is one (its work
+/// done here): the program then stops.
+#[inline(always)]
+pub fn floor_done() -> bool {
+    let floor = global(&FLOOR_MODE);
+    if floor != 0 {
+        floor_work(floor);
+    }
+    floor != 0
+}
+
+/// Whether a program at a call's entry (or a USDT site) goes on: not while userspace is
+/// stopping; counted as an entry; not on a floor run.
+#[inline(always)]
+pub fn entry_proceeds() -> bool {
+    if paused() {
+        return false;
+    }
+    bump(Counter::Entries);
+    !floor_done()
 }
 
 /// Non-zero: capture call sites (set by userspace at load for --stack).

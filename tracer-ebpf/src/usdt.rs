@@ -25,7 +25,7 @@ use tracer_common::{
 
 use crate::{
     counters::bump,
-    maps::{floor_work, global, paused, stack_enabled, EVENTS, FLOOR_MODE},
+    maps::{entry_proceeds, paused, stack_enabled, EVENTS},
     stage::{claim_stage, deliver},
 };
 
@@ -99,15 +99,9 @@ fn fetch(ctx: &ProbeContext, a: &UsdtArg) -> Option<u64> {
 
 #[uprobe]
 pub fn usdt_hit(ctx: ProbeContext) -> u32 {
-    if paused() {
-        return 0;
-    }
-    bump(Counter::Entries);
-    let floor = global(&FLOOR_MODE);
-    if floor != 0 {
-        // The benchmark's floors: the bare probe at the site, or with the one clock read an
-        // event's time needs.
-        floor_work(floor);
+    // On the benchmark's floors: the bare probe at the site, or with the one clock read an
+    // event's time needs.
+    if !entry_proceeds() {
         return 0;
     }
     // SAFETY: the helper only reads the cookie of the perf link that fired.

@@ -356,11 +356,7 @@ fn held_by_site(layout: &Layout, window: Window, sites: &SiteLabels) -> Vec<(Str
             if !r.since_ns.is_some_and(|ts| window.contains(ts)) {
                 continue;
             }
-            let label = r
-                .stack
-                .and_then(crate::model::StackId::new)
-                .and_then(|id| sites.get(&id).cloned())
-                .unwrap_or_else(|| "(no call site: trace with --stack)".into());
+            let label = site_label(r.stack, sites);
             let entry = by_site.entry(label).or_default();
             entry.0 += 1;
             entry.1 += r.size;
@@ -407,11 +403,7 @@ fn pinning(
             continue;
         }
         for r in seg.runs.iter().filter(|r| r.kind == RunKind::Allocated) {
-            let label = r
-                .stack
-                .and_then(crate::model::StackId::new)
-                .and_then(|id| sites.get(&id).cloned())
-                .unwrap_or_else(|| "(no call site: trace with --stack)".into());
+            let label = site_label(r.stack, sites);
             let entry = by_site.entry(label).or_default();
             entry.0 += 1;
             entry.1 += r.size;
@@ -424,4 +416,12 @@ fn pinning(
     out.sort_by_key(|(_, _, bytes)| std::cmp::Reverse(*bytes));
     out.truncate(5);
     out
+}
+
+/// The call site a block was handed out from, or how to learn it.
+fn site_label(stack: Option<u32>, sites: &SiteLabels) -> String {
+    stack
+        .and_then(crate::model::StackId::new)
+        .and_then(|id| sites.get(&id).cloned())
+        .unwrap_or_else(|| "(no call site: trace with --stack)".into())
 }

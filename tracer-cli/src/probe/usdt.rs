@@ -382,15 +382,11 @@ mod tests {
 
     #[test]
     fn a_library_truncated_under_the_reader_is_an_error_not_a_crash() {
+        use crate::target::safe_file::truncation::{truncate, writable_elf};
         let dir = tempfile::tempdir().unwrap();
-        let lib = crate::target::safe_file::truncation::writable_elf(dir.path());
+        let lib = writable_elf(dir.path());
         assert!(read_sites(&lib).is_ok(), "the whole file reads");
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&lib)
-            .unwrap()
-            .set_len(0)
-            .unwrap();
+        truncate(&lib, 0);
         assert!(read_sites(&lib).is_err());
     }
 }

@@ -30,7 +30,7 @@ use crate::{
         moves_memory,
         run_series::{GapRow, RunSeries},
         state::ProcessState,
-        Event, Rank, NO_DEVICE,
+        Rank,
     },
 };
 use crate::{
@@ -321,7 +321,7 @@ impl Registry {
         }
         self.keyframes.events += delivery.calls.len() as u64;
         for c in &delivery.calls {
-            let event = layout_event(c, self.wall_offset_ns);
+            let event = crate::store::blocks::event_of(c, self.wall_offset_ns);
             self.keyframes.latest_ns = self.keyframes.latest_ns.max(event.ts_ns);
             figures.apply(&event);
             let alarm = allocators.apply(&event);
@@ -559,23 +559,4 @@ fn wall_now_ns() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as i64)
-}
-
-/// A call as the model needs it, in wall-clock time as stored.
-fn layout_event(c: &Call, wall_offset_ns: i64) -> Event {
-    Event {
-        ts_ns: c.ts_mono_ns as i64 + wall_offset_ns,
-        duration_ns: c.duration_ns,
-        size: c.size.unwrap_or(0),
-        ptr: c.ptr.unwrap_or(0),
-        aux0: c.aux0,
-        aux1: c.aux1,
-        pid: c.pid,
-        tid: c.tid,
-        ret: c.ret,
-        device: c.device.unwrap_or(NO_DEVICE),
-        // The call site's id local to this recording (the writer maps it to the stored one).
-        stack: c.stack.and_then(crate::model::stack_id),
-        op: c.op,
-    }
 }

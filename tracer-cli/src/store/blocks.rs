@@ -59,6 +59,26 @@ fn put(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
+/// A call as the model needs it, in wall-clock time as stored: what a block gives back for
+/// it, and what the recording feeds the live layouts.
+pub fn event_of(c: &Call, wall_offset_ns: i64) -> Event {
+    Event {
+        ts_ns: c.ts_mono_ns as i64 + wall_offset_ns,
+        duration_ns: c.duration_ns,
+        size: c.size.unwrap_or(0),
+        ptr: c.ptr.unwrap_or(0),
+        aux0: c.aux0,
+        aux1: c.aux1,
+        pid: c.pid,
+        tid: c.tid,
+        ret: c.ret,
+        device: c.device.unwrap_or(NO_DEVICE),
+        // Live, the call site's id local to this recording (the writer maps it to the stored one).
+        stack: c.stack.and_then(crate::model::stack_id),
+        op: c.op,
+    }
+}
+
 /// Encodes `calls` (entry times on the monotonic clock, made wall-clock by `wall_offset_ns`).
 pub fn encode(calls: &[Call], wall_offset_ns: i64) -> Block {
     let mut data = Vec::with_capacity(calls.len() * 24);
@@ -336,30 +356,13 @@ mod tests {
         }
     }
 
-    fn expected(c: &Call, offset: i64) -> Event {
-        Event {
-            ts_ns: c.ts_mono_ns as i64 + offset,
-            duration_ns: c.duration_ns,
-            size: c.size.unwrap_or(0),
-            ptr: c.ptr.unwrap_or(0),
-            aux0: c.aux0,
-            aux1: c.aux1,
-            pid: c.pid,
-            tid: c.tid,
-            ret: c.ret,
-            device: c.device.unwrap_or(NO_DEVICE),
-            stack: c.stack.and_then(stack_id),
-            op: c.op,
-        }
-    }
-
     #[test]
     fn round_trip_keeps_every_field_and_the_order() {
         let calls: Vec<Call> = (0..500).map(call).collect();
         let offset = 1_795_000_000_000_000_000;
         let block = encode(&calls, offset);
         assert_eq!(block.calls, 500);
-        let want: Vec<Event> = calls.iter().map(|c| expected(c, offset)).collect();
+        let want: Vec<Event> = calls.iter().map(|c| event_of(c, offset)).collect();
         assert_eq!(block.min_ts_ns, want.iter().map(|e| e.ts_ns).min().unwrap());
         assert_eq!(block.max_ts_ns, want.iter().map(|e| e.ts_ns).max().unwrap());
         let mut got = Vec::new();
@@ -385,7 +388,7 @@ mod tests {
         let block = encode(&[c.clone(), d.clone()], 0);
         let mut got = Vec::new();
         decode(&block.data, 2, |e| got.push(e)).unwrap();
-        assert_eq!(got, vec![expected(&c, 0), expected(&d, 0)]);
+        assert_eq!(got, vec![event_of(&c, 0), event_of(&d, 0)]);
     }
 
     #[test]
@@ -430,6 +433,6 @@ mod tests {
         block.data[second + 1] = 0x7f;
         let mut got = Vec::new();
         decode(&block.data, 3, |e| got.push(e)).unwrap();
-        assert_eq!(got, vec![expected(&calls[0], 0), expected(&calls[2], 0)]);
+        assert_eq!(got, vec![event_of(&calls[0], 0), event_of(&calls[2], 0)]);
     }
 }

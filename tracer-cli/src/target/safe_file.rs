@@ -171,6 +171,16 @@ pub(crate) mod truncation {
         lib
     }
 
+    /// Its owner cuts the file to `len` bytes.
+    pub(crate) fn truncate(lib: &Path, len: u64) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(lib)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
     #[test]
     fn a_library_truncated_while_read_is_an_error_not_a_crash() {
         let dir = tempfile::tempdir().unwrap();
@@ -179,25 +189,15 @@ pub(crate) mod truncation {
         let Bytes::Read(cache) = &held else {
             panic!("a file others can write was mapped");
         };
-        // Its owner truncates it while tracer holds it (elf.rs and probe/usdt.rs test their readers alike): with a map, the next read of its pages
-        // would raise SIGBUS.
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&lib)
-            .unwrap()
-            .set_len(0)
-            .unwrap();
+        // Its owner truncates it while tracer holds it (elf.rs and probe/usdt.rs test their
+        // readers alike): with a map, the next read of its pages would raise SIGBUS.
+        truncate(&lib, 0);
         assert!(object::File::parse(cache).is_err());
         // Truncated half-way: still an error or a partial answer, never a signal.
         let lib = writable_elf(dir.path());
         let len = std::fs::metadata(&lib).unwrap().len();
         let half = bytes(&lib).unwrap();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&lib)
-            .unwrap()
-            .set_len(len / 2)
-            .unwrap();
+        truncate(&lib, len / 2);
         if let Bytes::Read(cache) = &half {
             if let Ok(obj) = object::File::parse(cache) {
                 use object::{Object as _, ObjectSymbol as _};

@@ -51,11 +51,7 @@ fn rebuilt_and_truth(fx: &Fixture, expandable: bool, streams: bool) -> (Vec<Valu
         cmd.arg("--streams").env("SIMCUDA_MEMSET_BPS", "1e10");
     }
     let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let stopped = trace.stop(SIGINT);
     assert_eq!(stopped.counter("dropped_ring_full"), 0);
     let timeline = Command::new(TRACER)
@@ -63,11 +59,7 @@ fn rebuilt_and_truth(fx: &Fixture, expandable: bool, streams: bool) -> (Vec<Valu
         .arg(&fx.db)
         .output()
         .unwrap();
-    assert!(
-        timeline.status.success(),
-        "{}",
-        String::from_utf8_lossy(&timeline.stderr)
-    );
+    assert_ok(&timeline);
     let parse = |text: &str| -> Vec<Value> {
         text.lines()
             .map(|l| serde_json::from_str(l).unwrap())
@@ -281,11 +273,7 @@ fn a_workload_that_only_grows_is_growth_or_a_leak_never_fragmentation() {
         .env("SIMCUDA_LATENCY_PER_LIVE_NS", "2000")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     trace.stop(SIGINT);
     let json = Command::new(TRACER)
         .args(["explain", "--json", "--db"])
@@ -465,11 +453,7 @@ fn the_perfetto_export_holds_every_call_the_counters_and_the_oom() {
         .arg(&fx.db)
         .output()
         .unwrap();
-    assert!(
-        export.status.success(),
-        "{}",
-        String::from_utf8_lossy(&export.stderr)
-    );
+    assert_ok(&export);
     let summary = python_json(&["-c".as_ref(), PERFETTO_SUMMARY.as_ref(), file.as_os_str()]);
     assert_eq!(summary["problems"], serde_json::json!([]), "{summary:#}");
     // A slice per call, an instant per allocator block event: the session's counts.
@@ -542,11 +526,7 @@ fn blocks_handed_out_without_probes_show_as_held_unseen_never_as_free() {
         .args(["-c", &script])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     trace.stop(SIGINT);
     let layouts = tracer_json(&fx.db, &["layout", "--json"]);
     let p = &layouts[0];

@@ -165,11 +165,7 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
             None,
             &[&["explain", "--db", db.to_str().unwrap()][..], args].concat(),
         );
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_ok(&out);
         String::from_utf8(out.stdout).unwrap()
     };
     let report: Value = serde_json::from_str(&explain(&["--json"])).unwrap();
@@ -749,11 +745,7 @@ fn under_sudo_the_database_belongs_to_the_invoking_user() {
         .env("SUDO_GID", NOBODY.to_string())
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let meta = std::fs::metadata(&db).unwrap();
     assert_eq!(
         (meta.uid(), meta.gid(), meta.mode() & 0o777),
@@ -773,11 +765,7 @@ fn under_sudo_the_database_belongs_to_the_invoking_user() {
             "SELECT count(*) AS n FROM sessions",
         ],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains('1'));
 }
 
@@ -917,20 +905,23 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
     tampered["final"]["num_device_alloc"] = (n + 1).into();
     let bad = dir.path().join("tampered.json");
     std::fs::write(&bad, tampered.to_string()).unwrap();
-    let report = workspace().join("scripts/gpu_check/report.py");
-    let compared = dir.path().join("compared.json");
-    let status = Command::new("python3")
-        .arg(&report)
-        .args(["compare", "--tracer", TRACER, "--mode", "default", "--db"])
-        .arg(keep.join("check-default/trace.db"))
-        .arg("--stats")
-        .arg(&bad)
-        .arg("-o")
-        .arg(&compared)
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let rows = gpu_rows(&serde_json::from_slice(&std::fs::read(&compared).unwrap()).unwrap());
+    // The check's comparison of the default run against the allocator's stats in `stats`.
+    let compare = |stats: &Path, name: &str| -> BTreeMap<String, Value> {
+        let compared = dir.path().join(name);
+        let status = Command::new("python3")
+            .arg(workspace().join("scripts/gpu_check/report.py"))
+            .args(["compare", "--tracer", TRACER, "--mode", "default", "--db"])
+            .arg(keep.join("check-default/trace.db"))
+            .arg("--stats")
+            .arg(stats)
+            .arg("-o")
+            .arg(&compared)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        gpu_rows(&serde_json::from_slice(&std::fs::read(&compared).unwrap()).unwrap())
+    };
+    let rows = compare(&bad, "compared.json");
     let r = gpu_row(&rows, "successful cudaMalloc calls");
     assert_eq!(r["status"], "DIFFERS", "{r:#}");
     assert_eq!(
@@ -948,19 +939,7 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
     tampered["final"]["num_device_alloc"] = n.into();
     tampered["allocator_modules"] = serde_json::json!(["libc10_cuda"]);
     std::fs::write(&bad, tampered.to_string()).unwrap();
-    let outside = dir.path().join("outside.json");
-    let status = Command::new("python3")
-        .arg(&report)
-        .args(["compare", "--tracer", TRACER, "--mode", "default", "--db"])
-        .arg(keep.join("check-default/trace.db"))
-        .arg("--stats")
-        .arg(&bad)
-        .arg("-o")
-        .arg(&outside)
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let rows = gpu_rows(&serde_json::from_slice(&std::fs::read(&outside).unwrap()).unwrap());
+    let rows = compare(&bad, "outside.json");
     let r = gpu_row(&rows, "cudaMalloc calls made outside the allocator");
     assert_eq!(r["status"], "explained", "{r:#}");
     // Every call counts there: the successful ones and the OOM's two failures.
@@ -975,12 +954,12 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
     assert_eq!(gpu_row(&rows, "successful cudaMalloc calls")["tracer"], 0);
 
     let summary = Command::new("python3")
-        .arg(&report)
+        .arg(workspace().join("scripts/gpu_check/report.py"))
         .arg("summary")
         .arg("--machine")
         .arg(keep.join("machine.json"))
         .arg("--compare")
-        .arg(&compared)
+        .arg(dir.path().join("compared.json"))
         .arg("--out-text")
         .arg(dir.path().join("s.txt"))
         .arg("--out-json")
@@ -1052,11 +1031,7 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
         .arg(&db)
         .output()
         .unwrap();
-    assert!(
-        json.status.success(),
-        "{}",
-        String::from_utf8_lossy(&json.stderr)
-    );
+    assert_ok(&json);
     let source = query(&db, "SELECT source FROM sessions")[0]["source"]
         .as_str()
         .unwrap()
@@ -1071,11 +1046,7 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
             .args(extra)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_ok(&out);
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let whole = explain_text(&[]);
@@ -1105,11 +1076,7 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
         .arg(&db)
         .output()
         .unwrap();
-    assert!(
-        whatif.status.success(),
-        "{}",
-        String::from_utf8_lossy(&whatif.stderr)
-    );
+    assert_ok(&whatif);
     let whatif: Value = serde_json::from_slice(&whatif.stdout).unwrap();
     let fidelity = &whatif["fidelity"];
     assert_eq!(fidelity["holds"], true, "demo {scenario}: {fidelity:#}");
@@ -1625,11 +1592,7 @@ fn native_call_sites_match_the_programs_own_lines() {
         .arg(format!("-Wl,-rpath,{}", fx.sim.display()))
         .output()
         .unwrap();
-    assert!(
-        cc.status.success(),
-        "{}",
-        String::from_utf8_lossy(&cc.stderr)
-    );
+    assert_ok(&cc);
     let lib = fx.sim.join("libcudart.so.12");
     let trace = Trace::start(
         &fx.db,
@@ -1687,11 +1650,7 @@ fn native_call_sites_match_the_programs_own_lines() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     assert!(
         text.contains("native allocate (") && text.contains("call_sites.c:"),
         "{text}"
@@ -1822,11 +1781,7 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     // The simulated runtime logs its runtime (libcudart) calls, not the driver's.
     let runtime_ops: Vec<(&String, i64)> = rep["ops"]
         .as_object()
@@ -1868,11 +1823,7 @@ fn import_stores_every_call_of_the_simulated_runtimes_log() {
         .arg(&db)
         .output()
         .unwrap();
-    assert!(
-        explain.status.success(),
-        "{}",
-        String::from_utf8_lossy(&explain.stderr)
-    );
+    assert_ok(&explain);
     let json: Value = serde_json::from_slice(&explain.stdout).unwrap();
     assert_eq!(json["events_in_window"].as_i64(), Some(total));
 
@@ -1936,11 +1887,7 @@ fn simulated_incident(dir: &Path) -> PathBuf {
         .arg(&db)
         .output()
         .unwrap();
-    assert!(
-        demo.status.success(),
-        "{}",
-        String::from_utf8_lossy(&demo.stderr)
-    );
+    assert_ok(&demo);
     db
 }
 

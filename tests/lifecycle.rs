@@ -18,11 +18,7 @@ fn build_native(sim: &std::path::Path, name: &str, flags: &[&str]) -> std::path:
         .arg(format!("-Wl,-rpath,{}", sim.display()))
         .output()
         .unwrap();
-    assert!(
-        cc.status.success(),
-        "{}",
-        String::from_utf8_lossy(&cc.stderr)
-    );
+    assert_ok(&cc);
     exe
 }
 
@@ -53,11 +49,7 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
     std::thread::sleep(Duration::from_millis(1500));
     let rss_before = rss_kib(trace.child.id());
     let out = Command::new(&exe).arg("20000").output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     let rss_after = rss_kib(trace.child.id());
@@ -110,11 +102,7 @@ fn a_preempted_thread_is_told_from_one_that_blocked() {
     let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
     // Four threads that never block, on this machine's cores, then one that only sleeps.
     let out = Command::new(&exe).args(["4", "1500"]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let tids: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     trace.stop(SIGINT);
     let share = |tids: &serde_json::Value| -> (i64, i64) {

@@ -45,11 +45,7 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
         .arg(&fx.db)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let html = std::fs::read_to_string(&html_path).unwrap();
     // Self-contained: no reference to anything outside the file, every request forbidden.
     for outside in ["src=\"http", "href=\"http", "<link ", "@import", "src=\"//"] {

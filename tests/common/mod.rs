@@ -39,6 +39,16 @@ pub fn skipped(why: &str) {
     let _ = writeln!(std::io::stderr(), "skipped ({why}): {test}");
 }
 
+/// The command's output, which must say it succeeded (its standard error shown when not).
+#[track_caller]
+pub fn assert_ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Waits until `done` holds, looking every 20 ms; fails naming `what` after `limit`.
 pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;

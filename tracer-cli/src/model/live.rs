@@ -226,18 +226,10 @@ mod tests {
 
     fn event(op: Op, ptr: u64, size: u64) -> Event {
         Event {
-            ts_ns: 0,
             duration_ns: 1,
-            size,
-            ptr,
-            aux0: 0,
-            aux1: 0,
             pid: 7,
             tid: 7,
-            ret: 0,
-            device: 0,
-            stack: None,
-            op,
+            ..crate::model::layout::tests::ev(op, ptr, size)
         }
     }
 

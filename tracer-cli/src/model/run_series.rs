@@ -294,16 +294,9 @@ mod tests {
         Event {
             ts_ns,
             duration_ns: 1_000,
-            size: 4096,
-            ptr: 0x1000,
-            aux0: 0,
-            aux1: 0,
             pid: 7,
             tid: 7,
-            ret: 0,
-            device: 0,
-            stack: None,
-            op: Op::CudaMalloc,
+            ..crate::model::layout::tests::ev(Op::CudaMalloc, 0x1000, 4096)
         }
     }
 

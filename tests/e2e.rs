@@ -1192,7 +1192,7 @@ fn check_multi_gpu(simulated: bool) {
     );
 }
 
-fn check_demos(simulated: bool) {
+fn check_incident(simulated: bool) {
     // incident: fragmentation inside the cached segments, the early warning, and an OOM with
     // the cache holding the bytes but no block.
     let (stdout, stderr, r) = demo("incident", simulated);
@@ -1265,7 +1265,9 @@ fn check_demos(simulated: bool) {
             "{shown:?} was shown, and is neither in the report nor withdrawn:\n{stdout}"
         );
     }
-    check_multi_gpu(simulated);
+}
+
+fn check_leak(simulated: bool) {
     // leak: memory held rises through the run.
     let (_, _, r) = demo("leak", simulated);
     assert!(
@@ -1275,6 +1277,9 @@ fn check_demos(simulated: bool) {
             .contains("rising in"),
         "{r}"
     );
+}
+
+fn check_periodic_spike(simulated: bool) {
     // periodic-spike: a period of about half a second (25 steps of 20 ms).
     let (_, _, r) = demo("periodic-spike", simulated);
     let title = chain(&r, "periodic_spike")["title"]
@@ -1285,6 +1290,9 @@ fn check_demos(simulated: bool) {
         title.contains("every 0.5s") || title.contains("every 0.6s"),
         "{title}"
     );
+}
+
+fn check_oom(simulated: bool) {
     // oom: the request the workload died on, 352 MiB.
     let (_, stderr, r) = demo("oom", simulated);
     assert!(stderr.contains("Tried to allocate 352.00 MiB"), "{stderr}");
@@ -1295,6 +1303,9 @@ fn check_demos(simulated: bool) {
             .contains("352.0 MiB"),
         "{r}"
     );
+}
+
+fn check_cpu_contention(simulated: bool) {
     // cpu-contention: the loop's waits show as synchronisation stalls; traced live, the scheduler
     // record ties them to the time the thread waited for a CPU inside those very calls.
     let (_, _, r) = demo("cpu-contention", simulated);
@@ -1332,17 +1343,87 @@ fn check_demos(simulated: bool) {
 }
 
 #[test]
-fn demos_traced_live_show_their_chains() {
+fn demo_incident_traced_live() {
     let Some(_fx) = Fixture::new() else {
         return;
     };
-    check_demos(false);
+    check_incident(false);
 }
 
 #[test]
-fn demos_without_privileges_use_the_runtimes_own_events() {
+fn demo_incident_from_the_runtimes_own_events() {
     let _guard = serial();
-    check_demos(true);
+    check_incident(true);
+}
+
+#[test]
+fn demo_multi_gpu_traced_live() {
+    let Some(_fx) = Fixture::new() else {
+        return;
+    };
+    check_multi_gpu(false);
+}
+
+#[test]
+fn demo_multi_gpu_from_the_runtimes_own_events() {
+    let _guard = serial();
+    check_multi_gpu(true);
+}
+
+#[test]
+fn demo_leak_traced_live() {
+    let Some(_fx) = Fixture::new() else {
+        return;
+    };
+    check_leak(false);
+}
+
+#[test]
+fn demo_leak_from_the_runtimes_own_events() {
+    let _guard = serial();
+    check_leak(true);
+}
+
+#[test]
+fn demo_periodic_spike_traced_live() {
+    let Some(_fx) = Fixture::new() else {
+        return;
+    };
+    check_periodic_spike(false);
+}
+
+#[test]
+fn demo_periodic_spike_from_the_runtimes_own_events() {
+    let _guard = serial();
+    check_periodic_spike(true);
+}
+
+#[test]
+fn demo_oom_traced_live() {
+    let Some(_fx) = Fixture::new() else {
+        return;
+    };
+    check_oom(false);
+}
+
+#[test]
+fn demo_oom_from_the_runtimes_own_events() {
+    let _guard = serial();
+    check_oom(true);
+}
+
+#[test]
+fn demo_cpu_contention_traced_live() {
+    let Some(_fx) = Fixture::new() else {
+        return;
+    };
+    check_cpu_contention(false);
+}
+
+#[test]
+fn demo_cpu_contention_from_the_runtimes_own_events() {
+    let _guard = serial();
+    check_cpu_contention(true);
 }
 
 #[test]

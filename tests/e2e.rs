@@ -1342,88 +1342,33 @@ fn check_cpu_contention(simulated: bool) {
     }
 }
 
-#[test]
-fn demo_incident_traced_live() {
-    let Some(_fx) = Fixture::new() else {
-        return;
-    };
-    check_incident(false);
+/// Each demo scenario twice: traced live (root), and from the simulated runtime's own log (no
+/// privileges; one at a time all the same: a trace's uprobes on the demo's runtime would see it).
+macro_rules! demo_tests {
+    ($($check:ident: $traced:ident, $logged:ident;)*) => {$(
+        #[test]
+        fn $traced() {
+            let Some(_fx) = Fixture::new() else {
+                return;
+            };
+            $check(false);
+        }
+
+        #[test]
+        fn $logged() {
+            let _guard = serial();
+            $check(true);
+        }
+    )*};
 }
 
-#[test]
-fn demo_incident_from_the_runtimes_own_events() {
-    let _guard = serial();
-    check_incident(true);
-}
-
-#[test]
-fn demo_multi_gpu_traced_live() {
-    let Some(_fx) = Fixture::new() else {
-        return;
-    };
-    check_multi_gpu(false);
-}
-
-#[test]
-fn demo_multi_gpu_from_the_runtimes_own_events() {
-    let _guard = serial();
-    check_multi_gpu(true);
-}
-
-#[test]
-fn demo_leak_traced_live() {
-    let Some(_fx) = Fixture::new() else {
-        return;
-    };
-    check_leak(false);
-}
-
-#[test]
-fn demo_leak_from_the_runtimes_own_events() {
-    let _guard = serial();
-    check_leak(true);
-}
-
-#[test]
-fn demo_periodic_spike_traced_live() {
-    let Some(_fx) = Fixture::new() else {
-        return;
-    };
-    check_periodic_spike(false);
-}
-
-#[test]
-fn demo_periodic_spike_from_the_runtimes_own_events() {
-    let _guard = serial();
-    check_periodic_spike(true);
-}
-
-#[test]
-fn demo_oom_traced_live() {
-    let Some(_fx) = Fixture::new() else {
-        return;
-    };
-    check_oom(false);
-}
-
-#[test]
-fn demo_oom_from_the_runtimes_own_events() {
-    let _guard = serial();
-    check_oom(true);
-}
-
-#[test]
-fn demo_cpu_contention_traced_live() {
-    let Some(_fx) = Fixture::new() else {
-        return;
-    };
-    check_cpu_contention(false);
-}
-
-#[test]
-fn demo_cpu_contention_from_the_runtimes_own_events() {
-    let _guard = serial();
-    check_cpu_contention(true);
+demo_tests! {
+    check_incident: demo_incident_traced_live, demo_incident_from_the_runtimes_own_events;
+    check_multi_gpu: demo_multi_gpu_traced_live, demo_multi_gpu_from_the_runtimes_own_events;
+    check_leak: demo_leak_traced_live, demo_leak_from_the_runtimes_own_events;
+    check_periodic_spike: demo_periodic_spike_traced_live, demo_periodic_spike_from_the_runtimes_own_events;
+    check_oom: demo_oom_traced_live, demo_oom_from_the_runtimes_own_events;
+    check_cpu_contention: demo_cpu_contention_traced_live, demo_cpu_contention_from_the_runtimes_own_events;
 }
 
 #[test]

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use anyhow::{anyhow, Context as _, Result};
-use object::{Object as _, ObjectSection as _, ObjectSegment as _};
+use object::{Object as _, ObjectSection as _};
 use tracer_common::{
     probes::ArgRole,
     usdt::{arg_kind, reg, role, UsdtArg, UsdtPlan, MAX_USDT_ARGS},
@@ -200,16 +200,8 @@ pub fn sites_of<'a, R: object::ReadRef<'a>>(data: R) -> Result<Vec<Site>> {
         return Ok(Vec::new());
     };
     let base_actual = elf.section_by_name(".stapsdt.base").map(|s| s.address());
-    let segments: Vec<(u64, u64, u64)> = elf
-        .segments()
-        .map(|s| (s.address(), s.size(), s.file_range().0))
-        .collect();
-    let file_offset = |addr: u64| {
-        segments
-            .iter()
-            .find(|(start, size, _)| addr >= *start && addr < start + size)
-            .map(|(start, _, off)| addr - start + off)
-    };
+    let segments = crate::target::elf::FileOffsets::of(&elf);
+    let file_offset = |addr: u64| segments.of_address(addr);
     let mut sites = Vec::new();
     while let Some(note) = notes
         .next()

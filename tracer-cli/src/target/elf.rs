@@ -69,6 +69,28 @@ pub fn read_symbols(path: &Path) -> Result<Symbols> {
     }
 }
 
+/// Where a virtual address lies in the file: through the segment holding it (what a uprobe's
+/// offset and a USDT semaphore's reference counter need).
+pub struct FileOffsets(Vec<(u64, u64, u64)>);
+
+impl FileOffsets {
+    pub fn of<'data>(obj: &impl object::Object<'data>) -> FileOffsets {
+        FileOffsets(
+            obj.segments()
+                .map(|s| (s.address(), s.size(), s.file_range().0))
+                .collect(),
+        )
+    }
+
+    /// The file offset of `addr`, None when no segment holds it.
+    pub fn of_address(&self, addr: u64) -> Option<u64> {
+        self.0
+            .iter()
+            .find(|(start, size, _)| addr >= *start && addr < start + size)
+            .map(|(start, _, off)| addr - start + off)
+    }
+}
+
 fn symbols_of<'a, R: ReadRef<'a>>(data: R, path: &Path) -> Result<Symbols> {
     if data.read_bytes_at(0, 4).ok() != Some(b"\x7fELF".as_slice()) {
         return Err(user_error(format!(
@@ -82,16 +104,8 @@ fn symbols_of<'a, R: ReadRef<'a>>(data: R, path: &Path) -> Result<Symbols> {
             path.display()
         ))
     })?;
-    let segments: Vec<(u64, u64, u64)> = obj
-        .segments()
-        .map(|s| (s.address(), s.size(), s.file_range().0))
-        .collect();
-    let file_offset = |addr: u64| {
-        segments
-            .iter()
-            .find(|(start, size, _)| addr >= *start && addr < start + size)
-            .map(|(start, _, off)| addr - start + off)
-    };
+    let segments = FileOffsets::of(&obj);
+    let file_offset = |addr: u64| segments.of_address(addr);
     // Several names may share an address (aliases): one probe per address, first name wins.
     let mut by_offset: BTreeMap<u64, Target> = BTreeMap::new();
     for sym in obj.dynamic_symbols().chain(obj.symbols()) {

@@ -134,10 +134,7 @@ fn utc_time(text: &str) -> Option<Result<i64, String>> {
     let invalid = |e: jiff::Error| {
         format!("invalid time {text:?}: {e}; give it as tracer prints it (2026-11-22 05:01:02.345 UTC), in RFC 3339, or as Unix seconds")
     };
-    let stamp = match text
-        .strip_suffix(" UTC")
-        .or_else(|| text.strip_suffix("UTC"))
-    {
+    let stamp = match text.strip_suffix("UTC") {
         Some(civil) => civil
             .trim_end()
             .parse::<jiff::civil::DateTime>()

@@ -16,12 +16,15 @@ pub enum Line {
 
 /// Parses one line; None for a malformed line or an op this tracer does not know.
 pub fn parse_line(line: &str) -> Option<Line> {
-    let fields = line
-        .trim_start()
-        .splitn(12, |c: char| c.is_ascii_whitespace());
-    let f: Vec<&str> = fields.collect();
-    if f.len() == 12 && f[4] == Op::TorchOom.name() {
-        return parse_message(&f);
+    // Calls are nearly every line: only a line whose op is PyTorch's OOM is split for its text.
+    if line.split_ascii_whitespace().nth(4) == Some(Op::TorchOom.name()) {
+        let f: Vec<&str> = line
+            .trim_start()
+            .splitn(12, |c: char| c.is_ascii_whitespace())
+            .collect();
+        if f.len() == 12 {
+            return parse_message(&f);
+        }
     }
     parse_call(line).map(Line::Call)
 }

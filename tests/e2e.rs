@@ -7,7 +7,7 @@ use std::{
     collections::BTreeMap,
     os::unix::{fs::MetadataExt as _, process::CommandExt as _},
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::{Command, Output, Stdio},
     time::{Duration, Instant},
 };
 
@@ -220,26 +220,29 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
     };
     let (sim, db) = (&fx.sim, &fx.db);
     let trace = Trace::start(db, &["--quiet"]);
-    // The library is new to the tracer: the rescan (every second) must find it before the calls.
-    let rep = report(
-        driver(
-            sim,
-            &[
-                "--mix",
-                "pairs",
-                "--iters",
-                "100",
-                "--start-delay-ms",
-                "2500",
-            ],
-            &[],
-        )
-        .output()
-        .unwrap(),
-    );
+    // The library is new to the tracer: the rescan (every second) must find it while the process
+    // waits, its library loaded, before its calls.
+    let go = sim.parent().unwrap().join("go");
+    let libcudart = sim.join("libcudart.so.12").display().to_string();
+    let process = driver(
+        sim,
+        &[
+            "--mix",
+            "pairs",
+            "--iters",
+            "100",
+            "--start-when",
+            go.to_str().unwrap(),
+        ],
+        &[],
+    )
+    .spawn()
+    .unwrap();
+    trace.wait_for_stderr(&format!("tracer: probing {libcudart} "));
+    std::fs::write(&go, "").unwrap();
+    let rep = report(process.wait_with_output().unwrap());
     let stopped = trace.stop(SIGTERM);
     let pid = rep["pid"].as_i64().unwrap();
-    let libcudart = sim.join("libcudart.so.12").display().to_string();
     assert!(
         stopped
             .libraries()
@@ -313,15 +316,24 @@ fn a_library_inside_another_mount_namespace_is_found_through_proc_root() {
     std::fs::create_dir(&mountpoint).unwrap();
     let m = mountpoint.display();
     let s = sim.display();
+    // The process waits, its libraries loaded, until tracer has found them.
+    let go = sim.parent().unwrap().join("go");
+    let g = go.display();
     let script = format!(
         "mount -t tmpfs none {m} && cp {s}/libcudart.so.12 {s}/libcuda.so.1 {s}/simdriver {m}/ && \
-         exec {m}/simdriver --mix pairs --iters 100 --start-delay-ms 2500"
+         exec {m}/simdriver --mix pairs --iters 100 --start-when {g}"
     );
     let trace = Trace::start(db, &["--quiet"]);
-    let out = Command::new("unshare")
+    let process = Command::new("unshare")
         .args(["--mount", "--propagation", "private", "sh", "-c", &script])
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    let inside = format!("{m}/libcudart.so.12");
+    trace.wait_for_stderr(&format!("tracer: probing {inside} "));
+    std::fs::write(&go, "").unwrap();
+    let out = process.wait_with_output().unwrap();
     let stopped = trace.stop(SIGINT);
     let rep = report(out);
     let pid = rep["pid"].as_i64().unwrap();
@@ -329,7 +341,6 @@ fn a_library_inside_another_mount_namespace_is_found_through_proc_root() {
         !mountpoint.join("libcudart.so.12").exists(),
         "the host must not see the container's files"
     );
-    let inside = format!("{m}/libcudart.so.12");
     assert!(
         stopped
             .libraries()
@@ -403,16 +414,16 @@ fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
         return;
     };
     let (sim, db) = (&fx.sim, &fx.db);
-    // The processes wait before their calls (and their exit) for the trace to attach: 5 s, since
-    // on a loaded machine attaching once took more than 2 s, and a --pid process gone by then
-    // cannot be probed.
+    // The processes wait before their calls (and their exit) until the trace has attached: a
+    // --pid process gone by then cannot be probed.
+    let go = fx.sim.parent().unwrap().join("go");
     let args = [
         "--mix",
         "pairs",
         "--iters",
         "50",
-        "--start-delay-ms",
-        "5000",
+        "--start-when",
+        go.to_str().unwrap(),
     ];
     let traced = driver(sim, &args, &[]).spawn().unwrap();
     let other = driver(sim, &args, &[]).spawn().unwrap();
@@ -427,6 +438,7 @@ fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
             lib.to_str().unwrap(),
         ],
     );
+    std::fs::write(&go, "").unwrap();
     report(traced.wait_with_output().unwrap());
     report(other.wait_with_output().unwrap());
     // The traced process exited: the tracer stops by itself and keeps what it recorded.
@@ -450,6 +462,65 @@ fn pid_scope_excludes_other_processes_and_stops_when_they_exit() {
     assert_eq!(
         query(db, "SELECT status FROM sessions")[0]["status"],
         "complete"
+    );
+}
+
+/// The processes named `tracer-detach`, each with what its descriptors point to.
+fn detach_processes() -> BTreeMap<u32, Vec<String>> {
+    let mut found = BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").unwrap().map_while(Result::ok) {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() != "tracer-detach" {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        let targets = fds
+            .map_while(Result::ok)
+            .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+            .map(|t| t.display().to_string())
+            .collect();
+        found.insert(pid, targets);
+    }
+    found
+}
+
+#[test]
+fn a_stopped_trace_leaves_removing_its_probes_to_a_process_holding_nothing_else() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let lib = fx.sim.join("libcudart.so.12");
+    let trace = Trace::start(&fx.db, &["--lib", lib.to_str().unwrap()]);
+    let probes = trace.started["probes"].as_u64().unwrap();
+    let earlier = detach_processes();
+    let stopped = trace.stop(SIGINT);
+    assert_eq!(stopped.summary["status"], "interrupted");
+    // tracer has exited; the kernel is still removing its probes (a grace period each), from a
+    // process that holds them and nothing of the user's: no terminal, pipe to the caller,
+    // database or socket, only the probes and the pipe its parent closed.
+    let now = detach_processes();
+    let (pid, held) = now
+        .iter()
+        .find(|(pid, _)| !earlier.contains_key(pid))
+        .unwrap_or_else(|| panic!("no new tracer-detach process: {now:?}"));
+    let (links, rest): (Vec<&String>, Vec<&String>) = held
+        .iter()
+        .partition(|t| *t == "anon_inode:bpf_link" || *t == "anon_inode:[perf_event]");
+    assert!(
+        links.len() as u64 >= 2 * probes,
+        "{probes} probes: {held:?}"
+    );
+    assert_eq!(rest.len(), 1, "{held:?}");
+    assert!(rest[0].starts_with("pipe:"), "{held:?}");
+    wait_until(
+        Duration::from_secs(60),
+        "the probes' removal to end",
+        || !Path::new(&format!("/proc/{pid}")).exists(),
     );
 }
 

@@ -53,11 +53,11 @@ enum { N_OPS = sizeof OPS / sizeof OPS[0], MAX_RET = 1024 };
 struct stats { uint64_t calls[N_OPS]; uint64_t rets[N_OPS][8]; int ret_codes[N_OPS][8]; uint64_t bytes_ok[N_OPS]; };
 
 static struct {
-    const char *cudart, *cuda, *mix;
+    const char *cudart, *cuda, *mix, *start_when;
     int threads, device, start_delay_ms, hold_ms, duration_ms;
     long iters;
     size_t size;
-} opt = {NULL, NULL, "pairs", 1, 0, 0, 0, 0, 1000, 1 << 20};
+} opt = {NULL, NULL, "pairs", NULL, 1, 0, 0, 0, 0, 1000, 1 << 20};
 
 static void *rt, *drv;
 static struct stats *thread_stats;
@@ -242,7 +242,7 @@ static void *worker(void *arg) {
 static void usage(void) {
     fprintf(stderr,
             "usage: simdriver [--cudart PATH] [--cuda PATH|none] [--mix pairs|all|real|real-pairs] [--threads N]\n"
-            "                 [--iters N] [--size BYTES] [--device D] [--start-delay-ms N] [--hold-ms N]\n                 [--duration-ms N (pairs: run this long instead of --iters)]\n");
+            "                 [--iters N] [--size BYTES] [--device D] [--start-delay-ms N] [--start-when FILE]\n                 [--hold-ms N] [--duration-ms N (pairs: run this long instead of --iters)]\n");
     exit(2);
 }
 
@@ -269,6 +269,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--size")) opt.size = strtoull(v, NULL, 0);
         else if (!strcmp(a, "--device")) opt.device = atoi(v);
         else if (!strcmp(a, "--start-delay-ms")) opt.start_delay_ms = atoi(v);
+        else if (!strcmp(a, "--start-when")) opt.start_when = v;
         else if (!strcmp(a, "--hold-ms")) opt.hold_ms = atoi(v);
         else if (!strcmp(a, "--duration-ms")) opt.duration_ms = atoi(v);
         else usage();
@@ -285,6 +286,8 @@ int main(int argc, char **argv) {
     if (cudaGetDeviceCount && strncmp(opt.mix, "real", 4) && cudaGetDeviceCount(&device_count) != 0) device_count = 1;
     if (device_count < 1) device_count = 1;
     if (opt.start_delay_ms) usleep((useconds_t)opt.start_delay_ms * 1000);
+    /* Libraries loaded, no call made yet: a test creates FILE once the tracer is ready. */
+    while (opt.start_when && access(opt.start_when, F_OK) != 0) usleep(10000);
 
     thread_stats = calloc((size_t)opt.threads, sizeof *thread_stats);
     thread_tids = calloc((size_t)opt.threads, sizeof *thread_tids);

@@ -258,6 +258,15 @@ impl Trace {
         }
     }
 
+    /// Waits until tracer has said a line containing `text` on standard error.
+    pub fn wait_for_stderr(&self, text: &str) {
+        wait_until(
+            Duration::from_secs(30),
+            &format!("tracer to say {text:?}"),
+            || self.stderr.lock().unwrap().iter().any(|l| l.contains(text)),
+        );
+    }
+
     pub fn signal(&self, sig: i32) {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc_kill(self.child.id() as i32, sig) };

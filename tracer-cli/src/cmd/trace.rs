@@ -185,7 +185,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
     } else {
         present::summary::text(&mut std::io::stdout().lock(), &finished.summary)
     };
-    // Everything is stored; the kernel now removes the probes (about 0.1 s per probe).
+    // Everything is stored; the kernel removes the probes in the background.
     finished.detach()?;
     unless_broken_pipe(printed)
 }

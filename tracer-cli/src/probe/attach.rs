@@ -16,7 +16,7 @@ use anyhow::{anyhow, Context as _, Result};
 use aya::{
     maps::{Array, MapData, PerCpuArray, RingBuf},
     programs::{
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeLinkId, UProbeScope},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
         RawTracePoint, TracePoint, UProbe,
     },
     Ebpf, EbpfLoader,
@@ -646,37 +646,12 @@ impl Probes {
         Ok(())
     }
 
-    /// Detaches every probe: no event is produced after this returns. The kernel waits for an
-    /// RCU grace period per uprobe it removes; dropping the links from many threads lets those
-    /// waits overlap (sequentially, 64 probes took about 7 s here).
-    pub fn detach_all(&mut self) -> Result<()> {
-        // Closing a site's link and perf event detaches it and lowers its semaphore.
-        let usdt = std::mem::take(&mut self.usdt_links);
-        let mut links: Vec<UProbeLink> = Vec::with_capacity(self.links.len());
-        for (name, id) in std::mem::take(&mut self.links) {
-            let program: &mut UProbe = self
-                .ebpf
-                .program_mut(name)
-                .ok_or_else(|| anyhow!("eBPF object lacks program {name}"))?
-                .try_into()?;
-            links.push(
-                program
-                    .take_link(id)
-                    .with_context(|| format!("take a link of {name}"))?,
-            );
-        }
-        drop(usdt);
-        const DETACH_THREADS: usize = 64;
-        let chunk = links.len().div_ceil(DETACH_THREADS).max(1);
-        std::thread::scope(|scope| {
-            let mut rest = links;
-            while !rest.is_empty() {
-                let tail = rest.split_off(chunk.min(rest.len()));
-                let mine = std::mem::replace(&mut rest, tail);
-                scope.spawn(move || drop(mine));
-            }
-        });
-        Ok(())
+    /// Removes every probe (closing a site's link and perf event also lowers its semaphore).
+    /// The kernel's part, a grace period per probe, is left to a background process
+    /// ([`super::release`]): call this once the probes are paused and what they recorded is
+    /// read. Returns false when it was done here, the slow way.
+    pub fn remove(self) -> bool {
+        super::release::drop_in_background(self)
     }
 }
 
@@ -789,8 +764,8 @@ pub fn self_test() -> Result<u64> {
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     };
-    probes.detach_all()?;
     let entries = probes.counters()?[Counter::Entries as usize];
+    probes.remove();
     found.ok_or_else(|| {
         anyhow!(
             "the probes attached, but no event came through the ring buffer within 2 s ({entries} probe hits counted)"

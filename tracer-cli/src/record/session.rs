@@ -191,8 +191,8 @@ pub struct KeyframeCost {
     pub cpu_s: f64,
 }
 
-/// A finished recording: everything is stored; the probes are still attached until
-/// [`Finished::detach`] (the kernel takes about 0.1 s per probe to remove them).
+/// A finished recording: everything is stored; the probes are still attached (paused) until
+/// [`Finished::detach`].
 pub struct Finished {
     pub summary: Summary,
     probes: Probes,
@@ -201,9 +201,9 @@ pub struct Finished {
 }
 
 impl Finished {
-    /// Removes the probes; then the recording's outcome.
-    pub fn detach(mut self) -> Result<Summary> {
-        self.probes.detach_all()?;
+    /// Removes the probes (the kernel's part in the background); then the recording's outcome.
+    pub fn detach(self) -> Result<Summary> {
+        self.probes.remove();
         match self.problem {
             Some(e) => Err(e),
             None => Ok(self.summary),

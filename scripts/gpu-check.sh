@@ -158,6 +158,10 @@ run() {
     while kill -0 "$tpid" 2>/dev/null && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
     kill -INT "$tpid" 2>/dev/null || true
     wait "$tpid" || { cat "$dir/trace.err"; say "$name: tracer failed"; return 1; }
+    # tracer leaves removing its paused probes to a process of that name: the next run must not
+    # pay for their traps.
+    i=0
+    while grep -qsx tracer-detach /proc/[0-9]*/comm && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
   fi
   if [ $rc -ne 0 ] || [ ! -s "$dir/stats.json" ]; then
     cat "$dir/workload.log"; say "$name: the workload failed (exit $rc)"; return 1

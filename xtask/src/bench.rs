@@ -203,8 +203,34 @@ impl Tracer {
             .lines
             .recv_timeout(Duration::from_secs(10))
             .context("tracer trace printed no summary")?;
+        wait_for_probe_removal()?;
         Ok(serde_json::from_str(&line)?)
     }
+}
+
+/// Waits until no `tracer-detach` process is left: tracer exits at once and leaves the
+/// kernel's removal of its (paused) probes to one, and a run measured before it ends would
+/// still pay for their traps.
+fn wait_for_probe_removal() -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let removing = || {
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|entry| {
+                std::fs::read_to_string(entry.path().join("comm"))
+                    .is_ok_and(|comm| comm.trim_end() == "tracer-detach")
+            })
+    };
+    while removing() {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the probes of a stopped tracer were still being removed after 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 /// One run of the workload under a tracer setup (`None`: untraced); its cost and the tracer's

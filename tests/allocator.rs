@@ -17,18 +17,7 @@ fn workspace_file(rel: &str) -> std::path::PathBuf {
 /// rebuilt, what the allocator said), one JSON value per block event each.
 fn rebuilt_and_truth(fx: &Fixture, expandable: bool, streams: bool) -> (Vec<Value>, Vec<Value>) {
     let dir = tempfile::tempdir().unwrap();
-    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
-    let trace = Trace::start(
-        &fx.db,
-        &[
-            "--lib",
-            &lib("libcudart.so.12"),
-            "--lib",
-            &lib("libcuda.so.1"),
-            "--lib",
-            &lib("libsimtorch.so"),
-        ],
-    );
+    let trace = fx.trace(&["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"], &[]);
     let truth = dir.path().join("truth.jsonl");
     std::fs::write(dir.path().join("go"), "").unwrap();
     let mut cmd = Command::new("python3");
@@ -114,12 +103,7 @@ fn check_every_block_event(expandable: bool, streams: bool) -> Vec<Value> {
         }
     }
     // The layout at the end, as a map: every segment's runs tile it.
-    let out = Command::new(TRACER)
-        .args(["layout", "--json", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    let layouts: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let layouts = tracer_json(&fx.db, &["layout", "--json"]);
     let p = &layouts[0];
     assert_eq!(p["view"], "allocator");
     for seg in p["segments"].as_array().unwrap() {
@@ -275,12 +259,7 @@ fn a_workload_that_only_grows_is_growth_or_a_leak_never_fragmentation() {
         .unwrap();
     assert_ok(&out);
     trace.stop(SIGINT);
-    let json = Command::new(TRACER)
-        .args(["explain", "--json", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    let report: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
     let rules = rule_names(&report);
     assert!(
         !rules.iter().any(|r| r.starts_with("fragmentation")),
@@ -299,12 +278,11 @@ fn env_value(env: &str, key: &str) -> u64 {
 #[test]
 fn the_early_warning_runs_the_on_warning_command_as_the_user_before_the_oom() {
     let Some(fx) = Fixture::new() else { return };
-    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
     let libs = [
         "--lib".to_owned(),
-        lib("libcudart.so.12"),
+        fx.lib("libcudart.so.12"),
         "--lib".to_owned(),
-        lib("libsimtorch.so"),
+        fx.lib("libsimtorch.so"),
     ];
     // As root with nobody on whose behalf: refused before anything is attached.
     let refused = Command::new(TRACER)
@@ -323,12 +301,7 @@ fn the_early_warning_runs_the_on_warning_command_as_the_user_before_the_oom() {
         String::from_utf8_lossy(&refused.stderr)
     );
 
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let dir = dir_with_mode(0o777);
     let hook = format!(
         "env > {0}/warned.env; id -u > {0}/warned.uid",
         dir.path().display()
@@ -360,12 +333,7 @@ fn the_early_warning_runs_the_on_warning_command_as_the_user_before_the_oom() {
     assert_eq!(result["pid"].as_u64(), Some(pid));
 
     // The same warning explain finds afterwards, with the same request; it came before the OOM.
-    let json = Command::new(TRACER)
-        .args(["explain", "--json", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    let report: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
     let chains = report["chains"].as_array().unwrap();
     let warning = chains
         .iter()
@@ -505,22 +473,13 @@ fn the_perfetto_export_holds_every_call_the_counters_and_the_oom() {
 #[test]
 fn blocks_handed_out_without_probes_show_as_held_unseen_never_as_free() {
     let Some(fx) = Fixture::new() else { return };
-    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
-    let trace = Trace::start(
-        &fx.db,
-        &[
-            "--lib",
-            &lib("libcudart.so.12"),
-            "--lib",
-            &lib("libsimtorch.so"),
-        ],
-    );
+    let trace = fx.trace(&["libcudart.so.12", "libsimtorch.so"], &[]);
     // A 4 MiB tensor in a 20 MiB segment; 12 MiB raw_alloc'ed beside it (no probe); an 8 MiB
     // tensor then needs a new segment: the 16 MiB tracer sees free holds only 4.
     let script = format!(
         "import sys\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, MIB\na = CachingAllocator({cudart:?})\nt = a.malloc(4 * MIB)\nr = a.raw_alloc(12 * MIB)\nu = a.malloc(8 * MIB)\nassert len(a.segments) == 2, len(a.segments)\nprint(a.stats()['largest_free_block'])\n",
         dir = workspace_file("demos/workloads").to_str().unwrap(),
-        cudart = lib("libcudart.so.12"),
+        cudart = fx.lib("libcudart.so.12"),
     );
     let out = Command::new("python3")
         .args(["-c", &script])
@@ -565,9 +524,7 @@ fn whatif_reproduces_the_run_and_predicts_it_under_expandable_segments() {
         }
         cmd.output().unwrap()
     };
-    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
-    let (cudart, torch) = (lib("libcudart.so.12"), lib("libsimtorch.so"));
-    let trace = Trace::start(&fx.db, &["--lib", &cudart, "--lib", &torch, "--quiet"]);
+    let trace = fx.trace(&["libcudart.so.12", "libsimtorch.so"], &["--quiet"]);
     let out = incident("", None);
     trace.stop(2);
     assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));

@@ -641,12 +641,7 @@ fn bad_inputs_get_clear_messages_and_lose_nothing() {
         return;
     }
     let _guard = serial();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
+    let dir = dir_with_mode(0o755);
     let db = dir.path().join("t.db");
     let dbs = db.to_str().unwrap();
     // Not root.
@@ -792,12 +787,7 @@ fn under_sudo_the_database_belongs_to_the_invoking_user() {
         return;
     }
     let _guard = serial();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let dir = dir_with_mode(0o777);
     let lib = sim().join("libcudart.so.12");
     // With --db in a shared directory: the file, its directory and WAL files go to the user, 0600.
     let db = dir.path().join("data").join("t.db");
@@ -1097,12 +1087,7 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
         "demo {scenario} took {:?}",
         started.elapsed()
     );
-    let json = Command::new(TRACER)
-        .args(["explain", "--json", "--db"])
-        .arg(&db)
-        .output()
-        .unwrap();
-    assert_ok(&json);
+    let report = tracer_json(&db, &["explain", "--json"]);
     let source = query(&db, "SELECT source FROM sessions")[0]["source"]
         .as_str()
         .unwrap()
@@ -1142,13 +1127,7 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
     );
     // whatif's fidelity gate holds on every demo's session, traced or from the runtime's log:
     // the simulator makes the allocator's own decisions, block for block.
-    let whatif = Command::new(TRACER)
-        .args(["whatif", "--no-search", "--json", "--db"])
-        .arg(&db)
-        .output()
-        .unwrap();
-    assert_ok(&whatif);
-    let whatif: Value = serde_json::from_slice(&whatif.stdout).unwrap();
+    let whatif = tracer_json(&db, &["whatif", "--no-search", "--json"]);
     let fidelity = &whatif["fidelity"];
     assert_eq!(fidelity["holds"], true, "demo {scenario}: {fidelity:#}");
     assert_eq!(
@@ -1164,11 +1143,7 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
         fidelity["refused_recorded"], fidelity["refused_simulated"],
         "demo {scenario}: {fidelity:#}"
     );
-    (
-        stdout,
-        stderr,
-        serde_json::from_slice(&json.stdout).unwrap(),
-    )
+    (stdout, stderr, report)
 }
 
 fn chain<'a>(report: &'a Value, rule: &str) -> &'a Value {
@@ -1448,12 +1423,7 @@ fn a_demo_run_by_an_unprivileged_user_says_so_and_still_explains() {
         return;
     }
     let _guard = serial();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let dir = dir_with_mode(0o777);
     let db = dir.path().join("demo.db");
     let out = tracer_as(
         Some(NOBODY),

@@ -481,18 +481,9 @@ fn the_operator_objects_hold_the_rules_and_scrape_what_the_daemonset_serves() {
 #[test]
 fn a_real_prometheus_scrapes_a_live_trace_and_agrees_with_the_session() {
     let Some(fx) = Fixture::new() else { return };
-    let lib = |name: &str| fx.sim.join(name).to_str().unwrap().to_owned();
-    let trace = Trace::start(
-        &fx.db,
-        &[
-            "--lib",
-            &lib("libcudart.so.12"),
-            "--lib",
-            &lib("libsimtorch.so"),
-            "--metrics",
-            "127.0.0.1:0",
-            "--quiet",
-        ],
+    let trace = fx.trace(
+        &["libcudart.so.12", "libsimtorch.so"],
+        &["--metrics", "127.0.0.1:0", "--quiet"],
     );
     let metrics = metrics_addr(&trace);
     assert!(metrics.ip().is_loopback());
@@ -528,34 +519,27 @@ fn a_real_prometheus_scrapes_a_live_trace_and_agrees_with_the_session() {
     );
 
     // Calls and errors per op: Prometheus' numbers are the database's.
-    let sql = |col: &str| -> BTreeMap<String, f64> {
-        query(
-            &fx.db,
-            &format!("SELECT op, {col} AS n FROM events WHERE pid = {pid} GROUP BY op"),
-        )
-        .iter()
-        .map(|r| {
-            (
-                r["op"].as_str().unwrap().to_owned(),
-                r["n"].as_f64().unwrap(),
-            )
-        })
-        .collect()
+    let by_op = |sql: String| -> BTreeMap<String, f64> {
+        query(&fx.db, &sql)
+            .iter()
+            .map(|r| {
+                (
+                    r["op"].as_str().unwrap().to_owned(),
+                    r["n"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let sql = |col: &str| {
+        by_op(format!(
+            "SELECT op, {col} AS n FROM events WHERE pid = {pid} GROUP BY op"
+        ))
     };
     let calls = sql("count(*)");
     assert!(calls["cudaMalloc"] > 100.0, "{calls:?}");
-    let tensor_ops: BTreeMap<String, f64> = query(
-        &fx.db,
-        &format!("SELECT op, count(*) AS n FROM tensor_events WHERE pid = {pid} GROUP BY op"),
-    )
-    .iter()
-    .map(|r| {
-        (
-            r["op"].as_str().unwrap().to_owned(),
-            r["n"].as_f64().unwrap(),
-        )
-    })
-    .collect();
+    let tensor_ops = by_op(format!(
+        "SELECT op, count(*) AS n FROM tensor_events WHERE pid = {pid} GROUP BY op"
+    ));
     let mut want = calls.clone();
     want.extend(tensor_ops);
     let got = prometheus.values_by(
@@ -741,13 +725,10 @@ fn a_process_in_a_pod_cgroup_gets_its_pods_names_from_the_kubernetes_api() {
         ),
     )
     .unwrap();
-    let lib = fx.sim.join("libcudart.so.12");
     // The DaemonSet passes the node's name: only its pods are listed.
-    let trace = Trace::start_with_env(
-        &fx.db,
+    let trace = fx.trace_with_env(
+        &["libcudart.so.12"],
         &[
-            "--lib",
-            lib.to_str().unwrap(),
             "--metrics",
             "127.0.0.1:0",
             "--kubernetes",
@@ -804,12 +785,9 @@ fn a_process_in_a_pod_cgroup_gets_its_pods_names_from_the_kubernetes_api() {
 #[test]
 fn a_hundred_concurrent_scrapers_do_not_slow_event_delivery() {
     let Some(fx) = Fixture::new() else { return };
-    let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(
-        &fx.db,
+    let trace = fx.trace(
+        &["libcudart.so.12"],
         &[
-            "--lib",
-            lib.to_str().unwrap(),
             "--metrics",
             "127.0.0.1:0",
             "--ring-size",
@@ -883,12 +861,7 @@ fn where_tracing_cannot_start_keep_serving_stays_up_unready_saying_why() {
         return;
     }
     // As nobody, loading BPF programs is refused: the kernel "cannot trace" for this process.
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let dir = dir_with_mode(0o777);
     let port = free_port();
     let mut child = Command::new(TRACER)
         .args(["trace", "--quiet", "--keep-serving", "--metrics"])

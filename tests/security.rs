@@ -26,8 +26,7 @@ const SECRET: &str = "root:secret:19000:0:99999:7:::\n";
 
 impl Scene {
     fn new() -> Scene {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = dir_with_mode(0o755);
         let user_dir = dir.path().join("home");
         std::fs::create_dir(&user_dir).unwrap();
         nix::unistd::chown(

@@ -96,6 +96,18 @@ pub fn sim() -> &'static Path {
     })
 }
 
+/// A temporary folder with these permissions (0o777: others may write there, as the
+/// unprivileged users the tests run as must).
+pub fn dir_with_mode(mode: u32) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(mode),
+    )
+    .unwrap();
+    dir
+}
+
 /// A private copy of the simulated libraries (new inodes: not probed by anyone else).
 pub fn sim_copy(dir: &Path) -> PathBuf {
     let out = dir.join("sim");
@@ -135,6 +147,26 @@ impl Fixture {
             sim,
             db,
         })
+    }
+}
+
+impl Fixture {
+    /// The path of `name` in this fixture's copy of the simulated runtime.
+    pub fn lib(&self, name: &str) -> String {
+        self.sim.join(name).to_str().unwrap().to_owned()
+    }
+
+    /// `tracer trace` on these libraries of the fixture's copy (`--lib` each), then `extra`.
+    pub fn trace(&self, libs: &[&str], extra: &[&str]) -> Trace {
+        self.trace_with_env(libs, extra, &[])
+    }
+
+    /// [`Fixture::trace`] with these variables in tracer's environment.
+    pub fn trace_with_env(&self, libs: &[&str], extra: &[&str], env: &[(&str, &str)]) -> Trace {
+        let libs: Vec<String> = libs.iter().map(|name| self.lib(name)).collect();
+        let mut args: Vec<&str> = libs.iter().flat_map(|l| ["--lib", l.as_str()]).collect();
+        args.extend_from_slice(extra);
+        Trace::start_with_env(&self.db, &args, env)
     }
 }
 

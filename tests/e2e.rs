@@ -1797,7 +1797,7 @@ fn calls_returning_on_different_cpus_are_stored_in_the_order_they_returned() {
     let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
     let script = workspace().join("tests/python/cross_cpu.py");
     let rep = python_json(&[script.as_os_str(), lib.as_os_str(), "300".as_ref()]);
-    trace.stop(SIGINT);
+    let late = trace.stop(SIGINT).counter("events_late");
     let pid = rep["pid"].as_i64().unwrap();
     assert_eq!(
         rep["distinct_ptrs"], 1,
@@ -1820,7 +1820,8 @@ fn calls_returning_on_different_cpus_are_stored_in_the_order_they_returned() {
     .iter()
     .map(|r| (r["op"].as_str().unwrap().to_owned(), r["size"].as_i64().unwrap_or(-1)))
     .collect();
-    assert_eq!(stored, expected);
+    assert_eq!(stored, expected, "{late} events counted late");
+    assert_eq!(late, 0);
 }
 
 /// `tracer import` stores the simulated runtime's own log of a real run (no privileges needed):

@@ -416,6 +416,12 @@ fn health_families(f: &mut Families, s: Option<&RecordingStatus>, health: &Healt
         );
     }
     f.counter(
+        "tracer_events_late_total",
+        "Events stored after events made later than them (their program was held off its CPU).",
+        &[],
+        c.events_late,
+    );
+    f.counter(
         "tracer_calls_before_interpreter_total",
         "Calls of Python processes made before tracer registered their interpreter (no Python frames).",
         &[],

@@ -44,6 +44,13 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
             c.tail_call_failed
         )?;
     }
+    if c.events_late > 0 {
+        writeln!(
+            out,
+            "warning: {} events reached tracer after events made later than them and are stored after those (their program was held off its CPU longer than the reader waits, 20 ms): a free among them may lack its allocation's size",
+            c.events_late
+        )?;
+    }
     if c.calls_abandoned > 0 {
         writeln!(
             out,

@@ -35,8 +35,11 @@ const BUSY_POLL_INTERVAL_MS: u16 = 1;
 /// How often the stages are emptied (each a call into the kernel per CPU).
 const ROUND_INTERVAL: Duration = Duration::from_millis(10);
 /// Records made this long before a round began are handed over by it: a program that read the
-/// clock and has not yet written its record to the ring is given that long to do so.
-const ROUND_MARGIN_NS: u64 = 2_000_000;
+/// clock and has not yet written its record to the ring is given that long to do so. Long, since
+/// on a virtual machine the host may hold a vCPU off for milliseconds (at 2 ms, 8 frees once came
+/// before their allocations); a record later still is handed over late and counted
+/// (`events_late`).
+const ROUND_MARGIN_NS: u64 = 20_000_000;
 
 /// Where the reader's records come from.
 pub struct Source {
@@ -96,6 +99,7 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
             shared
                 .decode_errors
                 .fetch_add(decode_errors, Ordering::SeqCst);
+            shared.events_late.store(order.late, Ordering::SeqCst);
             if !ready.is_empty() {
                 hand_over(ready, &tx)?;
             }
@@ -136,6 +140,10 @@ struct Reorder {
     keys: Vec<(u64, u32, u32)>,
     spare_raw: Vec<u8>,
     spare_keys: Vec<(u64, u32, u32)>,
+    /// The latest time handed over: an event made before it and read now is late.
+    released_ns: u64,
+    /// Events read after events made later than them had been handed over.
+    late: u64,
 }
 
 impl Reorder {
@@ -146,6 +154,7 @@ impl Reorder {
             let Ok((event, sent)) = event else {
                 return 1;
             };
+            self.late += u64::from(sent < self.released_ns);
             self.keys
                 .push((sent, self.raw.len() as u32, event.len() as u32));
             self.raw.extend_from_slice(event);
@@ -158,6 +167,9 @@ impl Reorder {
     fn release(&mut self, until_ns: u64, ready: &mut Vec<Record>) -> u64 {
         self.keys.sort_unstable();
         let cut = self.keys.partition_point(|&(ns, _, _)| ns <= until_ns);
+        if let Some(&(last, _, _)) = cut.checked_sub(1).and_then(|i| self.keys.get(i)) {
+            self.released_ns = self.released_ns.max(last);
+        }
         let mut errors = 0;
         ready.reserve(cut);
         for &(_, at, len) in &self.keys[..cut] {
@@ -229,6 +241,25 @@ mod tests {
                 other => panic!("unexpected {other:?}"),
             })
             .collect()
+    }
+
+    #[test]
+    fn an_event_read_after_later_ones_were_handed_over_is_counted_late() {
+        let mut order = Reorder::default();
+        for item in [exit(1, 10), exit(2, 30)] {
+            assert_eq!(order.push(&item), 0);
+        }
+        let mut ready = Vec::new();
+        order.release(20, &mut ready);
+        assert_eq!(pids(&ready), [1]);
+        // Made at 5, before the event at 10 already handed over: late. Made at 15: not.
+        for item in [exit(3, 5), exit(4, 15)] {
+            assert_eq!(order.push(&item), 0);
+        }
+        assert_eq!(order.late, 1);
+        let mut ready = Vec::new();
+        order.release(u64::MAX, &mut ready);
+        assert_eq!(pids(&ready), [3, 4, 2]);
     }
 
     #[test]

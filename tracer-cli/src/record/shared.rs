@@ -33,6 +33,8 @@ pub struct Shared {
     pub events_read: AtomicU64,
     pub events_stored: AtomicU64,
     pub decode_errors: AtomicU64,
+    /// Events read after events made later than them had been handed over.
+    pub events_late: AtomicU64,
     /// Allocations whose size userspace could not keep (too many live): their frees lack one.
     pub allocs_not_tracked: AtomicU64,
     /// Early warnings that did not run --on-warning's command (one running, or too soon).
@@ -91,6 +93,7 @@ impl Shared {
             calls_abandoned: kernel[Counter::CallsAbandoned as usize],
             calls_before_interpreter: self.calls_before_interpreter.load(Ordering::SeqCst),
             mappings_lost: self.mappings_lost.load(Ordering::SeqCst),
+            events_late: self.events_late.load(Ordering::SeqCst),
         }
     }
 }

@@ -491,7 +491,7 @@ const SUMMARY_COLUMNS: &str =
     dropped_ring_full, unmatched_returns, alloc_map_full, inflight_full, events_read, events_stored,
     decode_errors, offcpu_submitted, offcpu_dropped, tail_call_failed, map_insert_failed,
     calls_abandoned, calls_before_interpreter, mappings_lost, evicted_events, evicted_calls,
-    evicted_block_events, evicted_offcpu, evicted_until_ns";
+    evicted_block_events, evicted_offcpu, evicted_until_ns, events_late";
 
 fn summary_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionSummary> {
     let n = |i: usize| -> rusqlite::Result<u64> { Ok(r.get::<_, i64>(i)?.max(0) as u64) };
@@ -519,6 +519,7 @@ fn summary_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionSummary> {
             calls_abandoned: n(19)?,
             calls_before_interpreter: n(20)?,
             mappings_lost: n(21)?,
+            events_late: n(27)?,
         },
         evicted_events: n(22)?,
         evicted_calls: n(23)?,

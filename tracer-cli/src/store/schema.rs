@@ -3,7 +3,7 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 9;
+pub const SCHEMA_VERSION: i64 = 10;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -254,5 +254,9 @@ ALTER TABLE sessions ADD COLUMN evicted_offcpu INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN evicted_messages INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE sessions ADD COLUMN evicted_until_ns INTEGER;
 ALTER TABLE sessions ADD COLUMN restored_from INTEGER;
+"#,
+    // 10: events handed over after events made later than them.
+    r#"
+ALTER TABLE sessions ADD COLUMN events_late INTEGER NOT NULL DEFAULT 0;
 "#,
 ];

@@ -66,6 +66,10 @@ pub struct SessionCounters {
     /// Records of processes' new mappings the kernel could not hand over (a full side-band
     /// ring): native frames in those mappings may stay unresolved (--stack).
     pub mappings_lost: u64,
+    /// Events that reached the reader after it had handed over events made later (a program
+    /// held off its CPU for longer than the reader waits): stored after them, so a free may
+    /// come before its allocation and lack its size.
+    pub events_late: u64,
 }
 
 impl Store {
@@ -148,7 +152,7 @@ impl Store {
                     unmatched_returns = ?5, alloc_map_full = ?6, inflight_full = ?7, events_read = ?8,
                     events_stored = ?9, decode_errors = ?10, offcpu_submitted = ?11, offcpu_dropped = ?12,
                     tail_call_failed = ?13, map_insert_failed = ?14, calls_abandoned = ?15,
-                    calls_before_interpreter = ?16, mappings_lost = ?17
+                    calls_before_interpreter = ?16, mappings_lost = ?17, events_late = ?18
                  WHERE id = ?1",
                 params![
                     session,
@@ -167,7 +171,8 @@ impl Store {
                     c.map_insert_failed as i64,
                     c.calls_abandoned as i64,
                     c.calls_before_interpreter as i64,
-                    c.mappings_lost as i64
+                    c.mappings_lost as i64,
+                    c.events_late as i64
                 ],
             )
             .with_context(|| format!("store counters of session {session}"))?;

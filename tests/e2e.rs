@@ -1298,7 +1298,8 @@ fn check_incident(simulated: bool) {
         stdout.contains(&format!("[High] {}", oom["title"].as_str().unwrap())),
         "{stdout}"
     );
-    // A chain shown while running is in the final report, or the report says it was withdrawn.
+    // A chain shown while running is in the final report, or the report says it was withdrawn
+    // or revised.
     for line in stderr.lines().filter(|l| l.contains("chain formed: [")) {
         let shown = line
             .split("] ")
@@ -1307,7 +1308,8 @@ fn check_incident(simulated: bool) {
             .unwrap();
         assert!(
             stdout.contains(&format!("] {shown}  (pid"))
-                || stdout.contains(&format!("Withdrawn: \"{shown}\"")),
+                || stdout.contains(&format!("Withdrawn: \"{shown}\""))
+                || stdout.contains(&format!("Revised: \"{shown}\"")),
             "{shown:?} was shown, and is neither in the report nor withdrawn:\n{stdout}"
         );
     }

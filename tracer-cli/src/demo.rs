@@ -560,6 +560,24 @@ fn run_simulated(
     Ok((session, outcome, watch.seen))
 }
 
+/// What became of the chains announced while the demo ran that the whole session does not
+/// repeat as shown: withdrawn (no such chain now) or revised (another title).
+fn changed_since_shown(announced: &Announced, kept: &BTreeMap<(&str, u32), &str>) -> Vec<String> {
+    announced
+        .iter()
+        .filter_map(|((rule, pid), title)| match kept.get(&(rule.as_str(), *pid)) {
+            None => Some(format!(
+                "Withdrawn: \"{title}\" (pid {pid}) was shown while the demo ran; the whole session does not support it (what looked like a trend levelled off, or a later figure explains it better)."
+            )),
+            // E.g. a failed allocation that looked unrecovered until its retry succeeded.
+            Some(now) if now != title => Some(format!(
+                "Revised: \"{title}\" (pid {pid}) was shown while the demo ran; the whole session says \"{now}\" (a later call changed what the first one meant)."
+            )),
+            Some(_) => None,
+        })
+        .collect()
+}
+
 /// The explain report, and the chains announced while running that the whole session no
 /// longer supports, said as withdrawn rather than silently dropped.
 fn final_report(db: &Path, session: i64, announced: &Announced) -> Result<()> {
@@ -572,20 +590,44 @@ fn final_report(db: &Path, session: i64, announced: &Announced) -> Result<()> {
         },
     )?;
     present::explain::text(&mut std::io::stdout().lock(), &explained, true)?;
-    let kept: std::collections::BTreeSet<(&str, u32)> = explained
+    let kept: BTreeMap<(&str, u32), &str> = explained
         .report
         .chains
         .iter()
-        .map(|c| (c.rule, c.pid))
+        .map(|c| ((c.rule, c.pid), c.title.as_str()))
         .collect();
-    for ((rule, pid), title) in announced {
-        if !kept.contains(&(rule.as_str(), *pid)) {
-            println!(
-                "Withdrawn: \"{title}\" (pid {pid}) was shown while the demo ran; the whole session does not support it (what looked like a trend levelled off, or a later figure explains it better)."
-            );
-        }
+    for line in changed_since_shown(announced, &kept) {
+        println!("{line}");
     }
     println!();
     println!("Stored in {} (session {session}): explore with `tracer explain --db {} --json` or `tracer query`.", db.display(), db.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chain_shown_then_gone_is_withdrawn_and_one_retitled_is_revised() {
+        let shown_oom = "out of memory: cudaMalloc of 46.0 MiB failed";
+        let announced: Announced = [
+            (("oom".to_owned(), 7), shown_oom.to_owned()),
+            (("leak".to_owned(), 7), "memory held rising".to_owned()),
+            (("fragmentation".to_owned(), 7), "fragmentation".to_owned()),
+        ]
+        .into_iter()
+        .collect();
+        let kept: BTreeMap<(&str, u32), &str> = [
+            (("oom", 7), "out of memory: cudaMalloc of 38.0 MiB failed"),
+            (("fragmentation", 7), "fragmentation"),
+        ]
+        .into_iter()
+        .collect();
+        let lines = changed_since_shown(&announced, &kept);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].starts_with("Withdrawn: \"memory held rising\" (pid 7)"));
+        assert!(lines[1].starts_with(&format!("Revised: \"{shown_oom}\" (pid 7)")));
+        assert!(lines[1].contains("says \"out of memory: cudaMalloc of 38.0 MiB failed\""));
+    }
 }

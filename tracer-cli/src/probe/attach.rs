@@ -16,7 +16,7 @@ use anyhow::{anyhow, Context as _, Result};
 use aya::{
     maps::{Array, MapData, PerCpuArray, RingBuf},
     programs::{
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
         RawTracePoint, TracePoint, UProbe,
     },
     Ebpf, EbpfLoader,
@@ -76,7 +76,6 @@ pub struct Probes {
     ebpf: Ebpf,
     counters: PerCpuArray<MapData, u64>,
     attached: BTreeMap<FileId, AttachedLibrary>,
-    links: Vec<(&'static str, UProbeLinkId)>,
     /// USDT sites: each a perf event (the uprobe, holding its semaphore up) and its link.
     usdt_links: Vec<(OwnedFd, OwnedFd)>,
     /// The next free slot of the USDT plan map.
@@ -299,7 +298,6 @@ impl Probes {
             ebpf,
             counters,
             attached: BTreeMap::new(),
-            links: Vec::new(),
             usdt_links: Vec::new(),
             usdt_next: 0,
             host_context,
@@ -527,8 +525,8 @@ impl Probes {
             location: UProbeAttachLocation::AbsoluteOffset(offset),
             cookie: Some(op as u64),
         };
-        let link = program.attach(point, path, scope)?;
-        self.links.push((prog_name, link));
+        // The program keeps the link: it is removed with the object (`remove`).
+        program.attach(point, path, scope)?;
         Ok(())
     }
 
@@ -649,9 +647,9 @@ impl Probes {
     /// Removes every probe (closing a site's link and perf event also lowers its semaphore).
     /// The kernel's part, a grace period per probe, is left to a background process
     /// ([`super::release`]): call this once the probes are paused and what they recorded is
-    /// read. Returns false when it was done here, the slow way.
-    pub fn remove(self) -> bool {
-        super::release::drop_in_background(self)
+    /// read.
+    pub fn remove(self) {
+        super::release::drop_in_background(self);
     }
 }
 

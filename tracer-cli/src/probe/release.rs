@@ -17,27 +17,27 @@ use std::{
 const PROBE_DESCRIPTORS: [&[u8]; 2] = [b"anon_inode:bpf_link", b"anon_inode:[perf_event]"];
 
 /// Drops `held` (what holds the probes' descriptors) and has a background process make the
-/// kernel's slow removals, in the order that keeps this process from waiting. Returns false
-/// when no background process could be made: `held` was dropped here, the slow way.
-pub fn drop_in_background<T>(held: T) -> bool {
+/// kernel's slow removals, in the order that keeps this process from waiting. Where no
+/// background process can be made, `held` is dropped here, the slow way.
+pub fn drop_in_background<T>(held: T) {
     let Some((probes, highest)) = probe_descriptors() else {
-        drop(held);
-        return false;
+        log::debug!("no list of this process's descriptors: the probes are removed here");
+        return drop(held);
     };
     let mut ends = [0 as RawFd; 2];
     // SAFETY: pipe2 writes two descriptors into the two-element array it is given.
     if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        drop(held);
-        return false;
+        log::debug!("no pipe: the probes are removed here");
+        return drop(held);
     }
     let [read_end, write_end] = ends;
     // SAFETY: the child of a threaded process runs only async-signal-safe calls (fork, close,
     // close_range, prctl, signal, read, _exit) on memory made before the fork, and never returns.
     match unsafe { libc::fork() } {
         -1 => {
+            log::debug!("no fork: the probes are removed here");
             close_both(ends);
             drop(held);
-            false
         }
         0 => unsafe { close_after_parent(&probes, highest, read_end, write_end) },
         child => {
@@ -51,7 +51,6 @@ pub fn drop_in_background<T>(held: T) -> bool {
             // SAFETY: closing the last write end here tells the background process that this
             // process's copies are closed.
             unsafe { libc::close(write_end) };
-            true
         }
     }
 }
@@ -104,6 +103,8 @@ unsafe fn close_after_parent(
     // SAFETY (for the block): async-signal-safe system calls only; `probes` was made before
     // the fork and is only read.
     unsafe {
+        // The intermediate child exits at once, also when it could not fork: the parent waits
+        // for it, so it must not wait for the parent (the parent's closes are then the last).
         if libc::fork() != 0 {
             libc::_exit(0);
         }

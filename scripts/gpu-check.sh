@@ -127,6 +127,14 @@ wait_for() { # file, seconds, pid that must stay alive, what
 # asked from its first allocation; leaves $work/NAME/{stats.json,trace.db,trace.jsonl}.
 run() {
   local setup=$1 mode=$2 name=$3; shift 3
+  # A stopped tracer leaves removing its paused probes to a process of that name: a timed run
+  # must not pay for their traps.
+  case $name in
+    cost-*)
+      local i=0
+      while grep -qsx tracer-detach /proc/[0-9]*/comm && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
+      ;;
+  esac
   local dir="$work/$name" env=() extra=()
   mkdir -p "$dir"
   if [ "$mode" = expandable ]; then
@@ -158,10 +166,6 @@ run() {
     while kill -0 "$tpid" 2>/dev/null && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
     kill -INT "$tpid" 2>/dev/null || true
     wait "$tpid" || { cat "$dir/trace.err"; say "$name: tracer failed"; return 1; }
-    # tracer leaves removing its paused probes to a process of that name: the next run must not
-    # pay for their traps.
-    i=0
-    while grep -qsx tracer-detach /proc/[0-9]*/comm && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
   fi
   if [ $rc -ne 0 ] || [ ! -s "$dir/stats.json" ]; then
     cat "$dir/workload.log"; say "$name: the workload failed (exit $rc)"; return 1

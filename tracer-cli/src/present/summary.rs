@@ -47,7 +47,7 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
     if c.events_late > 0 {
         writeln!(
             out,
-            "warning: {} events reached tracer after events made later than them and are stored after those (their program was held off its CPU longer than the reader waits, 20 ms): a free among them may lack its allocation's size",
+            "warning: {} events reached tracer after events made later than them and are stored after those (their program was held off its CPU longer than the reader waits, 2 ms): a free among them may lack its allocation's size",
             c.events_late
         )?;
     }

@@ -494,8 +494,7 @@ fn a_stopped_trace_leaves_removing_its_probes_to_a_process_holding_nothing_else(
     let Some(fx) = Fixture::new() else {
         return;
     };
-    let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(&fx.db, &["--lib", lib.to_str().unwrap()]);
+    let trace = fx.trace(&["libcudart.so.12"], &[]);
     let probes = trace.started["probes"].as_u64().unwrap();
     let earlier = detach_processes();
     let stopped = trace.stop(SIGINT);
@@ -1662,11 +1661,7 @@ fn native_call_sites_match_the_programs_own_lines() {
         .output()
         .unwrap();
     assert_ok(&cc);
-    let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(
-        &fx.db,
-        &["--stack", "--quiet", "--lib", lib.to_str().unwrap()],
-    );
+    let trace = fx.trace(&["libcudart.so.12"], &["--stack", "--quiet"]);
     // It kills itself with SIGKILL right after its last call (tests/native/call_sites.c).
     let run = Command::new(&exe).output().unwrap();
     assert_eq!(
@@ -1744,11 +1739,7 @@ fn with_stack_every_call_is_stored_or_counted() {
     let Some(fx) = Fixture::new() else {
         return;
     };
-    let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(
-        &fx.db,
-        &["--stack", "--quiet", "--lib", lib.to_str().unwrap()],
-    );
+    let trace = fx.trace(&["libcudart.so.12"], &["--stack", "--quiet"]);
     let rep = report(
         driver(
             &fx.sim,
@@ -1795,10 +1786,10 @@ fn calls_returning_on_different_cpus_are_stored_in_the_order_they_returned() {
     let Some(fx) = Fixture::new() else {
         return;
     };
-    let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
+    let trace = fx.trace(&["libcudart.so.12"], &["--quiet"]);
     let script = workspace().join("tests/python/cross_cpu.py");
-    let rep = python_json(&[script.as_os_str(), lib.as_os_str(), "300".as_ref()]);
+    let lib = fx.lib("libcudart.so.12");
+    let rep = python_json(&[script.as_os_str(), lib.as_ref(), "300".as_ref()]);
     let late = trace.stop(SIGINT).counter("events_late");
     let pid = rep["pid"].as_i64().unwrap();
     assert_eq!(

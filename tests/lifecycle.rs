@@ -36,13 +36,9 @@ fn rss_kib(pid: u32) -> u64 {
 fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
     let Some(fx) = Fixture::new() else { return };
     let exe = build_native(&fx.sim, "churn", &["-O2", "-pthread"]);
-    let lib = fx.sim.join("libcudart.so.12");
     // With --stack: the call sites, the side band's mappings and the interpreters kept per
     // process must go with each process too.
-    let trace = Trace::start(
-        &fx.db,
-        &["--stack", "--quiet", "--lib", lib.to_str().unwrap()],
-    );
+    let trace = fx.trace(&["libcudart.so.12"], &["--stack", "--quiet"]);
     // A warm-up run, then the baseline: what tracer holds once it has seen such processes.
     let warm = Command::new(&exe).arg("200").output().unwrap();
     assert!(warm.status.success());
@@ -98,8 +94,7 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
 fn a_preempted_thread_is_told_from_one_that_blocked() {
     let Some(fx) = Fixture::new() else { return };
     let exe = build_native(&fx.sim, "spin", &["-O2", "-pthread"]);
-    let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(&fx.db, &["--quiet", "--lib", lib.to_str().unwrap()]);
+    let trace = fx.trace(&["libcudart.so.12"], &["--quiet"]);
     // Four threads that never block, on this machine's cores, then one that only sleeps.
     let out = Command::new(&exe).args(["4", "1500"]).output().unwrap();
     assert_ok(&out);
@@ -146,11 +141,7 @@ fn a_process_with_a_huge_maps_file_is_traced_like_any_other() {
         "many_maps",
         &["-O0", "-g", "-fno-omit-frame-pointer"],
     );
-    let lib = fx.sim.join("libcudart.so.12");
-    let trace = Trace::start(
-        &fx.db,
-        &["--stack", "--quiet", "--lib", lib.to_str().unwrap()],
-    );
+    let trace = fx.trace(&["libcudart.so.12"], &["--stack", "--quiet"]);
     let out = Command::new(&exe).args(["30000", "100"]).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     let made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

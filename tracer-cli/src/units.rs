@@ -97,6 +97,19 @@ pub fn format_bytes(bytes: u64) -> String {
     }
 }
 
+/// A size as PyTorch's out-of-memory message writes it (c10's format_size): "512 bytes",
+/// "1.50 KiB", "381.83 MiB", "139.62 GiB", so that tracer's figures read beside PyTorch's.
+pub fn format_bytes_as_pytorch(bytes: u64) -> String {
+    const KIB: u64 = 1024;
+    let value = bytes as f64;
+    match bytes {
+        0..=KIB => format!("{bytes} bytes"),
+        _ if bytes <= KIB * KIB => format!("{:.2} KiB", value / 1024.0),
+        _ if bytes <= KIB * KIB * KIB => format!("{:.2} MiB", value / 1048576.0),
+        _ => format!("{:.2} GiB", value / 1073741824.0),
+    }
+}
+
 /// 1_500 -> "1.5us": three decimals at most, trailing zeros dropped.
 pub fn format_ns(ns: u64) -> String {
     let (value, unit) = match ns {
@@ -185,6 +198,16 @@ pub fn format_utc(ns: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_read_as_pytorch_writes_them() {
+        // The H200 run's message: "Tried to allocate 139.62 GiB ... 381.83 MiB is allocated".
+        assert_eq!(format_bytes_as_pytorch(149_909_798_912), "139.62 GiB");
+        assert_eq!(format_bytes_as_pytorch(400_379_904), "381.83 MiB");
+        assert_eq!(format_bytes_as_pytorch(1024), "1024 bytes");
+        assert_eq!(format_bytes_as_pytorch(1536), "1.50 KiB");
+        assert_eq!(format_bytes_as_pytorch(1 << 30), "1024.00 MiB");
+    }
 
     #[test]
     fn sizes() {

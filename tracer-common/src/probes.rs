@@ -69,6 +69,12 @@ pub enum OpClass {
     EventRecord = 9,
     /// An event found complete (cudaEventQuery, cudaEventSynchronize returning success).
     EventWait = 10,
+    /// A driver context made the calling thread's current one (cuCtxSetCurrent): its device is
+    /// the thread's device from then on. The context is the pointer.
+    SetContext = 11,
+    /// A device's context handed out (cuDevicePrimaryCtxRetain): the pointer is the context,
+    /// the device is its device.
+    Context = 12,
 }
 
 /// The meaning of one argument.
@@ -178,9 +184,11 @@ ops! {
     CudaEventRecord = 30,
     CudaEventQuery = 31,
     CudaEventSynchronize = 32,
+    CuCtxSetCurrent = 33,
+    CuDevicePrimaryCtxRetain = 34,
 }
 
-pub const OP_COUNT: usize = 33;
+pub const OP_COUNT: usize = 35;
 
 use ArgRole::*;
 use Library::{Driver, Runtime, Torch};
@@ -484,6 +492,24 @@ pub const PROBES: [ProbeSpec; OP_COUNT] = [
         OpClass::EventWait,
         Space::None,
         &[Ptr],
+    ),
+    // A thread's device through the driver: the context it makes current, and which device
+    // each context is (the primary contexts the runtime and PyTorch use).
+    probe(
+        Op::CuCtxSetCurrent,
+        "cuCtxSetCurrent",
+        Driver,
+        OpClass::SetContext,
+        Space::None,
+        &[Ptr],
+    ),
+    probe(
+        Op::CuDevicePrimaryCtxRetain,
+        "cuDevicePrimaryCtxRetain",
+        Driver,
+        OpClass::Context,
+        Space::None,
+        &[PtrOut, Device],
     ),
 ];
 

@@ -7,10 +7,12 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use tracer_common::{OpClass, Space};
 
-use super::{Event, SiteLabels, Window};
+use super::{Event, FastMap, SiteLabels, Window};
 use crate::{
     model::{
-        layout::{AllocConf, Layout, Pool, PoolStats, RunKind, Unknown, SMALL_SEGMENT},
+        attempts::{self, is_device_alloc, Attempt, Attempts, OUT_OF_MEMORY},
+        layout::{scatters, AllocConf, Layout, Pool, PoolStats, RunKind, Unknown, SMALL_SEGMENT},
+        policy::requests_for_segment,
         pressure::{pool_of, Alarm, DeviceFree, Pressure},
         state::ProcessState,
     },
@@ -24,6 +26,16 @@ const SAMPLES: i64 = 8;
 #[derive(Clone, Debug, Serialize)]
 pub struct Forensics {
     pub ts_ns: i64,
+    pub tid: u32,
+    /// The allocator's retry of a failed attempt (after releasing its cache).
+    pub retry: bool,
+    /// No retry followed: the allocator raised out-of-memory (model/attempts.rs).
+    pub raised: bool,
+    /// When cudaMemGetInfo last said what [`Forensics::device_free`] was kept current from.
+    pub device_free_reported_ns: Option<i64>,
+    /// A refused page of an expandable segment: the pages the same request had made before it
+    /// (held at the failure, given back as it fails).
+    pub pages_unmapped: u64,
     pub device: i32,
     /// What the failed call asked the device for.
     pub requested: u64,
@@ -59,7 +71,9 @@ impl Forensics {
 
     /// Fragmentation only when the free bytes of the pool the request goes to could have
     /// served it. The request is PyTorch's (`tried`, from its message); without it, a failed
-    /// cudaMalloc bounds it from above and the largest free block from below (it did not fit).
+    /// cudaMalloc's segment bounds it ([`requests_for_segment`]): fragmentation when the pool
+    /// held the most it can be, capacity when it held less than the least, or when all its free
+    /// bytes were one block (which did not fit).
     pub fn verdict(&self, tried: Option<u64>) -> OomVerdict {
         if let Some(request) = tried {
             let pool = self.pool(pool_of(request));
@@ -69,11 +83,14 @@ impl Forensics {
                 OomVerdict::Capacity
             };
         }
+        let (lowest, highest) = requests_for_segment(self.requested);
         let small = self.whole_segment && self.requested <= SMALL_SEGMENT;
         let pool = self.pool(if small { Pool::Small } else { Pool::Large });
-        if self.whole_segment && pool.cached() >= self.requested {
+        if self.whole_segment && pool.cached() >= highest {
             OomVerdict::Fragmentation
-        } else if pool.cached() <= pool.largest_free {
+        } else if (self.whole_segment && pool.cached() < lowest)
+            || pool.cached() <= pool.largest_free
+        {
             OomVerdict::Capacity
         } else {
             OomVerdict::Unknown(format!(
@@ -84,6 +101,14 @@ impl Forensics {
                 b(pool.largest_free)
             ))
         }
+    }
+
+    /// The request, as far as the failed call tells it without PyTorch's message: a whole
+    /// segment bounds it (rounded up to 2 MiB above 10 MiB), a page of an expandable segment
+    /// does not.
+    pub fn request_bounds(&self) -> Option<(u64, u64)> {
+        self.whole_segment
+            .then(|| requests_for_segment(self.requested))
     }
 }
 
@@ -104,16 +129,29 @@ pub struct Forced {
     pub first_ns: Option<i64>,
 }
 
+impl Forced {
+    fn add(&mut self, ts_ns: i64, bytes: u64) {
+        self.count += 1;
+        self.bytes += bytes;
+        self.first_ns.get_or_insert(ts_ns);
+    }
+}
+
 /// Everything the replay found for one process.
 #[derive(Clone, Debug, Default)]
 pub struct Findings {
     /// PyTorch's probes were seen: the figures are the allocator's own.
     pub visible: bool,
     pub end: BTreeMap<(i32, Pool), PoolStats>,
-    /// The worst moment: the highest fragmentation with at least a segment's worth cached.
+    /// The worst moment: the highest fragmentation with at least a segment's worth cached, in
+    /// a pool whose free blocks are scattered for its requests ([`scatters`]).
     pub worst: Option<(i64, i32, Pool, PoolStats)>,
+    /// The same, per device and pool.
+    pub worst_by_pool: BTreeMap<(i32, Pool), (i64, PoolStats)>,
     pub samples: Vec<(i64, PoolStats)>,
     pub forced: Forced,
+    /// [`Findings::forced`] per device and pool (the pool of the request no block fit).
+    pub forced_by_pool: BTreeMap<(i32, Pool), Forced>,
     pub warning: Option<Warning>,
     pub forensics: Vec<Forensics>,
     pub block_events: u64,
@@ -135,6 +173,8 @@ pub struct Findings {
     pub held_unseen: u64,
     /// PyTorch's expandable segments: the reserved ranges (start, end) its blocks landed in.
     pub expandable: Vec<(u64, u64)>,
+    /// The window's failures, retries and OOMs raised, as PyTorch counts them.
+    pub attempts: attempts::Counts,
 }
 
 /// What one process did on one device in the window, for comparing ranks and devices.
@@ -155,6 +195,8 @@ pub struct DevicePeak {
     /// Failed device allocations, and the first one.
     pub failures: u64,
     pub first_failure_ns: Option<i64>,
+    /// Failures, retries and the OOMs raised, as PyTorch counts them.
+    pub counts: attempts::Counts,
 }
 
 impl DevicePeak {
@@ -191,6 +233,15 @@ pub struct LayoutMeasure<'a> {
     /// A segment just reserved, and the pool's figures before it: settled at the next block.
     pending: Option<NewSegment>,
     next_sample: i64,
+    /// Device allocations as PyTorch counts them (model/attempts.rs).
+    tracker: Attempts,
+    /// The attempts in the window.
+    attempts: Vec<Attempt>,
+    /// The layout at each out-of-memory return, until it is known to be an attempt's.
+    candidates: Vec<Forensics>,
+    /// Per thread: physical pages made (cuMemCreate) since its last mapping, which an
+    /// expandable segment's request maps once it has them all and gives back when one fails.
+    unmapped: FastMap<u32, u64>,
 }
 
 impl<'a> LayoutMeasure<'a> {
@@ -219,6 +270,10 @@ impl<'a> LayoutMeasure<'a> {
             f,
             pending: None,
             next_sample: 0,
+            tracker: Attempts::default(),
+            attempts: Vec::new(),
+            candidates: Vec::new(),
+            unmapped: FastMap::default(),
         }
     }
 
@@ -246,17 +301,27 @@ impl<'a> LayoutMeasure<'a> {
         if new_segment {
             self.pending = Some((e.ts_ns, e.size, layout.stats().clone()));
         }
-        let failed = class == OpClass::Alloc
-            && e.ret != 0
-            && matches!(spec.space, Space::Device | Space::Handle)
-            && window.contains(e.ts_ns);
-        if failed {
-            f.forensics
-                .push(forensics(e, layout, self.pressure.device_free(e.device)));
-            let peak = f.devices.entry(e.device).or_default();
-            peak.failures += 1;
-            peak.first_failure_ns.get_or_insert(e.ts_ns);
+        let unmapped = self.unmapped.entry(e.tid).or_default();
+        match (class, spec.space) {
+            (OpClass::Alloc, Space::Handle) if e.ret == 0 => *unmapped += e.size,
+            (OpClass::Free, Space::Handle) if e.ret == 0 => {
+                *unmapped = unmapped.saturating_sub(e.size)
+            }
+            (OpClass::Alloc, Space::Mapping) if e.ret == 0 => *unmapped = 0,
+            _ => {}
         }
+        if e.ret == OUT_OF_MEMORY && is_device_alloc(e.op) && window.contains(e.ts_ns) {
+            // Taken before the layout applies the call; kept if it is an attempt of its own.
+            let mut x = forensics(e, layout, self.pressure.device_free(e.device));
+            if spec.space == Space::Handle {
+                x.pages_unmapped = self.unmapped.get(&e.tid).copied().unwrap_or(0);
+            }
+            self.candidates.push(x);
+        }
+        let (attempts, candidates) = (&mut self.attempts, &mut self.candidates);
+        self.tracker.push(e, &mut |a| {
+            settle(a, window, candidates, attempts, f);
+        });
         if class == OpClass::Free && spec.space == Space::AddressRange {
             // The range goes: remember it if it was the allocator's.
             f.expandable
@@ -286,9 +351,8 @@ impl<'a> LayoutMeasure<'a> {
         if let Some((ts, size, before)) = self.pending.take() {
             let s = before.get(&key).copied().unwrap_or_default();
             if s.cached() >= rounded && s.largest_free < rounded && window.contains(ts) {
-                f.forced.count += 1;
-                f.forced.bytes += size;
-                f.forced.first_ns.get_or_insert(ts);
+                f.forced.add(ts, size);
+                f.forced_by_pool.entry(key).or_default().add(ts, size);
                 let peak = f.devices.entry(e.device).or_default();
                 peak.forced_segments += 1;
                 peak.forced_bytes += size;
@@ -296,13 +360,17 @@ impl<'a> LayoutMeasure<'a> {
         }
         let alarm = self.pressure.after_block(e, self.conf, layout);
         let s = layout.stats().get(&key).copied().unwrap_or_default();
-        if window.contains(e.ts_ns)
-            && s.cached() >= SMALL_SEGMENT
-            && f.worst
+        if window.contains(e.ts_ns) && s.cached() >= SMALL_SEGMENT && scatters(key.1, &s) {
+            if f.worst
                 .as_ref()
                 .is_none_or(|w| s.fragmentation() > w.3.fragmentation())
-        {
-            f.worst = Some((e.ts_ns, e.device, key.1, s));
+            {
+                f.worst = Some((e.ts_ns, e.device, key.1, s));
+            }
+            let worst = f.worst_by_pool.entry(key).or_insert((e.ts_ns, s));
+            if s.fragmentation() > worst.1.fragmentation() {
+                *worst = (e.ts_ns, s);
+            }
         }
         if let Some(alarm) = alarm.filter(|_| f.warning.is_none() && window.contains(e.ts_ns)) {
             f.warning = Some(Warning {
@@ -322,6 +390,30 @@ impl<'a> LayoutMeasure<'a> {
 
     /// The findings at the window's end.
     pub fn finish(mut self) -> Findings {
+        let (window, attempts, candidates, f) = (
+            self.window,
+            &mut self.attempts,
+            &mut self.candidates,
+            &mut self.f,
+        );
+        self.tracker
+            .finish(&mut |a| settle(a, window, candidates, attempts, f));
+        attempts.sort_by_key(|a| a.event.ts_ns);
+        let raised = attempts::raised(attempts);
+        for x in &mut f.forensics {
+            x.raised = raised
+                .iter()
+                .any(|a| a.event.ts_ns == x.ts_ns && a.event.tid == x.tid);
+        }
+        for (&device, peak) in f.devices.iter_mut() {
+            let on: Vec<Attempt> = attempts
+                .iter()
+                .filter(|a| a.event.device == device)
+                .copied()
+                .collect();
+            peak.counts = attempts::counts(&on);
+        }
+        f.attempts = attempts::counts(attempts);
         while self.next_sample <= SAMPLES {
             let at = self.sample_at(self.next_sample);
             self.f.samples.push((at, self.layout.total()));
@@ -346,6 +438,38 @@ impl<'a> LayoutMeasure<'a> {
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
+}
+
+/// A decided attempt in the window: counted on its device, and a failed one's layout kept.
+fn settle(
+    a: Attempt,
+    window: Window,
+    candidates: &mut Vec<Forensics>,
+    attempts: &mut Vec<Attempt>,
+    f: &mut Findings,
+) {
+    let e = &a.event;
+    if !window.contains(e.ts_ns) {
+        return;
+    }
+    attempts.push(a);
+    let peak = f.devices.entry(e.device).or_default();
+    if !a.failed {
+        return;
+    }
+    peak.failures += 1;
+    peak.first_failure_ns.get_or_insert(e.ts_ns);
+    if let Some(i) = candidates
+        .iter()
+        .position(|x| x.ts_ns == e.ts_ns && x.tid == e.tid)
+    {
+        let mut x = candidates.swap_remove(i);
+        x.retry = a.retry;
+        f.forensics.push(x);
+        f.forensics.sort_by_key(|x| x.ts_ns);
+    }
+    // Candidates older than this one were nested calls: never attempts of their own.
+    candidates.retain(|x| x.ts_ns > e.ts_ns || x.tid != e.tid);
 }
 
 /// The blocks allocated in the window and still held, by call site.
@@ -373,6 +497,11 @@ fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics
     let total = layout.device_total(e.device);
     Forensics {
         ts_ns: e.ts_ns,
+        tid: e.tid,
+        retry: false,
+        raised: false,
+        device_free_reported_ns: free.map(|d| d.reported_ns),
+        pages_unmapped: 0,
         device: e.device,
         requested: e.size,
         total,

@@ -24,7 +24,11 @@ pub struct DeviceRow {
     /// New segments reserved while the cache held the bytes but no block that fit.
     pub forced_segments: u64,
     pub forced_bytes: u64,
+    /// Device allocations refused for want of memory, the allocator's retries of them, and the
+    /// OOMs it raised (model/attempts.rs: as PyTorch counts them).
     pub failures: u64,
+    pub retries: u64,
+    pub ooms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_failure_ns: Option<i64>,
     /// The process's allocator state is not fully known (model/layout.rs `Unknown`): its
@@ -47,6 +51,8 @@ impl DeviceRow {
             forced_segments: p.forced_segments,
             forced_bytes: p.forced_bytes,
             failures: p.failures,
+            retries: p.counts.retries,
+            ooms: p.counts.ooms,
             first_failure_ns: p.first_failure_ns,
             unknown: false,
         }

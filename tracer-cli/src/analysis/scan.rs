@@ -5,6 +5,7 @@
 use tracer_common::{Library, OpClass, Space, OP_COUNT};
 
 use super::{BlockTally, Event};
+use crate::model::attempts::{attempts, Attempt};
 
 /// One op's calls.
 #[derive(Debug, Default)]
@@ -24,8 +25,8 @@ pub struct Scan<'a> {
     pub frees_ok: u64,
     /// Successful frees of device memory.
     pub device_frees_ok: u64,
-    /// Allocations that failed with out-of-memory (error 2).
-    pub failed: Vec<&'a Event>,
+    /// The window's device allocation attempts, as PyTorch counts them (model/attempts.rs).
+    pub attempts: Vec<Attempt>,
     /// Some driver (libcuda) allocation was made.
     pub driver_allocs: bool,
     pub syncs: Vec<&'a Event>,
@@ -50,7 +51,7 @@ impl<'a> Scan<'a> {
             allocs_ok: 0,
             frees_ok: 0,
             device_frees_ok: 0,
-            failed: Vec::new(),
+            attempts: attempts(evs),
             driver_allocs: false,
             syncs: Vec::new(),
             device_alloc_durations: Vec::new(),
@@ -77,7 +78,6 @@ impl<'a> Scan<'a> {
                         scan.device_alloc_durations.push(e.duration_ns);
                     }
                 }
-                (OpClass::Alloc, 2) => scan.failed.push(e),
                 (OpClass::Free, 0) => {
                     acc.bytes += e.size;
                     scan.frees_ok += 1;

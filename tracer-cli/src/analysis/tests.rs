@@ -925,7 +925,7 @@ fn a_tiny_cache_is_not_high_fragmentation_and_a_capacity_oom_is_not_fragmentatio
         ..Default::default()
     };
     assert_eq!(
-        rules::measured::fragmentation_severity(&forced, &tiny),
+        rules::measured::fragmentation_severity(&forced, &tiny, reserved, true),
         Severity::Low
     );
     // The demo's: 296 MiB scattered in 64 blocks of 2.8 GiB, 142 segments (4 GiB) forced.
@@ -936,8 +936,14 @@ fn a_tiny_cache_is_not_high_fragmentation_and_a_capacity_oom_is_not_fragmentatio
         ..Default::default()
     };
     assert_eq!(
-        rules::measured::fragmentation_severity(&forced, &demo),
+        rules::measured::fragmentation_severity(&forced, &demo, 2867 * MIB, true),
         Severity::High
+    );
+    // The same cost on a device that never ran short (H200: 16 GiB forced over a run that
+    // peaked at 4 GiB with 139 GiB free) cost memory, not a failure.
+    assert_eq!(
+        rules::measured::fragmentation_severity(&forced, &demo, 2867 * MIB, false),
+        Severity::Medium
     );
     // PyTorch's request decides, not the 20 MiB chunk whose mapping failed.
     let chunk = failure(20 * MIB, false, tiny);

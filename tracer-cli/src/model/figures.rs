@@ -8,9 +8,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tracer_common::{Op, OpClass, Space};
+use tracer_common::{Op, OpClass};
 
-use super::Event;
+use super::{
+    attempts::{Attempt, Attempts},
+    Event,
+};
 
 /// Upper bounds of the latency buckets, in nanoseconds (1 us to 1 s: CUDA allocation calls
 /// take from about a microsecond, cached, to hundreds of milliseconds, synchronizing).
@@ -33,10 +36,6 @@ pub const LATENCY_BOUNDS_NS: [u64; 17] = [
     250_000_000,
     1_000_000_000,
 ];
-
-/// A failed allocation followed by a success of the same size this soon is the allocator's
-/// retry after freeing its cache (PyTorch's num_alloc_retries).
-const RETRY_WITHIN_NS: i64 = 2_000_000_000;
 
 /// Calls of one op.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -82,14 +81,14 @@ pub struct ProcessFigures {
     pub devices: BTreeMap<i32, DeviceFigures>,
     /// When it ended (its series go after the grace period).
     pub ended: Option<Instant>,
-    /// The last failed device allocation: (device, size, time), to tell a retry.
-    last_failure: Option<(i32, u64, i64)>,
 }
 
 /// Every traced process's figures.
 #[derive(Clone, Debug, Default)]
 pub struct Figures {
     processes: BTreeMap<u32, ProcessFigures>,
+    /// Device allocations as PyTorch counts them (failures and retries).
+    attempts: Attempts,
     /// Nothing reads them (no --metrics): the event path skips them.
     disabled: bool,
 }
@@ -145,26 +144,8 @@ impl Figures {
             .unwrap_or(LATENCY_BOUNDS_NS.len());
         o.buckets[bucket] += 1;
         o.duration_sum_ns += e.duration_ns;
-        if !matches!(spec.class, OpClass::Alloc)
-            || !matches!(spec.space, Space::Device | Space::Handle)
-        {
-            return;
-        }
-        let device = e.device.max(-1);
-        let retry = p.last_failure.take().is_some_and(|(d, size, at)| {
-            d == device && size == e.size && e.ts_ns - at <= RETRY_WITHIN_NS
-        });
-        let d = p.devices.entry(device).or_default();
-        if retry {
-            d.retries += 1;
-        }
-        if e.ret != 0 {
-            d.alloc_failures += 1;
-            // A retry that fails too ends the request (PyTorch raises): no retry follows it.
-            if !retry {
-                p.last_failure = Some((device, e.size, e.ts_ns));
-            }
-        }
+        let processes = &mut self.processes;
+        self.attempts.push(e, &mut |a| count_attempt(processes, &a));
     }
 
     /// PyTorch raised OutOfMemoryError in a process (the device its message names, see
@@ -194,6 +175,9 @@ impl Figures {
     /// A process ended: its figures stay until [`Figures::expire`] finds them older than the
     /// grace period.
     pub fn exited(&mut self, pid: u32, now: Instant) {
+        let processes = &mut self.processes;
+        self.attempts
+            .finish_process(pid, &mut |a| count_attempt(processes, &a));
         if let Some(p) = self.processes.get_mut(&pid) {
             p.ended.get_or_insert(now);
         }
@@ -220,6 +204,16 @@ impl Figures {
     pub fn is_empty(&self) -> bool {
         self.processes.is_empty()
     }
+}
+
+/// A decided allocation attempt, counted on its device.
+fn count_attempt(processes: &mut BTreeMap<u32, ProcessFigures>, a: &Attempt) {
+    let Some(p) = processes.get_mut(&a.event.pid) else {
+        return;
+    };
+    let d = p.devices.entry(a.event.device.max(-1)).or_default();
+    d.retries += u64::from(a.retry);
+    d.alloc_failures += u64::from(a.failed);
 }
 
 /// The device PyTorch's out-of-memory message names ("... GPU 0 has a total capacity ..."),

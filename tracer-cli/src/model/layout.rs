@@ -362,7 +362,7 @@ impl Layout {
     pub fn worst_fragmentation(&self, device: i32) -> f64 {
         self.totals
             .range((device, Pool::Small)..=(device, Pool::Large))
-            .filter(|(_, s)| s.cached() >= SMALL_SEGMENT)
+            .filter(|((_, pool), s)| s.cached() >= SMALL_SEGMENT && scatters(*pool, s))
             .map(|(_, s)| s.fragmentation())
             .fold(0.0, f64::max)
     }
@@ -1177,6 +1177,13 @@ fn remove_range(ranges: &mut BTreeMap<u64, u64>, s: u64, e: u64) {
             ranges.insert(e, re);
         }
     }
+}
+
+/// Whether a pool's free blocks are scattered for the requests it serves: a small pool's
+/// requests are at most 1 MiB, so a free block of that size serves every one of them however
+/// the rest lies.
+pub fn scatters(pool: Pool, s: &PoolStats) -> bool {
+    pool != Pool::Small || s.largest_free < super::policy::SMALL_SIZE
 }
 
 #[cfg(test)]

@@ -135,6 +135,17 @@ pub fn segment_size(rounded: u64) -> u64 {
     }
 }
 
+/// The requests (rounded, lowest and highest) a device segment of `segment` bytes is made
+/// for: [`segment_size`] turned round. A 20 MiB segment serves a request of 1-10 MiB or one of
+/// 18-20 MiB, so its lowest is the smaller.
+pub fn requests_for_segment(segment: u64) -> (u64, u64) {
+    match segment {
+        SMALL_SEGMENT => (MIN_BLOCK, SMALL_SIZE),
+        LARGE_SEGMENT => (SMALL_SIZE + 1, LARGE_SEGMENT),
+        _ => (segment.saturating_sub(ROUND_LARGE) + 1, segment),
+    }
+}
+
 /// Whether a block taken for a request of `rounded` bytes, `remaining` bytes larger, is split
 /// (should_split): in the small pool and in expandable segments any remainder of a block's
 /// size; in the large pool only a remainder over 1 MiB of a request under max_split_size.

@@ -11,6 +11,7 @@ use tracer_common::{OpClass, Space};
 
 pub use super::policy::{pool_of, segment_size};
 use super::{
+    attempts::Outermost,
     layout::{AllocConf, Layout, Pool, PoolStats},
     Event,
 };
@@ -51,6 +52,10 @@ pub struct Pressure {
     /// absent (a state read from a keyframe).
     #[serde(skip)]
     largest_recent: BTreeMap<(i32, Pool), u64>,
+    /// The process's own device memory taken and given back: cudaMalloc and the
+    /// cuMemAlloc_v2 inside it are one.
+    #[serde(skip)]
+    outermost: Outermost,
 }
 
 impl Pressure {
@@ -67,18 +72,20 @@ impl Pressure {
             );
             return;
         }
-        let change = match (spec.class, spec.space) {
-            (OpClass::Alloc, Space::Device | Space::Handle) if e.ret == 0 => e.size as i64,
-            (OpClass::Free, Space::Device | Space::Handle) if e.ret == 0 => -(e.size as i64),
-            _ => 0,
-        };
-        if change != 0 {
-            if let Some(d) = self.free.get_mut(&e.device) {
+        let free = &mut self.free;
+        self.outermost.push(e, &mut |e| {
+            let spec = e.op.spec();
+            let change = match (spec.class, spec.space) {
+                (OpClass::Alloc, Space::Device | Space::Handle) if e.ret == 0 => e.size as i64,
+                (OpClass::Free, Space::Device | Space::Handle) if e.ret == 0 => -(e.size as i64),
+                _ => 0,
+            };
+            if let Some(d) = free.get_mut(&e.device).filter(|_| change != 0) {
                 if e.ts_ns > d.reported_ns {
                     d.free -= change;
                 }
             }
-        }
+        });
     }
 
     /// The device's free memory, when cudaMemGetInfo has said.

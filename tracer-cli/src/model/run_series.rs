@@ -7,17 +7,18 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use tracer_common::{Op, OpClass, Space};
+use tracer_common::{Op, OpClass};
 
-use super::{live::AllocatorRow, stats::Histogram, Event};
+use super::{
+    attempts::{Attempt, Attempts},
+    live::AllocatorRow,
+    stats::Histogram,
+    Event,
+};
 use serde::{Deserialize, Serialize};
 
 /// An interval of the series, aligned on the wall clock.
 pub const INTERVAL_NS: i64 = 10_000_000_000;
-
-/// A failed allocation retried within this long is the allocator's retry after releasing its
-/// cache.
-const RETRY_WITHIN_NS: i64 = 2_000_000_000;
 
 /// An interval is over once a call this much later than its end came in (calls reach the
 /// registry 10-20 ms after they are made, later when it falls behind) ...
@@ -132,8 +133,8 @@ pub struct RunSeries {
     next_start: HashMap<(u32, i32), i64>,
     /// The latest call taken in.
     latest_ns: i64,
-    /// Per process: the last failed device allocation (device, size, when).
-    last_failure: HashMap<u32, (i32, u64, i64)>,
+    /// Device allocations as PyTorch counts them (failures and retries).
+    attempts: Attempts,
 }
 
 fn interval_start(ts_ns: i64) -> i64 {
@@ -161,16 +162,10 @@ impl RunSeries {
     pub fn apply(&mut self, e: &Event, figures: Option<&AllocatorRow>, device_free: Option<i64>) {
         let device = e.device.max(-1);
         let spec = e.op.spec();
-        let device_alloc =
-            spec.class == OpClass::Alloc && matches!(spec.space, Space::Device | Space::Handle);
-        let retry = device_alloc
-            && self.last_failure.get(&e.pid).is_some_and(|&(d, size, at)| {
-                d == device && size == e.size && e.ts_ns - at <= RETRY_WITHIN_NS
-            });
-        if device_alloc && e.ret != 0 && !retry {
-            self.last_failure.insert(e.pid, (device, e.size, e.ts_ns));
-        } else if device_alloc {
-            self.last_failure.remove(&e.pid);
+        let mut decided = Vec::new();
+        self.attempts.push(e, &mut |a| decided.push(a));
+        for a in &decided {
+            self.count_attempt(a);
         }
         let i = self.interval(e.pid, device, e.ts_ns);
         i.calls += 1;
@@ -181,8 +176,6 @@ impl RunSeries {
             i.errors += 1;
             op.1 += 1;
         }
-        i.retries += u64::from(retry);
-        i.failures += u64::from(device_alloc && e.ret != 0);
         if matches!(spec.class, OpClass::BlockAlloc | OpClass::Alloc) && e.ret == 0 {
             i.largest_request = i.largest_request.max(e.size);
         }
@@ -239,6 +232,11 @@ impl RunSeries {
 
     /// A process ended: its open rows are over.
     pub fn exited(&mut self, pid: u32) {
+        let mut decided = Vec::new();
+        self.attempts.finish_process(pid, &mut |a| decided.push(a));
+        for a in &decided {
+            self.count_attempt(a);
+        }
         let keys: Vec<(u32, i32)> = self
             .open
             .range((pid, i32::MIN)..=(pid, i32::MAX))
@@ -248,7 +246,14 @@ impl RunSeries {
             self.close(key);
         }
         self.next_start.retain(|&(p, _), _| p != pid);
-        self.last_failure.remove(&pid);
+    }
+
+    /// A decided allocation attempt, counted in the interval of its call.
+    fn count_attempt(&mut self, a: &Attempt) {
+        let e = &a.event;
+        let i = self.interval(e.pid, e.device.max(-1), e.ts_ns);
+        i.retries += u64::from(a.retry);
+        i.failures += u64::from(a.failed);
     }
 }
 

@@ -85,8 +85,12 @@ fn devices(out: &mut impl Write, r: &Explanation) -> Result<()> {
         };
         let failures = match d.failures {
             0 => String::new(),
-            1 => " | 1 failed allocation".to_owned(),
-            n => format!(" | {n} failed allocations"),
+            n => format!(
+                " | {} failed: {} retried, {} raised",
+                plural(n, "allocation"),
+                d.retries,
+                plural(d.ooms, "OOM")
+            ),
         };
         let mark = if outlier == Some(d.pid) {
             "  <- outlier"
@@ -101,6 +105,15 @@ fn devices(out: &mut impl Write, r: &Explanation) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// "1 allocation", "2 allocations".
+fn plural(n: u64, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
 }
 
 /// Per process: each op's calls, latency and bytes, outstanding allocations, warnings.

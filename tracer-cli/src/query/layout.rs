@@ -4,7 +4,6 @@
 use std::path::Path;
 
 use anyhow::Result;
-use rusqlite::params;
 
 use crate::{
     exit::user_error,
@@ -177,7 +176,9 @@ pub(crate) fn process_layout(
     }
 }
 
-/// When the first out-of-memory happened: PyTorch's message, else the first failed allocation.
+/// When PyTorch raised out-of-memory first (of one process, or any): its message, else the
+/// failed attempt no retry followed (model/attempts.rs: a failure its allocator recovered
+/// from by releasing its cache is not the OOM). The same instant explain's OOM chain shows.
 pub(crate) fn oom_time(
     conn: &rusqlite::Connection,
     session: i64,
@@ -190,13 +191,14 @@ pub(crate) fn oom_time(
     if message.is_some() {
         return Ok(message);
     }
-    // Failed allocations are CUDA calls: they have rows (the block events do not fail).
-    Ok(conn.query_row(
-        "SELECT min(c.ts_ns) FROM calls c JOIN ops o ON o.id = c.op_id
-         WHERE c.session_id = ?1 AND c.ret != 0 AND o.class = 'alloc' AND (?2 IS NULL OR c.pid = ?2)",
-        params![session, pid],
-        |r| r.get(0),
-    )?)
+    // Device allocations are CUDA calls: they have rows (the block events do not fail), and
+    // --max-db keeps those around a failure.
+    use tracer_common::OpClass;
+    let calls = events::calls_of_classes(conn, session, &[OpClass::Alloc], pid)?;
+    let attempts = crate::model::attempts::attempts(calls.iter());
+    Ok(crate::model::attempts::raised(&attempts)
+        .first()
+        .map(|a| a.event.ts_ns))
 }
 
 /// The figures after one of PyTorch's block events.

@@ -18,9 +18,16 @@ use std::path::Path;
 use anyhow::Result;
 use rusqlite::Connection;
 
+use tracer_common::OpClass;
+
 use crate::{
-    model::{state::ProcessState, Event},
+    model::{
+        devices::{LookAhead, ThreadDevices},
+        state::ProcessState,
+        Event,
+    },
     store::{
+        events,
         keyframes::{self, Keyframe, Start},
         walk::{self, Hole, Walked},
     },
@@ -72,7 +79,9 @@ pub enum Step<'a> {
 }
 
 /// Hands `visit` the calls of `session` (of `pid`, or all) after `begin`'s keyframe that began
-/// at or before `to_ns`, in time order, and the states to resume from at each hole.
+/// at or before `to_ns`, in time order, and the states to resume from at each hole. Each
+/// call's device is the one CUDA ran it on ([`Devices`]), also where the recording did not know
+/// it.
 pub fn walk(
     db: &Path,
     session: i64,
@@ -82,14 +91,16 @@ pub fn walk(
     mut visit: impl FnMut(Step<'_>),
 ) -> Result<Walked> {
     let conn = crate::store::events::open_reader(db)?;
+    let mut devices = Devices::new(db, &conn, session, &begin.states, pid)?;
     walk::walk(db, session, begin.start.after_block(), to_ns, pid, |step| {
         match step {
-            walk::Step::Call(e) => visit(Step::Call(e)),
+            walk::Step::Call(e) => visit(Step::Call(&devices.resolve(e))),
             walk::Step::Hole(hole) => {
                 let states = match keyframes::at_block(&conn, session, hole.through_block)? {
                     Some(k) => keyframes::states(&conn, &k, pid)?,
                     None => Vec::new(),
                 };
+                devices.restore(&states);
                 visit(Step::Resume { hole, states });
             }
         }
@@ -106,10 +117,96 @@ pub fn walk_calls(
     pid: Option<u32>,
     mut visit: impl FnMut(&Event),
 ) -> Result<Walked> {
+    let conn = crate::store::events::open_reader(db)?;
+    let mut devices = Devices::new(db, &conn, session, &begin.states, pid)?;
     walk::walk(db, session, begin.start.after_block(), to_ns, pid, |step| {
         if let walk::Step::Call(e) = step {
-            visit(e);
+            visit(&devices.resolve(e));
         }
         Ok(())
     })
+}
+
+/// The device of each call a walk hands on, as CUDA defines it (model/devices.rs): what the
+/// recording stored, else its thread's: the keyframe's, the last cudaSetDevice or context
+/// made current, device 0 in a process tracer saw start, or what its first `pytorch:malloc`
+/// says (looked ahead for). A recording made before tracer knew the rule reads the same.
+pub struct Devices {
+    threads: ThreadDevices,
+}
+
+/// Stops a look ahead that has learned all it wanted.
+#[derive(Debug)]
+struct Enough;
+
+impl std::fmt::Display for Enough {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("look ahead done")
+    }
+}
+
+impl std::error::Error for Enough {}
+
+impl Devices {
+    pub fn new(
+        db: &Path,
+        conn: &Connection,
+        session: i64,
+        states: &[ProcessState],
+        pid: Option<u32>,
+    ) -> Result<Devices> {
+        let mut threads = ThreadDevices::default();
+        let whole = events::processes_seen_from_start(conn, session)?;
+        for &p in whole.iter().flatten() {
+            threads.seen_whole(p);
+        }
+        let wanted: std::collections::HashSet<(u32, u32)> =
+            events::threads_without_device(conn, session, pid)?
+                .into_iter()
+                .filter(|&(p, _)| !threads.is_whole(p))
+                .collect();
+        if !wanted.is_empty() {
+            let mut ahead = LookAhead::new(wanted);
+            let looked = walk::walk(db, session, 0, i64::MAX, pid, |step| match step {
+                walk::Step::Call(e) if !ahead.take(e.pid, e.tid, e.op, e.ret, e.device) => {
+                    Err(Enough.into())
+                }
+                _ => Ok(()),
+            });
+            if let Err(e) = looked {
+                if e.downcast_ref::<Enough>().is_none() {
+                    return Err(e);
+                }
+            }
+            threads.learn_initial(ahead.found());
+        }
+        let mut d = Devices { threads };
+        d.restore(states);
+        Ok(d)
+    }
+
+    /// The threads' devices a keyframe held.
+    pub fn restore(&mut self, states: &[ProcessState]) {
+        for s in states {
+            for &(tid, device) in &s.thread_devices {
+                self.threads.restore(s.pid, tid, device);
+            }
+        }
+    }
+
+    /// The call with its device.
+    pub fn resolve(&mut self, e: &Event) -> Event {
+        let mut e = *e;
+        let tells = matches!(
+            e.class(),
+            OpClass::SetDevice | OpClass::SetContext | OpClass::Context
+        );
+        if e.device < 0 || tells {
+            e.device = self
+                .threads
+                .apply(e.pid, e.tid, e.op, e.ret, e.ptr, e.device())
+                .unwrap_or(crate::model::NO_DEVICE);
+        }
+        e
+    }
 }

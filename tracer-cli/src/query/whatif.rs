@@ -306,7 +306,6 @@ pub fn recorded_run(
         .unwrap_or_else(|| Layout::new(settings.conf));
     let mut builders: HashMap<i32, Builder> = HashMap::new();
     let mut seeded = begins_ns.is_none() && begin.keyframe().is_none();
-    let mut probe_device: Option<i32> = None;
     super::walk_calls(db, info.id, &begin, i64::MAX, Some(pid), |e| {
         if !seeded {
             if begins_ns.is_some_and(|t| e.ts_ns < t) {
@@ -320,18 +319,7 @@ pub fn recorded_run(
                 builders.entry(d).or_default().seed_from(&past, d, snapshot);
             }
         }
-        // A CUDA call whose thread's device tracer did not learn (no cudaSetDevice seen) is on
-        // the device the allocator's probes last named: PyTorch's current device.
-        let device =
-            if e.device < 0 && !matches!(e.class(), OpClass::BlockAlloc | OpClass::BlockFree) {
-                probe_device.unwrap_or(0)
-            } else {
-                e.device
-            };
-        if e.class() == OpClass::BlockAlloc {
-            probe_device = Some(e.device);
-        }
-        builders.entry(device).or_default().call(e);
+        builders.entry(e.device).or_default().call(e);
     })?;
     let device = match device {
         Some(d) => d,

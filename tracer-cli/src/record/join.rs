@@ -1,6 +1,6 @@
 //! What a call's own record does not say, joined from the records before it: the size and
-//! device of the allocation (or the framework's block) a free releases, and the device of the calling thread (its last
-//! successful cudaSetDevice). The kernel keeps neither (a map update per call cost more than
+//! device of the allocation (or the framework's block) a free releases, and the device of the
+//! calling thread (as CUDA defines it: model/devices.rs). The kernel keeps neither (a map update per call cost more than
 //! the rest of a traced call); every record reaches the registry in the order the calls returned
 //! (the reader puts the CPUs' batches back in that order), so the join is exact here.
 
@@ -8,7 +8,10 @@ use std::collections::HashMap;
 
 use tracer_common::{call::flags, maps::ALLOCS_ENTRIES, OpClass, Space};
 
-use crate::{decode::Call, model::state::LiveAlloc};
+use crate::{
+    decode::Call,
+    model::{devices::ThreadDevices, state::LiveAlloc},
+};
 
 /// (process, pointer space, pointer).
 type Key = (u32, u32, u64);
@@ -57,7 +60,7 @@ impl Held {
 
 pub struct Join {
     live: HashMap<Key, Held>,
-    devices: HashMap<(u32, u32), i32>,
+    devices: ThreadDevices,
     last_free: HashMap<(u32, u32), Released>,
     /// Thread devices come from cudaSetDevice calls (live), or with each record (a log).
     track_devices: bool,
@@ -74,8 +77,13 @@ impl Join {
     /// Forgets an ended process: a process that reuses its pid must not free its allocations.
     pub fn forget_process(&mut self, pid: u32) {
         self.live.retain(|k, _| k.0 != pid);
-        self.devices.retain(|k, _| k.0 != pid);
+        self.devices.forget_process(pid);
         self.last_free.retain(|k, _| k.0 != pid);
+    }
+
+    /// A process tracer saw start: its threads that set no device are on device 0.
+    pub fn seen_whole(&mut self, pid: u32) {
+        self.devices.seen_whole(pid);
     }
 
     /// For the simulated runtime's log, whose lines carry each call's device.
@@ -86,7 +94,7 @@ impl Join {
     fn new(track_devices: bool) -> Join {
         Join {
             live: HashMap::new(),
-            devices: HashMap::new(),
+            devices: ThreadDevices::default(),
             last_free: HashMap::new(),
             track_devices,
             not_tracked: 0,
@@ -97,14 +105,14 @@ impl Join {
     pub fn apply(&mut self, call: &mut Call) {
         let spec = call.op.spec();
         if self.track_devices {
-            let thread = (call.pid, call.tid);
-            match (spec.class, call.device) {
-                (OpClass::SetDevice, Some(d)) if call.ret == 0 => {
-                    self.devices.insert(thread, d);
-                }
-                (_, None) => call.device = self.devices.get(&thread).copied(),
-                _ => {}
-            }
+            call.device = self.devices.apply(
+                call.pid,
+                call.tid,
+                call.op,
+                call.ret,
+                call.ptr.unwrap_or(0),
+                call.device,
+            );
         }
         let Some(ptr) = call.ptr else {
             return;
@@ -148,8 +156,8 @@ impl Join {
                 .live
                 .push(h.as_live(space, ptr, wall_offset_ns));
         }
-        for (&(pid, tid), &device) in &self.devices {
-            out.entry(pid).or_default().devices.push((tid, device));
+        for pid in self.devices.processes() {
+            out.entry(pid).or_default().devices = self.devices.known(pid);
         }
         for s in out.values_mut() {
             s.live.sort_unstable_by_key(|a| (a.space, a.ptr));
@@ -166,13 +174,10 @@ impl Join {
             .filter(|(k, _)| k.0 == pid)
             .map(|(&(_, space, ptr), h)| h.as_live(space, ptr, wall_offset_ns))
             .collect();
-        let devices = self
-            .devices
-            .iter()
-            .filter(|(k, _)| k.0 == pid)
-            .map(|(&(_, tid), &d)| (tid, d))
-            .collect();
-        JoinState { live, devices }
+        JoinState {
+            live,
+            devices: self.devices.known(pid),
+        }
     }
 
     /// Takes up a process's live pointers and thread devices from a keyframe.
@@ -196,7 +201,7 @@ impl Join {
             );
         }
         for &(tid, device) in devices {
-            self.devices.insert((pid, tid), device);
+            self.devices.restore(pid, tid, device);
         }
     }
 

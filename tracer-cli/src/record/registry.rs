@@ -466,6 +466,14 @@ impl Registry {
         })
     }
 
+    /// Tracer saw every call of the process: it started after the trace began (a thread of
+    /// it that set no device is then on device 0, CUDA's default).
+    fn seen_from_start(&self, p: &crate::model::ProcessInfo) -> bool {
+        p.start_time_ns
+            .is_some_and(|started| started >= self.session_started_ns - BEFORE_TRACE_SLACK_NS)
+            && !self.taken_up.contains(&p.pid)
+    }
+
     /// Takes up processes an earlier session kept (tracer restarted while they ran).
     pub fn take_up(
         &mut self,
@@ -504,8 +512,11 @@ impl Registry {
                 Record::Call(mut call) => {
                     if pids_seen.insert(call.pid) {
                         let seen = call.ts_mono_ns as i64 + self.wall_offset_ns;
-                        out.processes
-                            .push(procinfo::read(call.pid, seen, &call.comm, boot));
+                        let info = procinfo::read(call.pid, seen, &call.comm, boot);
+                        if self.seen_from_start(&info) {
+                            self.join.seen_whole(call.pid);
+                        }
+                        out.processes.push(info);
                         if let Some(f) = self.followed.as_mut() {
                             f.process_tree(call.pid);
                         }

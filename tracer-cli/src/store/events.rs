@@ -7,7 +7,7 @@ use std::{collections::HashMap, path::Path};
 
 use anyhow::{Context as _, Result};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension as _};
-use tracer_common::Op;
+use tracer_common::{Op, OpClass};
 
 use crate::{
     exit::user_error,
@@ -420,45 +420,123 @@ fn load_range(
     capacity: i64,
 ) -> Result<Vec<Event>> {
     let conn = open_reader(path)?;
-    let mut stmt = conn.prepare(
-        "SELECT session_id, ts_ns, pid, tid, op_id, device, size, ptr, ret, duration_ns, aux0, aux1,
-                stack_id
-         FROM calls WHERE id >= ?1 AND id < ?2 ORDER BY id",
-    )?;
+    let mut stmt = conn.prepare(&format!(
+        "SELECT session_id, {EVENT_COLUMNS} FROM calls WHERE id >= ?1 AND id < ?2 ORDER BY id"
+    ))?;
     let mut rows = stmt.query(params![from, to])?;
     let mut out = Vec::with_capacity(capacity.max(0) as usize);
-    let int = |r: &rusqlite::Row<'_>, i: usize| -> Result<Option<i64>> {
-        Ok(r.get_ref(i)?.as_i64_or_null()?)
-    };
     while let Some(r) = rows.next().context("read calls")? {
-        let ts_ns = r.get_ref(1)?.as_i64()?;
-        if r.get_ref(0)?.as_i64()? != session || ts_ns > to_ns {
+        if r.get_ref(0)?.as_i64()? != session {
             continue;
         }
-        let row_pid = r.get_ref(2)?.as_i64()? as u32;
-        if pid.is_some_and(|p| p != row_pid) {
-            continue;
-        }
-        // Ops a newer tracer added are skipped rather than failing the whole analysis.
-        let Some(op) = Op::from_u32(r.get_ref(4)?.as_i64()? as u32) else {
+        let Some(e) = event_of_row(r, 1)? else {
             continue;
         };
-        out.push(Event {
-            ts_ns,
-            pid: row_pid,
-            tid: r.get_ref(3)?.as_i64()? as u32,
-            op,
-            device: int(r, 5)?.map_or(NO_DEVICE, |v| v as i32),
-            size: int(r, 6)?.unwrap_or(0) as u64,
-            ptr: int(r, 7)?.unwrap_or(0) as u64,
-            ret: r.get_ref(8)?.as_i64()? as i32,
-            duration_ns: r.get_ref(9)?.as_i64()?.max(0) as u64,
-            aux0: int(r, 10)?.unwrap_or(0) as u64,
-            aux1: int(r, 11)?.unwrap_or(0) as u64,
-            stack: int(r, 12)?.and_then(stack_id),
-        });
+        if e.ts_ns > to_ns || pid.is_some_and(|p| p != e.pid) {
+            continue;
+        }
+        out.push(e);
     }
     Ok(out)
+}
+
+/// The columns of `calls` [`event_of_row`] reads, in its order.
+const EVENT_COLUMNS: &str =
+    "ts_ns, pid, tid, op_id, device, size, ptr, ret, duration_ns, aux0, aux1, stack_id";
+
+/// The call of a `calls` row whose [`EVENT_COLUMNS`] begin at column `at`; None for an op a
+/// newer tracer added (skipped rather than failing the whole analysis).
+fn event_of_row(r: &rusqlite::Row<'_>, at: usize) -> Result<Option<Event>> {
+    let int = |i: usize| -> Result<Option<i64>> { Ok(r.get_ref(at + i)?.as_i64_or_null()?) };
+    let Some(op) = Op::from_u32(r.get_ref(at + 3)?.as_i64()? as u32) else {
+        return Ok(None);
+    };
+    Ok(Some(Event {
+        ts_ns: r.get_ref(at)?.as_i64()?,
+        pid: r.get_ref(at + 1)?.as_i64()? as u32,
+        tid: r.get_ref(at + 2)?.as_i64()? as u32,
+        op,
+        device: int(4)?.map_or(NO_DEVICE, |v| v as i32),
+        size: int(5)?.unwrap_or(0) as u64,
+        ptr: int(6)?.unwrap_or(0) as u64,
+        ret: r.get_ref(at + 7)?.as_i64()? as i32,
+        duration_ns: r.get_ref(at + 8)?.as_i64()?.max(0) as u64,
+        aux0: int(9)?.unwrap_or(0) as u64,
+        aux1: int(10)?.unwrap_or(0) as u64,
+        stack: int(11)?.and_then(stack_id),
+    }))
+}
+
+/// The session's calls of the given classes (CUDA calls: they have rows), of one process or
+/// all, in time order: what is read to count attempts or learn devices without walking the
+/// block events.
+pub fn calls_of_classes(
+    conn: &Connection,
+    session: i64,
+    classes: &[OpClass],
+    pid: Option<u32>,
+) -> Result<Vec<Event>> {
+    let ops: Vec<String> = Op::ALL
+        .iter()
+        .filter(|op| classes.contains(&op.spec().class))
+        .map(|op| (*op as u32).to_string())
+        .collect();
+    if ops.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut stmt = conn.prepare(&format!(
+        "SELECT {EVENT_COLUMNS} FROM calls WHERE session_id = ?1 AND (?2 IS NULL OR pid = ?2)
+         AND op_id IN ({}) ORDER BY ts_ns",
+        ops.join(",")
+    ))?;
+    let mut rows = stmt.query(params![session, pid])?;
+    let mut out = Vec::new();
+    while let Some(r) = rows.next().context("read calls")? {
+        out.extend(event_of_row(r, 0)?);
+    }
+    Ok(out)
+}
+
+/// The threads of `session` (of `pid`, or all) with CUDA calls stored without a device: those
+/// whose device the read side must learn (model/devices.rs).
+pub fn threads_without_device(
+    conn: &Connection,
+    session: i64,
+    pid: Option<u32>,
+) -> Result<std::collections::HashSet<(u32, u32)>> {
+    let mut stmt = conn.prepare(
+        "SELECT DISTINCT pid, tid FROM calls
+         WHERE session_id = ?1 AND device IS NULL AND (?2 IS NULL OR pid = ?2)",
+    )?;
+    let rows = stmt.query_map(params![session, pid], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    rows.collect::<rusqlite::Result<_>>()
+        .with_context(|| format!("list the threads of session {session} without a device"))
+}
+
+/// The processes of `session` tracer saw from their start (no `before_trace` gap), or None
+/// when the session cannot tell (recorded before schema 9 kept gaps).
+pub fn processes_seen_from_start(
+    conn: &Connection,
+    session: i64,
+) -> Result<Option<std::collections::HashSet<u32>>> {
+    let has_gaps: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'gaps'",
+            [],
+            |r| r.get(0),
+        )
+        .context("look for the gaps table")?;
+    if has_gaps == 0 {
+        return Ok(None);
+    }
+    let mut stmt = conn.prepare(
+        "SELECT pid FROM processes WHERE session_id = ?1 AND pid NOT IN
+         (SELECT pid FROM gaps WHERE session_id = ?1 AND kind = 'before_trace')",
+    )?;
+    let rows = stmt.query_map([session], |r| r.get(0))?;
+    Ok(Some(rows.collect::<rusqlite::Result<_>>().with_context(
+        || format!("list the processes session {session} saw start"),
+    )?))
 }
 
 /// A session's row: when, what, and the counters of what was and was not kept.

@@ -51,6 +51,8 @@ pub fn class_name(class: OpClass) -> &'static str {
         OpClass::Oom => "oom",
         OpClass::EventRecord => "event_record",
         OpClass::EventWait => "event_wait",
+        OpClass::SetContext => "setcontext",
+        OpClass::Context => "context",
     }
 }
 

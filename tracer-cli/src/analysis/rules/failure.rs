@@ -9,43 +9,68 @@ use crate::{
         replay::{self},
         Event, SiteLabels,
     },
+    model::attempts::{self, Attempt, Outermost},
     units::{format_bytes as b, format_ns as t},
 };
 
-const RETRY_WINDOW_NS: i64 = 2_000_000_000;
-
-/// For a failed allocation: the frees that follow it and the successful retry of the same size.
-fn recovery<'a>(failed: &Event, evs: &'a [Event]) -> Option<(Vec<&'a Event>, &'a Event)> {
-    let from = evs.partition_point(|e| e.ts_ns <= failed.ts_ns);
-    let later = evs[from..]
+/// For a failed attempt: the next attempt of its thread, when it is the allocator's retry.
+fn retry_of<'a>(failed: &Attempt, attempts: &'a [Attempt]) -> Option<&'a Attempt> {
+    attempts
         .iter()
-        .take_while(|e| e.ts_ns <= failed.ts_ns + RETRY_WINDOW_NS);
-    let mut frees = Vec::new();
-    for e in later {
-        if e.class() == OpClass::Free && e.ret == 0 {
-            frees.push(e);
-        } else if e.class() == OpClass::Alloc && e.op == failed.op && e.size == failed.size {
-            if e.ret == 0 && !frees.is_empty() {
-                return Some((frees, e));
-            }
-            if e.ret != 0 {
-                return None;
-            }
-        }
-    }
-    None
+        .filter(|a| a.event.ts_ns > failed.event.ts_ns)
+        .find(|a| a.event.pid == failed.event.pid && a.event.tid == failed.event.tid)
+        .filter(|a| a.retry)
 }
 
-/// Rule 2: a failed allocation, a burst of frees, the same request succeeding: the caching
+/// The memory the process gave back between two moments: each free once (a cudaFree and the
+/// cuMemFree_v2 inside it are one).
+fn frees_between(evs: &[Event], from: i64, to: i64) -> Vec<Event> {
+    let lo = evs.partition_point(|e| e.ts_ns <= from);
+    let mut outermost = Outermost::default();
+    let mut frees = Vec::new();
+    let mut keep = |e: Event| {
+        if e.class() == OpClass::Free && e.ret == 0 && e.ts_ns < to {
+            frees.push(e);
+        }
+    };
+    for e in evs[lo..].iter().take_while(|e| e.ts_ns < to) {
+        outermost.push(e, &mut keep);
+    }
+    outermost.finish(&mut keep);
+    frees.sort_by_key(|e| e.ts_ns);
+    frees
+}
+
+/// Rule 2: a failed allocation, the cache released, the same request succeeding: the caching
 /// allocator flushed its cache and retried.
-pub(super) fn allocator_retry(pid: u32, evs: &[Event], failed: &[&Event]) -> Option<Chain> {
-    let recovered: Vec<(&Event, Vec<&Event>, &Event)> = failed
+pub(super) fn allocator_retry(pid: u32, evs: &[Event], attempts: &[Attempt]) -> Option<Chain> {
+    let recovered: Vec<(&Attempt, &Attempt)> = attempts
         .iter()
-        .copied()
-        .filter_map(|f| recovery(f, evs).map(|(fr, ok)| (f, fr, ok)))
+        .filter(|a| a.failed)
+        .filter_map(|f| {
+            retry_of(f, attempts)
+                .filter(|ok| !ok.failed)
+                .map(|ok| (f, ok))
+        })
         .collect();
-    let (f, frees, ok) = recovered.first()?;
+    let &(f, ok) = recovered.first()?;
+    let (f, ok) = (&f.event, &ok.event);
+    let frees = frees_between(evs, f.ts_ns, ok.ts_ns);
     let freed: u64 = frees.iter().map(|e| e.size).sum();
+    let mut timeline = vec![entry(
+        f.ts_ns,
+        format!("{} {} failed ({})", f.op.name(), b(f.size), f.ret),
+    )];
+    if let Some(first) = frees.first() {
+        timeline.push(entry(
+            first.ts_ns,
+            format!("{} frees release {}", frees.len(), b(freed)),
+        ));
+    }
+    timeline.push(entry(
+        ok.ts_ns,
+        format!("{} {} succeeds", ok.op.name(), b(ok.size)),
+    ));
     Some(Chain {
         rule: "allocator_retry",
         severity: if recovered.len() >= 3 { Severity::High } else { Severity::Medium },
@@ -67,11 +92,7 @@ pub(super) fn allocator_retry(pid: u32, evs: &[Event], failed: &[&Event]) -> Opt
             t((ok.ts_ns - f.ts_ns).max(0) as u64)
         ),
         compounding: Vec::new(),
-        timeline: vec![
-            entry(f.ts_ns, format!("{} {} failed ({})", f.op.name(), b(f.size), f.ret)),
-            entry(frees[0].ts_ns, format!("{} frees release {}", frees.len(), b(freed))),
-            entry(ok.ts_ns, format!("{} {} succeeds", ok.op.name(), b(ok.size))),
-        ],
+        timeline,
         fix: vec![
             "reduce peak memory: smaller batch, activation checkpointing, mixed precision".into(),
             FIX_EXPANDABLE.into(),
@@ -128,21 +149,25 @@ fn memory_info_said(f: &Event, info: &Event) -> String {
     said
 }
 
-/// Rule 3: an allocation that failed for good, with what the process and the device held and
-/// what cudaMemGetInfo (nvidia-smi's view) last told the process.
+/// Rule 3: the out-of-memory the allocator raised (a failed attempt no retry followed: the
+/// retry's own failure when it retried), with what the process and the device held and what
+/// cudaMemGetInfo (nvidia-smi's view) last told the process.
 pub(super) fn oom(
     p: &Proc<'_>,
     procs: &[Proc<'_>],
-    failed: &[&Event],
+    attempts: &[Attempt],
     sites: &SiteLabels,
 ) -> Option<Chain> {
     let (pid, evs) = (p.pid, p.all);
-    let fatal: Vec<&Event> = failed
+    let raised = attempts::raised(attempts);
+    let f = &raised.first()?.event;
+    let counts = attempts::counts(attempts);
+    // The request's first failed attempt, when the raised one is its retry.
+    let first_try = attempts
         .iter()
-        .copied()
-        .filter(|f| recovery(f, p.window).is_none())
-        .collect();
-    let f = *fatal.first()?;
+        .rev()
+        .filter(|a| a.failed && a.event.ts_ns < f.ts_ns && a.event.tid == f.tid)
+        .find(|a| retry_of(a, attempts).is_some_and(|r| r.event.ts_ns == f.ts_ns));
     let requested = f.size;
     let info = evs
         .iter()
@@ -158,9 +183,32 @@ pub(super) fn oom(
         ));
         effect.push_str(&memory_info_said(f, i));
     }
+    if let Some(first) = first_try {
+        let e = &first.event;
+        timeline.push(entry(
+            e.ts_ns,
+            format!("{} of {} fails ({})", e.op.name(), b(e.size), e.ret),
+        ));
+        let freed: u64 = frees_between(p.window, e.ts_ns, f.ts_ns)
+            .iter()
+            .map(|x| x.size)
+            .sum();
+        timeline.push(entry(
+            e.ts_ns,
+            format!(
+                "the allocator releases its cache ({}) and retries",
+                b(freed)
+            ),
+        ));
+    }
     timeline.push(entry(
         f.ts_ns,
-        format!("{} of {} fails ({})", f.op.name(), b(requested), f.ret),
+        format!(
+            "{} of {} fails ({}): raised",
+            f.op.name(),
+            b(requested),
+            f.ret
+        ),
     ));
     Some(Chain {
         rule: "oom",
@@ -168,8 +216,10 @@ pub(super) fn oom(
         pid,
         title: format!("out of memory: {} of {} failed", f.op.name(), b(requested)),
         root: format!(
-            "{} allocation(s) failed with out-of-memory and were not recovered; first: {} bytes requested{}",
-            fatal.len(),
+            "the allocator raised out of memory {} time(s): {} allocation(s) failed with out-of-memory, {} retried after releasing the cache; first raised: {} bytes requested{}",
+            counts.ooms,
+            counts.failures,
+            counts.retries,
             requested,
             f.stack
                 .and_then(|id| sites.get(&id))
@@ -180,6 +230,12 @@ pub(super) fn oom(
         compounding: Vec::new(),
         timeline,
         fix: vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into(), "reduce the batch size or sequence length at this step".into()],
-        evidence: format!("{} failed allocation(s); memory info calls seen: {}", fatal.len(), info.is_some()),
+        evidence: format!(
+            "{} failed allocation(s), {} retried, {} raised; memory info calls seen: {}",
+            counts.failures,
+            counts.retries,
+            counts.ooms,
+            info.is_some()
+        ),
     })
 }

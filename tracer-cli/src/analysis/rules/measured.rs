@@ -10,7 +10,7 @@ use crate::{
         Window,
     },
     model::layout::{Pool, PoolStats},
-    units::{format_bytes as b, format_ns as t},
+    units::{format_bytes as b, format_bytes_as_pytorch as pb, format_ns as t},
 };
 
 /// A leak measured in tensors: the bytes the allocator hands out (not its cache) growing
@@ -92,51 +92,77 @@ fn figures(s: &PoolStats) -> String {
 const FIX_EXPANDABLE: &str = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: segments grow in place, so the free bytes stay in one block";
 const FIX_MAX_SPLIT: &str = "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: large cached blocks are not cut for small tensors";
 
-/// Fragmentation inside the cached segments, measured: new segments the cache could have held
-/// in bytes but not in one block, and the worst moment's layout.
+/// Fragmentation inside the cached segments, measured, pool by pool against the requests
+/// each pool serves: new segments the pool's cache could have held in bytes but not in one
+/// block, and that pool's worst moment.
 pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
     if !f.unknown.exact() {
         // Measured in a layout tracer did not see whole: [`unknown_chain`] says so.
         return None;
     }
-    let worst = f.worst;
+    // The pool whose requests found no block the most: its segments and its worst moment.
+    let forced_pool = f
+        .forced_by_pool
+        .iter()
+        .max_by_key(|(_, forced)| forced.bytes)
+        .map(|(&key, forced)| (key, forced.clone()));
+    let worst = match &forced_pool {
+        Some((key, _)) => f
+            .worst_by_pool
+            .get(key)
+            .map(|&(ts, s)| (ts, key.0, key.1, s)),
+        None => f.worst,
+    };
+    let forced = forced_pool
+        .as_ref()
+        .map(|(_, x)| x.clone())
+        .unwrap_or_default();
     // Without a segment forced by it, fragmentation is only worth a chain when the scattered
     // cache is a real share of the memory held.
     let harmless = |w: &(i64, i32, Pool, PoolStats)| {
         w.3.fragmentation() < 0.5 || w.3.cached() * 10 < w.3.reserved
     };
-    if f.forced.count == 0 && worst.as_ref().is_none_or(harmless) {
+    if forced.count == 0 && worst.as_ref().is_none_or(harmless) {
         return None;
     }
     let (ts, device, pool, s) = worst.or_else(|| {
-        f.end
-            .iter()
-            .max_by_key(|(_, s)| s.cached())
-            .map(|((d, p), s)| (0, *d, *p, *s))
+        let ((d, p), _) = forced_pool.as_ref()?;
+        Some((0, *d, *p, f.end.get(&(*d, *p)).copied().unwrap_or_default()))
     })?;
     let mut root = format!(
         "at the worst moment the {pool:?} pool of device {device} held {}",
         figures(&s)
     );
-    if f.forced.count > 0 {
+    if forced.count > 0 {
         root.push_str(&format!(
-            "; {} new segment(s) ({}) were reserved while the cache held enough free bytes for the request but no block that fit",
-            f.forced.count,
-            b(f.forced.bytes)
+            "; {} new segment(s) ({}) were reserved for its requests while it held enough free bytes for the request but no block that fit",
+            forced.count,
+            b(forced.bytes)
         ));
+    }
+    let short = device_ran_short(f);
+    let held = f
+        .devices
+        .get(&device)
+        .map_or(s.reserved, |d| d.held.max(s.reserved));
+    let mut effect = format!(
+        "{} of reserved memory was free but scattered in {} blocks: requests larger than {} need new segments from the device, and fail when it has no room",
+        b(s.cached()),
+        s.free_blocks,
+        b(s.largest_free)
+    );
+    if !short {
+        effect.push_str(
+            "; the device never ran short while the cache held the bytes (no warning, no failure the cache could have served): it cost memory, not a failure",
+        );
     }
     Some(Chain {
         rule: "fragmentation",
-        severity: fragmentation_severity(&f.forced, &s),
+        severity: fragmentation_severity(&forced, &s, held, short),
         pid,
         title: "fragmentation inside the allocator's cached segments".into(),
         root,
-        effect: format!(
-            "{} of reserved memory was free but scattered in {} blocks: requests larger than {} need new segments from the device, and fail when it has no room",
-            b(s.cached()),
-            s.free_blocks,
-            b(s.largest_free)
-        ),
+        effect,
         compounding: Vec::new(),
         timeline: f
             .samples
@@ -165,19 +191,36 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
     })
 }
 
-/// How much fragmentation cost, in bytes against the memory held: new segments it forced
-/// worth a real share of it, or a scattered cache that is a real share of reserved memory while
-/// requests had to go past it. A high ratio of a tiny cache is not High (132 MiB in 13 blocks
-/// of 78 GiB reserved is 0.2 %), nor is a scattered cache no request needed.
-pub fn fragmentation_severity(forced: &Forced, worst: &PoolStats) -> Severity {
+/// The device ran short while the cache held the bytes: the early warning fired, or a failed
+/// allocation's pool held enough free bytes for it.
+fn device_ran_short(f: &Findings) -> bool {
+    f.warning.is_some()
+        || f.forensics
+            .iter()
+            .any(|x| x.verdict(None) == OomVerdict::Fragmentation)
+}
+
+/// How much fragmentation cost, in bytes against the memory held (`held`: the device's peak
+/// for the process): new segments it forced worth a real share of it, or a scattered cache
+/// that is a real share of reserved memory while requests had to go past it. High only when
+/// the device ran short while the cache held the bytes (`short`): otherwise it cost memory the
+/// device had to spare. A high ratio of a tiny cache is not High (132 MiB in 13 blocks of
+/// 78 GiB reserved is 0.2 %), nor is a scattered cache no request needed.
+pub fn fragmentation_severity(
+    forced: &Forced,
+    worst: &PoolStats,
+    held: u64,
+    short: bool,
+) -> Severity {
     let reserved = worst.reserved.max(1) as f64;
     let scattered = worst.cached() as f64 / reserved * worst.fragmentation();
-    let forced_share = forced.bytes as f64 / reserved;
+    let forced_share = forced.bytes as f64 / held.max(1) as f64;
     // High only when it cost memory: segments reserved because no cached block fit.
     let forced_some = forced.count > 0;
-    if (forced.count >= 3 && forced_share >= 0.10) || (forced_some && scattered >= 0.15) {
+    let costly = (forced.count >= 3 && forced_share >= 0.10) || (forced_some && scattered >= 0.15);
+    if costly && short {
         Severity::High
-    } else if scattered >= 0.05 || forced_share >= 0.01 {
+    } else if costly || scattered >= 0.05 || forced_share >= 0.01 {
         Severity::Medium
     } else {
         Severity::Low
@@ -267,30 +310,56 @@ pub fn oom_forensics(
     let tried = message
         .and_then(|m| m.split_once("Tried to allocate "))
         .and_then(|(_, rest)| rest.split(". ").next())
-        .filter(|s| !s.is_empty())
-        .map_or_else(|| b(x.requested), str::to_owned);
+        .filter(|s| !s.is_empty());
+    let asked = match (tried, x.request_bounds()) {
+        (Some(t), _) => format!("Tried to allocate {t}"),
+        (None, Some((lowest, highest))) if highest - lowest < 2 << 20 => format!(
+            "Tried to allocate up to {} (the {} segment cudaMalloc asked for: the request rounded up to 2 MiB)",
+            pb(highest),
+            pb(x.requested)
+        ),
+        (None, Some((lowest, highest))) => format!(
+            "Tried to allocate {} to {} (what a {} segment is made for)",
+            pb(lowest),
+            pb(highest),
+            pb(x.requested)
+        ),
+        (None, None) => format!(
+            "request unknown: the expandable segment asked the device for a {} page, which does not say how much PyTorch tried to allocate (PyTorch's out-of-memory message, its probe at c10::Error's constructor in libc10.so, would settle it)",
+            pb(x.requested)
+        ),
+    };
     let seen = if f.unknown.exact() {
         ""
     } else {
         " in the segments tracer saw"
     };
     let mut text = format!(
-        "Tried to allocate {tried} (a {} {}){seen}: {} free inside cached segments in {} blocks, largest {}; reserved {}, allocated {}; {} outside PyTorch",
-        b(x.requested),
-        if x.whole_segment {
-            "segment"
-        } else {
-            "page of an expandable segment"
-        },
-        b(x.total.cached()),
+        "{asked}{seen}: {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated ({} free blocks, largest {}); {} outside PyTorch's allocator",
+        pb(x.total.allocated),
+        pb(x.total.cached()),
         x.total.free_blocks,
-        b(x.total.largest_free),
-        b(x.total.reserved),
-        b(x.total.allocated),
-        b(x.outside)
+        pb(x.total.largest_free),
+        pb(x.outside)
     );
     if let Some(free) = x.device_free {
-        text.push_str(&format!("; the device had {} free", b(free)));
+        text.push_str(&format!("; the device had {} free", pb(free)));
+        if x.pages_unmapped > 0 {
+            text.push_str(&format!(
+                " while the request held {} in pages it had made, given back as it failed ({} free after)",
+                pb(x.pages_unmapped),
+                pb(free + x.pages_unmapped)
+            ));
+        }
+        if let Some(said) = x
+            .device_free_reported_ns
+            .filter(|&at| x.ts_ns - at > 1_000_000_000)
+        {
+            text.push_str(&format!(
+                " (cudaMemGetInfo said {} before, less what this process reserved since)",
+                crate::units::format_ns((x.ts_ns - said).max(0) as u64)
+            ));
+        }
     }
     let verdict = if f.unknown.exact() {
         match x.verdict(message.and_then(pytorch_tried)) {

@@ -161,8 +161,8 @@ pub fn direct(
         .then(|| cpu_contention(p.pid, p.window, scan.all_durations(), host))
         .flatten();
     DirectChains {
-        retry: allocator_retry(p.pid, p.window, &scan.failed),
-        oom: oom(p, everyone, &scan.failed, sites),
+        retry: allocator_retry(p.pid, p.window, &scan.attempts),
+        oom: oom(p, everyone, &scan.attempts, sites),
         empty_cache: empty_cache_churn(p.pid, p.window, scan.device_frees_ok),
         bypass: scan.driver_allocs.then(|| driver_bypass(p)).flatten(),
         sync: sync_stall(p.pid, &scan.syncs, window, host),

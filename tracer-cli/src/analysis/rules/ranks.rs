@@ -200,6 +200,8 @@ mod tests {
             forced_segments: forced / (20 * MIB),
             forced_bytes: forced,
             failures: failed_at.map_or(0, |_| 1),
+            retries: 0,
+            ooms: failed_at.map_or(0, |_| 1),
             unknown: false,
             first_failure_ns: failed_at,
         }

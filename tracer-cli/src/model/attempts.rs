@@ -1,0 +1,383 @@
+//! Device allocations as PyTorch counts them: one attempt per time its allocator asks the
+//! device for memory, a failure per attempt the device refused for want of memory, a retry per
+//! attempt made again after the cache was released, and the OOM it raised: the failed attempt
+//! no retry followed.
+//!
+//! The real runtime's cudaMalloc calls the driver's cuMemAlloc_v2 (cudaFree cuMemFree_v2), and
+//! both are traced: the driver call nested in a runtime call of the same thread is the same
+//! request, counted once. Only out-of-memory returns are failures: expandable segments try a
+//! shareable handle first and take "not permitted" (800) for an answer, not a failure. Every
+//! room that counts failures, retries or OOMs (the live figures, the whole-run series, explain,
+//! whatif, `layout --at oom`) counts them here.
+
+use tracer_common::{Library, Op, OpClass, Space};
+
+use super::{Event, FastMap};
+
+/// cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY: the device has no room.
+pub const OUT_OF_MEMORY: i32 = 2;
+
+/// A failed attempt followed this soon by the same request is the allocator's retry after
+/// releasing its cache (PyTorch's num_alloc_retries).
+pub const RETRY_WITHIN_NS: i64 = 2_000_000_000;
+
+/// The call asks the device for memory: a segment (cudaMalloc, cuMemAlloc*) or a physical
+/// chunk (cuMemCreate, expandable segments).
+pub fn is_device_alloc(op: Op) -> bool {
+    let spec = op.spec();
+    spec.class == OpClass::Alloc && matches!(spec.space, Space::Device | Space::Handle)
+}
+
+/// `inner`, a driver call, ran inside `outer`, a runtime call of the same thread: the runtime
+/// made it on the program's behalf.
+pub fn nested(inner: &Event, outer: &Event) -> bool {
+    inner.pid == outer.pid
+        && inner.tid == outer.tid
+        && inner.op.spec().library == Library::Driver
+        && outer.op.spec().library == Library::Runtime
+        && inner.ts_ns >= outer.ts_ns
+        && inner.end_ns() <= outer.end_ns()
+}
+
+/// One time the process asked the device for memory.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Attempt {
+    pub event: Event,
+    /// The device refused it for want of memory.
+    pub failed: bool,
+    /// It repeats the thread's failed attempt just before (same op and size): the allocator's
+    /// retry after releasing its cache.
+    pub retry: bool,
+}
+
+/// The memory calls a runtime call may make a driver call of (allocations, frees, memory
+/// information).
+fn nestable(op: Op) -> bool {
+    let spec = op.spec();
+    matches!(
+        spec.class,
+        OpClass::Alloc | OpClass::Free | OpClass::MemInfo
+    ) && matches!(spec.library, Library::Runtime | Library::Driver)
+}
+
+/// One thread's memory calls so far.
+#[derive(Clone, Copy, Debug, Default)]
+struct Nest {
+    /// The thread's latest runtime memory call: a driver call entered inside it is nested.
+    outer: Option<Event>,
+    /// A driver call not yet decided: in the order calls return, the runtime call that made it
+    /// comes after it.
+    held: Option<Event>,
+}
+
+/// Passes on the memory calls no other traced call made: a driver call nested in a runtime
+/// call of its thread is the same request, told once. Takes the calls in the order they began
+/// or the order they returned (a nested driver call comes after its runtime call in the one,
+/// before it in the other); a driver call is passed on once the thread's next call shows it
+/// was not nested, or at [`Outermost::finish`].
+#[derive(Clone, Debug, Default)]
+pub struct Outermost {
+    threads: FastMap<(u32, u32), Nest>,
+}
+
+impl Outermost {
+    /// Takes the next call; hands `out` the memory calls it decides are no other's.
+    pub fn push(&mut self, e: &Event, out: &mut impl FnMut(Event)) {
+        let memory = nestable(e.op);
+        if !memory && (self.threads.is_empty() || !self.threads.contains_key(&(e.pid, e.tid))) {
+            return;
+        }
+        let t = self.threads.entry((e.pid, e.tid)).or_default();
+        if let Some(h) = t.held.take() {
+            if !(memory && nested(&h, e)) {
+                out(h);
+            }
+        }
+        if !memory {
+            return;
+        }
+        if e.op.spec().library == Library::Driver {
+            if !t.outer.is_some_and(|o| nested(e, &o)) {
+                t.held = Some(*e);
+            }
+            return;
+        }
+        t.outer = Some(*e);
+        out(*e);
+    }
+
+    /// Passes on the driver calls still held (the end of the calls).
+    pub fn finish(&mut self, out: &mut impl FnMut(Event)) {
+        self.finish_where(|_| true, out);
+    }
+
+    /// Passes on one process's held driver calls and forgets it (it ended).
+    pub fn finish_process(&mut self, pid: u32, out: &mut impl FnMut(Event)) {
+        self.finish_where(|p| p == pid, out);
+        self.threads.retain(|k, _| k.0 != pid);
+    }
+
+    fn finish_where(&mut self, of: impl Fn(u32) -> bool, out: &mut impl FnMut(Event)) {
+        let mut held: Vec<Event> = self
+            .threads
+            .iter_mut()
+            .filter(|(k, _)| of(k.0))
+            .filter_map(|(_, t)| t.held.take())
+            .collect();
+        held.sort_by_key(|e| (e.ts_ns, e.tid));
+        held.into_iter().for_each(out);
+    }
+}
+
+/// A thread's failed attempt a retry would repeat.
+#[derive(Clone, Debug, Default)]
+struct Failures {
+    last: FastMap<(u32, u32), Event>,
+}
+
+impl Failures {
+    fn decide(&mut self, e: Event, out: &mut impl FnMut(Attempt)) {
+        if !is_device_alloc(e.op) || (e.ret != 0 && e.ret != OUT_OF_MEMORY) {
+            // Not an allocation, or refused for another reason (an invalid value, a handle
+            // type not permitted): no memory was asked of a full device.
+            return;
+        }
+        let thread = (e.pid, e.tid);
+        let retry = self.last.remove(&thread).is_some_and(|f| {
+            f.op == e.op && f.size == e.size && e.ts_ns - f.ts_ns <= RETRY_WITHIN_NS
+        });
+        let failed = e.ret == OUT_OF_MEMORY;
+        if failed && !retry {
+            self.last.insert(thread, e);
+        }
+        out(Attempt {
+            event: e,
+            failed,
+            retry,
+        });
+    }
+}
+
+/// Follows each thread's device allocations and hands on each attempt once it is decided
+/// (see [`Outermost`] for the order calls may come in).
+#[derive(Clone, Debug, Default)]
+pub struct Attempts {
+    outermost: Outermost,
+    failures: Failures,
+}
+
+impl Attempts {
+    /// Takes the next call; hands `out` the attempts it decides.
+    pub fn push(&mut self, e: &Event, out: &mut impl FnMut(Attempt)) {
+        let failures = &mut self.failures;
+        self.outermost.push(e, &mut |x| failures.decide(x, out));
+    }
+
+    /// Decides the driver allocations still held (the end of the calls).
+    pub fn finish(&mut self, out: &mut impl FnMut(Attempt)) {
+        let failures = &mut self.failures;
+        self.outermost.finish(&mut |x| failures.decide(x, out));
+    }
+
+    /// Decides one process's held driver allocations and forgets it (it ended).
+    pub fn finish_process(&mut self, pid: u32, out: &mut impl FnMut(Attempt)) {
+        let failures = &mut self.failures;
+        self.outermost
+            .finish_process(pid, &mut |x| failures.decide(x, out));
+        self.failures.last.retain(|k, _| k.0 != pid);
+    }
+}
+
+/// The attempts among `evs` (one process's calls or many, in time order), in the order they
+/// were decided.
+pub fn attempts<'a>(evs: impl IntoIterator<Item = &'a Event>) -> Vec<Attempt> {
+    let mut a = Attempts::default();
+    let mut out = Vec::new();
+    for e in evs {
+        a.push(e, &mut |x| out.push(x));
+    }
+    a.finish(&mut |x| out.push(x));
+    out.sort_by_key(|x| x.event.ts_ns);
+    out
+}
+
+/// What the attempts add up to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counts {
+    pub failures: u64,
+    pub retries: u64,
+    /// Failed attempts no retry followed: the allocator gave up and raised.
+    pub ooms: u64,
+}
+
+/// The failed attempts the allocator raised for (no retry of theirs followed), in time order:
+/// PyTorch's OOMs as its allocator makes them.
+pub fn raised(attempts: &[Attempt]) -> Vec<Attempt> {
+    attempts
+        .iter()
+        .enumerate()
+        .filter(|(i, a)| {
+            a.failed && {
+                let next = attempts[i + 1..]
+                    .iter()
+                    .find(|b| b.event.pid == a.event.pid && b.event.tid == a.event.tid);
+                !next.is_some_and(|b| b.retry)
+            }
+        })
+        .map(|(_, a)| *a)
+        .collect()
+}
+
+/// Failures, retries and raised OOMs of `attempts`.
+pub fn counts(attempts: &[Attempt]) -> Counts {
+    Counts {
+        failures: attempts.iter().filter(|a| a.failed).count() as u64,
+        retries: attempts.iter().filter(|a| a.retry).count() as u64,
+        ooms: raised(attempts).len() as u64,
+    }
+}
+
+/// The instant PyTorch raised OutOfMemoryError in a process: its message's time when the
+/// message was recorded, else the last failed attempt no retry followed, else none.
+pub fn oom_instant(attempts: &[Attempt], message_ns: Option<i64>) -> Option<i64> {
+    message_ns.or_else(|| raised(attempts).last().map(|a| a.event.ts_ns))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(op: Op, tid: u32, ts_ns: i64, dur: u64, size: u64, ret: i32) -> Event {
+        Event {
+            ts_ns,
+            duration_ns: dur,
+            size,
+            ptr: 0x1000,
+            aux0: 0,
+            aux1: 0,
+            pid: 7,
+            tid,
+            ret,
+            device: 0,
+            stack: None,
+            op,
+        }
+    }
+
+    /// A cudaMalloc that fails, with the cuMemAlloc_v2 inside it; the cache released; the
+    /// retry (cudaMalloc and its cuMemAlloc_v2) fails too: PyTorch's 1 retry and 1 OOM.
+    fn default_oom() -> Vec<Event> {
+        vec![
+            call(Op::CudaMalloc, 1, 100, 50, 1 << 30, 2),
+            call(Op::CuMemAlloc, 1, 110, 30, 1 << 30, 2),
+            call(Op::CudaFree, 1, 200, 20, 1 << 20, 0),
+            call(Op::CuMemFree, 1, 205, 10, 1 << 20, 0),
+            call(Op::CudaMalloc, 1, 300, 50, 1 << 30, 2),
+            call(Op::CuMemAlloc, 1, 310, 30, 1 << 30, 2),
+        ]
+    }
+
+    #[test]
+    fn a_driver_call_inside_a_runtime_call_is_one_attempt_in_either_order() {
+        let by_entry = default_oom();
+        let mut by_return = by_entry.clone();
+        by_return.sort_by_key(Event::end_ns);
+        for evs in [&by_entry, &by_return] {
+            let a = attempts(evs.iter());
+            assert_eq!(a.len(), 2, "{a:?}");
+            assert!(a.iter().all(|x| x.event.op == Op::CudaMalloc));
+            assert_eq!(
+                counts(&a),
+                Counts {
+                    failures: 2,
+                    retries: 1,
+                    ooms: 1
+                }
+            );
+            assert_eq!(
+                oom_instant(&a, None),
+                Some(300),
+                "the retry's failure raised"
+            );
+        }
+    }
+
+    #[test]
+    fn a_driver_allocation_of_its_own_is_an_attempt() {
+        // cuBLAS's workspace: cuMemAlloc_v2 outside any runtime call.
+        let evs = [
+            call(Op::CudaMalloc, 1, 100, 50, 1 << 20, 0),
+            call(Op::CuMemAlloc, 1, 200, 30, 1 << 22, 0),
+        ];
+        let a = attempts(evs.iter());
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[1].event.op, Op::CuMemAlloc);
+    }
+
+    #[test]
+    fn only_out_of_memory_is_a_failure() {
+        // Expandable segments: a fabric handle not permitted (800), then the chunk made; later
+        // a chunk refused, the cache released, the retry's first chunk made and a later one
+        // refused: PyTorch's 2 failures, 1 retry, 1 OOM.
+        let chunk = 20 << 20;
+        let evs = [
+            call(Op::CuMemCreate, 1, 100, 5, chunk, 800),
+            call(Op::CuMemCreate, 1, 110, 5, chunk, 0),
+            call(Op::CuMemCreate, 1, 1_000, 5, chunk, 2),
+            call(Op::CuMemRelease, 1, 1_010, 5, chunk, 0),
+            call(Op::CuMemCreate, 1, 2_000, 5, chunk, 0),
+            call(Op::CuMemCreate, 1, 2_010, 5, chunk, 2),
+        ];
+        let a = attempts(evs.iter());
+        assert_eq!(a.len(), 4, "the 800 is no attempt");
+        assert_eq!(
+            counts(&a),
+            Counts {
+                failures: 2,
+                retries: 1,
+                ooms: 1
+            }
+        );
+        assert_eq!(oom_instant(&a, None), Some(2_010));
+    }
+
+    #[test]
+    fn a_recovered_failure_is_not_the_oom() {
+        let gib = 1 << 30;
+        let evs = [
+            call(Op::CudaMalloc, 1, 0, 10, gib, 2),
+            call(Op::CudaFree, 1, 100, 10, gib, 0),
+            call(Op::CudaMalloc, 1, 200, 10, gib, 0),
+            // Seconds later: another request fails twice and is raised.
+            call(Op::CudaMalloc, 1, 5_000_000_000, 10, 2 * gib, 2),
+            call(Op::CudaMalloc, 1, 5_000_000_100, 10, 2 * gib, 2),
+        ];
+        let a = attempts(evs.iter());
+        assert_eq!(
+            counts(&a),
+            Counts {
+                failures: 3,
+                retries: 2,
+                ooms: 1
+            }
+        );
+        assert_eq!(oom_instant(&a, None), Some(5_000_000_100));
+        assert_eq!(oom_instant(&a, Some(5_000_000_200)), Some(5_000_000_200));
+    }
+
+    #[test]
+    fn threads_are_apart() {
+        // Two threads' failures interleave: each its own request.
+        let evs = [
+            call(Op::CudaMalloc, 1, 0, 10, 4096, 2),
+            call(Op::CudaMalloc, 2, 5, 10, 4096, 0),
+            call(Op::CudaMalloc, 1, 20, 10, 4096, 0),
+        ];
+        let a = attempts(evs.iter());
+        assert_eq!(counts(&a).retries, 1);
+        assert!(a
+            .iter()
+            .find(|x| x.event.tid == 2)
+            .is_some_and(|x| !x.retry));
+    }
+}

@@ -201,8 +201,9 @@ mod tests {
 
     #[test]
     fn sizes_read_as_pytorch_writes_them() {
-        // The H200 run's message: "Tried to allocate 139.62 GiB ... 381.83 MiB is allocated".
-        assert_eq!(format_bytes_as_pytorch(149_909_798_912), "139.62 GiB");
+        // The H200 run's message: "Tried to allocate 139.62 GiB ... 381.83 MiB is allocated"
+        // (PyTorch names the segment it asked for: the request rounded up to 2 MiB).
+        assert_eq!(format_bytes_as_pytorch(149_910_716_416), "139.62 GiB");
         assert_eq!(format_bytes_as_pytorch(400_379_904), "381.83 MiB");
         assert_eq!(format_bytes_as_pytorch(1024), "1024 bytes");
         assert_eq!(format_bytes_as_pytorch(1536), "1.50 KiB");

@@ -901,6 +901,11 @@ fn pool(reserved: u64, allocated: u64, free_blocks: u64, largest_free: u64) -> P
 fn failure(requested: u64, whole_segment: bool, large: PoolStats) -> allocator::Forensics {
     allocator::Forensics {
         ts_ns: 0,
+        tid: 1,
+        retry: false,
+        raised: true,
+        device_free_reported_ns: None,
+        pages_unmapped: 0,
         device: 0,
         requested,
         total: large,

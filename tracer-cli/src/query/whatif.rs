@@ -11,11 +11,12 @@ use std::{collections::HashMap, path::Path};
 
 use anyhow::Result;
 use serde::Serialize;
-use tracer_common::{Op, OpClass, Space};
+use tracer_common::{Library, Op, OpClass, Space};
 
 use crate::{
     exit::user_error,
     model::{
+        attempts::OUT_OF_MEMORY,
         layout::{AllocConf, Layout, Pool, RunKind, SMALL_SEGMENT},
         simulator::{Outcome, Request, SeedSegment, Settings, Simulator},
         Event,
@@ -102,6 +103,9 @@ struct Builder {
     reserved: u64,
     capacity_seen: Option<u64>,
     capacity_bound: Option<u64>,
+    /// Physical pages made and not yet mapped (expandable segments map a request's pages once
+    /// it has them all).
+    unmapped: u64,
 }
 
 impl Builder {
@@ -156,6 +160,16 @@ impl Builder {
 
     fn call(&mut self, e: &Event) {
         let spec = e.op.spec();
+        if spec.space == Space::Device && spec.library == Library::Driver {
+            // The allocator's segments come from the runtime (cudaMalloc); a driver call of
+            // device memory is the one inside it, or another library's own (cuBLAS's
+            // workspace): neither is a request of the allocator's.
+            return;
+        }
+        if spec.class == OpClass::Alloc && e.ret != 0 && e.ret != OUT_OF_MEMORY {
+            // Refused for another reason (a handle type not permitted): no memory asked.
+            return;
+        }
         if matches!(spec.class, OpClass::BlockAlloc | OpClass::BlockFree) {
             self.settle_refusal();
         }
@@ -179,13 +193,21 @@ impl Builder {
             }
             (OpClass::Alloc, Space::Device | Space::Handle) if e.ret != 0 => {
                 self.failed_since_malloc = true;
-                self.refusal = Some(e.size);
-                // A refused segment bounds the capacity; a refused page does not (the pages
-                // created for the same request before it hold memory no mapping shows yet).
-                if e.space() == Space::Device {
-                    let bound = self.reserved.saturating_add(e.size).saturating_sub(1);
-                    self.capacity_bound = Some(self.capacity_bound.map_or(bound, |b| b.min(bound)));
-                }
+                // A refused page of an expandable segment comes after the pages the same
+                // request made (given back as it fails): the request was at least all of them.
+                let made = if e.space() == Space::Handle {
+                    self.unmapped
+                } else {
+                    0
+                };
+                self.refusal = Some(made + e.size);
+                // A refused segment bounds the capacity, and so does a refused page with the
+                // pages its request made before it (they hold memory no mapping shows yet).
+                let bound = self
+                    .reserved
+                    .saturating_add(made + e.size)
+                    .saturating_sub(1);
+                self.capacity_bound = Some(self.capacity_bound.map_or(bound, |b| b.min(bound)));
             }
             (OpClass::Alloc, Space::Device) => {
                 self.refusal = None;
@@ -193,7 +215,12 @@ impl Builder {
                 self.segment_sizes.insert(e.ptr, e.size);
                 self.grew(e.size);
             }
+            (OpClass::Alloc, Space::Handle) if e.ret == 0 => self.unmapped += e.size,
+            (OpClass::Free, Space::Handle) if e.ret == 0 => {
+                self.unmapped = self.unmapped.saturating_sub(e.size)
+            }
             (OpClass::Alloc, Space::Mapping) if e.ret == 0 => {
+                self.unmapped = 0;
                 self.refusal = None;
                 self.run.device_allocs.push((e.ptr, e.size));
                 self.grew(e.size);
@@ -357,7 +384,8 @@ pub fn recorded_run(
         .into_iter()
         .filter(|m| m.pid == pid && m.op == Op::TorchOom.name())
         .collect();
-    run.recorded_ooms = ooms.len() as u64;
+    // Without PyTorch's message, the requests it refused are its OOMs all the same.
+    run.recorded_ooms = (ooms.len()).max(run.refused.len()) as u64;
     // A refused page (expandable segments) says little of the request: PyTorch's message says
     // how much it tried to allocate (to its two decimals).
     for (&i, m) in run.refused.iter().zip(&ooms) {

@@ -44,7 +44,9 @@ fn frees_between(evs: &[Event], from: i64, to: i64) -> Vec<Event> {
 /// Rule 2: a failed allocation, the cache released, the same request succeeding: the caching
 /// allocator flushed its cache and retried.
 pub(super) fn allocator_retry(pid: u32, evs: &[Event], attempts: &[Attempt]) -> Option<Chain> {
-    let recovered: Vec<(&Attempt, &Attempt)> = attempts
+    // Recovered by releasing cached memory: frees between the failure and its retry (a retry
+    // that succeeded with nothing freed found the memory another process gave back).
+    let recovered: Vec<(&Event, &Event, Vec<Event>)> = attempts
         .iter()
         .filter(|a| a.failed)
         .filter_map(|f| {
@@ -52,10 +54,14 @@ pub(super) fn allocator_retry(pid: u32, evs: &[Event], attempts: &[Attempt]) -> 
                 .filter(|ok| !ok.failed)
                 .map(|ok| (f, ok))
         })
+        .map(|(f, ok)| {
+            let frees = frees_between(evs, f.event.ts_ns, ok.event.ts_ns);
+            (&f.event, &ok.event, frees)
+        })
+        .filter(|(_, _, frees)| !frees.is_empty())
         .collect();
-    let &(f, ok) = recovered.first()?;
-    let (f, ok) = (&f.event, &ok.event);
-    let frees = frees_between(evs, f.ts_ns, ok.ts_ns);
+    let (f, ok, frees) = recovered.first()?;
+    let (f, ok) = (*f, *ok);
     let freed: u64 = frees.iter().map(|e| e.size).sum();
     let mut timeline = vec![entry(
         f.ts_ns,

@@ -313,9 +313,9 @@ pub fn oom_forensics(
         .filter(|s| !s.is_empty());
     let asked = match (tried, x.request_bounds()) {
         (Some(t), _) => format!("Tried to allocate {t}"),
+        // PyTorch names the segment it asked for (the request rounded up to 2 MiB).
         (None, Some((lowest, highest))) if highest - lowest < 2 << 20 => format!(
-            "Tried to allocate up to {} (the {} segment cudaMalloc asked for: the request rounded up to 2 MiB)",
-            pb(highest),
+            "Tried to allocate {} (the segment cudaMalloc asked for)",
             pb(x.requested)
         ),
         (None, Some((lowest, highest))) => format!(

@@ -8,6 +8,7 @@ mod e2e;
 mod fleet;
 mod flight;
 mod lifecycle;
+mod recordings;
 mod security;
 mod snapshots;
 mod views;

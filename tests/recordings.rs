@@ -1,0 +1,204 @@
+//! tracer's answers on its own GPU check's recordings from a real NVIDIA H200 with PyTorch
+//! 2.11 (tests/data/gpu-h200), held against what PyTorch said about itself in the same
+//! processes: the device of every call, failures, retries and OOMs, the layout at the OOM,
+//! the OOM chain's figures, the fragmentation verdict and whatif's replay. No root needed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::common::*;
+use serde_json::Value;
+
+/// One recording, unpacked into a folder of its own.
+struct Recording {
+    db: PathBuf,
+    /// stats-*.json: what PyTorch said.
+    stats: Value,
+    _dir: tempfile::TempDir,
+}
+
+fn recording(name: &str) -> Recording {
+    let data = workspace().join("tests/data/gpu-h200");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join(format!("{name}.db"));
+    let out = Command::new("gzip")
+        .arg("-dc")
+        .arg(data.join(format!("trace-{name}.db.gz")))
+        .output()
+        .expect("gzip");
+    assert!(out.status.success(), "gzip: {out:?}");
+    std::fs::write(&db, out.stdout).unwrap();
+    let stats = std::fs::read(data.join(format!("stats-{name}.json"))).unwrap();
+    Recording {
+        db,
+        stats: serde_json::from_slice(&stats).unwrap(),
+        _dir: dir,
+    }
+}
+
+fn explain(r: &Recording) -> Value {
+    tracer_json(&r.db, &["explain", "--json"])
+}
+
+fn stat(r: &Recording, key: &str) -> u64 {
+    r.stats["final"][key].as_u64().unwrap()
+}
+
+/// The size PyTorch's message writes right after `before` ("Tried to allocate " -> "139.62 GiB").
+fn said_after(message: &str, before: &str) -> String {
+    let rest = message.split_once(before).unwrap().1;
+    let words: Vec<&str> = rest.split_whitespace().take(2).collect();
+    words.join(" ").trim_end_matches('.').to_owned()
+}
+
+/// The size PyTorch's message writes right before `after`.
+fn said_before(message: &str, after: &str) -> String {
+    let head = message.split_once(after).unwrap().0;
+    let words: Vec<&str> = head.split_whitespace().collect();
+    words[words.len() - 2..].join(" ")
+}
+
+fn chain<'a>(report: &'a Value, rule: &str) -> &'a Value {
+    report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == rule)
+        .unwrap_or_else(|| panic!("no {rule} chain: {report:#}"))
+}
+
+#[test]
+fn every_call_is_on_the_device_cuda_ran_it_on() {
+    // PyTorch on device 0 never calls cudaSetDevice: every call is on device 0, the default.
+    for name in ["default", "expandable"] {
+        let r = recording(name);
+        let report = explain(&r);
+        let devices: Vec<i64> = report["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["device"].as_i64().unwrap())
+            .collect();
+        assert_eq!(devices, [0], "{name}: {:#}", report["devices"]);
+        let text = report["chains"].to_string();
+        assert!(!text.contains("unknown device"), "{name}: {text}");
+    }
+}
+
+#[test]
+fn failures_retries_and_ooms_are_counted_as_pytorch_counts_them() {
+    for name in ["default", "expandable"] {
+        let r = recording(name);
+        let report = explain(&r);
+        let d = &report["devices"][0];
+        let (retries, ooms) = (stat(&r, "num_alloc_retries"), stat(&r, "num_ooms"));
+        assert_eq!(
+            (
+                d["failures"].as_u64(),
+                d["retries"].as_u64(),
+                d["ooms"].as_u64()
+            ),
+            (Some(retries + ooms), Some(retries), Some(ooms)),
+            "{name}: {d:#}"
+        );
+        // The peak reserved the allocator reached, as PyTorch's statistics have it.
+        assert_eq!(
+            d["peak_reserved"].as_u64(),
+            Some(stat(&r, "reserved_bytes.all.peak")),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn the_layout_at_the_oom_is_the_allocators_own() {
+    for name in ["default", "expandable"] {
+        let r = recording(name);
+        let layout = tracer_json(&r.db, &["layout", "--at", "oom", "--json"]);
+        let total = &layout[0]["devices"][0]["total"];
+        let said = &r.stats["layout"];
+        for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
+            assert_eq!(total[key], said[key], "{name}: {key}: {layout:#}");
+        }
+    }
+}
+
+#[test]
+fn the_oom_chain_states_the_figures_pytorchs_message_states() {
+    let r = recording("default");
+    let report = explain(&r);
+    let oom = chain(&report, "oom");
+    let effect = oom["effect"].as_str().unwrap();
+    let message = r.stats["oom"]["message"].as_str().unwrap();
+    let figures = [
+        said_after(message, "Tried to allocate "),
+        said_after(message, "Of the allocated memory "),
+        said_before(message, "is reserved by PyTorch but unallocated"),
+        said_before(message, "is free."),
+    ];
+    assert_eq!(figures[0], "139.62 GiB", "{message}");
+    for f in &figures {
+        assert!(effect.contains(f), "{f} not in {effect}");
+    }
+    assert!(effect.contains("(capacity)"), "{effect}");
+    // With expandable segments a refused page does not tell the request, and no message was
+    // recorded: said, with what would settle it.
+    let r = recording("expandable");
+    let report = explain(&r);
+    let effect = chain(&report, "oom")["effect"].as_str().unwrap().to_owned();
+    assert!(effect.contains("request unknown"), "{effect}");
+    assert!(effect.contains("would settle it"), "{effect}");
+}
+
+#[test]
+fn fragmentation_is_judged_per_pool_and_by_what_it_cost() {
+    // A small pool's free block of 1 MiB serves every request it takes, and the device never
+    // ran short while the cache held the bytes: no High fragmentation.
+    for name in ["default", "expandable"] {
+        let report = explain(&recording(name));
+        for c in report["chains"].as_array().unwrap() {
+            if c["rule"] == "fragmentation" {
+                assert_ne!(c["severity"], "HIGH", "{name}: {c:#}");
+                assert!(!c["root"].as_str().unwrap().contains("Small pool"), "{c:#}");
+            }
+        }
+    }
+}
+
+fn whatif(db: &Path, conf: &[&str]) -> Value {
+    let mut args = vec!["whatif", "--no-search", "--json"];
+    for c in conf {
+        args.extend(["--conf", c]);
+    }
+    tracer_json(db, &args)
+}
+
+#[test]
+fn whatif_reproduces_both_runs_and_predicts_expandable_segments() {
+    let default = recording("default");
+    let expandable = recording("expandable");
+    for r in [&default, &expandable] {
+        let w = whatif(&r.db, &[]);
+        let f = &w["fidelity"];
+        assert_eq!(f["holds"], true, "{w:#}");
+        assert_eq!(f["placements_matched"], f["placements"], "{f:#}");
+        assert_eq!(w["recorded_ooms"], r.stats["final"]["num_ooms"], "{w:#}");
+        // The capacity is the device's, not the provoked request's.
+        let capacity = w["capacity"].as_u64().unwrap();
+        assert!(capacity < r.stats["device"]["total_bytes"].as_u64().unwrap());
+    }
+    // The expandable run's peak reserved, predicted from the default run's requests.
+    let w = whatif(&default.db, &["expandable_segments:True"]);
+    let row = w["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["conf"] == "expandable_segments:True")
+        .unwrap();
+    let predicted = row["peak_reserved"].as_f64().unwrap();
+    let real = stat(&expandable, "reserved_bytes.all.peak") as f64;
+    assert!(
+        (predicted - real).abs() <= 0.05 * real,
+        "predicted {predicted}, PyTorch reserved {real} at its peak"
+    );
+}

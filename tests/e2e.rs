@@ -2114,3 +2114,96 @@ fn broken_pipe_is_success_for_every_command() {
         "both sessions ended properly"
     );
 }
+
+/// simdriver's `devices` mix (thread 0 sets device 1 with cudaSetDevice, thread 1 sets none,
+/// thread 2 makes device 1's context current with cuCtxSetCurrent; each then allocates and
+/// fires PyTorch's probe with its current device), started after the trace or before it.
+fn trace_devices(fx: &Fixture, started_before: bool) -> Value {
+    let go = fx.sim.parent().unwrap().join("go-devices");
+    let _ = std::fs::remove_file(&go);
+    let spawn = || {
+        driver(
+            &fx.sim,
+            &[
+                "--mix",
+                "devices",
+                "--threads",
+                "3",
+                "--iters",
+                "30",
+                "--hold-ms",
+                "300",
+                "--start-when",
+                go.to_str().unwrap(),
+            ],
+            &[("SIMCUDA_DEVICES", "2")],
+        )
+        .spawn()
+        .unwrap()
+    };
+    let early = started_before.then(|| {
+        let p = spawn();
+        // Older than the session by more than tracer's 1 s of slack: it ran unseen before.
+        std::thread::sleep(Duration::from_millis(1500));
+        p
+    });
+    let trace = fx.trace(&["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"], &[]);
+    let process = early.unwrap_or_else(spawn);
+    std::fs::write(&go, "").unwrap();
+    let rep = report(process.wait_with_output().unwrap());
+    trace.stop(SIGINT);
+    rep
+}
+
+#[test]
+fn every_call_is_on_the_device_pytorchs_probe_names() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    for started_before in [false, true] {
+        let _ = std::fs::remove_file(&fx.db);
+        let rep = trace_devices(&fx, started_before);
+        let pid = rep["pid"].as_i64().unwrap();
+        let gap = scalar(
+            &fx.db,
+            &format!("SELECT count(*) FROM gaps WHERE pid = {pid} AND kind = 'before_trace'"),
+        );
+        assert_eq!(gap, i64::from(started_before));
+        for t in rep["threads"].as_array().unwrap() {
+            let (tid, device) = (t["tid"].as_i64().unwrap(), t["device"].as_i64().unwrap());
+            // The probe names the thread's current device, as PyTorch's allocator does.
+            let probed = query(
+                &fx.db,
+                &format!("SELECT DISTINCT device FROM tensor_events WHERE tid = {tid}"),
+            );
+            assert_eq!(
+                probed,
+                [serde_json::json!({"device": device})],
+                "thread {tid}"
+            );
+            // Every CUDA call of the thread on that device: stored so (the calls made before
+            // the probe told it are given it once it does).
+            let calls = query(
+                &fx.db,
+                &format!(
+                    "SELECT device, count(*) AS n FROM events WHERE tid = {tid} GROUP BY device"
+                ),
+            );
+            assert_eq!(
+                calls.len(),
+                1,
+                "thread {tid} (started before: {started_before}): {calls:?}"
+            );
+            assert_eq!(calls[0]["device"], device, "thread {tid}: {calls:?}");
+        }
+        // explain reads the same: the process on devices 0 and 1, no unknown one.
+        let report = tracer_json(&fx.db, &["explain", "--json"]);
+        let devices: Vec<i64> = report["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["device"].as_i64().unwrap())
+            .collect();
+        assert_eq!(devices, [0, 1], "{:#}", report["devices"]);
+    }
+}

@@ -26,6 +26,32 @@ static CUresult status_of(int s) {
 
 API CUresult cuInit(unsigned flags) { (void)flags; sim_delay("cuInit"); return CUDA_SUCCESS; }
 
+/* Contexts: each device's primary context, made a thread's current one with cuCtxSetCurrent
+ * (the thread's device is then that context's, as the runtime's calls see it). */
+typedef struct sim_context { int device; } *CUcontext;
+static struct sim_context primary[64];
+
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, int device) {
+    sim_delay("cuDevicePrimaryCtxRetain");
+    if (!pctx || device < 0 || device >= sim_device_count() || device >= 64) return CUDA_ERROR_INVALID_DEVICE;
+    primary[device].device = device;
+    *pctx = &primary[device];
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxSetCurrent(CUcontext ctx) {
+    sim_delay("cuCtxSetCurrent");
+    if (!ctx) return CUDA_SUCCESS;
+    if (ctx < &primary[0] || ctx >= &primary[64]) return CUDA_ERROR_INVALID_VALUE;
+    return status_of(sim_set_device(ctx->device));
+}
+
+API CUresult cuCtxGetDevice(int *device) {
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    *device = sim_get_device();
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
     sim_delay("cuMemAlloc_v2");
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;

@@ -46,7 +46,7 @@ static const char *OPS[] = {
     "cudaSetDevice", "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaMallocFromPoolAsync",
     "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAllocAsync", "cuMemFreeAsync", "cuMemAllocManaged",
     "cuMemGetInfo_v2", "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease",
-    "cuMemMap", "cuMemUnmap", "cuMemAllocFromPoolAsync",
+    "cuMemMap", "cuMemUnmap", "cuMemAllocFromPoolAsync", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent",
 };
 enum { N_OPS = sizeof OPS / sizeof OPS[0], MAX_RET = 1024 };
 
@@ -225,6 +225,52 @@ static void run_all(struct stats *s, int device) {
     }
 }
 
+/* Three ways a thread is on a device, each followed by PyTorch's probe naming the thread's
+ * current device as its allocator does (c10::cuda::GetDevice): thread 0 sets device 1 with
+ * cudaSetDevice (PyTorch changing device), thread 1 sets none (device 0, CUDA's default: PyTorch
+ * on device 0 never calls cudaSetDevice), thread 2 makes device 1's primary context current
+ * (cuCtxSetCurrent). Needs libsimtorch.so beside the runtime. */
+static int run_devices(struct stats *s, int t) {
+    fn_int cudaSetDevice = sym(rt, "cudaSetDevice");
+    fn_intp cudaGetDevice = sym(rt, "cudaGetDevice");
+    fn_ptr_size cudaMalloc = sym(rt, "cudaMalloc");
+    fn_ptr cudaFree = sym(rt, "cudaFree");
+    fn_cu_alloc cuMemAlloc = sym(drv, "cuMemAlloc_v2");
+    fn_cu_free cuMemFree = sym(drv, "cuMemFree_v2");
+    int (*retain)(void **, int) = sym(drv, "cuDevicePrimaryCtxRetain");
+    int (*set_current)(void *) = sym(drv, "cuCtxSetCurrent");
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s", opt.cudart);
+    snprintf(strrchr(path, '/') ? strrchr(path, '/') + 1 : path, 64, "libsimtorch.so");
+    void *torch = dlopen(path, RTLD_NOW);
+    void (*probe_malloc)(uint64_t, int8_t, uint64_t, uint64_t) = sym(torch, "simtorch_malloc");
+    void (*probe_free)(uint64_t) = sym(torch, "simtorch_free");
+    int mode = t % 3;
+    if (mode == 0) CALL(s, "cudaSetDevice", 0, cudaSetDevice(1 % device_count));
+    if (mode == 2) {
+        void *ctx = NULL;
+        CALL(s, "cuDevicePrimaryCtxRetain", 0, retain(&ctx, 1 % device_count));
+        CALL(s, "cuCtxSetCurrent", 0, set_current(ctx));
+    }
+    int device = 0;
+    cudaGetDevice(&device);
+    for (long i = 0; i < opt.iters; i++) {
+        void *p = NULL;
+        uint64_t d = 0;
+        if (mode == 2) {
+            if (CALL(s, "cuMemAlloc_v2", opt.size, cuMemAlloc(&d, opt.size)) != 0) continue;
+        } else {
+            if (CALL(s, "cudaMalloc", opt.size, cudaMalloc(&p, opt.size)) != 0) continue;
+            d = (uint64_t)(uintptr_t)p;
+        }
+        probe_malloc(d, (int8_t)device, opt.size / 2, 0);
+        probe_free(d);
+        if (mode == 2) CALL(s, "cuMemFree_v2", opt.size, cuMemFree(d));
+        else CALL(s, "cudaFree", opt.size, cudaFree(p));
+    }
+    return device;
+}
+
 static void *worker(void *arg) {
     int t = (int)(intptr_t)arg;
     thread_tids[t] = (pid_t)syscall(SYS_gettid);
@@ -235,13 +281,14 @@ static void *worker(void *arg) {
     else if (!strcmp(opt.mix, "all")) run_all(s, device);
     else if (!strcmp(opt.mix, "real")) run_real(s);
     else if (!strcmp(opt.mix, "real-pairs")) run_real_pairs(s);
-    else { fprintf(stderr, "simdriver: unknown --mix %s (pairs, all, real, real-pairs)\n", opt.mix); exit(2); }
+    else if (!strcmp(opt.mix, "devices")) thread_devices[t] = run_devices(s, t);
+    else { fprintf(stderr, "simdriver: unknown --mix %s (pairs, all, real, real-pairs, devices)\n", opt.mix); exit(2); }
     return NULL;
 }
 
 static void usage(void) {
     fprintf(stderr,
-            "usage: simdriver [--cudart PATH] [--cuda PATH|none] [--mix pairs|all|real|real-pairs] [--threads N]\n"
+            "usage: simdriver [--cudart PATH] [--cuda PATH|none] [--mix pairs|all|real|real-pairs|devices] [--threads N]\n"
             "                 [--iters N] [--size BYTES] [--device D] [--start-delay-ms N] [--start-when FILE]\n                 [--hold-ms N] [--duration-ms N (pairs: run this long instead of --iters)]\n");
     exit(2);
 }

@@ -316,8 +316,7 @@ int main(int argc, char **argv) {
     probe_malloc = sym(torch, "simtorch_malloc");
     probe_free = sym(torch, "simtorch_free");
     probe_oom = sym(torch, "simtorch_oom");
-    int (*set_device)(int) = sym(rt, "cudaSetDevice");
-    set_device(0);
+    /* As PyTorch on device 0: no cudaSetDevice (a thread that sets none is on device 0). */
     /* The weights: allocated first, held to the end. */
     for (int i = 0; i < 24; i++) alloc_block(randint(1, 6) * MIB + randint(0, 1023) * KIB);
     for (int i = 0; i < 16; i++) alloc_block(randint(1, 512) * KIB);

@@ -1,9 +1,10 @@
 /* PyTorch's own probes, for the simulated allocator (demos/workloads/caching_allocator.py):
  * the same USDT sites as libc10_cuda.so (provider `pytorch`, `malloc(ptr, device, size,
  * stream)` at the end of an allocation, `free(ptr)`), each gated by its semaphore as PyTorch's
- * are, and a function with the exported name, arguments and layout of
- * c10::OutOfMemoryError's constructor (libc10.so), called with the message when the allocator
- * raises out-of-memory. Built with sys/sdt.h (systemtap-sdt-dev). */
+ * are, and a function with the exported name, arguments and layout of c10::Error's base
+ * constructor (libc10.so). As in the real wheels (2.11), OutOfMemoryError has no constructor of
+ * its own: it is built inline from c10::Error's, which every other c10 error goes through
+ * too. Built with sys/sdt.h (systemtap-sdt-dev). */
 #define _SDT_HAS_SEMAPHORES 1
 #include <stdint.h>
 #include <string.h>
@@ -39,22 +40,29 @@ struct cxx_string { const char *data; uint64_t size; union { char local[16]; uin
 
 static volatile uint64_t last_message_size;
 
-/* c10::OutOfMemoryError::OutOfMemoryError(c10::SourceLocation, std::string) */
-API __attribute__((noinline)) void oom_error_ctor(void *self, struct source_location loc, const struct cxx_string *msg)
-    __asm__("_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
-void oom_error_ctor(void *self, struct source_location loc, const struct cxx_string *msg) {
+/* c10::Error::Error(c10::SourceLocation, std::string), the base object constructor */
+API __attribute__((noinline)) void error_ctor(void *self, struct source_location loc, const struct cxx_string *msg)
+    __asm__("_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
+void error_ctor(void *self, struct source_location loc, const struct cxx_string *msg) {
     (void)self; (void)loc;
     last_message_size = msg->size;
 }
 
+static void raise_error(const char *function, const char *text) {
+    char self[64];
+    struct source_location loc = {function, "CUDACachingAllocator.cpp", 1};
+    struct cxx_string msg = {text, strlen(text), {{0}}};
+    error_ctor(self, loc, &msg);
+}
+
 /* Raises the simulated allocator's out-of-memory: constructs the error with `text`. */
 API void simtorch_oom(const char *text) {
-    char self[64];
-    struct source_location loc = {"malloc", "CUDACachingAllocator.cpp", 1};
-    struct cxx_string msg = {text, strlen(text), {{0}}};
-    oom_error_ctor(self, loc, &msg);
+    raise_error("malloc", text);
     sim_record_message("pytorch:oom", sim_realtime_ns(), text);
 }
+
+/* Another c10 error (an invalid argument, say): through the same constructor, not an OOM. */
+API void simtorch_error(const char *text) { raise_error("check", text); }
 
 /* The allocator's stream events are recorded from its own library, as PyTorch's are from
  * libc10_cuda.so (insert_events, inside the free of a block used on other streams). */

@@ -125,7 +125,13 @@ class CachingAllocator:
         self.reserved_allocated = 0
         self.reserved_freed = 0
         self.reserved_peak = 0
-        self.check(self.rt.cudaSetDevice(device), "cudaSetDevice")
+        # As PyTorch: the device is set only to change it (c10::cuda::SetDevice asks first); a
+        # thread that sets none is on device 0, CUDA's default.
+        self.rt.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        current = ctypes.c_int(0)
+        self.check(self.rt.cudaGetDevice(ctypes.byref(current)), "cudaGetDevice")
+        if current.value != device:
+            self.check(self.rt.cudaSetDevice(device), "cudaSetDevice")
         self.expandable = expandable
         probes = os.path.join(os.path.dirname(os.path.abspath(cudart_path)), "libsimtorch.so")
         self.probes = ctypes.CDLL(probes) if os.path.exists(probes) else None
@@ -133,6 +139,10 @@ class CachingAllocator:
             self.probes.simtorch_malloc.argtypes = [ctypes.c_uint64, ctypes.c_int8, ctypes.c_uint64, ctypes.c_uint64]
             self.probes.simtorch_free.argtypes = [ctypes.c_uint64]
             self.probes.simtorch_oom.argtypes = [ctypes.c_char_p]
+            self.probes.simtorch_error.argtypes = [ctypes.c_char_p]
+            # PyTorch raises other c10 errors through the constructor its out-of-memory error
+            # is built from (a bad argument caught by Python, say): they are not OOMs.
+            self.probes.simtorch_error(b"Expected all tensors to be on the same device")
             self.probes.simtorch_record_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         for name, args in (
             ("cudaStreamCreate", [ctypes.POINTER(ctypes.c_void_p)]),

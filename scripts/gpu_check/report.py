@@ -23,8 +23,6 @@ import sys
 
 MARKER = "# cuda-call"
 COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")
-# The allocator's own calls for memory: a segment (cudaMalloc) or a chunk (cuMemCreate).
-SEGMENT_OPS = ("cudaMalloc", "cuMemCreate")
 
 
 def query(tracer, db, sql):
@@ -184,28 +182,51 @@ def with_sites(s, rows, ops):
     return rows
 
 
-def failure_rows(s):
-    """Failed attempts, retries and OOMs, from the stored calls of each thread in order."""
-    attempts = s.q(f"SELECT tid, op, size, ret FROM events WHERE pid = {s.pid} AND ts_ns <= {s.until} "
-                   f"AND op IN ({', '.join(repr(o) for o in SEGMENT_OPS)}) ORDER BY tid, ts_ns")
-    failures = retries = 0
-    last = {}
-    for a in attempts:
-        key = (a["op"], a["size"])
-        if last.get(a["tid"]) == ("failed",) + key:
-            retries += 1
-        if a["ret"] != 0:
-            failures += 1
-        last[a["tid"]] = ("failed" if a["ret"] != 0 else "ok",) + key
+def explained(s):
+    """tracer explain's answer for the workload's process up to the final statistics."""
+    out = subprocess.run([s.tracer, "explain", "--db", s.db, "--pid", str(s.pid), "--to", str(s.until), "--json"],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def failure_rows(s, report):
+    """Failed attempts, retries and OOMs as tracer counts them (a runtime call and the driver call
+    inside it once, out-of-memory returns only), on every device."""
+    devices = report.get("devices", [])
+    failures = sum(d.get("failures", 0) for d in devices)
+    retries = sum(d.get("retries", 0) for d in devices)
+    ooms = sum(d.get("ooms", 0) for d in devices)
     st = s.stats
     d_retries, d_ooms = delta(st, "num_alloc_retries"), delta(st, "num_ooms")
+    unknown = [d for d in devices if d.get("device", -1) < 0]
     return [
-        row("failed allocations (" + ", ".join(SEGMENT_OPS) + ")", failures, d_retries + d_ooms,
+        row("failed allocations (out of memory, each attempt once)", failures, d_retries + d_ooms,
             note="num_alloc_retries + num_ooms: each retry follows one failure, each OOM is a failed retry"),
         row("retries (an attempt right after a failed one: same thread, op and size)", retries, d_retries,
             note="num_alloc_retries"),
-        row("OOMs (failed attempts not recovered by a retry)", failures - retries, d_ooms, note="num_ooms"),
+        row("OOMs raised (failed attempts no retry followed)", ooms, d_ooms, note="num_ooms"),
+        row("devices of the process's calls", ", ".join(str(d["device"]) for d in devices) or "none",
+            str(st.get("device_index", 0)), "DIFFERS" if unknown or not devices else None,
+            "PyTorch on device 0 never calls cudaSetDevice: 0 is CUDA's default"),
     ]
+
+
+def message_rows(s, report):
+    """PyTorch's out-of-memory message as tracer recorded it (its probe at c10::Error's
+    constructor in libc10.so), and the OOM chain's reading of it."""
+    said = (s.stats.get("oom") or {}).get("message", "")
+    if not said:
+        return []
+    got = s.q(f"SELECT text FROM messages WHERE pid = {s.pid} AND ts_ns <= {s.until} ORDER BY ts_ns")
+    text = got[-1]["text"] if got else ""
+    rows = [row("PyTorch's out-of-memory message recorded", text[:120] or "none", said[:120],
+                "equal" if text and said.startswith(text) else "DIFFERS", f"{len(got)} message(s) recorded")]
+    oom = next((c for c in report.get("chains", []) if c.get("rule") == "oom"), None)
+    effect = oom["effect"] if oom else ""
+    tried = said.split("Tried to allocate ", 1)[1].split(". ")[0] if "Tried to allocate " in said else ""
+    rows.append(row("OOM chain names PyTorch's request", tried if tried and tried in effect else "no",
+                    tried, note=effect[:160]))
+    return rows
 
 
 def script_lines(path):
@@ -316,8 +337,8 @@ def library_rows(s):
         # The same file by identity while it exists, by path once it is gone.
         is_probed = path in probed_paths or (file_id(path) or 0) in probed_ids
         what = {"libcudart": "the runtime's calls", "libcuda.": "the driver's calls",
-                "libc10_cuda": "the caching allocator's USDT probes", "libc10.": "the OutOfMemoryError constructor",
-                "libsimtorch": "the simulated allocator's USDT probes and OutOfMemoryError constructor"}
+                "libc10_cuda": "the caching allocator's USDT probes", "libc10.": "c10::Error's constructor, where OutOfMemoryError is built",
+                "libsimtorch": "the simulated allocator's USDT probes and c10::Error's constructor"}
         why = next((v for k, v in what.items() if name.startswith(k)), "")
         rows.append(row(f"library {name}", "probed" if is_probed else "not probed", "mapped",
                         "equal" if is_probed else "DIFFERS", f"{path} ({why})"))
@@ -339,7 +360,9 @@ def compare(args):
     s = Session(args.tracer, args.db, stats)
     rows = expandable_rows(s) if args.mode == "expandable" else count_rows(s)
     rows += outside_rows(s)
-    rows += failure_rows(s)
+    report = explained(s)
+    rows += failure_rows(s, report)
+    rows += message_rows(s, report)
     rows += layout_rows(s)
     rows.append(call_site_row(s))
     rows += library_rows(s)

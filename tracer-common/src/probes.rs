@@ -225,11 +225,14 @@ const fn usdt(op: Op, name: &'static str, class: OpClass, args: &'static [ArgRol
     }
 }
 
-/// `c10::OutOfMemoryError::OutOfMemoryError(c10::SourceLocation, std::string)` (the complete
-/// object constructor): `this` in the first register, the 24-byte SourceLocation on the stack,
-/// so the message (a std::string, passed by reference) is the second register argument.
+/// `c10::Error::Error(c10::SourceLocation, std::string)` (the base object constructor, which
+/// a derived error's constructor calls): the real wheels build OutOfMemoryError inline from it
+/// (2.11 exports no constructor of its own; 2.15's calls this one), so PyTorch's out-of-memory
+/// message passes here; the program keeps only those ([`crate::usdt::OOM_MESSAGE_PREFIX`]).
+/// `this` in the first register, the 24-byte SourceLocation on the stack, so the message (a
+/// std::string, passed by reference) is the second register argument.
 pub const TORCH_OOM_SYMBOL: &str =
-    "_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE";
+    "_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE";
 
 /// The table. Indexed by `Op as usize` (checked at compile time below).
 pub const PROBES: [ProbeSpec; OP_COUNT] = [

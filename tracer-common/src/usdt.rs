@@ -84,6 +84,30 @@ pub mod role {
 /// Bytes of an out-of-memory message kept (PyTorch's are about 400).
 pub const MESSAGE_BYTES: usize = 1024;
 
+/// How PyTorch's out-of-memory messages begin. The real wheels build OutOfMemoryError inline
+/// from c10::Error's constructor, which every c10 error goes through: only messages that begin
+/// so are kept (the program compares them in the kernel, so other errors' texts never leave
+/// it).
+pub const OOM_MESSAGE_PREFIX: &[u8; 18] = b"CUDA out of memory";
+
+/// [`OOM_MESSAGE_PREFIX`] as the program reads it: two 8-byte little-endian words and a
+/// 2-byte one.
+pub const OOM_MESSAGE_WORDS: (u64, u64, u64) = (
+    word(OOM_MESSAGE_PREFIX, 0, 8),
+    word(OOM_MESSAGE_PREFIX, 8, 8),
+    word(OOM_MESSAGE_PREFIX, 16, 2),
+);
+
+const fn word(bytes: &[u8], at: usize, len: usize) -> u64 {
+    let mut v = 0u64;
+    let mut i = 0;
+    while i < len {
+        v |= (bytes[at + i] as u64) << (8 * i);
+        i += 1;
+    }
+    v
+}
+
 /// A text the traced program produced at a probe: PyTorch's OutOfMemoryError message.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

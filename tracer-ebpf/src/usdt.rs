@@ -18,7 +18,7 @@ use tracer_common::{
     maps::Counter,
     usdt::{
         arg_kind, role, MessageEvent, UsdtArg, UsdtPlan, MAX_USDT_ARGS, MAX_USDT_SITES,
-        MESSAGE_BYTES,
+        MESSAGE_BYTES, OOM_MESSAGE_PREFIX, OOM_MESSAGE_WORDS,
     },
     CallEvent, EventHeader, Op,
 };
@@ -164,20 +164,35 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// `c10::OutOfMemoryError::OutOfMemoryError(SourceLocation, std::string)`: the second register
-/// argument points at the message, a libstdc++ std::string (data pointer, then length).
+/// The message at `data` (`len` bytes) is PyTorch's out-of-memory message.
+#[inline(always)]
+fn out_of_memory(data: u64, len: u64) -> bool {
+    let (w0, w1, w2) = OOM_MESSAGE_WORDS;
+    len >= OOM_MESSAGE_PREFIX.len() as u64
+        && read_user(data, 8) == Some(w0)
+        && read_user(data.wrapping_add(8), 8) == Some(w1)
+        && read_user(data.wrapping_add(16), 2) == Some(w2)
+}
+
+/// `c10::Error::Error(SourceLocation, std::string)`, which PyTorch's OutOfMemoryError (built
+/// inline in the real wheels) goes through: the second register argument points at the
+/// message, a libstdc++ std::string (data pointer, then length). Only out-of-memory messages
+/// are kept ([`OOM_MESSAGE_PREFIX`]), compared here.
 #[uprobe]
 pub fn torch_oom(ctx: ProbeContext) -> u32 {
     if paused() {
+        return 0;
+    }
+    let msg: u64 = ctx.arg(1).unwrap_or(0);
+    let data = read_user(msg, 8).unwrap_or(0);
+    let full_len = read_user(msg.wrapping_add(8), 8).unwrap_or(0);
+    if !out_of_memory(data, full_len) {
         return 0;
     }
     bump(Counter::Entries);
     let Some(buf) = MESSAGE_BUF.get_ptr_mut(0) else {
         return 0;
     };
-    let msg: u64 = ctx.arg(1).unwrap_or(0);
-    let data = read_user(msg, 8).unwrap_or(0);
-    let full_len = read_user(msg.wrapping_add(8), 8).unwrap_or(0);
     let pid_tgid = bpf_get_current_pid_tgid();
     // SAFETY: this CPU's buffer, valid for this run.
     let ev = unsafe { &mut *buf };

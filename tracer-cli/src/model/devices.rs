@@ -41,6 +41,17 @@ pub struct ThreadDevices {
 /// the same thread (before any set) tells it: the read side's look ahead.
 pub type Initial = HashMap<(u32, u32), i32>;
 
+/// A thread's device learned after calls of it were stored without one: they ran from
+/// `from_ns` to `to_ns` (the recording's clock) on `device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Learned {
+    pub pid: u32,
+    pub tid: u32,
+    pub device: i32,
+    pub from_ns: i64,
+    pub to_ns: i64,
+}
+
 impl ThreadDevices {
     /// A process tracer saw start (it started after the trace began): its threads that set no
     /// device are on device 0.

@@ -10,7 +10,10 @@ use tracer_common::{call::flags, maps::ALLOCS_ENTRIES, OpClass, Space};
 
 use crate::{
     decode::Call,
-    model::{devices::ThreadDevices, state::LiveAlloc},
+    model::{
+        devices::{Learned, ThreadDevices},
+        state::LiveAlloc,
+    },
 };
 
 /// (process, pointer space, pointer).
@@ -61,6 +64,11 @@ impl Held {
 pub struct Join {
     live: HashMap<Key, Held>,
     devices: ThreadDevices,
+    /// Per thread: the first and last call (monotonic ns) given no device, until PyTorch's
+    /// probe tells the thread's device.
+    unresolved: HashMap<(u32, u32), (u64, u64)>,
+    /// Devices learned for calls already passed on without one.
+    learned: Vec<Learned>,
     last_free: HashMap<(u32, u32), Released>,
     /// Thread devices come from cudaSetDevice calls (live), or with each record (a log).
     track_devices: bool,
@@ -78,6 +86,7 @@ impl Join {
     pub fn forget_process(&mut self, pid: u32) {
         self.live.retain(|k, _| k.0 != pid);
         self.devices.forget_process(pid);
+        self.unresolved.retain(|k, _| k.0 != pid);
         self.last_free.retain(|k, _| k.0 != pid);
     }
 
@@ -95,6 +104,8 @@ impl Join {
         Join {
             live: HashMap::new(),
             devices: ThreadDevices::default(),
+            unresolved: HashMap::new(),
+            learned: Vec::new(),
             last_free: HashMap::new(),
             track_devices,
             not_tracked: 0,
@@ -105,14 +116,7 @@ impl Join {
     pub fn apply(&mut self, call: &mut Call) {
         let spec = call.op.spec();
         if self.track_devices {
-            call.device = self.devices.apply(
-                call.pid,
-                call.tid,
-                call.op,
-                call.ret,
-                call.ptr.unwrap_or(0),
-                call.device,
-            );
+            self.resolve_device(call);
         }
         let Some(ptr) = call.ptr else {
             return;
@@ -128,6 +132,50 @@ impl Join {
             OpClass::Free | OpClass::BlockFree => self.freed(key, call),
             _ => {}
         }
+    }
+
+    /// The call's device (model/devices.rs); calls passed on without one are settled once
+    /// PyTorch's probe names the thread's device before it sets another.
+    fn resolve_device(&mut self, call: &mut Call) {
+        let thread = (call.pid, call.tid);
+        call.device = self.devices.apply(
+            call.pid,
+            call.tid,
+            call.op,
+            call.ret,
+            call.ptr.unwrap_or(0),
+            call.device,
+        );
+        let class = call.op.spec().class;
+        let sets = matches!(class, OpClass::SetDevice | OpClass::SetContext) && call.ret == 0;
+        match (class, call.device) {
+            _ if sets => {
+                // Those before it ran on a device no call told.
+                self.unresolved.remove(&thread);
+            }
+            (OpClass::BlockAlloc, Some(device)) => {
+                if let Some((from, to)) = self.unresolved.remove(&thread) {
+                    self.learned.push(Learned {
+                        pid: call.pid,
+                        tid: call.tid,
+                        device,
+                        from_ns: from as i64,
+                        to_ns: to as i64,
+                    });
+                }
+            }
+            (_, None) => {
+                let ts = call.ts_mono_ns;
+                let span = self.unresolved.entry(thread).or_insert((ts, ts));
+                span.1 = span.1.max(ts);
+            }
+            _ => {}
+        }
+    }
+
+    /// Devices learned since the last call (times monotonic ns), for the writer to store.
+    pub fn take_learned(&mut self) -> Vec<Learned> {
+        std::mem::take(&mut self.learned)
     }
 
     fn allocated(&mut self, key: Key, call: &Call) {
@@ -225,7 +273,9 @@ impl Join {
         match found {
             Some((size, device)) => {
                 call.size = Some(size);
-                call.device = device;
+                // The allocation's device; when it was made before its thread's device was
+                // known, the thread's (a free runs on the device of what it frees).
+                call.device = device.or(call.device);
                 call.flags |= flags::SIZE_KNOWN;
             }
             None if key.2 != 0 => call.flags |= flags::FREE_UNMATCHED,

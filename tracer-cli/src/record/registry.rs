@@ -558,6 +558,17 @@ impl Registry {
                 }
             }
         }
+        let offset = self.wall_offset_ns;
+        out.learned = self
+            .join
+            .take_learned()
+            .into_iter()
+            .map(|l| crate::model::devices::Learned {
+                from_ns: l.from_ns + offset,
+                to_ns: l.to_ns + offset,
+                ..l
+            })
+            .collect();
         out
     }
 }

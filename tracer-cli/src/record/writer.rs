@@ -48,6 +48,8 @@ pub struct Delivery {
     /// The whole-run series' rows (never evicted), and what tracer did not see.
     pub series: Vec<SeriesRow>,
     pub gaps: Vec<GapRow>,
+    /// Threads' devices learned for calls stored without one (wall-clock times).
+    pub learned: Vec<crate::model::devices::Learned>,
 }
 
 impl Delivery {
@@ -58,6 +60,7 @@ impl Delivery {
             || !self.messages.is_empty()
             || !self.series.is_empty()
             || !self.gaps.is_empty()
+            || !self.learned.is_empty()
             || self.keyframe.is_some()
             || !self.exited.is_empty()
     }
@@ -83,6 +86,7 @@ impl Delivery {
         self.messages.extend(more.messages);
         self.series.extend(more.series);
         self.gaps.extend(more.gaps);
+        self.learned.extend(more.learned);
         if more.keyframe.is_some() {
             self.keyframe = more.keyframe;
         }
@@ -151,6 +155,7 @@ pub fn write_loop(
                     messages: &pending.messages,
                 })?;
                 store.write_series(opts.session, &pending.series, &pending.gaps)?;
+                store.learn_devices(opts.session, &pending.learned)?;
                 shared.events_stored.fetch_add(
                     (pending.calls.len() + pending.messages.len()) as u64,
                     Ordering::SeqCst,

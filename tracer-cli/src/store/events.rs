@@ -513,6 +513,26 @@ pub fn threads_without_device(
         .with_context(|| format!("list the threads of session {session} without a device"))
 }
 
+/// Threads' devices the recording learned after their first calls were stored without one
+/// (schema 11; none in older sessions).
+pub fn learned_devices(conn: &Connection, session: i64) -> Result<HashMap<(u32, u32), i32>> {
+    let has_table: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'thread_devices'",
+            [],
+            |r| r.get(0),
+        )
+        .context("look for the thread_devices table")?;
+    if has_table == 0 {
+        return Ok(HashMap::new());
+    }
+    let mut stmt =
+        conn.prepare("SELECT pid, tid, device FROM thread_devices WHERE session_id = ?1")?;
+    let rows = stmt.query_map([session], |r| Ok(((r.get(0)?, r.get(1)?), r.get(2)?)))?;
+    rows.collect::<rusqlite::Result<_>>()
+        .with_context(|| format!("read the threads' devices of session {session}"))
+}
+
 /// The processes of `session` tracer saw from their start (no `before_trace` gap), or None
 /// when the session cannot tell (recorded before schema 9 kept gaps).
 pub fn processes_seen_from_start(

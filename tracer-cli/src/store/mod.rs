@@ -23,7 +23,7 @@ use rusqlite::Connection;
 use tracer_common::OpClass;
 
 pub use evict::{Eviction, KEPT_SHARE};
-pub use schema::SCHEMA_VERSION;
+pub use schema::{READABLE_FROM, SCHEMA_VERSION};
 pub use series::{GapRow, OpFigures, SeriesRow};
 pub use sessions::{boot_id, SessionCounters, SessionStart, SNAPSHOT_UNTIMED};
 pub use write::{has_row, Batch, StackFrame, StackRow};

@@ -79,7 +79,7 @@ impl Store {
                     path.display()
                 )));
             }
-            Access::ReadOnly if version < SCHEMA_VERSION => {
+            Access::ReadOnly if version < READABLE_FROM => {
                 return Err(user_error(format!(
                     "database {} has schema version {version}; open it once with a writing command \
                      (e.g. `tracer trace --db {}`) to migrate it to {SCHEMA_VERSION}",

@@ -3,7 +3,11 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 10;
+pub const SCHEMA_VERSION: i64 = 11;
+
+/// The oldest version read as it is, without a migration: the versions after it only added
+/// tables their readers look for (11: `thread_devices`).
+pub const READABLE_FROM: i64 = 10;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
 pub const MIGRATIONS: &[&str] = &[
@@ -258,5 +262,18 @@ ALTER TABLE sessions ADD COLUMN restored_from INTEGER;
     // 10: events handed over after events made later than them.
     r#"
 ALTER TABLE sessions ADD COLUMN events_late INTEGER NOT NULL DEFAULT 0;
+"#,
+    // 11: a thread's device learned after its first calls were stored (model/devices.rs).
+    r#"
+CREATE TABLE thread_devices (
+    session_id INTEGER NOT NULL,
+    pid        INTEGER NOT NULL,
+    tid        INTEGER NOT NULL,
+    device     INTEGER NOT NULL,
+    from_ns    INTEGER NOT NULL,
+    to_ns      INTEGER NOT NULL,
+    how        TEXT NOT NULL
+);
+CREATE INDEX thread_devices_session ON thread_devices(session_id, pid, tid);
 "#,
 ];

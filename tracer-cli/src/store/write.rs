@@ -5,9 +5,40 @@ use anyhow::{Context as _, Result};
 use rusqlite::params;
 
 use super::*;
-use crate::{decode::Call, model::ProcessInfo};
+use crate::{
+    decode::Call,
+    model::{devices::Learned, ProcessInfo},
+};
 
 impl Store {
+    /// Stores threads' devices learned after their first calls were stored without one, and
+    /// gives those calls' rows the device (the call blocks keep none: the read side applies
+    /// `thread_devices`).
+    pub fn learn_devices(&mut self, session: i64, learned: &[Learned]) -> Result<()> {
+        if learned.is_empty() {
+            return Ok(());
+        }
+        let tx = self
+            .conn
+            .transaction()
+            .context("begin storing threads' devices")?;
+        {
+            let mut add = tx.prepare_cached(
+                "INSERT INTO thread_devices (session_id, pid, tid, device, from_ns, to_ns, how)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pytorch:malloc')",
+            )?;
+            let mut rows = tx.prepare_cached(
+                "UPDATE calls SET device = ?1 WHERE session_id = ?2 AND ts_ns BETWEEN ?3 AND ?4
+                 AND pid = ?5 AND tid = ?6 AND device IS NULL",
+            )?;
+            for l in learned {
+                add.execute(params![session, l.pid, l.tid, l.device, l.from_ns, l.to_ns])?;
+                rows.execute(params![l.device, session, l.from_ns, l.to_ns, l.pid, l.tid])?;
+            }
+        }
+        tx.commit().context("store threads' devices")
+    }
+
     /// Writes one batch of calls, with the threads and processes first seen in it, in one transaction.
     pub fn write_batch(&mut self, batch: &Batch<'_>) -> Result<()> {
         let tx = self

@@ -96,6 +96,16 @@ if [ "$pylib_ok" -eq 0 ]; then
     'kubernetes-validate==1.37.0' 'PyYAML==6.0.3' 'perfetto==0.59.1' 'protobuf==7.36.2' \
     'mcp==2.3.0' 'selenium==4.51.0' >&2
 fi
+# PyTorch's real libc10.so (where its OutOfMemoryError is built) from the 2.11 wheel the GPU
+# check ran and the newest, only those files of each wheel: the message probe's test.
+torch_libs="${TRACER_TORCH_LIBS:-$HOME/.cache/tracer/torch-libs}"
+for version in 2.11.0 2.15.0; do
+  if [ ! -f "$torch_libs/$version/libc10.so" ]; then
+    log "fetch libc10.so and libc10_cuda.so of torch $version from PyPI into $torch_libs/$version"
+    python3 "$(dirname "$0")/torch_libs.py" "$version" "$torch_libs/$version.part"
+    rm -rf "${torch_libs:?}/$version" && mv "$torch_libs/$version.part" "$torch_libs/$version"
+  fi
+done
 # The HTML report's test opens it in headless Chromium (Debian's, with its WebDriver).
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
   need_root chromium

@@ -2207,3 +2207,53 @@ fn every_call_is_on_the_device_pytorchs_probe_names() {
         assert_eq!(devices, [0, 1], "{:#}", report["devices"]);
     }
 }
+
+#[test]
+fn pytorchs_out_of_memory_message_is_recorded_from_the_real_libc10() {
+    // The real wheels build OutOfMemoryError inline from c10::Error's constructor: the probe
+    // attaches there, on the libc10.so of the wheel the GPU check ran (2.11) and the newest,
+    // and keeps the out-of-memory message, not the other error made through it.
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let src = workspace().join("tests/native/c10_error.c");
+    let exe = fx.sim.join("c10_error");
+    let cc = Command::new("cc")
+        .args(["-O1", "-g", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg("-ldl")
+        .output()
+        .unwrap();
+    assert_ok(&cc);
+    for version in ["2.11.0", "2.15.0"] {
+        let _ = std::fs::remove_file(&fx.db);
+        let lib = torch_lib(version, "libc10.so");
+        let go = fx.sim.join(format!("go-c10-{version}"));
+        let trace = Trace::start(&fx.db, &["--lib", lib.to_str().unwrap()]);
+        let process = Command::new(&exe)
+            .arg(&lib)
+            .arg(&go)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::fs::write(&go, "").unwrap();
+        let out = process.wait_with_output().unwrap();
+        assert_ok(&out);
+        let said: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let stopped = trace.stop(SIGINT);
+        let probed = &stopped.summary["libraries"][0];
+        assert_eq!(probed["path"], lib.to_str().unwrap(), "{version}");
+        assert_eq!(
+            probed["symbols"],
+            serde_json::json!(["pytorch:oom"]),
+            "{version}: {probed}"
+        );
+        let messages = query(
+            &fx.db,
+            &format!("SELECT pid, text FROM messages WHERE pid = {}", said["pid"]),
+        );
+        assert_eq!(messages.len(), 1, "{version}: {messages:?}");
+        assert_eq!(messages[0]["text"], said["message"], "{version}");
+    }
+}

@@ -185,6 +185,22 @@ pub fn real_cudart() -> PathBuf {
     lib
 }
 
+/// PyTorch's real libc10.so of a wheel (scripts/setup.sh --tests fetches 2.11.0 and 2.15.0).
+pub fn torch_lib(version: &str, name: &str) -> PathBuf {
+    let dir = std::env::var_os("TRACER_TORCH_LIBS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tracer/torch-libs")
+        });
+    let lib = dir.join(version).join(name);
+    assert!(
+        lib.exists(),
+        "{} missing: run scripts/setup.sh --tests",
+        lib.display()
+    );
+    lib
+}
+
 pub struct Trace {
     pub child: Child,
     /// The session, from the `started` line `tracer trace --json` prints once attached.

@@ -158,8 +158,9 @@ pub struct Findings {
     /// Blocks allocated in the window and still held at its end, by call site: (label,
     /// blocks, bytes), most bytes first.
     pub live_in_window: Vec<(String, u64, u64)>,
-    /// Block allocations in the window.
+    /// Block allocations in the window, and block frees.
     pub allocs_in_window: u64,
+    pub frees_in_window: u64,
     /// Per device: the most the process held, and its failures, in the window.
     pub devices: BTreeMap<i32, DevicePeak>,
     /// What tracer did not see of the allocator, at the window's end.
@@ -337,6 +338,9 @@ impl<'a> LayoutMeasure<'a> {
                 .entry(e.device)
                 .or_default()
                 .update(layout, e.device);
+        }
+        if class == OpClass::BlockFree && window.contains(e.ts_ns) {
+            f.frees_in_window += 1;
         }
         if class != OpClass::BlockAlloc {
             return;

@@ -82,16 +82,18 @@ pub(super) fn leak(
         .clone()
         .any(|w| (w[1].1 as f64) < w[0].1 as f64 * 0.95);
     let (first, last) = (points[0].1, points[points.len() - 1].1);
-    if up < 6 || big_drop || last <= first {
-        return None;
-    }
-    // A start-up ramp is not a leak: ask for a few seconds and a few dozen allocations.
-    let allocs = p
-        .window
-        .iter()
-        .filter(|e| e.class() == OpClass::Alloc)
-        .count();
-    if window.secs() < 5.0 || allocs < 50 {
+    let count = |class: OpClass| {
+        p.window
+            .iter()
+            .filter(|e| e.class() == class && e.ret == 0)
+            .count()
+    };
+    let (allocs, frees) = (count(OpClass::Alloc), count(OpClass::Free));
+    // Steady growth over a few seconds (a start-up ramp is not a leak), or, however short
+    // the window, allocations hardly ever given back.
+    let steady = up >= 6 && !big_drop && window.secs() >= 5.0;
+    let never_freed = frees * 20 < allocs;
+    if allocs < 50 || last <= first || !(steady || never_freed) {
         return None;
     }
     let per_min = (last - first) as f64 / window.secs() * 60.0;
@@ -100,14 +102,23 @@ pub(super) fn leak(
         severity: if last >= 2 * first.max(1) { Severity::High } else { Severity::Medium },
         pid,
         title: "memory held grows steadily -> leak".into(),
-        root: format!(
-            "memory held grew from {} to {} over {:.0}s ({}/min), rising in {up} of {} intervals",
-            b(first),
-            b(last),
-            window.secs(),
-            b(per_min as u64),
-            SAMPLES
-        ),
+        root: if steady {
+            format!(
+                "memory held grew from {} to {} over {:.0}s ({}/min), rising in {up} of {} intervals",
+                b(first),
+                b(last),
+                window.secs(),
+                b(per_min as u64),
+                SAMPLES
+            )
+        } else {
+            format!(
+                "memory held only grew, from {} to {} in {:.1}s: {allocs} allocations, {frees} freed (a leak, or memory kept on purpose)",
+                b(first),
+                b(last),
+                window.secs()
+            )
+        },
         effect: unfreed(&r.live, window, sites),
         compounding: Vec::new(),
         timeline: points.iter().map(|(ts, v)| entry(*ts, format!("held {}", b(*v)))).collect(),

@@ -20,7 +20,7 @@ pub fn leak_chain(pid: u32, f: &Findings, window: Window) -> Option<Chain> {
         return None;
     }
     let held: Vec<(i64, u64)> = f.samples.iter().map(|(ts, s)| (*ts, s.allocated)).collect();
-    if held.len() < 3 || window.secs() < 5.0 || f.allocs_in_window < 50 {
+    if held.len() < 3 || f.allocs_in_window < 50 {
         return None;
     }
     let steps = held.windows(2);
@@ -31,7 +31,14 @@ pub fn leak_chain(pid: u32, f: &Findings, window: Window) -> Option<Chain> {
     let (first, mid, last) = (held[0].1, held[held.len() / 2].1, held[held.len() - 1].1);
     // A working set that filled up and levelled off is not a leak.
     let still_growing = last.saturating_sub(mid) as f64 >= last as f64 * 0.1;
-    if up < (held.len() - 1) * 3 / 4 || big_drop || last <= first || !still_growing {
+    let steady = window.secs() >= 5.0
+        && up >= (held.len() - 1) * 3 / 4
+        && !big_drop
+        && last > first
+        && still_growing;
+    // However short the window: blocks only taken, hardly one given back.
+    let never_freed = f.frees_in_window * 20 < f.allocs_in_window && last > first;
+    if !steady && !never_freed {
         return None;
     }
     let per_min = (last - first) as f64 / window.secs() * 60.0;
@@ -45,14 +52,25 @@ pub fn leak_chain(pid: u32, f: &Findings, window: Window) -> Option<Chain> {
         severity: if last >= 2 * first.max(1) { Severity::High } else { Severity::Medium },
         pid,
         title: "tensors held grow steadily -> leak".into(),
-        root: format!(
-            "the allocator's allocated bytes grew from {} to {} over {:.0}s ({}/min), rising in {up} of {} intervals and still rising at the end",
-            b(first),
-            b(last),
-            window.secs(),
-            b(per_min as u64),
-            held.len() - 1
-        ),
+        root: if steady {
+            format!(
+                "the allocator's allocated bytes grew from {} to {} over {:.0}s ({}/min), rising in {up} of {} intervals and still rising at the end",
+                b(first),
+                b(last),
+                window.secs(),
+                b(per_min as u64),
+                held.len() - 1
+            )
+        } else {
+            format!(
+                "the allocator's allocated bytes only grew, from {} to {} in {:.1}s: {} blocks handed out, {} taken back (a leak, or memory kept on purpose: weights, a cache)",
+                b(first),
+                b(last),
+                window.secs(),
+                f.allocs_in_window,
+                f.frees_in_window
+            )
+        },
         effect: if sites.is_empty() {
             "blocks allocated in the window are still held".into()
         } else {

@@ -11,7 +11,12 @@ use tracer_common::{Op, OpClass};
 
 use crate::{
     exit::user_error,
-    model::{layout::AllocConf, state::ProcessState, Event, StackId},
+    model::{
+        attempts::{self, Attempt, Attempts},
+        layout::AllocConf,
+        state::ProcessState,
+        Event, StackId,
+    },
     store::{events, Access, Store},
 };
 
@@ -107,6 +112,10 @@ fn figures(db: &Path, session: i64, pid: Option<u32>) -> Result<RunFigures> {
         ..RunFigures::default()
     };
     let mut first_ns = None;
+    // Device allocations as PyTorch counts them: the OOM is the failed attempt no retry
+    // followed, not a failure its allocator recovered from.
+    let mut tracker = Attempts::default();
+    let mut attempts: Vec<Attempt> = Vec::new();
     let mut held: HashMap<StackId, u64> = HashMap::new();
     let mut live: HashMap<u64, (StackId, u64)> = HashMap::new();
     super::walk_calls(db, info.id, &begin, i64::MAX, Some(pid), |e| {
@@ -116,10 +125,7 @@ fn figures(db: &Path, session: i64, pid: Option<u32>) -> Result<RunFigures> {
         if alarm.is_some() && f.first_warning_s.is_none() {
             f.first_warning_s = Some(since(e.ts_ns));
         }
-        if e.class() == OpClass::Alloc && e.ret != 0 && f.first_oom_s.is_none() {
-            // A device allocation refused: the allocator's OOM path began here.
-            f.first_oom_s = Some(since(e.ts_ns));
-        }
+        tracker.push(e, &mut |a| attempts.push(a));
         if e.class() == OpClass::BlockAlloc {
             f.requests += 1;
         }
@@ -134,15 +140,16 @@ fn figures(db: &Path, session: i64, pid: Option<u32>) -> Result<RunFigures> {
                 .max(state.layout.worst_fragmentation(device));
         }
     })?;
+    tracker.finish(&mut |a| attempts.push(a));
+    attempts.sort_by_key(|a| a.event.ts_ns);
     // PyTorch's own OOM message, where the probe saw it, is the OOM.
-    if let (Some(first), Some(m)) = (
-        first_ns,
-        events::messages(conn, info.id)?
-            .into_iter()
-            .find(|m| m.pid == pid && m.op == Op::TorchOom.name()),
-    ) {
-        let at = (m.ts_ns - first) as f64 / 1e9;
-        f.first_oom_s = Some(f.first_oom_s.map_or(at, |t| t.min(at)));
+    let message = events::messages(conn, info.id)?
+        .into_iter()
+        .find(|m| m.pid == pid && m.op == Op::TorchOom.name())
+        .map(|m| m.ts_ns);
+    let raised = attempts::raised(&attempts).first().map(|a| a.event.ts_ns);
+    if let (Some(first), Some(at)) = (first_ns, message.or(raised)) {
+        f.first_oom_s = Some((at - first) as f64 / 1e9);
     }
     Ok(f)
 }

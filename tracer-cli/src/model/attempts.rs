@@ -78,17 +78,21 @@ struct Nest {
 #[derive(Clone, Debug, Default)]
 pub struct Outermost {
     threads: FastMap<(u32, u32), Nest>,
+    /// Threads holding a driver call: while none does, the calls that are not memory calls
+    /// (PyTorch's block events, by far the most) pass without a lookup.
+    holding: usize,
 }
 
 impl Outermost {
     /// Takes the next call; hands `out` the memory calls it decides are no other's.
     pub fn push(&mut self, e: &Event, out: &mut impl FnMut(Event)) {
         let memory = nestable(e.op);
-        if !memory && (self.threads.is_empty() || !self.threads.contains_key(&(e.pid, e.tid))) {
+        if !memory && (self.holding == 0 || !self.threads.contains_key(&(e.pid, e.tid))) {
             return;
         }
         let t = self.threads.entry((e.pid, e.tid)).or_default();
         if let Some(h) = t.held.take() {
+            self.holding -= 1;
             if !(memory && nested(&h, e)) {
                 out(h);
             }
@@ -99,6 +103,7 @@ impl Outermost {
         if e.op.spec().library == Library::Driver {
             if !t.outer.is_some_and(|o| nested(e, &o)) {
                 t.held = Some(*e);
+                self.holding += 1;
             }
             return;
         }
@@ -124,6 +129,7 @@ impl Outermost {
             .filter(|(k, _)| of(k.0))
             .filter_map(|(_, t)| t.held.take())
             .collect();
+        self.holding -= held.len();
         held.sort_by_key(|e| (e.ts_ns, e.tid));
         held.into_iter().for_each(out);
     }

@@ -15,6 +15,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::FastMap;
+
 use tracer_common::{Op, OpClass};
 
 /// What a thread's device is known to be.
@@ -28,9 +30,9 @@ enum Current {
 /// The calls that tell a thread's device, and the device each thread is on.
 #[derive(Clone, Debug, Default)]
 pub struct ThreadDevices {
-    threads: HashMap<(u32, u32), Current>,
+    threads: FastMap<(u32, u32), Current>,
     /// Each process's contexts: (pid, context) -> device.
-    contexts: HashMap<(u32, u64), i32>,
+    contexts: FastMap<(u32, u64), i32>,
     /// Processes tracer saw from their start: a thread that set no device is on device 0.
     whole: HashSet<u32>,
     /// Threads' devices before their first cudaSetDevice, learned from a later probe.
@@ -139,7 +141,10 @@ impl ThreadDevices {
             // PyTorch's allocator asks for the thread's current device and names it.
             OpClass::BlockAlloc => {
                 if let Some(d) = named.filter(|d| *d >= 0) {
-                    self.threads.insert(thread, Current::Device(d));
+                    // The same device as before, nearly always: no write.
+                    if self.threads.get(&thread) != Some(&Current::Device(d)) {
+                        self.threads.insert(thread, Current::Device(d));
+                    }
                 }
                 return named;
             }

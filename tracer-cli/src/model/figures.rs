@@ -55,9 +55,9 @@ pub struct DeviceFigures {
     /// PyTorch raised OutOfMemoryError (its probe at the exception's constructor, whose
     /// message arrives as a message, not a call).
     pub ooms: u64,
-    /// Device allocations the runtime or driver refused.
+    /// Device allocations refused for want of memory, each attempt once (model/attempts.rs).
     pub alloc_failures: u64,
-    /// Failed allocations the allocator retried with success after freeing its cache.
+    /// Failed allocations the allocator retried after releasing its cache.
     pub retries: u64,
     /// Early warnings: the allocator reached the state in which its next request fails.
     pub warnings: u64,

@@ -229,13 +229,13 @@ fn process_families(
             );
             f.counter(
                 "tracer_allocation_failures_total",
-                "Device allocations the CUDA runtime or driver refused.",
+                "Device allocations refused for want of memory, each attempt once (cudaMalloc and the cuMemAlloc_v2 inside it are one).",
                 &l,
                 d.alloc_failures,
             );
             f.counter(
                 "tracer_allocation_retries_total",
-                "Failed device allocations that succeeded when retried soon after (the allocator freed its cache and retried).",
+                "Failed device allocations the allocator retried after releasing its cache (PyTorch's num_alloc_retries).",
                 &l,
                 d.retries,
             );

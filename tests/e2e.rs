@@ -1145,15 +1145,6 @@ fn demo(scenario: &str, simulated: bool) -> (String, String, Value) {
     (stdout, stderr, report)
 }
 
-fn chain<'a>(report: &'a Value, rule: &str) -> &'a Value {
-    report["chains"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["rule"] == rule)
-        .unwrap_or_else(|| panic!("no {rule} chain in {report:#}"))
-}
-
 /// A size PyTorch's message writes ("328.93 MiB", "3.00 GiB") in MiB, after `label`.
 fn mib_after(text: &str, label: &str) -> f64 {
     let rest = &text[text
@@ -2198,13 +2189,7 @@ fn every_call_is_on_the_device_pytorchs_probe_names() {
         }
         // explain reads the same: the process on devices 0 and 1, no unknown one.
         let report = tracer_json(&fx.db, &["explain", "--json"]);
-        let devices: Vec<i64> = report["devices"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| d["device"].as_i64().unwrap())
-            .collect();
-        assert_eq!(devices, [0, 1], "{:#}", report["devices"]);
+        assert_eq!(report_devices(&report), [0, 1], "{:#}", report["devices"]);
     }
 }
 

@@ -58,28 +58,18 @@ fn said_before(message: &str, after: &str) -> String {
     words[words.len() - 2..].join(" ")
 }
 
-fn chain<'a>(report: &'a Value, rule: &str) -> &'a Value {
-    report["chains"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["rule"] == rule)
-        .unwrap_or_else(|| panic!("no {rule} chain: {report:#}"))
-}
-
 #[test]
 fn every_call_is_on_the_device_cuda_ran_it_on() {
     // PyTorch on device 0 never calls cudaSetDevice: every call is on device 0, the default.
     for name in ["default", "expandable"] {
         let r = recording(name);
         let report = explain(&r);
-        let devices: Vec<i64> = report["devices"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| d["device"].as_i64().unwrap())
-            .collect();
-        assert_eq!(devices, [0], "{name}: {:#}", report["devices"]);
+        assert_eq!(
+            report_devices(&report),
+            [0],
+            "{name}: {:#}",
+            report["devices"]
+        );
         let text = report["chains"].to_string();
         assert!(!text.contains("unknown device"), "{name}: {text}");
     }

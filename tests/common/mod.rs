@@ -395,6 +395,26 @@ pub fn tracer_json(db: &Path, args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// An explain report's chain of `rule` (it must have one).
+pub fn chain<'a>(report: &'a Value, rule: &str) -> &'a Value {
+    report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == rule)
+        .unwrap_or_else(|| panic!("no {rule} chain in {report:#}"))
+}
+
+/// The devices of an explain report's rows (one per process and device), in its order.
+pub fn report_devices(report: &Value) -> Vec<i64> {
+    report["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["device"].as_i64().unwrap())
+        .collect()
+}
+
 /// The rules of an explain report's chains, in its order.
 pub fn rule_names(report: &Value) -> Vec<&str> {
     report["chains"]

@@ -302,14 +302,14 @@ impl<'a> LayoutMeasure<'a> {
         if new_segment {
             self.pending = Some((e.ts_ns, e.size, layout.stats().clone()));
         }
-        let unmapped = self.unmapped.entry(e.tid).or_default();
-        match (class, spec.space) {
-            (OpClass::Alloc, Space::Handle) if e.ret == 0 => *unmapped += e.size,
-            (OpClass::Free, Space::Handle) if e.ret == 0 => {
-                *unmapped = unmapped.saturating_sub(e.size)
+        if matches!(spec.space, Space::Handle | Space::Mapping) && e.ret == 0 {
+            let unmapped = self.unmapped.entry(e.tid).or_default();
+            match (class, spec.space) {
+                (OpClass::Alloc, Space::Handle) => *unmapped += e.size,
+                (OpClass::Free, Space::Handle) => *unmapped = unmapped.saturating_sub(e.size),
+                (OpClass::Alloc, Space::Mapping) => *unmapped = 0,
+                _ => {}
             }
-            (OpClass::Alloc, Space::Mapping) if e.ret == 0 => *unmapped = 0,
-            _ => {}
         }
         if e.ret == OUT_OF_MEMORY && is_device_alloc(e.op) && window.contains(e.ts_ns) {
             // Taken before the layout applies the call; kept if it is an attempt of its own.
@@ -453,14 +453,14 @@ fn settle(
     f: &mut Findings,
 ) {
     let e = &a.event;
-    if !window.contains(e.ts_ns) {
+    if !a.notable() || !window.contains(e.ts_ns) {
         return;
     }
     attempts.push(a);
-    let peak = f.devices.entry(e.device).or_default();
     if !a.failed {
         return;
     }
+    let peak = f.devices.entry(e.device).or_default();
     peak.failures += 1;
     peak.first_failure_ns.get_or_insert(e.ts_ns);
     if let Some(i) = candidates

@@ -77,7 +77,10 @@ struct Nest {
 /// was not nested, or at [`Outermost::finish`].
 #[derive(Clone, Debug, Default)]
 pub struct Outermost {
-    threads: FastMap<(u32, u32), Nest>,
+    /// Each thread's state: a short list searched from the thread seen last (a process has a
+    /// few threads that call CUDA; a hash per call was a third of explain's time).
+    threads: Vec<((u32, u32), Nest)>,
+    last: usize,
     /// Threads holding a driver call: while none does, the calls that are not memory calls
     /// (PyTorch's block events, by far the most) pass without a lookup.
     holding: usize,
@@ -87,11 +90,13 @@ impl Outermost {
     /// Takes the next call; hands `out` the memory calls it decides are no other's.
     pub fn push(&mut self, e: &Event, out: &mut impl FnMut(Event)) {
         let memory = nestable(e.op);
-        if !memory && (self.holding == 0 || !self.threads.contains_key(&(e.pid, e.tid))) {
+        if !memory && self.holding == 0 {
             return;
         }
-        let t = self.threads.entry((e.pid, e.tid)).or_default();
-        if let Some(h) = t.held.take() {
+        let Some(i) = self.thread(e.pid, e.tid, memory) else {
+            return;
+        };
+        if let Some(h) = self.threads[i].1.held.take() {
             self.holding -= 1;
             if !(memory && nested(&h, e)) {
                 out(h);
@@ -100,6 +105,7 @@ impl Outermost {
         if !memory {
             return;
         }
+        let t = &mut self.threads[i].1;
         if e.op.spec().library == Library::Driver {
             if !t.outer.is_some_and(|o| nested(e, &o)) {
                 t.held = Some(*e);
@@ -111,6 +117,24 @@ impl Outermost {
         out(*e);
     }
 
+    /// Where the state of thread (pid, tid) is, made when `make` and it has none.
+    fn thread(&mut self, pid: u32, tid: u32, make: bool) -> Option<usize> {
+        let key = (pid, tid);
+        let i = match self.threads.get(self.last) {
+            Some((k, _)) if *k == key => self.last,
+            _ => match self.threads.iter().position(|(k, _)| *k == key) {
+                Some(i) => i,
+                None if make => {
+                    self.threads.push((key, Nest::default()));
+                    self.threads.len() - 1
+                }
+                None => return None,
+            },
+        };
+        self.last = i;
+        Some(i)
+    }
+
     /// Passes on the driver calls still held (the end of the calls).
     pub fn finish(&mut self, out: &mut impl FnMut(Event)) {
         self.finish_where(|_| true, out);
@@ -119,7 +143,8 @@ impl Outermost {
     /// Passes on one process's held driver calls and forgets it (it ended).
     pub fn finish_process(&mut self, pid: u32, out: &mut impl FnMut(Event)) {
         self.finish_where(|p| p == pid, out);
-        self.threads.retain(|k, _| k.0 != pid);
+        self.threads.retain(|(k, _)| k.0 != pid);
+        self.last = 0;
     }
 
     fn finish_where(&mut self, of: impl Fn(u32) -> bool, out: &mut impl FnMut(Event)) {
@@ -194,15 +219,29 @@ impl Attempts {
     }
 }
 
-/// The attempts among `evs` (one process's calls or many, in time order), in the order they
-/// were decided.
+impl Attempt {
+    /// A failure or a retry: what the counts, the OOM and the chains are made of. The other
+    /// attempts only decide them (a retry is always the next attempt of its thread after the
+    /// failure it repeats, so keeping these alone keeps [`raised`] and [`counts`] exact).
+    pub fn notable(&self) -> bool {
+        self.failed || self.retry
+    }
+}
+
+/// The failures and retries among `evs` (one process's calls or many, in time order), in time
+/// order: [`Attempt::notable`] ones only (a training job makes millions of successful ones).
 pub fn attempts<'a>(evs: impl IntoIterator<Item = &'a Event>) -> Vec<Attempt> {
     let mut a = Attempts::default();
     let mut out = Vec::new();
+    let mut keep = |x: Attempt| {
+        if x.notable() {
+            out.push(x);
+        }
+    };
     for e in evs {
-        a.push(e, &mut |x| out.push(x));
+        a.push(e, &mut keep);
     }
-    a.finish(&mut |x| out.push(x));
+    a.finish(&mut keep);
     out.sort_by_key(|x| x.event.ts_ns);
     out
 }
@@ -217,7 +256,7 @@ pub struct Counts {
 }
 
 /// The failed attempts the allocator raised for (no retry of theirs followed), in time order:
-/// PyTorch's OOMs as its allocator makes them.
+/// PyTorch's OOMs as its allocator makes them. `attempts` may hold the notable ones only.
 pub fn raised(attempts: &[Attempt]) -> Vec<Attempt> {
     attempts
         .iter()
@@ -243,10 +282,11 @@ pub fn counts(attempts: &[Attempt]) -> Counts {
     }
 }
 
-/// The instant PyTorch raised OutOfMemoryError in a process: its message's time when the
-/// message was recorded, else the last failed attempt no retry followed, else none.
+/// The instant PyTorch first raised OutOfMemoryError: its message's time when the message was
+/// recorded, else the first failed attempt no retry followed, else none. explain's OOM chain,
+/// `layout --at oom`, the report, mcp and diff all take it from here.
 pub fn oom_instant(attempts: &[Attempt], message_ns: Option<i64>) -> Option<i64> {
-    message_ns.or_else(|| raised(attempts).last().map(|a| a.event.ts_ns))
+    message_ns.or_else(|| raised(attempts).first().map(|a| a.event.ts_ns))
 }
 
 #[cfg(test)]
@@ -290,7 +330,7 @@ mod tests {
         by_return.sort_by_key(Event::end_ns);
         for evs in [&by_entry, &by_return] {
             let a = attempts(evs.iter());
-            assert_eq!(a.len(), 2, "{a:?}");
+            assert_eq!(a.len(), 2, "the failure and its retry: {a:?}");
             assert!(a.iter().all(|x| x.event.op == Op::CudaMalloc));
             assert_eq!(
                 counts(&a),
@@ -313,11 +353,11 @@ mod tests {
         // cuBLAS's workspace: cuMemAlloc_v2 outside any runtime call.
         let evs = [
             call(Op::CudaMalloc, 1, 100, 50, 1 << 20, 0),
-            call(Op::CuMemAlloc, 1, 200, 30, 1 << 22, 0),
+            call(Op::CuMemAlloc, 1, 200, 30, 1 << 22, 2),
         ];
         let a = attempts(evs.iter());
-        assert_eq!(a.len(), 2);
-        assert_eq!(a[1].event.op, Op::CuMemAlloc);
+        assert_eq!(a.len(), 1);
+        assert_eq!(a[0].event.op, Op::CuMemAlloc);
     }
 
     #[test]
@@ -335,7 +375,11 @@ mod tests {
             call(Op::CuMemCreate, 1, 2_010, 5, chunk, 2),
         ];
         let a = attempts(evs.iter());
-        assert_eq!(a.len(), 4, "the 800 is no attempt");
+        assert_eq!(
+            a.len(),
+            3,
+            "the 800 is no attempt, the first chunk made not notable"
+        );
         assert_eq!(
             counts(&a),
             Counts {
@@ -381,9 +425,7 @@ mod tests {
         ];
         let a = attempts(evs.iter());
         assert_eq!(counts(&a).retries, 1);
-        assert!(a
-            .iter()
-            .find(|x| x.event.tid == 2)
-            .is_some_and(|x| !x.retry));
+        // Thread 2's success is no retry of thread 1's failure: not kept.
+        assert!(a.iter().all(|x| x.event.tid == 1), "{a:?}");
     }
 }

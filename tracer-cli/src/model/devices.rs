@@ -34,7 +34,7 @@ pub struct ThreadDevices {
     /// Each process's contexts: (pid, context) -> device.
     contexts: FastMap<(u32, u64), i32>,
     /// Processes tracer saw from their start: a thread that set no device is on device 0.
-    whole: HashSet<u32>,
+    whole: FastMap<u32, ()>,
     /// Threads' devices before their first cudaSetDevice, learned from a later probe.
     initial: Initial,
 }
@@ -58,11 +58,11 @@ impl ThreadDevices {
     /// A process tracer saw start (it started after the trace began): its threads that set no
     /// device are on device 0.
     pub fn seen_whole(&mut self, pid: u32) {
-        self.whole.insert(pid);
+        self.whole.insert(pid, ());
     }
 
     pub fn is_whole(&self, pid: u32) -> bool {
-        self.whole.contains(&pid)
+        self.whole.contains_key(&pid)
     }
 
     /// Threads' first devices learned by looking ahead.
@@ -150,7 +150,12 @@ impl ThreadDevices {
             }
             _ => {}
         }
-        named.or_else(|| self.current(pid, tid))
+        named.or_else(|| {
+            let d = self.current(pid, tid)?;
+            // Learned or defaulted once: the thread's own entry from now on.
+            self.threads.entry(thread).or_insert(Current::Device(d));
+            Some(d)
+        })
     }
 
     /// The device of a thread now, if known.
@@ -162,7 +167,7 @@ impl ThreadDevices {
                 .initial
                 .get(&(pid, tid))
                 .copied()
-                .or_else(|| self.whole.contains(&pid).then_some(0)),
+                .or_else(|| self.whole.contains_key(&pid).then_some(0)),
         }
     }
 }

@@ -147,8 +147,7 @@ fn figures(db: &Path, session: i64, pid: Option<u32>) -> Result<RunFigures> {
         .into_iter()
         .find(|m| m.pid == pid && m.op == Op::TorchOom.name())
         .map(|m| m.ts_ns);
-    let raised = attempts::raised(&attempts).first().map(|a| a.event.ts_ns);
-    if let (Some(first), Some(at)) = (first_ns, message.or(raised)) {
+    if let (Some(first), Some(at)) = (first_ns, attempts::oom_instant(&attempts, message)) {
         f.first_oom_s = Some((at - first) as f64 / 1e9);
     }
     Ok(f)

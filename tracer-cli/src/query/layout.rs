@@ -193,12 +193,12 @@ pub(crate) fn oom_time(
     }
     // Device allocations are CUDA calls: they have rows (the block events do not fail), and
     // --max-db keeps those around a failure.
-    use tracer_common::OpClass;
-    let calls = events::calls_of_classes(conn, session, &[OpClass::Alloc], pid)?;
-    let attempts = crate::model::attempts::attempts(calls.iter());
-    Ok(crate::model::attempts::raised(&attempts)
-        .first()
-        .map(|a| a.event.ts_ns))
+    use crate::model::attempts;
+    let calls = events::calls_of_classes(conn, session, &[tracer_common::OpClass::Alloc], pid)?;
+    Ok(attempts::oom_instant(
+        &attempts::attempts(calls.iter()),
+        None,
+    ))
 }
 
 /// The figures after one of PyTorch's block events.

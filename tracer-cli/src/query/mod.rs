@@ -160,14 +160,17 @@ impl Devices {
         for &p in whole.iter().flatten() {
             threads.seen_whole(p);
         }
-        let learned = events::learned_devices(conn, session)?;
+        threads.learn_initial(events::learned_devices(conn, session)?);
+        // A session recorded before tracer stored the devices it learned: look ahead for them.
         let wanted: std::collections::HashSet<(u32, u32)> =
-            events::threads_without_device(conn, session, pid)?
-                .into_iter()
-                .filter(|&(p, _)| !threads.is_whole(p))
-                .filter(|t| !learned.contains_key(t))
-                .collect();
-        threads.learn_initial(learned);
+            if events::devices_learned(conn, session)? {
+                Default::default()
+            } else {
+                events::threads_without_device(conn, session, pid)?
+                    .into_iter()
+                    .filter(|&(p, _)| !threads.is_whole(p))
+                    .collect()
+            };
         if !wanted.is_empty() {
             let mut ahead = LookAhead::new(wanted);
             let looked = walk::walk(db, session, 0, i64::MAX, pid, |step| match step {

@@ -513,17 +513,46 @@ pub fn threads_without_device(
         .with_context(|| format!("list the threads of session {session} without a device"))
 }
 
-/// Threads' devices the recording learned after their first calls were stored without one
-/// (schema 11; none in older sessions).
-pub fn learned_devices(conn: &Connection, session: i64) -> Result<HashMap<(u32, u32), i32>> {
-    let has_table: i64 = conn
+/// Whether the database has the table `name` (those later schema versions added are read
+/// only where present).
+fn has_table(conn: &Connection, name: &str) -> Result<bool> {
+    let n: i64 = conn
         .query_row(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'thread_devices'",
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            [name],
+            |r| r.get(0),
+        )
+        .with_context(|| format!("look for the {name} table"))?;
+    Ok(n > 0)
+}
+
+/// Whether `session` was recorded by a tracer that stores the devices it learns
+/// (`thread_devices`, schema 11): a call it stored without one has no device to learn.
+pub fn devices_learned(conn: &Connection, session: i64) -> Result<bool> {
+    let has_column: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM pragma_table_info('sessions') WHERE name = 'devices_learned'",
             [],
             |r| r.get(0),
         )
-        .context("look for the thread_devices table")?;
-    if has_table == 0 {
+        .context("look for sessions.devices_learned")?;
+    if has_column == 0 {
+        return Ok(false);
+    }
+    let learned: i64 = conn
+        .query_row(
+            "SELECT devices_learned FROM sessions WHERE id = ?1",
+            [session],
+            |r| r.get(0),
+        )
+        .with_context(|| format!("read session {session}"))?;
+    Ok(learned != 0)
+}
+
+/// Threads' devices the recording learned after their first calls were stored without one
+/// (schema 11; none in older sessions).
+pub fn learned_devices(conn: &Connection, session: i64) -> Result<HashMap<(u32, u32), i32>> {
+    if !has_table(conn, "thread_devices")? {
         return Ok(HashMap::new());
     }
     let mut stmt =
@@ -539,14 +568,7 @@ pub fn processes_seen_from_start(
     conn: &Connection,
     session: i64,
 ) -> Result<Option<std::collections::HashSet<u32>>> {
-    let has_gaps: i64 = conn
-        .query_row(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'gaps'",
-            [],
-            |r| r.get(0),
-        )
-        .context("look for the gaps table")?;
-    if has_gaps == 0 {
+    if !has_table(conn, "gaps")? {
         return Ok(None);
     }
     let mut stmt = conn.prepare(
@@ -707,15 +729,7 @@ pub fn envs(conn: &Connection, session: i64) -> Result<HashMap<u32, HashMap<Stri
 
 /// The session's messages in time order (databases before schema 5 have none).
 pub fn messages(conn: &Connection, session: i64) -> Result<Vec<MessageRow>> {
-    let has_table: bool = conn
-        .query_row(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'messages'",
-            [],
-            |r| r.get::<_, i64>(0),
-        )
-        .context("look for the messages table")?
-        > 0;
-    if !has_table {
+    if !has_table(conn, "messages")? {
         return Ok(Vec::new());
     }
     let mut stmt = conn.prepare(

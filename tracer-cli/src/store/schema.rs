@@ -6,7 +6,7 @@
 pub const SCHEMA_VERSION: i64 = 11;
 
 /// The oldest version read as it is, without a migration: the versions after it only added
-/// tables their readers look for (11: `thread_devices`).
+/// a table and a column their readers look for (11: `thread_devices`, `sessions.devices_learned`).
 pub const READABLE_FROM: i64 = 10;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
@@ -275,5 +275,6 @@ CREATE TABLE thread_devices (
     how        TEXT NOT NULL
 );
 CREATE INDEX thread_devices_session ON thread_devices(session_id, pid, tid);
+ALTER TABLE sessions ADD COLUMN devices_learned INTEGER NOT NULL DEFAULT 0;
 "#,
 ];

@@ -117,8 +117,8 @@ impl Store {
             .transpose()?;
         self.conn
             .execute(
-                "INSERT INTO sessions (started_ns, status, source, host, kernel, tracer_version, command, pid_filter, call_blocks, tracer_pid, boot_id)
-                 VALUES (?1, 'running', ?2, ?3, ?4, ?5, ?6, ?7, 1, ?8, ?9)",
+                "INSERT INTO sessions (started_ns, status, source, host, kernel, tracer_version, command, pid_filter, call_blocks, tracer_pid, boot_id, devices_learned)
+                 VALUES (?1, 'running', ?2, ?3, ?4, ?5, ?6, ?7, 1, ?8, ?9, 1)",
                 params![
                     start.started_ns,
                     start.source,

@@ -82,6 +82,9 @@ pub(super) fn leak(
         .clone()
         .any(|w| (w[1].1 as f64) < w[0].1 as f64 * 0.95);
     let (first, last) = (points[0].1, points[points.len() - 1].1);
+    if last <= first {
+        return None;
+    }
     let count = |class: OpClass| {
         p.window
             .iter()
@@ -93,7 +96,7 @@ pub(super) fn leak(
     // the window, allocations hardly ever given back.
     let steady = up >= 6 && !big_drop && window.secs() >= 5.0;
     let never_freed = frees * 20 < allocs;
-    if allocs < 50 || last <= first || !(steady || never_freed) {
+    if allocs < 50 || !(steady || never_freed) {
         return None;
     }
     let per_min = (last - first) as f64 / window.secs() * 60.0;

@@ -156,14 +156,21 @@ impl Devices {
         pid: Option<u32>,
     ) -> Result<Devices> {
         let mut threads = ThreadDevices::default();
-        let whole = events::processes_seen_from_start(conn, session)?;
-        for &p in whole.iter().flatten() {
-            threads.seen_whole(p);
+        let processes = events::processes_seen_from_start(conn, session)?;
+        for &(p, whole) in &processes {
+            if whole {
+                threads.seen_whole(p);
+            }
         }
         threads.learn_initial(events::learned_devices(conn, session)?);
-        // A session recorded before tracer stored the devices it learned: look ahead for them.
+        // A session recorded before tracer stored the devices it learned: look ahead for them,
+        // in the processes not seen whole only (a thread that set no device in one seen whole
+        // is on device 0); the scan for threads without a device reads every row.
+        let unseen = processes
+            .iter()
+            .any(|&(p, whole)| !whole && pid.is_none_or(|only| only == p));
         let wanted: std::collections::HashSet<(u32, u32)> =
-            if events::devices_learned(conn, session)? {
+            if !unseen || events::devices_learned(conn, session)? {
                 Default::default()
             } else {
                 events::threads_without_device(conn, session, pid)?

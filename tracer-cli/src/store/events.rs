@@ -562,23 +562,19 @@ pub fn learned_devices(conn: &Connection, session: i64) -> Result<HashMap<(u32, 
         .with_context(|| format!("read the threads' devices of session {session}"))
 }
 
-/// The processes of `session` tracer saw from their start (no `before_trace` gap), or None
-/// when the session cannot tell (recorded before schema 9 kept gaps).
-pub fn processes_seen_from_start(
-    conn: &Connection,
-    session: i64,
-) -> Result<Option<std::collections::HashSet<u32>>> {
-    if !has_table(conn, "gaps")? {
-        return Ok(None);
-    }
-    let mut stmt = conn.prepare(
-        "SELECT pid FROM processes WHERE session_id = ?1 AND pid NOT IN
-         (SELECT pid FROM gaps WHERE session_id = ?1 AND kind = 'before_trace')",
-    )?;
-    let rows = stmt.query_map([session], |r| r.get(0))?;
-    Ok(Some(rows.collect::<rusqlite::Result<_>>().with_context(
-        || format!("list the processes session {session} saw start"),
-    )?))
+/// The processes of `session`, each with whether tracer saw it from its start (no
+/// `before_trace` gap); none is said so for a session recorded before schema 9 kept gaps.
+pub fn processes_seen_from_start(conn: &Connection, session: i64) -> Result<Vec<(u32, bool)>> {
+    let sql = if has_table(conn, "gaps")? {
+        "SELECT pid, pid NOT IN (SELECT pid FROM gaps WHERE session_id = ?1 AND kind = 'before_trace')
+         FROM processes WHERE session_id = ?1"
+    } else {
+        "SELECT pid, 0 FROM processes WHERE session_id = ?1"
+    };
+    let mut stmt = conn.prepare(sql)?;
+    let rows = stmt.query_map([session], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? != 0)))?;
+    rows.collect::<rusqlite::Result<_>>()
+        .with_context(|| format!("list the processes of session {session}"))
 }
 
 /// A session's row: when, what, and the counters of what was and was not kept.

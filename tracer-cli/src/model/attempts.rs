@@ -174,7 +174,13 @@ impl Failures {
             return;
         }
         let thread = (e.pid, e.tid);
-        let retry = self.last.remove(&thread).is_some_and(|f| {
+        // Failures are rare: most attempts find none to repeat without a lookup.
+        let last = if self.last.is_empty() {
+            None
+        } else {
+            self.last.remove(&thread)
+        };
+        let retry = last.is_some_and(|f| {
             f.op == e.op && f.size == e.size && e.ts_ns - f.ts_ns <= RETRY_WITHIN_NS
         });
         let failed = e.ret == OUT_OF_MEMORY;

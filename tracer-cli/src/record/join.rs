@@ -147,6 +147,10 @@ impl Join {
             call.device,
         );
         let class = call.op.spec().class;
+        if self.unresolved.is_empty() && call.device.is_some() {
+            // Nearly always: nothing waits for a device.
+            return;
+        }
         let sets = matches!(class, OpClass::SetDevice | OpClass::SetContext) && call.ret == 0;
         match (class, call.device) {
             _ if sets => {

@@ -2359,3 +2359,30 @@ fn the_oom_is_the_failure_pytorch_raised_not_one_it_recovered_from() {
     assert_ok(&gone);
     check(false);
 }
+
+#[test]
+fn a_reader_margin_that_is_no_number_is_said_and_the_default_kept() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let trace = fx.trace_with_env(
+        &["libcudart.so.12"],
+        &[],
+        &[("TRACER_ROUND_MARGIN_MS", "20ms")],
+    );
+    trace.wait_for_stderr("TRACER_ROUND_MARGIN_MS=\"20ms\" is not a whole number of milliseconds: the reader waits 2 ms");
+    let rep = report(
+        driver(&fx.sim, &["--mix", "pairs", "--iters", "50"], &[])
+            .output()
+            .unwrap(),
+    );
+    let stopped = trace.stop(SIGINT);
+    assert_eq!(stopped.summary["status"], "interrupted");
+    assert_eq!(
+        scalar(
+            &fx.db,
+            &format!("SELECT count(*) FROM events WHERE pid = {}", rep["pid"])
+        ),
+        100
+    );
+}

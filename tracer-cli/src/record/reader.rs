@@ -44,10 +44,19 @@ const ROUND_MARGIN_NS: u64 = 2_000_000;
 
 /// [`ROUND_MARGIN_NS`], or the milliseconds `TRACER_ROUND_MARGIN_MS` says (at most a second).
 fn round_margin_ns() -> u64 {
-    std::env::var("TRACER_ROUND_MARGIN_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(ROUND_MARGIN_NS, |ms| ms.min(1_000) * 1_000_000)
+    let Ok(text) = std::env::var("TRACER_ROUND_MARGIN_MS") else {
+        return ROUND_MARGIN_NS;
+    };
+    match text.trim().parse::<u64>() {
+        Ok(ms) => ms.min(1_000) * 1_000_000,
+        Err(_) => {
+            eprintln!(
+                "tracer: TRACER_ROUND_MARGIN_MS={text:?} is not a whole number of milliseconds: the reader waits {} ms (set it to e.g. 20, or unset it)",
+                ROUND_MARGIN_NS / 1_000_000
+            );
+            ROUND_MARGIN_NS
+        }
+    }
 }
 
 /// Where the reader's records come from.

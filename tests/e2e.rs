@@ -2386,3 +2386,170 @@ fn a_reader_margin_that_is_no_number_is_said_and_the_default_kept() {
         100
     );
 }
+
+/// A co-tenant holding 768 MiB of a 1 GiB simulated GPU while a training loop runs to its
+/// OOM, the holder started after the trace (`holder_first`: before it, unseen). `holder_root`
+/// and `trainer_root`: the NVIDIA device each one's root shows (a container's), or none.
+fn co_tenancy(
+    fx: &Fixture,
+    holder_first: bool,
+    roots: (Option<u32>, Option<u32>),
+    shared: (&str, &str),
+) -> (Value, Value, Value) {
+    let dir = fx.sim.parent().unwrap();
+    let (ready, done) = (dir.join("holder-ready"), dir.join("holder-done"));
+    let _ = std::fs::remove_file(&ready);
+    let _ = std::fs::remove_file(&done);
+    let _ = std::fs::remove_file(&fx.db);
+    let script = workspace().join("tests/python/co_tenant.py");
+    let lib = fx.lib("libcudart.so.12");
+    // A container's root: /dev holding only its GPU's node, under its host number.
+    let in_root = |minor: Option<u32>, args: Vec<String>, devices: &str| {
+        let mut cmd = match minor {
+            None => {
+                let mut c = Command::new("python3");
+                c.args(&args);
+                c
+            }
+            Some(m) => {
+                let mut c = Command::new("unshare");
+                c.args(["--mount", "--propagation", "private", "sh", "-c"]).arg(format!(
+                    "mount -t tmpfs none /dev && mknod /dev/nvidia{m} c 195 {m} && mknod /dev/null c 1 3 && exec python3 \"$@\""
+                )).arg("sh").args(&args);
+                c
+            }
+        };
+        cmd.env("SIMCUDA_MEM", "1GiB")
+            .env("SIMCUDA_SHARED_DEVICES", dir.join(devices))
+            .stdout(std::process::Stdio::piped());
+        cmd
+    };
+    let hold_args = vec![
+        script.display().to_string(),
+        "hold".into(),
+        lib.clone(),
+        "768".into(),
+        ready.display().to_string(),
+        done.display().to_string(),
+    ];
+    let start_holder = || {
+        in_root(roots.0, hold_args.clone(), shared.0)
+            .spawn()
+            .unwrap()
+    };
+    let mut holder = holder_first.then(|| {
+        let h = start_holder();
+        wait_until(Duration::from_secs(20), "the holder's memory", || {
+            ready.exists()
+        });
+        h
+    });
+    let trace = fx.trace(&["libcudart.so.12", "libsimtorch.so"], &[]);
+    if holder.is_none() {
+        holder = Some(start_holder());
+        wait_until(Duration::from_secs(20), "the holder's memory", || {
+            ready.exists()
+        });
+    }
+    let trainer = in_root(
+        roots.1,
+        vec![script.display().to_string(), "train".into(), lib.clone()],
+        shared.1,
+    )
+    .output()
+    .unwrap();
+    assert_ok(&trainer);
+    std::fs::write(&done, "").unwrap();
+    let held = holder.unwrap().wait_with_output().unwrap();
+    assert_ok(&held);
+    trace.stop(SIGINT);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    (
+        serde_json::from_slice(&held.stdout).unwrap(),
+        serde_json::from_slice(&trainer.stdout).unwrap(),
+        report,
+    )
+}
+
+#[test]
+fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    // Allocated after the trace began: named, with its bytes, as the cause.
+    let (holder, trainer, report) = co_tenancy(&fx, false, (None, None), ("gpu", "gpu"));
+    assert!(
+        !rule_names(&report).contains(&"rank_outlier"),
+        "{:?}",
+        rule_names(&report)
+    );
+    let oom = chain(&report, "oom");
+    assert_eq!(oom["pid"], trainer["pid"], "{holder} {trainer}");
+    let named = format!("pid {} (python3) 768.00 MiB", holder["pid"]);
+    assert!(
+        oom["compounding"].to_string().contains(&named),
+        "{named} not in {oom:#}"
+    );
+    assert!(
+        oom["effect"]
+            .as_str()
+            .unwrap()
+            .contains("held by other processes on GPU 0"),
+        "{oom:#}"
+    );
+    // Allocated before the trace: unseen, said as memory no traced process held, whose owner
+    // is not known.
+    let (_, _, report) = co_tenancy(&fx, true, (None, None), ("gpu-b", "gpu-b"));
+    assert!(!rule_names(&report).contains(&"rank_outlier"));
+    let oom = chain(&report, "oom");
+    assert!(
+        oom["compounding"]
+            .to_string()
+            .contains("768.00 MiB of GPU 0 was held by no traced process"),
+        "{oom:#}"
+    );
+    assert!(
+        oom["effect"]
+            .as_str()
+            .unwrap()
+            .contains("who held it is not known"),
+        "{oom:#}"
+    );
+}
+
+#[test]
+fn containers_that_both_say_device_0_are_one_gpu_only_when_their_roots_say_so() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    // Host GPU 3 in both containers: the holder is named on GPU 3.
+    let (holder, _, report) = co_tenancy(&fx, false, (Some(3), Some(3)), ("gpu3", "gpu3"));
+    // (Each scenario on devices of its own: no memory of the one before.)
+    let oom = chain(&report, "oom");
+    let named = format!("pid {} (python3) 768.00 MiB", holder["pid"]);
+    assert!(oom["compounding"].to_string().contains(&named), "{oom:#}");
+    assert!(
+        oom["effect"].as_str().unwrap().contains("on GPU 3"),
+        "{oom:#}"
+    );
+    // GPU 3 and GPU 5, each "device 0" inside: not one GPU, the holder is no co-tenant.
+    let (holder, trainer, report) =
+        co_tenancy(&fx, false, (Some(3), Some(5)), ("gpu3-b", "gpu5-b"));
+    let oom = chain(&report, "oom");
+    assert!(
+        !oom["compounding"]
+            .to_string()
+            .contains(&format!("pid {}", holder["pid"])),
+        "{oom:#}"
+    );
+    let gpus: Vec<(Value, Value)> = report["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["pid"].clone(), d["gpu"].clone()))
+        .collect();
+    assert!(
+        gpus.contains(&(trainer["pid"].clone(), "GPU 5".into())),
+        "{gpus:?}"
+    );
+}

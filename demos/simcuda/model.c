@@ -14,12 +14,16 @@
  *   SIMCUDA_LATENCY_PER_FRAGMENT_NS  extra allocation latency per free range (fragment) on the device
  *   SIMCUDA_LATENCY_PER_MIB_NS       extra allocation latency per MiB requested (mapping pages)
  *   SIMCUDA_EVENTS                   log every runtime call to this file (see simcuda.h)
+ *   SIMCUDA_SHARED_DEVICES           a file holding each device's bytes in use, shared by every
+ *                                    process that names it: processes on one node share its GPUs
+ *                                    (a co-tenant's memory is not free to the others), as on a GPU
  */
 #define _GNU_SOURCE
 #include "simcuda.h"
 
 #include <fcntl.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <stdio.h>
@@ -50,6 +54,8 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int device_count = 1;
 static struct device devices[MAX_DEVICES];
+/* With SIMCUDA_SHARED_DEVICES: each device's bytes in use by every process sharing the file. */
+static uint64_t *shared_used;
 static struct vec host_live;
 static struct vec va_free, va_live, mappings;
 static struct handle *handles;
@@ -157,6 +163,15 @@ static void init(void) {
         give_range(&devices[d].free_ranges, DEVICE_BASE + (uint64_t)d * DEVICE_STRIDE, DEVICE_STRIDE);
     }
     give_range(&va_free, VA_BASE, 1ULL << 44);
+    const char *shared = getenv("SIMCUDA_SHARED_DEVICES");
+    if (shared && *shared) {
+        int fd = open(shared, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (fd >= 0 && ftruncate(fd, MAX_DEVICES * sizeof(uint64_t)) == 0) {
+            void *m = mmap(NULL, MAX_DEVICES * sizeof(uint64_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (m != MAP_FAILED) shared_used = m;
+        }
+        if (fd >= 0) close(fd);
+    }
     const char *per_live = getenv("SIMCUDA_LATENCY_PER_LIVE_NS");
     if (per_live) latency_per_live_ns = strtoull(per_live, NULL, 10);
     const char *per_fragment = getenv("SIMCUDA_LATENCY_PER_FRAGMENT_NS");
@@ -193,6 +208,39 @@ static void spin(uint64_t ns) {
     if (!ns) return;
     uint64_t until = now_ns() + ns;
     while (now_ns() < until) __asm__ volatile("pause");
+}
+
+/* Takes `bytes` of device `d` if it has them (every process's use counted when shared). */
+static int take_device_bytes(int d, uint64_t bytes) {
+    struct device *dev = &devices[d];
+    if (shared_used) {
+        uint64_t cur = __atomic_load_n(&shared_used[d], __ATOMIC_ACQUIRE);
+        do {
+            if (cur + bytes > dev->capacity) return 0;
+        } while (!__atomic_compare_exchange_n(&shared_used[d], &cur, cur + bytes, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    } else if (dev->used + bytes > dev->capacity) {
+        return 0;
+    }
+    dev->used += bytes;
+    return 1;
+}
+
+static void give_device_bytes(int d, uint64_t bytes) {
+    devices[d].used -= bytes;
+    if (shared_used) __atomic_fetch_sub(&shared_used[d], bytes, __ATOMIC_ACQ_REL);
+}
+
+/* A process's device memory goes back when it exits, as on a GPU (a process killed outright
+ * keeps its share in the file: start the scenario with a new one). */
+__attribute__((destructor)) static void give_back_at_exit(void) {
+    if (!shared_used) return;
+    for (int d = 0; d < device_count; d++)
+        if (devices[d].used) __atomic_fetch_sub(&shared_used[d], devices[d].used, __ATOMIC_ACQ_REL);
+}
+
+/* Bytes of device `d` in use: this process's, or every sharing process's. */
+static uint64_t device_used(int d) {
+    return shared_used ? __atomic_load_n(&shared_used[d], __ATOMIC_ACQUIRE) : devices[d].used;
 }
 
 void sim_delay(const char *op) {
@@ -238,12 +286,15 @@ int sim_alloc(enum sim_space space, size_t size, uint64_t *out) {
         extra_ns = latency_per_live_ns * dev->live.len + latency_per_fragment_ns * dev->free_ranges.len +
                    latency_per_mib_ns * (rounded >> 20);
         uint64_t align = rounded >= PAGE ? PAGE : ALIGN;
-        uint64_t addr = dev->used + pages(rounded) > dev->capacity ? 0 : take_range(&dev->free_ranges, rounded, align);
+        uint64_t addr = 0;
+        if (take_device_bytes(current_device, pages(rounded))) {
+            addr = take_range(&dev->free_ranges, rounded, align);
+            if (!addr) give_device_bytes(current_device, pages(rounded));
+        }
         if (!addr) status = SIM_OOM;
         else {
             size_t at = lower_bound(&dev->live, addr);
             vec_insert(&dev->live, at, (struct range){addr, rounded});
-            dev->used += pages(rounded);
             *out = addr;
         }
     }
@@ -271,7 +322,7 @@ int sim_free(enum sim_space space, uint64_t ptr) {
                 struct range r = dev->live.items[at];
                 vec_remove(&dev->live, at);
                 give_range(&dev->free_ranges, r.addr, r.size);
-                dev->used -= pages(r.size);
+                give_device_bytes(d, pages(r.size));
                 status = SIM_OK;
                 break;
             }
@@ -285,7 +336,7 @@ void sim_mem_info(size_t *free_bytes, size_t *total_bytes) {
     ensure_init();
     pthread_mutex_lock(&lock);
     struct device *dev = &devices[current_device];
-    if (free_bytes) *free_bytes = dev->capacity - dev->used;
+    if (free_bytes) *free_bytes = dev->capacity - device_used(current_device);
     if (total_bytes) *total_bytes = dev->capacity;
     pthread_mutex_unlock(&lock);
 }
@@ -322,15 +373,13 @@ int sim_phys_create(size_t size, uint64_t *handle) {
     if (!handle || size == 0) return SIM_INVALID;
     int status = SIM_OK;
     pthread_mutex_lock(&lock);
-    struct device *dev = &devices[current_device];
-    if (dev->capacity - dev->used < size) status = SIM_OOM;
+    if (!take_device_bytes(current_device, size)) status = SIM_OOM;
     else {
         if (handle_count == handle_cap) {
             handle_cap = handle_cap ? handle_cap * 2 : 64;
             handles = realloc(handles, handle_cap * sizeof *handles);
             if (!handles) abort();
         }
-        dev->used += size;
         handles[handle_count] = (struct handle){handle_count + 1, size, current_device, 1};
         *handle = handle_count + 1;
         handle_count++;
@@ -345,7 +394,7 @@ int sim_phys_release(uint64_t handle) {
     pthread_mutex_lock(&lock);
     if (handle >= 1 && handle <= handle_count && handles[handle - 1].live) {
         handles[handle - 1].live = 0;
-        devices[handles[handle - 1].device].used -= handles[handle - 1].size;
+        give_device_bytes(handles[handle - 1].device, handles[handle - 1].size);
         status = SIM_OK;
     }
     pthread_mutex_unlock(&lock);

@@ -160,8 +160,11 @@ def launch_ranks(args):
     """As torchrun: one process per rank and device; when one fails, the others are ended and
     the job fails with it."""
     ranks = []
+    # torchrun's rendezvous names the job: the same for every rank, another for another job.
+    run_id = f"demo-{os.getpid()}"
     for rank in range(WORLD_SIZE):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", TORCHELASTIC_RUN_ID=run_id)
         command = [sys.executable, os.path.abspath(__file__), "multi-gpu", "--duration", str(args.duration),
                    "--speed", str(args.speed), "--seed", str(args.seed + rank), "--cudart", args.cudart]
         ranks.append(subprocess.Popen(command, env=env))

@@ -774,6 +774,8 @@ pub struct Inputs<'a> {
     pub messages: &'a [crate::model::MessageRow],
     /// Each process's rank in a distributed job (RANK, LOCAL_RANK, WORLD_SIZE).
     pub ranks: &'a HashMap<u32, Rank>,
+    /// Each process's job and the physical GPU behind its device numbers.
+    pub placements: &'a HashMap<u32, crate::model::Placement>,
     /// The processes whose settings turn on PyTorch's expandable segments.
     pub expandable: &'a std::collections::HashSet<u32>,
     /// The session's times give only the order of its calls.
@@ -785,6 +787,8 @@ impl<'a> Inputs<'a> {
     pub fn new(comms: &'a HashMap<u32, String>, sites: &'a SiteLabels) -> Inputs<'a> {
         static NO_CONFS: std::sync::OnceLock<HashMap<u32, AllocConf>> = std::sync::OnceLock::new();
         static NO_RANKS: std::sync::OnceLock<HashMap<u32, Rank>> = std::sync::OnceLock::new();
+        static NO_PLACEMENTS: std::sync::OnceLock<HashMap<u32, crate::model::Placement>> =
+            std::sync::OnceLock::new();
         static NO_EXPANDABLE: std::sync::OnceLock<std::collections::HashSet<u32>> =
             std::sync::OnceLock::new();
         Inputs {
@@ -793,6 +797,7 @@ impl<'a> Inputs<'a> {
             confs: NO_CONFS.get_or_init(HashMap::new),
             messages: &[],
             ranks: NO_RANKS.get_or_init(HashMap::new),
+            placements: NO_PLACEMENTS.get_or_init(HashMap::new),
             expandable: NO_EXPANDABLE.get_or_init(Default::default),
             untimed: false,
         }
@@ -894,11 +899,26 @@ pub fn analyze_collected(
     if inputs.untimed {
         chains.retain(|c| !TIMED_RULES.contains(&c.rule));
     }
+    let who = rules::Who {
+        placements: inputs.placements,
+        comms,
+    };
     for (p, findings) in active.iter().zip(&layouts) {
         allocator_chains(p, findings, inputs.messages, &mut chains);
         chains.extend(rules::unknown_chain(p.pid, findings));
+        if let Some(oom) = chains
+            .iter_mut()
+            .find(|c| c.rule == "oom" && c.pid == p.pid)
+        {
+            let message = inputs
+                .messages
+                .iter()
+                .find(|m| m.pid == p.pid && m.op == tracer_common::Op::TorchOom.name())
+                .map(|m| m.text.as_str());
+            rules::name_in_oom(oom, p, &everyone, &who, message);
+        }
     }
-    let devices = device_rows(&active, &layouts, inputs.ranks);
+    let devices = device_rows(&active, &layouts, inputs.ranks, &who);
     let states = active
         .iter()
         .zip(&layouts)
@@ -916,7 +936,7 @@ pub fn analyze_collected(
             })
         })
         .collect();
-    chains.extend(rules::outlier_chain(&devices, window.from_ns));
+    chains.extend(rules::outlier_chains(&devices, window.from_ns));
     chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
     let events_in_window = active
         .iter()
@@ -944,13 +964,16 @@ fn device_rows(
     active: &[Proc<'_>],
     layouts: &[allocator::Findings],
     ranks: &HashMap<u32, Rank>,
+    who: &rules::Who<'_>,
 ) -> Vec<ranks::DeviceRow> {
     let mut rows = Vec::new();
     for (p, f) in active.iter().zip(layouts) {
+        let place = who.placement(p.pid);
         for (&device, peak) in &f.devices {
             let rank = ranks.get(&p.pid).copied();
             let mut row = ranks::DeviceRow::new(p.pid, rank, device, f.visible, peak);
             row.unknown = !f.unknown.exact();
+            row.place(&place);
             rows.push(row);
         }
     }

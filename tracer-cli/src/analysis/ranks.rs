@@ -13,6 +13,14 @@ pub struct DeviceRow {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rank: Option<Rank>,
     pub device: i32,
+    /// The physical GPU behind the device number ("GPU 3"), and the job the process belongs
+    /// to ("torchelastic run abc", "job at 10.0.0.1:29500", or "pid 812": model/process.rs).
+    pub gpu: String,
+    pub job: String,
+    /// What compares GPUs across processes (two containers' "device 0" are one GPU only when
+    /// their roots say so).
+    #[serde(skip)]
+    pub gpu_key: String,
     /// "blocks" when the allocator's own probes were seen; "segments" otherwise.
     pub view: &'static str,
     /// The most device memory held at once.
@@ -43,6 +51,9 @@ impl DeviceRow {
             pid,
             rank,
             device,
+            gpu: format!("GPU {device}"),
+            job: format!("pid {pid}"),
+            gpu_key: format!("GPU {device}"),
             view: if visible { "blocks" } else { "segments" },
             peak_held: p.held,
             peak_reserved: p.reserved,
@@ -58,12 +69,20 @@ impl DeviceRow {
         }
     }
 
+    /// Where the process runs (its job, the physical GPU behind the device number).
+    pub fn place(&mut self, placement: &crate::model::Placement) {
+        let gpu = placement.gpu(self.device);
+        self.gpu = gpu.label;
+        self.gpu_key = gpu.key;
+        self.job = placement.job.clone();
+    }
+
     /// "rank 2/4 (pid 812, GPU 2)" or "pid 812 on GPU 0".
     pub fn who(&self) -> String {
         let gpu = if self.device < 0 {
             "an unknown GPU".to_owned()
         } else {
-            format!("GPU {}", self.device)
+            self.gpu.clone()
         };
         match &self.rank {
             Some(r) => format!("{} (pid {}, {gpu})", r.label(), self.pid),

@@ -20,4 +20,6 @@ pub use event::{
     advise_huge_pages, moves_memory, span, stack_id, Event, FastMap, HostRecord, MessageRow,
     OffSlice, SiteLabels, StackId, Window, NO_DEVICE,
 };
-pub use process::{env_map, ProcessInfo, Rank, KEPT_ENV};
+pub use process::{
+    env_map, Gpu, Placement, ProcessInfo, Rank, VisibleGpus, KEPT_ENV, NVIDIA_MAJOR,
+};

@@ -12,19 +12,128 @@ pub struct ProcessInfo {
     pub exe: Option<String>,
     pub cgroup: Option<String>,
     /// The few environment variables tracer reads (JSON object): the allocator's settings
-    /// (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF) and the job's rank (RANK, LOCAL_RANK,
-    /// WORLD_SIZE). Nothing else of the environment is kept.
+    /// (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF), the job's rank (RANK, LOCAL_RANK,
+    /// WORLD_SIZE) and rendezvous (MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), the GPUs it
+    /// may use (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES). Nothing else is kept.
     pub env: Option<String>,
+    /// The GPUs its root shows it (JSON of [`VisibleGpus`]).
+    pub gpus: Option<String>,
 }
 
 /// The environment variables [`ProcessInfo::env`] keeps.
-pub const KEPT_ENV: [&str; 5] = [
+pub const KEPT_ENV: [&str; 10] = [
     "PYTORCH_CUDA_ALLOC_CONF",
     "PYTORCH_ALLOC_CONF",
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
 ];
+
+/// NVIDIA's character devices (/dev/nvidiaN: major 195, minor N, the GPU's number on the host).
+pub const NVIDIA_MAJOR: u32 = 195;
+
+/// The GPUs a process's root shows it, as tracer read them at its first call: the host minor
+/// numbers of the /dev/nvidiaN character devices there, in order (a container sees only those
+/// it was given, under their host numbers), and its mount namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VisibleGpus {
+    pub minors: Vec<u32>,
+    pub mount_ns: Option<u64>,
+}
+
+/// Where a process runs: the job it belongs to and the physical GPU behind each device number.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Placement {
+    /// "torchelastic run abc", "job at 10.0.0.1:29500", or "pid 812" (a process named by no
+    /// rendezvous is a job of its own).
+    pub job: String,
+    visible: VisibleGpus,
+    /// CUDA_VISIBLE_DEVICES's entries, when set.
+    cuda_visible: Option<Vec<String>>,
+}
+
+/// The physical GPU behind a device number: `label` as shown ("GPU 3", "GPU-8f3a..."), `key`
+/// to compare processes by (the label where it names a host GPU; else tied to the mount
+/// namespace, so two containers that both say "device 0" are never taken for one GPU).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Gpu {
+    pub label: String,
+    pub key: String,
+}
+
+impl Placement {
+    pub fn new(
+        pid: u32,
+        env: &std::collections::HashMap<String, String>,
+        gpus: Option<&str>,
+    ) -> Placement {
+        let get = |k: &str| env.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+        let job = match (
+            get("TORCHELASTIC_RUN_ID"),
+            get("MASTER_ADDR"),
+            get("MASTER_PORT"),
+        ) {
+            (Some(id), _, _) => format!("torchelastic run {id}"),
+            (None, Some(addr), Some(port)) => format!("job at {addr}:{port}"),
+            _ => format!("pid {pid}"),
+        };
+        Placement {
+            job,
+            visible: gpus
+                .and_then(|g| serde_json::from_str(g).ok())
+                .unwrap_or_default(),
+            cuda_visible: get("CUDA_VISIBLE_DEVICES")
+                .map(|v| v.split(',').map(|e| e.trim().to_owned()).collect()),
+        }
+    }
+
+    /// The physical GPU behind device number `ordinal` (CUDA's, in this process).
+    pub fn gpu(&self, ordinal: i32) -> Gpu {
+        let unknown = |what: String| Gpu {
+            key: format!(
+                "{what} (mount namespace {})",
+                self.visible.mount_ns.unwrap_or(0)
+            ),
+            label: what,
+        };
+        let Ok(d) = usize::try_from(ordinal) else {
+            return unknown("an unknown GPU".into());
+        };
+        // CUDA_VISIBLE_DEVICES picks, by index or UUID, among the devices the root shows.
+        let index = match &self.cuda_visible {
+            None => d,
+            Some(list) => match list.get(d) {
+                Some(e) if e.starts_with("GPU-") || e.starts_with("MIG-") => {
+                    return Gpu {
+                        label: e.clone(),
+                        key: e.clone(),
+                    }
+                }
+                Some(e) => match e.parse::<usize>() {
+                    Ok(i) => i,
+                    Err(_) => return unknown(format!("GPU {d}")),
+                },
+                None => return unknown(format!("GPU {d}")),
+            },
+        };
+        match self.visible.minors.get(index) {
+            Some(minor) => {
+                let label = format!("GPU {minor}");
+                Gpu {
+                    key: label.clone(),
+                    label,
+                }
+            }
+            // No NVIDIA device in its root (the simulated runtime): its numbers are its own.
+            None => unknown(format!("GPU {index}")),
+        }
+    }
+}
 
 /// A process's place in a distributed job, from RANK, LOCAL_RANK and WORLD_SIZE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -66,6 +175,44 @@ pub fn env_map(env: Option<&str>) -> std::collections::HashMap<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn placement(pid: u32, env: &str, gpus: &str) -> Placement {
+        Placement::new(pid, &env_map(Some(env)), Some(gpus))
+    }
+
+    #[test]
+    fn a_device_number_is_the_gpu_its_root_and_cuda_visible_devices_name() {
+        // A container given host GPUs 3 and 5 sees them as devices 0 and 1.
+        let p = placement(7, "{}", r#"{"minors":[3,5],"mount_ns":11}"#);
+        assert_eq!(p.gpu(1).label, "GPU 5");
+        let q = placement(
+            8,
+            r#"{"CUDA_VISIBLE_DEVICES":"1"}"#,
+            r#"{"minors":[3,5],"mount_ns":12}"#,
+        );
+        assert_eq!(q.gpu(0), p.gpu(1), "the same GPU from two containers");
+        let uuid = placement(9, r#"{"CUDA_VISIBLE_DEVICES":"GPU-8f3a"}"#, "{}");
+        assert_eq!(uuid.gpu(0).key, "GPU-8f3a");
+        // No device nodes: "device 0" of two mount namespaces are not one GPU.
+        let a = placement(10, "{}", r#"{"minors":[],"mount_ns":1}"#);
+        let b = placement(11, "{}", r#"{"minors":[],"mount_ns":2}"#);
+        assert_eq!(a.gpu(0).label, b.gpu(0).label);
+        assert_ne!(a.gpu(0).key, b.gpu(0).key);
+        assert_eq!(a.gpu(-1).label, "an unknown GPU");
+    }
+
+    #[test]
+    fn a_job_is_its_rendezvous_else_the_process_alone() {
+        let elastic = placement(1, r#"{"TORCHELASTIC_RUN_ID":"r1","RANK":"0"}"#, "{}");
+        assert_eq!(elastic.job, "torchelastic run r1");
+        let master = placement(
+            2,
+            r#"{"MASTER_ADDR":"10.0.0.1","MASTER_PORT":"29500"}"#,
+            "{}",
+        );
+        assert_eq!(master.job, "job at 10.0.0.1:29500");
+        assert_eq!(placement(3, r#"{"RANK":"1"}"#, "{}").job, "pid 3");
+    }
 
     #[test]
     fn rank_labels_from_the_environment() {

@@ -53,6 +53,7 @@ pub struct Known {
     pub sites: SiteLabels,
     pub confs: HashMap<u32, AllocConf>,
     pub ranks: HashMap<u32, Rank>,
+    pub placements: HashMap<u32, crate::model::Placement>,
     pub messages: Vec<MessageRow>,
     pub expandable: std::collections::HashSet<u32>,
     pub untimed: bool,
@@ -76,6 +77,7 @@ impl Known {
             sites: events::site_labels(conn, session, skip_frames)?,
             confs,
             ranks,
+            placements: events::placements(conn, session)?,
             messages: events::messages(conn, session)?,
             expandable,
             untimed: events::source(conn, session)? == crate::store::SNAPSHOT_UNTIMED,
@@ -89,6 +91,7 @@ impl Known {
             confs: &self.confs,
             messages: &self.messages,
             ranks: &self.ranks,
+            placements: &self.placements,
             expandable: &self.expandable,
             untimed: self.untimed,
         }

@@ -169,6 +169,7 @@ impl SimlogImporter {
                         exe: None,
                         cgroup: None,
                         env: None,
+                        gpus: None,
                     }
                 });
             }

@@ -12,7 +12,8 @@ use tracer_common::{Op, OpClass};
 use crate::{
     exit::user_error,
     model::{
-        advise_huge_pages, stack_id, Event, HostRecord, MessageRow, OffSlice, SiteLabels, NO_DEVICE,
+        advise_huge_pages, stack_id, Event, HostRecord, MessageRow, OffSlice, Placement,
+        SiteLabels, NO_DEVICE,
     },
 };
 
@@ -529,14 +530,7 @@ fn has_table(conn: &Connection, name: &str) -> Result<bool> {
 /// Whether `session` was recorded by a tracer that stores the devices it learns
 /// (`thread_devices`, schema 11): a call it stored without one has no device to learn.
 pub fn devices_learned(conn: &Connection, session: i64) -> Result<bool> {
-    let has_column: i64 = conn
-        .query_row(
-            "SELECT count(*) FROM pragma_table_info('sessions') WHERE name = 'devices_learned'",
-            [],
-            |r| r.get(0),
-        )
-        .context("look for sessions.devices_learned")?;
-    if has_column == 0 {
+    if !has_column(conn, "sessions", "devices_learned")? {
         return Ok(false);
     }
     let learned: i64 = conn
@@ -697,15 +691,7 @@ pub fn alloc_confs(conn: &Connection, session: i64) -> Result<HashMap<u32, Strin
 
 /// Each process's kept environment variables (databases before schema 5 have none).
 pub fn envs(conn: &Connection, session: i64) -> Result<HashMap<u32, HashMap<String, String>>> {
-    let has_column: bool = conn
-        .query_row(
-            "SELECT count(*) FROM pragma_table_info('processes') WHERE name = 'env'",
-            [],
-            |r| r.get::<_, i64>(0),
-        )
-        .context("look for processes.env")?
-        > 0;
-    if !has_column {
+    if !has_column(conn, "processes", "env")? {
         return Ok(HashMap::new());
     }
     let mut stmt =
@@ -721,6 +707,41 @@ pub fn envs(conn: &Connection, session: i64) -> Result<HashMap<u32, HashMap<Stri
         }
     }
     Ok(out)
+}
+
+/// Where each process of `session` runs: its job and the physical GPU behind each of its
+/// device numbers (model/process.rs `Placement`).
+pub fn placements(conn: &Connection, session: i64) -> Result<HashMap<u32, Placement>> {
+    let mut envs = envs(conn, session)?;
+    let gpus_sql = if has_column(conn, "processes", "gpus")? {
+        "SELECT pid, gpus FROM processes WHERE session_id = ?1"
+    } else {
+        "SELECT pid, NULL FROM processes WHERE session_id = ?1"
+    };
+    let mut stmt = conn.prepare(gpus_sql)?;
+    let rows = stmt.query_map([session], |r| {
+        Ok((r.get::<_, u32>(0)?, r.get::<_, Option<String>>(1)?))
+    })?;
+    let mut out = HashMap::new();
+    for row in rows {
+        let (pid, gpus) = row.context("read processes")?;
+        let env = envs.remove(&pid).unwrap_or_default();
+        out.insert(pid, Placement::new(pid, &env, gpus.as_deref()));
+    }
+    Ok(out)
+}
+
+/// Whether `table` has the column `name` (those later schema versions added are read only
+/// where present).
+fn has_column(conn: &Connection, table: &str, name: &str) -> Result<bool> {
+    let n: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2",
+            [table, name],
+            |r| r.get(0),
+        )
+        .with_context(|| format!("look for {table}.{name}"))?;
+    Ok(n > 0)
 }
 
 /// The session's messages in time order (databases before schema 5 have none).

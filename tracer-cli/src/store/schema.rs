@@ -6,7 +6,8 @@
 pub const SCHEMA_VERSION: i64 = 11;
 
 /// The oldest version read as it is, without a migration: the versions after it only added
-/// a table and a column their readers look for (11: `thread_devices`, `sessions.devices_learned`).
+/// a table and columns their readers look for (11: `thread_devices`, `sessions.devices_learned`,
+/// `processes.gpus`).
 pub const READABLE_FROM: i64 = 10;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
@@ -276,5 +277,6 @@ CREATE TABLE thread_devices (
 );
 CREATE INDEX thread_devices_session ON thread_devices(session_id, pid, tid);
 ALTER TABLE sessions ADD COLUMN devices_learned INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE processes ADD COLUMN gpus TEXT;
 "#,
 ];

@@ -47,8 +47,8 @@ impl Store {
             .context("begin a write transaction")?;
         {
             let mut proc_stmt = tx.prepare_cached(
-                "INSERT OR IGNORE INTO processes (session_id, pid, start_time_ns, first_seen_ns, comm, cmdline, exe, cgroup, env)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                "INSERT OR IGNORE INTO processes (session_id, pid, start_time_ns, first_seen_ns, comm, cmdline, exe, cgroup, env, gpus)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
             )?;
             for p in batch.processes {
                 proc_stmt.execute(params![
@@ -60,7 +60,8 @@ impl Store {
                     p.cmdline,
                     p.exe,
                     p.cgroup,
-                    p.env
+                    p.env,
+                    p.gpus
                 ])?;
             }
             let mut msg_stmt = tx.prepare_cached(

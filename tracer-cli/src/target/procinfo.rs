@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use crate::model::{ProcessInfo, KEPT_ENV};
+use crate::model::{ProcessInfo, VisibleGpus, KEPT_ENV, NVIDIA_MAJOR};
 
 /// Bytes of /proc/PID/environ read at most (the variables kept come early in practice).
 const ENVIRON_LIMIT: u64 = 1 << 20;
@@ -45,7 +45,48 @@ pub fn read(
         exe,
         cgroup,
         env: kept_env(&dir),
+        gpus: serde_json::to_string(&visible_gpus(&dir)).ok(),
     }
+}
+
+/// The NVIDIA GPUs the process's root shows it: character devices of major 195 under its
+/// /dev, by their host minor numbers (a file that is not such a device, or a link, counts for
+/// nothing: never followed), and its mount namespace.
+fn visible_gpus(dir: &Path) -> VisibleGpus {
+    use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _};
+    // Its /dev, opened without following a link there: an absolute link in its root would
+    // resolve in tracer's.
+    let dev = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(dir.join("root/dev"))
+        .ok();
+    let listed = dev.as_ref().map(|f| {
+        use std::os::fd::AsRawFd as _;
+        Path::new("/proc/self/fd").join(f.as_raw_fd().to_string())
+    });
+    let mut minors: Vec<u32> = listed
+        .iter()
+        .flat_map(std::fs::read_dir)
+        .flatten()
+        .flatten()
+        .filter(|entry| {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            name.strip_prefix("nvidia")
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter_map(|entry| std::fs::symlink_metadata(entry.path()).ok())
+        .filter(|m| m.file_type().is_char_device() && libc::major(m.rdev()) == NVIDIA_MAJOR)
+        .map(|m| libc::minor(m.rdev()))
+        .collect();
+    minors.sort_unstable();
+    minors.dedup();
+    let mount_ns = std::fs::read_link(dir.join("ns/mnt")).ok().and_then(|l| {
+        let l = l.to_string_lossy().into_owned();
+        l.strip_prefix("mnt:[")?.strip_suffix(']')?.parse().ok()
+    });
+    VisibleGpus { minors, mount_ns }
 }
 
 /// When the process started (wall clock, ns; the same figure on every read, which names the

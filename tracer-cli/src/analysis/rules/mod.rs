@@ -11,6 +11,7 @@ mod leak;
 pub(super) mod measured;
 mod ranks;
 mod stalls;
+mod tenants;
 
 use bypass::driver_bypass;
 use churn::{allocator_pages_out, churn, empty_cache_churn};
@@ -20,7 +21,8 @@ use leak::{leak, leak_samples};
 use stalls::{cpu_contention, sync_stall};
 
 pub use measured::{fragmentation_chain, leak_chain, oom_forensics, unknown_chain, warning_chain};
-pub use ranks::outlier_chain;
+pub use ranks::outlier_chains;
+pub use tenants::{name_in_oom, Who};
 
 use serde::Serialize;
 use tracer_common::{Op, Space};

@@ -55,8 +55,23 @@ fn others(rows: &[DeviceRow], i: usize) -> impl Iterator<Item = &DeviceRow> {
         .map(|(_, r)| r)
 }
 
-/// The chain naming the outlier among the ranks and devices, if one stands out.
-pub fn outlier_chain(rows: &[DeviceRow], window_from_ns: i64) -> Option<Chain> {
+/// The chains naming the outlier of each job's ranks and devices, where one stands out. Only
+/// rows of one job are compared (its rendezvous, else the one process): another job's process
+/// on the same GPU is a co-tenant, named by the OOM chain, never a rank.
+pub fn outlier_chains(rows: &[DeviceRow], window_from_ns: i64) -> Vec<Chain> {
+    let mut jobs: Vec<&str> = rows.iter().map(|r| r.job.as_str()).collect();
+    jobs.sort_unstable();
+    jobs.dedup();
+    jobs.into_iter()
+        .filter_map(|job| {
+            let mine: Vec<DeviceRow> = rows.iter().filter(|r| r.job == job).cloned().collect();
+            outlier_chain(&mine, window_from_ns)
+        })
+        .collect()
+}
+
+/// The chain naming the outlier among one job's ranks and devices, if one stands out.
+fn outlier_chain(rows: &[DeviceRow], window_from_ns: i64) -> Option<Chain> {
     // Only devices known by number, with something held or failed; none at all when a process
     // in the comparison was not seen whole (it may be the outlier).
     let rows: Vec<DeviceRow> = rows
@@ -154,7 +169,8 @@ pub fn outlier_chain(rows: &[DeviceRow], window_from_ns: i64) -> Option<Chain> {
         timeline: timeline_or_start(timeline, window_from_ns),
         fix,
         evidence: format!(
-            "{n} process-device pairs compared; {}",
+            "{n} process-device pairs of {} compared; {}",
+            top.job,
             rows.iter()
                 .map(|r| format!("{}: {}", r.who(), b(r.peak_held)))
                 .collect::<Vec<_>>()
@@ -192,6 +208,9 @@ mod tests {
                 world_size: Some(4),
             }),
             device: (pid - 100) as i32,
+            gpu: format!("GPU {}", pid - 100),
+            job: "torchelastic run t".into(),
+            gpu_key: format!("GPU {}", pid - 100),
             view: "blocks",
             peak_held: held_mib * MIB,
             peak_reserved: held_mib * MIB,
@@ -260,5 +279,18 @@ mod tests {
         assert!(outlier_chain(&even[..1], 0).is_none());
         let all_failed = [row(100, 1000, 0.0, Some(1)), row(101, 1000, 0.0, Some(2))];
         assert!(outlier_chain(&all_failed, 0).is_none());
+    }
+
+    #[test]
+    fn processes_of_other_jobs_are_never_ranks() {
+        // Two unrelated processes on one GPU, one holding 14x the other: no rank chain.
+        let mut a = row(100, 9_000, 0.0, None);
+        let mut b = row(101, 130_000, 0.0, None);
+        a.job = "pid 100".into();
+        b.job = "pid 101".into();
+        assert!(outlier_chains(&[a.clone(), b.clone()], 0).is_empty());
+        // The same two as ranks of one job: compared.
+        b.job = a.job.clone();
+        assert_eq!(outlier_chains(&[a, b], 0).len(), 1);
     }
 }

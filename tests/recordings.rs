@@ -131,6 +131,17 @@ fn the_oom_chain_states_the_figures_pytorchs_message_states() {
         assert!(effect.contains(f), "{f} not in {effect}");
     }
     assert!(effect.contains("(capacity)"), "{effect}");
+    // The memory outside the allocator, by the library that took it (the GPU check counted 6
+    // cuMemAlloc_v2 calls from libcublas.so.13), and no co-tenant.
+    let compounding = oom["compounding"].to_string();
+    assert!(
+        compounding.contains("libcublas.so.13 128.25 MiB (6 allocation(s))"),
+        "{compounding}"
+    );
+    assert!(
+        compounding.contains("no other traced process held memory on GPU 0"),
+        "{compounding}"
+    );
     // With expandable segments a refused page does not tell the request, and no message was
     // recorded: said, with what would settle it.
     let r = recording("expandable");

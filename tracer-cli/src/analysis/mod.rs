@@ -776,6 +776,8 @@ pub struct Inputs<'a> {
     pub ranks: &'a HashMap<u32, Rank>,
     /// Each process's job and the physical GPU behind its device numbers.
     pub placements: &'a HashMap<u32, crate::model::Placement>,
+    /// The library that made each call site's call (`--stack`).
+    pub owners: &'a HashMap<crate::model::StackId, String>,
     /// The processes whose settings turn on PyTorch's expandable segments.
     pub expandable: &'a std::collections::HashSet<u32>,
     /// The session's times give only the order of its calls.
@@ -789,6 +791,8 @@ impl<'a> Inputs<'a> {
         static NO_RANKS: std::sync::OnceLock<HashMap<u32, Rank>> = std::sync::OnceLock::new();
         static NO_PLACEMENTS: std::sync::OnceLock<HashMap<u32, crate::model::Placement>> =
             std::sync::OnceLock::new();
+        static NO_OWNERS: std::sync::OnceLock<HashMap<crate::model::StackId, String>> =
+            std::sync::OnceLock::new();
         static NO_EXPANDABLE: std::sync::OnceLock<std::collections::HashSet<u32>> =
             std::sync::OnceLock::new();
         Inputs {
@@ -798,6 +802,7 @@ impl<'a> Inputs<'a> {
             messages: &[],
             ranks: NO_RANKS.get_or_init(HashMap::new),
             placements: NO_PLACEMENTS.get_or_init(HashMap::new),
+            owners: NO_OWNERS.get_or_init(HashMap::new),
             expandable: NO_EXPANDABLE.get_or_init(Default::default),
             untimed: false,
         }
@@ -902,6 +907,7 @@ pub fn analyze_collected(
     let who = rules::Who {
         placements: inputs.placements,
         comms,
+        owners: inputs.owners,
     };
     for (p, findings) in active.iter().zip(&layouts) {
         allocator_chains(p, findings, inputs.messages, &mut chains);

@@ -54,6 +54,7 @@ pub struct Known {
     pub confs: HashMap<u32, AllocConf>,
     pub ranks: HashMap<u32, Rank>,
     pub placements: HashMap<u32, crate::model::Placement>,
+    pub owners: HashMap<crate::model::StackId, String>,
     pub messages: Vec<MessageRow>,
     pub expandable: std::collections::HashSet<u32>,
     pub untimed: bool,
@@ -78,6 +79,7 @@ impl Known {
             confs,
             ranks,
             placements: events::placements(conn, session)?,
+            owners: events::stack_owners(conn, session)?,
             messages: events::messages(conn, session)?,
             expandable,
             untimed: events::source(conn, session)? == crate::store::SNAPSHOT_UNTIMED,
@@ -92,6 +94,7 @@ impl Known {
             messages: &self.messages,
             ranks: &self.ranks,
             placements: &self.placements,
+            owners: &self.owners,
             expandable: &self.expandable,
             untimed: self.untimed,
         }

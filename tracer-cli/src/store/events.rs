@@ -13,7 +13,7 @@ use crate::{
     exit::user_error,
     model::{
         advise_huge_pages, stack_id, Event, HostRecord, MessageRow, OffSlice, Placement,
-        SiteLabels, NO_DEVICE,
+        SiteLabels, StackId, NO_DEVICE,
     },
 };
 
@@ -705,6 +705,33 @@ pub fn envs(conn: &Connection, session: i64) -> Result<HashMap<u32, HashMap<Stri
         if let Ok(env) = serde_json::from_str(&json) {
             out.insert(pid, env);
         }
+    }
+    Ok(out)
+}
+
+/// The library that made each call site's call (`--stack`): its innermost native frame outside
+/// the CUDA libraries themselves ("libcublas.so.13"), by file name.
+pub fn stack_owners(conn: &Connection, session: i64) -> Result<HashMap<StackId, String>> {
+    if !has_table(conn, "stack_frames")? {
+        return Ok(HashMap::new());
+    }
+    let mut stmt = conn.prepare(
+        "SELECT f.stack_id, f.module FROM stack_frames f JOIN stacks s ON s.id = f.stack_id
+         WHERE s.session_id = ?1 AND f.kind = 'native' AND f.module IS NOT NULL
+         ORDER BY f.stack_id, f.idx",
+    )?;
+    let rows = stmt.query_map([session], |r| {
+        Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+    })?;
+    let mut out = HashMap::new();
+    for row in rows {
+        let (id, module) = row.context("read call sites' frames")?;
+        let Some(id) = stack_id(id) else { continue };
+        if out.contains_key(&id) || module.contains("libcudart") || module.contains("libcuda.") {
+            continue;
+        }
+        let name = module.rsplit('/').next().unwrap_or(&module).to_owned();
+        out.insert(id, name);
     }
     Ok(out)
 }

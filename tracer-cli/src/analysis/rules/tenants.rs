@@ -29,6 +29,8 @@ pub struct Tenant {
 pub struct Who<'a> {
     pub placements: &'a HashMap<u32, Placement>,
     pub comms: &'a HashMap<u32, String>,
+    /// The library that made each call site's call (`--stack`).
+    pub owners: &'a HashMap<crate::model::StackId, String>,
 }
 
 impl Who<'_> {
@@ -125,6 +127,9 @@ pub fn name_in_oom(
         return;
     };
     let (gpu, tenants) = on_gpu(p, failed.device, at_ns, everyone, who, message);
+    if let Some(line) = outside_by_library(p, &gpu, at_ns, who) {
+        chain.compounding.push(line);
+    }
     let unseen = held_by_no_one_traced(p, failed, at_ns, everyone, who);
     if let Some(u) = &unseen {
         chain.compounding.push(format!(
@@ -194,6 +199,60 @@ pub fn name_in_oom(
             !f.starts_with("reduce the batch size") && !f.starts_with("reduce peak memory")
         });
     }
+}
+
+/// The process's device memory taken past the CUDA runtime (cuMemAlloc* by cuBLAS, NCCL, an
+/// extension: not the allocator's segments, which come from cudaMalloc) and still held at
+/// `at_ns` on `gpu`, by the library that took it (its call site's, under `--stack`).
+fn outside_by_library(p: &Proc<'_>, gpu: &Gpu, at_ns: i64, who: &Who<'_>) -> Option<String> {
+    use crate::model::attempts::Outermost;
+    use tracer_common::{Library, OpClass, Space};
+    let place = who.placement(p.pid);
+    let on_gpu = |d: i32| place.gpu(d).key == gpu.key;
+    let mut live: HashMap<u64, crate::model::Event> = HashMap::new();
+    let mut outermost = Outermost::default();
+    let mut take = |e: crate::model::Event| {
+        if e.space() != Space::Device || e.ret != 0 || e.ptr == 0 {
+            return;
+        }
+        match e.class() {
+            OpClass::Alloc if e.op.spec().library == Library::Driver && on_gpu(e.device) => {
+                live.insert(e.ptr, e);
+            }
+            OpClass::Free => {
+                live.remove(&e.ptr);
+            }
+            _ => {}
+        }
+    };
+    for e in p.all.iter().take_while(|e| e.ts_ns <= at_ns) {
+        outermost.push(e, &mut take);
+    }
+    outermost.finish(&mut take);
+    if live.is_empty() {
+        return None;
+    }
+    let mut by_owner: HashMap<String, (u64, u64)> = HashMap::new();
+    for e in live.values() {
+        let owner = e
+            .stack
+            .and_then(|id| who.owners.get(&id).cloned())
+            .unwrap_or_else(|| "a library not known (trace with --stack to name it)".into());
+        let o = by_owner.entry(owner).or_default();
+        o.0 += 1;
+        o.1 += e.size;
+    }
+    let mut owners: Vec<(String, (u64, u64))> = by_owner.into_iter().collect();
+    owners.sort_by_key(|(name, (_, bytes))| (std::cmp::Reverse(*bytes), name.clone()));
+    let listed: Vec<String> = owners
+        .iter()
+        .map(|(name, (n, bytes))| format!("{name} {} ({n} allocation(s))", pb(*bytes)))
+        .collect();
+    Some(format!(
+        "this process's memory outside PyTorch's allocator on {} (taken past the CUDA runtime): {}",
+        gpu.label,
+        listed.join("; ")
+    ))
 }
 
 /// Device memory in use that no traced process held, when the device last said.

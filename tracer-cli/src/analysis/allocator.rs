@@ -127,14 +127,99 @@ pub struct Forced {
     pub count: u64,
     pub bytes: u64,
     pub first_ns: Option<i64>,
+    /// Where the pool's free bytes lay at those moments, summed.
+    pub kinds: FragKinds,
 }
 
 impl Forced {
-    fn add(&mut self, ts_ns: i64, bytes: u64) {
+    fn add(&mut self, ts_ns: i64, bytes: u64, kinds: FragKinds) {
         self.count += 1;
         self.bytes += bytes;
         self.first_ns.get_or_insert(ts_ns);
+        self.kinds.split += kinds.split;
+        self.kinds.spread += kinds.spread;
+        self.kinds.other_stream += kinds.other_stream;
+        self.kinds.pending += kinds.pending;
     }
+}
+
+/// Where the free bytes of a pool lay when a request found no block that fit, summed over
+/// those moments: each kind of fragmentation has its own fix.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FragKinds {
+    /// Free blocks in segments that also hold live blocks: remainders of split blocks, pinned
+    /// by their neighbours (fix: max_split_size_mb, so large blocks are not cut).
+    pub split: u64,
+    /// Wholly free segments, each too small: free space spread over segments that cannot merge
+    /// (fix: expandable segments, one segment that grows).
+    pub spread: u64,
+    /// Free blocks in segments of another stream, which serve only it (fix: allocate on the
+    /// stream that uses the tensor).
+    pub other_stream: u64,
+    /// Blocks freed but held for another stream's work (record_stream) until its events
+    /// complete.
+    pub pending: u64,
+}
+
+impl FragKinds {
+    /// The kinds with their bytes, the largest first.
+    pub fn ranked(&self) -> Vec<(FragKind, u64)> {
+        let mut v = vec![
+            (FragKind::Split, self.split),
+            (FragKind::Spread, self.spread),
+            (FragKind::OtherStream, self.other_stream),
+            (FragKind::Pending, self.pending),
+        ];
+        v.retain(|(_, b)| *b > 0);
+        v.sort_by_key(|(_, b)| std::cmp::Reverse(*b));
+        v
+    }
+}
+
+/// One kind of fragmentation ([`FragKinds`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FragKind {
+    Split,
+    Spread,
+    OtherStream,
+    Pending,
+}
+
+/// The free bytes of `device`'s `pool` by kind, for a request on `stream`, leaving out the
+/// segment at `new_segment` (just made for the request), and the largest free block the
+/// request could have taken (one of its stream's).
+fn frag_kinds(
+    layout: &Layout,
+    device: i32,
+    pool: Pool,
+    stream: u64,
+    new_segment: u64,
+) -> (FragKinds, u64) {
+    let mut k = FragKinds::default();
+    let mut usable = 0;
+    for s in layout.segment_maps(false) {
+        if s.device != device || s.pool != Some(pool) || new_segment.wrapping_sub(s.addr) < s.size {
+            continue;
+        }
+        let live = s
+            .runs
+            .iter()
+            .any(|r| matches!(r.kind, RunKind::Allocated | RunKind::Pending));
+        let same_stream = layout.segment_stream(s.addr).is_none_or(|st| st == stream);
+        for r in &s.runs {
+            match r.kind {
+                RunKind::Pending => k.pending += r.size,
+                RunKind::Free if !same_stream => k.other_stream += r.size,
+                RunKind::Free if live => k.split += r.size,
+                RunKind::Free => k.spread += r.size,
+                _ => {}
+            }
+            if r.kind == RunKind::Free && same_stream {
+                usable = usable.max(r.size);
+            }
+        }
+    }
+    (k, usable)
 }
 
 /// Everything the replay found for one process.
@@ -354,9 +439,17 @@ impl<'a> LayoutMeasure<'a> {
         let key = (e.device, pool_of(rounded));
         if let Some((ts, size, before)) = self.pending.take() {
             let s = before.get(&key).copied().unwrap_or_default();
-            if s.cached() >= rounded && s.largest_free < rounded && window.contains(ts) {
-                f.forced.add(ts, size);
-                f.forced_by_pool.entry(key).or_default().add(ts, size);
+            // The cache held the bytes and no block of the request's stream fit: the new
+            // segment is fragmentation's cost (kinds: where the free bytes lay).
+            let forced = (s.cached() >= rounded && window.contains(ts))
+                .then(|| frag_kinds(layout, e.device, key.1, e.aux0, e.ptr))
+                .filter(|(_, usable)| *usable < rounded);
+            if let Some((kinds, _)) = forced {
+                f.forced.add(ts, size, kinds);
+                f.forced_by_pool
+                    .entry(key)
+                    .or_default()
+                    .add(ts, size, kinds);
                 let peak = f.devices.entry(e.device).or_default();
                 peak.forced_segments += 1;
                 peak.forced_bytes += size;

@@ -8,7 +8,7 @@ use tracer_common::Op;
 
 use super::{rules::Severity, *};
 use crate::model::{
-    layout::{Pool, PoolStats},
+    layout::{AllocConf, Pool, PoolStats},
     stack_id, HostRecord, OffSlice,
 };
 
@@ -1003,5 +1003,138 @@ fn segment_cycles_under_pytorchs_allocator_are_its_cache_released_and_refilled()
         !churn.fix.iter().any(|f| f.contains("keep the buffer")),
         "{:?}",
         churn.fix
+    );
+}
+
+/// The calls of one process for the fragmentation-kind tests: (op, size, ptr, stream), 1 ms
+/// apart; block events carry the stream in aux0.
+fn calls(script: &[(Op, u64, u64, u64)]) -> Vec<Event> {
+    script
+        .iter()
+        .enumerate()
+        .map(|(i, &(op, size, ptr, stream))| {
+            let mut e = ev(i as f64, op, size, ptr, 0, 1);
+            e.aux0 = stream;
+            e
+        })
+        .collect()
+}
+
+/// The forced segments' fragmentation kinds of a script.
+fn kinds_of(script: &[(Op, u64, u64, u64)]) -> allocator::Forced {
+    let evs = calls(script);
+    let window = Window {
+        from_ns: 0,
+        to_ns: evs.last().unwrap().end_ns(),
+    };
+    let f = allocator::measure(&evs, window, AllocConf::default(), &HashMap::new());
+    f.forced
+}
+
+const SEG_A: u64 = 0x7f00_0000_0000;
+const SEG_B: u64 = 0x7f00_1000_0000;
+const SEG_C: u64 = 0x7f00_2000_0000;
+
+#[test]
+fn split_remainders_between_live_blocks_are_one_kind() {
+    use Op::{CudaMalloc as Seg, TorchFree as Free, TorchMalloc as Malloc};
+    // Three 4 MiB blocks in a 20 MiB segment, the middle one freed: 4 MiB between live blocks
+    // and the 8 MiB tail; a 10 MiB request fits neither.
+    let forced = kinds_of(&[
+        (Seg, 20 * MIB, SEG_A, 0),
+        (Malloc, 4 * MIB, SEG_A, 0),
+        (Malloc, 4 * MIB, SEG_A + 4 * MIB, 0),
+        (Malloc, 4 * MIB, SEG_A + 8 * MIB, 0),
+        (Free, 0, SEG_A + 4 * MIB, 0),
+        (Seg, 10 * MIB, SEG_B, 0),
+        (Malloc, 10 * MIB, SEG_B, 0),
+    ]);
+    assert_eq!(forced.count, 1);
+    assert_eq!(
+        forced.kinds,
+        allocator::FragKinds {
+            split: 12 * MIB,
+            ..Default::default()
+        }
+    );
+}
+
+#[test]
+fn whole_free_segments_too_small_are_another_kind() {
+    use Op::{CudaMalloc as Seg, TorchFree as Free, TorchMalloc as Malloc};
+    // Two wholly free 20 MiB segments hold 40 MiB; a 30 MiB request fits in neither.
+    let forced = kinds_of(&[
+        (Seg, 20 * MIB, SEG_A, 0),
+        (Malloc, 20 * MIB, SEG_A, 0),
+        (Seg, 20 * MIB, SEG_B, 0),
+        (Malloc, 20 * MIB, SEG_B, 0),
+        (Free, 0, SEG_A, 0),
+        (Free, 0, SEG_B, 0),
+        (Seg, 30 * MIB, SEG_C, 0),
+        (Malloc, 30 * MIB, SEG_C, 0),
+    ]);
+    assert_eq!(forced.count, 1);
+    assert_eq!(
+        forced.kinds,
+        allocator::FragKinds {
+            spread: 40 * MIB,
+            ..Default::default()
+        }
+    );
+}
+
+#[test]
+fn free_blocks_of_another_stream_are_another_kind() {
+    use Op::{CudaMalloc as Seg, TorchFree as Free, TorchMalloc as Malloc};
+    // A free 20 MiB segment of stream 1; a 20 MiB request on stream 2 may not take it.
+    let forced = kinds_of(&[
+        (Seg, 20 * MIB, SEG_A, 1),
+        (Malloc, 20 * MIB, SEG_A, 1),
+        (Free, 0, SEG_A, 0),
+        (Seg, 20 * MIB, SEG_B, 2),
+        (Malloc, 20 * MIB, SEG_B, 2),
+    ]);
+    assert_eq!(forced.count, 1);
+    assert_eq!(
+        forced.kinds,
+        allocator::FragKinds {
+            other_stream: 20 * MIB,
+            ..Default::default()
+        }
+    );
+}
+
+#[test]
+fn blocks_held_for_another_streams_work_are_another_kind() {
+    use Op::{CudaMalloc as Seg, TorchFree as Free, TorchMalloc as Malloc};
+    // A 20 MiB block used on another stream (record_stream) and freed: the allocator records
+    // an event and keeps the block until it completes; a 20 MiB request meanwhile gets a new
+    // segment.
+    let mut evs = calls(&[
+        (Seg, 20 * MIB, SEG_A, 0),
+        (Malloc, 20 * MIB, SEG_A, 0),
+        (Free, 0, SEG_A, 0),
+    ]);
+    let mut record = ev(3.0, Op::CudaEventRecord, 0, 0x5555_0000, 0, 1);
+    record.aux1 = 1;
+    evs.push(record);
+    for (i, (op, size, ptr)) in [(Seg, 20 * MIB, SEG_B), (Malloc, 20 * MIB, SEG_B)]
+        .into_iter()
+        .enumerate()
+    {
+        evs.push(ev(4.0 + i as f64, op, size, ptr, 0, 1));
+    }
+    let window = Window {
+        from_ns: 0,
+        to_ns: evs.last().unwrap().end_ns(),
+    };
+    let f = allocator::measure(&evs, window, AllocConf::default(), &HashMap::new());
+    assert_eq!(f.forced.count, 1);
+    assert_eq!(
+        f.forced.kinds,
+        allocator::FragKinds {
+            pending: 20 * MIB,
+            ..Default::default()
+        }
     );
 }

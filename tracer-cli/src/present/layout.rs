@@ -67,7 +67,13 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
             p.view
         )?;
         for d in &p.devices {
-            writeln!(out, "  device {}: {}", d.device, figures(&d.total))?;
+            writeln!(
+                out,
+                "  device {} ({}): {}",
+                d.device,
+                d.gpu,
+                figures(&d.total)
+            )?;
             for (pool, s) in &d.pools {
                 writeln!(out, "    {:?} pool: {}", pool, figures(s))?;
             }

@@ -59,6 +59,8 @@ pub struct ProcessLayout {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceLayout {
     pub device: i32,
+    /// The physical GPU behind the device number ("GPU 3": model/process.rs `Placement`).
+    pub gpu: String,
     pub total: crate::model::layout::PoolStats,
     pub pools: Vec<(crate::model::layout::Pool, crate::model::layout::PoolStats)>,
     /// Device memory allocated outside the allocator's segments.
@@ -118,12 +120,20 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         s.layout.apply(e);
         *last = e.ts_ns;
     })?;
+    let placements = events::placements(conn, info.id)?;
     let out = states
         .into_iter()
         .map(|(pid, (s, last))| (pid, s.layout, last))
         .filter(|(_, l, _)| !l.stats().is_empty() || !l.segments().is_empty() || l.blocks_seen > 0)
         .map(|(pid, l, last)| {
-            process_layout(pid, comms.get(&pid).cloned(), &l, last.min(at_ns), q.device)
+            let mut p =
+                process_layout(pid, comms.get(&pid).cloned(), &l, last.min(at_ns), q.device);
+            if let Some(place) = placements.get(&pid) {
+                for d in &mut p.devices {
+                    d.gpu = place.gpu(d.device).label;
+                }
+            }
+            p
         })
         .collect();
     Ok((info.id, out))
@@ -152,6 +162,7 @@ pub(crate) fn process_layout(
             .into_iter()
             .map(|d| DeviceLayout {
                 device: d,
+                gpu: format!("GPU {d}"),
                 total: l.device_total(d),
                 pools: l
                     .stats()

@@ -6,7 +6,7 @@
 use super::{Chain, Severity, TimelineEntry};
 use crate::{
     analysis::{
-        allocator::{Findings, Forced, OomVerdict},
+        allocator::{Findings, Forced, FragKind, FragKinds, OomVerdict},
         Window,
     },
     model::layout::{Pool, PoolStats},
@@ -157,6 +157,21 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
             forced.count,
             b(forced.bytes)
         ));
+        let kinds = forced.kinds.ranked();
+        let all: u64 = kinds.iter().map(|(_, bytes)| bytes).sum();
+        if all > 0 {
+            let said: Vec<String> = kinds
+                .iter()
+                .map(|(kind, bytes)| {
+                    format!(
+                        "{:.0} % {}",
+                        *bytes as f64 * 100.0 / all as f64,
+                        kind_said(*kind)
+                    )
+                })
+                .collect();
+            root.push_str(&format!("; the free bytes then lay {}", said.join(", ")));
+        }
     }
     let short = device_ran_short(f);
     let held = f
@@ -201,12 +216,44 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
                 text: format!("worst: fragmentation {:.0} % in the {pool:?} pool", s.fragmentation() * 100.0),
             }))
             .collect(),
-        fix: vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into()],
+        fix: kind_fixes(&forced.kinds),
         evidence: format!(
             "the allocator's own layout, rebuilt from {} pytorch:malloc/free events and the device allocations",
             f.block_events
         ),
     })
+}
+
+/// How a kind of fragmentation reads in a chain.
+fn kind_said(kind: FragKind) -> &'static str {
+    match kind {
+        FragKind::Split => "in remainders of split blocks, between live ones",
+        FragKind::Spread => "in whole free segments, each too small, that cannot merge",
+        FragKind::OtherStream => "in segments of another stream, which serve only it",
+        FragKind::Pending => "in blocks held for another stream's work (record_stream)",
+    }
+}
+
+/// The fixes, the one for the kind that held the most free bytes first.
+fn kind_fixes(kinds: &FragKinds) -> Vec<String> {
+    let mut fixes: Vec<String> = Vec::new();
+    for (kind, _) in kinds.ranked() {
+        let fix = match kind {
+            FragKind::Split => FIX_MAX_SPLIT,
+            FragKind::Spread => FIX_EXPANDABLE,
+            FragKind::OtherStream => "allocate each tensor on the stream that uses it (each stream's cache serves only that stream)",
+            FragKind::Pending => "synchronize the other stream before freeing, or avoid Tensor.record_stream: blocks stay held until its work is done",
+        };
+        if !fixes.iter().any(|f| f == fix) {
+            fixes.push(fix.into());
+        }
+    }
+    for fix in [FIX_EXPANDABLE, FIX_MAX_SPLIT] {
+        if !fixes.iter().any(|f| f == fix) {
+            fixes.push(fix.into());
+        }
+    }
+    fixes
 }
 
 /// The device ran short while the cache held the bytes: the early warning fired, or a failed

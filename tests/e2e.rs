@@ -2390,11 +2390,13 @@ fn a_reader_margin_that_is_no_number_is_said_and_the_default_kept() {
 /// A co-tenant holding 768 MiB of a 1 GiB simulated GPU while a training loop runs to its
 /// OOM, the holder started after the trace (`holder_first`: before it, unseen). `holder_root`
 /// and `trainer_root`: the NVIDIA device each one's root shows (a container's), or none.
+/// `nvml`: the trainer's PyTorch can read NVML, so its message names the processes on the GPU.
 fn co_tenancy(
     fx: &Fixture,
     holder_first: bool,
     roots: (Option<u32>, Option<u32>),
     shared: (&str, &str),
+    nvml: bool,
 ) -> (Value, Value, Value) {
     let dir = fx.sim.parent().unwrap();
     let (ready, done) = (dir.join("holder-ready"), dir.join("holder-done"));
@@ -2421,6 +2423,7 @@ fn co_tenancy(
         };
         cmd.env("SIMCUDA_MEM", "1GiB")
             .env("SIMCUDA_SHARED_DEVICES", dir.join(devices))
+            .env("SIMCUDA_NVML", if nvml { "1" } else { "0" })
             .stdout(std::process::Stdio::piped());
         cmd
     };
@@ -2477,7 +2480,7 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
         return;
     };
     // Allocated after the trace began: named, with its bytes, as the cause.
-    let (holder, trainer, report) = co_tenancy(&fx, false, (None, None), ("gpu", "gpu"));
+    let (holder, trainer, report) = co_tenancy(&fx, false, (None, None), ("gpu", "gpu"), true);
     assert!(
         !rule_names(&report).contains(&"rank_outlier"),
         "{:?}",
@@ -2497,9 +2500,48 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
             .contains("held by other processes on GPU 0"),
         "{oom:#}"
     );
-    // Allocated before the trace: unseen, said as memory no traced process held, whose owner
-    // is not known.
-    let (_, _, report) = co_tenancy(&fx, true, (None, None), ("gpu-b", "gpu-b"));
+    // The same as data: the trainer's allocator held what it had taken, the holder its 768
+    // MiB since its first call, and PyTorch's message named no one else.
+    let holders = &report["holders"][0];
+    assert_eq!(holders["pid"], trainer["pid"], "{holders:#}");
+    assert_eq!(holders["verdict"], "other_processes", "{holders:#}");
+    assert_eq!(holders["allocated"], trainer["held"], "{holders:#}");
+    assert_eq!(
+        holders["others"].as_array().unwrap().len(),
+        1,
+        "{holders:#}"
+    );
+    assert_eq!(holders["others"][0]["pid"], holder["pid"]);
+    assert_eq!(holders["others"][0]["bytes"], holder["held"]);
+    assert_eq!(holders["others"][0]["from_message"], false);
+    assert_eq!(holders["device_total"], 1u64 << 30);
+    assert_eq!(holders["unattributed"], Value::Null, "{holders:#}");
+    // Allocated before the trace: PyTorch's message (NVML) names it, with its bytes, as the
+    // cause.
+    let (holder, _, report) = co_tenancy(&fx, true, (None, None), ("gpu-b", "gpu-b"), true);
+    assert!(!rule_names(&report).contains(&"rank_outlier"));
+    let oom = chain(&report, "oom");
+    let named = format!(
+        "pid {} (python3) 768.00 MiB (named by PyTorch's message",
+        holder["pid"]
+    );
+    assert!(
+        oom["compounding"].to_string().contains(&named),
+        "{named} not in {oom:#}"
+    );
+    assert!(
+        oom["effect"]
+            .as_str()
+            .unwrap()
+            .contains("held by other processes on GPU 0"),
+        "{oom:#}"
+    );
+    let holders = &report["holders"][0];
+    assert_eq!(holders["verdict"], "other_processes", "{holders:#}");
+    assert_eq!(holders["others"][0]["from_message"], true, "{holders:#}");
+    // Where PyTorch cannot read NVML its message names no process: unseen, said as memory no
+    // traced process held, whose owner is not known.
+    let (_, _, report) = co_tenancy(&fx, true, (None, None), ("gpu-c", "gpu-c"), false);
     assert!(!rule_names(&report).contains(&"rank_outlier"));
     let oom = chain(&report, "oom");
     assert!(
@@ -2515,6 +2557,8 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
             .contains("who held it is not known"),
         "{oom:#}"
     );
+    assert_eq!(report["holders"][0]["verdict"], "unknown");
+    assert_eq!(report["holders"][0]["unattributed"], 768u64 << 20);
 }
 
 #[test]
@@ -2523,7 +2567,7 @@ fn containers_that_both_say_device_0_are_one_gpu_only_when_their_roots_say_so() 
         return;
     };
     // Host GPU 3 in both containers: the holder is named on GPU 3.
-    let (holder, _, report) = co_tenancy(&fx, false, (Some(3), Some(3)), ("gpu3", "gpu3"));
+    let (holder, _, report) = co_tenancy(&fx, false, (Some(3), Some(3)), ("gpu3", "gpu3"), true);
     // (Each scenario on devices of its own: no memory of the one before.)
     let oom = chain(&report, "oom");
     let named = format!("pid {} (python3) 768.00 MiB", holder["pid"]);
@@ -2534,7 +2578,7 @@ fn containers_that_both_say_device_0_are_one_gpu_only_when_their_roots_say_so() 
     );
     // GPU 3 and GPU 5, each "device 0" inside: not one GPU, the holder is no co-tenant.
     let (holder, trainer, report) =
-        co_tenancy(&fx, false, (Some(3), Some(5)), ("gpu3-b", "gpu5-b"));
+        co_tenancy(&fx, false, (Some(3), Some(5)), ("gpu3-b", "gpu5-b"), true);
     let oom = chain(&report, "oom");
     assert!(
         !oom["compounding"]

@@ -142,6 +142,27 @@ fn the_oom_chain_states_the_figures_pytorchs_message_states() {
         compounding.contains("no other traced process held memory on GPU 0"),
         "{compounding}"
     );
+    // The same figures, as data: the allocator's own at the OOM, cuBLAS's, the memory no
+    // traced process held (the CUDA context: no message was recorded to say whose), and the
+    // verdict they give (the request was more than the whole device).
+    let holders = &report["holders"][0];
+    assert_eq!(holders["pid"], oom["pid"], "{holders:#}");
+    assert_eq!(
+        holders["allocated"], r.stats["layout"]["allocated"],
+        "{holders:#}"
+    );
+    let reserved = r.stats["layout"]["reserved"].as_u64().unwrap();
+    let allocated = r.stats["layout"]["allocated"].as_u64().unwrap();
+    assert_eq!(holders["cached"], reserved - allocated, "{holders:#}");
+    assert_eq!(holders["outside"][0]["library"], "libcublas.so.13");
+    assert_eq!(holders["outside"][0]["allocations"], 6);
+    assert_eq!(
+        holders["held"],
+        reserved + holders["outside"][0]["bytes"].as_u64().unwrap()
+    );
+    assert_eq!(holders["unattributed"], 654_899_200, "{holders:#}");
+    assert_eq!(holders["verdict"], "this_process");
+    assert_eq!(holders["others"], serde_json::json!([]));
     // With expandable segments a refused page does not tell the request, and no message was
     // recorded: said, with what would settle it.
     let r = recording("expandable");

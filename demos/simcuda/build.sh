@@ -16,6 +16,8 @@ cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcudart.so.12" -Wl,-son
 # PyTorch's own probes (USDT, sys/sdt.h) for the simulated caching allocator.
 cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libsimtorch.so" "$src/torchprobes.c" \
   -L"$out" -l:libcudart.so.12 -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
+# The management library PyTorch's out-of-memory message asks which processes use the device.
+cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libnvidia-ml.so.1" -Wl,-soname,libnvidia-ml.so.1 "$src/nvml.c"
 cc "${cflags[@]}" -o "$out/simdriver" "$src/simdriver.c" -ldl -lpthread
 # The long training job (demos/workloads/long_job.py in C, for the flight recorder's benchmark).
 cc "${cflags[@]}" -o "$out/simjob" "$src/simjob.c" -ldl

@@ -16,7 +16,9 @@
  *   SIMCUDA_EVENTS                   log every runtime call to this file (see simcuda.h)
  *   SIMCUDA_SHARED_DEVICES           a file holding each device's bytes in use, shared by every
  *                                    process that names it: processes on one node share its GPUs
- *                                    (a co-tenant's memory is not free to the others), as on a GPU
+ *                                    (a co-tenant's memory is not free to the others), as on a GPU;
+ *                                    each process's own use is kept there too, for the simulated
+ *                                    NVML (nvml.c) that PyTorch's out-of-memory message reads
  */
 #define _GNU_SOURCE
 #include "simcuda.h"
@@ -31,7 +33,6 @@
 #include <string.h>
 #include <time.h>
 
-#define MAX_DEVICES 16
 #define ALIGN 512ULL
 #define DEVICE_BASE 0x7f0000000000ULL
 #define DEVICE_STRIDE 0x10000000000ULL /* 1 TiB of address space per device */
@@ -54,8 +55,11 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int device_count = 1;
 static struct device devices[MAX_DEVICES];
-/* With SIMCUDA_SHARED_DEVICES: each device's bytes in use by every process sharing the file. */
+/* With SIMCUDA_SHARED_DEVICES: each device's bytes in use by every process sharing the file,
+ * then each process's own (simcuda.h `sim_shared`). */
+static struct sim_shared *shared_file;
 static uint64_t *shared_used;
+static struct sim_process_slot *own_slot;
 static struct vec host_live;
 static struct vec va_free, va_live, mappings;
 static struct handle *handles;
@@ -166,9 +170,13 @@ static void init(void) {
     const char *shared = getenv("SIMCUDA_SHARED_DEVICES");
     if (shared && *shared) {
         int fd = open(shared, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-        if (fd >= 0 && ftruncate(fd, MAX_DEVICES * sizeof(uint64_t)) == 0) {
-            void *m = mmap(NULL, MAX_DEVICES * sizeof(uint64_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (m != MAP_FAILED) shared_used = m;
+        if (fd >= 0 && ftruncate(fd, sizeof(struct sim_shared)) == 0) {
+            void *m = mmap(NULL, sizeof(struct sim_shared), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (m != MAP_FAILED) {
+                shared_file = m;
+                shared_used = shared_file->used;
+                own_slot = sim_claim_slot(shared_file, (uint32_t)getpid());
+            }
         }
         if (fd >= 0) close(fd);
     }
@@ -222,12 +230,14 @@ static int take_device_bytes(int d, uint64_t bytes) {
         return 0;
     }
     dev->used += bytes;
+    if (own_slot) __atomic_fetch_add(&own_slot->used[d], bytes, __ATOMIC_ACQ_REL);
     return 1;
 }
 
 static void give_device_bytes(int d, uint64_t bytes) {
     devices[d].used -= bytes;
     if (shared_used) __atomic_fetch_sub(&shared_used[d], bytes, __ATOMIC_ACQ_REL);
+    if (own_slot) __atomic_fetch_sub(&own_slot->used[d], bytes, __ATOMIC_ACQ_REL);
 }
 
 /* A process's device memory goes back when it exits, as on a GPU (a process killed outright
@@ -236,6 +246,10 @@ __attribute__((destructor)) static void give_back_at_exit(void) {
     if (!shared_used) return;
     for (int d = 0; d < device_count; d++)
         if (devices[d].used) __atomic_fetch_sub(&shared_used[d], devices[d].used, __ATOMIC_ACQ_REL);
+    if (own_slot) {
+        for (int d = 0; d < MAX_DEVICES; d++) __atomic_store_n(&own_slot->used[d], 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&own_slot->pid, 0, __ATOMIC_RELEASE);
+    }
 }
 
 /* Bytes of device `d` in use: this process's, or every sharing process's. */

@@ -34,5 +34,31 @@ void sim_record(const char *op, uint64_t ts_ns, uint64_t mono0, int ret, uint64_
 void sim_record_message(const char *op, uint64_t ts_ns, const char *text);
 /* Spends the configured latency of `op` (busy-waiting, as a driver call does). */
 void sim_delay(const char *op);
+
+/* The file SIMCUDA_SHARED_DEVICES names, mapped by every process that names it: each device's
+ * bytes in use, then each process's own use (what NVML reports per process). */
+#define MAX_DEVICES 16
+#define MAX_SHARING 64
+struct sim_process_slot {
+    uint32_t pid; /* 0: free */
+    uint32_t padding;
+    uint64_t used[MAX_DEVICES];
+};
+struct sim_shared {
+    uint64_t used[MAX_DEVICES];
+    struct sim_process_slot slots[MAX_SHARING];
+};
+/* This process's slot, taken from a free one or one a process of this pid left (NULL: full). */
+static inline struct sim_process_slot *sim_claim_slot(struct sim_shared *s, uint32_t pid) {
+    for (int i = 0; i < MAX_SHARING; i++) {
+        uint32_t expected = 0;
+        if (__atomic_load_n(&s->slots[i].pid, __ATOMIC_ACQUIRE) == pid ||
+            __atomic_compare_exchange_n(&s->slots[i].pid, &expected, pid, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            for (int d = 0; d < MAX_DEVICES; d++) __atomic_store_n(&s->slots[i].used[d], 0, __ATOMIC_RELEASE);
+            return &s->slots[i];
+        }
+    }
+    return NULL;
+}
 #pragma GCC visibility pop
 #endif

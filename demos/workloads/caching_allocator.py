@@ -158,6 +158,8 @@ class CachingAllocator:
         self.event_pool = []
         truth = os.environ.get("SIMTORCH_TRUTH")
         self.truth = open(truth, "a", buffering=1) if truth else None
+        nvml = os.path.join(os.path.dirname(os.path.abspath(cudart_path)), "libnvidia-ml.so.1")
+        self.nvml = ctypes.CDLL(nvml) if os.path.exists(nvml) else None
         self.drv = None
         if expandable:
             self.drv = ctypes.CDLL(driver_path or os.path.join(os.path.dirname(cudart_path), "libcuda.so.1"))
@@ -296,13 +298,42 @@ class CachingAllocator:
         s = self.stats()
         return (
             f"CUDA out of memory. Tried to allocate {format_size(size)}. GPU {self.device} has a total capacity "
-            f"of {format_size(total)} of which {format_size(free)} is free. Including non-PyTorch memory, this "
-            f"process has {format_size(total - free)} memory in use. Of the allocated memory "
+            f"of {format_size(total)} of which {format_size(free)} is free. {self._processes_said(total - free)}"
+            "Of the allocated memory "
             f"{format_size(s['allocated'])} is allocated by PyTorch, and {format_size(s['reserved'] - s['allocated'])} "
             "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
             "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
         )
+
+    def _processes_said(self, in_use):
+        """What PyTorch says of each process on the device, from NVML (its order): "Process N has
+        X memory in use. ", and for itself "Including non-PyTorch memory, this process has ...".
+        Nothing where NVML cannot be loaded; without a shared device (no other process) the
+        device's use is this process's."""
+        if os.environ.get("SIMCUDA_NVML") == "0":
+            return ""
+        if not os.environ.get("SIMCUDA_SHARED_DEVICES") or self.nvml is None:
+            return f"Including non-PyTorch memory, this process has {format_size(in_use)} memory in use. "
+        if self.nvml.nvmlInit_v2() != 0:
+            return ""
+
+        class ProcessInfo(ctypes.Structure):
+            _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                        ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+
+        handle = ctypes.c_void_p()
+        if self.nvml.nvmlDeviceGetHandleByIndex_v2(self.device, ctypes.byref(handle)) != 0:
+            return ""
+        infos = (ProcessInfo * 64)()
+        count = ctypes.c_uint(64)
+        if self.nvml.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(count), infos) != 0:
+            return ""
+        said = ""
+        for info in infos[: count.value]:
+            who = "Including non-PyTorch memory, this process" if info.pid == os.getpid() else f"Process {info.pid}"
+            said += f"{who} has {format_size(info.usedGpuMemory)} memory in use. "
+        return said
 
     def _record_truth(self, op, ptr, requested):
         if not self.truth:

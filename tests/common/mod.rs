@@ -116,6 +116,7 @@ pub fn sim_copy(dir: &Path) -> PathBuf {
         "libcudart.so.12",
         "libcuda.so.1",
         "libsimtorch.so",
+        "libnvidia-ml.so.1",
         "simdriver",
         "staticapp",
     ] {

@@ -476,14 +476,17 @@ fn allocator_figures(f: &allocator::Findings) -> AllocatorFigures {
 }
 
 /// The early warning, and the OOM chain told from the layout at the failure.
-fn allocator_chains(
+/// Adds the allocator's chains of `p` and its forensics to the OOM chain; returns what the OOM
+/// was judged from the allocator's layout (the failure's figures, and whether the cache held the
+/// bytes: `None` when that is not known).
+fn allocator_chains<'f>(
     p: &Proc<'_>,
-    f: &allocator::Findings,
+    f: &'f allocator::Findings,
     messages: &[crate::model::MessageRow],
     chains: &mut Vec<Chain>,
-) {
+) -> Option<rules::Judged<'f>> {
     if !f.visible {
-        return;
+        return None;
     }
     // The failure that was not recovered: the OOM chain's last timeline entry.
     let oom = chains
@@ -492,7 +495,7 @@ fn allocator_chains(
     let fatal_ns = oom.and_then(|i| chains[i].timeline.last()).map(|t| t.ts_ns);
     chains.extend(rules::warning_chain(p.pid, f, fatal_ns));
     let (Some(i), Some(fatal_ns)) = (oom, fatal_ns) else {
-        return;
+        return None;
     };
     let message = messages
         .iter()
@@ -500,15 +503,20 @@ fn allocator_chains(
             m.pid == p.pid && m.op == tracer_common::Op::TorchOom.name() && m.ts_ns >= fatal_ns
         })
         .map(|m| m.text.as_str());
-    let Some((forensics, fixes)) = rules::oom_forensics(f, fatal_ns, message) else {
-        return;
-    };
+    let (forensics, fixes, fragmentation) = rules::oom_forensics(f, fatal_ns, message)?;
     let c = &mut chains[i];
     c.effect = forensics;
     c.fix = fixes;
     if let Some(m) = message {
         c.evidence.push_str(&format!("; PyTorch raised: {m}"));
     }
+    Some(rules::Judged {
+        failure: f
+            .forensics
+            .iter()
+            .rfind(|x| x.ts_ns >= fatal_ns && x.ts_ns - fatal_ns < 1_000_000_000)?,
+        fragmentation,
+    })
 }
 
 /// What --max-db evicted of a session.
@@ -745,6 +753,8 @@ pub struct Explanation {
     pub call_sites: Vec<CallSiteRow>,
     /// Each process on each device it used: its peaks and failures, to compare ranks.
     pub devices: Vec<ranks::DeviceRow>,
+    /// At each process's out-of-memory: who held its GPU (rules/tenants.rs).
+    pub holders: Vec<rules::Holders>,
     /// What the answer covers: evictions, the series in their place, gaps.
     pub coverage: Coverage,
     /// The session's times give only the calls' order (an older PyTorch snapshot): no rule
@@ -909,8 +919,9 @@ pub fn analyze_collected(
         comms,
         owners: inputs.owners,
     };
+    let mut holders = Vec::new();
     for (p, findings) in active.iter().zip(&layouts) {
-        allocator_chains(p, findings, inputs.messages, &mut chains);
+        let judged = allocator_chains(p, findings, inputs.messages, &mut chains);
         chains.extend(rules::unknown_chain(p.pid, findings));
         if let Some(oom) = chains
             .iter_mut()
@@ -921,7 +932,7 @@ pub fn analyze_collected(
                 .iter()
                 .find(|m| m.pid == p.pid && m.op == tracer_common::Op::TorchOom.name())
                 .map(|m| m.text.as_str());
-            rules::name_in_oom(oom, p, &everyone, &who, message);
+            holders.extend(rules::name_in_oom(oom, p, &everyone, &who, message, judged));
         }
     }
     let devices = device_rows(&active, &layouts, inputs.ranks, &who);
@@ -957,6 +968,7 @@ pub fn analyze_collected(
         chains,
         call_sites,
         devices,
+        holders,
         coverage: Coverage {
             states,
             ..Coverage::default()

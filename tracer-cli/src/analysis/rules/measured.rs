@@ -366,7 +366,7 @@ pub fn oom_forensics(
     f: &Findings,
     fatal_ns: i64,
     message: Option<&str>,
-) -> Option<(String, Vec<String>)> {
+) -> Option<(String, Vec<String>, Option<bool>)> {
     let x = f
         .forensics
         .iter()
@@ -438,6 +438,7 @@ pub fn oom_forensics(
                         FIX_EXPANDABLE.into(),
                         "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
                     ],
+                    None,
                 ));
             }
         }
@@ -478,7 +479,7 @@ pub fn oom_forensics(
             "leave the device to this job (other processes hold memory on it)".into(),
         ]
     };
-    Some((text, fixes))
+    Some((text, fixes, verdict))
 }
 
 /// What is not known of the allocator's layout, in a few words.
@@ -528,7 +529,7 @@ fn pytorch_cached(message: &str) -> Option<u64> {
 }
 
 /// A size as PyTorch's format_size writes it ("55.66 MiB", "512 bytes").
-fn pytorch_size(text: &str) -> Option<u64> {
+pub(crate) fn pytorch_size(text: &str) -> Option<u64> {
     let compact = text.trim().replace("bytes", "B").replace(' ', "");
     if compact.trim_start_matches('0').starts_with(['B', '.']) || compact == "0" {
         return Some(0);
@@ -537,7 +538,7 @@ fn pytorch_size(text: &str) -> Option<u64> {
 }
 
 /// "Tried to allocate 22.00 MiB.": the request PyTorch names.
-fn pytorch_tried(message: &str) -> Option<u64> {
+pub(crate) fn pytorch_tried(message: &str) -> Option<u64> {
     let rest = message.split_once("Tried to allocate ")?.1;
     pytorch_size(rest.split(". ").next()?)
 }

@@ -22,7 +22,7 @@ use stalls::{cpu_contention, sync_stall};
 
 pub use measured::{fragmentation_chain, leak_chain, oom_forensics, unknown_chain, warning_chain};
 pub use ranks::outlier_chains;
-pub use tenants::{name_in_oom, Who};
+pub use tenants::{name_in_oom, Holders, Judged, Who};
 
 use serde::Serialize;
 use tracer_common::{Op, Space};

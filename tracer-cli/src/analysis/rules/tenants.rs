@@ -14,7 +14,7 @@ use crate::{
 };
 
 /// Another process on the GPU at the out-of-memory.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Tenant {
     pub pid: u32,
     pub comm: Option<String>,
@@ -111,6 +111,68 @@ pub fn processes_named(message: &str) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// What the allocator's layout said of an out-of-memory (analysis/mod.rs `allocator_chains`).
+pub struct Judged<'f> {
+    /// The failure's figures.
+    pub failure: &'f crate::analysis::allocator::Forensics,
+    /// The cache held the bytes (fragmentation), did not (capacity), or that is not known.
+    pub fragmentation: Option<bool>,
+}
+
+/// Who held the GPU when a process ran out of memory: its allocator, its memory outside the
+/// allocator by library, the other processes on the GPU, and what no one traced held.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Holders {
+    pub pid: u32,
+    pub device: i32,
+    /// The physical GPU ("GPU 3").
+    pub gpu: String,
+    pub at_ns: i64,
+    /// What the failed call asked the device for.
+    pub requested: u64,
+    /// The device's capacity and free bytes when cudaMemGetInfo last said (the failure's
+    /// figures keep the free bytes current with this process's own calls since).
+    pub device_total: Option<u64>,
+    pub device_free: Option<u64>,
+    /// This process's allocator: bytes in blocks handed out, and cached (reserved but
+    /// unallocated), where PyTorch's probes were seen.
+    pub allocated: Option<u64>,
+    pub cached: Option<u64>,
+    /// This process's device memory through the traced calls (segments and outside).
+    pub held: u64,
+    /// This process's memory outside the allocator, by the library that took it.
+    pub outside: Vec<LibraryHeld>,
+    /// What PyTorch's message says this process has beyond what tracer saw it take: its CUDA
+    /// context, mostly (to the message's two decimals).
+    pub untraced: Option<u64>,
+    pub others: Vec<Tenant>,
+    /// Memory in use that no traced process held and no process PyTorch's message names.
+    pub unattributed: Option<u64>,
+    pub verdict: HeldBy,
+}
+
+/// The memory the request needed was...
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeldBy {
+    /// ...held by other processes on the GPU: more than the request.
+    OtherProcesses,
+    /// ...in use by this process (its tensors; the cache did not hold it).
+    ThisProcess,
+    /// ...in this process's cache, in no block that fit.
+    Fragmentation,
+    /// ...not known: the figures do not tell (the chain says what would settle it).
+    Unknown,
+}
+
+/// Bytes of device memory a library took and still held.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct LibraryHeld {
+    pub library: String,
+    pub bytes: u64,
+    pub allocations: u64,
+}
+
 /// Adds to the OOM chain of `p` (its last timeline entry: the failure PyTorch raised for) who
 /// else held the GPU, and, when they held more than the request, says the memory was theirs.
 pub fn name_in_oom(
@@ -119,32 +181,126 @@ pub fn name_in_oom(
     everyone: &[Proc<'_>],
     who: &Who<'_>,
     message: Option<&str>,
-) {
-    let Some(at_ns) = chain.timeline.last().map(|t| t.ts_ns) else {
-        return;
-    };
-    let Some(failed) = p.all.iter().rev().find(|e| e.ts_ns == at_ns && e.ret != 0) else {
-        return;
-    };
+    judged: Option<Judged<'_>>,
+) -> Option<Holders> {
+    let at_ns = chain.timeline.last().map(|t| t.ts_ns)?;
+    let failed = p
+        .all
+        .iter()
+        .rev()
+        .find(|e| e.ts_ns == at_ns && e.ret != 0)?;
     let (gpu, tenants) = on_gpu(p, failed.device, at_ns, everyone, who, message);
-    if let Some(line) = outside_by_library(p, &gpu, at_ns, who) {
-        chain.compounding.push(line);
-    }
-    let unseen = held_by_no_one_traced(p, failed, at_ns, everyone, who);
-    if let Some(u) = &unseen {
+    let outside = outside_by_library(p, &gpu, at_ns, who);
+    let held = held_on(p, &gpu, at_ns, who);
+    let reading = last_reading(p, failed.device, at_ns);
+    let untraced = message
+        .and_then(this_process_said)
+        .map(|said| said.saturating_sub(held))
+        .filter(|&b| b > MESSAGE_ROUNDING);
+    let unseen = reading.map(|r| held_by_no_one_traced(p, r, everyone, who));
+    let named: u64 = tenants
+        .iter()
+        .filter(|t| t.from_message)
+        .map(|t| t.bytes)
+        .sum();
+    let unattributed = unseen
+        .map(|u| u.saturating_sub(named + untraced.unwrap_or(0)))
+        .filter(|&b| b > MESSAGE_ROUNDING);
+    let others: u64 = tenants.iter().map(|t| t.bytes).sum();
+    let fragmentation = judged.as_ref().and_then(|j| j.fragmentation);
+    let verdict = match fragmentation {
+        Some(true) => HeldBy::Fragmentation,
+        _ if others >= failed.size => HeldBy::OtherProcesses,
+        Some(false) if unattributed.is_some_and(|u| u >= failed.size) => HeldBy::Unknown,
+        Some(false) => HeldBy::ThisProcess,
+        None => HeldBy::Unknown,
+    };
+    let holders = Holders {
+        pid: p.pid,
+        device: failed.device,
+        gpu: gpu.label.clone(),
+        at_ns,
+        requested: failed.size,
+        device_total: reading.map(|r| r.aux1),
+        device_free: judged
+            .as_ref()
+            .and_then(|j| j.failure.device_free)
+            .or(reading.map(|r| r.aux0.min(r.aux1))),
+        allocated: judged.as_ref().map(|j| j.failure.total.allocated),
+        cached: judged.as_ref().map(|j| j.failure.total.cached()),
+        held,
+        outside,
+        untraced,
+        others: tenants,
+        unattributed,
+        verdict,
+    };
+    say_in_chain(chain, &holders, reading, message.is_some());
+    Some(holders)
+}
+
+/// PyTorch's figures have two decimals: a difference this small is the rounding.
+const MESSAGE_ROUNDING: u64 = 8 << 20;
+
+/// "Including non-PyTorch memory, this process has 1.24 GiB memory in use": NVML's figure for
+/// the process, its CUDA context included.
+fn this_process_said(message: &str) -> Option<u64> {
+    let rest = message.split_once("this process has ")?.1;
+    super::measured::pytorch_size(rest.split(" memory in use").next()?)
+}
+
+/// The figures, said in the chain; the verdict said in its effect and fixes.
+fn say_in_chain(
+    chain: &mut Chain,
+    h: &Holders,
+    reading: Option<&crate::model::Event>,
+    has_message: bool,
+) {
+    if !h.outside.is_empty() {
+        let listed: Vec<String> = h
+            .outside
+            .iter()
+            .map(|o| {
+                format!(
+                    "{} {} ({} allocation(s))",
+                    o.library,
+                    pb(o.bytes),
+                    o.allocations
+                )
+            })
+            .collect();
         chain.compounding.push(format!(
-            "{} of {} was held by no traced process when cudaMemGetInfo last said ({} in all, {} free): the CUDA context, processes that allocated before the trace, or libraries not traced; nvidia-smi, or PyTorch's message where it lists processes, names them",
-            pb(u.bytes),
-            gpu.label,
-            pb(u.total),
-            pb(u.free)
+            "this process's memory outside PyTorch's allocator on {} (taken past the CUDA runtime): {}",
+            h.gpu,
+            listed.join("; ")
         ));
     }
-    if tenants.is_empty() {
+    if let Some(untraced) = h.untraced {
+        chain.compounding.push(format!(
+            "this process had {} on {} that tracer did not see it take (PyTorch's message, less its traced calls): its CUDA context, mostly",
+            pb(untraced),
+            h.gpu
+        ));
+    }
+    if let (Some(u), Some(r)) = (h.unattributed, reading) {
+        chain.compounding.push(format!(
+            "{} of {} was held by no traced process when cudaMemGetInfo last said ({} in all, {} free){}: the CUDA context, processes that allocated before the trace, or libraries not traced; nvidia-smi, or PyTorch's message where it lists processes, names them",
+            pb(u),
+            h.gpu,
+            pb(r.aux1),
+            pb(r.aux0.min(r.aux1)),
+            if h.others.iter().any(|t| t.from_message) {
+                " and no process PyTorch's message names"
+            } else {
+                ""
+            }
+        ));
+    }
+    if h.others.is_empty() {
         chain.compounding.push(format!(
             "no other traced process held memory on {} then{}",
-            gpu.label,
-            if message.is_some() {
+            h.gpu,
+            if has_message {
                 " and PyTorch's message names none"
             } else {
                 " (processes that allocated before the trace are not seen: PyTorch's out-of-memory message or nvidia-smi names them)"
@@ -153,58 +309,76 @@ pub fn name_in_oom(
         chain
             .fix
             .retain(|f| !f.starts_with("leave the device to this job"));
-        if let Some(u) = unseen.filter(|u| u.bytes >= failed.size) {
-            if !chain.effect.contains("(fragmentation)") {
-                chain.effect.push_str(&format!(
-                    ": {} of {} was held outside this process and no traced process held it: who held it is not known (nvidia-smi, or a trace running before the other jobs start, would settle it)",
-                    pb(u.bytes),
-                    gpu.label
-                ));
-            }
-        }
-        return;
+    } else {
+        let others: u64 = h.others.iter().map(|t| t.bytes).sum();
+        let listed: Vec<String> = h.others.iter().map(said).collect();
+        chain.compounding.push(format!(
+            "other processes held {} on {}: {}",
+            pb(others),
+            h.gpu,
+            listed.join("; ")
+        ));
     }
-    let others: u64 = tenants.iter().map(|t| t.bytes).sum();
-    let listed: Vec<String> = tenants.iter().map(said).collect();
-    chain.compounding.push(format!(
-        "other processes held {} on {}: {}",
-        pb(others),
-        gpu.label,
-        listed.join("; ")
-    ));
-    // The request would have fit in what the others held: the memory was theirs.
-    if others >= failed.size && !chain.effect.contains("(fragmentation)") {
-        chain.effect = chain
-            .effect
-            .replace(
+    match h.verdict {
+        HeldBy::OtherProcesses => {
+            let others: u64 = h.others.iter().map(|t| t.bytes).sum();
+            chain.effect = chain.effect.replace(
                 "the memory is in use, not lost to fragmentation (capacity)",
                 "the memory is in use, by other processes",
-            )
-            .to_string();
-        chain.effect.push_str(&format!(
-            ": held by other processes on {} ({}), more than the {} requested",
-            gpu.label,
-            pb(others),
-            pb(failed.size)
-        ));
-        chain.fix.insert(
-            0,
-            format!(
-                "run this job where it has {} to itself, or bound the other processes there ({} held)",
-                gpu.label,
-                pb(others)
-            ),
-        );
-        chain.fix.retain(|f| {
-            !f.starts_with("reduce the batch size") && !f.starts_with("reduce peak memory")
-        });
+            );
+            chain.effect.push_str(&format!(
+                ": held by other processes on {} ({}), more than the {} requested",
+                h.gpu,
+                pb(others),
+                pb(h.requested)
+            ));
+            chain.fix.insert(
+                0,
+                format!(
+                    "run this job where it has {} to itself, or bound the other processes there ({} held)",
+                    h.gpu,
+                    pb(others)
+                ),
+            );
+            chain.fix.retain(|f| {
+                !f.starts_with("reduce the batch size") && !f.starts_with("reduce peak memory")
+            });
+        }
+        HeldBy::Unknown if h.others.is_empty() && h.unattributed.is_some() => {
+            chain.effect.push_str(&format!(
+                ": {} of {} was held outside this process and no traced process held it: who held it is not known (nvidia-smi, or a trace running before the other jobs start, would settle it)",
+                pb(h.unattributed.unwrap_or(0)),
+                h.gpu
+            ));
+        }
+        _ => {}
     }
+}
+
+/// This process's device memory on `gpu` through its traced calls, at `at_ns`.
+fn held_on(p: &Proc<'_>, gpu: &Gpu, at_ns: i64, who: &Who<'_>) -> u64 {
+    let place = who.placement(p.pid);
+    let ordinals: Vec<i32> = (0..MAX_ORDINALS)
+        .filter(|&d| place.gpu(d).key == gpu.key)
+        .collect();
+    replay::held_bytes_at(p.all.iter().filter(|e| ordinals.contains(&e.device)), at_ns)
+}
+
+/// The last cudaMemGetInfo of `device` before the failure (or the one PyTorch makes for its
+/// message right after).
+fn last_reading<'a>(p: &Proc<'a>, device: i32, at_ns: i64) -> Option<&'a crate::model::Event> {
+    use tracer_common::OpClass;
+    p.all
+        .iter()
+        .rev()
+        .filter(|e| e.ts_ns <= at_ns + 1_000_000_000)
+        .find(|e| e.class() == OpClass::MemInfo && e.ret == 0 && e.aux1 > 0 && e.device == device)
 }
 
 /// The process's device memory taken past the CUDA runtime (cuMemAlloc* by cuBLAS, NCCL, an
 /// extension: not the allocator's segments, which come from cudaMalloc) and still held at
 /// `at_ns` on `gpu`, by the library that took it (its call site's, under `--stack`).
-fn outside_by_library(p: &Proc<'_>, gpu: &Gpu, at_ns: i64, who: &Who<'_>) -> Option<String> {
+fn outside_by_library(p: &Proc<'_>, gpu: &Gpu, at_ns: i64, who: &Who<'_>) -> Vec<LibraryHeld> {
     use crate::model::attempts::Outermost;
     use tracer_common::{Library, OpClass, Space};
     let place = who.placement(p.pid);
@@ -229,9 +403,6 @@ fn outside_by_library(p: &Proc<'_>, gpu: &Gpu, at_ns: i64, who: &Who<'_>) -> Opt
         outermost.push(e, &mut take);
     }
     outermost.finish(&mut take);
-    if live.is_empty() {
-        return None;
-    }
     let mut by_owner: HashMap<String, (u64, u64)> = HashMap::new();
     for e in live.values() {
         let owner = e
@@ -242,65 +413,35 @@ fn outside_by_library(p: &Proc<'_>, gpu: &Gpu, at_ns: i64, who: &Who<'_>) -> Opt
         o.0 += 1;
         o.1 += e.size;
     }
-    let mut owners: Vec<(String, (u64, u64))> = by_owner.into_iter().collect();
-    owners.sort_by_key(|(name, (_, bytes))| (std::cmp::Reverse(*bytes), name.clone()));
-    let listed: Vec<String> = owners
-        .iter()
-        .map(|(name, (n, bytes))| format!("{name} {} ({n} allocation(s))", pb(*bytes)))
+    let mut owners: Vec<LibraryHeld> = by_owner
+        .into_iter()
+        .map(|(library, (allocations, bytes))| LibraryHeld {
+            library,
+            bytes,
+            allocations,
+        })
         .collect();
-    Some(format!(
-        "this process's memory outside PyTorch's allocator on {} (taken past the CUDA runtime): {}",
-        gpu.label,
-        listed.join("; ")
-    ))
+    owners.sort_by_key(|o| (std::cmp::Reverse(o.bytes), o.library.clone()));
+    owners
 }
 
-/// Device memory in use that no traced process held, when the device last said.
-struct Unseen {
-    bytes: u64,
-    total: u64,
-    free: u64,
-}
-
-/// At the last cudaMemGetInfo of the failed call's device before the failure (or the one PyTorch
-/// makes for its message right after): the bytes in use that neither this process nor any other
+/// At cudaMemGetInfo's `reading`: the bytes in use that neither this process nor any other
 /// traced process on the GPU held then.
 fn held_by_no_one_traced(
     p: &Proc<'_>,
-    failed: &crate::model::Event,
-    at_ns: i64,
+    reading: &crate::model::Event,
     everyone: &[Proc<'_>],
     who: &Who<'_>,
-) -> Option<Unseen> {
-    use tracer_common::OpClass;
-    let reading = p
-        .all
-        .iter()
-        .rev()
-        .filter(|e| e.ts_ns <= at_ns + 1_000_000_000)
-        .find(|e| {
-            e.class() == OpClass::MemInfo && e.ret == 0 && e.aux1 > 0 && e.device == failed.device
-        })?;
+) -> u64 {
     let (total, free) = (reading.aux1, reading.aux0.min(reading.aux1));
-    let gpu = who.placement(p.pid).gpu(failed.device);
-    let held = |q: &Proc<'_>| {
-        let place = who.placement(q.pid);
-        let ordinals: Vec<i32> = (0..MAX_ORDINALS)
-            .filter(|&d| place.gpu(d).key == gpu.key)
-            .collect();
-        replay::held_bytes_at(
-            q.all.iter().filter(|e| ordinals.contains(&e.device)),
-            reading.ts_ns,
-        )
-    };
-    let traced: u64 = held(p)
+    let gpu = who.placement(p.pid).gpu(reading.device);
+    let traced: u64 = held_on(p, &gpu, reading.ts_ns, who)
         + everyone
             .iter()
             .filter(|q| q.pid != p.pid)
-            .map(held)
+            .map(|q| held_on(q, &gpu, reading.ts_ns, who))
             .sum::<u64>();
-    let bytes = (total - free).saturating_sub(traced);
-    (bytes > 0).then_some(Unseen { bytes, total, free })
+    (total - free).saturating_sub(traced)
 }
 
 /// "pid 516 (python3) 129.30 GiB since 2026-11-26 18:28:15.634 UTC".

@@ -2516,6 +2516,22 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
     assert_eq!(holders["others"][0]["from_message"], false);
     assert_eq!(holders["device_total"], 1u64 << 30);
     assert_eq!(holders["unattributed"], Value::Null, "{holders:#}");
+    // The layout at the OOM says the same of the GPU, beside the trainer's own figures.
+    let layout = tracer_json(&fx.db, &["layout", "--at", "oom", "--json"]);
+    let trainer_layout = layout
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == trainer["pid"])
+        .unwrap();
+    let share = &trainer_layout["devices"][0]["gpu_share"];
+    assert_eq!(
+        share["others"],
+        serde_json::json!([[holder["pid"], 0, holder["held"]]]),
+        "{layout:#}"
+    );
+    assert_eq!(share["held"], holders["held"], "{layout:#}");
+    assert_eq!(share["device_total"], 1u64 << 30);
     // Allocated before the trace: PyTorch's message (NVML) names it, with its bytes, as the
     // cause.
     let (holder, _, report) = co_tenancy(&fx, true, (None, None), ("gpu-b", "gpu-b"), true);

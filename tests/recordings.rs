@@ -110,6 +110,11 @@ fn the_layout_at_the_oom_is_the_allocators_own() {
         for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
             assert_eq!(total[key], said[key], "{name}: {key}: {layout:#}");
         }
+        // Beside it, the GPU: the CUDA context's 624.56 MiB held by no traced process, as
+        // explain's OOM chain says.
+        let share = &layout[0]["devices"][0]["gpu_share"];
+        assert_eq!(share["unattributed"], 654_899_200, "{name}: {share:#}");
+        assert_eq!(share["others"], serde_json::json!([]));
     }
 }
 
@@ -161,7 +166,7 @@ fn the_oom_chain_states_the_figures_pytorchs_message_states() {
         reserved + holders["outside"][0]["bytes"].as_u64().unwrap()
     );
     assert_eq!(holders["unattributed"], 654_899_200, "{holders:#}");
-    assert_eq!(holders["verdict"], "this_process");
+    assert_eq!(holders["verdict"], "beyond_device");
     assert_eq!(holders["others"], serde_json::json!([]));
     // With expandable segments a refused page does not tell the request, and no message was
     // recorded: said, with what would settle it.

@@ -121,6 +121,48 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
         rows[0][1].as_str().unwrap().starts_with("request "),
         "{rows:?}"
     );
+    // Who held the GPU at the OOM: a table per out-of-memory, its rows from explain's figures.
+    let holders = explain["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    let rows = seen["holders"][0].as_array().unwrap();
+    let row = |label: &str| {
+        rows.iter()
+            .find(|r| r[0].as_str().unwrap().starts_with(label))
+            .unwrap_or_else(|| panic!("no {label} in {rows:?}"))[1]
+            .clone()
+    };
+    // The page's bytes(): 1024-based, 2, 1 or 0 decimals as the value grows.
+    let said = |n: &Value| {
+        let (mut v, mut unit) = (n.as_u64().unwrap() as f64, 0);
+        let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+        while v >= 1024.0 && unit < units.len() - 1 {
+            v /= 1024.0;
+            unit += 1;
+        }
+        let decimals = if v >= 100.0 {
+            0
+        } else if v >= 10.0 {
+            1
+        } else {
+            2
+        };
+        match unit {
+            0 => format!("{v} B"),
+            _ => format!("{v:.decimals$} {}", units[unit]),
+        }
+    };
+    assert_eq!(
+        row("this process: allocated by PyTorch"),
+        said(&holders[0]["allocated"])
+    );
+    assert_eq!(
+        row("this process, all its traced calls held"),
+        said(&holders[0]["held"])
+    );
+    assert!(seen["holders_said"][0]
+        .as_str()
+        .unwrap()
+        .starts_with("The memory the request needed was "));
     for p in explain["processes"].as_array().unwrap() {
         let rows = seen["ops"][p["pid"].to_string()].as_array().unwrap();
         let ops = p["ops"].as_array().unwrap();
@@ -303,6 +345,26 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
         assert_eq!(g["t"], c["title"]);
         assert_eq!(g["pid"], c["pid"]);
         assert_eq!(g["fix"], c["fix"]);
+    }
+    // Who held the GPU at each OOM, and each device's physical GPU and job.
+    let holders = explain["holders"].as_array().unwrap();
+    let who = e["who"].as_array().unwrap();
+    assert_eq!(who.len(), holders.len());
+    for (g, h) in who.iter().zip(holders) {
+        assert_eq!(g["pid"], h["pid"]);
+        assert_eq!(g["gpu"], h["gpu"]);
+        assert_eq!(g["req"], h["requested"]);
+        assert_eq!(g["alloc"], h["allocated"]);
+        assert_eq!(g["held"], h["held"]);
+        assert_eq!(g["verdict"], h["verdict"]);
+    }
+    for (g, d) in e["dev"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(explain["devices"].as_array().unwrap())
+    {
+        assert_eq!((&g["gpu"], &g["job"]), (&d["gpu"], &d["job"]));
     }
     for (g, p) in e["pr"]
         .as_array()

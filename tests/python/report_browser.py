@@ -81,6 +81,10 @@ try:
         "whatif_rows": [[td.text for td in tr.find_elements(By.CSS_SELECTOR, "td")]
                         for tr in driver.find_elements(By.CSS_SELECTOR, "#whatif table tr")[1:]],
         "runs": len(driver.find_elements(By.CSS_SELECTOR, "#segmap .run")),
+        "holders": [[[td.text for td in tr.find_elements(By.CSS_SELECTOR, "td")]
+                     for tr in table.find_elements(By.CSS_SELECTOR, "tr")[1:]]
+                    for table in driver.find_elements(By.CSS_SELECTOR, "#holders table")],
+        "holders_said": cells("#holders p"),
         "snapshot_label": driver.execute_script(
             "const s = document.getElementById('snapshot'); return s.options[s.selectedIndex].text"
         ),

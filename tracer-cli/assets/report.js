@@ -235,6 +235,33 @@
     chainSec.append(box);
   }
 
+  // Who held the GPU at each out-of-memory (analysis/rules/tenants.rs).
+  const VERDICTS = {
+    other_processes: "held by other processes on the GPU",
+    this_process: "in use by this process's tensors (its cache did not hold it)",
+    beyond_device: "more than the device could give this process even with none of its memory held",
+    fragmentation: "in this process's cache, in no block that fit (fragmentation)",
+    unknown: "not known: the OOM chain says what would settle it",
+  };
+  if ((E.holders || []).length) {
+    const hSec = section("Who held the GPU at the out-of-memory", "holders");
+    for (const h of E.holders) {
+      hSec.append(el("h3", { text: "pid " + h.pid + " on " + h.gpu + " (device " + h.device + ") at " + utc(h.at_ns) + ": " + bytes(h.requested) + " asked" }));
+      const rows = [];
+      if (h.allocated !== null) rows.push(["this process: allocated by PyTorch", bytes(h.allocated)]);
+      if (h.cached !== null) rows.push(["this process: reserved by PyTorch but unallocated", bytes(h.cached)]);
+      for (const o of h.outside) rows.push(["this process, outside the allocator: " + o.library + " (" + o.allocations + " allocations)", bytes(o.bytes)]);
+      rows.push(["this process, all its traced calls held", bytes(h.held)]);
+      if (h.untraced !== null) rows.push(["this process, beyond its traced calls (PyTorch's message: its CUDA context)", bytes(h.untraced)]);
+      for (const t of h.others) rows.push(["pid " + t.pid + (t.comm ? " (" + t.comm + ")" : "") + (t.from_message ? ", named by PyTorch's message" : t.since_ns ? ", since " + utc(t.since_ns) : ""), bytes(t.bytes)]);
+      if (h.unattributed !== null) rows.push(["held by no traced process and none PyTorch's message names", bytes(h.unattributed)]);
+      if (h.device_free !== null) rows.push(["free on the device", bytes(h.device_free)]);
+      if (h.device_total !== null) rows.push(["the device in all", bytes(h.device_total)]);
+      hSec.append(table(["who", "bytes"], rows, [false, true]));
+      hSec.append(el("p", { text: "The memory the request needed was " + (VERDICTS[h.verdict] || h.verdict) + "." }));
+    }
+  }
+
   // The requests under other allocator settings (tracer whatif).
   if (D.whatif) {
     const W = D.whatif, F = W.fidelity;
@@ -264,9 +291,9 @@
   }
   if (E.devices.length) {
     procSec.append(el("h3", { text: "Per device" }));
-    procSec.append(table(["pid", "device", "view", "peak held", "peak reserved", "peak allocated", "fragmentation", "failures"],
-      E.devices.map((d) => [String(d.pid), String(d.device), d.view, bytes(d.peak_held), bytes(d.peak_reserved), bytes(d.peak_allocated), d.fragmentation.toFixed(3), count(d.failures)]),
-      [true, true, false, true, true, true, true, true]));
+    procSec.append(table(["pid", "device", "GPU", "job", "view", "peak held", "peak reserved", "peak allocated", "fragmentation", "failures"],
+      E.devices.map((d) => [String(d.pid), String(d.device), d.gpu, d.job, d.view, bytes(d.peak_held), bytes(d.peak_reserved), bytes(d.peak_allocated), d.fragmentation.toFixed(3), count(d.failures)]),
+      [true, true, false, false, false, true, true, true, true, true]));
   }
 
   // Call sites.

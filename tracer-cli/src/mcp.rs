@@ -248,6 +248,44 @@ pub struct DevOut {
     /// failed allocations
     #[serde(rename = "fail")]
     pub failures: u64,
+    /// the physical GPU behind the device number, and the job the process belongs to
+    pub gpu: String,
+    pub job: String,
+}
+
+/// Who held the GPU at a process's out-of-memory.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct HoldersOut {
+    /// the process that ran out of memory, its device and physical GPU
+    pub pid: u32,
+    #[serde(rename = "d")]
+    pub device: i32,
+    pub gpu: String,
+    /// seconds since the window's start
+    pub at: f64,
+    /// bytes the failed call asked for
+    #[serde(rename = "req")]
+    pub requested: u64,
+    /// the device's capacity and free bytes, when cudaMemGetInfo said
+    pub total: Option<u64>,
+    pub free: Option<u64>,
+    /// this process: allocated and cached by its allocator (PyTorch's probes), all it held
+    /// through traced calls, outside the allocator by library [library, bytes], and what
+    /// PyTorch's message says it had beyond (its CUDA context)
+    #[serde(rename = "alloc")]
+    pub allocated: Option<u64>,
+    pub cached: Option<u64>,
+    pub held: u64,
+    pub outside: Vec<(String, u64)>,
+    pub untraced: Option<u64>,
+    /// other processes on the GPU: [pid, command, bytes, named only by PyTorch's message]
+    pub others: Vec<(u32, Option<String>, u64, bool)>,
+    /// in use, held by no traced process and no process PyTorch's message names
+    pub unattributed: Option<u64>,
+    /// other_processes, this_process, beyond_device, fragmentation or unknown
+    pub verdict: String,
+    /// the whole split in words
+    pub said: String,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
@@ -272,6 +310,8 @@ pub struct ExplainOut {
     /// per process and device
     #[serde(rename = "dev")]
     pub devices: Vec<DevOut>,
+    /// at each out-of-memory: who held the GPU
+    pub who: Vec<HoldersOut>,
     /// what was left out to keep the answer short: chains, processes, process-device rows
     pub omitted: (usize, usize, usize),
     /// what the answer covers: evictions (and the whole-run series in their place), the
@@ -373,6 +413,40 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
                 allocated: d.peak_allocated,
                 fragmentation: d.fragmentation,
                 failures: d.failures,
+                gpu: d.gpu.clone(),
+                job: d.job.clone(),
+            })
+            .collect(),
+        who: r
+            .holders
+            .iter()
+            .take(MAX_PROCESSES)
+            .map(|h| HoldersOut {
+                pid: h.pid,
+                device: h.device,
+                gpu: h.gpu.clone(),
+                at: (h.at_ns - from) as f64 / 1e9,
+                requested: h.requested,
+                total: h.device_total,
+                free: h.device_free,
+                allocated: h.allocated,
+                cached: h.cached,
+                held: h.held,
+                outside: h
+                    .outside
+                    .iter()
+                    .map(|o| (o.library.clone(), o.bytes))
+                    .collect(),
+                untraced: h.untraced,
+                others: h
+                    .others
+                    .iter()
+                    .take(MAX_PROCESSES)
+                    .map(|t| (t.pid, t.comm.clone(), t.bytes, t.from_message))
+                    .collect(),
+                unattributed: h.unattributed,
+                verdict: h.verdict.name().to_owned(),
+                said: h.split_said(),
             })
             .collect(),
         omitted: (
@@ -875,7 +949,7 @@ impl TracerMcp {
 
     #[tool(
         name = "explain",
-        description = "What went wrong in a session and why: the causal chains and per-process tables of `tracer explain --json`, abbreviated. Fields: s = session, w = window [from_ns, to_ns], wt = window as UTC text, n = calls in the window; ch = chains (r = rule, sev = severity, t = title, root = root cause, eff = effect, cmp = compounding, tl = timeline [seconds since the window's start, text], fix = fixes, ev = evidence); pr = processes (ops: n = calls, err = errors, p50_ns/p99_ns/max_ns = latency, b = bytes, bh = bytes in human units; warn = warnings); dev = per process and device (d = device, v = view, held = peak held bytes, res = peak reserved, alloc = peak allocated, frag = fragmentation ratio, fail = failed allocations); omitted = (chains, processes, process-device rows) left out (at most 20 chains, 32 processes and 256 rows are returned).",
+        description = "What went wrong in a session and why: the causal chains and per-process tables of `tracer explain --json`, abbreviated. Fields: s = session, w = window [from_ns, to_ns], wt = window as UTC text, n = calls in the window; ch = chains (r = rule, sev = severity, t = title, root = root cause, eff = effect, cmp = compounding, tl = timeline [seconds since the window's start, text], fix = fixes, ev = evidence); pr = processes (ops: n = calls, err = errors, p50_ns/p99_ns/max_ns = latency, b = bytes, bh = bytes in human units; warn = warnings); dev = per process and device (d = device, v = view, held = peak held bytes, res = peak reserved, alloc = peak allocated, frag = fragmentation ratio, fail = failed allocations, gpu = the physical GPU, job = the job it belongs to); who = at each out-of-memory, who held the GPU (req = bytes asked, total/free = the device's, alloc/cached/held/outside/untraced = this process's, others = [pid, command, bytes, named only by PyTorch's message], unattributed = held by no one traced or named, verdict, said = in words); omitted = (chains, processes, process-device rows) left out (at most 20 chains, 32 processes and 256 rows are returned).",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn explain(

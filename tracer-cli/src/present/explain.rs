@@ -43,8 +43,28 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
     }
     call_sites(out, r)?;
     devices(out, r)?;
+    holders(out, r)?;
     writeln!(out)?;
     chains(out, r)
+}
+
+/// Who held the GPU at each out-of-memory, in one line each.
+fn holders(out: &mut impl Write, r: &Explanation) -> Result<()> {
+    if r.holders.is_empty() {
+        return Ok(());
+    }
+    writeln!(out)?;
+    writeln!(out, "Who held the GPU at the out-of-memory:")?;
+    for h in &r.holders {
+        writeln!(
+            out,
+            "  pid {} at {}: {}",
+            h.pid,
+            format_utc(h.at_ns),
+            h.split_said()
+        )?;
+    }
+    Ok(())
 }
 
 fn coverage(out: &mut impl Write, r: &Explanation) -> Result<()> {

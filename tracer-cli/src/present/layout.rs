@@ -8,7 +8,7 @@ use anyhow::Result;
 
 use crate::{
     model::layout::{PoolStats, RunKind, SegmentMap},
-    query::layout::ProcessLayout,
+    query::layout::{GpuShare, ProcessLayout},
     units::{format_bytes as b, format_utc},
 };
 
@@ -27,6 +27,35 @@ fn figures(s: &PoolStats) -> String {
         s.fragmentation() * 100.0,
         s.slack_ratio() * 100.0
     )
+}
+
+/// Who held the physical GPU, in one line.
+fn gpu_share(out: &mut impl Write, gpu: &str, s: &GpuShare) -> Result<()> {
+    let mut parts = vec![format!("this process {}", b(s.held))];
+    parts.extend(
+        s.others
+            .iter()
+            .map(|(pid, device, held)| format!("pid {pid} (its device {device}) {}", b(*held))),
+    );
+    if !s.everyone_laid_out {
+        parts.push("other processes not laid out (--pid)".into());
+    }
+    if let (Some(total), Some(free), Some(at)) = (s.device_total, s.device_free, s.said_at_ns) {
+        parts.push(format!(
+            "{} in all and {} free when cudaMemGetInfo said at {}",
+            b(total),
+            b(free),
+            format_utc(at)
+        ));
+    }
+    if let Some(u) = s.unattributed {
+        parts.push(format!(
+            "{} in use then held by no traced process (CUDA contexts, processes that allocated before the trace, libraries not traced)",
+            b(u)
+        ));
+    }
+    writeln!(out, "    on {gpu}: {}", parts.join("; "))?;
+    Ok(())
 }
 
 /// A segment as a bar of BAR characters, each showing what most of its bytes are.
@@ -80,6 +109,7 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
             if d.outside > 0 {
                 writeln!(out, "    outside the allocator: {}", b(d.outside))?;
             }
+            gpu_share(out, &d.gpu, &d.gpu_share)?;
             if d.pending.0 > 0 {
                 writeln!(
                     out,

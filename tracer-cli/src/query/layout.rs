@@ -67,6 +67,28 @@ pub struct DeviceLayout {
     pub outside: u64,
     /// Blocks freed but kept for other streams' work (`record_stream`): (blocks, bytes).
     pub pending: (u64, u64),
+    /// Who else held the same physical GPU then, and what the device said of itself.
+    pub gpu_share: GpuShare,
+}
+
+/// The physical GPU at the moment, beside one process's view of it.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GpuShare {
+    /// All this process held on the device through its traced calls (segments and outside).
+    pub held: u64,
+    /// The other processes laid out on the same GPU: pid, its device number, bytes held.
+    pub others: Vec<(u32, i32, u64)>,
+    /// Every process was laid out (no `--pid`): `others` and `unattributed` are whole.
+    pub everyone_laid_out: bool,
+    /// The device's capacity and free bytes when this process's cudaMemGetInfo last said,
+    /// and when.
+    pub device_total: Option<u64>,
+    pub device_free: Option<u64>,
+    pub said_at_ns: Option<i64>,
+    /// In use then and held by no traced process: the CUDA contexts, processes that
+    /// allocated before the trace, libraries not traced (traced processes' bytes taken at the
+    /// layout's moment).
+    pub unattributed: Option<u64>,
 }
 
 /// The session's processes' layouts at `q.at` (processes with device allocations only).
@@ -93,6 +115,9 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         .iter()
         .map(|s| (s.pid, (s.clone(), s.last_ns)))
         .collect();
+    // Each process's last cudaMemGetInfo per device: (when, total, free).
+    let mut readings: std::collections::HashMap<(u32, i32), (i64, u64, u64)> =
+        std::collections::HashMap::new();
     super::walk(db, info.id, &begin, at_ns, q.pid, |step| {
         let e = match step {
             super::Step::Call(e) => e,
@@ -104,6 +129,9 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
                 return;
             }
         };
+        if e.class() == tracer_common::OpClass::MemInfo && e.ret == 0 && e.aux1 > 0 {
+            readings.insert((e.pid, e.device), (e.ts_ns, e.aux1, e.aux0.min(e.aux1)));
+        }
         let (s, last) = states.entry(e.pid).or_insert_with(|| {
             let conf = confs
                 .get(&e.pid)
@@ -121,6 +149,28 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         *last = e.ts_ns;
     })?;
     let placements = events::placements(conn, info.id)?;
+    let placement = |pid: u32| {
+        placements.get(&pid).cloned().unwrap_or_else(|| {
+            crate::model::Placement::new(pid, &std::collections::HashMap::new(), None)
+        })
+    };
+    // Every process's bytes on each physical GPU, by GPU key: (pid, device, held).
+    let mut on_gpu: std::collections::HashMap<String, Vec<(u32, i32, u64)>> =
+        std::collections::HashMap::new();
+    for (&pid, (s, _)) in &states {
+        let place = placement(pid);
+        let mut devices: Vec<i32> = s.layout.stats().keys().map(|(d, _)| *d).collect();
+        devices.extend(s.layout.outside_devices());
+        devices.sort_unstable();
+        devices.dedup();
+        for d in devices {
+            let held = s.layout.device_total(d).reserved + s.layout.outside(d);
+            on_gpu
+                .entry(place.gpu(d).key)
+                .or_default()
+                .push((pid, d, held));
+        }
+    }
     let out = states
         .into_iter()
         .map(|(pid, (s, last))| (pid, s.layout, last))
@@ -128,15 +178,52 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         .map(|(pid, l, last)| {
             let mut p =
                 process_layout(pid, comms.get(&pid).cloned(), &l, last.min(at_ns), q.device);
-            if let Some(place) = placements.get(&pid) {
-                for d in &mut p.devices {
-                    d.gpu = place.gpu(d.device).label;
+            let place = placement(pid);
+            for d in &mut p.devices {
+                let gpu = place.gpu(d.device);
+                d.gpu = gpu.label;
+                d.gpu_share = share(pid, d.device, on_gpu.get(&gpu.key), &readings);
+                d.gpu_share.everyone_laid_out = q.pid.is_none();
+                if q.pid.is_some() {
+                    d.gpu_share.unattributed = None;
                 }
             }
             p
         })
         .collect();
     Ok((info.id, out))
+}
+
+/// Device `device` of `pid` beside the others on its GPU (`everyone`: each process's bytes
+/// there, this one's included).
+fn share(
+    pid: u32,
+    device: i32,
+    everyone: Option<&Vec<(u32, i32, u64)>>,
+    readings: &std::collections::HashMap<(u32, i32), (i64, u64, u64)>,
+) -> GpuShare {
+    let everyone = everyone.map(|v| v.as_slice()).unwrap_or_default();
+    let held = everyone
+        .iter()
+        .filter(|(p, d, _)| *p == pid && *d == device)
+        .map(|(_, _, b)| b)
+        .sum();
+    let others: Vec<(u32, i32, u64)> = everyone
+        .iter()
+        .filter(|(p, _, b)| *p != pid && *b > 0)
+        .copied()
+        .collect();
+    let reading = readings.get(&(pid, device));
+    let traced: u64 = everyone.iter().map(|(_, _, b)| b).sum();
+    GpuShare {
+        held,
+        others,
+        device_total: reading.map(|r| r.1),
+        device_free: reading.map(|r| r.2),
+        said_at_ns: reading.map(|r| r.0),
+        everyone_laid_out: true,
+        unattributed: reading.map(|r| (r.1 - r.2).saturating_sub(traced)),
+    }
 }
 
 pub(crate) fn process_layout(
@@ -172,6 +259,7 @@ pub(crate) fn process_layout(
                     .collect(),
                 outside: l.outside(d),
                 pending: l.pending(Some(d)),
+                gpu_share: GpuShare::default(),
             })
             .collect(),
         unexplained: l.unexplained,

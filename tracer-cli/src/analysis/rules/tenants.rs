@@ -159,10 +159,87 @@ pub enum HeldBy {
     OtherProcesses,
     /// ...in use by this process (its tensors; the cache did not hold it).
     ThisProcess,
+    /// ...more than the device could give this process even with none of its own memory
+    /// held: its capacity less what others and the CUDA context held.
+    BeyondDevice,
     /// ...in this process's cache, in no block that fit.
     Fragmentation,
     /// ...not known: the figures do not tell (the chain says what would settle it).
     Unknown,
+}
+
+impl HeldBy {
+    /// Its name in JSON and the metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeldBy::OtherProcesses => "other_processes",
+            HeldBy::ThisProcess => "this_process",
+            HeldBy::BeyondDevice => "beyond_device",
+            HeldBy::Fragmentation => "fragmentation",
+            HeldBy::Unknown => "unknown",
+        }
+    }
+
+    fn said(self) -> &'static str {
+        match self {
+            HeldBy::OtherProcesses => "held by other processes",
+            HeldBy::ThisProcess => "held by this process (its tensors)",
+            HeldBy::BeyondDevice => {
+                "more than the device could give this process even with none of its memory held"
+            }
+            HeldBy::Fragmentation => {
+                "lost to fragmentation (the cache held it, in no block that fit)"
+            }
+            HeldBy::Unknown => "not known (the chain says what would settle it)",
+        }
+    }
+}
+
+impl Holders {
+    /// The split in one line: "GPU 0 (1.00 GiB, 0 bytes free): this process 256.00 MiB
+    /// (...); other processes 768.00 MiB (...); ...: held by other processes".
+    pub fn split_said(&self) -> String {
+        let mut device = self.gpu.clone();
+        if let (Some(total), Some(free)) = (self.device_total, self.device_free) {
+            device.push_str(&format!(" ({} in all, {} free)", pb(total), pb(free)));
+        }
+        let mut mine = Vec::new();
+        if let (Some(a), Some(c)) = (self.allocated, self.cached) {
+            mine.push(format!("allocated {}, cached {}", pb(a), pb(c)));
+        }
+        for o in &self.outside {
+            mine.push(format!("{} {}", o.library, pb(o.bytes)));
+        }
+        if let Some(u) = self.untraced {
+            mine.push(format!(
+                "{} more by PyTorch's message (its CUDA context)",
+                pb(u)
+            ));
+        }
+        let mut parts = vec![format!(
+            "this process {} ({})",
+            pb(self.held),
+            mine.join(", ")
+        )];
+        if !self.others.is_empty() {
+            let others: u64 = self.others.iter().map(|t| t.bytes).sum();
+            let listed: Vec<String> = self.others.iter().map(said).collect();
+            parts.push(format!(
+                "other processes {} ({})",
+                pb(others),
+                listed.join("; ")
+            ));
+        }
+        if let Some(u) = self.unattributed {
+            parts.push(format!("held by no one traced or named {}", pb(u)));
+        }
+        format!(
+            "{device}, {} asked: {}: {}",
+            pb(self.requested),
+            parts.join("; "),
+            self.verdict.said()
+        )
+    }
 }
 
 /// Bytes of device memory a library took and still held.
@@ -212,6 +289,15 @@ pub fn name_in_oom(
         Some(true) => HeldBy::Fragmentation,
         _ if others >= failed.size => HeldBy::OtherProcesses,
         Some(false) if unattributed.is_some_and(|u| u >= failed.size) => HeldBy::Unknown,
+        Some(false)
+            if reading.is_some_and(|r| {
+                failed.size
+                    > r.aux1
+                        .saturating_sub(others + unattributed.unwrap_or(0) + untraced.unwrap_or(0))
+            }) =>
+        {
+            HeldBy::BeyondDevice
+        }
         Some(false) => HeldBy::ThisProcess,
         None => HeldBy::Unknown,
     };

@@ -1224,6 +1224,43 @@ fn check_multi_gpu(simulated: bool) {
     assert!(stdout.contains(" 1 OOM raised  <- outlier"), "{stdout}");
 }
 
+/// co-tenant: another job's inference server holds 1.25 GiB of the GPU; the training job,
+/// which would fit the GPU alone, runs out of memory beside it.
+fn check_co_tenant(simulated: bool) {
+    let (stdout, stderr, r) = demo("co-tenant", simulated);
+    assert!(
+        stderr.contains("the workload died: torch.cuda.OutOfMemoryError: CUDA out of memory")
+            && stderr.contains("has 1.25 GiB memory in use"),
+        "{stderr}"
+    );
+    assert!(!rule_names(&r).contains(&"rank_outlier"), "{r:#}");
+    let oom = chain(&r, "oom");
+    let holders = &r["holders"][0];
+    assert_eq!(holders["pid"], oom["pid"], "{r:#}");
+    assert_eq!(holders["verdict"], "other_processes", "{holders:#}");
+    let others = holders["others"].as_array().unwrap();
+    assert_eq!(others.len(), 1, "{holders:#}");
+    // The server was seen allocating: its bytes from its calls, not from the message.
+    assert_eq!(others[0]["bytes"], 5 * 256 << 20, "{holders:#}");
+    assert_eq!(others[0]["from_message"], false, "{holders:#}");
+    // The trainer held what its allocator had (no CUDA context in the simulator).
+    assert_eq!(
+        holders["held"],
+        holders["allocated"].as_u64().unwrap() + holders["cached"].as_u64().unwrap()
+    );
+    assert!(
+        oom["effect"]
+            .as_str()
+            .unwrap()
+            .contains("held by other processes on GPU 0 (1.25 GiB)"),
+        "{oom:#}"
+    );
+    assert!(
+        stdout.contains("Who held the GPU at the out-of-memory:"),
+        "{stdout}"
+    );
+}
+
 fn check_incident(simulated: bool) {
     // incident: fragmentation inside the cached segments, the early warning, and an OOM with
     // the cache holding the bytes but no block.
@@ -1403,6 +1440,7 @@ macro_rules! demo_tests {
 demo_tests! {
     check_incident: demo_incident_traced_live, demo_incident_from_the_runtimes_own_events;
     check_multi_gpu: demo_multi_gpu_traced_live, demo_multi_gpu_from_the_runtimes_own_events;
+    check_co_tenant: demo_co_tenant_traced_live, demo_co_tenant_from_the_runtimes_own_events;
     check_leak: demo_leak_traced_live, demo_leak_from_the_runtimes_own_events;
     check_periodic_spike: demo_periodic_spike_traced_live, demo_periodic_spike_from_the_runtimes_own_events;
     check_oom: demo_oom_traced_live, demo_oom_from_the_runtimes_own_events;
@@ -1449,6 +1487,7 @@ fn demo_list_and_bad_scenario() {
         "leak",
         "oom",
         "cpu-contention",
+        "co-tenant",
     ] {
         assert!(list.contains(s), "{list}");
     }

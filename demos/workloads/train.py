@@ -2,10 +2,12 @@
 
     python3 train.py SCENARIO [--duration 20] [--speed 1.0] [--cudart PATH] [--seed 1] [--steps N] [--final-request BYTES]
 
-Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu. Each prints one JSON
-line of the allocator's own statistics at the end ("result"), and exits 1 with PyTorch's message on
-OOM. multi-gpu launches its ranks as torchrun does (one process per device, RANK, LOCAL_RANK and
-WORLD_SIZE in their environment) and ends them all when one fails.
+Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu, co-tenant. Each prints
+one JSON line of the allocator's own statistics at the end ("result"), and exits 1 with PyTorch's
+message on OOM. multi-gpu launches its ranks as torchrun does (one process per device, RANK,
+LOCAL_RANK and WORLD_SIZE in their environment) and ends them all when one fails. co-tenant starts
+another job's inference server on the GPU (SIMCUDA_SHARED_DEVICES: one device for both), then a
+training job that would fit the GPU alone.
 """
 
 import argparse
@@ -208,6 +210,60 @@ def multi_gpu(alloc, args, rng):
         steady_rank(alloc, args, rng)
 
 
+def launch_co_tenants(args):
+    """Another job's inference server takes its memory on the GPU; then a training job starts
+    there. Both use one simulated device (a file both map: SIMCUDA_SHARED_DEVICES)."""
+    import tempfile
+    shared = tempfile.NamedTemporaryFile(prefix="simcuda-gpu-", delete=False)
+    shared.close()
+    command = [sys.executable, os.path.abspath(__file__), "co-tenant", "--duration", str(args.duration),
+               "--speed", str(args.speed), "--seed", str(args.seed), "--cudart", args.cudart]
+    env = dict(os.environ, SIMCUDA_SHARED_DEVICES=shared.name)
+    try:
+        server = subprocess.Popen(command, env=dict(env, CO_TENANT_ROLE="server"), stdout=subprocess.PIPE, text=True)
+        # The server says when its weights and KV cache are on the GPU.
+        server.stdout.readline()
+        trainer = subprocess.run(command, env=dict(env, CO_TENANT_ROLE="trainer"))
+        server.terminate()
+        server.wait()
+        return trainer.returncode
+    finally:
+        os.unlink(shared.name)
+
+
+def inference_server(alloc, args):
+    """Another job's server: its weights and KV cache (1.25 GiB) taken at start, held until it is
+    ended."""
+    held = [alloc.malloc(256 * MIB) for _ in range(5)]
+    print("ready", flush=True)
+    time.sleep(args.duration * 4 / args.speed)
+    del held
+
+
+def co_tenant_trainer(alloc, args, rng):
+    """Training whose peak fits the device alone: 512 MiB of weights, and activations of 384 MiB a
+    step, 1.5 GiB every 20th (its longest sequences)."""
+    weights = [alloc.malloc(128 * MIB) for _ in range(4)]
+    end = time.time() + args.duration * 0.9
+    step = 0
+    while time.time() < end:
+        seq = 1024 if step % 20 == 19 else 256
+        activations = [alloc.malloc(seq * 256 * 1024) for _ in range(6)]
+        for a in activations:
+            alloc.free(a)
+        alloc.rt.cudaStreamSynchronize(None)
+        step += 1
+        step_pause(args, 0.1)
+    del weights
+
+
+def co_tenant(alloc, args, rng):
+    if os.environ.get("CO_TENANT_ROLE") == "server":
+        inference_server(alloc, args)
+    else:
+        co_tenant_trainer(alloc, args, rng)
+
+
 SCENARIOS = {
     "incident": incident,
     "periodic-spike": periodic_spike,
@@ -215,6 +271,7 @@ SCENARIOS = {
     "oom": oom,
     "cpu-contention": cpu_contention,
     "multi-gpu": multi_gpu,
+    "co-tenant": co_tenant,
 }
 
 
@@ -230,6 +287,8 @@ def main():
     args = parser.parse_args()
     if args.scenario == "multi-gpu" and "RANK" not in os.environ:
         return launch_ranks(args)
+    if args.scenario == "co-tenant" and "CO_TENANT_ROLE" not in os.environ:
+        return launch_co_tenants(args)
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
     alloc = CachingAllocator(
         args.cudart,

@@ -59,6 +59,14 @@ const SCENARIOS: &[Scenario] = &[
         ],
     },
     Scenario {
+        name: "co-tenant",
+        about: "another job's inference server holds 1.25 GiB of the GPU; a training job that fits the GPU alone runs out of memory beside it, and PyTorch's message names the server",
+        env: &[
+            ("SIMCUDA_MEM", "3GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
+        ],
+    },
+    Scenario {
         name: "periodic-spike",
         about: "a checkpoint every 25 steps empties the cache and allocates a large buffer",
         env: &[

@@ -77,6 +77,8 @@ pub struct ProcessFigures {
     pub comm: String,
     pub rank: Option<String>,
     pub pod: Option<PodRef>,
+    /// Its job and the physical GPU behind each device number.
+    pub placement: Option<super::Placement>,
     pub ops: BTreeMap<Op, OpFigures>,
     pub devices: BTreeMap<i32, DeviceFigures>,
     /// When it ended (its series go after the grace period).
@@ -103,7 +105,14 @@ impl Figures {
     }
 
     /// A process seen for the first time (its /proc facts).
-    pub fn describe(&mut self, pid: u32, comm: &str, rank: Option<String>, pod: Option<PodRef>) {
+    pub fn describe(
+        &mut self,
+        pid: u32,
+        comm: &str,
+        rank: Option<String>,
+        pod: Option<PodRef>,
+        placement: super::Placement,
+    ) {
         if self.disabled {
             return;
         }
@@ -116,6 +125,7 @@ impl Figures {
         p.comm = comm.to_owned();
         p.rank = rank;
         p.pod = pod;
+        p.placement = Some(placement);
     }
 
     /// One call of a process (in the order its calls happened).
@@ -251,7 +261,13 @@ mod tests {
     #[test]
     fn calls_buckets_failures_and_retries() {
         let mut f = Figures::default();
-        f.describe(9, "python3", Some("rank 0/2".into()), None);
+        f.describe(
+            9,
+            "python3",
+            Some("rank 0/2".into()),
+            None,
+            Default::default(),
+        );
         f.apply(&call(Op::CudaMalloc, 0, 1 << 20, 0, 800));
         f.apply(&call(Op::CudaMalloc, 2, 1 << 30, 1_000, 3_000_000));
         f.apply(&call(Op::CudaFree, 0, 1 << 20, 2_000, 20_000));
@@ -318,14 +334,14 @@ mod tests {
         // A pid reused during the grace period starts afresh.
         f.apply(&call(Op::CudaMalloc, 0, 4096, 0, 1));
         f.exited(9, t0);
-        f.describe(9, "new", None, None);
+        f.describe(9, "new", None, None, Default::default());
         assert!(f.get(9).unwrap().ops.is_empty() && f.get(9).unwrap().ended.is_none());
     }
 
     #[test]
     fn disabled_figures_stay_empty() {
         let mut f = Figures::disabled();
-        f.describe(9, "x", None, None);
+        f.describe(9, "x", None, None, Default::default());
         f.apply(&call(Op::CudaMalloc, 2, 4096, 0, 1));
         f.oom(9, "GPU 0");
         assert!(f.is_empty());

@@ -33,6 +33,12 @@ pub struct AllocatorRow {
     pub outside: u64,
     /// The largest request since the last look.
     pub largest_request: u64,
+    /// The device as this process's cudaMemGetInfo last said (free bytes kept current with
+    /// its own calls since), when it has asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_said: Option<super::pressure::DeviceFree>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_total: Option<u64>,
     /// The process has ended: its last figures.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub exited: bool,
@@ -211,6 +217,8 @@ impl Process {
             stats,
             outside: if blocks { outside } else { 0 },
             largest_request: self.largest_request.get(&device).copied().unwrap_or(0),
+            device_said: self.state.pressure.device_free(device).copied(),
+            device_total: self.state.pressure.device_total(device),
             exited: false,
         }
     }

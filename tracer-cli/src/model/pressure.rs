@@ -21,7 +21,7 @@ const RECENT_REQUESTS: usize = 64;
 
 /// The device's free memory as last reported by cudaMemGetInfo, then kept current with the
 /// process's own segment allocations and frees.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct DeviceFree {
     pub free: i64,
     /// When cudaMemGetInfo last said.
@@ -56,6 +56,10 @@ pub struct Pressure {
     /// cuMemAlloc_v2 inside it are one.
     #[serde(skip)]
     outermost: Outermost,
+    /// Each device's capacity, as cudaMemGetInfo said (not in keyframes: known again at the
+    /// process's next call of it).
+    #[serde(skip)]
+    totals: BTreeMap<i32, u64>,
 }
 
 impl Pressure {
@@ -70,6 +74,7 @@ impl Pressure {
                     reported_ns: e.ts_ns,
                 },
             );
+            self.totals.insert(e.device, e.aux1);
             return;
         }
         let free = &mut self.free;
@@ -91,6 +96,11 @@ impl Pressure {
     /// The device's free memory, when cudaMemGetInfo has said.
     pub fn device_free(&self, device: i32) -> Option<&DeviceFree> {
         self.free.get(&device)
+    }
+
+    /// The device's capacity, when cudaMemGetInfo has said since the process was followed.
+    pub fn device_total(&self, device: i32) -> Option<u64> {
+        self.totals.get(&device).copied()
     }
 
     /// After a block allocation has been applied to `layout`: remembers its size and says

@@ -55,6 +55,9 @@ pub struct Placement {
     visible: VisibleGpus,
     /// CUDA_VISIBLE_DEVICES's entries, when set.
     cuda_visible: Option<Vec<String>>,
+    /// The host GPUs NVIDIA's container runtime gave the container (NVIDIA_VISIBLE_DEVICES:
+    /// host indices in their order, or UUIDs), when it names them.
+    nvidia_visible: Option<Vec<String>>,
 }
 
 /// The physical GPU behind a device number: `label` as shown ("GPU 3", "GPU-8f3a..."), `key`
@@ -89,6 +92,7 @@ impl Placement {
                 .unwrap_or_default(),
             cuda_visible: get("CUDA_VISIBLE_DEVICES")
                 .map(|v| v.split(',').map(|e| e.trim().to_owned()).collect()),
+            nvidia_visible: get("NVIDIA_VISIBLE_DEVICES").and_then(container_gpus),
         }
     }
 
@@ -129,10 +133,42 @@ impl Placement {
                     label,
                 }
             }
-            // No NVIDIA device in its root (the simulated runtime): its numbers are its own.
-            None => unknown(format!("GPU {index}")),
+            None => match self.nvidia_visible.as_ref().and_then(|l| l.get(index)) {
+                // Its root was not read (it ended first): the container runtime's list.
+                Some(e) if e.starts_with("GPU-") || e.starts_with("MIG-") => Gpu {
+                    label: e.clone(),
+                    key: e.clone(),
+                },
+                Some(host) => {
+                    let label = format!("GPU {host}");
+                    Gpu {
+                        key: label.clone(),
+                        label,
+                    }
+                }
+                // No NVIDIA device in its root (the simulated runtime): its numbers are its own.
+                None => unknown(format!("GPU {index}")),
+            },
         }
     }
+}
+
+/// NVIDIA_VISIBLE_DEVICES's host GPUs, in the order CUDA numbers them in the container (host
+/// indices ascending; UUIDs as listed), or None where it names none ("all", "none", "void").
+fn container_gpus(value: &str) -> Option<Vec<String>> {
+    let entries: Vec<String> = value.split(',').map(|e| e.trim().to_owned()).collect();
+    if entries
+        .iter()
+        .any(|e| e.is_empty() || matches!(e.as_str(), "all" | "none" | "void"))
+    {
+        return None;
+    }
+    let mut indices: Vec<u32> = entries.iter().filter_map(|e| e.parse().ok()).collect();
+    if indices.len() == entries.len() {
+        indices.sort_unstable();
+        return Some(indices.iter().map(u32::to_string).collect());
+    }
+    Some(entries)
 }
 
 /// A process's place in a distributed job, from RANK, LOCAL_RANK and WORLD_SIZE.
@@ -199,6 +235,31 @@ mod tests {
         assert_eq!(a.gpu(0).label, b.gpu(0).label);
         assert_ne!(a.gpu(0).key, b.gpu(0).key);
         assert_eq!(a.gpu(-1).label, "an unknown GPU");
+        // A container whose root was not read: the container runtime's list names the host
+        // GPUs (indices in order, UUIDs as listed); "all" names none.
+        let listed = placement(12, r#"{"NVIDIA_VISIBLE_DEVICES":"5,3"}"#, "{}");
+        assert_eq!(
+            (listed.gpu(0).key, listed.gpu(1).label),
+            ("GPU 3".into(), "GPU 5".into())
+        );
+        let by_uuid = placement(13, r#"{"NVIDIA_VISIBLE_DEVICES":"GPU-aa,GPU-bb"}"#, "{}");
+        assert_eq!(by_uuid.gpu(1).key, "GPU-bb");
+        let all = placement(
+            14,
+            r#"{"NVIDIA_VISIBLE_DEVICES":"all"}"#,
+            r#"{"minors":[],"mount_ns":3}"#,
+        );
+        assert_eq!(
+            all.gpu(0).key,
+            a.gpu(0).key.replace("namespace 1", "namespace 3")
+        );
+        // The root's device nodes come first.
+        let both = placement(
+            15,
+            r#"{"NVIDIA_VISIBLE_DEVICES":"1"}"#,
+            r#"{"minors":[2],"mount_ns":4}"#,
+        );
+        assert_eq!(both.gpu(0).label, "GPU 2");
     }
 
     #[test]

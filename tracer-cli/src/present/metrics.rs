@@ -47,6 +47,7 @@ pub fn render(
     let mut families = Families::default();
     if let Some(s) = snapshot {
         process_families(&mut families, s, pod_name);
+        gpu_families(&mut families, s);
     }
     health_families(&mut families, snapshot, health);
     let mut out = Vec::new();
@@ -221,6 +222,7 @@ fn process_families(
         for (&device, d) in &p.devices {
             let mut l = base.clone();
             l.push(("device", device.to_string()));
+            l.push(("gpu", gpu_of(p, device)));
             f.counter(
                 "tracer_oom_total",
                 "Times PyTorch raised OutOfMemoryError.",
@@ -255,7 +257,7 @@ fn process_families(
             .filter(|r| r.pid == p.pid && r.exited == p.ended.is_some())
         {
             if devices.insert(row.device) {
-                allocator_families(f, &base, row);
+                allocator_families(f, &base, row, gpu_of(p, row.device));
             }
         }
     }
@@ -274,9 +276,105 @@ fn process_families(
     );
 }
 
-fn allocator_families(f: &mut Families, base: &[(&'static str, String)], row: &AllocatorRow) {
+/// The physical GPU behind a process's device number, as a label: "GPU 3", a UUID, or, where
+/// the process's root names no NVIDIA device, its number and mount namespace.
+fn gpu_of(p: &ProcessFigures, device: i32) -> String {
+    p.placement
+        .as_ref()
+        .map_or_else(|| format!("GPU {device}"), |place| place.gpu(device).key)
+}
+
+/// At most this many GPUs get per-GPU series (a node has 8 or 16).
+const MAX_GPUS: usize = 64;
+
+/// Per physical GPU: the traced processes and jobs holding memory on it, their bytes, and the
+/// bytes in use that none of them held, so a co-tenant shows beside the job it crowds.
+fn gpu_families(f: &mut Families, s: &RecordingStatus) {
+    #[derive(Default)]
+    struct Gpu {
+        pids: std::collections::BTreeSet<u32>,
+        jobs: std::collections::BTreeSet<String>,
+        held: u64,
+        /// The freshest reading: (when, capacity, free).
+        said: Option<(i64, u64, i64)>,
+    }
+    let mut gpus: std::collections::BTreeMap<String, Gpu> = std::collections::BTreeMap::new();
+    // Every GPU a process was seen on keeps its series (zero once its processes end).
+    for row in &s.allocators {
+        let Some(p) = s.figures.processes().find(|p| p.pid == row.pid) else {
+            continue;
+        };
+        let held = row.stats.reserved + row.outside;
+        let key = gpu_of(p, row.device);
+        if !gpus.contains_key(&key) && gpus.len() >= MAX_GPUS {
+            continue;
+        }
+        let g = gpus.entry(key).or_default();
+        if row.exited {
+            continue;
+        }
+        if held > 0 {
+            g.pids.insert(row.pid);
+            g.jobs.insert(
+                p.placement
+                    .as_ref()
+                    .map_or_else(|| format!("pid {}", p.pid), |place| place.job.clone()),
+            );
+            g.held += held;
+        }
+        if let (Some(d), Some(total)) = (row.device_said, row.device_total) {
+            if g.said.is_none_or(|(at, _, _)| d.reported_ns > at) {
+                g.said = Some((d.reported_ns, total, d.free));
+            }
+        }
+    }
+    for (gpu, g) in &gpus {
+        let l = [("gpu", gpu.clone())];
+        f.gauge(
+            "tracer_gpu_processes",
+            "Traced processes holding device memory on the GPU.",
+            &l,
+            g.pids.len() as f64,
+        );
+        f.gauge(
+            "tracer_gpu_jobs",
+            "Jobs holding device memory on the GPU (a job: its torchelastic run, its MASTER_ADDR:MASTER_PORT, else the process alone); more than one: co-tenants.",
+            &l,
+            g.jobs.len() as f64,
+        );
+        f.gauge(
+            "tracer_gpu_traced_bytes",
+            "Device memory traced processes hold on the GPU through the traced calls.",
+            &l,
+            g.held as f64,
+        );
+        if let Some((at, total, free)) = g.said {
+            let in_use = total.saturating_sub(free.max(0) as u64);
+            f.gauge(
+                "tracer_gpu_untraced_bytes",
+                "Device memory in use that no traced process holds (CUDA contexts, processes that allocated before the trace, libraries not traced), by the freshest cudaMemGetInfo of a traced process on the GPU, its own calls since counted.",
+                &l,
+                in_use.saturating_sub(g.held) as f64,
+            );
+            f.gauge(
+                "tracer_gpu_memory_said_timestamp_seconds",
+                "When that cudaMemGetInfo was made.",
+                &l,
+                at as f64 / 1e9,
+            );
+        }
+    }
+}
+
+fn allocator_families(
+    f: &mut Families,
+    base: &[(&'static str, String)],
+    row: &AllocatorRow,
+    gpu: String,
+) {
     let mut l = base.to_vec();
     l.push(("device", row.device.to_string()));
+    l.push(("gpu", gpu));
     let held = row.stats.reserved + row.outside;
     f.gauge(
         "tracer_device_memory_bytes",
@@ -486,8 +584,23 @@ mod tests {
             fragmentation: 0.25,
             outside: 0,
             largest_request: 0,
+            device_said: None,
+            device_total: None,
             exited,
         }
+    }
+
+    /// A process in a job of its own (or of `job`'s rendezvous) on host GPU 3.
+    fn on_gpu3(pid: u32, job: Option<&str>) -> crate::model::Placement {
+        let env = match job {
+            Some(port) => [
+                ("MASTER_ADDR".to_owned(), "10.0.0.1".to_owned()),
+                ("MASTER_PORT".to_owned(), port.to_owned()),
+            ]
+            .into(),
+            None => Default::default(),
+        };
+        crate::model::Placement::new(pid, &env, Some(r#"{"minors":[3],"mount_ns":1}"#))
     }
 
     #[test]
@@ -497,13 +610,28 @@ mod tests {
             pod_uid: "u-1".into(),
             container_id: Some("c1".into()),
         };
-        figures.describe(7, "python3", Some("rank 0/2".into()), Some(pod));
+        figures.describe(
+            7,
+            "python3",
+            Some("rank 0/2".into()),
+            Some(pod),
+            on_gpu3(7, Some("29500")),
+        );
         figures.apply(&call(7, Op::CudaMalloc, 3_000));
         figures.apply(&call(7, Op::CudaMalloc, 2_000_000));
         figures.apply(&call(7, Op::TorchMalloc, 0));
-        figures.describe(8, "bash", None, None);
+        figures.describe(8, "bash", None, None, on_gpu3(8, Some("29500")));
         figures.apply(&call(8, Op::CudaMalloc, 1));
         figures.exited(8, Instant::now());
+        // Another job on the same GPU, which asked the device what it had free.
+        figures.describe(9, "python3", None, None, on_gpu3(9, None));
+        figures.apply(&call(9, Op::CudaMalloc, 1));
+        let mut tenant = row(9, 200, false);
+        tenant.device_said = Some(crate::model::pressure::DeviceFree {
+            free: 600,
+            reported_ns: 5_000_000_000,
+        });
+        tenant.device_total = Some(1000);
         let snapshot = RecordingStatus {
             elapsed: Duration::from_secs(1),
             libraries: 1,
@@ -511,7 +639,12 @@ mod tests {
             stats: Default::default(),
             counters: Default::default(),
             // pid 7 lives; an earlier process with its pid ended: only the living one's figures.
-            allocators: vec![row(7, 100, false), row(7, 50, true), row(8, 30, true)],
+            allocators: vec![
+                row(7, 100, false),
+                row(7, 50, true),
+                row(8, 30, true),
+                tenant,
+            ],
             figures,
             db_bytes: 4096,
             sessions_evicted: 0,
@@ -551,22 +684,33 @@ mod tests {
         assert!(!page.contains("tracer_call_duration_seconds_count{pid=\"7\",comm=\"python3\",rank=\"rank 0/2\",pod_uid=\"u-1\",pod_namespace=\"ml\",pod_name=\"trainer-0\",container_name=\"trainer\",op=\"pytorch:malloc\"}"));
         assert_eq!(
             page.matches(&format!(
-                "tracer_allocator_reserved_bytes{{{who},device=\"0\"}}"
+                "tracer_allocator_reserved_bytes{{{who},device=\"0\",gpu=\"GPU 3\"}}"
             ))
             .count(),
             1
         );
         assert!(page.contains(&format!(
-            "tracer_allocator_reserved_bytes{{{who},device=\"0\"}} 100\n"
+            "tracer_allocator_reserved_bytes{{{who},device=\"0\",gpu=\"GPU 3\"}} 100\n"
         )));
         // The ended process keeps its last figures, without pod labels it never had.
         assert!(
             page.contains(
-                "tracer_allocator_reserved_bytes{pid=\"8\",comm=\"bash\",device=\"0\"} 30\n"
+                "tracer_allocator_reserved_bytes{pid=\"8\",comm=\"bash\",device=\"0\",gpu=\"GPU 3\"} 30\n"
             ),
             "{page}"
         );
-        assert!(page.contains("tracer_processes 2\n") && page.contains("tracer_session 3\n"));
+        // GPU 3: the living processes of two jobs, what they hold, and the 100 bytes in use
+        // that neither held when pid 9's cudaMemGetInfo said.
+        for line in [
+            "tracer_gpu_processes{gpu=\"GPU 3\"} 2\n",
+            "tracer_gpu_jobs{gpu=\"GPU 3\"} 2\n",
+            "tracer_gpu_traced_bytes{gpu=\"GPU 3\"} 300\n",
+            "tracer_gpu_untraced_bytes{gpu=\"GPU 3\"} 100\n",
+            "tracer_gpu_memory_said_timestamp_seconds{gpu=\"GPU 3\"} 5\n",
+        ] {
+            assert!(page.contains(line), "{line} not in {page}");
+        }
+        assert!(page.contains("tracer_processes 3\n") && page.contains("tracer_session 3\n"));
         assert!(page.contains("tracer_tracing 1\n") && !page.contains("tracer_not_tracing_info{"));
     }
 }

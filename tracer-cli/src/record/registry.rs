@@ -317,6 +317,7 @@ impl Registry {
                 p.comm.as_deref().unwrap_or_default(),
                 rank.map(|r| r.label()),
                 p.cgroup.as_deref().and_then(pods::pod_of),
+                crate::model::Placement::new(p.pid, &env, p.gpus.as_deref()),
             );
         }
         self.keyframes.events += delivery.calls.len() as u64;

@@ -1241,7 +1241,7 @@ fn check_co_tenant(simulated: bool) {
     let others = holders["others"].as_array().unwrap();
     assert_eq!(others.len(), 1, "{holders:#}");
     // The server was seen allocating: its bytes from its calls, not from the message.
-    assert_eq!(others[0]["bytes"], 5 * 256 << 20, "{holders:#}");
+    assert_eq!(others[0]["bytes"], 5u64 * (256 << 20), "{holders:#}");
     assert_eq!(others[0]["from_message"], false, "{holders:#}");
     // The trainer held what its allocator had (no CUDA context in the simulator).
     assert_eq!(

@@ -2617,6 +2617,49 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
 }
 
 #[test]
+fn memory_outside_the_allocator_is_split_by_the_library_that_took_it() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    // cuBLAS-like and NCCL-like libraries take 2 x 32 MiB and 64 MiB with their own
+    // cuMemAlloc_v2 calls; then the training loop runs to its OOM on a 1 GiB device.
+    let trace = fx.trace(
+        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
+        &["--stack", "--quiet"],
+    );
+    let trainer = Command::new("python3")
+        .arg(workspace().join("tests/python/co_tenant.py"))
+        .args(["train", &fx.lib("libcudart.so.12"), "libraries"])
+        .env("SIMCUDA_MEM", "1GiB")
+        .output()
+        .unwrap();
+    assert_ok(&trainer);
+    trace.stop(SIGINT);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    let holders = &report["holders"][0];
+    assert_eq!(
+        holders["outside"],
+        serde_json::json!([
+            {"library": "libsimcublas.so", "bytes": 64 << 20, "allocations": 2},
+            {"library": "libsimnccl.so", "bytes": 64 << 20, "allocations": 1},
+        ]),
+        "{holders:#}"
+    );
+    let trainer: Value = serde_json::from_slice(&trainer.stdout).unwrap();
+    assert_eq!(holders["allocated"], trainer["held"], "{holders:#}");
+    // All the device held: the allocator's and the libraries'; the memory was this process's.
+    assert_eq!(holders["held"], 1u64 << 30, "{holders:#}");
+    assert_eq!(holders["verdict"], "this_process", "{holders:#}");
+    let oom = chain(&report, "oom");
+    assert!(
+        oom["compounding"].to_string().contains(
+            "libsimcublas.so 64.00 MiB (2 allocation(s)); libsimnccl.so 64.00 MiB (1 allocation(s))"
+        ),
+        "{oom:#}"
+    );
+}
+
+#[test]
 fn containers_that_both_say_device_0_are_one_gpu_only_when_their_roots_say_so() {
     let Some(fx) = Fixture::new() else {
         return;

@@ -16,6 +16,11 @@ cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcudart.so.12" -Wl,-son
 # PyTorch's own probes (USDT, sys/sdt.h) for the simulated caching allocator.
 cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libsimtorch.so" "$src/torchprobes.c" \
   -L"$out" -l:libcudart.so.12 -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
+# Libraries that take device memory past the runtime (cuBLAS's workspaces, NCCL's buffers).
+for lib in simcublas:simcublasWorkspace simnccl:simncclBuffer; do
+  cc "${cflags[@]}" -shared -fvisibility=hidden -DENTRY="${lib#*:}" -o "$out/lib${lib%%:*}.so" "$src/extlib.c" \
+    -L"$out" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
+done
 # The management library PyTorch's out-of-memory message asks which processes use the device.
 cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libnvidia-ml.so.1" -Wl,-soname,libnvidia-ml.so.1 "$src/nvml.c"
 cc "${cflags[@]}" -o "$out/simdriver" "$src/simdriver.c" -ldl -lpthread

@@ -117,6 +117,8 @@ pub fn sim_copy(dir: &Path) -> PathBuf {
         "libcuda.so.1",
         "libsimtorch.so",
         "libnvidia-ml.so.1",
+        "libsimcublas.so",
+        "libsimnccl.so",
         "simdriver",
         "staticapp",
     ] {

@@ -4,9 +4,11 @@ SIMCUDA_SHARED_DEVICES: both count against one device).
 usage: co_tenant.py hold LIBCUDART MIB READY_FILE DONE_FILE
            allocates MIB MiB (in 256 MiB cudaMallocs), creates READY_FILE, waits for DONE_FILE,
            frees it all and exits
-       co_tenant.py train LIBCUDART
+       co_tenant.py train LIBCUDART [libraries]
            a PyTorch-style training loop that takes 64 MiB tensors until its allocator raises
-           OutOfMemoryError (no provoked request)
+           OutOfMemoryError (no provoked request); with `libraries`, first cuBLAS-like and
+           NCCL-like libraries beside LIBCUDART take their own device memory (2 x 32 MiB and
+           64 MiB) past the runtime
 Each prints one JSON line: its pid and what it held."""
 import ctypes, json, os, sys, time
 
@@ -31,7 +33,24 @@ def hold(lib, mib, ready, done):
         rt.cudaFree(p)
 
 
-def train(lib):
+def libraries(lib):
+    """cuBLAS's workspaces and NCCL's buffer, taken by the libraries' own cuMemAlloc_v2."""
+    here = os.path.dirname(os.path.abspath(lib))
+    taken = []
+    for name, entry, sizes in (("libsimcublas.so", "simcublasWorkspace", (32, 32)),
+                               ("libsimnccl.so", "simncclBuffer", (64,))):
+        fn = getattr(ctypes.CDLL(os.path.join(here, name)), entry)
+        fn.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]
+        for mib in sizes:
+            ptr = ctypes.c_uint64()
+            assert fn(mib * MIB, ctypes.byref(ptr)) == 0
+            taken.append(ptr)
+    return taken
+
+
+def train(lib, with_libraries=False):
+    # Held until the process ends, as the libraries hold them.
+    taken = libraries(lib) if with_libraries else []
     allocator = CachingAllocator(lib)
     tensors = []
     try:
@@ -47,4 +66,4 @@ def train(lib):
 if sys.argv[1] == "hold":
     hold(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
 else:
-    train(sys.argv[2])
+    train(sys.argv[2], sys.argv[3:] == ["libraries"])

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The GPU check: runs a small PyTorch training loop under `tracer trace --stack` on a real NVIDIA
 # GPU, once with the default caching allocator and once with expandable segments, and compares
-# what tracer stored with what PyTorch says about itself (torch.cuda.memory_stats()); measures the
-# cost (untraced, traced, traced --stack, interleaved); keeps `tracer explain`'s report. Needs no
-# network. Run as root, with a tracer built elsewhere:
+# what tracer stored with what PyTorch says about itself (torch.cuda.memory_stats()); runs the loop
+# to a natural OOM beside a co-tenant holding all but 3 GiB of the device and compares who tracer
+# says held it with PyTorch's snapshot at the OOM; measures the cost (untraced, traced, traced
+# --stack, interleaved); keeps `tracer explain`'s report. Needs no network. Run as root, with a tracer built elsewhere:
 #
 #   scripts/gpu-check.sh OUTDIR [--tracer PATH] [--steps N] [--rounds N] [--python PATH]
 #   scripts/gpu-check.sh OUTDIR --simulated     # the same check on the simulated runtime (no GPU;
 #                                               # tests the check itself, says nothing of a GPU)
 #
 # OUTDIR receives at most 8 files: summary.txt, summary.json, explain-default.txt,
-# explain-expandable.txt, trace-default.db.gz, trace-expandable.db.gz, log.txt.
+# explain-expandable.txt, explain-co-tenant.txt, trace-default.db.gz, trace-expandable.db.gz, log.txt.
 # GPU_CHECK_KEEP=DIR keeps the working files (each run's statistics, database, logs) in DIR.
 # Exit status: 0 every comparison equal or explained, or no GPU here (it says so); 1 a comparison
 # differs or a step failed; 2 bad arguments; 3 tracing cannot work on this machine (it says why).
@@ -25,7 +26,7 @@ rounds=3
 simulated=0
 out=""
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --tracer) tracer=$2; shift 2 ;;
@@ -200,6 +201,55 @@ print("gpu-check: whatif: the default run %s (%d of %d blocks where the allocato
           100.0 * (sim - real) / real if real else 0.0))
 PY
 
+# 2c. A co-tenant: another process takes all but a few GiB of the device once the trace runs;
+# the training loop then runs to a natural OOM. tracer traces both; what it says of who held the
+# device is compared with PyTorch's snapshot at the OOM instant and with the other process.
+co_tenant() {
+  local dir="$work/co-tenant" leave=$((3 << 30)) holder_args=()
+  mkdir -p "$dir"
+  if [ "$simulated" = 1 ]; then
+    export SIMCUDA_SHARED_DEVICES="$dir/shared-gpu"
+    holder_args=(--cudart "$work/sim/libcudart.so.12")
+  fi
+  PYTHONUNBUFFERED=1 "$python" "$here/gpu_check/holder.py" "${holder_args[@]}" --leave "$leave" \
+    --ready "$dir/holder-ready" --go "$dir/holder-go" --held "$dir/holder.json" --done "$dir/holder-done" \
+    >"$dir/holder.log" 2>&1 &
+  local hpid=$!
+  children+=("$hpid")
+  PYTHONUNBUFFERED=1 "$python" "$workload" "${workload_args[@]}" --steps 5 --until-oom \
+    --ready "$dir/ready" --go "$dir/go" --stats "$dir/stats.json" >"$dir/workload.log" 2>&1 &
+  local wpid=$!
+  children+=("$wpid")
+  wait_for "$dir/holder-ready" 180 "$hpid" || { cat "$dir/holder.log"; say "co-tenant: the other process did not start"; return 1; }
+  wait_for "$dir/ready" 180 "$wpid" || { cat "$dir/workload.log"; say "co-tenant: the workload did not get ready"; return 1; }
+  "$tracer" trace --pid "$hpid" --pid "$wpid" --stack --json --quiet --db "$dir/trace.db" >"$dir/trace.jsonl" 2>"$dir/trace.err" &
+  local tpid=$!
+  children+=("$tpid")
+  wait_for "$dir/trace.jsonl" 60 "$tpid" || { cat "$dir/trace.err"; say "co-tenant: tracer did not start"; return 1; }
+  touch "$dir/holder-go"
+  wait_for "$dir/holder.json" 180 "$hpid" || { cat "$dir/holder.log"; say "co-tenant: the other process took nothing"; return 1; }
+  touch "$dir/go"
+  local rc=0
+  wait "$wpid" || rc=$?
+  touch "$dir/holder-done"
+  wait "$hpid" || true
+  local i=0
+  while kill -0 "$tpid" 2>/dev/null && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+  kill -INT "$tpid" 2>/dev/null || true
+  wait "$tpid" || { cat "$dir/trace.err"; say "co-tenant: tracer failed"; return 1; }
+  unset SIMCUDA_SHARED_DEVICES
+  if [ $rc -ne 0 ] || [ ! -s "$dir/stats.json" ]; then
+    cat "$dir/workload.log"; say "co-tenant: the workload failed (exit $rc)"; return 1
+  fi
+  "$python" "$here/gpu_check/report.py" co-tenant --tracer "$tracer" --db "$dir/trace.db" \
+    --stats "$dir/stats.json" --holder "$dir/holder.json" -o "$work/co-tenant.json"
+  "$tracer" explain --db "$dir/trace.db" >"$out/explain-co-tenant.txt" 2>&1 || true
+  sed -n '/^Who held/,/^$/p' "$out/explain-co-tenant.txt"
+}
+say "checking a co-tenant (another process holds all but 3 GiB; the loop runs to a natural OOM)"
+co_tenant_json=()
+if co_tenant; then co_tenant_json=(--co-tenant "$work/co-tenant.json"); fi
+
 # 3. Cost: the same steps untraced, traced and traced with --stack, interleaved ---------------
 echo '[' >"$work/runs.json"
 sep=""
@@ -216,7 +266,7 @@ echo ']' >>"$work/runs.json"
 # 4. Summary -------------------------------------------------------------------------------------
 status=0
 "$python" "$here/gpu_check/report.py" summary --machine "$work/machine.json" \
-  --compare "$work/compare-default.json" "$work/compare-expandable.json" --cost "$work/cost.json" \
+  --compare "$work/compare-default.json" "$work/compare-expandable.json" --cost "$work/cost.json" "${co_tenant_json[@]}" \
   --out-text "$out/summary.txt" --out-json "$out/summary.json" || status=$?
 say "results in $out: $(cd "$out" && ls | tr '\n' ' ')"
 exit $status

@@ -921,7 +921,7 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
         .unwrap()
         .map(|e| e.unwrap())
         .collect();
-    assert!(files.len() <= 8 && files.len() >= 7, "{files:?}");
+    assert_eq!(files.len(), 8, "{files:?}");
     assert!(files.iter().all(|f| f.metadata().unwrap().len() < 16 << 20));
     let summary: Value =
         serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
@@ -951,6 +951,28 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
         assert_eq!(gpu_row(&rows, bytes)["status"], "equal");
         assert_eq!(gpu_row(&rows, "events lost")["tracer"], 0);
     }
+    // The co-tenant: the other process named with its bytes, the loop's layout at its natural
+    // OOM as the allocator had it, and the verdict, each equal to what PyTorch and the other
+    // process said.
+    let shared = &summary["co_tenant"];
+    let rows = gpu_rows(shared);
+    for (what, r) in &rows {
+        assert_eq!(r["status"], "equal", "{what}: {r:#}");
+    }
+    assert_eq!(
+        gpu_row(&rows, "the other process named")["tracer"],
+        shared["holder"]["pid"]
+    );
+    assert_eq!(
+        gpu_row(&rows, "who held the memory")["tracer"],
+        "other_processes"
+    );
+    assert!(shared["steps"].as_u64().unwrap() > 0, "{shared:#}");
+    let explain_shared = std::fs::read_to_string(out.join("explain-co-tenant.txt")).unwrap();
+    assert!(
+        explain_shared.contains("Who held the GPU at the out-of-memory:"),
+        "{explain_shared}"
+    );
     let ratios = &summary["cost"]["ratios"];
     for k in ["traced/untraced", "stack/untraced", "stack/traced"] {
         assert!(ratios[k].as_f64().unwrap() > 0.0, "{ratios:#}");

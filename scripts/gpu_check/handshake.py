@@ -16,6 +16,10 @@ def parse_common(parser):
     parser.add_argument("--empty-cache-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--oom", action="store_true", help="end with a request larger than the free memory")
+    parser.add_argument("--until-oom", action="store_true",
+                        help="after the steps, keep each step's output on the device until PyTorch raises "
+                             "OutOfMemoryError by itself (no provoked request); the layout at that instant "
+                             "is taken as PyTorch's out-of-memory observer sees it")
     return parser
 
 

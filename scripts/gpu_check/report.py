@@ -374,6 +374,51 @@ def compare(args):
     json.dump(result, open(args.out, "w"), indent=1)
 
 
+def co_tenant(args):
+    """The co-tenant run: a training loop ran to a natural OOM on a device another process held
+    all but a few GiB of. What tracer said of who held the device at the OOM (explain's holders,
+    layout --at oom), row by row against PyTorch's own account at that instant (its out-of-memory
+    observer's snapshot and message) and the other process's."""
+    stats, held = json.load(open(args.stats)), json.load(open(args.holder))
+    seen = stats.get("natural_oom") or {}
+    out = subprocess.run([args.tracer, "explain", "--db", args.db, "--json"], check=True,
+                         capture_output=True, text=True)
+    report = json.loads(out.stdout)
+    mine = [h for h in report.get("holders", []) if h["pid"] == stats["pid"]]
+    h = mine[0] if mine else {}
+    other = next((t for t in h.get("others", []) if t["pid"] == held["pid"]), {})
+    layout = seen.get("layout", {})
+    message = seen.get("message", "")
+    rows = [
+        row("OOM raised by PyTorch (no provoked request)", bool(mine), "message" in seen),
+        row("the other process named at the OOM", other.get("pid"), held["pid"]),
+        row("its bytes (its allocator's reserved)", other.get("bytes"), held["reserved"],
+            note="from its traced cudaMalloc" if other and not other.get("from_message")
+            else "from PyTorch's message (NVML)" if other else ""),
+        row("allocated by PyTorch at the OOM", h.get("allocated"), layout.get("allocated")),
+        row("reserved but unallocated at the OOM", h.get("cached"),
+            layout.get("reserved", 0) - layout.get("allocated", 0) if layout else None),
+        row("the device's free bytes at the OOM", h.get("device_free"), seen.get("device_free"),
+            note="tracer: cudaMemGetInfo kept current with the process's own calls; PyTorch: its observer's"),
+        row("who held the memory (verdict)", h.get("verdict"), "other_processes",
+            note="the other process held more than the request"),
+        row("PyTorch's message names the other process", f"Process {held['pid']} has" in message, True,
+            status="equal" if f"Process {held['pid']} has" in message else "explained",
+            note="NVML readable" if f"Process {held['pid']} has" in message
+            else "NVML not readable here: PyTorch's message names no process"),
+    ]
+    laid = subprocess.run([args.tracer, "layout", "--db", args.db, "--at", "oom", "--pid", str(stats["pid"]),
+                           "--json"], capture_output=True, text=True)
+    if laid.returncode == 0:
+        dev = (json.loads(laid.stdout) or [{}])[0].get("devices", [{}])[0]
+        rows.append(row("layout --at oom: allocated", dev.get("total", {}).get("allocated"), layout.get("allocated")))
+        rows.append(row("layout --at oom: reserved", dev.get("total", {}).get("reserved"), layout.get("reserved")))
+    else:
+        rows.append(row("layout --at oom", laid.stderr.strip(), "a layout", status="DIFFERS"))
+    json.dump({"mode": "co-tenant", "pid": stats["pid"], "holder": held, "rows": rows, "steps": seen.get("steps"),
+               "message": message, "holders": h}, open(args.out, "w"), indent=1)
+
+
 def cost(args):
     runs = json.load(open(args.runs))
     by = {}
@@ -398,6 +443,7 @@ def summary(args):
     machine = json.load(open(args.machine))
     compared = [json.load(open(p)) for p in args.compare]
     cost_result = json.load(open(args.cost)) if args.cost else None
+    shared = json.load(open(args.co_tenant)) if args.co_tenant else None
     lines = ["tracer GPU check", ""]
     for k, v in machine.items():
         if isinstance(v, str):
@@ -419,6 +465,16 @@ def summary(args):
                 lines.append(f"   {'':<{width}}    {site}")
         if c.get("calls_after_final_stats"):
             lines.append(f"   {c['calls_after_final_stats']} calls after the final statistics (not compared)")
+    if shared:
+        o = shared["holder"]
+        lines += ["", f"== co-tenant: pid {o['pid']} took {fmt(o['requested'])} B, leaving about "
+                      f"{fmt(o['free_before'] - o['requested'])} B; pid {shared['pid']} trained to a natural OOM "
+                      f"in {shared['steps']} steps"]
+        width = max(len(r["what"]) for r in shared["rows"])
+        for r in shared["rows"]:
+            differs += r["status"] == "DIFFERS"
+            lines.append(f"   {r['what']:<{width}}  {fmt(r['tracer']):>16}  {fmt(r['pytorch']):>16}  {r['status']}"
+                         + (f"  ({r['note']})" if r["note"] else ""))
     if cost_result:
         lines += ["", "== cost (interleaved runs, median training-loop time)"]
         for setup, t in cost_result["median_loop_s"].items():
@@ -428,7 +484,8 @@ def summary(args):
     lines += ["", f"{differs} comparison(s) differ" if differs else "every comparison equal or explained"]
     text = "\n".join(lines) + "\n"
     open(args.out_text, "w").write(text)
-    json.dump({"machine": machine, "compared": compared, "cost": cost_result, "differs": differs},
+    json.dump({"machine": machine, "compared": compared, "co_tenant": shared, "cost": cost_result,
+               "differs": differs},
               open(args.out_json, "w"), indent=1)
     sys.stdout.write(text)
     return 1 if differs else 0
@@ -443,6 +500,12 @@ def main():
     c.add_argument("--stats", required=True)
     c.add_argument("--mode", choices=("default", "expandable"), required=True)
     c.add_argument("-o", "--out", required=True)
+    t = sub.add_parser("co-tenant")
+    t.add_argument("--tracer", required=True)
+    t.add_argument("--db", required=True)
+    t.add_argument("--stats", required=True)
+    t.add_argument("--holder", required=True)
+    t.add_argument("-o", "--out", required=True)
     k = sub.add_parser("cost")
     k.add_argument("--runs", required=True)
     k.add_argument("-o", "--out", required=True)
@@ -450,10 +513,11 @@ def main():
     s.add_argument("--machine", required=True)
     s.add_argument("--compare", nargs="+", required=True)
     s.add_argument("--cost")
+    s.add_argument("--co-tenant")
     s.add_argument("--out-text", required=True)
     s.add_argument("--out-json", required=True)
     args = p.parse_args()
-    return {"compare": compare, "cost": cost, "summary": summary}[args.cmd](args) or 0
+    return {"compare": compare, "co-tenant": co_tenant, "cost": cost, "summary": summary}[args.cmd](args) or 0
 
 
 if __name__ == "__main__":

@@ -56,6 +56,31 @@ def provoke_oom(alloc):
     return {"requested": request, "free_before": free, "total": total, "raised": False, "message": ""}
 
 
+def layout_of(alloc):
+    st = alloc.stats()
+    return {"allocated": st["allocated"], "reserved": st["reserved"],
+            "free_blocks": sum(1 for seg in alloc.segments for b in seg.blocks if b.free and b.mapped),
+            "largest_free": st["largest_free_block"], "source": "the simulated allocator's own blocks"}
+
+
+def run_until_oom(alloc, rng):
+    """Keeps every step's output on the device until the allocator raises OutOfMemoryError; the
+    layout is taken as it raises (as PyTorch's out-of-memory observer sees it)."""
+    kept, seen = [], {}
+    try:
+        while True:
+            kept.append(alloc.malloc(16 * 512 * 8192 * 4))  # cuda-call
+    except OutOfMemoryError as e:
+        free, total = alloc.mem_get_info()  # cuda-call
+        seen.update({"device": 0, "alloc": 16 * 512 * 8192 * 4, "device_allocated": total,
+                     "device_free": free, "layout": layout_of(alloc), "wall_ns": time.time_ns(),
+                     "message": str(e)})
+    seen["steps"] = len(kept)
+    for t in kept:
+        alloc.free(t)
+    return seen
+
+
 def main():
     parser = handshake.parse_common(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--cudart", required=True)
@@ -77,6 +102,7 @@ def main():
         if step % args.empty_cache_every == args.empty_cache_every - 1:
             alloc.empty_cache()  # cuda-call
     oom = provoke_oom(alloc) if args.oom else None
+    natural_oom = run_until_oom(alloc, rng) if args.until_oom else None
     final = handshake.stat_subset(alloc.memory_stats())
     st = alloc.stats()
     layout = {"allocated": st["allocated"], "reserved": st["reserved"],
@@ -98,6 +124,7 @@ def main():
         "final": final,
         "final_wall_ns": final_wall_ns,
         "oom": oom,
+        "natural_oom": natural_oom,
         "layout": layout,
         "timing": handshake.step_summary(step_s),
     })

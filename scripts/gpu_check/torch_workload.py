@@ -63,6 +63,32 @@ def provoke_oom():
     return {"requested": request, "free_before": free, "total": total, "raised": False, "message": ""}
 
 
+def run_until_oom(model, opt, rng):
+    """Keeps every step's logits on the device (a history kept for later, as jobs do) until the
+    allocator raises OutOfMemoryError; PyTorch's out-of-memory observer takes its layout at that
+    instant (it runs before the error is raised, the allocator's lock released)."""
+    seen = {}
+
+    def observer(device, alloc, device_allocated, device_free):
+        seen.update({"device": device, "alloc": alloc, "device_allocated": device_allocated,
+                     "device_free": device_free, "layout": snapshot_layout(), "wall_ns": time.time_ns()})
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+    kept = []
+    steps = 0
+    try:
+        while True:
+            batch, seq = 16, 512
+            tokens = torch.randint(0, VOCAB, (batch, seq), device="cuda")  # cuda-call
+            kept.append(model(tokens).detach())  # cuda-call
+            steps += 1
+    except torch.cuda.OutOfMemoryError as e:
+        seen["message"] = str(e)
+    seen["steps"] = steps
+    del kept
+    return seen
+
+
 def snapshot_layout():
     """The allocator's layout in its own words (torch.cuda.memory_snapshot()): allocated and
     reserved bytes, free blocks and the largest."""
@@ -101,6 +127,7 @@ def main():
         if step % args.empty_cache_every == args.empty_cache_every - 1:
             torch.cuda.empty_cache()  # cuda-call
     oom = provoke_oom() if args.oom else None
+    natural_oom = run_until_oom(model, opt, rng) if args.until_oom else None
     final = handshake.stat_subset(torch.cuda.memory_stats())
     layout = snapshot_layout()
     final_wall_ns = time.time_ns()
@@ -124,6 +151,7 @@ def main():
         "final": final,
         "final_wall_ns": final_wall_ns,
         "oom": oom,
+        "natural_oom": natural_oom,
         "layout": layout,
         "timing": handshake.step_summary(step_s),
     })

@@ -2451,13 +2451,14 @@ fn a_reader_margin_that_is_no_number_is_said_and_the_default_kept() {
 /// A co-tenant holding 768 MiB of a 1 GiB simulated GPU while a training loop runs to its
 /// OOM, the holder started after the trace (`holder_first`: before it, unseen). `holder_root`
 /// and `trainer_root`: the NVIDIA device each one's root shows (a container's), or none.
-/// `nvml`: the trainer's PyTorch can read NVML, so its message names the processes on the GPU.
+/// `nvml`: the trainer's PyTorch can read NVML, so its message names the processes on the GPU;
+/// `tracer_nvml`: tracer asks the (simulated) NVML itself, at the start and at the OOM.
 fn co_tenancy(
     fx: &Fixture,
     holder_first: bool,
     roots: (Option<u32>, Option<u32>),
     shared: (&str, &str),
-    nvml: bool,
+    (nvml, tracer_nvml): (bool, bool),
 ) -> (Value, Value, Value) {
     let dir = fx.sim.parent().unwrap();
     let (ready, done) = (dir.join("holder-ready"), dir.join("holder-done"));
@@ -2508,7 +2509,20 @@ fn co_tenancy(
         });
         h
     });
-    let trace = fx.trace(&["libcudart.so.12", "libsimtorch.so"], &[]);
+    let nvml_lib = fx.lib("libnvidia-ml.so.1");
+    let shared_file = dir.join(shared.1).display().to_string();
+    let trace = if tracer_nvml {
+        fx.trace_with_env(
+            &["libcudart.so.12", "libsimtorch.so"],
+            &["--nvml", &nvml_lib],
+            &[
+                ("SIMCUDA_SHARED_DEVICES", &shared_file),
+                ("SIMCUDA_MEM", "1GiB"),
+            ],
+        )
+    } else {
+        fx.trace(&["libcudart.so.12", "libsimtorch.so"], &["--nvml", "off"])
+    };
     if holder.is_none() {
         holder = Some(start_holder());
         wait_until(Duration::from_secs(20), "the holder's memory", || {
@@ -2541,7 +2555,8 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
         return;
     };
     // Allocated after the trace began: named, with its bytes, as the cause.
-    let (holder, trainer, report) = co_tenancy(&fx, false, (None, None), ("gpu", "gpu"), true);
+    let (holder, trainer, report) =
+        co_tenancy(&fx, false, (None, None), ("gpu", "gpu"), (true, false));
     assert!(
         !rule_names(&report).contains(&"rank_outlier"),
         "{:?}",
@@ -2595,7 +2610,8 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
     assert_eq!(share["device_total"], 1u64 << 30);
     // Allocated before the trace: PyTorch's message (NVML) names it, with its bytes, as the
     // cause.
-    let (holder, _, report) = co_tenancy(&fx, true, (None, None), ("gpu-b", "gpu-b"), true);
+    let (holder, _, report) =
+        co_tenancy(&fx, true, (None, None), ("gpu-b", "gpu-b"), (true, false));
     assert!(!rule_names(&report).contains(&"rank_outlier"));
     let oom = chain(&report, "oom");
     let named = format!(
@@ -2618,7 +2634,7 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
     assert_eq!(holders["others"][0]["from_message"], true, "{holders:#}");
     // Where PyTorch cannot read NVML its message names no process: unseen, said as memory no
     // traced process held, whose owner is not known.
-    let (_, _, report) = co_tenancy(&fx, true, (None, None), ("gpu-c", "gpu-c"), false);
+    let (_, _, report) = co_tenancy(&fx, true, (None, None), ("gpu-c", "gpu-c"), (false, false));
     assert!(!rule_names(&report).contains(&"rank_outlier"));
     let oom = chain(&report, "oom");
     assert!(
@@ -2636,6 +2652,28 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
     );
     assert_eq!(report["holders"][0]["verdict"], "unknown");
     assert_eq!(report["holders"][0]["unattributed"], 768u64 << 20);
+    // The same, but tracer asks NVML itself (at the trace's start and at the OOM): the holder
+    // is named with its bytes as the cause though PyTorch's message names no one.
+    let (holder, _, report) =
+        co_tenancy(&fx, true, (None, None), ("gpu-d", "gpu-d"), (false, true));
+    let holders = &report["holders"][0];
+    assert_eq!(holders["verdict"], "other_processes", "{holders:#}");
+    assert_eq!(holders["others"][0]["pid"], holder["pid"], "{holders:#}");
+    assert_eq!(holders["others"][0]["bytes"], holder["held"], "{holders:#}");
+    assert_eq!(holders["others"][0]["from_message"], false);
+    assert!(
+        holders["others"][0]["nvml_at_ns"].as_i64().unwrap() >= holders["at_ns"].as_i64().unwrap()
+    );
+    assert_eq!(holders["unattributed"], Value::Null, "{holders:#}");
+    let samples = query(&fx.db, "SELECT count(*) AS n FROM gpu_samples");
+    assert!(samples[0]["n"].as_i64().unwrap() >= 2, "{samples:?}");
+    let oom = chain(&report, "oom");
+    assert!(
+        oom["compounding"]
+            .to_string()
+            .contains("768.00 MiB (NVML at "),
+        "{oom:#}"
+    );
 }
 
 #[test]
@@ -2687,7 +2725,13 @@ fn containers_that_both_say_device_0_are_one_gpu_only_when_their_roots_say_so() 
         return;
     };
     // Host GPU 3 in both containers: the holder is named on GPU 3.
-    let (holder, _, report) = co_tenancy(&fx, false, (Some(3), Some(3)), ("gpu3", "gpu3"), true);
+    let (holder, _, report) = co_tenancy(
+        &fx,
+        false,
+        (Some(3), Some(3)),
+        ("gpu3", "gpu3"),
+        (true, false),
+    );
     // (Each scenario on devices of its own: no memory of the one before.)
     let oom = chain(&report, "oom");
     let named = format!("pid {} (python3) 768.00 MiB", holder["pid"]);
@@ -2697,8 +2741,13 @@ fn containers_that_both_say_device_0_are_one_gpu_only_when_their_roots_say_so() 
         "{oom:#}"
     );
     // GPU 3 and GPU 5, each "device 0" inside: not one GPU, the holder is no co-tenant.
-    let (holder, trainer, report) =
-        co_tenancy(&fx, false, (Some(3), Some(5)), ("gpu3-b", "gpu5-b"), true);
+    let (holder, trainer, report) = co_tenancy(
+        &fx,
+        false,
+        (Some(3), Some(5)),
+        ("gpu3-b", "gpu5-b"),
+        (true, false),
+    );
     let oom = chain(&report, "oom");
     assert!(
         !oom["compounding"]

@@ -52,6 +52,52 @@ EXPORT nvmlReturn_t nvmlInit_v2(void) {
 
 EXPORT nvmlReturn_t nvmlShutdown(void) { return NVML_SUCCESS; }
 
+/* SIMCUDA_DEVICES, as the runtime reads it (default 1). */
+EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    if (!shared) return NVML_ERROR_UNINITIALIZED;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    const char *n = getenv("SIMCUDA_DEVICES");
+    int devices = n ? atoi(n) : 1;
+    *count = devices < 1 ? 1 : devices > MAX_DEVICES ? MAX_DEVICES : (unsigned)devices;
+    return NVML_SUCCESS;
+}
+
+/* A simulated device's minor number is its index (/dev/nvidiaN). */
+EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor) {
+    uintptr_t index = (uintptr_t)device;
+    if (!minor || index == 0 || index > MAX_DEVICES) return NVML_ERROR_INVALID_ARGUMENT;
+    *minor = (unsigned)(index - 1);
+    return NVML_SUCCESS;
+}
+
+typedef struct {
+    unsigned long long total, free, used;
+} nvmlMemory_t;
+
+/* SIMCUDA_MEM's capacity (as model.c parses it: a number with K/M/G/T and optional iB/B). */
+static unsigned long long capacity(void) {
+    const char *s = getenv("SIMCUDA_MEM");
+    if (!s || !*s) return 16ULL << 30;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    switch (*end) {
+    case 'K': case 'k': return v << 10;
+    case 'M': case 'm': return v << 20;
+    case 'G': case 'g': return v << 30;
+    case 'T': case 't': return v << 40;
+    default: return v;
+    }
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    if (!shared) return NVML_ERROR_UNINITIALIZED;
+    uintptr_t index = (uintptr_t)device;
+    if (!memory || index == 0 || index > MAX_DEVICES) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned long long total = capacity(), used = __atomic_load_n(&shared->used[index - 1], __ATOMIC_ACQUIRE);
+    *memory = (nvmlMemory_t){.total = total, .used = used, .free = used < total ? total - used : 0};
+    return NVML_SUCCESS;
+}
+
 /* A device handle is its index + 1 (never NULL). */
 EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     if (!shared) return NVML_ERROR_UNINITIALIZED;

@@ -252,9 +252,9 @@
       if (h.cached !== null) rows.push(["this process: reserved by PyTorch but unallocated", bytes(h.cached)]);
       for (const o of h.outside) rows.push(["this process, outside the allocator: " + o.library + " (" + o.allocations + " allocations)", bytes(o.bytes)]);
       rows.push(["this process, all its traced calls held", bytes(h.held)]);
-      if (h.untraced !== null) rows.push(["this process, beyond its traced calls (PyTorch's message: its CUDA context)", bytes(h.untraced)]);
-      for (const t of h.others) rows.push(["pid " + t.pid + (t.comm ? " (" + t.comm + ")" : "") + (t.from_message ? ", named by PyTorch's message" : t.since_ns ? ", since " + utc(t.since_ns) : ""), bytes(t.bytes)]);
-      if (h.unattributed !== null) rows.push(["held by no traced process and none PyTorch's message names", bytes(h.unattributed)]);
+      if (h.untraced !== null) rows.push(["this process, beyond its traced calls (PyTorch's message or NVML: its CUDA context)", bytes(h.untraced)]);
+      for (const t of h.others) rows.push(["pid " + t.pid + (t.comm ? " (" + t.comm + ")" : "") + (t.from_message ? ", named by PyTorch's message" : t.nvml_at_ns ? ", named by NVML at " + utc(t.nvml_at_ns) : t.since_ns ? ", since " + utc(t.since_ns) : ""), bytes(t.bytes)]);
+      if (h.unattributed !== null) rows.push(["held by no traced process and none PyTorch's message or NVML names", bytes(h.unattributed)]);
       if (h.device_free !== null) rows.push(["free on the device", bytes(h.device_free)]);
       if (h.device_total !== null) rows.push(["the device in all", bytes(h.device_total)]);
       hSec.append(table(["who", "bytes"], rows, [false, true]));

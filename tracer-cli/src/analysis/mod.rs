@@ -788,6 +788,8 @@ pub struct Inputs<'a> {
     pub placements: &'a HashMap<u32, crate::model::Placement>,
     /// The library that made each call site's call (`--stack`).
     pub owners: &'a HashMap<crate::model::StackId, String>,
+    /// What NVML said of each GPU, in time order.
+    pub gpu_samples: &'a [crate::model::GpuSample],
     /// The processes whose settings turn on PyTorch's expandable segments.
     pub expandable: &'a std::collections::HashSet<u32>,
     /// The session's times give only the order of its calls.
@@ -813,6 +815,7 @@ impl<'a> Inputs<'a> {
             ranks: NO_RANKS.get_or_init(HashMap::new),
             placements: NO_PLACEMENTS.get_or_init(HashMap::new),
             owners: NO_OWNERS.get_or_init(HashMap::new),
+            gpu_samples: &[],
             expandable: NO_EXPANDABLE.get_or_init(Default::default),
             untimed: false,
         }
@@ -918,6 +921,7 @@ pub fn analyze_collected(
         placements: inputs.placements,
         comms,
         owners: inputs.owners,
+        gpu_samples: inputs.gpu_samples,
     };
     let mut holders = Vec::new();
     for (p, findings) in active.iter().zip(&layouts) {

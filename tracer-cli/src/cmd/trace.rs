@@ -66,6 +66,11 @@ pub struct TraceArgs {
     /// Kill a run still going after this long.
     #[arg(long, value_parser = parse_duration, default_value = "30s", requires = "on_warning")]
     pub on_warning_timeout: Duration,
+    /// NVIDIA's management library, asked at the start and at each out-of-memory which
+    /// processes hold each GPU (those that allocated before the trace too): `off`, or a file
+    /// (then required). Default: the system's libnvidia-ml.so.1 where the loader finds it.
+    #[arg(long, value_name = "PATH|off")]
+    pub nvml: Option<String>,
     /// Serve Prometheus metrics on this address: PORT (127.0.0.1:PORT), IP:PORT or
     /// [IPv6]:PORT. Read-only, no authentication: anything but loopback needs a firewall or a
     /// NetworkPolicy. Paths: /metrics, /healthz, /readyz.
@@ -137,6 +142,12 @@ pub fn run(args: TraceArgs) -> Result<()> {
         },
         program_stats: args.program_stats,
         no_keyframes: args.no_keyframes,
+        nvml: match args.nvml.as_deref() {
+            Some("off") => None,
+            Some(path) => Some(path.to_owned()),
+            None => Some("libnvidia-ml.so.1".to_owned()),
+        },
+        nvml_required: args.nvml.as_deref().is_some_and(|p| p != "off"),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
         figures_grace: if args.metrics.is_some() {

@@ -21,5 +21,5 @@ pub use event::{
     OffSlice, SiteLabels, StackId, Window, NO_DEVICE,
 };
 pub use process::{
-    env_map, Gpu, Placement, ProcessInfo, Rank, VisibleGpus, KEPT_ENV, NVIDIA_MAJOR,
+    env_map, Gpu, GpuSample, Placement, ProcessInfo, Rank, VisibleGpus, KEPT_ENV, NVIDIA_MAJOR,
 };

@@ -171,6 +171,18 @@ fn container_gpus(value: &str) -> Option<Vec<String>> {
     Some(entries)
 }
 
+/// What NVIDIA's management library said of one GPU at a moment (target/nvml.rs): its memory
+/// and the processes using it with their bytes (each one's CUDA context included).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct GpuSample {
+    pub ts_ns: i64,
+    /// "GPU 3": the device's minor number, as model/process.rs `Gpu` labels host GPUs.
+    pub gpu: String,
+    pub total: u64,
+    pub used: u64,
+    pub processes: Vec<(u32, u64)>,
+}
+
 /// A process's place in a distributed job, from RANK, LOCAL_RANK and WORLD_SIZE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Rank {

@@ -55,6 +55,7 @@ pub struct Known {
     pub ranks: HashMap<u32, Rank>,
     pub placements: HashMap<u32, crate::model::Placement>,
     pub owners: HashMap<crate::model::StackId, String>,
+    pub gpu_samples: Vec<crate::model::GpuSample>,
     pub messages: Vec<MessageRow>,
     pub expandable: std::collections::HashSet<u32>,
     pub untimed: bool,
@@ -80,6 +81,7 @@ impl Known {
             ranks,
             placements: events::placements(conn, session)?,
             owners: events::stack_owners(conn, session)?,
+            gpu_samples: events::gpu_samples(conn, session)?,
             messages: events::messages(conn, session)?,
             expandable,
             untimed: events::source(conn, session)? == crate::store::SNAPSHOT_UNTIMED,
@@ -95,6 +97,7 @@ impl Known {
             ranks: &self.ranks,
             placements: &self.placements,
             owners: &self.owners,
+            gpu_samples: &self.gpu_samples,
             expandable: &self.expandable,
             untimed: self.untimed,
         }

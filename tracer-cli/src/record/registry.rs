@@ -169,6 +169,49 @@ pub struct Registry {
     pub ended_joins: HashMap<u32, JoinState>,
     /// Which library made a call, where it matters (the allocator's stream events).
     pub callers: super::callers::Callers,
+    /// NVIDIA's management library, when loaded: who holds each GPU, asked at the start and
+    /// at each out-of-memory.
+    pub nvml: Option<NvmlWatch>,
+}
+
+/// NVML asked at the start and at out-of-memory evidence, at most once a second.
+pub struct NvmlWatch {
+    nvml: crate::target::nvml::Nvml,
+    /// The last out-of-memory sample.
+    last: Option<Instant>,
+}
+
+impl NvmlWatch {
+    pub fn new(nvml: crate::target::nvml::Nvml) -> NvmlWatch {
+        NvmlWatch { nvml, last: None }
+    }
+
+    /// Every GPU now (`at_start`), or at an out-of-memory unless one was sampled within the
+    /// last second.
+    fn sample(&mut self, at_start: bool) -> Vec<crate::model::GpuSample> {
+        if !at_start {
+            if self
+                .last
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+            {
+                return Vec::new();
+            }
+            self.last = Some(Instant::now());
+        }
+        self.nvml.sample(wall_now_ns())
+    }
+}
+
+/// A device allocation refused for want of memory, or PyTorch's out-of-memory message.
+fn out_of_memory_in(delivery: &Delivery) -> bool {
+    delivery
+        .calls
+        .iter()
+        .any(|c| c.ret == 2 && c.op.spec().class == tracer_common::OpClass::Alloc)
+        || delivery
+            .messages
+            .iter()
+            .any(|m| m.op == tracer_common::Op::TorchOom)
 }
 
 /// A keyframe every [`KEYFRAME_EVERY`], or after [`KEYFRAME_EVENTS`] calls (more when the
@@ -218,6 +261,16 @@ impl Registry {
     ) -> Result<()> {
         let result = (|| -> Result<()> {
             let boot = procinfo::boot_time_ns();
+            if let Some(watch) = self.nvml.as_mut() {
+                // Who held each GPU when the trace began: the processes no probe will see
+                // allocate what they hold.
+                let start = Delivery {
+                    gpu_samples: watch.sample(true),
+                    ..Delivery::default()
+                };
+                tx.send(start)
+                    .map_err(|_| anyhow!("the database writer stopped"))?;
+            }
             let mut pids_seen: HashSet<u32> = HashSet::new();
             let mut last_python_scan = Instant::now();
             loop {
@@ -389,6 +442,11 @@ impl Registry {
         drop(allocators);
         delivery.series = self.series.take_closed(wall_now_ns());
         delivery.gaps = std::mem::take(&mut self.gaps);
+        if let Some(watch) = self.nvml.as_mut() {
+            if out_of_memory_in(&delivery) {
+                delivery.gpu_samples = watch.sample(false);
+            }
+        }
         tx.send(delivery)
             .map_err(|_| anyhow!("the database writer stopped"))
     }

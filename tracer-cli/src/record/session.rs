@@ -72,6 +72,11 @@ pub struct RecordOptions {
     pub on_warning: Option<OnWarning>,
     /// How long an ended process's figures stay (the metrics endpoint's series; zero: none).
     pub figures_grace: Duration,
+    /// NVIDIA's management library to ask who holds each GPU (a file, or a name the loader
+    /// finds); None: not asked. `nvml_required`: a library that cannot be loaded is an error,
+    /// else it is not asked.
+    pub nvml: Option<String>,
+    pub nvml_required: bool,
 }
 
 /// The recording, once its probes are attached and its session begun.
@@ -634,6 +639,20 @@ struct Threads {
     on_warning: Option<HookOutcome>,
 }
 
+/// NVML, as the options ask: the system's where it is found, or the file named (required).
+fn open_nvml(opts: &RecordOptions) -> Result<Option<super::registry::NvmlWatch>> {
+    let Some(path) = opts.nvml.as_deref() else {
+        return Ok(None);
+    };
+    match crate::target::nvml::Nvml::open(path) {
+        Ok(nvml) => Ok(Some(super::registry::NvmlWatch::new(nvml))),
+        Err(e) if opts.nvml_required => Err(crate::exit::user_error(format!(
+            "--nvml {path}: {e:#} (name NVIDIA's libnvidia-ml.so.1, or --nvml off)"
+        ))),
+        Err(_) => Ok(None),
+    }
+}
+
 /// Starts the reader (ring -> records), the registry (records -> deliveries, with what /proc
 /// and the interpreters say) and the writer (deliveries -> the database).
 fn spawn_pipeline(
@@ -699,6 +718,7 @@ fn spawn_pipeline(
         ended: Vec::new(),
         ended_joins: HashMap::new(),
         callers: Default::default(),
+        nvml: open_nvml(opts)?,
     };
     registry.take_up(taken, gaps, shared)?;
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);

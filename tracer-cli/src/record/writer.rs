@@ -50,6 +50,8 @@ pub struct Delivery {
     pub gaps: Vec<GapRow>,
     /// Threads' devices learned for calls stored without one (wall-clock times).
     pub learned: Vec<crate::model::devices::Learned>,
+    /// What NVML said of each GPU.
+    pub gpu_samples: Vec<crate::model::GpuSample>,
 }
 
 impl Delivery {
@@ -61,6 +63,7 @@ impl Delivery {
             || !self.series.is_empty()
             || !self.gaps.is_empty()
             || !self.learned.is_empty()
+            || !self.gpu_samples.is_empty()
             || self.keyframe.is_some()
             || !self.exited.is_empty()
     }
@@ -87,6 +90,7 @@ impl Delivery {
         self.series.extend(more.series);
         self.gaps.extend(more.gaps);
         self.learned.extend(more.learned);
+        self.gpu_samples.extend(more.gpu_samples);
         if more.keyframe.is_some() {
             self.keyframe = more.keyframe;
         }
@@ -156,6 +160,7 @@ pub fn write_loop(
                 })?;
                 store.write_series(opts.session, &pending.series, &pending.gaps)?;
                 store.learn_devices(opts.session, &pending.learned)?;
+                store.write_gpu_samples(opts.session, &pending.gpu_samples)?;
                 shared.events_stored.fetch_add(
                     (pending.calls.len() + pending.messages.len()) as u64,
                     Ordering::SeqCst,

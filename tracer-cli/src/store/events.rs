@@ -736,6 +736,39 @@ pub fn stack_owners(conn: &Connection, session: i64) -> Result<HashMap<StackId, 
     Ok(out)
 }
 
+/// What NVML said of each GPU during `session` (schema 12), in time order.
+pub fn gpu_samples(conn: &Connection, session: i64) -> Result<Vec<crate::model::GpuSample>> {
+    if !has_table(conn, "gpu_samples")? {
+        return Ok(Vec::new());
+    }
+    let mut stmt = conn.prepare(
+        "SELECT ts_ns, gpu, total, used, processes FROM gpu_samples WHERE session_id = ?1
+         ORDER BY ts_ns",
+    )?;
+    let rows = stmt.query_map([session], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, i64>(2)?,
+            r.get::<_, i64>(3)?,
+            r.get::<_, String>(4)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (ts_ns, gpu, total, used, processes) = row.context("read NVML's samples")?;
+        out.push(crate::model::GpuSample {
+            ts_ns,
+            gpu,
+            total: total.max(0) as u64,
+            used: used.max(0) as u64,
+            // A row another program wrote badly names no process.
+            processes: serde_json::from_str(&processes).unwrap_or_default(),
+        });
+    }
+    Ok(out)
+}
+
 /// Where each process of `session` runs: its job and the physical GPU behind each of its
 /// device numbers (model/process.rs `Placement`).
 pub fn placements(conn: &Connection, session: i64) -> Result<HashMap<u32, Placement>> {

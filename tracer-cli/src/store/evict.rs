@@ -148,6 +148,8 @@ impl Store {
             "holes",
             "kept",
             "processes",
+            "thread_devices",
+            "gpu_samples",
         ] {
             tx.execute(&format!("DELETE FROM {table} WHERE session_id = ?1"), [id])?;
         }

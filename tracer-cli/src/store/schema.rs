@@ -3,11 +3,11 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 11;
+pub const SCHEMA_VERSION: i64 = 12;
 
 /// The oldest version read as it is, without a migration: the versions after it only added
 /// a table and columns their readers look for (11: `thread_devices`, `sessions.devices_learned`,
-/// `processes.gpus`).
+/// `processes.gpus`; 12: `gpu_samples`).
 pub const READABLE_FROM: i64 = 10;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
@@ -278,5 +278,16 @@ CREATE TABLE thread_devices (
 CREATE INDEX thread_devices_session ON thread_devices(session_id, pid, tid);
 ALTER TABLE sessions ADD COLUMN devices_learned INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE processes ADD COLUMN gpus TEXT;
+"#,
+    r#"
+CREATE TABLE gpu_samples (
+    session_id INTEGER NOT NULL,
+    ts_ns      INTEGER NOT NULL,
+    gpu        TEXT NOT NULL,
+    total      INTEGER NOT NULL,
+    used       INTEGER NOT NULL,
+    processes  TEXT NOT NULL
+);
+CREATE INDEX gpu_samples_session ON gpu_samples(session_id, ts_ns);
 "#,
 ];

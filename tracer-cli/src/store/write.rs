@@ -39,6 +39,40 @@ impl Store {
         tx.commit().context("store threads' devices")
     }
 
+    /// Stores what NVML said of each GPU (target/nvml.rs).
+    pub fn write_gpu_samples(
+        &mut self,
+        session: i64,
+        samples: &[crate::model::GpuSample],
+    ) -> Result<()> {
+        if samples.is_empty() {
+            return Ok(());
+        }
+        let tx = self
+            .conn
+            .transaction()
+            .context("begin storing NVML's samples")?;
+        {
+            let mut add = tx.prepare_cached(
+                "INSERT INTO gpu_samples (session_id, ts_ns, gpu, total, used, processes)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )?;
+            for g in samples {
+                let processes =
+                    serde_json::to_string(&g.processes).context("encode NVML's processes")?;
+                add.execute(params![
+                    session,
+                    g.ts_ns,
+                    g.gpu,
+                    g.total as i64,
+                    g.used as i64,
+                    processes
+                ])?;
+            }
+        }
+        tx.commit().context("store NVML's samples")
+    }
+
     /// Writes one batch of calls, with the threads and processes first seen in it, in one transaction.
     pub fn write_batch(&mut self, batch: &Batch<'_>) -> Result<()> {
         let tx = self

@@ -23,6 +23,10 @@ pub struct Tenant {
     pub since_ns: Option<i64>,
     /// Known from PyTorch's message only: it allocated before the trace, or is not traced.
     pub from_message: bool,
+    /// Known from NVML only (tracer asked it at that time): it allocated before the trace, or
+    /// is not traced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvml_at_ns: Option<i64>,
 }
 
 /// Where processes run and what they are called, for naming co-tenants.
@@ -31,6 +35,8 @@ pub struct Who<'a> {
     pub comms: &'a HashMap<u32, String>,
     /// The library that made each call site's call (`--stack`).
     pub owners: &'a HashMap<crate::model::StackId, String>,
+    /// What NVML said of each GPU, in time order.
+    pub gpu_samples: &'a [crate::model::GpuSample],
 }
 
 impl Who<'_> {
@@ -71,6 +77,7 @@ pub fn on_gpu(
                 bytes,
                 since_ns: mine().next().map(|e| e.ts_ns),
                 from_message: false,
+                nvml_at_ns: None,
             })
         })
         .collect();
@@ -82,11 +89,53 @@ pub fn on_gpu(
                 bytes,
                 since_ns: None,
                 from_message: true,
+                nvml_at_ns: None,
             });
+        }
+    }
+    if let Some(sample) = nvml_at(p.pid, &gpu, at_ns, who.gpu_samples) {
+        for &(pid, bytes) in &sample.processes {
+            if pid != p.pid && bytes > 0 && !tenants.iter().any(|t| t.pid == pid) {
+                tenants.push(Tenant {
+                    pid,
+                    comm: who.comms.get(&pid).cloned(),
+                    bytes,
+                    since_ns: None,
+                    from_message: false,
+                    nvml_at_ns: Some(sample.ts_ns),
+                });
+            }
         }
     }
     tenants.sort_by_key(|t| std::cmp::Reverse(t.bytes));
     (gpu, tenants)
+}
+
+/// How long after an out-of-memory tracer's own NVML sample (made when it saw the failure) is
+/// taken for that instant.
+const NVML_AFTER_NS: i64 = 5_000_000_000;
+
+/// What NVML said of the GPU of `pid` nearest the out-of-memory at `at_ns`: the sample tracer
+/// took when it saw the failure, else the latest before (the trace's start, for processes that
+/// allocated before it). The GPU is the one NVML numbers as `gpu` where the process's root
+/// named it, else the one NVML lists the process on.
+fn nvml_at<'a>(
+    pid: u32,
+    gpu: &Gpu,
+    at_ns: i64,
+    samples: &'a [crate::model::GpuSample],
+) -> Option<&'a crate::model::GpuSample> {
+    let when = samples
+        .iter()
+        .map(|s| s.ts_ns)
+        .filter(|&t| t >= at_ns && t - at_ns <= NVML_AFTER_NS)
+        .min()
+        .or_else(|| samples.iter().map(|s| s.ts_ns).filter(|&t| t < at_ns).max())?;
+    let at_once = || samples.iter().filter(move |s| s.ts_ns == when);
+    let host_gpu = gpu.key == gpu.label;
+    at_once()
+        .find(|s| host_gpu && s.gpu == gpu.label)
+        .or_else(|| at_once().find(|s| s.processes.iter().any(|&(p, b)| p == pid && b > 0)))
 }
 
 /// "Process 516 has 129.79 GiB memory in use": the processes PyTorch's message names, with
@@ -142,11 +191,12 @@ pub struct Holders {
     pub held: u64,
     /// This process's memory outside the allocator, by the library that took it.
     pub outside: Vec<LibraryHeld>,
-    /// What PyTorch's message says this process has beyond what tracer saw it take: its CUDA
-    /// context, mostly (to the message's two decimals).
+    /// What PyTorch's message (else NVML, asked at the failure) says this process has beyond
+    /// what tracer saw it take: its CUDA context, mostly (to the message's two decimals).
     pub untraced: Option<u64>,
     pub others: Vec<Tenant>,
-    /// Memory in use that no traced process held and no process PyTorch's message names.
+    /// Memory in use that no traced process held and no process PyTorch's message or NVML
+    /// names.
     pub unattributed: Option<u64>,
     pub verdict: HeldBy,
 }
@@ -270,14 +320,22 @@ pub fn name_in_oom(
     let outside = outside_by_library(p, &gpu, at_ns, who);
     let held = held_on(p, &gpu, at_ns, who);
     let reading = last_reading(p, failed.device, at_ns);
+    let nvml = nvml_at(p.pid, &gpu, at_ns, who.gpu_samples).filter(|s| s.ts_ns >= at_ns);
+    let nvml_self = nvml.and_then(|s| {
+        s.processes
+            .iter()
+            .find(|&&(q, _)| q == p.pid)
+            .map(|&(_, b)| b)
+    });
     let untraced = message
         .and_then(this_process_said)
+        .or(nvml_self)
         .map(|said| said.saturating_sub(held))
         .filter(|&b| b > MESSAGE_ROUNDING);
     let unseen = reading.map(|r| held_by_no_one_traced(p, r, everyone, who));
     let named: u64 = tenants
         .iter()
-        .filter(|t| t.from_message)
+        .filter(|t| t.from_message || t.nvml_at_ns.is_some())
         .map(|t| t.bytes)
         .sum();
     let unattributed = unseen
@@ -307,7 +365,7 @@ pub fn name_in_oom(
         gpu: gpu.label.clone(),
         at_ns,
         requested: failed.size,
-        device_total: reading.map(|r| r.aux1),
+        device_total: reading.map(|r| r.aux1).or(nvml.map(|s| s.total)),
         device_free: judged
             .as_ref()
             .and_then(|j| j.failure.device_free)
@@ -363,7 +421,7 @@ fn say_in_chain(
     }
     if let Some(untraced) = h.untraced {
         chain.compounding.push(format!(
-            "this process had {} on {} that tracer did not see it take (PyTorch's message, less its traced calls): its CUDA context, mostly",
+            "this process had {} on {} that tracer did not see it take (PyTorch's message or NVML, less its traced calls): its CUDA context, mostly",
             pb(untraced),
             h.gpu
         ));
@@ -375,8 +433,8 @@ fn say_in_chain(
             h.gpu,
             pb(r.aux1),
             pb(r.aux0.min(r.aux1)),
-            if h.others.iter().any(|t| t.from_message) {
-                " and no process PyTorch's message names"
+            if h.others.iter().any(|t| t.from_message || t.nvml_at_ns.is_some()) {
+                " and no process PyTorch's message or NVML names"
             } else {
                 ""
             }
@@ -537,13 +595,17 @@ fn said(t: &Tenant) -> String {
         .as_deref()
         .map(|c| format!(" ({c})"))
         .unwrap_or_default();
-    let when = match (t.from_message, t.since_ns) {
-        (true, _) => {
+    let when = match (t.from_message, t.nvml_at_ns, t.since_ns) {
+        (true, _, _) => {
             " (named by PyTorch's message: it allocated before the trace or is not traced)"
                 .to_owned()
         }
-        (false, Some(ns)) => format!(" since {}", format_utc(ns)),
-        (false, None) => String::new(),
+        (false, Some(at), _) => format!(
+            " (NVML at {}: it allocated before the trace or is not traced)",
+            format_utc(at)
+        ),
+        (false, None, Some(ns)) => format!(" since {}", format_utc(ns)),
+        (false, None, None) => String::new(),
     };
     format!("pid {}{name} {}{when}", t.pid, pb(t.bytes))
 }
@@ -551,6 +613,47 @@ fn said(t: &Tenant) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nvml_is_read_at_the_oom_else_before_it_on_the_processes_gpu() {
+        let sample = |ts_ns, gpu: &str, processes: Vec<(u32, u64)>| crate::model::GpuSample {
+            ts_ns,
+            gpu: gpu.into(),
+            total: 100,
+            used: 50,
+            processes,
+        };
+        let samples = [
+            sample(10, "GPU 0", vec![(7, 5), (9, 40)]),
+            sample(10, "GPU 1", vec![(8, 5)]),
+            sample(2_000, "GPU 0", vec![(7, 30), (9, 40)]),
+            sample(2_000, "GPU 1", vec![(8, 5)]),
+        ];
+        let host = |n: u32| Gpu {
+            label: format!("GPU {n}"),
+            key: format!("GPU {n}"),
+        };
+        let unknown = Gpu {
+            label: "GPU 0".into(),
+            key: "GPU 0 (mount namespace 4)".into(),
+        };
+        // The sample tracer took at the failure; the GPU the process's root named.
+        assert_eq!(nvml_at(7, &host(1), 1_000, &samples), Some(&samples[3]));
+        // A GPU not named by the root: the one NVML lists the process on.
+        assert_eq!(nvml_at(7, &unknown, 1_000, &samples), Some(&samples[2]));
+        // No sample after the failure within 5 s: the latest before (the trace's start).
+        assert_eq!(
+            nvml_at(7, &unknown, 10_000_000_000, &samples),
+            Some(&samples[2])
+        );
+        assert_eq!(nvml_at(7, &unknown, 5, &samples), Some(&samples[0]));
+        assert_eq!(
+            nvml_at(3, &unknown, 5, &samples),
+            None,
+            "a process NVML does not list"
+        );
+        assert_eq!(nvml_at(7, &unknown, 5, &[]), None);
+    }
 
     #[test]
     fn pytorchs_message_names_other_processes() {

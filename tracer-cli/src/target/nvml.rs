@@ -38,15 +38,22 @@ const INSUFFICIENT_SIZE: Status = 7;
 /// Processes asked for at most, per device.
 const MAX_PROCESSES: usize = 1024;
 
+type NoArgs = unsafe extern "C" fn() -> Status;
+type Count = unsafe extern "C" fn(*mut c_uint) -> Status;
+type ByIndex = unsafe extern "C" fn(c_uint, *mut Device) -> Status;
+type Minor = unsafe extern "C" fn(Device, *mut c_uint) -> Status;
+type MemoryOf = unsafe extern "C" fn(Device, *mut Memory) -> Status;
+type Processes = unsafe extern "C" fn(Device, *mut c_uint, *mut ProcessInfo) -> Status;
+
 /// The loaded library and the calls tracer makes.
 pub struct Nvml {
     library: *mut c_void,
-    count: unsafe extern "C" fn(*mut c_uint) -> Status,
-    by_index: unsafe extern "C" fn(c_uint, *mut Device) -> Status,
-    minor: unsafe extern "C" fn(Device, *mut c_uint) -> Status,
-    memory: unsafe extern "C" fn(Device, *mut Memory) -> Status,
-    processes: unsafe extern "C" fn(Device, *mut c_uint, *mut ProcessInfo) -> Status,
-    shutdown: unsafe extern "C" fn() -> Status,
+    count: Count,
+    by_index: ByIndex,
+    minor: Minor,
+    memory: MemoryOf,
+    processes: Processes,
+    shutdown: NoArgs,
 }
 
 // SAFETY: NVML's calls are thread-safe (its documentation); the handle is only used through them.
@@ -73,18 +80,19 @@ impl Nvml {
         let resolved = (|| -> Result<Nvml> {
             // SAFETY: each symbol is NVML's function of that name and C signature (nvml.h).
             unsafe {
-                let init: unsafe extern "C" fn() -> Status =
-                    std::mem::transmute(symbol(c"nvmlInit_v2")?);
+                use std::mem::transmute;
+                type Raw = *mut c_void;
+                let init = transmute::<Raw, NoArgs>(symbol(c"nvmlInit_v2")?);
                 let nvml = Nvml {
                     library,
-                    count: std::mem::transmute(symbol(c"nvmlDeviceGetCount_v2")?),
-                    by_index: std::mem::transmute(symbol(c"nvmlDeviceGetHandleByIndex_v2")?),
-                    minor: std::mem::transmute(symbol(c"nvmlDeviceGetMinorNumber")?),
-                    memory: std::mem::transmute(symbol(c"nvmlDeviceGetMemoryInfo")?),
-                    processes: std::mem::transmute(symbol(
+                    count: transmute::<Raw, Count>(symbol(c"nvmlDeviceGetCount_v2")?),
+                    by_index: transmute::<Raw, ByIndex>(symbol(c"nvmlDeviceGetHandleByIndex_v2")?),
+                    minor: transmute::<Raw, Minor>(symbol(c"nvmlDeviceGetMinorNumber")?),
+                    memory: transmute::<Raw, MemoryOf>(symbol(c"nvmlDeviceGetMemoryInfo")?),
+                    processes: transmute::<Raw, Processes>(symbol(
                         c"nvmlDeviceGetComputeRunningProcesses_v3",
                     )?),
-                    shutdown: std::mem::transmute(symbol(c"nvmlShutdown")?),
+                    shutdown: transmute::<Raw, NoArgs>(symbol(c"nvmlShutdown")?),
                 };
                 match init() {
                     SUCCESS => Ok(nvml),

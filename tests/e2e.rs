@@ -673,6 +673,29 @@ fn bad_inputs_get_clear_messages_and_lose_nothing() {
         2,
         "no such file",
     );
+    // --nvml naming no library, or one that is not NVML.
+    assert_fails(
+        &tracer_as(
+            None,
+            &[
+                "trace",
+                "--db",
+                dbs,
+                "--nvml",
+                "/nonexistent/libnvidia-ml.so.1",
+            ],
+        ),
+        2,
+        "--nvml /nonexistent/libnvidia-ml.so.1: load /nonexistent/libnvidia-ml.so.1",
+    );
+    assert_fails(
+        &tracer_as(
+            None,
+            &["trace", "--db", dbs, "--nvml", junk.to_str().unwrap()],
+        ),
+        2,
+        "(name NVIDIA's libnvidia-ml.so.1, or --nvml off)",
+    );
     // --pid that does not exist.
     assert_fails(
         &tracer_as(None, &["trace", "--db", dbs, "--pid", "3999999"]),

@@ -241,6 +241,8 @@ impl Recording {
     pub fn start(opts: RecordOptions) -> Result<Recording> {
         check_options(&opts)?;
         let explicit = discover::explicit_libraries(&opts.libs)?;
+        // Before the session begins: a library named that cannot be loaded stops nothing begun.
+        let nvml = open_nvml(&opts)?;
         let who = paths::invoker();
         let mut store = Store::open_writable(&opts.db, who.owner)?;
         for id in store.close_orphaned_sessions()? {
@@ -327,6 +329,7 @@ impl Recording {
                 started_ns: session_started_ns,
                 taken,
                 gaps,
+                nvml,
             },
         )?;
         let program_stats = if opts.program_stats {
@@ -629,6 +632,7 @@ struct Begun {
     taken: Vec<restore::TakenUp>,
     /// What the processes taken up did unseen, until this session's probes were attached.
     gaps: Vec<crate::model::run_series::GapRow>,
+    nvml: Option<super::registry::NvmlWatch>,
 }
 
 /// The recording's three threads.
@@ -669,6 +673,7 @@ fn spawn_pipeline(
         started_ns,
         taken,
         gaps,
+        nvml,
     } = begun;
     let source = reader::Source {
         ring: probes.take_ring()?,
@@ -718,7 +723,7 @@ fn spawn_pipeline(
         ended: Vec::new(),
         ended_joins: HashMap::new(),
         callers: Default::default(),
-        nvml: open_nvml(opts)?,
+        nvml,
     };
     registry.take_up(taken, gaps, shared)?;
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);

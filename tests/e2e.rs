@@ -2471,6 +2471,29 @@ fn a_reader_margin_that_is_no_number_is_said_and_the_default_kept() {
     );
 }
 
+/// The OOM chain of `report`, which names `named` in its compounding and says the memory was
+/// held by other processes on GPU 0; no rank was compared with the other process.
+fn named_as_the_cause<'a>(report: &'a Value, named: &str) -> &'a Value {
+    assert!(
+        !rule_names(report).contains(&"rank_outlier"),
+        "{:?}",
+        rule_names(report)
+    );
+    let oom = chain(report, "oom");
+    assert!(
+        oom["compounding"].to_string().contains(named),
+        "{named} not in {oom:#}"
+    );
+    assert!(
+        oom["effect"]
+            .as_str()
+            .unwrap()
+            .contains("held by other processes on GPU 0"),
+        "{oom:#}"
+    );
+    oom
+}
+
 /// A co-tenant holding 768 MiB of a 1 GiB simulated GPU while a training loop runs to its
 /// OOM, the holder started after the trace (`holder_first`: before it, unseen). `holder_root`
 /// and `trainer_root`: the NVIDIA device each one's root shows (a container's), or none.
@@ -2580,25 +2603,11 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
     // Allocated after the trace began: named, with its bytes, as the cause.
     let (holder, trainer, report) =
         co_tenancy(&fx, false, (None, None), ("gpu", "gpu"), (true, false));
-    assert!(
-        !rule_names(&report).contains(&"rank_outlier"),
-        "{:?}",
-        rule_names(&report)
+    let oom = named_as_the_cause(
+        &report,
+        &format!("pid {} (python3) 768.00 MiB", holder["pid"]),
     );
-    let oom = chain(&report, "oom");
     assert_eq!(oom["pid"], trainer["pid"], "{holder} {trainer}");
-    let named = format!("pid {} (python3) 768.00 MiB", holder["pid"]);
-    assert!(
-        oom["compounding"].to_string().contains(&named),
-        "{named} not in {oom:#}"
-    );
-    assert!(
-        oom["effect"]
-            .as_str()
-            .unwrap()
-            .contains("held by other processes on GPU 0"),
-        "{oom:#}"
-    );
     // The same as data: the trainer's allocator held what it had taken, the holder its 768
     // MiB since its first call, and PyTorch's message named no one else.
     let holders = &report["holders"][0];
@@ -2635,22 +2644,12 @@ fn a_co_tenant_is_named_as_the_cause_never_as_a_rank() {
     // cause.
     let (holder, _, report) =
         co_tenancy(&fx, true, (None, None), ("gpu-b", "gpu-b"), (true, false));
-    assert!(!rule_names(&report).contains(&"rank_outlier"));
-    let oom = chain(&report, "oom");
-    let named = format!(
-        "pid {} (python3) 768.00 MiB (named by PyTorch's message",
-        holder["pid"]
-    );
-    assert!(
-        oom["compounding"].to_string().contains(&named),
-        "{named} not in {oom:#}"
-    );
-    assert!(
-        oom["effect"]
-            .as_str()
-            .unwrap()
-            .contains("held by other processes on GPU 0"),
-        "{oom:#}"
+    named_as_the_cause(
+        &report,
+        &format!(
+            "pid {} (python3) 768.00 MiB (named by PyTorch's message",
+            holder["pid"]
+        ),
     );
     let holders = &report["holders"][0];
     assert_eq!(holders["verdict"], "other_processes", "{holders:#}");

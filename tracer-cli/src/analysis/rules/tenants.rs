@@ -65,17 +65,12 @@ pub fn on_gpu(
         .iter()
         .filter(|q| q.pid != p.pid)
         .filter_map(|q| {
-            let place = who.placement(q.pid);
-            let ordinals: Vec<i32> = (0..MAX_ORDINALS)
-                .filter(|&d| place.gpu(d).key == gpu.key)
-                .collect();
-            let mine = || q.all.iter().filter(|e| ordinals.contains(&e.device));
-            let bytes = replay::held_bytes_at(mine(), at_ns);
+            let bytes = held_on(q, &gpu, at_ns, who);
             (bytes > 0).then(|| Tenant {
                 pid: q.pid,
                 comm: who.comms.get(&q.pid).cloned(),
                 bytes,
-                since_ns: mine().next().map(|e| e.ts_ns),
+                since_ns: calls_on(q, &gpu, who).next().map(|e| e.ts_ns),
                 from_message: false,
                 nvml_at_ns: None,
             })
@@ -501,11 +496,20 @@ fn say_in_chain(
 
 /// This process's device memory on `gpu` through its traced calls, at `at_ns`.
 fn held_on(p: &Proc<'_>, gpu: &Gpu, at_ns: i64, who: &Who<'_>) -> u64 {
+    replay::held_bytes_at(calls_on(p, gpu, who), at_ns)
+}
+
+/// This process's calls on `gpu` (under whichever of its device numbers stands for it).
+fn calls_on<'a>(
+    p: &Proc<'a>,
+    gpu: &Gpu,
+    who: &Who<'_>,
+) -> impl Iterator<Item = &'a crate::model::Event> {
     let place = who.placement(p.pid);
     let ordinals: Vec<i32> = (0..MAX_ORDINALS)
         .filter(|&d| place.gpu(d).key == gpu.key)
         .collect();
-    replay::held_bytes_at(p.all.iter().filter(|e| ordinals.contains(&e.device)), at_ns)
+    p.all.iter().filter(move |e| ordinals.contains(&e.device))
 }
 
 /// The last cudaMemGetInfo of `device` before the failure (or the one PyTorch makes for its

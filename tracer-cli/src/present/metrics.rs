@@ -1,8 +1,12 @@
 //! The Prometheus text exposition of a recording (`tracer trace --metrics`): per process (pid,
 //! comm, rank, and pod when known) its calls, errors, bytes and latency histogram per op, its
 //! device memory and the allocator's figures per device, its OOMs, failed allocations, retries
-//! and early warnings; then tracer's own health. Labels stay bounded: never pointers, sizes or
-//! stacks, and at most [`MAX_PROCESSES`] processes.
+//! and early warnings; per physical GPU who holds it; then tracer's own health. Labels stay
+//! bounded: never pointers, sizes or stacks, at most [`MAX_PROCESSES`] processes and
+//! [`MAX_GPUS`] GPUs.
+//!
+//! Over 700 lines because the page is one encoder whose families share their labels and
+//! bounds, and its test (about 170 lines) renders a whole page at once.
 
 use prometheus::{
     proto::{Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType},

@@ -115,9 +115,6 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         .iter()
         .map(|s| (s.pid, (s.clone(), s.last_ns)))
         .collect();
-    // Each process's last cudaMemGetInfo per device: (when, total, free).
-    let mut readings: std::collections::HashMap<(u32, i32), (i64, u64, u64)> =
-        std::collections::HashMap::new();
     super::walk(db, info.id, &begin, at_ns, q.pid, |step| {
         let e = match step {
             super::Step::Call(e) => e,
@@ -129,9 +126,6 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
                 return;
             }
         };
-        if e.class() == tracer_common::OpClass::MemInfo && e.ret == 0 && e.aux1 > 0 {
-            readings.insert((e.pid, e.device), (e.ts_ns, e.aux1, e.aux0.min(e.aux1)));
-        }
         let (s, last) = states.entry(e.pid).or_insert_with(|| {
             let conf = confs
                 .get(&e.pid)
@@ -149,6 +143,79 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         *last = e.ts_ns;
     })?;
     let placements = events::placements(conn, info.id)?;
+    let mut out: Vec<ProcessLayout> = states
+        .iter()
+        .map(|(&pid, (s, last))| (pid, &s.layout, *last))
+        .filter(|(_, l, _)| !l.stats().is_empty() || !l.segments().is_empty() || l.blocks_seen > 0)
+        .map(|(pid, l, last)| {
+            process_layout(pid, comms.get(&pid).cloned(), l, last.min(at_ns), q.device)
+        })
+        .collect();
+    let readings = Readings::read(conn, info.id)?;
+    let held: Vec<(u32, i32, u64)> = states
+        .iter()
+        .flat_map(|(&pid, (s, _))| held_per_device(pid, &s.layout))
+        .collect();
+    share_gpus(
+        &mut out,
+        &held,
+        &placements,
+        |pid, device| readings.last(pid, device, at_ns),
+        q.pid.is_none() && q.device.is_none(),
+    );
+    Ok((info.id, out))
+}
+
+/// What a process holds on each device through its traced calls (segments and outside):
+/// (pid, device, bytes), for [`share_gpus`].
+pub(crate) fn held_per_device(
+    pid: u32,
+    l: &crate::model::layout::Layout,
+) -> impl Iterator<Item = (u32, i32, u64)> + '_ {
+    let mut devices: Vec<i32> = l.stats().keys().map(|(d, _)| *d).collect();
+    devices.extend(l.outside_devices());
+    devices.sort_unstable();
+    devices.dedup();
+    devices
+        .into_iter()
+        .map(move |d| (pid, d, l.device_total(d).reserved + l.outside(d)))
+}
+
+/// Every successful cudaMemGetInfo of a session (few: PyTorch asks at an out-of-memory and when
+/// the program asks), to say what one said last before a moment.
+#[derive(Default)]
+pub(crate) struct Readings(Vec<crate::model::Event>);
+
+impl Readings {
+    pub(crate) fn read(conn: &rusqlite::Connection, session: i64) -> Result<Readings> {
+        let mut calls =
+            events::calls_of_classes(conn, session, &[tracer_common::OpClass::MemInfo], None)?;
+        calls.retain(|e| e.ret == 0 && e.aux1 > 0);
+        Ok(Readings(calls))
+    }
+
+    /// What `pid`'s last cudaMemGetInfo of `device` at or before `at_ns` said, as it said it:
+    /// (when, capacity, free). A call stored without a device stands for any.
+    pub(crate) fn last(&self, pid: u32, device: i32, at_ns: i64) -> Option<(i64, u64, u64)> {
+        self.0
+            .iter()
+            .rev()
+            .find(|e| e.ts_ns <= at_ns && e.pid == pid && (e.device == device || e.device < 0))
+            .map(|e| (e.ts_ns, e.aux1, e.aux0.min(e.aux1)))
+    }
+}
+
+/// Names each device's physical GPU and sets beside it the other laid-out processes on that
+/// GPU and what no traced process held then (`everyone`: every process was laid out, so those
+/// are whole; the traced bytes are those at the layout's moment). `said`: what a process's
+/// cudaMemGetInfo last said of a device.
+pub(crate) fn share_gpus(
+    layouts: &mut [ProcessLayout],
+    held: &[(u32, i32, u64)],
+    placements: &std::collections::HashMap<u32, crate::model::Placement>,
+    said: impl Fn(u32, i32) -> Option<(i64, u64, u64)>,
+    everyone: bool,
+) {
     let placement = |pid: u32| {
         placements.get(&pid).cloned().unwrap_or_else(|| {
             crate::model::Placement::new(pid, &std::collections::HashMap::new(), None)
@@ -157,72 +224,36 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
     // Every process's bytes on each physical GPU, by GPU key: (pid, device, held).
     let mut on_gpu: std::collections::HashMap<String, Vec<(u32, i32, u64)>> =
         std::collections::HashMap::new();
-    for (&pid, (s, _)) in &states {
-        let place = placement(pid);
-        let mut devices: Vec<i32> = s.layout.stats().keys().map(|(d, _)| *d).collect();
-        devices.extend(s.layout.outside_devices());
-        devices.sort_unstable();
-        devices.dedup();
-        for d in devices {
-            let held = s.layout.device_total(d).reserved + s.layout.outside(d);
-            on_gpu
-                .entry(place.gpu(d).key)
-                .or_default()
-                .push((pid, d, held));
-        }
+    for &(pid, device, bytes) in held {
+        on_gpu
+            .entry(placement(pid).gpu(device).key)
+            .or_default()
+            .push((pid, device, bytes));
     }
-    let out = states
-        .into_iter()
-        .map(|(pid, (s, last))| (pid, s.layout, last))
-        .filter(|(_, l, _)| !l.stats().is_empty() || !l.segments().is_empty() || l.blocks_seen > 0)
-        .map(|(pid, l, last)| {
-            let mut p =
-                process_layout(pid, comms.get(&pid).cloned(), &l, last.min(at_ns), q.device);
-            let place = placement(pid);
-            for d in &mut p.devices {
-                let gpu = place.gpu(d.device);
-                d.gpu = gpu.label;
-                d.gpu_share = share(pid, d.device, on_gpu.get(&gpu.key), &readings);
-                d.gpu_share.everyone_laid_out = q.pid.is_none();
-                if q.pid.is_some() {
-                    d.gpu_share.unattributed = None;
-                }
-            }
-            p
-        })
-        .collect();
-    Ok((info.id, out))
-}
-
-/// Device `device` of `pid` beside the others on its GPU (`everyone`: each process's bytes
-/// there, this one's included).
-fn share(
-    pid: u32,
-    device: i32,
-    everyone: Option<&Vec<(u32, i32, u64)>>,
-    readings: &std::collections::HashMap<(u32, i32), (i64, u64, u64)>,
-) -> GpuShare {
-    let everyone = everyone.map(|v| v.as_slice()).unwrap_or_default();
-    let held = everyone
-        .iter()
-        .filter(|(p, d, _)| *p == pid && *d == device)
-        .map(|(_, _, b)| b)
-        .sum();
-    let others: Vec<(u32, i32, u64)> = everyone
-        .iter()
-        .filter(|(p, _, b)| *p != pid && *b > 0)
-        .copied()
-        .collect();
-    let reading = readings.get(&(pid, device));
-    let traced: u64 = everyone.iter().map(|(_, _, b)| b).sum();
-    GpuShare {
-        held,
-        others,
-        device_total: reading.map(|r| r.1),
-        device_free: reading.map(|r| r.2),
-        said_at_ns: reading.map(|r| r.0),
-        everyone_laid_out: true,
-        unattributed: reading.map(|r| (r.1 - r.2).saturating_sub(traced)),
+    for p in layouts.iter_mut() {
+        let place = placement(p.pid);
+        for d in &mut p.devices {
+            let gpu = place.gpu(d.device);
+            let there = on_gpu.get(&gpu.key).map(Vec::as_slice).unwrap_or_default();
+            let reading = said(p.pid, d.device);
+            let traced: u64 = there.iter().map(|(_, _, b)| b).sum();
+            d.gpu = gpu.label;
+            d.gpu_share = GpuShare {
+                held: d.total.reserved + d.outside,
+                others: there
+                    .iter()
+                    .filter(|(q, _, b)| *q != p.pid && *b > 0)
+                    .copied()
+                    .collect(),
+                everyone_laid_out: everyone,
+                device_total: reading.map(|r| r.1),
+                device_free: reading.map(|r| r.2),
+                said_at_ns: reading.map(|r| r.0),
+                unattributed: reading
+                    .filter(|_| everyone)
+                    .map(|r| r.1.saturating_sub(r.2).saturating_sub(traced)),
+            };
+        }
     }
 }
 

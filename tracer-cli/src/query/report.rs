@@ -124,8 +124,11 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
     times.push((window.to_ns, "end"));
     times.sort_by_key(|&(t, label)| (t, label != "oom"));
 
+    let mut pass = Pass::new(&confs, &comms, window.from_ns, window.to_ns);
+    pass.placements = events::placements(conn, session_id)?;
+    pass.readings = layouts::Readings::read(conn, session_id)?;
     let mut walk = ReportWalk {
-        pass: Pass::new(&confs, &comms, window.from_ns, window.to_ns),
+        pass,
         times: &times,
         next: 0,
         calls: 0,
@@ -226,6 +229,10 @@ impl explain::Visit for ReportWalk<'_, '_> {
 /// One walk over the calls in time order.
 struct Pass<'a> {
     comms: &'a HashMap<u32, String>,
+    /// Each process's job and physical GPUs, and the session's cudaMemGetInfo calls, for the
+    /// layouts' GPU shares.
+    placements: HashMap<u32, crate::model::Placement>,
+    readings: layouts::Readings,
     from_ns: i64,
     to_ns: i64,
     allocators: LiveAllocators,
@@ -249,6 +256,8 @@ impl<'a> Pass<'a> {
         }
         Pass {
             comms,
+            placements: HashMap::new(),
+            readings: layouts::Readings::default(),
             from_ns,
             to_ns,
             allocators,
@@ -386,7 +395,7 @@ impl<'a> Pass<'a> {
             })
             .collect();
         pids.sort_unstable();
-        let processes = pids
+        let mut processes: Vec<layouts::ProcessLayout> = pids
             .into_iter()
             .filter_map(|pid| {
                 let layout = self.allocators.layout(pid)?;
@@ -399,6 +408,19 @@ impl<'a> Pass<'a> {
                 ))
             })
             .collect();
+        let held: Vec<(u32, i32, u64)> = self
+            .figures
+            .processes()
+            .filter_map(|p| Some((p.pid, self.allocators.layout(p.pid)?)))
+            .flat_map(|(pid, l)| layouts::held_per_device(pid, l))
+            .collect();
+        layouts::share_gpus(
+            &mut processes,
+            &held,
+            &self.placements,
+            |pid, device| self.readings.last(pid, device, at_ns),
+            true,
+        );
         self.snapshots.push(SegmentMaps {
             at_ns,
             label,

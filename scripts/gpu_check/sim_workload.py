@@ -72,7 +72,7 @@ def run_until_oom(alloc, rng):
             kept.append(alloc.malloc(16 * 512 * 8192 * 4))  # cuda-call
     except OutOfMemoryError as e:
         free, total = alloc.mem_get_info()  # cuda-call
-        seen.update({"device": 0, "alloc": 16 * 512 * 8192 * 4, "device_allocated": total,
+        seen.update({"device": 0, "alloc": 16 * 512 * 8192 * 4, "device_total": total,
                      "device_free": free, "layout": layout_of(alloc), "wall_ns": time.time_ns(),
                      "message": str(e)})
     seen["steps"] = len(kept)

@@ -69,8 +69,8 @@ def run_until_oom(model, opt, rng):
     instant (it runs before the error is raised, the allocator's lock released)."""
     seen = {}
 
-    def observer(device, alloc, device_allocated, device_free):
-        seen.update({"device": device, "alloc": alloc, "device_allocated": device_allocated,
+    def observer(device, alloc, device_total, device_free):
+        seen.update({"device": device, "alloc": alloc, "device_total": device_total,
                      "device_free": device_free, "layout": snapshot_layout(), "wall_ns": time.time_ns()})
 
     torch._C._cuda_attach_out_of_memory_observer(observer)

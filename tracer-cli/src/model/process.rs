@@ -96,6 +96,15 @@ impl Placement {
         }
     }
 
+    /// `pid`'s placement in `placements`, else one from nothing known (its device numbers its
+    /// own, a job of its own).
+    pub fn of(placements: &std::collections::HashMap<u32, Placement>, pid: u32) -> Placement {
+        placements
+            .get(&pid)
+            .cloned()
+            .unwrap_or_else(|| Placement::new(pid, &std::collections::HashMap::new(), None))
+    }
+
     /// The physical GPU behind device number `ordinal` (CUDA's, in this process).
     pub fn gpu(&self, ordinal: i32) -> Gpu {
         let unknown = |what: String| Gpu {

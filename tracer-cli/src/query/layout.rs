@@ -216,11 +216,7 @@ pub(crate) fn share_gpus(
     said: impl Fn(u32, i32) -> Option<(i64, u64, u64)>,
     everyone: bool,
 ) {
-    let placement = |pid: u32| {
-        placements.get(&pid).cloned().unwrap_or_else(|| {
-            crate::model::Placement::new(pid, &std::collections::HashMap::new(), None)
-        })
-    };
+    let placement = |pid: u32| crate::model::Placement::of(placements, pid);
     // Every process's bytes on each physical GPU, by GPU key: (pid, device, held).
     let mut on_gpu: std::collections::HashMap<String, Vec<(u32, i32, u64)>> =
         std::collections::HashMap::new();

@@ -41,36 +41,34 @@ pub struct Who<'a> {
 
 impl Who<'_> {
     pub fn placement(&self, pid: u32) -> Placement {
-        self.placements
-            .get(&pid)
-            .cloned()
-            .unwrap_or_else(|| Placement::new(pid, &HashMap::new(), None))
+        Placement::of(self.placements, pid)
     }
 }
 
 /// Device numbers a process may use (CUDA has at most this many in one process, in practice).
 const MAX_ORDINALS: i32 = 64;
 
-/// The other processes on the GPU behind device `device` of `p`, at `at_ns`.
-pub fn on_gpu(
+/// The other processes on `gpu` at `at_ns`: traced ones with what they held, then those
+/// PyTorch's `message` names, then those NVML's `sample` lists.
+fn on_gpu(
     p: &Proc<'_>,
-    device: i32,
+    gpu: &Gpu,
     at_ns: i64,
     everyone: &[Proc<'_>],
     who: &Who<'_>,
     message: Option<&str>,
-) -> (Gpu, Vec<Tenant>) {
-    let gpu = who.placement(p.pid).gpu(device);
+    sample: Option<&crate::model::GpuSample>,
+) -> Vec<Tenant> {
     let mut tenants: Vec<Tenant> = everyone
         .iter()
         .filter(|q| q.pid != p.pid)
         .filter_map(|q| {
-            let bytes = held_on(q, &gpu, at_ns, who);
+            let bytes = held_on(q, gpu, at_ns, who);
             (bytes > 0).then(|| Tenant {
                 pid: q.pid,
                 comm: who.comms.get(&q.pid).cloned(),
                 bytes,
-                since_ns: calls_on(q, &gpu, who).next().map(|e| e.ts_ns),
+                since_ns: calls_on(q, gpu, who).next().map(|e| e.ts_ns),
                 from_message: false,
                 nvml_at_ns: None,
             })
@@ -88,7 +86,7 @@ pub fn on_gpu(
             });
         }
     }
-    if let Some(sample) = nvml_at(p.pid, &gpu, at_ns, who.gpu_samples) {
+    if let Some(sample) = sample {
         for &(pid, bytes) in &sample.processes {
             if pid != p.pid && bytes > 0 && !tenants.iter().any(|t| t.pid == pid) {
                 tenants.push(Tenant {
@@ -103,7 +101,7 @@ pub fn on_gpu(
         }
     }
     tenants.sort_by_key(|t| std::cmp::Reverse(t.bytes));
-    (gpu, tenants)
+    tenants
 }
 
 /// How long after an out-of-memory tracer's own NVML sample (made when it saw the failure) is
@@ -141,16 +139,8 @@ pub fn processes_named(message: &str) -> Vec<(u32, u64)> {
         .skip(1)
         .filter_map(|rest| {
             let (pid, rest) = rest.split_once(" has ")?;
-            let mut words = rest.split_whitespace();
-            let value: f64 = words.next()?.parse().ok()?;
-            let unit = match words.next()? {
-                "bytes" => 1.0,
-                "KiB" => 1024.0,
-                "MiB" => 1048576.0,
-                "GiB" => 1073741824.0,
-                _ => return None,
-            };
-            Some((pid.trim().parse().ok()?, (value * unit) as u64))
+            let bytes = super::measured::pytorch_size(rest.split(" memory in use").next()?)?;
+            Some((pid.trim().parse().ok()?, bytes))
         })
         .collect()
 }
@@ -311,11 +301,14 @@ pub fn name_in_oom(
         .iter()
         .rev()
         .find(|e| e.ts_ns == at_ns && e.ret != 0)?;
-    let (gpu, tenants) = on_gpu(p, failed.device, at_ns, everyone, who, message);
+    let gpu = who.placement(p.pid).gpu(failed.device);
+    let sample = nvml_at(p.pid, &gpu, at_ns, who.gpu_samples);
+    let tenants = on_gpu(p, &gpu, at_ns, everyone, who, message, sample);
     let outside = outside_by_library(p, &gpu, at_ns, who);
     let held = held_on(p, &gpu, at_ns, who);
     let reading = last_reading(p, failed.device, at_ns);
-    let nvml = nvml_at(p.pid, &gpu, at_ns, who.gpu_samples).filter(|s| s.ts_ns >= at_ns);
+    // What NVML said of this process counts only when asked at the failure.
+    let nvml = sample.filter(|s| s.ts_ns >= at_ns);
     let nvml_self = nvml.and_then(|s| {
         s.processes
             .iter()
@@ -327,7 +320,7 @@ pub fn name_in_oom(
         .or(nvml_self)
         .map(|said| said.saturating_sub(held))
         .filter(|&b| b > MESSAGE_ROUNDING);
-    let unseen = reading.map(|r| held_by_no_one_traced(p, r, everyone, who));
+    let unseen = reading.map(|r| held_by_no_one_traced(p, &gpu, r, everyone, who));
     let named: u64 = tenants
         .iter()
         .filter(|t| t.from_message || t.nvml_at_ns.is_some())
@@ -577,17 +570,17 @@ fn outside_by_library(p: &Proc<'_>, gpu: &Gpu, at_ns: i64, who: &Who<'_>) -> Vec
 /// traced process on the GPU held then.
 fn held_by_no_one_traced(
     p: &Proc<'_>,
+    gpu: &Gpu,
     reading: &crate::model::Event,
     everyone: &[Proc<'_>],
     who: &Who<'_>,
 ) -> u64 {
     let (total, free) = (reading.aux1, reading.aux0.min(reading.aux1));
-    let gpu = who.placement(p.pid).gpu(reading.device);
-    let traced: u64 = held_on(p, &gpu, reading.ts_ns, who)
+    let traced: u64 = held_on(p, gpu, reading.ts_ns, who)
         + everyone
             .iter()
             .filter(|q| q.pid != p.pid)
-            .map(|q| held_on(q, &gpu, reading.ts_ns, who))
+            .map(|q| held_on(q, gpu, reading.ts_ns, who))
             .sum::<u64>();
     (total - free).saturating_sub(traced)
 }

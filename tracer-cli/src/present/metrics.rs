@@ -305,7 +305,7 @@ fn gpu_families(f: &mut Families, s: &RecordingStatus) {
     let mut gpus: std::collections::BTreeMap<String, Gpu> = std::collections::BTreeMap::new();
     // Every GPU a process was seen on keeps its series (zero once its processes end).
     for row in &s.allocators {
-        let Some(p) = s.figures.processes().find(|p| p.pid == row.pid) else {
+        let Some(p) = s.figures.get(row.pid) else {
             continue;
         };
         let held = row.stats.reserved + row.outside;

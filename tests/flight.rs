@@ -147,11 +147,22 @@ fn assert_same_map(rebuilt: &Map, own: &Map) {
     assert_eq!(rebuilt.len(), own.len());
 }
 
-/// What the allocator's own figures make of its OOM.
+/// What the allocator's own blocks make of its OOM: fragmentation when the free blocks of the
+/// pool the request goes to (small up to 1 MiB, as the job's allocator and PyTorch's) held its
+/// bytes, capacity when they did not. The other pool's free blocks could not have served it.
 fn true_verdict(account: &Value) -> &'static str {
-    let s = &account["stats"];
-    let cached = s["reserved"].as_u64().unwrap() - s["allocated"].as_u64().unwrap();
-    if cached >= account["request"].as_u64().unwrap() {
+    let request = account["request"].as_u64().unwrap();
+    let pool = if request <= 1 << 20 { "small" } else { "large" };
+    let cached: u64 = account["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["pool"] == pool)
+        .flat_map(|s| s["blocks"].as_array().unwrap())
+        .filter(|b| b["allocated"] == false)
+        .map(|b| b["size"].as_u64().unwrap())
+        .sum();
+    if cached >= request {
         "fragmentation"
     } else {
         "capacity"

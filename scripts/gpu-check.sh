@@ -22,7 +22,7 @@ repo=$(dirname "$here")
 tracer="${TRACER:-$repo/target/release/tracer}"
 python="${PYTHON:-python3}"
 steps=150
-rounds=3
+rounds=5
 simulated=0
 out=""
 
@@ -256,7 +256,8 @@ sep=""
 for r in $(seq 1 "$rounds"); do
   for setup in untraced traced stack; do
     run "$setup" default "cost-$setup-$r"
-    printf '%s{"setup": "%s", "stats": "%s"}\n' "$sep" "$setup" "$work/cost-$setup-$r/stats.json" >>"$work/runs.json"
+    printf '%s{"setup": "%s", "round": %d, "stats": "%s", "trace": "%s"}\n' "$sep" "$setup" "$r" \
+      "$work/cost-$setup-$r/stats.json" "$work/cost-$setup-$r/trace.jsonl" >>"$work/runs.json"
     sep=","
   done
 done

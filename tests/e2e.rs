@@ -1000,6 +1000,15 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
     for k in ["traced/untraced", "stack/untraced", "stack/traced"] {
         assert!(ratios[k].as_f64().unwrap() > 0.0, "{ratios:#}");
     }
+    // Each round paired with its untraced run; events a step from what tracer stored (the
+    // simulated loop makes well over one allocator event a step).
+    for setup in ["traced", "stack"] {
+        let paired = &summary["cost"]["paired"][setup];
+        assert_eq!(paired["rounds"].as_array().unwrap().len(), 1, "{paired:#}");
+        assert!(paired["events_per_step"].as_f64().unwrap() > 1.0, "{paired:#}");
+        assert!(paired["us_per_event_median"].as_f64().is_some(), "{paired:#}");
+    }
+    assert!(stdout.contains("events a step"), "{stdout}");
     let explain = std::fs::read_to_string(out.join("explain-default.txt")).unwrap();
     assert!(explain.contains("out of memory"), "{explain}");
 

@@ -419,20 +419,55 @@ def co_tenant(args):
                "message": message, "holders": h}, open(args.out, "w"), indent=1)
 
 
+def stored_events(trace):
+    """Events tracer stored in a run, from the summary its `trace --json` printed last."""
+    try:
+        lines = [line for line in open(trace) if line.strip()]
+        return json.loads(lines[-1]).get("counters", {}).get("events_stored")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cost(args):
+    """Rounds paired by their number: each round's ratio to its untraced run, the spread, the
+    events a step and the cost of an event (the loop's extra time over the events stored)."""
     runs = json.load(open(args.runs))
-    by = {}
+    by, rounds = {}, {}
     for r in runs:
         stats = json.load(open(r["stats"]))
-        by.setdefault(r["setup"], []).append({"loop_s": stats["timing"]["loop_s"],
-                                             "step_ms_median": stats["timing"]["step_ms_median"],
-                                             "calls": r.get("calls")})
+        events = stored_events(r["trace"]) if r.get("trace") and r["setup"] != "untraced" else None
+        run = {"loop_s": stats["timing"]["loop_s"], "steps": stats["timing"]["steps"],
+               "step_ms_median": stats["timing"]["step_ms_median"], "events": events}
+        by.setdefault(r["setup"], []).append(run)
+        rounds.setdefault(r.get("round", len(by[r["setup"]])), {})[r["setup"]] = run
     med = {k: statistics.median(x["loop_s"] for x in v) for k, v in by.items()}
     ratios = {}
     for a, b in (("traced", "untraced"), ("stack", "untraced"), ("stack", "traced")):
         if a in med and b in med and med[b] > 0:
             ratios[f"{a}/{b}"] = med[a] / med[b]
-    json.dump({"runs": by, "median_loop_s": med, "ratios": ratios}, open(args.out, "w"), indent=1)
+    per_round = {}
+    for setup in ("traced", "stack"):
+        rows = []
+        for n in sorted(rounds):
+            r = rounds[n]
+            if setup in r and "untraced" in r and r["untraced"]["loop_s"] > 0:
+                t, u = r[setup], r["untraced"]
+                row = {"round": n, "ratio": t["loop_s"] / u["loop_s"]}
+                if t["events"]:
+                    row["events_per_step"] = t["events"] / t["steps"]
+                    row["us_per_event"] = (t["loop_s"] - u["loop_s"]) * 1e6 / t["events"]
+                rows.append(row)
+        if rows:
+            rs = [x["ratio"] for x in rows]
+            per_event = [x["us_per_event"] for x in rows if "us_per_event" in x]
+            per_round[setup] = {
+                "rounds": rows, "ratio_median": statistics.median(rs), "ratio_min": min(rs), "ratio_max": max(rs),
+                "events_per_step": statistics.median(x["events_per_step"] for x in rows if "events_per_step" in x)
+                if per_event else None,
+                "us_per_event_median": statistics.median(per_event) if per_event else None,
+            }
+    json.dump({"runs": by, "median_loop_s": med, "ratios": ratios, "paired": per_round},
+              open(args.out, "w"), indent=1)
 
 
 def fmt(v):
@@ -481,6 +516,13 @@ def summary(args):
             lines.append(f"   {setup:<9} {t * 1e3:9.1f} ms  ({len(cost_result['runs'][setup])} runs)")
         for k, v in cost_result["ratios"].items():
             lines.append(f"   {k:<17} {v:.3f}x")
+        for setup, p in cost_result.get("paired", {}).items():
+            each = " ".join(f"{x['ratio']:.3f}" for x in p["rounds"])
+            lines.append(f"   {setup:<9} each round / its untraced run: {each} (median {p['ratio_median']:.3f}, "
+                         f"spread {p['ratio_min']:.3f}-{p['ratio_max']:.3f})")
+            if p.get("us_per_event_median") is not None:
+                lines.append(f"   {setup:<9} {p['events_per_step']:,.0f} events a step, "
+                             f"{p['us_per_event_median']:.2f} us an event (the loop's extra time / events stored)")
     lines += ["", f"{differs} comparison(s) differ" if differs else "every comparison equal or explained"]
     text = "\n".join(lines) + "\n"
     open(args.out_text, "w").write(text)

@@ -49,38 +49,42 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
     }
     // SAFETY: reads within the tracepoint record at offsets taken from its format file.
     let prev: i32 = unsafe { ctx.read_at(global(&PREV_PID_OFF) as usize) }.unwrap_or(0);
+    let prev = prev as u32;
+    // The clock is read only where a followed thread leaves or comes back: most switches on a
+    // node are other processes', and a clock read is a good part of this program's time.
+    // SAFETY: the value is copied out at once.
+    let Some(pid) = unsafe { SCHED_TIDS.get(&prev) }.copied() else {
+        return forward_next(&ctx, None);
+    };
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    let prev = prev as u32;
-    // SAFETY: the value is copied out at once.
-    if let Some(pid) = unsafe { SCHED_TIDS.get(&prev) }.copied() {
-        // SAFETY: as above.
-        let state: i64 = unsafe { ctx.read_at(global(&PREV_STATE_OFF) as usize) }.unwrap_or(1);
-        if state & EXITED != 0 {
-            // Its last switch: forget it (userspace may have followed it after its exit
-            // program ran, while it was still finishing).
-            let _ = SCHED_TIDS.remove(&prev);
-            let _ = OFFCPU.remove(&prev);
-            return forward_next(&ctx, now);
-        }
-        let off = OffCpu {
-            off_ns: now,
-            wakeup_ns: 0,
-            pid,
-            // The tracepoint reports a preempted task as TASK_REPORT_MAX (0x100), whatever its
-            // state; a task that yielded while runnable as 0. Any of the low bits: it blocked.
-            preempted: (state & 0xff == 0) as u32,
-        };
-        if OFFCPU.insert(&prev, &off, BPF_ANY as u64).is_err() {
-            bump(Counter::MapInsertFailed);
-        }
+    // SAFETY: as above.
+    let state: i64 = unsafe { ctx.read_at(global(&PREV_STATE_OFF) as usize) }.unwrap_or(1);
+    if state & EXITED != 0 {
+        // Its last switch: forget it (userspace may have followed it after its exit
+        // program ran, while it was still finishing).
+        let _ = SCHED_TIDS.remove(&prev);
+        let _ = OFFCPU.remove(&prev);
+        return forward_next(&ctx, Some(now));
     }
-    forward_next(&ctx, now)
+    let off = OffCpu {
+        off_ns: now,
+        wakeup_ns: 0,
+        pid,
+        // The tracepoint reports a preempted task as TASK_REPORT_MAX (0x100), whatever its
+        // state; a task that yielded while runnable as 0. Any of the low bits: it blocked.
+        preempted: (state & 0xff == 0) as u32,
+    };
+    if OFFCPU.insert(&prev, &off, BPF_ANY as u64).is_err() {
+        bump(Counter::MapInsertFailed);
+    }
+    forward_next(&ctx, Some(now))
 }
 
-/// The thread switched in: when it is a followed thread coming back, its interval off the CPU.
+/// The thread switched in: when it is a followed thread coming back, its interval off the CPU
+/// (`now` is the switch's time where the caller read it already).
 #[inline(always)]
-fn forward_next(ctx: &TracePointContext, now: u64) -> u32 {
+fn forward_next(ctx: &TracePointContext, now: Option<u64>) -> u32 {
     // SAFETY: as in sched_switch.
     let next: i32 = unsafe { ctx.read_at(global(&NEXT_PID_OFF) as usize) }.unwrap_or(0);
     let next = next as u32;
@@ -88,6 +92,8 @@ fn forward_next(ctx: &TracePointContext, now: u64) -> u32 {
     let Some(off) = (unsafe { OFFCPU.get(&next) }).copied() else {
         return 0;
     };
+    // SAFETY: no preconditions.
+    let now = now.unwrap_or_else(|| unsafe { bpf_ktime_get_ns() });
     // Just read, so present: a failure cannot leave it behind.
     let _ = OFFCPU.remove(&next);
     let Some(mut entry) = EVENTS.reserve::<SchedEvent>(0) else {

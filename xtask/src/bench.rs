@@ -42,6 +42,8 @@ pub struct BenchArgs {
     /// Seconds of the two-thread throughput run.
     #[arg(long, default_value_t = 10)]
     throughput_secs: u64,
+    #[command(flatten)]
+    step: crate::step_bench::StepBenchArgs,
 }
 
 pub fn root() -> PathBuf {
@@ -191,6 +193,20 @@ impl Tracer {
             "tracer trace printed {started}"
         );
         Ok(Tracer { child, lines })
+    }
+
+    /// CPU seconds its threads have used so far (the reader, registry and writer): the
+    /// scheduler's nanoseconds on a CPU, summed over its threads.
+    pub(crate) fn cpu_s(&self) -> f64 {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.child.id()));
+        let ns: u64 = tasks
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        ns as f64 / 1e9
     }
 
     /// Stops it; its summary.
@@ -615,7 +631,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     println!("  target: tracer <= 600 ns per pair");
     throughput.print();
-    Ok(())
+    crate::step_bench::run(args.step)
 }
 
 /// Two producer threads at full speed, traced.

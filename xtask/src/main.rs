@@ -4,6 +4,7 @@ mod bench;
 mod explain_bench;
 mod flight_bench;
 mod prologue;
+mod step_bench;
 mod tensor_bench;
 mod whatif_bench;
 
@@ -28,6 +29,8 @@ enum Task {
     BenchFlight(flight_bench::FlightBenchArgs),
     /// Time `tracer whatif` over N recorded allocator requests under 12 settings.
     BenchWhatif(whatif_bench::WhatIfBenchArgs),
+    /// Only `bench`'s training-shaped steps: what tracer costs a step, whole and part by part.
+    BenchStep(step_bench::StepBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,5 +40,6 @@ fn main() -> anyhow::Result<()> {
         Task::BenchTensor(args) => tensor_bench::run(args),
         Task::BenchFlight(args) => flight_bench::run(args),
         Task::BenchWhatif(args) => whatif_bench::run(args),
+        Task::BenchStep(args) => step_bench::run(args),
     }
 }

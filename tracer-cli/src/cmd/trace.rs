@@ -106,6 +106,9 @@ pub struct TraceArgs {
     /// evict the current session's calls).
     #[arg(long, hide = true, conflicts_with = "max_db")]
     pub no_keyframes: bool,
+    /// Benchmark: no scheduler programs (what host context costs is measured against this).
+    #[arg(long, hide = true)]
+    pub no_host_context: bool,
 }
 
 pub fn run(args: TraceArgs) -> Result<()> {
@@ -142,6 +145,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
         },
         program_stats: args.program_stats,
         no_keyframes: args.no_keyframes,
+        no_host_context: args.no_host_context,
         nvml: match args.nvml.as_deref() {
             Some("off") => None,
             Some(path) => Some(path.to_owned()),

@@ -41,6 +41,8 @@ pub struct LoadOptions {
     pub floor: u32,
     /// Capture each call's native and Python call site (--stack).
     pub stack: bool,
+    /// Attach the scheduler programs (host context); off only to measure what they cost.
+    pub host_context: bool,
 }
 
 /// One library as attached (stored with the session as JSON).
@@ -288,8 +290,9 @@ impl Probes {
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::COUNTERS))?;
         let counters = PerCpuArray::try_from(counters).context("open the counters map")?;
         let host_context = match sched {
-            Ok(_) if opts.floor == 0 => attach_sched(&mut ebpf),
-            Ok(_) => Err("not in --floor mode".into()),
+            Ok(_) if opts.floor == 0 && opts.host_context => attach_sched(&mut ebpf),
+            Ok(_) if opts.floor != 0 => Err("not in --floor mode".into()),
+            Ok(_) => Err("--no-host-context".into()),
             Err(e) => Err(e),
         };
         // In --floor mode the USDT program returns at once: the floor of a block event.
@@ -726,6 +729,7 @@ pub fn self_test() -> Result<u64> {
         ring_bytes: 1 << 16,
         wakeup_bytes: 1,
         floor: 0,
+        host_context: true,
         stack: false,
     })?;
     let mut ring = probes.take_ring()?;

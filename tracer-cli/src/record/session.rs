@@ -66,6 +66,8 @@ pub struct RecordOptions {
     pub program_stats: bool,
     /// Write no keyframes (only to measure what they cost).
     pub no_keyframes: bool,
+    /// Benchmark: no scheduler programs (what host context costs is measured against this).
+    pub no_host_context: bool,
     /// The command line stored with the session.
     pub command: String,
     /// Run a command on the early warning (--on-warning).
@@ -256,6 +258,7 @@ impl Recording {
             wakeup_bytes: (opts.ring_bytes / 4).min(1 << 20),
             floor: opts.floor,
             stack: opts.stack,
+            host_context: !opts.no_host_context,
         })
         .map_err(|e| {
             if format!("{e:#}").contains("Operation not permitted") {

@@ -1,0 +1,421 @@
+//! The training-shaped bench (`cargo xtask bench`'s step section, or `cargo xtask bench-step`
+//! alone): what tracer costs a training step, whole and part by part. The loop
+//! (xtask/scripts/train_step.c) runs on the simulated runtime with libsimtorch.so's real USDT
+//! sites: per step the tensor allocations of a window of a real PyTorch trace
+//! (xtask/scripts/step_plan.py over ../shared/snapshots), the CUDA calls beside them, a
+//! CPU-bound body in 20 slices each ending in a blocking wait, and a PyTorch job's threads.
+//!
+//! Rounds interleave the setups (their order turns each round): untraced, the floor (the same
+//! probes, programs that only count), tracer without the scheduler programs, tracer, and tracer
+//! --stack. Every round's ratios are printed with their spread; the parts come from the same
+//! run: the traps (floor - untraced), the programs' own time (kernel BPF statistics, a run of
+//! its own), the scheduler programs (tracer - tracer without them), tracer's own threads' CPU,
+//! and what is left.
+
+use std::{path::PathBuf, process::Command};
+
+use anyhow::{anyhow, ensure, Context as _, Result};
+use clap::Args;
+use serde_json::Value;
+
+use crate::bench::{bench_dirs, build_release, json_of, root, run_ok, Tracer};
+
+#[derive(Args, Clone)]
+pub struct StepBenchArgs {
+    /// Paired rounds at each step length.
+    #[arg(long, default_value_t = 5)]
+    pub step_rounds: usize,
+    /// Seconds of timed steps per run.
+    #[arg(long, default_value_t = 3.0)]
+    pub step_secs: f64,
+}
+
+/// Step lengths measured (ms), with the ratio each should stay under.
+const STEP_MS: [(f64, f64); 2] = [(20.0, 1.05), (200.0, 1.02)];
+/// Allocator probe hits a step (malloc + free), as a GPT-2 step made on the H200.
+const HITS: u32 = 1000;
+const WARMUP: u32 = 5;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Setup {
+    Untraced,
+    Floor,
+    NoSched,
+    Tracer,
+    Stack,
+}
+
+const SETUPS: [Setup; 5] = [
+    Setup::Untraced,
+    Setup::Floor,
+    Setup::NoSched,
+    Setup::Tracer,
+    Setup::Stack,
+];
+
+impl Setup {
+    fn name(self) -> &'static str {
+        match self {
+            Setup::Untraced => "untraced",
+            Setup::Floor => "floor",
+            Setup::NoSched => "tracer, no sched",
+            Setup::Tracer => "tracer",
+            Setup::Stack => "tracer --stack",
+        }
+    }
+
+    fn flags(self) -> Option<&'static [&'static str]> {
+        match self {
+            Setup::Untraced => None,
+            Setup::Floor => Some(&["--floor"]),
+            Setup::NoSched => Some(&["--no-host-context"]),
+            Setup::Tracer => Some(&[]),
+            Setup::Stack => Some(&["--stack"]),
+        }
+    }
+}
+
+struct Loop {
+    tracer: PathBuf,
+    sim: PathBuf,
+    exe: PathBuf,
+    plan: PathBuf,
+    db: PathBuf,
+    units_per_ms: f64,
+}
+
+/// One run's figures.
+#[derive(Clone, Copy, Default)]
+struct Run {
+    step_ms: f64,
+    job_cpu_ms: f64,
+    /// Events tracer stored a step (0 untraced or on the floor).
+    events: f64,
+    tracer_cpu_ms: f64,
+    /// Steps the run made, warm-up included (the probes fire in those too).
+    steps_made: u32,
+}
+
+impl Loop {
+    fn run_once(&self, work_ms: f64, steps: u32) -> Result<Value> {
+        let out = Command::new(&self.exe)
+            .arg(&self.plan)
+            .arg(format!("{:.0}", self.units_per_ms))
+            .arg(format!("{work_ms:.3}"))
+            .arg(steps.to_string())
+            .arg(WARMUP.to_string())
+            .output()
+            .context("run train_step")?;
+        json_of(out, "train_step")
+    }
+
+    fn extra(&self, flags: &[&str]) -> Vec<String> {
+        let mut extra = vec![
+            "--lib".to_owned(),
+            self.sim.join("libsimtorch.so").display().to_string(),
+        ];
+        extra.extend(flags.iter().map(|f| f.to_string()));
+        extra
+    }
+
+    /// One run of `steps` under `setup` (tracer given `extra` too), and the tracer's summary.
+    fn measure(&self, setup: Setup, work_ms: f64, steps: u32, extra: &[&str]) -> Result<(Run, Value)> {
+        let Some(flags) = setup.flags() else {
+            let rep = self.run_once(work_ms, steps)?;
+            return Ok((run_of(&rep, steps)?, Value::Null));
+        };
+        let mut all = self.extra(flags);
+        all.extend(extra.iter().map(|s| s.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        let tracer = Tracer::start_with(
+            &self.tracer,
+            &self.db,
+            &self.sim.join("libcudart.so.12"),
+            &all,
+        )?;
+        let cpu0 = tracer.cpu_s();
+        let rep = self.run_once(work_ms, steps);
+        let cpu = tracer.cpu_s() - cpu0;
+        let summary = tracer.stop()?;
+        let rep = rep?;
+        ensure!(
+            rep["semaphore"].as_i64() == Some(2),
+            "the pytorch semaphores were {} under {} (expected 2)",
+            rep["semaphore"],
+            setup.name()
+        );
+        let mut run = run_of(&rep, steps)?;
+        let stored = summary["counters"]["events_stored"].as_f64().unwrap_or(0.0);
+        let dropped = summary["counters"]["dropped_ring_full"].as_i64().unwrap_or(-1);
+        ensure!(dropped == 0, "{} dropped {dropped} events", setup.name());
+        run.events = stored / f64::from(steps + WARMUP);
+        run.tracer_cpu_ms = cpu * 1e3 / f64::from(steps);
+        Ok((run, summary))
+    }
+}
+
+fn run_of(rep: &Value, steps: u32) -> Result<Run> {
+    let get = |k: &str| rep[k].as_f64().ok_or_else(|| anyhow!("train_step printed no {k}: {rep}"));
+    Ok(Run {
+        step_ms: get("step_ms_mean")?,
+        job_cpu_ms: get("cpu_s")? * 1e3 / f64::from(steps),
+        steps_made: steps + WARMUP,
+        ..Run::default()
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn spread(v: &[f64]) -> (f64, f64) {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, hi)
+}
+
+fn setup_loop() -> Result<Loop> {
+    let root = root();
+    build_release(&root)?;
+    let (sim, tmp) = bench_dirs(&root)?;
+    let exe = tmp.join("train_step");
+    run_ok(
+        Command::new("cc")
+            .args(["-O2", "-pthread", "-o"])
+            .arg(&exe)
+            .arg(root.join("xtask/scripts/train_step.c"))
+            .arg(format!("-L{}", sim.display()))
+            .args(["-l:libcudart.so.12", "-l:libsimtorch.so"])
+            .arg(format!("-Wl,-rpath,{}", sim.display())),
+    )
+    .context("build the training-shaped loop")?;
+    let snapshot = root
+        .join("../shared/snapshots")
+        .join("kkaitlyn111-cs336-a2-systems-c1272e18-memory_ctx128_fullstep_.pickle");
+    let plan = tmp.join("step_plan.txt");
+    let out = Command::new("python3")
+        .arg(root.join("xtask/scripts/step_plan.py"))
+        .arg(&snapshot)
+        .arg(HITS.to_string())
+        .output()
+        .context("run xtask/scripts/step_plan.py")?;
+    ensure!(
+        out.status.success(),
+        "step_plan.py over {} failed: {}",
+        snapshot.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(&plan, &out.stdout).with_context(|| format!("write {}", plan.display()))?;
+    let cal = Command::new(&exe).arg("calibrate").output()?;
+    let units_per_ms: f64 = String::from_utf8_lossy(&cal.stdout)
+        .trim()
+        .parse()
+        .context("read train_step's calibration")?;
+    Ok(Loop {
+        tracer: root.join("target/release/tracer"),
+        sim,
+        exe,
+        plan,
+        db: tmp.join("step.db"),
+        units_per_ms,
+    })
+}
+
+/// The body's work that makes an untraced step last `step_ms` (the waits and hand-offs take
+/// the rest): two untraced runs, a line through them.
+fn work_for(l: &Loop, step_ms: f64) -> Result<f64> {
+    let steps = (1000.0 / step_ms).ceil().max(5.0) as u32;
+    let (w0, w1) = (step_ms * 0.4, step_ms * 0.8);
+    let t0 = run_of(&l.run_once(w0, steps)?, steps)?.step_ms;
+    let t1 = run_of(&l.run_once(w1, steps)?, steps)?.step_ms;
+    let slope = ((t1 - t0) / (w1 - w0)).max(0.1);
+    Ok((w1 + (step_ms - t1) / slope).max(step_ms * 0.1))
+}
+
+pub fn run(args: StepBenchArgs) -> Result<()> {
+    let l = setup_loop()?;
+    ensure!(args.step_rounds >= 1, "--step-rounds must be at least 1");
+    for (step_ms, target) in STEP_MS {
+        section(&l, &args, step_ms, target)?;
+    }
+    Ok(())
+}
+
+fn section(l: &Loop, args: &StepBenchArgs, step_ms: f64, target: f64) -> Result<()> {
+    let work_ms = work_for(l, step_ms)?;
+    let steps = ((args.step_secs * 1e3 / step_ms).ceil() as u32).max(10);
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); SETUPS.len()];
+    for round in 0..args.step_rounds {
+        eprintln!(
+            "bench: steps of {step_ms} ms, round {}/{}",
+            round + 1,
+            args.step_rounds
+        );
+        for k in 0..SETUPS.len() {
+            let i = (k + round) % SETUPS.len();
+            runs[i].push(l.measure(SETUPS[i], work_ms, steps, &[])?.0);
+        }
+    }
+    eprintln!("bench: steps of {step_ms} ms, the programs' own time");
+    let (stats_run, stats) = l.measure(Setup::Tracer, work_ms, steps, &["--program-stats"])?;
+    print_section(step_ms, target, steps, &runs, &stats_run, &stats);
+    Ok(())
+}
+
+fn print_section(
+    step_ms: f64,
+    target: f64,
+    steps: u32,
+    runs: &[Vec<Run>],
+    stats_run: &Run,
+    stats: &Value,
+) {
+    let of = |s: Setup| &runs[SETUPS.iter().position(|&x| x == s).unwrap_or(0)];
+    let untraced = of(Setup::Untraced);
+    let events = median(of(Setup::Tracer).iter().map(|r| r.events).collect());
+    println!(
+        "\ntraining-shaped steps of {step_ms:.0} ms ({steps} timed steps a run, {} paired rounds; {events:.0} events a step: {HITS} allocator probe hits, the rest CUDA calls)",
+        untraced.len()
+    );
+    println!(
+        "  {:<18} {:>9} {:>9} {:>9}   {:<34} {:>9}",
+        "setup", "step ms", "job CPU", "tracer", "ratio to untraced, each round", "us/event"
+    );
+    for (i, setup) in SETUPS.iter().enumerate() {
+        let r = &runs[i];
+        let ratios: Vec<f64> = r
+            .iter()
+            .zip(untraced)
+            .map(|(a, u)| a.step_ms / u.step_ms)
+            .collect();
+        let per_event: Vec<f64> = r
+            .iter()
+            .zip(untraced)
+            .map(|(a, u)| (a.step_ms - u.step_ms) * 1e3 / events)
+            .collect();
+        let each: Vec<String> = ratios.iter().map(|x| format!("{x:.3}")).collect();
+        println!(
+            "  {:<18} {:>9.2} {:>9.2} {:>9.2}   {:<34} {:>9}",
+            setup.name(),
+            median(r.iter().map(|x| x.step_ms).collect()),
+            median(r.iter().map(|x| x.job_cpu_ms).collect()),
+            median(r.iter().map(|x| x.tracer_cpu_ms).collect()),
+            each.join(" "),
+            if *setup == Setup::Untraced {
+                String::new()
+            } else {
+                format!("{:.2}", median(per_event))
+            },
+        );
+    }
+    let ratio_of = |s: Setup| -> Vec<f64> {
+        of(s)
+            .iter()
+            .zip(untraced)
+            .map(|(a, u)| a.step_ms / u.step_ms)
+            .collect()
+    };
+    for (s, note) in [
+        (Setup::Floor, "the probes alone"),
+        (Setup::Tracer, ""),
+        (Setup::Stack, ""),
+    ] {
+        let r = ratio_of(s);
+        let (lo, hi) = spread(&r);
+        let goal = if s == Setup::Tracer {
+            format!("target <= {target:.2}")
+        } else {
+            note.to_owned()
+        };
+        println!(
+            "  {:<18} {:>9.3}x untraced, rounds {lo:.3}-{hi:.3}   {goal}",
+            s.name(),
+            median(r)
+        );
+    }
+    // Per event against the floor, round by round: (tracer - untraced) / (floor - untraced).
+    let per_round: Vec<f64> = of(Setup::Tracer)
+        .iter()
+        .zip(of(Setup::Floor))
+        .zip(untraced)
+        .filter(|((_, f), u)| f.step_ms > u.step_ms)
+        .map(|((t, f), u)| (t.step_ms - u.step_ms) / (f.step_ms - u.step_ms))
+        .collect();
+    if !per_round.is_empty() {
+        let (lo, hi) = spread(&per_round);
+        println!(
+            "  tracer/floor per event {:>6.2}, rounds {lo:.2}-{hi:.2} ({} rounds where the floor cost anything)   target <= 1.25",
+            median(per_round.clone()),
+            per_round.len()
+        );
+    }
+    print_parts(&of, events, stats_run, stats);
+}
+
+fn print_parts<'a>(
+    of: &dyn Fn(Setup) -> &'a Vec<Run>,
+    events: f64,
+    stats_run: &Run,
+    stats: &Value,
+) {
+    let step = |s: Setup| median(of(s).iter().map(|r| r.step_ms).collect());
+    let us_event = |ms: f64| ms * 1e3 / events;
+    println!("  the parts, ms a step (us an event):");
+    let traps = step(Setup::Floor) - step(Setup::Untraced);
+    println!(
+        "    traps and empty programs (floor - untraced)      {traps:>7.3} ({:.2})",
+        us_event(traps)
+    );
+    let programs = stats["programs"].as_array().cloned().unwrap_or_default();
+    let steps_run = f64::from(stats_run.steps_made);
+    let session_s = stats["elapsed_s"].as_f64().unwrap_or(1.0).max(1e-3);
+    for p in &programs {
+        let name = p["name"].as_str().unwrap_or("?");
+        let runs = p["runs"].as_f64().unwrap_or(0.0);
+        if runs == 0.0 {
+            continue;
+        }
+        let total_ms = p["run_time_ns"].as_f64().unwrap_or(0.0) / 1e6;
+        // The scheduler programs and the stage flush run the whole session, on every CPU:
+        // per second of it, scaled to a step; the probes' programs run only in steps.
+        let per_step = if name.starts_with("sched_") || name == "flush_stage" {
+            total_ms / session_s * stats_run.step_ms / 1e3
+        } else {
+            total_ms / steps_run
+        };
+        println!(
+            "    program {name:<20} {:>6.0} ns a run    {per_step:>7.3} ({:.2})",
+            p["ns_per_run"].as_f64().unwrap_or(0.0),
+            us_event(per_step)
+        );
+    }
+    let sched = step(Setup::Tracer) - step(Setup::NoSched);
+    println!(
+        "    scheduler programs (tracer - no sched)           {sched:>7.3} ({:.2})",
+        us_event(sched)
+    );
+    let tracer_cpu = median(of(Setup::Tracer).iter().map(|r| r.tracer_cpu_ms).collect());
+    println!(
+        "    tracer's threads' CPU (reader, registry, writer) {tracer_cpu:>7.3} ({:.2}), on cores the job shares",
+        us_event(tracer_cpu)
+    );
+    let job_cpu = median(of(Setup::Tracer).iter().map(|r| r.job_cpu_ms).collect())
+        - median(of(Setup::Floor).iter().map(|r| r.job_cpu_ms).collect());
+    println!(
+        "    the job's own CPU above the floor's              {job_cpu:>7.3} ({:.2}): the programs' work in its threads",
+        us_event(job_cpu)
+    );
+    let above = step(Setup::Tracer) - step(Setup::Floor);
+    println!(
+        "    tracer above the floor, whole step               {above:>7.3} ({:.2}); the rest ({:.3}) is waiting for a core",
+        us_event(above),
+        above - job_cpu
+    );
+    let stack = step(Setup::Stack) - step(Setup::Tracer);
+    println!(
+        "    --stack above tracer                             {stack:>7.3} ({:.2})",
+        us_event(stack)
+    );
+}
+

@@ -1005,8 +1005,14 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
     for setup in ["traced", "stack"] {
         let paired = &summary["cost"]["paired"][setup];
         assert_eq!(paired["rounds"].as_array().unwrap().len(), 1, "{paired:#}");
-        assert!(paired["events_per_step"].as_f64().unwrap() > 1.0, "{paired:#}");
-        assert!(paired["us_per_event_median"].as_f64().is_some(), "{paired:#}");
+        assert!(
+            paired["events_per_step"].as_f64().unwrap() > 1.0,
+            "{paired:#}"
+        );
+        assert!(
+            paired["us_per_event_median"].as_f64().is_some(),
+            "{paired:#}"
+        );
     }
     assert!(stdout.contains("events a step"), "{stdout}");
     let explain = std::fs::read_to_string(out.join("explain-default.txt")).unwrap();

@@ -119,7 +119,13 @@ impl Loop {
     }
 
     /// One run of `steps` under `setup` (tracer given `extra` too), and the tracer's summary.
-    fn measure(&self, setup: Setup, work_ms: f64, steps: u32, extra: &[&str]) -> Result<(Run, Value)> {
+    fn measure(
+        &self,
+        setup: Setup,
+        work_ms: f64,
+        steps: u32,
+        extra: &[&str],
+    ) -> Result<(Run, Value)> {
         let Some(flags) = setup.flags() else {
             let rep = self.run_once(work_ms, steps)?;
             return Ok((run_of(&rep, steps)?, Value::Null));
@@ -146,7 +152,9 @@ impl Loop {
         );
         let mut run = run_of(&rep, steps)?;
         let stored = summary["counters"]["events_stored"].as_f64().unwrap_or(0.0);
-        let dropped = summary["counters"]["dropped_ring_full"].as_i64().unwrap_or(-1);
+        let dropped = summary["counters"]["dropped_ring_full"]
+            .as_i64()
+            .unwrap_or(-1);
         ensure!(dropped == 0, "{} dropped {dropped} events", setup.name());
         run.events = stored / f64::from(steps + WARMUP);
         run.tracer_cpu_ms = cpu * 1e3 / f64::from(steps);
@@ -155,7 +163,11 @@ impl Loop {
 }
 
 fn run_of(rep: &Value, steps: u32) -> Result<Run> {
-    let get = |k: &str| rep[k].as_f64().ok_or_else(|| anyhow!("train_step printed no {k}: {rep}"));
+    let get = |k: &str| {
+        rep[k]
+            .as_f64()
+            .ok_or_else(|| anyhow!("train_step printed no {k}: {rep}"))
+    };
     Ok(Run {
         step_ms: get("step_ms_mean")?,
         job_cpu_ms: get("cpu_s")? * 1e3 / f64::from(steps),
@@ -418,4 +430,3 @@ fn print_parts<'a>(
         us_event(stack)
     );
 }
-

@@ -355,7 +355,7 @@ fn usdt_hit_ns(p: &Paths, hits: u64, traced: bool) -> Result<f64> {
 }
 
 /// (median, minimum).
-fn stats(mut v: Vec<f64>) -> (f64, f64) {
+pub(crate) fn stats(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(|a, b| a.total_cmp(b));
     (v[v.len() / 2], v[0])
 }

@@ -18,7 +18,7 @@ use anyhow::{anyhow, ensure, Context as _, Result};
 use clap::Args;
 use serde_json::Value;
 
-use crate::bench::{bench_dirs, build_release, json_of, root, run_ok, Tracer};
+use crate::bench::{bench_dirs, build_release, json_of, root, run_ok, stats, Tracer};
 
 #[derive(Args, Clone)]
 pub struct StepBenchArgs {
@@ -176,9 +176,9 @@ fn run_of(rep: &Value, steps: u32) -> Result<Run> {
     })
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+/// The median of one setup's rounds (bench.rs's `stats`).
+fn median(v: Vec<f64>) -> f64 {
+    stats(v).0
 }
 
 fn spread(v: &[f64]) -> (f64, f64) {

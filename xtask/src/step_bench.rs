@@ -109,15 +109,6 @@ impl Loop {
         json_of(out, "train_step")
     }
 
-    fn extra(&self, flags: &[&str]) -> Vec<String> {
-        let mut extra = vec![
-            "--lib".to_owned(),
-            self.sim.join("libsimtorch.so").display().to_string(),
-        ];
-        extra.extend(flags.iter().map(|f| f.to_string()));
-        extra
-    }
-
     /// One run of `steps` under `setup` (tracer given `extra` too), and the tracer's summary.
     fn measure(
         &self,
@@ -130,9 +121,12 @@ impl Loop {
             let rep = self.run_once(work_ms, steps)?;
             return Ok((run_of(&rep, steps)?, Value::Null));
         };
-        let mut all = self.extra(flags);
-        all.extend(extra.iter().map(|s| s.to_string()));
-        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        let torch = self.sim.join("libsimtorch.so").display().to_string();
+        let all: Vec<&str> = ["--lib", torch.as_str()]
+            .into_iter()
+            .chain(flags.iter().copied())
+            .chain(extra.iter().copied())
+            .collect();
         let tracer = Tracer::start_with(
             &self.tracer,
             &self.db,
@@ -294,13 +288,16 @@ fn print_section(
         "  {:<18} {:>9} {:>9} {:>9}   {:<34} {:>9}",
         "setup", "step ms", "job CPU", "tracer", "ratio to untraced, each round", "us/event"
     );
-    for (i, setup) in SETUPS.iter().enumerate() {
-        let r = &runs[i];
-        let ratios: Vec<f64> = r
+    let ratio_of = |s: Setup| -> Vec<f64> {
+        of(s)
             .iter()
             .zip(untraced)
             .map(|(a, u)| a.step_ms / u.step_ms)
-            .collect();
+            .collect()
+    };
+    for (i, setup) in SETUPS.iter().enumerate() {
+        let r = &runs[i];
+        let ratios = ratio_of(*setup);
         let per_event: Vec<f64> = r
             .iter()
             .zip(untraced)
@@ -321,13 +318,6 @@ fn print_section(
             },
         );
     }
-    let ratio_of = |s: Setup| -> Vec<f64> {
-        of(s)
-            .iter()
-            .zip(untraced)
-            .map(|(a, u)| a.step_ms / u.step_ms)
-            .collect()
-    };
     for (s, note) in [
         (Setup::Floor, "the probes alone"),
         (Setup::Tracer, ""),

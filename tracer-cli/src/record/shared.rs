@@ -24,6 +24,8 @@ pub struct Shared {
     /// The database's size and the sessions --max-db deleted, as the writer last saw them.
     pub db_bytes: AtomicU64,
     pub sessions_evicted: AtomicU64,
+    /// The user was told that a reader held the log past --max-db (once a session).
+    pub told_log_held: AtomicBool,
     /// --max-db can evict calls only up to a keyframe: the writer asks the registry for one.
     pub keyframe_wanted: std::sync::atomic::AtomicBool,
     /// Keyframes stored, and the CPU time the registry and the writer spent making and storing

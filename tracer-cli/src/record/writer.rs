@@ -266,6 +266,13 @@ fn housekeeping(store: &mut Store, shared: &Shared, opts: WriterOptions) -> Resu
         if eviction.need_keyframe {
             shared.keyframe_wanted.store(true, Ordering::SeqCst);
         }
+        if let Some(over) = eviction.over_while_held {
+            if !shared.told_log_held.swap(true, Ordering::SeqCst) {
+                eprintln!(
+                    "tracer: --max-db: a reader (explain, query, a backup) holds the database's log, which cannot shrink until it lets go: {over} bytes over --max-db for now"
+                );
+            }
+        }
         for note in eviction.notes {
             log::info!("{note}");
             if note.starts_with(SESSION_DELETED) {

@@ -38,6 +38,9 @@ pub struct Eviction {
     pub notes: Vec<String>,
     /// Calls can be evicted only up to a keyframe: a new one is needed.
     pub need_keyframe: bool,
+    /// A reader held the log, so it could not be truncated and the database stays over the
+    /// budget until a later round: the bytes over it.
+    pub over_while_held: Option<u64>,
 }
 
 /// Calls deleted, by kind.
@@ -70,7 +73,7 @@ impl Store {
             return Ok(out);
         }
         // The log first: what a checkpoint gives back costs no data.
-        let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
+        let mut log_held = !self.truncate_log();
         while self.footprint()? > max_bytes / 100 * EVICT_TO_PCT {
             let oldest: Option<(i64, i64)> = self
                 .conn
@@ -96,7 +99,7 @@ impl Store {
                         break;
                     }
                     Evicted::Nothing => {
-                        if self.footprint()? > max_bytes {
+                        if !log_held && self.footprint()? > max_bytes {
                             bail!(
                                 "--max-db {max_bytes} bytes is smaller than what a session needs beside its calls ({} bytes): raise it",
                                 self.footprint()?
@@ -107,8 +110,16 @@ impl Store {
                 },
             }
             self.give_back_free_pages()?;
-            // Readers may hold the log: then it is truncated at a later round.
-            let _ = self.conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
+            // While a reader holds the log, what is deleted only makes the log longer: one step
+            // a round, the rest when the reader has let go.
+            if log_held {
+                break;
+            }
+            log_held = !self.truncate_log();
+        }
+        let footprint = self.footprint()?;
+        if log_held && footprint > max_bytes {
+            out.over_while_held = Some(footprint - max_bytes);
         }
         let latest: Option<i64> = self.conn.query_row(
             "SELECT max(through_block) FROM keyframes WHERE session_id = ?1",
@@ -123,6 +134,18 @@ impl Store {
         // The next eviction needs a keyframe past the oldest calls.
         out.need_keyframe |= latest.is_none_or(|k| first_block.is_some_and(|b| k < b));
         Ok(out)
+    }
+
+    /// Copies the log into the database and truncates it: false when a reader's snapshot kept
+    /// it from finishing (or it failed), so the log keeps its size. It does not wait for
+    /// readers (a TRUNCATE checkpoint would, up to the busy timeout, holding up the writer).
+    fn truncate_log(&self) -> bool {
+        let _ = self.conn.busy_timeout(std::time::Duration::ZERO);
+        let busy: rusqlite::Result<i64> =
+            self.conn
+                .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0));
+        let _ = self.conn.busy_timeout(super::open::BUSY_TIMEOUT);
+        busy == Ok(0)
     }
 
     /// Gives the free pages back to the file system. `PRAGMA incremental_vacuum` frees one page a

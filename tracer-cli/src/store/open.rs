@@ -10,6 +10,9 @@ use tracer_common::Op;
 use super::*;
 use crate::exit::user_error;
 
+/// How long a statement waits for another connection's lock before it fails.
+pub(super) const BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Store {
     /// Opens the database at `path`. ReadWrite creates it (and migrates an older one);
     /// ReadOnly requires it to exist. A database from a newer tracer, a corrupt file or another
@@ -47,7 +50,7 @@ impl Store {
                 }
             }
         }
-        conn.busy_timeout(std::time::Duration::from_secs(5))
+        conn.busy_timeout(BUSY_TIMEOUT)
             .with_context(|| format!("set busy timeout on {}", path.display()))?;
         tensor_events::register(&conn)
             .with_context(|| format!("register tensor_events on {}", path.display()))?;

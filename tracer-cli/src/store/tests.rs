@@ -943,3 +943,47 @@ fn blocks_written_after_everything_was_evicted_come_after_the_hole() {
     assert_eq!(steps.len(), 5001);
     assert!(steps[0], "the hole first, then the new calls");
 }
+
+/// While a reader holds the log (an `explain` run beside `trace`), SQLite cannot truncate it:
+/// deleting more calls only makes the log longer. One round then deletes one step's worth and
+/// waits for a later round, and never the session's every call.
+#[test]
+fn a_reader_holding_the_log_does_not_make_eviction_delete_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, session) = new_store(&dir);
+    for batch in 0..20u64 {
+        store.insert_keyframe(session, batch as i64, &[]).unwrap();
+        write(&mut store, session, &varied_calls(5000, batch % 7));
+    }
+    store.insert_keyframe(session, 20, &[]).unwrap();
+    let reader = rusqlite::Connection::open(&path).unwrap();
+    reader.execute_batch("BEGIN").unwrap();
+    let _: i64 = reader
+        .query_row("SELECT count(*) FROM call_blocks", [], |r| r.get(0))
+        .unwrap();
+    let budget = store.footprint().unwrap() * 6 / 10;
+    store.enforce_max_size(session, budget).unwrap();
+    let left = |store: &Store| -> i64 {
+        store
+            .conn()
+            .query_row(
+                "SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = ?1",
+                [session],
+                |r| r.get(0),
+            )
+            .unwrap()
+    };
+    let held = left(&store);
+    assert!(
+        held >= 80_000,
+        "{held} of 100000 calls left while the log was held"
+    );
+    // Once the reader lets go, later rounds bring the database under the budget.
+    reader.execute_batch("COMMIT").unwrap();
+    for _ in 0..3 {
+        store.enforce_max_size(session, budget).unwrap();
+    }
+    assert!(store.footprint().unwrap() <= budget, "under the budget");
+    assert!((1..held).contains(&left(&store)), "{}", left(&store));
+}

@@ -110,11 +110,13 @@ fn a_preempted_thread_is_told_from_one_that_blocked() {
             .join(",");
         let preempted = scalar(
             &fx.db,
-            &format!("SELECT count(*) FROM offcpu WHERE tid IN ({list}) AND preempted = 1"),
+            &format!(
+                "SELECT count(*) FROM offcpu_intervals WHERE tid IN ({list}) AND preempted = 1"
+            ),
         );
         let all = scalar(
             &fx.db,
-            &format!("SELECT count(*) FROM offcpu WHERE tid IN ({list})"),
+            &format!("SELECT count(*) FROM offcpu_intervals WHERE tid IN ({list})"),
         );
         (preempted, all)
     };

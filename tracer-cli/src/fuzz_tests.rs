@@ -1,4 +1,4 @@
-//! Fuzzing every decoder of untrusted bytes: ring records, call blocks, CPython line tables,
+//! Fuzzing every decoder of untrusted bytes: ring records, call blocks, off-CPU blocks, CPython line tables,
 //! /proc/PID/maps lines, USDT notes and argument specs, the simulated runtime's log, PyTorch's
 //! memory snapshots (pickles). Each gets
 //! random inputs and mutations of valid ones; none may panic (a decoder's answer to garbage is
@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 
 use tracer_common::{CallEvent, EventHeader, Op};
 
-use crate::{decode, store::blocks};
+use crate::{
+    decode,
+    store::{blocks, offcpu_blocks},
+};
 
 /// xorshift64*: deterministic, so a failing seed reproduces.
 struct Rng(u64);
@@ -109,6 +112,21 @@ fn block_seed() -> Vec<u8> {
     blocks::encode(&calls, 0).data
 }
 
+/// An off-CPU block of 40 varied intervals.
+fn offcpu_seed() -> Vec<u8> {
+    let intervals: Vec<decode::OffCpu> = (0..40u64)
+        .map(|i| decode::OffCpu {
+            pid: 100 + (i % 3) as u32,
+            tid: 200 + (i % 5) as u32,
+            off_mono_ns: 1_000 + i * 700,
+            on_mono_ns: 1_500 + i * 700 + (i % 4) * 90,
+            wakeup_mono_ns: (i % 3 != 0).then_some(1_200 + i * 700),
+            preempted: i % 3 == 0,
+        })
+        .collect();
+    offcpu_blocks::encode(&intervals, 0).data
+}
+
 /// A PERF_RECORD_MMAP2 of the side band, as the kernel writes it (time last).
 fn perf_seed() -> Vec<u8> {
     let mut b = Vec::new();
@@ -143,7 +161,8 @@ const SIMLOG_OOM_LINE: &str =
     "1795326684373497239 0 22534 22536 pytorch:oom 0 0 - - - - CUDA out of memory. Tried to allocate 2.00 MiB.";
 
 /// One input to every decoder; a panic is the failure.
-fn feed(rng: &mut Rng, block: &[u8], records: &[Vec<u8>], elf: &[u8]) {
+fn feed(rng: &mut Rng, blocks: [&[u8]; 2], records: &[Vec<u8>], elf: &[u8]) {
+    let [block, offcpu] = blocks;
     let random = rng.bytes(256);
     let pick = rng.below(records.len());
     let record = rng.mutate(&records[pick]);
@@ -162,6 +181,9 @@ fn feed(rng: &mut Rng, block: &[u8], records: &[Vec<u8>], elf: &[u8]) {
     let b = rng.mutate(block);
     let _ = blocks::decode(&b, 50, |_| {});
     let _ = blocks::decode(&random, rng.below(9000), |_| {});
+    let o = rng.mutate(offcpu);
+    let _ = offcpu_blocks::decode(&o, 40, |_| {});
+    let _ = offcpu_blocks::decode(&random, rng.below(9000), |_| {});
     let first = rng.next() as i32;
     let offset = rng.next() % 4096;
     let _ = crate::target::python::linetable::line_from_locations(&random, first, offset);
@@ -204,6 +226,7 @@ fn random_pickle(rng: &mut Rng) -> Vec<u8> {
 fn run(seed: u64, rounds: u64, budget: Duration) -> u64 {
     let mut rng = Rng(seed | 1);
     let block = block_seed();
+    let offcpu = offcpu_seed();
     let records = record_seeds();
     // An ELF with USDT notes to mutate: the tests' own simulated allocator when built, else
     // this test binary (notes or not, its headers are worth mutating).
@@ -212,7 +235,7 @@ fn run(seed: u64, rounds: u64, budget: Duration) -> u64 {
     let started = Instant::now();
     let mut n = 0;
     while n < rounds && started.elapsed() < budget {
-        feed(&mut rng, &block, &records, elf);
+        feed(&mut rng, [&block, &offcpu], &records, elf);
         n += 1;
     }
     n

@@ -43,7 +43,7 @@ pub struct Block {
     pub data: Vec<u8>,
 }
 
-fn zigzag(v: i64) -> u64 {
+pub(super) fn zigzag(v: i64) -> u64 {
     ((v << 1) ^ (v >> 63)) as u64
 }
 
@@ -51,7 +51,7 @@ fn unzigzag(v: u64) -> i64 {
     (v >> 1) as i64 ^ -((v & 1) as i64)
 }
 
-fn put(out: &mut Vec<u8>, mut v: u64) {
+pub(super) fn put(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push(v as u8 | 0x80);
         v >>= 7;
@@ -164,42 +164,43 @@ pub enum BlockError {
 impl std::fmt::Display for BlockError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            BlockError::Truncated { call } => write!(f, "ends inside call {call}"),
+            BlockError::Truncated { call } => write!(f, "ends inside record {call}"),
             BlockError::Overlong { call } => {
-                write!(f, "a number of call {call} is longer than 64 bits")
+                write!(f, "a number of record {call} is longer than 64 bits")
             }
             BlockError::UnknownFields { call, bits } => {
                 write!(
                     f,
-                    "call {call} has unknown fields (presence byte {bits:#04x})"
+                    "record {call} has unknown fields (presence byte {bits:#04x})"
                 )
             }
-            BlockError::Trailing { bytes } => write!(f, "{bytes} bytes follow the last call"),
+            BlockError::Trailing { bytes } => write!(f, "{bytes} bytes follow the last record"),
             BlockError::BadValue { call } => {
                 write!(
                     f,
-                    "call {call} has an impossible process id, thread id or time"
+                    "record {call} has an impossible process id, thread id or time"
                 )
             }
             BlockError::TooMany { calls } => {
                 write!(
                     f,
-                    "it claims {calls} calls, more than a block holds ({MAX_CALLS})"
+                    "it claims {calls} records, more than a block holds ({MAX_CALLS})"
                 )
             }
         }
     }
 }
 
-struct Reader<'a> {
-    data: &'a [u8],
-    pos: usize,
-    call: usize,
+/// Reads a block's varints; `call` is the record being read, for the errors.
+pub(super) struct Reader<'a> {
+    pub(super) data: &'a [u8],
+    pub(super) pos: usize,
+    pub(super) call: usize,
 }
 
 impl Reader<'_> {
     #[inline]
-    fn byte(&mut self) -> Result<u8, BlockError> {
+    pub(super) fn byte(&mut self) -> Result<u8, BlockError> {
         let b = *self
             .data
             .get(self.pos)
@@ -209,7 +210,7 @@ impl Reader<'_> {
     }
 
     #[inline(always)]
-    fn varint(&mut self) -> Result<u64, BlockError> {
+    pub(super) fn varint(&mut self) -> Result<u64, BlockError> {
         let mut v = 0u64;
         let mut shift = 0;
         loop {
@@ -229,7 +230,7 @@ impl Reader<'_> {
     }
 
     #[inline]
-    fn signed(&mut self) -> Result<i64, BlockError> {
+    pub(super) fn signed(&mut self) -> Result<i64, BlockError> {
         Ok(unzigzag(self.varint()?))
     }
 }

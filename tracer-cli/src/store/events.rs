@@ -5,7 +5,7 @@
 
 use std::{collections::HashMap, path::Path};
 
-use anyhow::{Context as _, Result};
+use anyhow::{anyhow, bail, Context as _, Result};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension as _};
 use tracer_common::{Op, OpClass};
 
@@ -842,6 +842,7 @@ pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Re
         s.split(';')
             .find_map(|part| part.trim().strip_prefix("cpus=")?.parse().ok())
     });
+    // Sessions recorded before schema version 13 have a row each in `offcpu`.
     let mut stmt = conn.prepare(
         "SELECT pid, tid, off_ns, on_ns, wakeup_ns, preempted FROM offcpu
          WHERE session_id = ?1 AND off_ns <= ?2 AND (?3 IS NULL OR pid = ?3)",
@@ -856,14 +857,46 @@ pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Re
             preempted: r.get::<_, i64>(5)? != 0,
         })
     })?;
-    let slices = rows
+    let mut slices = rows
         .collect::<rusqlite::Result<Vec<_>>>()
         .context("read offcpu")?;
+    if has_table(conn, "offcpu_blocks")? {
+        off_cpu_blocks(conn, session, to_ns, pid, &mut slices)?;
+    }
     Ok(HostRecord {
         slices,
         recorded,
         cpus,
     })
+}
+
+/// Adds the session's packed off-CPU intervals that began by `to_ns` (of `pid`, if given).
+fn off_cpu_blocks(
+    conn: &Connection,
+    session: i64,
+    to_ns: i64,
+    pid: Option<u32>,
+    slices: &mut Vec<OffSlice>,
+) -> Result<()> {
+    let mut stmt = conn.prepare(
+        "SELECT id, format, intervals, data FROM offcpu_blocks
+         WHERE session_id = ?1 AND min_off_ns <= ?2 ORDER BY id",
+    )?;
+    let mut rows = stmt.query(params![session, to_ns])?;
+    while let Some(r) = rows.next().context("read offcpu_blocks")? {
+        let (id, format, intervals): (i64, i64, i64) = (r.get(0)?, r.get(1)?, r.get(2)?);
+        if format != super::offcpu_blocks::FORMAT {
+            bail!("off-CPU block {id} has format {format}, which this tracer does not read: use a newer tracer");
+        }
+        let data = r.get_ref(3)?.as_blob()?;
+        super::offcpu_blocks::decode(data, intervals.max(0) as usize, |s| {
+            if s.off_ns <= to_ns && pid.is_none_or(|p| p == s.pid) {
+                slices.push(s);
+            }
+        })
+        .map_err(|e| anyhow!("off-CPU block {id} is damaged: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Path fragments of frames that are not the user's own code: installed packages and the

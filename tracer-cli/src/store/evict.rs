@@ -165,6 +165,7 @@ impl Store {
             "call_blocks",
             "threads",
             "offcpu",
+            "offcpu_blocks",
             "messages",
             "series",
             "gaps",
@@ -406,11 +407,7 @@ fn delete_blocks(
         params![session, lo, hi],
     )?;
     if let (Some(from), Some(to)) = (min_ts, max_ts) {
-        gone.offcpu += tx.execute(
-            "DELETE FROM offcpu WHERE session_id = ?1 AND on_ns <= ?3
-               AND (on_ns >= ?2 OR NOT EXISTS (SELECT 1 FROM kept k WHERE k.session_id = ?1 AND offcpu.on_ns BETWEEN k.from_ns AND k.to_ns))",
-            params![session, from, to],
-        )? as i64;
+        gone.offcpu += delete_offcpu(tx, session, from, to)?;
     }
     // Keyframes in the hole, or at its start, lead nowhere: the one at its end is where a walk
     // that reaches the hole resumes.
@@ -442,6 +439,30 @@ fn delete_blocks(
     gone.block_events += rowless;
     gone.until_ns = gone.until_ns.max(max_ts);
     Ok(())
+}
+
+/// Deletes the off-CPU intervals that ended by `to`: from `from` on, and before it those
+/// outside the detail kept around incidents. Packed ones go a block at a time (one that reaches
+/// into kept detail stays). Returns how many intervals went.
+fn delete_offcpu(tx: &Transaction<'_>, session: i64, from: i64, to: i64) -> Result<i64> {
+    let rows = tx.execute(
+        "DELETE FROM offcpu WHERE session_id = ?1 AND on_ns <= ?3
+           AND (on_ns >= ?2 OR NOT EXISTS (SELECT 1 FROM kept k WHERE k.session_id = ?1 AND offcpu.on_ns BETWEEN k.from_ns AND k.to_ns))",
+        params![session, from, to],
+    )? as i64;
+    let packed = "FROM offcpu_blocks b WHERE b.session_id = ?1 AND b.max_on_ns <= ?3
+           AND (b.min_off_ns >= ?2 OR NOT EXISTS (SELECT 1 FROM kept k WHERE k.session_id = ?1
+                                                   AND b.max_on_ns >= k.from_ns AND b.min_off_ns <= k.to_ns))";
+    let intervals: i64 = tx.query_row(
+        &format!("SELECT coalesce(sum(b.intervals), 0) {packed}"),
+        params![session, from, to],
+        |r| r.get(0),
+    )?;
+    tx.execute(
+        &format!("DELETE FROM offcpu_blocks WHERE id IN (SELECT b.id {packed})"),
+        params![session, from, to],
+    )?;
+    Ok(rows + intervals)
 }
 
 /// A range of blocks: the first, the rows they copy, their calls (those without rows) and

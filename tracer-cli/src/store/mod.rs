@@ -1,13 +1,17 @@
 //! SQLite storage. `open` (version and sanity checks, migrations, the files' owner, room on
 //! disk), `sessions` (begun, counted, ended), `write` (batched writes), `events` (whole-session
 //! reads for the small readers), `blocks` and `walk` (the compact call blocks explain reads, in
-//! time order), `keyframes`, `series` (the whole-run series and the gaps), `evict` (--max-db),
-//! `readonly` (`tracer query`'s SQL) and `schema` (the versions and their migrations).
+//! time order), `offcpu_blocks` (the off-CPU intervals, packed), `tensor_events` and
+//! `offcpu_intervals` (both packed kinds as tables to SQL), `keyframes`, `series` (the whole-run
+//! series and the gaps), `evict` (--max-db), `readonly` (`tracer query`'s SQL) and `schema` (the
+//! versions and their migrations).
 
 pub mod blocks;
 pub mod events;
 mod evict;
 pub mod keyframes;
+pub mod offcpu_blocks;
+mod offcpu_intervals;
 mod open;
 pub mod readonly;
 mod schema;

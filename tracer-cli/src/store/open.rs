@@ -54,6 +54,8 @@ impl Store {
             .with_context(|| format!("set busy timeout on {}", path.display()))?;
         tensor_events::register(&conn)
             .with_context(|| format!("register tensor_events on {}", path.display()))?;
+        offcpu_intervals::register(&conn)
+            .with_context(|| format!("register offcpu_intervals on {}", path.display()))?;
         let mut store = Store {
             conn,
             path: path.to_owned(),

@@ -3,11 +3,11 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 12;
+pub const SCHEMA_VERSION: i64 = 13;
 
 /// The oldest version read as it is, without a migration: the versions after it only added
 /// a table and columns their readers look for (11: `thread_devices`, `sessions.devices_learned`,
-/// `processes.gpus`; 12: `gpu_samples`).
+/// `processes.gpus`; 12: `gpu_samples`; 13: `offcpu_blocks`).
 pub const READABLE_FROM: i64 = 10;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
@@ -289,5 +289,18 @@ CREATE TABLE gpu_samples (
     processes  TEXT NOT NULL
 );
 CREATE INDEX gpu_samples_session ON gpu_samples(session_id, ts_ns);
+"#,
+    // 13: off-CPU intervals packed in blocks (offcpu_blocks.rs); `offcpu` keeps older sessions'.
+    r#"
+CREATE TABLE offcpu_blocks (
+    id         INTEGER PRIMARY KEY,
+    session_id INTEGER NOT NULL,
+    format     INTEGER NOT NULL,
+    intervals  INTEGER NOT NULL,
+    min_off_ns INTEGER NOT NULL,
+    max_on_ns  INTEGER NOT NULL,
+    data       BLOB NOT NULL
+);
+CREATE INDEX offcpu_blocks_session ON offcpu_blocks(session_id, min_off_ns);
 "#,
 ];

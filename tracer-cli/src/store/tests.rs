@@ -585,7 +585,7 @@ fn a_damaged_call_block_falls_back_to_the_rows() {
         .unwrap();
     let err = events::load_blocks(&path, session, i64::MAX, None).unwrap_err();
     assert!(
-        format!("{err:#}").contains("is damaged: ends inside call"),
+        format!("{err:#}").contains("is damaged: ends inside record"),
         "{err:#}"
     );
     let rows = from_rows(&path, session, i64::MAX, None);
@@ -986,4 +986,144 @@ fn a_reader_holding_the_log_does_not_make_eviction_delete_everything() {
     }
     assert!(store.footprint().unwrap() <= budget, "under the budget");
     assert!((1..held).contains(&left(&store)), "{}", left(&store));
+}
+
+/// Off-CPU intervals are packed in blocks; explain's loader and `offcpu_intervals` give back
+/// every one, with the rows of sessions recorded before version 13, and --max-db deletes and
+/// counts them with the calls they lie among.
+#[test]
+fn off_cpu_intervals_are_packed_and_read_back_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, session) = new_store(&dir);
+    let threads = vec![(100, 101, "worker".to_string())];
+    let offset = 1_000;
+    let intervals = |batch: u64| -> Vec<crate::decode::OffCpu> {
+        (0..300u64)
+            .map(|i| {
+                let off = batch * 1_000_000_000 + 10_000 + i * 3_000;
+                crate::decode::OffCpu {
+                    pid: 100,
+                    tid: 101 + (i % 3) as u32,
+                    off_mono_ns: off,
+                    on_mono_ns: off + 1_000 + i % 7,
+                    wakeup_mono_ns: (i % 2 == 0).then_some(off + 900),
+                    preempted: i % 2 == 1,
+                }
+            })
+            .collect()
+    };
+    for batch in 0..4u64 {
+        store.insert_keyframe(session, batch as i64, &[]).unwrap();
+        let mut calls = varied_calls(2000, batch);
+        for c in &mut calls {
+            c.ts_mono_ns += batch * 1_000_000_000;
+        }
+        let off = intervals(batch);
+        store
+            .write_batch(&Batch {
+                session,
+                wall_offset_ns: offset,
+                calls: &calls,
+                threads: &threads,
+                processes: &[],
+                offcpu: &off,
+                messages: &[],
+            })
+            .unwrap();
+    }
+    store.insert_keyframe(session, 4, &[]).unwrap();
+    // A row as version 12 wrote it.
+    store
+        .conn()
+        .execute(
+            "INSERT INTO offcpu (session_id, pid, tid, off_ns, on_ns, wakeup_ns, preempted) VALUES (?1, 100, 109, 5, 6, NULL, 1)",
+            [session],
+        )
+        .unwrap();
+    let expected: Vec<crate::model::OffSlice> = (0..4)
+        .flat_map(intervals)
+        .map(|o| crate::model::OffSlice {
+            pid: o.pid,
+            tid: o.tid,
+            off_ns: o.off_mono_ns as i64 + offset,
+            on_ns: o.on_mono_ns as i64 + offset,
+            wakeup_ns: o.wakeup_mono_ns.map(|w| w as i64 + offset),
+            preempted: o.preempted,
+        })
+        .collect();
+    let host = events::host(store.conn(), session, i64::MAX, None).unwrap();
+    assert_eq!(host.slices.len(), 1201);
+    assert_eq!(host.slices[0].tid, 109, "the old row first");
+    assert_eq!(host.slices[1..], expected[..]);
+    // Only those begun by the time asked, of the process asked.
+    let to = expected[450].off_ns;
+    assert_eq!(
+        events::host(store.conn(), session, to, Some(100))
+            .unwrap()
+            .slices
+            .len(),
+        452
+    );
+    assert!(events::host(store.conn(), session, i64::MAX, Some(7))
+        .unwrap()
+        .slices
+        .is_empty());
+    let sql: Vec<(i64, i64, Option<i64>, i64)> = {
+        let mut stmt = store
+            .conn()
+            .prepare("SELECT tid, on_ns, wakeup_ns, preempted FROM offcpu_intervals WHERE session_id = ?1")
+            .unwrap();
+        let rows = stmt
+            .query_map([session], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            })
+            .unwrap();
+        rows.collect::<rusqlite::Result<_>>().unwrap()
+    };
+    assert_eq!(sql.len(), 1201);
+    let s = &expected[7];
+    assert_eq!(
+        sql[7],
+        (
+            i64::from(s.tid),
+            s.on_ns,
+            s.wakeup_ns,
+            i64::from(s.preempted)
+        )
+    );
+    assert_eq!(sql[1200], (109, 6, None, 1), "the old row last");
+    let packed_bytes: i64 = store
+        .conn()
+        .query_row("SELECT sum(length(data)) FROM offcpu_blocks", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert!(packed_bytes < 1200 * 10, "{packed_bytes} bytes");
+    // Eviction takes the oldest batches' intervals with their calls, and counts them.
+    store
+        .conn()
+        .execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+        .unwrap();
+    let budget = store.footprint().unwrap() * 6 / 10;
+    store.enforce_max_size(session, budget).unwrap();
+    let (evicted, left): (i64, i64) = store
+        .conn()
+        .query_row(
+            "SELECT evicted_offcpu, (SELECT count(*) FROM offcpu_intervals WHERE session_id = ?1) FROM sessions WHERE id = ?1",
+            [session],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert!(evicted >= 300, "{evicted}");
+    assert_eq!(evicted + left, 1201);
+    drop(store);
+    let reopened = Store::open(&path, Access::ReadOnly).unwrap();
+    assert_eq!(
+        events::host(reopened.conn(), session, i64::MAX, None)
+            .unwrap()
+            .slices
+            .len() as i64,
+        left
+    );
 }

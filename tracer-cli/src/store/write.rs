@@ -113,18 +113,18 @@ impl Store {
                 ])?;
             }
             let mut off_stmt = tx.prepare_cached(
-                "INSERT INTO offcpu (session_id, pid, tid, off_ns, on_ns, wakeup_ns, preempted) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                "INSERT INTO offcpu_blocks (session_id, format, intervals, min_off_ns, max_on_ns, data)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             )?;
-            for o in batch.offcpu {
-                let wall = |mono: u64| mono as i64 + batch.wall_offset_ns;
+            for chunk in batch.offcpu.chunks(offcpu_blocks::MAX_INTERVALS) {
+                let block = offcpu_blocks::encode(chunk, batch.wall_offset_ns);
                 off_stmt.execute(params![
                     batch.session,
-                    o.pid,
-                    o.tid,
-                    wall(o.off_mono_ns),
-                    wall(o.on_mono_ns),
-                    o.wakeup_mono_ns.map(wall),
-                    o.preempted
+                    offcpu_blocks::FORMAT,
+                    block.intervals as i64,
+                    block.min_off_ns,
+                    block.max_on_ns,
+                    block.data
                 ])?;
             }
             let mut thread_stmt =

@@ -16,6 +16,15 @@ pub const STAGE: &str = "STAGE";
 /// The program userspace runs on each CPU (BPF_PROG_TEST_RUN, BPF_F_TEST_RUN_ON_CPU) to send
 /// what waits in that CPU's stage; returns a [`FlushResult`].
 pub const PROG_FLUSH_STAGE: &str = "flush_stage";
+/// Array of u64 indexed by CPU, mapped into the reader (BPF_F_MMAPABLE): 0 while the CPU's
+/// stage is empty, [`STAGE_CLAIMED`] while a program writes an empty one, else when its oldest
+/// event was sent (CLOCK_MONOTONIC ns). The reader runs the flush (an interrupt of that CPU)
+/// only on CPUs whose stage holds an event old enough to hand over.
+pub const STAGE_OLDEST: &str = "STAGE_OLDEST";
+/// [`STAGE_OLDEST`]'s value while a program writes an empty stage.
+pub const STAGE_CLAIMED: u64 = 1;
+/// CPUs [`STAGE_OLDEST`] has room for; a CPU past them is flushed every round.
+pub const STAGE_OLDEST_CPUS: u32 = 4096;
 
 /// Array of [`crate::usdt::UsdtPlan`] indexed by the attach cookie of a USDT site.
 pub const USDT_PLANS: &str = "USDT_PLANS";

@@ -1,19 +1,21 @@
 //! Each CPU's stage: call events wait there and reach the ring [`STAGE_EVENTS`] at a time, in
-//! one record; userspace empties every stage each round (`flush_stage`, run on each CPU). And
+//! one record; userspace empties the stages that hold events old enough each round
+//! (`flush_stage`, run on that CPU; [`STAGE_OLDEST`] says which). And
 //! the one ending every program that makes a call event shares: to the stage, straight to the
 //! ring, or, under --stack, to the call-site program.
 
 use core::sync::atomic::{compiler_fence, Ordering as AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::{BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    bindings::{BPF_F_MMAPABLE, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    helpers::bpf_get_smp_processor_id,
     macros::{map, raw_tracepoint},
-    maps::PerCpuArray,
+    maps::{Array, PerCpuArray},
     programs::RawTracePointContext,
     EbpfContext,
 };
 use tracer_common::{
-    maps::{Counter, FlushResult, Stage, STAGE_EVENTS},
+    maps::{Counter, FlushResult, Stage, STAGE_CLAIMED, STAGE_EVENTS, STAGE_OLDEST_CPUS},
     CallEvent,
 };
 
@@ -26,6 +28,29 @@ use crate::{
 /// This CPU's call events not yet in the ring.
 #[map(name = "STAGE")]
 static STAGE: PerCpuArray<Stage> = PerCpuArray::with_max_entries(1, 0);
+
+/// When each CPU's oldest staged event was sent, for the reader (maps::STAGE_OLDEST): it
+/// interrupts only the CPUs that hold events it can hand over, and an idle machine not at all.
+#[map(name = "STAGE_OLDEST")]
+static STAGE_OLDEST: Array<u64> = Array::with_max_entries(STAGE_OLDEST_CPUS, BPF_F_MMAPABLE);
+
+/// Records this CPU's [`STAGE_OLDEST`].
+#[inline(always)]
+fn mark_oldest(value: u64) {
+    // SAFETY: no preconditions.
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    if let Some(slot) = STAGE_OLDEST.get_ptr_mut(cpu) {
+        // SAFETY: this CPU's slot, valid for this run; only this CPU's programs write it, one
+        // at a time (the stage's busy mark), and an aligned u64 store is never seen torn.
+        unsafe { core::ptr::write_volatile(slot, value) };
+    }
+}
+
+/// The time an event was sent: its return (as the reader orders events).
+#[inline(always)]
+fn sent_ns(event: &CallEvent) -> u64 {
+    event.header.ts_ns.wrapping_add(event.duration_ns)
+}
 
 /// Where a program's call event goes: `claimed` is this CPU's stage when the program claimed
 /// it (before reading the clock), `stack` whether call sites are wanted.
@@ -92,6 +117,11 @@ pub fn claim_stage() -> Option<*mut Stage> {
             return None;
         }
         core::ptr::write_volatile(&mut (*stage).busy, 1);
+        // Before the clock is read: a reader that sees the stage empty after its round began
+        // knows every event this program makes is later than the round.
+        if (*stage).len == 0 {
+            mark_oldest(STAGE_CLAIMED);
+        }
     }
     compiler_fence(AtomicOrdering::SeqCst);
     Some(stage)
@@ -113,6 +143,11 @@ pub fn stage_event(stage: *mut Stage, event: &CallEvent) {
         }
         if (*stage).len as usize >= STAGE_EVENTS {
             send_stage(stage, stage_wakeup_flag());
+        }
+        match (*stage).len {
+            0 => mark_oldest(0),
+            1 => mark_oldest(sent_ns(&(*stage).events[0])),
+            _ => {}
         }
     }
     compiler_fence(AtomicOrdering::SeqCst);
@@ -197,6 +232,8 @@ pub fn flush_stage(_ctx: RawTracePointContext) -> i32 {
             return FlushResult::Busy as i32;
         }
         // The reader drains right after: no wake-up needed.
-        send_stage(stage, BPF_RB_NO_WAKEUP as u64) as i32
+        let result = send_stage(stage, BPF_RB_NO_WAKEUP as u64) as i32;
+        mark_oldest(0);
+        result
     }
 }

@@ -12,7 +12,7 @@ use std::{
     path::Path,
 };
 
-use anyhow::{anyhow, Context as _, Result};
+use anyhow::{anyhow, bail, Context as _, Result};
 use aya::{
     maps::{Array, MapData, PerCpuArray, RingBuf},
     programs::{
@@ -348,7 +348,11 @@ impl Probes {
             .take_map(names::STAGE)
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::STAGE))?;
         let map = PerCpuArray::try_from(map).context("open the per-CPU stages")?;
-        super::stage::Stages::new(fd, map)
+        let oldest = match self.ebpf.take_map(names::STAGE_OLDEST) {
+            Some(aya::maps::Map::Array(data)) => data,
+            _ => bail!("eBPF object lacks the array map {}", names::STAGE_OLDEST),
+        };
+        super::stage::Stages::new(fd, map, oldest)
     }
 
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
@@ -751,7 +755,7 @@ pub fn self_test() -> Result<u64> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
     let found = loop {
         let mut seen = None;
-        stages.flush()?;
+        stages.flush(u64::MAX)?;
         while let Some(item) = ring.next() {
             for record in crate::decode::decode_all(&item) {
                 if let Ok(crate::decode::Record::Call(call)) = record {

@@ -1,6 +1,6 @@
 //! The per-CPU stages where the return program keeps call events until it has 32 of them to
-//! write to the ring at once. Userspace empties them every round, each on its own CPU, so that
-//! an idle CPU does not hold events back, and learns from it up to when the ring holds every
+//! write to the ring at once. Userspace empties each round those holding events old enough to
+//! hand over, each on its own CPU, so that an idle CPU does not hold events back, and learns from it up to when the ring holds every
 //! call that returned: the reader puts the records back in that order before the registry
 //! joins them.
 
@@ -11,7 +11,11 @@ use aya::{
     maps::{MapData, PerCpuArray},
     programs::ProgramFd,
 };
-use tracer_common::maps::{FlushResult, Stage, STAGE_EVENTS};
+use std::time::{Duration, Instant};
+
+use tracer_common::maps::{
+    FlushResult, Stage, STAGE_CLAIMED, STAGE_EVENTS, STAGE_OLDEST, STAGE_OLDEST_CPUS,
+};
 
 /// BPF_PROG_TEST_RUN's command number and its flag to run the program on a given CPU
 /// (uapi/linux/bpf.h; raw tracepoint programs only, kernel 5.10 and later).
@@ -53,24 +57,47 @@ pub enum Round {
 pub struct Stages {
     flush: ProgramFd,
     cpus: Vec<u32>,
+    cpus_read: Instant,
     map: PerCpuArray<MapData, Stage>,
+    oldest: Oldest,
 }
 
+/// How often the online CPUs are read again (a CPU brought online must be emptied too).
+const CPUS_EVERY: Duration = Duration::from_secs(1);
+
 impl Stages {
-    pub fn new(flush: ProgramFd, map: PerCpuArray<MapData, Stage>) -> Result<Stages> {
+    pub fn new(
+        flush: ProgramFd,
+        map: PerCpuArray<MapData, Stage>,
+        oldest: MapData,
+    ) -> Result<Stages> {
         let cpus = aya::util::online_cpus()
             .map_err(|(what, e)| anyhow!("read the online CPUs ({what}): {e}"))?;
-        Ok(Stages { flush, cpus, map })
+        Ok(Stages {
+            flush,
+            cpus,
+            cpus_read: Instant::now(),
+            map,
+            oldest: Oldest::map(oldest)?,
+        })
     }
 
-    /// Empties every CPU's stage into the ring, each by the flush program run on that CPU.
-    pub fn flush(&mut self) -> Result<Round> {
-        // Read again each round: a CPU brought online since must be emptied too.
-        if let Ok(cpus) = aya::util::online_cpus() {
-            self.cpus = cpus;
+    /// Empties into the ring every CPU's stage that holds an event sent by `until_ns` (or is
+    /// being written), each by the flush program run on that CPU; the others are left alone, so
+    /// an idle machine is not interrupted. Complete: every event sent by `until_ns` is in the
+    /// ring.
+    pub fn flush(&mut self, until_ns: u64) -> Result<Round> {
+        if self.cpus_read.elapsed() >= CPUS_EVERY {
+            if let Ok(cpus) = aya::util::online_cpus() {
+                self.cpus = cpus;
+            }
+            self.cpus_read = Instant::now();
         }
         let mut round = Round::Complete;
         for &cpu in &self.cpus {
+            if !needs_flush(self.oldest.get(cpu), until_ns) {
+                continue;
+            }
             match self.flush_on(cpu)? {
                 r if r == FlushResult::Busy as u32 => round = Round::Incomplete,
                 // A full ring lost the stage's events; the kernel counted them.
@@ -134,10 +161,103 @@ impl Stages {
     }
 }
 
+/// Whether a CPU whose stage says `oldest` ([`STAGE_OLDEST`]; None: a CPU past its room) must
+/// be flushed for every event sent by `until_ns` to be in the ring. An empty stage must not; a
+/// stage being written must (the flush then finds it busy, and the round proves nothing); a
+/// stage whose oldest event is later than `until_ns` need not: events are staged in the order
+/// they were sent.
+fn needs_flush(oldest: Option<u64>, until_ns: u64) -> bool {
+    match oldest {
+        None => true,
+        Some(0) => false,
+        Some(STAGE_CLAIMED) => true,
+        Some(sent) => sent <= until_ns,
+    }
+}
+
+/// [`STAGE_OLDEST`], mapped read-only: read with no system call.
+struct Oldest {
+    base: *const u64,
+    len: usize,
+    /// Kept open with its mapping.
+    _map: MapData,
+}
+
+// SAFETY: the mapping is read-only here and lives as long as the struct; reading it from
+// another thread only reads the kernel-shared pages.
+unsafe impl Send for Oldest {}
+
+impl Oldest {
+    fn map(map: MapData) -> Result<Oldest> {
+        let bytes = STAGE_OLDEST_CPUS as usize * std::mem::size_of::<u64>();
+        // SAFETY: a fresh shared read-only mapping of the map's values (an array created with
+        // BPF_F_MMAPABLE), offset 0, of its size; checked for failure below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                map.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            bail!(
+                "map {STAGE_OLDEST} into memory: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(Oldest {
+            base: base as *const u64,
+            len: STAGE_OLDEST_CPUS as usize,
+            _map: map,
+        })
+    }
+
+    /// The CPU's value, or None for a CPU past the array.
+    fn get(&self, cpu: u32) -> Option<u64> {
+        let i = cpu as usize;
+        // SAFETY: within the mapping; the programs write whole aligned u64s, read volatile as
+        // they change under us.
+        (i < self.len).then(|| unsafe { std::ptr::read_volatile(self.base.add(i)) })
+    }
+}
+
+impl Drop for Oldest {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, of this size, unmapped once.
+        unsafe {
+            libc::munmap(
+                self.base as *mut libc::c_void,
+                self.len * std::mem::size_of::<u64>(),
+            )
+        };
+    }
+}
+
 fn empty_stage() -> Stage {
     Stage {
         len: 0,
         busy: 0,
         events: [tracer_common::CallEvent::default(); STAGE_EVENTS],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reader interrupts a CPU only when its stage holds an event it can hand over, or a
+    /// program is writing it; a CPU the array has no room for is always flushed.
+    #[test]
+    fn only_stages_with_events_to_hand_over_are_flushed() {
+        let until = 5_000_000;
+        assert!(!needs_flush(Some(0), until), "empty");
+        assert!(needs_flush(Some(STAGE_CLAIMED), until), "being written");
+        assert!(needs_flush(Some(until), until), "sent by then");
+        assert!(!needs_flush(Some(until + 1), until), "every event later");
+        assert!(needs_flush(None, until), "past the array");
+        assert!(needs_flush(Some(until + 1), u64::MAX), "stopping");
     }
 }

@@ -81,7 +81,13 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
                 Some(stages) if stopping || last_round.elapsed() >= ROUND_INTERVAL => {
                     last_round = Instant::now();
                     let began = monotonic_ns()?;
-                    Some((began, stages.flush()?))
+                    // Stopping, every stage is emptied.
+                    let until = if stopping {
+                        u64::MAX
+                    } else {
+                        began.saturating_sub(margin)
+                    };
+                    Some((began, stages.flush(until)?))
                 }
                 _ => None,
             };

@@ -28,12 +28,13 @@ use crate::{
 };
 
 /// How long events may wait in the ring before the reader looks (the delivery bound).
-const POLL_INTERVAL_MS: u16 = 10;
-/// The look after one that found events: a burst's tail (a process's last calls, whose call
-/// sites must be read while it lives) is not left for a whole interval.
+const POLL_INTERVAL_MS: u16 = 25;
+/// The look after one that found events, under --stack (nothing staged, records handed over as
+/// read): a burst's tail (a process's last calls, whose call sites must be read while it
+/// lives) is not left for a whole interval.
 const BUSY_POLL_INTERVAL_MS: u16 = 1;
 /// How often the stages are emptied (each a call into the kernel per CPU).
-const ROUND_INTERVAL: Duration = Duration::from_millis(10);
+const ROUND_INTERVAL: Duration = Duration::from_millis(25);
 /// Records made this long before a round began are handed over by it: a program that read the
 /// clock and has not yet written its record to the ring is given that long to do so. A record
 /// later still (a vCPU held off by a virtual machine's host, say: 8 frees once came before their
@@ -132,7 +133,12 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
                 return Ok(());
             }
             let mut fds = [PollFd::new(source.ring.as_fd(), PollFlags::POLLIN)];
-            let wait = if found {
+            let wait = if source.stages.is_some() {
+                // Records are handed over only at rounds: until the next one, only a full
+                // batch in the ring (its wake-up) is worth a look.
+                let left = ROUND_INTERVAL.saturating_sub(last_round.elapsed());
+                (left.as_millis() as u16).clamp(1, POLL_INTERVAL_MS)
+            } else if found {
                 BUSY_POLL_INTERVAL_MS
             } else {
                 POLL_INTERVAL_MS

@@ -233,6 +233,14 @@ impl Reader<'_> {
     pub(super) fn signed(&mut self) -> Result<i64, BlockError> {
         Ok(unzigzag(self.varint()?))
     }
+
+    /// After the last record: nothing may follow it.
+    pub(super) fn finish(&self) -> Result<(), BlockError> {
+        match self.data.len() - self.pos {
+            0 => Ok(()),
+            bytes => Err(BlockError::Trailing { bytes }),
+        }
+    }
 }
 
 /// Decodes a block of `calls` calls, handing each to `emit` in block order. Calls of ops this
@@ -321,12 +329,7 @@ pub fn decode(data: &[u8], calls: usize, mut emit: impl FnMut(Event)) -> Result<
         };
         emit(event);
     }
-    if r.pos != data.len() {
-        return Err(BlockError::Trailing {
-            bytes: data.len() - r.pos,
-        });
-    }
-    Ok(())
+    r.finish()
 }
 
 #[cfg(test)]

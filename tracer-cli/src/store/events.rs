@@ -517,14 +517,7 @@ pub fn threads_without_device(
 /// Whether the database has the table `name` (those later schema versions added are read
 /// only where present).
 fn has_table(conn: &Connection, name: &str) -> Result<bool> {
-    let n: i64 = conn
-        .query_row(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
-            [name],
-            |r| r.get(0),
-        )
-        .with_context(|| format!("look for the {name} table"))?;
-    Ok(n > 0)
+    super::has_table(conn, name).with_context(|| format!("look for the {name} table"))
 }
 
 /// Whether `session` was recorded by a tracer that stores the devices it learns
@@ -847,16 +840,7 @@ pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Re
         "SELECT pid, tid, off_ns, on_ns, wakeup_ns, preempted FROM offcpu
          WHERE session_id = ?1 AND off_ns <= ?2 AND (?3 IS NULL OR pid = ?3)",
     )?;
-    let rows = stmt.query_map(params![session, to_ns, pid], |r| {
-        Ok(OffSlice {
-            pid: r.get(0)?,
-            tid: r.get(1)?,
-            off_ns: r.get(2)?,
-            on_ns: r.get(3)?,
-            wakeup_ns: r.get(4)?,
-            preempted: r.get::<_, i64>(5)? != 0,
-        })
-    })?;
+    let rows = stmt.query_map(params![session, to_ns, pid], |r| off_slice(r, 0))?;
     let mut slices = rows
         .collect::<rusqlite::Result<Vec<_>>>()
         .context("read offcpu")?;
@@ -867,6 +851,19 @@ pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Re
         slices,
         recorded,
         cpus,
+    })
+}
+
+/// An `offcpu` row's interval: its pid, tid, off_ns, on_ns, wakeup_ns and preempted from
+/// column `at` on.
+pub(super) fn off_slice(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<OffSlice> {
+    Ok(OffSlice {
+        pid: r.get(at)?,
+        tid: r.get(at + 1)?,
+        off_ns: r.get(at + 2)?,
+        on_ns: r.get(at + 3)?,
+        wakeup_ns: r.get(at + 4)?,
+        preempted: r.get::<_, i64>(at + 5)? != 0,
     })
 }
 

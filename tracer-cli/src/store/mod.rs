@@ -60,5 +60,16 @@ pub fn class_name(class: OpClass) -> &'static str {
     }
 }
 
+/// Whether the database has the table `name` (those later schema versions added are read
+/// only where present).
+fn has_table(conn: &Connection, name: &str) -> rusqlite::Result<bool> {
+    conn.query_row(
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+        [name],
+        |r| r.get::<_, i64>(0),
+    )
+    .map(|n| n > 0)
+}
+
 #[cfg(test)]
 pub(crate) mod tests;

@@ -116,12 +116,7 @@ pub fn decode(
             preempted: flags & PREEMPTED != 0,
         });
     }
-    if r.pos != data.len() {
-        return Err(BlockError::Trailing {
-            bytes: data.len() - r.pos,
-        });
-    }
-    Ok(())
+    r.finish()
 }
 
 #[cfg(test)]

@@ -10,14 +10,14 @@ use std::ffi::c_int;
 
 use rusqlite::{
     ffi,
-    vtab::{
-        eponymous_only_module, Context, Filters, IndexConstraintOp, IndexInfo, VTab, VTabConfig,
-        VTabConnection, VTabCursor,
-    },
+    vtab::{eponymous_only_module, Context, Filters, IndexInfo, VTab, VTabConnection, VTabCursor},
     Connection, OptionalExtension as _,
 };
 
-use super::offcpu_blocks;
+use super::{
+    offcpu_blocks,
+    tensor_events::{best_index_on_session, connect_direct, connection_of},
+};
 use crate::model::OffSlice;
 
 /// The table's columns, in order: `offcpu`'s, and the block an interval came from (NULL for a
@@ -55,37 +55,17 @@ unsafe impl<'vtab> VTab<'vtab> for OffCpuIntervals {
         _aux: Option<&()>,
         _args: &[&[u8]],
     ) -> rusqlite::Result<(String, Self)> {
-        db.config(VTabConfig::DirectOnly)?;
-        // SAFETY: the handle of the connection this table lives on, used only while it does.
-        let handle = unsafe { db.handle() };
         Ok((
             COLUMNS.to_owned(),
             OffCpuIntervals {
                 base: ffi::sqlite3_vtab::default(),
-                db: handle,
+                db: connect_direct(db)?,
             },
         ))
     }
 
     fn best_index(&self, info: &mut IndexInfo) -> rusqlite::Result<()> {
-        let session = info.constraints().position(|c| {
-            c.column() == COL_SESSION
-                && c.is_usable()
-                && c.operator() == IndexConstraintOp::SQLITE_INDEX_CONSTRAINT_EQ
-        });
-        match session {
-            Some(i) => {
-                let mut usage = info.constraint_usage(i);
-                usage.set_argv_index(1);
-                usage.set_omit(true);
-                info.set_idx_num(1);
-                info.set_estimated_cost(1e5);
-            }
-            None => {
-                info.set_idx_num(0);
-                info.set_estimated_cost(1e7);
-            }
-        }
+        best_index_on_session(info, COL_SESSION);
         Ok(())
     }
 
@@ -126,8 +106,7 @@ struct Cursor<'vtab> {
 
 impl Cursor<'_> {
     fn connection(&self) -> rusqlite::Result<Connection> {
-        // SAFETY: the table's own connection; the wrapper does not close it when dropped.
-        unsafe { Connection::from_handle(self.db) }
+        connection_of(self.db)
     }
 
     /// Reads the next block, or page of rows, that holds intervals; none when all are read.
@@ -154,7 +133,7 @@ impl Cursor<'_> {
     /// The next block of the session (or any): false when none is left.
     fn load_block(&mut self) -> rusqlite::Result<bool> {
         let conn = self.connection()?;
-        if !has_table(&conn, "offcpu_blocks")? {
+        if !super::has_table(&conn, "offcpu_blocks")? {
             return Ok(false);
         }
         let block: Option<(i64, i64, i64, i64, Vec<u8>)> = conn
@@ -199,26 +178,10 @@ impl Cursor<'_> {
         while let Some(r) = rows.next()? {
             self.next_row = r.get(0)?;
             self.session_of.push(r.get(1)?);
-            self.slices.push(OffSlice {
-                pid: r.get(2)?,
-                tid: r.get(3)?,
-                off_ns: r.get(4)?,
-                on_ns: r.get(5)?,
-                wakeup_ns: r.get(6)?,
-                preempted: r.get::<_, i64>(7)? != 0,
-            });
+            self.slices.push(super::events::off_slice(r, 2)?);
         }
         Ok(!self.slices.is_empty())
     }
-}
-
-fn has_table(conn: &Connection, name: &str) -> rusqlite::Result<bool> {
-    conn.query_row(
-        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
-        [name],
-        |r| r.get::<_, i64>(0),
-    )
-    .map(|n| n > 0)
 }
 
 // SAFETY: `base` comes first and is a default sqlite3_vtab_cursor, as the trait requires.

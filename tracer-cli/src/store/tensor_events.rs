@@ -52,37 +52,17 @@ unsafe impl<'vtab> VTab<'vtab> for TensorEvents {
         _aux: Option<&()>,
         _args: &[&[u8]],
     ) -> rusqlite::Result<(String, Self)> {
-        db.config(VTabConfig::DirectOnly)?;
-        // SAFETY: the handle of the connection this table lives on, used only while it does.
-        let handle = unsafe { db.handle() };
         Ok((
             COLUMNS.to_owned(),
             TensorEvents {
                 base: ffi::sqlite3_vtab::default(),
-                db: handle,
+                db: connect_direct(db)?,
             },
         ))
     }
 
     fn best_index(&self, info: &mut IndexInfo) -> rusqlite::Result<()> {
-        let session = info.constraints().position(|c| {
-            c.column() == COL_SESSION
-                && c.is_usable()
-                && c.operator() == IndexConstraintOp::SQLITE_INDEX_CONSTRAINT_EQ
-        });
-        match session {
-            Some(i) => {
-                let mut usage = info.constraint_usage(i);
-                usage.set_argv_index(1);
-                usage.set_omit(true);
-                info.set_idx_num(1);
-                info.set_estimated_cost(1e5);
-            }
-            None => {
-                info.set_idx_num(0);
-                info.set_estimated_cost(1e7);
-            }
-        }
+        best_index_on_session(info, COL_SESSION);
         Ok(())
     }
 
@@ -118,8 +98,7 @@ struct Cursor<'vtab> {
 
 impl Cursor<'_> {
     fn connection(&self) -> rusqlite::Result<Connection> {
-        // SAFETY: the table's own connection; the wrapper does not close it when dropped.
-        unsafe { Connection::from_handle(self.db) }
+        connection_of(self.db)
     }
 
     /// Decodes blocks until one holds block events, or none is left.
@@ -222,4 +201,42 @@ unsafe impl VTabCursor for Cursor<'_> {
 /// Room for every call of a block in a rowid.
 const fn blocks_stride() -> i64 {
     super::blocks::MAX_CALLS as i64 * 2
+}
+
+/// What connecting a table read from its own connection's tables does: SQL in triggers and
+/// views may not use it (`DirectOnly`), and it keeps the connection's handle.
+pub(super) fn connect_direct(db: &mut VTabConnection) -> rusqlite::Result<*mut ffi::sqlite3> {
+    db.config(VTabConfig::DirectOnly)?;
+    // SAFETY: the handle of the connection this table lives on, used only while it does.
+    Ok(unsafe { db.handle() })
+}
+
+/// The connection a table lives on, for its cursor's queries.
+pub(super) fn connection_of(db: *mut ffi::sqlite3) -> rusqlite::Result<Connection> {
+    // SAFETY: the table's own connection (connect_direct); the wrapper does not close it when
+    // dropped.
+    unsafe { Connection::from_handle(db) }
+}
+
+/// The plan of a table whose rows are read a session at a time: `session_column = ?` is
+/// handed to the cursor (idx_num 1, argument 1) and reads only that session; else all.
+pub(super) fn best_index_on_session(info: &mut IndexInfo, session_column: c_int) {
+    let session = info.constraints().position(|c| {
+        c.column() == session_column
+            && c.is_usable()
+            && c.operator() == IndexConstraintOp::SQLITE_INDEX_CONSTRAINT_EQ
+    });
+    match session {
+        Some(i) => {
+            let mut usage = info.constraint_usage(i);
+            usage.set_argv_index(1);
+            usage.set_omit(true);
+            info.set_idx_num(1);
+            info.set_estimated_cost(1e5);
+        }
+        None => {
+            info.set_idx_num(0);
+            info.set_estimated_cost(1e7);
+        }
+    }
 }

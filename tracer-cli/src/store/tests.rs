@@ -1127,3 +1127,55 @@ fn off_cpu_intervals_are_packed_and_read_back_whole() {
         left
     );
 }
+
+/// A damaged off-CPU block is refused by name, by explain's loader and by SQL, not misread.
+#[test]
+fn a_damaged_off_cpu_block_is_named_not_misread() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, session) = new_store(&dir);
+    let off: Vec<crate::decode::OffCpu> = (0..50u64)
+        .map(|i| crate::decode::OffCpu {
+            pid: 100,
+            tid: 101,
+            off_mono_ns: 1_000 + i * 100,
+            on_mono_ns: 1_050 + i * 100,
+            wakeup_mono_ns: None,
+            preempted: true,
+        })
+        .collect();
+    store
+        .write_batch(&Batch {
+            session,
+            wall_offset_ns: 0,
+            calls: &[],
+            threads: &[],
+            processes: &[],
+            offcpu: &off,
+            messages: &[],
+        })
+        .unwrap();
+    let id: i64 = store
+        .conn()
+        .query_row("SELECT id FROM offcpu_blocks", [], |r| r.get(0))
+        .unwrap();
+    store
+        .conn()
+        .execute("UPDATE offcpu_blocks SET data = substr(data, 1, 30)", [])
+        .unwrap();
+    let err = events::host(store.conn(), session, i64::MAX, None).unwrap_err();
+    assert_eq!(
+        format!("{err:#}"),
+        format!("off-CPU block {id} is damaged: ends inside record 4")
+    );
+    let sql = store
+        .conn()
+        .query_row("SELECT count(*) FROM offcpu_intervals", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap_err();
+    assert!(
+        sql.to_string()
+            .contains(&format!("off-CPU block {id} is damaged")),
+        "{sql}"
+    );
+}

@@ -1179,3 +1179,40 @@ fn a_damaged_off_cpu_block_is_named_not_misread() {
         "{sql}"
     );
 }
+
+/// A version 12 database (no `offcpu_blocks`) is read as it is: its `offcpu` rows are the host
+/// context, for explain and through `offcpu_intervals`.
+#[test]
+fn a_version_12_database_reads_its_off_cpu_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (store, session) = new_store(&dir);
+    store
+        .conn()
+        .execute_batch(&format!(
+            "INSERT INTO offcpu (session_id, pid, tid, off_ns, on_ns, wakeup_ns, preempted)
+               VALUES ({session}, 100, 101, 10, 20, 15, 0), ({session}, 100, 102, 30, 40, NULL, 1);
+             DROP TABLE offcpu_blocks;
+             PRAGMA user_version = 12;"
+        ))
+        .unwrap();
+    drop(store);
+    let old = Store::open(&path, Access::ReadOnly).unwrap();
+    let host = events::host(old.conn(), session, i64::MAX, None).unwrap();
+    assert_eq!(
+        host.slices
+            .iter()
+            .map(|s| (s.tid, s.on_ns, s.wakeup_ns, s.preempted))
+            .collect::<Vec<_>>(),
+        [(101, 20, Some(15), false), (102, 40, None, true)]
+    );
+    let n: i64 = old
+        .conn()
+        .query_row(
+            "SELECT count(*) FROM offcpu_intervals WHERE session_id = ?1 AND block_id IS NULL",
+            [session],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(n, 2);
+}

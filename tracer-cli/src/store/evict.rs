@@ -28,6 +28,9 @@ enum Evicted {
     Some(String),
     /// No keyframe lies past the oldest block: a new one is needed first.
     NeedKeyframe,
+    /// The only keyframe to cut at is at the session's latest block: cutting would leave no
+    /// call, so under the budget nothing goes until calls come after it.
+    OnlyTail,
     /// The session has no call block left to evict.
     Nothing,
 }
@@ -98,6 +101,7 @@ impl Store {
                         out.need_keyframe = true;
                         break;
                     }
+                    Evicted::OnlyTail => break,
                     Evicted::Nothing => {
                         if !log_held && self.footprint()? > max_bytes {
                             bail!(
@@ -197,6 +201,7 @@ impl Store {
     /// keyframe, but the blocks around incidents in it; with the rows they copy, the off-CPU
     /// intervals among them and the keyframes they make useless; counts each kind.
     fn evict_oldest_calls(&mut self, current: i64, max_bytes: u64) -> Result<Evicted> {
+        let over_budget = self.footprint()? > max_bytes;
         let tx = self.conn.transaction()?;
         if kept_bytes(&tx, current)? > max_bytes / KEPT_SHARE {
             let note = evict_oldest_island(&tx, current)?;
@@ -236,6 +241,17 @@ impl Store {
                 }
             },
         };
+        // Cutting at the latest block would leave the session no call to explain: only past
+        // the budget itself (the bound holds before the detail).
+        let last: i64 = tx.query_row(
+            "SELECT max(id) FROM call_blocks WHERE session_id = ?1",
+            [current],
+            |r| r.get(0),
+        )?;
+        if cutoff >= last && !over_budget {
+            tx.commit()?;
+            return Ok(Evicted::OnlyTail);
+        }
         let islands = islands_in(&tx, current, after, cutoff)?;
         // Kept first: the off-CPU intervals inside them stay.
         for island in &islands {

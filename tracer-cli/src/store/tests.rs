@@ -1216,3 +1216,31 @@ fn a_version_12_database_reads_its_off_cpu_rows() {
         .unwrap();
     assert_eq!(n, 2);
 }
+
+/// When the only keyframe to cut at is at the latest block, eviction under the budget leaves
+/// the calls (cutting there would leave the session none to explain); past the budget itself
+/// it cuts, as the bound requires.
+#[test]
+fn eviction_under_the_budget_never_leaves_the_session_without_a_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, session) = new_store(&dir);
+    for batch in 0..3u64 {
+        write(&mut store, session, &varied_calls(5000, batch));
+    }
+    store.insert_keyframe(session, 3, &[]).unwrap();
+    store
+        .conn()
+        .execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+        .unwrap();
+    let left = |store: &Store| -> i64 {
+        store
+            .conn()
+            .query_row("SELECT count(*) FROM call_blocks", [], |r| r.get(0))
+            .unwrap()
+    };
+    let used = store.footprint().unwrap();
+    store.enforce_max_size(session, used * 100 / 90).unwrap();
+    assert_eq!(left(&store), 3, "at 90 % of the budget every call stays");
+    store.enforce_max_size(session, used * 9 / 10).unwrap();
+    assert_eq!(left(&store), 0, "past the budget, the bound holds");
+}

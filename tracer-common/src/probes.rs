@@ -17,6 +17,10 @@ pub enum Library {
     /// PyTorch's own probes: the USDT sites of libc10_cuda (its caching allocator) and the
     /// OutOfMemoryError constructor of libc10.
     Torch = 2,
+    /// Not a library: what tracer itself did to the probes of a process (arming PyTorch's
+    /// allocator probes, `--allocator auto`), stored in the call stream so that every reader
+    /// replays it in order.
+    Tracer = 3,
 }
 
 impl Library {
@@ -25,6 +29,7 @@ impl Library {
             Library::Runtime => "libcudart",
             Library::Driver => "libcuda",
             Library::Torch => "pytorch",
+            Library::Tracer => "tracer",
         }
     }
 }
@@ -75,6 +80,9 @@ pub enum OpClass {
     /// A device's context handed out (cuDevicePrimaryCtxRetain): the pointer is the context,
     /// the device is its device.
     Context = 12,
+    /// tracer armed or disarmed PyTorch's allocator probes in a process (no call of the
+    /// program): from then on its block events are seen, or no longer.
+    Probes = 13,
 }
 
 /// The meaning of one argument.
@@ -186,9 +194,11 @@ ops! {
     CudaEventSynchronize = 32,
     CuCtxSetCurrent = 33,
     CuDevicePrimaryCtxRetain = 34,
+    AllocatorArmed = 35,
+    AllocatorDisarmed = 36,
 }
 
-pub const OP_COUNT: usize = 35;
+pub const OP_COUNT: usize = 37;
 
 use ArgRole::*;
 use Library::{Driver, Runtime, Torch};
@@ -222,6 +232,20 @@ const fn usdt(op: Op, name: &'static str, class: OpClass, args: &'static [ArgRol
         class,
         space: Space::Block,
         args,
+    }
+}
+
+/// What tracer did to a process's probes: no symbol, no note, never attached. The mark's `ret`
+/// says why (tracer-cli's model/arming.rs), `size` and `aux0` the figures behind it.
+const fn tracer_mark(op: Op, name: &'static str) -> ProbeSpec {
+    ProbeSpec {
+        op,
+        name,
+        symbol: "",
+        library: Library::Tracer,
+        class: OpClass::Probes,
+        space: Space::None,
+        args: &[],
     }
 }
 
@@ -514,6 +538,8 @@ pub const PROBES: [ProbeSpec; OP_COUNT] = [
         Space::None,
         &[PtrOut, Device],
     ),
+    tracer_mark(Op::AllocatorArmed, "tracer:allocator_armed"),
+    tracer_mark(Op::AllocatorDisarmed, "tracer:allocator_disarmed"),
 ];
 
 const _: () = {

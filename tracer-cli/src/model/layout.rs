@@ -250,6 +250,61 @@ pub struct Layout {
     /// state (model/state.rs), so that keyframes written before it existed still decode.
     #[serde(skip)]
     pub(crate) pending: PendingFrees,
+    /// Whether PyTorch's allocator probes are seen, and the segments made while they were not.
+    /// Kept in keyframes after the state (format 3).
+    #[serde(skip)]
+    pub(crate) sight: Sight,
+}
+
+/// Whether a process's block events are seen (`--allocator auto` arms PyTorch's probes only
+/// while memory is tight).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BlockSight {
+    /// From the process's first call (`--allocator always`, and every session before the mode).
+    #[default]
+    Always,
+    /// Armed at this time (wall ns): segments made before hold blocks tracer never saw.
+    ArmedAt(i64),
+    /// Not armed since this time (wall ns): what was known of the blocks is dropped.
+    DisarmedAt(i64),
+}
+
+/// A segment whose contents tracer did not see: made before the allocator's probes were
+/// armed, or while they were not. Its free bytes are unknown until it is released; blocks
+/// seen in it since are kept only so that their frees are recognised.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct UnseenSegment {
+    pub size: u64,
+    pub device: i32,
+    /// Blocks seen allocated in it since arming (address -> requested bytes).
+    blocks: BTreeMap<u64, u64>,
+}
+
+/// What the layout knows of the allocator's blocks (see [`BlockSight`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Sight {
+    pub state: BlockSight,
+    /// By address.
+    unseen: BTreeMap<u64, UnseenSegment>,
+    /// Frees of blocks allocated before arming: expected, not evidence of a gap.
+    pub frees_before_arming: u64,
+}
+
+impl Sight {
+    /// Segments made at `ts` have contents tracer does not see.
+    fn hides(&self, ts: i64) -> bool {
+        match self.state {
+            BlockSight::Always => false,
+            BlockSight::ArmedAt(at) => ts < at,
+            BlockSight::DisarmedAt(_) => true,
+        }
+    }
+
+    /// The unseen segment holding `ptr`, by its start address.
+    fn segment_at(&self, ptr: u64) -> Option<u64> {
+        let (&addr, seg) = self.unseen.range(..=ptr).next_back()?;
+        (ptr < addr + seg.size).then_some(addr)
+    }
 }
 
 /// Blocks the program freed that the allocator keeps until other streams' work is done.
@@ -308,7 +363,12 @@ impl Layout {
     /// Applies one event (the process's events in time order).
     pub fn apply(&mut self, e: &Event) {
         let spec = e.op.spec();
+        let disarmed = matches!(self.sight.state, BlockSight::DisarmedAt(_));
         match (spec.class, spec.space) {
+            (OpClass::Probes, _) if e.op == Op::AllocatorArmed => self.arm(e.ts_ns),
+            (OpClass::Probes, _) => self.disarm(e.ts_ns),
+            // Made before the disarm and read after it: their state is dropped.
+            (OpClass::BlockAlloc | OpClass::BlockFree | OpClass::EventRecord, _) if disarmed => {}
             (OpClass::BlockAlloc, _) if e.ptr != 0 => self.block_alloc(e),
             (OpClass::BlockFree, _) if e.ptr != 0 => self.block_free(e),
             (OpClass::EventRecord, _) if e.ret == 0 && e.aux1 == EVENT_FROM_ALLOCATOR => {
@@ -456,6 +516,17 @@ impl Layout {
             return;
         }
         self.forget_stale(addr, size, ts);
+        if self.sight.hides(ts) {
+            self.sight.unseen.insert(
+                addr,
+                UnseenSegment {
+                    size,
+                    device,
+                    blocks: BTreeMap::new(),
+                },
+            );
+            return;
+        }
         let expandable = mapped.is_some();
         self.segments.insert(
             addr,
@@ -474,6 +545,9 @@ impl Layout {
     }
 
     fn segment_free(&mut self, addr: u64) {
+        if self.sight.unseen.remove(&addr).is_some() {
+            return;
+        }
         let Some(seg) = self.segments.remove(&addr) else {
             return;
         };
@@ -544,7 +618,14 @@ impl Layout {
         self.blocks_seen += 1;
         self.block_events += 1;
         let Some(addr) = self.segment_at(e.ptr) else {
-            self.orphan_alloc(e);
+            match self.sight.segment_at(e.ptr) {
+                Some(unseen) => {
+                    if let Some(seg) = self.sight.unseen.get_mut(&unseen) {
+                        seg.blocks.insert(e.ptr, e.size);
+                    }
+                }
+                None => self.orphan_alloc(e),
+            }
             return;
         };
         self.heal_overlap(addr, e);
@@ -701,6 +782,17 @@ impl Layout {
     /// segments, a segment whose free it missed) was released unseen.
     fn forget_stale(&mut self, addr: u64, size: u64, ts: i64) {
         let end = addr.saturating_add(size);
+        // Unseen segments there were released before arming, or while not armed.
+        let mut gone: Vec<u64> = self
+            .sight
+            .unseen
+            .range(addr..end)
+            .map(|(&a, _)| a)
+            .collect();
+        gone.extend(self.sight.segment_at(addr));
+        for a in gone {
+            self.sight.unseen.remove(&a);
+        }
         let orphans: Vec<u64> = self.orphans.range(addr..end).map(|(&a, _)| a).collect();
         for a in orphans {
             if let Some(o) = self.orphans.remove(&a) {
@@ -745,6 +837,66 @@ impl Layout {
         if self.block_events - u.last_evidence_event >= quiet {
             u.exact_ns = Some(ts);
         }
+    }
+
+    /// PyTorch's allocator probes were armed in this process at `ts`: block events are seen
+    /// from then on; segments made before hold blocks tracer never saw.
+    pub fn arm(&mut self, ts: i64) {
+        // Armed already, or seen from the first call: nothing was missed.
+        if let BlockSight::DisarmedAt(_) = self.sight.state {
+            self.sight.state = BlockSight::ArmedAt(ts);
+        }
+    }
+
+    /// The probes were disarmed at `ts`: what was known of the blocks is dropped, and every
+    /// segment's contents become unknown until it is released.
+    pub fn disarm(&mut self, ts: i64) {
+        if !matches!(self.sight.state, BlockSight::DisarmedAt(_)) {
+            self.drop_blocks();
+            self.sight.state = BlockSight::DisarmedAt(ts);
+        }
+    }
+
+    /// Moves every segment to the unseen ones and forgets every block.
+    fn drop_blocks(&mut self) {
+        for (addr, seg) in std::mem::take(&mut self.segments) {
+            let unseen = UnseenSegment {
+                size: seg.size,
+                device: seg.device,
+                blocks: BTreeMap::new(),
+            };
+            self.sight.unseen.insert(addr, unseen);
+        }
+        for seg in self.sight.unseen.values_mut() {
+            seg.blocks.clear();
+        }
+        self.gaps.clear();
+        self.totals.clear();
+        self.outside.clear();
+        self.orphans.clear();
+        self.pending = PendingFrees {
+            held_unseen: self.pending.held_unseen,
+            ..PendingFrees::default()
+        };
+    }
+
+    /// Whether block events are seen now, and since when.
+    pub fn block_sight(&self) -> BlockSight {
+        self.sight.state
+    }
+
+    /// Segments whose contents tracer did not see, on `device` (all: None): (segments,
+    /// bytes). Their free bytes and largest free block are unknown: the pools' figures count
+    /// only the segments seen whole.
+    pub fn unseen_contents(&self, device: Option<i32>) -> (u64, u64) {
+        let mut out = (0, 0);
+        for seg in self.sight.unseen.values() {
+            if device.is_none_or(|d| d == seg.device) {
+                out.0 += 1;
+                out.1 += seg.size;
+            }
+        }
+        out
     }
 
     /// The trace had a gap from `from_ns` to `to_ns` (tracer restarted): what the state holds
@@ -816,7 +968,16 @@ impl Layout {
             return;
         }
         let Some((key, block)) = self.remove_block(e.ptr) else {
-            if self.orphans.remove(&e.ptr).is_none() {
+            if let Some(unseen) = self.sight.segment_at(e.ptr) {
+                let seen = self
+                    .sight
+                    .unseen
+                    .get_mut(&unseen)
+                    .and_then(|seg| seg.blocks.remove(&e.ptr));
+                if seen.is_none() {
+                    self.sight.frees_before_arming += 1;
+                }
+            } else if self.orphans.remove(&e.ptr).is_none() {
                 self.unexplained.unmatched_frees += 1;
                 self.evidence(e.ts_ns);
             }

@@ -1,6 +1,7 @@
 //! The types the rooms share: the in-memory event analysis works on, off-CPU intervals, call-site
 //! labels, and the live per-op statistics. (The allocator layout model comes here too.)
 
+pub mod arming;
 pub mod attempts;
 pub mod devices;
 mod event;

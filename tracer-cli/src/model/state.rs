@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use tracer_common::{Op, OpClass, Space};
 
 use super::{
-    layout::{Layout, PendingFrees},
+    layout::{Layout, PendingFrees, Sight},
     moves_memory,
     pressure::{Alarm, Pressure},
     Event,
@@ -17,7 +17,9 @@ use super::{
 
 /// How a keyframe's `data` is encoded: postcard of [`ProcessState`] followed (since format 2)
 /// by its layout's blocks kept for other streams ([`PendingFrees`]). Format 1 is still read.
-pub const KEYFRAME_FORMAT: i64 = 2;
+/// Format 3 adds what the layout knows of the blocks after them ([`Sight`]: `--allocator
+/// auto`).
+pub const KEYFRAME_FORMAT: i64 = 3;
 /// The oldest format this tracer reads.
 pub const KEYFRAME_FORMAT_OLDEST: i64 = 1;
 
@@ -92,7 +94,10 @@ impl ProcessState {
         self.events += 1;
         self.last_ns = self.last_ns.max(e.ts_ns);
         let class = e.class();
-        if matches!(class, OpClass::EventRecord | OpClass::EventWait) {
+        if matches!(
+            class,
+            OpClass::EventRecord | OpClass::EventWait | OpClass::Probes
+        ) {
             // The allocator's events keep blocks used on other streams from their pool.
             self.layout.apply(e);
             return None;
@@ -169,21 +174,25 @@ impl ProcessState {
 
     /// In [`KEYFRAME_FORMAT`].
     pub fn encode(&self) -> anyhow::Result<Vec<u8>> {
-        postcard::to_stdvec(&(self, &self.layout.pending))
+        postcard::to_stdvec(&(self, &self.layout.pending, &self.layout.sight))
             .map_err(|e| anyhow::anyhow!("encode the state of pid {}: {e}", self.pid))
     }
 
     /// From `format` (1: without the blocks kept for other streams, which format 1 did not
     /// know of).
     pub fn decode(bytes: &[u8], format: i64) -> anyhow::Result<ProcessState> {
-        let decoded = if format == 1 {
-            postcard::from_bytes(bytes).map(|s| (s, PendingFrees::default()))
-        } else {
-            postcard::from_bytes::<(ProcessState, PendingFrees)>(bytes)
+        let decoded = match format {
+            1 => {
+                postcard::from_bytes(bytes).map(|s| (s, PendingFrees::default(), Sight::default()))
+            }
+            2 => postcard::from_bytes::<(ProcessState, PendingFrees)>(bytes)
+                .map(|(s, p)| (s, p, Sight::default())),
+            _ => postcard::from_bytes::<(ProcessState, PendingFrees, Sight)>(bytes),
         };
-        let (mut state, pending) =
+        let (mut state, pending, sight) =
             decoded.map_err(|e| anyhow::anyhow!("decode a keyframe's process state: {e}"))?;
         state.layout.pending = pending;
+        state.layout.sight = sight;
         Ok(state)
     }
 }

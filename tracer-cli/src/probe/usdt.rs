@@ -10,7 +10,7 @@ use object::{Object as _, ObjectSection as _};
 use tracer_common::{
     probes::ArgRole,
     usdt::{arg_kind, reg, role, UsdtArg, UsdtPlan, MAX_USDT_ARGS},
-    Op, PROBES,
+    Library, Op, PROBES,
 };
 
 /// One probe site, as its note describes it.
@@ -30,8 +30,12 @@ impl Site {
     /// The traced op of this site and the plan for its arguments, when the probe table names
     /// it; an error names the argument spec that cannot be read.
     pub fn plan(&self) -> Option<Result<UsdtPlan>> {
+        // Only PyTorch's: tracer's own marks have no symbol either, and a note a library
+        // ships must never forge one.
         let spec = PROBES.iter().find(|p| {
-            p.symbol.is_empty() && p.name.split_once(':') == Some((&self.provider, &self.name))
+            p.library == Library::Torch
+                && p.symbol.is_empty()
+                && p.name.split_once(':') == Some((&self.provider, &self.name))
         })?;
         Some(plan_for(spec.op, spec.args, &self.args))
     }
@@ -365,6 +369,14 @@ mod tests {
             ..site.clone()
         };
         assert!(unknown.plan().is_none());
+        // A library's note named like tracer's own arming mark is no probe.
+        let forged = Site {
+            provider: "tracer".into(),
+            name: "allocator_armed".into(),
+            args: String::new(),
+            ..site.clone()
+        };
+        assert!(forged.plan().is_none());
         let short = Site {
             args: "-8@%rax".into(),
             ..site

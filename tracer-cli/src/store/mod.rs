@@ -57,6 +57,7 @@ pub fn class_name(class: OpClass) -> &'static str {
         OpClass::EventWait => "event_wait",
         OpClass::SetContext => "setcontext",
         OpClass::Context => "context",
+        OpClass::Probes => "probes",
     }
 }
 

@@ -598,3 +598,88 @@ fn whatif_reproduces_the_run_and_predicts_it_under_expandable_segments() {
         "peak reserved: simulated {simulated}, run {real}"
     );
 }
+
+/// `--allocator auto`: a process is first seen with PyTorch's allocator probes not armed; a
+/// device allocation after warm-up (a cache miss) arms them in that process, its block events
+/// are recorded from then on, a quiet period disarms them (no block event after), and the
+/// layout never shows as free the segments whose contents tracer did not see.
+#[test]
+fn auto_arms_at_a_cache_miss_disarms_when_quiet_and_never_shows_unseen_memory_free() {
+    let Some(fx) = Fixture::new() else { return };
+    let trace = fx.trace(
+        &["libcudart.so.12", "libsimtorch.so"],
+        &[
+            "--quiet",
+            "--allocator",
+            "auto",
+            "--arm-warmup",
+            "500ms",
+            "--arm-quiet",
+            "2s",
+            "--arm-min",
+            "2s",
+        ],
+    );
+    let script = format!(
+        "import sys, time\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, MIB\na = CachingAllocator({cudart:?})\nt = a.malloc(4 * MIB)\ntime.sleep(1.0)\nu = a.malloc(30 * MIB)\ntime.sleep(0.8)\nv = a.malloc(6 * MIB)\na.free(v)\ntime.sleep(4.5)\nw = a.malloc(2 * MIB)\n",
+        dir = workspace_file("demos/workloads").to_str().unwrap(),
+        cudart = fx.lib("libcudart.so.12"),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    trace.stop(SIGINT);
+    let marks = query(
+        &fx.db,
+        "SELECT o.name, c.ret FROM calls c JOIN ops o ON o.id = c.op_id WHERE o.name LIKE 'tracer:%' ORDER BY c.ts_ns",
+    );
+    let marks: Vec<(String, i64)> = marks
+        .iter()
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap().to_owned(),
+                m["ret"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    let said = |name: &str, ret: i64| (format!("tracer:allocator_{name}"), ret);
+    // Not armed yet (1), armed at the cache miss (3), disarmed when quiet (7).
+    assert_eq!(
+        marks,
+        [said("disarmed", 1), said("armed", 3), said("disarmed", 7)]
+    );
+    let blocks = query(&fx.db, "SELECT op, size FROM tensor_events ORDER BY ts_ns");
+    let blocks: Vec<(&str, u64)> = blocks
+        .iter()
+        .map(|b| (b["op"].as_str().unwrap(), b["size"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        blocks,
+        [("pytorch:malloc", 6 << 20), ("pytorch:free", 6 << 20)],
+        "only the blocks made while armed"
+    );
+    let layouts = tracer_json(&fx.db, &["layout", "--json"]);
+    let p = &layouts[0];
+    assert!(p["block_sight"]["DisarmedAt"].is_i64(), "{p}");
+    assert_eq!(
+        p["unseen_contents"],
+        serde_json::json!([2, 50 << 20]),
+        "{p}"
+    );
+    for d in p["devices"].as_array().unwrap() {
+        assert_eq!(d["total"]["largest_free"], 0, "nothing unseen is free: {d}");
+    }
+    let text = Command::new(TRACER)
+        .args(["explain", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert_ok(&text);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("armed at a device allocation after warm-up"),
+        "{text}"
+    );
+}

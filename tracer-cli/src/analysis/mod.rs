@@ -760,6 +760,10 @@ pub struct Explanation {
     /// The session's times give only the calls' order (an older PyTorch snapshot): no rule
     /// that reads rates, durations or intervals was applied.
     pub untimed: bool,
+    /// Each arming and disarming of PyTorch's allocator probes in the window
+    /// (`--allocator auto`), in time order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub arming: Vec<crate::model::arming::ArmingRow>,
 }
 
 /// The rules that read rates, durations or intervals: not applied to a session whose times
@@ -978,6 +982,7 @@ pub fn analyze_collected(
             ..Coverage::default()
         },
         untimed: inputs.untimed,
+        arming: Vec::new(),
     }
 }
 

@@ -5,6 +5,7 @@ use std::{io::IsTerminal as _, net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::Args;
+use tracer_cli::model::arming::{Mode, Settings};
 use tracer_cli::{
     exit::user_error,
     paths,
@@ -96,6 +97,28 @@ pub struct TraceArgs {
     /// crash-looping). The exit status is still the error's.
     #[arg(long, requires = "metrics")]
     pub keep_serving: bool,
+    /// PyTorch's allocator probes (a trap at each tensor allocation and free): `always`, in
+    /// every process from the start; `auto`, armed per process while memory is tight (its
+    /// device memory past --arm-share of the GPU, a device allocation after --arm-warmup, a
+    /// failed allocation, PyTorch's out-of-memory error, or SIGUSR1 to tracer) and disarmed
+    /// after --arm-quiet without one (SIGUSR2 ends SIGUSR1's asking); `off`, never. The CUDA
+    /// calls and PyTorch's out-of-memory message are traced in every mode.
+    #[arg(long, value_enum, default_value = "always")]
+    pub allocator: AllocatorMode,
+    /// `--allocator auto`: arm when a process holds this share of a GPU (0-1); the pressure
+    /// lasts until it holds 0.1 less.
+    #[arg(long, value_name = "SHARE", default_value_t = 0.85, value_parser = parse_share)]
+    pub arm_share: f64,
+    /// `--allocator auto`: device allocations this long after a process's first are cache
+    /// misses, which arm.
+    #[arg(long, value_parser = parse_duration, default_value = "60s")]
+    pub arm_warmup: Duration,
+    /// `--allocator auto`: disarm after this long without a trigger...
+    #[arg(long, value_parser = parse_duration, default_value = "60s")]
+    pub arm_quiet: Duration,
+    /// ...and never before this long armed.
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
+    pub arm_min: Duration,
     /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
     #[arg(long, hide = true)]
     pub floor: bool,
@@ -109,6 +132,45 @@ pub struct TraceArgs {
     /// Benchmark: no scheduler programs (what host context costs is measured against this).
     #[arg(long, hide = true)]
     pub no_host_context: bool,
+}
+
+/// `--allocator`'s values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AllocatorMode {
+    Always,
+    Auto,
+    Off,
+}
+
+impl From<AllocatorMode> for Mode {
+    fn from(m: AllocatorMode) -> Mode {
+        match m {
+            AllocatorMode::Always => Mode::Always,
+            AllocatorMode::Auto => Mode::Auto,
+            AllocatorMode::Off => Mode::Off,
+        }
+    }
+}
+
+/// A share of a GPU: more than 0, at most 1.
+fn parse_share(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!(
+            "{text:?} is not a share of the GPU: give a number above 0 and at most 1, e.g. 0.85"
+        )),
+    }
+}
+
+fn arming_settings(args: &TraceArgs) -> Settings {
+    let ns = |d: Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
+    Settings {
+        arm_share: args.arm_share,
+        hold_share: (args.arm_share - 0.1).max(0.0),
+        warmup_ns: ns(args.arm_warmup),
+        quiet_ns: ns(args.arm_quiet),
+        min_armed_ns: ns(args.arm_min),
+    }
 }
 
 pub fn run(args: TraceArgs) -> Result<()> {
@@ -152,6 +214,8 @@ pub fn run(args: TraceArgs) -> Result<()> {
             None => Some("libnvidia-ml.so.1".to_owned()),
         },
         nvml_required: args.nvml.as_deref().is_some_and(|p| p != "off"),
+        allocator: args.allocator.into(),
+        arming: arming_settings(&args),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
         figures_grace: if args.metrics.is_some() {

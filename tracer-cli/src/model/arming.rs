@@ -59,6 +59,8 @@ pub enum Reason {
     OnDemandEnded = 8,
     /// The probes could not be armed (the mark says so; the error is on stderr).
     Failed = 9,
+    /// Disarmed: the process ended.
+    Ended = 10,
 }
 
 impl Reason {
@@ -74,6 +76,7 @@ impl Reason {
             Quiet,
             OnDemandEnded,
             Failed,
+            Ended,
         ]
         .into_iter()
         .find(|r| *r as i32 == v)
@@ -91,6 +94,7 @@ impl Reason {
             Reason::Quiet => "after a quiet period",
             Reason::OnDemandEnded => "on demand (SIGUSR2)",
             Reason::Failed => "but arming failed",
+            Reason::Ended => "as the process ended",
         }
     }
 }
@@ -300,10 +304,11 @@ impl Arming {
         out
     }
 
-    /// The process ended: its probes went with it.
-    pub fn exited(&mut self, pid: u32) {
-        self.procs.remove(&pid);
+    /// The process ended: its probes go with it (a decision to disarm when it was armed).
+    pub fn exited(&mut self, pid: u32) -> Option<Decision> {
+        let p = self.procs.remove(&pid)?;
         self.totals.retain(|(p, _), _| *p != pid);
+        p.armed_at.map(|_| decision(pid, false, Reason::Ended))
     }
 
     /// Processes armed now.
@@ -345,6 +350,55 @@ impl Decision {
         };
         (op, reason as i32)
     }
+}
+
+/// One arming or disarming as a reader of the session sees it (explain, the report).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ArmingRow {
+    pub pid: u32,
+    pub ts_ns: i64,
+    pub armed: bool,
+    pub reason: Option<Reason>,
+    /// The process's device bytes and the device's total behind it (0: not said).
+    pub held: u64,
+    pub total: u64,
+}
+
+impl ArmingRow {
+    /// The row of a mark in the call stream; None for any other call.
+    pub fn of(e: &Event) -> Option<ArmingRow> {
+        let armed = match e.op {
+            Op::AllocatorArmed => true,
+            Op::AllocatorDisarmed => false,
+            _ => return None,
+        };
+        Some(ArmingRow {
+            pid: e.pid,
+            ts_ns: e.ts_ns,
+            armed,
+            reason: Reason::from_i32(e.ret),
+            held: e.size,
+            total: e.aux0,
+        })
+    }
+
+    /// "armed at <time> at a device allocation after warm-up" (the time by the caller).
+    pub fn says(&self) -> String {
+        format!(
+            "{} {}",
+            if self.armed { "armed" } else { "disarmed" },
+            self.reason
+                .map_or("(reason unknown to this tracer)", Reason::says)
+        )
+    }
+}
+
+/// Whether `pid`'s allocator probes were armed at `ts_ns`, from the rows in time order: None
+/// where no row says (always on, or a session before `--allocator`).
+pub fn armed_at(rows: &[ArmingRow], pid: u32, ts_ns: i64) -> Option<&ArmingRow> {
+    rows.iter()
+        .filter(|r| r.pid == pid && r.ts_ns <= ts_ns)
+        .next_back()
 }
 
 #[cfg(test)]

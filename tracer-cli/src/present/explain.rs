@@ -38,6 +38,7 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
         }
     )?;
     coverage(out, r)?;
+    arming(out, r, &explained.messages)?;
     if per_process {
         process_tables(out, r)?;
     }
@@ -46,6 +47,71 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
     holders(out, r)?;
     writeln!(out)?;
     chains(out, r)
+}
+
+/// Rows of arming shown at most; the rest are counted.
+const ARMING_ROWS: usize = 12;
+
+/// When PyTorch's allocator probes were armed (`--allocator auto`), and what that means for
+/// each out-of-memory: before the probes were armed, the layout was not known.
+fn arming(
+    out: &mut impl Write,
+    r: &Explanation,
+    messages: &[crate::model::MessageRow],
+) -> Result<()> {
+    use crate::model::arming::armed_at;
+    if r.arming.is_empty() {
+        return Ok(());
+    }
+    let armings = r.arming.iter().filter(|a| a.armed).count();
+    writeln!(
+        out,
+        "PyTorch's allocator probes (--allocator auto): armed {armings} time(s); the block layout is known only while armed, and then only in segments made after arming"
+    )?;
+    let skipped = r.arming.len().saturating_sub(ARMING_ROWS);
+    if skipped > 0 {
+        writeln!(out, "  ({skipped} earlier change(s) not shown)")?;
+    }
+    for a in &r.arming[skipped..] {
+        let figures = if a.total > 0 {
+            format!(
+                " ({} of {})",
+                crate::units::format_bytes(a.held),
+                crate::units::format_bytes(a.total)
+            )
+        } else {
+            String::new()
+        };
+        writeln!(
+            out,
+            "  pid {} {} {}{figures}",
+            a.pid,
+            format_utc(a.ts_ns),
+            a.says()
+        )?;
+    }
+    for m in messages
+        .iter()
+        .filter(|m| m.op == tracer_common::Op::TorchOom.name())
+    {
+        let said = match armed_at(&r.arming, m.pid, m.ts_ns) {
+            None => continue,
+            Some(a) if !a.armed => format!(
+                "came while the probes were not armed: the request, allocated and reserved come from PyTorch's message and the CUDA calls; the block layout was not known (an OOM arms the probes for what follows; `--allocator always` sees it from the start)"
+            ),
+            Some(a) => format!(
+                "came with the probes armed since {}: segments made before then have unknown contents, never counted free",
+                format_utc(a.ts_ns)
+            ),
+        };
+        writeln!(
+            out,
+            "  the out-of-memory of pid {} at {} {said}",
+            m.pid,
+            format_utc(m.ts_ns)
+        )?;
+    }
+    Ok(())
 }
 
 /// Who held the GPU at each out-of-memory, in one line each.

@@ -141,6 +141,9 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
                 p.unknown.gaps
             )?;
         }
+        if let Some(line) = sight_line(p) {
+            writeln!(out, "  {line}")?;
+        }
         if p.held_unseen > 0 {
             writeln!(
                 out,
@@ -186,4 +189,31 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
         writeln!(out)?;
     }
     Ok(())
+}
+
+/// What the layout knows of the blocks under `--allocator auto`, when not everything.
+fn sight_line(p: &ProcessLayout) -> Option<String> {
+    use crate::model::layout::BlockSight;
+    let (n, bytes) = p.unseen_contents;
+    let unseen = if n > 0 {
+        format!(
+            "; {n} segment(s) ({}) made before then hold blocks tracer did not see: not in the figures above, their free space unknown (never shown free) until released",
+            b(bytes)
+        )
+    } else {
+        String::new()
+    };
+    match p.block_sight {
+        BlockSight::Always if n == 0 => None,
+        BlockSight::Always => Some(format!("contents unknown{unseen}")),
+        BlockSight::ArmedAt(at) => Some(format!(
+            "PyTorch's allocator probes armed at {} (--allocator auto){unseen}",
+            format_utc(at)
+        )),
+        BlockSight::DisarmedAt(at) => Some(format!(
+            "PyTorch's allocator probes NOT ARMED since {} (--allocator auto): blocks not seen; {n} segment(s) ({}) of unknown contents",
+            format_utc(at),
+            b(bytes)
+        )),
+    }
 }

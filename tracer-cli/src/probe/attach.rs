@@ -43,6 +43,9 @@ pub struct LoadOptions {
     pub stack: bool,
     /// Attach the scheduler programs (host context); off only to measure what they cost.
     pub host_context: bool,
+    /// PyTorch's allocator probes in every process from the start, or per process when
+    /// tracer arms them (`--allocator auto`; `off`: never).
+    pub allocator: crate::model::arming::Mode,
 }
 
 /// One library as attached (stored with the session as JSON).
@@ -78,14 +81,31 @@ pub struct Probes {
     ebpf: Ebpf,
     counters: PerCpuArray<MapData, u64>,
     attached: BTreeMap<FileId, AttachedLibrary>,
-    /// USDT sites: each a perf event (the uprobe, holding its semaphore up) and its link.
+    /// USDT sites attached for every process (`--allocator always`): each a perf event (the
+    /// uprobe, holding its semaphore up) and its link.
     usdt_links: Vec<(OwnedFd, OwnedFd)>,
+    /// The plan map's slot of each site, by (file, offset): a site keeps its slot however
+    /// often it is armed.
+    usdt_slots: BTreeMap<(FileId, u64), u32>,
     /// The next free slot of the USDT plan map.
     usdt_next: u32,
+    /// `--allocator`'s mode.
+    allocator: crate::model::arming::Mode,
+    /// Libraries with PyTorch's allocator probes, armed per process (`--allocator auto`).
+    armable: BTreeMap<FileId, Armable>,
+    /// The processes armed now, with their sites' perf events and links.
+    armed: BTreeMap<u32, Vec<(OwnedFd, OwnedFd)>>,
     /// Whether PyTorch's probes can be attached (their programs loaded), or why not.
     pub torch_probes: Result<(), String>,
     /// Whether the scheduler tracepoints are attached (host context), or why not.
     pub host_context: Result<(), String>,
+}
+
+/// A library whose allocator probes tracer arms per process: its path and sites with their
+/// slots.
+struct Armable {
+    path: std::path::PathBuf,
+    sites: Vec<(usdt::Site, u32)>,
 }
 
 /// Field offsets in the sched_switch and sched_wakeup records.
@@ -302,7 +322,11 @@ impl Probes {
             counters,
             attached: BTreeMap::new(),
             usdt_links: Vec::new(),
+            usdt_slots: BTreeMap::new(),
             usdt_next: 0,
+            allocator: opts.allocator,
+            armable: BTreeMap::new(),
+            armed: BTreeMap::new(),
             host_context,
             torch_probes,
         })
@@ -434,12 +458,34 @@ impl Probes {
                 });
             }
         }
+        let per_process = self.allocator != crate::model::arming::Mode::Always;
+        let mut armable = Vec::new();
         for site in &sites {
             let what = format!("{}:{} at {:#x}", site.provider, site.name, site.offset);
-            match self.attach_usdt(&lib.open_path, site, pids) {
+            let result = if per_process {
+                self.site_slot(lib.id, site).map(|slot| {
+                    armable.push((site.clone(), slot));
+                })
+            } else {
+                self.attach_usdt(lib.id, &lib.open_path, site, pids)
+            };
+            match result {
+                Ok(()) if per_process => attached.push(format!(
+                    "{what} (armed per process: --allocator {})",
+                    self.allocator.name()
+                )),
                 Ok(()) => attached.push(what),
                 Err(e) => failed.push(format!("{what}: {e:#}")),
             }
+        }
+        if !armable.is_empty() {
+            self.armable.insert(
+                lib.id,
+                Armable {
+                    path: lib.open_path.clone(),
+                    sites: armable,
+                },
+            );
         }
         if attached.is_empty() {
             return Err(anyhow!(
@@ -473,7 +519,30 @@ impl Probes {
     /// Attaches the USDT program at one site: its plan goes into the next slot of the plan map
     /// (the attach cookie), and the uprobe is created with the site's semaphore as its
     /// reference counter, so the kernel raises it in every process mapping the file.
-    fn attach_usdt(&mut self, path: &Path, site: &usdt::Site, pids: Option<&[u32]>) -> Result<()> {
+    fn attach_usdt(
+        &mut self,
+        file: FileId,
+        path: &Path,
+        site: &usdt::Site,
+        pids: Option<&[u32]>,
+    ) -> Result<()> {
+        let slot = self.site_slot(file, site)?;
+        let targets: Vec<Option<u32>> = match pids {
+            None => vec![None],
+            Some(pids) => pids.iter().map(|&p| Some(p)).collect(),
+        };
+        for pid in targets {
+            let pair = self.site_link(path, site, slot, pid)?;
+            self.usdt_links.push(pair);
+        }
+        Ok(())
+    }
+
+    /// The site's slot in the plan map, its plan stored there the first time.
+    fn site_slot(&mut self, file: FileId, site: &usdt::Site) -> Result<u32> {
+        if let Some(&slot) = self.usdt_slots.get(&(file, site.offset)) {
+            return Ok(slot);
+        }
         let plan = site
             .plan()
             .ok_or_else(|| anyhow!("no probe table entry"))??;
@@ -492,6 +561,20 @@ impl Probes {
         let mut plans: Array<_, tracer_common::usdt::UsdtPlan> =
             Array::try_from(map).context("open the USDT plan map")?;
         plans.set(slot, plan, 0).context("store the site's plan")?;
+        self.usdt_next += 1;
+        self.usdt_slots.insert((file, site.offset), slot);
+        Ok(slot)
+    }
+
+    /// The uprobe at a site (its semaphore raised while it exists) for every process or one,
+    /// and the USDT program linked to it with the site's slot as cookie.
+    fn site_link(
+        &self,
+        path: &Path,
+        site: &usdt::Site,
+        slot: u32,
+        pid: Option<u32>,
+    ) -> Result<(OwnedFd, OwnedFd)> {
         let program: &UProbe = self
             .ebpf
             .program(names::PROG_USDT)
@@ -501,17 +584,72 @@ impl Probes {
             .fd()
             .context("the USDT program is not loaded")?
             .as_fd();
-        let targets: Vec<Option<u32>> = match pids {
-            None => vec![None],
-            Some(pids) => pids.iter().map(|&p| Some(p)).collect(),
-        };
-        for pid in targets {
-            let perf = perf::uprobe(path, site.offset, site.semaphore, pid)?;
-            let link = perf::link(prog_fd, perf.as_fd(), u64::from(slot))?;
-            self.usdt_links.push((perf, link));
+        let perf = perf::uprobe(path, site.offset, site.semaphore, pid)?;
+        let link = perf::link(prog_fd, perf.as_fd(), u64::from(slot))?;
+        Ok((perf, link))
+    }
+
+    /// Arms PyTorch's allocator probes in `pid` (`--allocator auto`): every site of every such
+    /// library it maps, together (sites share semaphores: a raised semaphore with a site not
+    /// probed would lose its events unseen), or none. Returns the sites armed.
+    pub fn arm(&mut self, pid: u32) -> Result<usize> {
+        if self.armed.contains_key(&pid) {
+            return Ok(self.armed[&pid].len());
         }
-        self.usdt_next += 1;
-        Ok(())
+        let mapped: std::collections::HashSet<(u64, u64)> = crate::target::maps::read(pid)
+            .with_context(|| format!("read the memory maps of process {pid}"))?
+            .iter()
+            .map(|m| (m.dev, m.inode))
+            .collect();
+        let mut links = Vec::new();
+        for (file, lib) in &self.armable {
+            if !mapped.contains(&(file.dev, file.ino)) {
+                continue;
+            }
+            for (site, slot) in &lib.sites {
+                // On error the links made so far close here, lowering their semaphores.
+                let pair = self
+                    .site_link(&lib.path, site, *slot, Some(pid))
+                    .with_context(|| {
+                        format!(
+                            "arm {}:{} in process {pid} ({})",
+                            site.provider,
+                            site.name,
+                            lib.path.display()
+                        )
+                    })?;
+                links.push(pair);
+            }
+        }
+        if links.is_empty() {
+            return Err(anyhow!(
+                "process {pid} maps no library with PyTorch's allocator probes"
+            ));
+        }
+        let n = links.len();
+        self.armed.insert(pid, links);
+        Ok(n)
+    }
+
+    /// Disarms `pid`'s allocator probes: their perf events close (the kernel lowers the
+    /// semaphores) on a thread of their own, as each takes a grace period. Whether it was armed.
+    pub fn disarm(&mut self, pid: u32) -> bool {
+        let Some(links) = self.armed.remove(&pid) else {
+            return false;
+        };
+        let closing = std::thread::Builder::new()
+            .name("tracer-disarm".into())
+            .spawn(move || drop(links));
+        if let Err(e) = closing {
+            // The links were moved into the closure that failed to start: dropped with it.
+            log::debug!("close disarmed probes on a thread: {e}");
+        }
+        true
+    }
+
+    /// The processes armed now, and the plan slots taken (each site keeps one).
+    pub fn armed_now(&self) -> (usize, u32) {
+        (self.armed.len(), self.usdt_next)
     }
 
     /// Attaches one of the two call programs at `offset` in `path`, its cookie naming `op`.
@@ -735,6 +873,7 @@ pub fn self_test() -> Result<u64> {
         floor: 0,
         host_context: true,
         stack: false,
+        allocator: crate::model::arming::Mode::Always,
     })?;
     let mut ring = probes.take_ring()?;
     let mut stages = probes.take_stages()?;

@@ -45,6 +45,8 @@ pub struct Explained {
     /// Time spent reading the calls (with the analysis they fed), and finishing the analysis.
     pub load_time: Duration,
     pub analysis_time: Duration,
+    /// PyTorch's out-of-memory messages (said beside the arming of its probes).
+    pub messages: Vec<crate::model::MessageRow>,
 }
 
 /// What explain knows of a session beside its calls.
@@ -358,10 +360,17 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
     }
     let known = Known::read(conn, session, &q.skip_frames)?;
     let host = Host::new(events::host(conn, session, window.to_ns, q.pid)?);
+    let oom_messages: Vec<crate::model::MessageRow> = known
+        .messages
+        .iter()
+        .filter(|m| m.op == tracer_common::Op::TorchOom.name())
+        .cloned()
+        .collect();
     let inputs = known.inputs();
     let mut collector = Collector::new(window, &inputs, begin.states.clone());
     let mut implausible: Option<Event> = None;
     let mut holes = Vec::new();
+    let mut arming = Vec::new();
     super::walk(
         db,
         session,
@@ -374,6 +383,9 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
                     && events::check_plausible(session, std::slice::from_ref(e)).is_err()
                 {
                     implausible = Some(*e);
+                }
+                if let Some(row) = crate::model::arming::ArmingRow::of(e) {
+                    arming.push(row);
                 }
                 collector.feed(e);
                 visit.call(e);
@@ -391,6 +403,7 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
     let t1 = std::time::Instant::now();
     let mut report =
         analysis::analyze_collected(session, collector.finish(), &host, window, &inputs);
+    report.arming = arming;
     report.coverage = Coverage {
         states: std::mem::take(&mut report.coverage.states),
         window_evicted,
@@ -416,6 +429,7 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
         to_given,
         load_time: t1 - t0,
         analysis_time: t1.elapsed(),
+        messages: oom_messages,
     };
     Ok(explained)
 }

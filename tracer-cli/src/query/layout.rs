@@ -52,6 +52,12 @@ pub struct ProcessLayout {
     /// New segments made while a free block that fit was believed free (blocks handed out
     /// without PyTorch's probes hold memory shown free).
     pub held_unseen: u64,
+    /// Whether PyTorch's allocator probes were armed then (`--allocator auto`).
+    pub block_sight: crate::model::layout::BlockSight,
+    /// Segments whose contents tracer did not see (made before the probes were armed, or
+    /// while they were not): (segments, bytes). Not in the pools' figures: their free bytes
+    /// and largest free block are unknown, never shown as free.
+    pub unseen_contents: (u64, u64),
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub segments: Vec<crate::model::layout::SegmentMap>,
 }
@@ -294,6 +300,8 @@ pub(crate) fn process_layout(
         orphans: l.orphans(device),
         carried: l.carried(),
         held_unseen: l.held_unseen(),
+        block_sight: l.block_sight(),
+        unseen_contents: l.unseen_contents(device),
         segments: l
             .segments()
             .into_iter()

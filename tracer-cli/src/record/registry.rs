@@ -172,6 +172,14 @@ pub struct Registry {
     /// NVIDIA's management library, when loaded: who holds each GPU, asked at the start and
     /// at each out-of-memory.
     pub nvml: Option<NvmlWatch>,
+    /// `--allocator`: when PyTorch's allocator probes are armed in each process.
+    pub arming: crate::model::arming::Arming,
+    /// Each GPU's total memory as NVML said at the start, by its label ("GPU 3").
+    pub nvml_totals: HashMap<String, u64>,
+    /// Where each process runs (its device numbers to the host's GPUs).
+    pub placements: HashMap<u32, crate::model::Placement>,
+    /// Decisions not yet handed to the main thread.
+    pub arming_requests: Vec<crate::model::arming::Decision>,
 }
 
 /// NVML asked at the start and at out-of-memory evidence, at most once a second.
@@ -252,6 +260,41 @@ impl KeyframeClock {
 }
 
 impl Registry {
+    /// `--allocator auto`: what the main thread did since (its results and marks: the marks
+    /// are handed on before any record read after this), root's asking, and the quiet
+    /// processes to disarm; the decisions made go to the main thread.
+    fn arming_round(&mut self, shared: &Shared) -> Vec<crate::decode::Call> {
+        if self.arming.mode == crate::model::arming::Mode::Always {
+            return Vec::new();
+        }
+        let now = super::arming::monotonic_ns() as i64 + self.wall_offset_ns;
+        let Ok(mut q) = shared.arming.lock() else {
+            return Vec::new();
+        };
+        for (pid, ok, ts) in q.results.drain(..) {
+            self.arming.armed(pid, ok, ts as i64 + self.wall_offset_ns);
+        }
+        if let Some(arm) = q.on_demand.take() {
+            self.arming_requests.extend(self.arming.on_demand(arm, now));
+        }
+        self.arming_requests.extend(self.arming.due(now));
+        q.requests.append(&mut self.arming_requests);
+        std::mem::take(&mut q.marks)
+    }
+
+    /// Feeds one call to the arming decisions, with its device's total from NVML when the
+    /// process's own calls did not say it.
+    fn arm_on(&mut self, event: &crate::model::Event) {
+        let (pid, device) = (event.pid, event.device);
+        if device >= 0 && self.arming.total(pid, device).is_none() {
+            let label = self.placements.get(&pid).map(|p| p.gpu(device).label);
+            if let Some(&total) = label.and_then(|l| self.nvml_totals.get(&l)) {
+                self.arming.set_total(pid, device, total);
+            }
+        }
+        self.arming_requests.extend(self.arming.observe(event));
+    }
+
     /// Turns the reader's records into deliveries for the writer until the reader is done.
     pub fn run(
         mut self,
@@ -268,13 +311,18 @@ impl Registry {
                     gpu_samples: watch.sample(true),
                     ..Delivery::default()
                 };
+                for s in &start.gpu_samples {
+                    self.nvml_totals.insert(s.gpu.clone(), s.total);
+                }
                 tx.send(start)
                     .map_err(|_| anyhow!("the database writer stopped"))?;
             }
             let mut pids_seen: HashSet<u32> = HashSet::new();
             let mut last_python_scan = Instant::now();
             loop {
-                let records = match rx.recv_timeout(Duration::from_millis(250)) {
+                let marks = self.arming_round(shared);
+                let wait = if self.arming.decides() { 25 } else { 250 };
+                let mut records = match rx.recv_timeout(Duration::from_millis(wait)) {
                     Ok(Inbound::Ring(records)) => records,
                     Ok(Inbound::Processes(notices)) => {
                         if let Some(python) = self.python.as_mut() {
@@ -285,7 +333,10 @@ impl Registry {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Vec::new(),
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                         // The last state, so a later tracer takes up from the end.
-                        let mut last = Delivery::default();
+                        let mut last = Delivery {
+                            calls: marks,
+                            ..Delivery::default()
+                        };
                         self.add_keeping(&mut last, shared, true)?;
                         return tx
                             .send(last)
@@ -297,6 +348,14 @@ impl Registry {
                         last_python_scan = Instant::now();
                         python.scan(shared);
                     }
+                }
+                if !marks.is_empty() {
+                    // Marks taken before these records were read: none of them follows a
+                    // call made after the probes were armed.
+                    let mut with_marks: Vec<crate::decode::Record> =
+                        marks.into_iter().map(crate::decode::Record::Call).collect();
+                    with_marks.append(&mut records);
+                    records = with_marks;
                 }
                 if records.is_empty() {
                     let mut idle = Delivery::default();
@@ -361,6 +420,10 @@ impl Registry {
             let get = |k: &str| env.get(k).map(String::as_str);
             let rank = Rank::from_env(get);
             allocators.describe(p.pid, AllocConf::from_env(get), rank);
+            if self.arming.decides() {
+                let placement = crate::model::Placement::new(p.pid, &env, p.gpus.as_deref());
+                self.placements.insert(p.pid, placement);
+            }
             allocators.started(p.pid, p.start_time_ns);
             if let Some(gap) = self.before_trace(p) {
                 self.gaps.push(gap);
@@ -379,6 +442,9 @@ impl Registry {
             self.keyframes.latest_ns = self.keyframes.latest_ns.max(event.ts_ns);
             figures.apply(&event);
             let alarm = allocators.apply(&event);
+            if self.arming.decides() {
+                self.arm_on(&event);
+            }
             let device = event.device.max(-1);
             if moves_memory(event.class()) {
                 self.series.apply(
@@ -405,6 +471,23 @@ impl Registry {
             if m.op.spec().class == tracer_common::OpClass::Oom {
                 figures.oom(m.pid, &m.text);
                 let ts = m.ts_mono_ns as i64 + self.wall_offset_ns;
+                if self.arming.decides() {
+                    let oom = crate::model::Event {
+                        ts_ns: ts,
+                        duration_ns: 0,
+                        size: 0,
+                        ptr: 0,
+                        aux0: 0,
+                        aux1: 0,
+                        pid: m.pid,
+                        tid: m.tid,
+                        ret: 0,
+                        device: oom_device(&m.text),
+                        stack: None,
+                        op: m.op,
+                    };
+                    self.arm_on(&oom);
+                }
                 self.series.oom(m.pid, oom_device(&m.text), ts);
             }
         }
@@ -569,7 +652,14 @@ impl Registry {
         for record in records {
             match record {
                 Record::Call(mut call) => {
-                    if pids_seen.insert(call.pid) {
+                    if call.op.spec().library != tracer_common::Library::Tracer
+                        && pids_seen.insert(call.pid)
+                    {
+                        if self.arming.mode != crate::model::arming::Mode::Always {
+                            // Its blocks are not seen until armed: the layout knows so.
+                            let ts = call.ts_mono_ns.saturating_sub(1);
+                            out.calls.push(super::arming::not_armed_yet(call.pid, ts));
+                        }
                         let seen = call.ts_mono_ns as i64 + self.wall_offset_ns;
                         let info = procinfo::read(call.pid, seen, &call.comm, boot);
                         if self.seen_from_start(&info) {
@@ -614,6 +704,7 @@ impl Registry {
                         python.registered_at.remove(&pid);
                     }
                     out.exited.push(pid);
+                    self.arming_requests.extend(self.arming.exited(pid));
                 }
             }
         }

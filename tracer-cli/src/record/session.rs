@@ -79,6 +79,10 @@ pub struct RecordOptions {
     /// else it is not asked.
     pub nvml: Option<String>,
     pub nvml_required: bool,
+    /// PyTorch's allocator probes: always, armed while memory is tight, or never.
+    pub allocator: crate::model::arming::Mode,
+    /// When `auto` arms and disarms.
+    pub arming: crate::model::arming::Settings,
 }
 
 /// The recording, once its probes are attached and its session begun.
@@ -235,6 +239,8 @@ pub struct Recording {
     /// --on-warning's runs, reported when the recording ends.
     on_warning: Option<HookOutcome>,
     figures_grace: Duration,
+    /// `--allocator auto`: this thread arms and disarms.
+    arms: bool,
 }
 
 impl Recording {
@@ -259,6 +265,7 @@ impl Recording {
             floor: opts.floor,
             stack: opts.stack,
             host_context: !opts.no_host_context,
+            allocator: opts.allocator,
         })
         .map_err(|e| {
             if format!("{e:#}").contains("Operation not permitted") {
@@ -363,6 +370,7 @@ impl Recording {
             program_stats,
             on_warning: threads.on_warning,
             figures_grace: opts.figures_grace,
+            arms: opts.allocator == crate::model::arming::Mode::Auto,
         })
     }
 
@@ -381,7 +389,17 @@ impl Recording {
         let deadline = duration.map(|d| Instant::now() + d);
         let mut next_tick = Instant::now() + Duration::from_secs(1);
         loop {
-            let wake = deadline.map_or(next_tick, |d| d.min(next_tick));
+            let mut wake = deadline.map_or(next_tick, |d| d.min(next_tick));
+            if self.arms {
+                // Arming waits on this thread, which holds the probes.
+                wake = wake.min(Instant::now() + ARMING_POLL);
+                if let Some(arm) = super::signals::take_on_demand() {
+                    if let Ok(mut q) = self.shared.arming.lock() {
+                        q.on_demand = Some(arm);
+                    }
+                }
+                super::arming::carry_out(&mut self.probes, &self.shared);
+            }
             match stops.recv_timeout(wake.saturating_duration_since(Instant::now())) {
                 Ok(stop) => return Ok(stop),
                 Err(RecvTimeoutError::Disconnected) => {
@@ -601,6 +619,8 @@ fn allocator_rows(shared: &Shared) -> Result<Vec<AllocatorRow>> {
 
 /// How long the stop waits for calls in progress to return before counting them abandoned.
 const CALLS_IN_FLIGHT_WAIT: Duration = Duration::from_secs(1);
+/// How often the main thread looks for arming decisions to carry out (`--allocator auto`).
+const ARMING_POLL: Duration = Duration::from_millis(50);
 
 /// Refuses what cannot be recorded before anything is attached.
 fn check_options(opts: &RecordOptions) -> Result<()> {
@@ -727,6 +747,10 @@ fn spawn_pipeline(
         ended_joins: HashMap::new(),
         callers: Default::default(),
         nvml,
+        arming: crate::model::arming::Arming::new(opts.allocator, opts.arming),
+        nvml_totals: HashMap::new(),
+        arming_requests: Vec::new(),
+        placements: HashMap::new(),
     };
     registry.take_up(taken, gaps, shared)?;
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);

@@ -15,6 +15,13 @@ use crate::{
 /// What the recording's threads share.
 #[derive(Default)]
 pub struct Shared {
+    /// `--allocator auto`: decisions, marks and results between the registry and the main
+    /// thread (record/arming.rs).
+    pub arming: Mutex<super::arming::Queue>,
+    /// Processes whose allocator probes are armed now, armings and disarmings so far.
+    pub armed_now: AtomicU64,
+    pub armings: AtomicU64,
+    pub disarmings: AtomicU64,
     pub stop: AtomicBool,
     pub live: Mutex<LiveStats>,
     /// Each process's allocator layout, rebuilt as its calls arrive (the live table).

@@ -1,11 +1,28 @@
 //! SIGINT, SIGTERM and SIGHUP as stop requests: caught from the moment they are installed, so a
-//! Ctrl-C during set-up still ends in a flushed session.
+//! Ctrl-C during set-up still ends in a flushed session. SIGUSR1 and SIGUSR2: root asking
+//! `--allocator auto` to arm PyTorch's allocator probes in every traced process, and to stop
+//! asking (only root, or tracer's own user, may signal it).
 
-use std::sync::mpsc::Sender;
+use std::sync::{
+    atomic::{AtomicU8, Ordering},
+    mpsc::Sender,
+};
 
 use anyhow::{Context as _, Result};
 
 use super::session::Stop;
+
+/// The latest SIGUSR1 (1) or SIGUSR2 (2) not yet taken.
+static ON_DEMAND: AtomicU8 = AtomicU8::new(0);
+
+/// Root's latest asking: Some(true) to arm (SIGUSR1), Some(false) to stop asking (SIGUSR2).
+pub fn take_on_demand() -> Option<bool> {
+    match ON_DEMAND.swap(0, Ordering::SeqCst) {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }
+}
 
 /// Catches the three signals on a thread of its own; each one becomes a [`Stop`] sent to `tx`.
 pub fn stop_on_signals(tx: Sender<Stop>) -> Result<()> {
@@ -15,12 +32,14 @@ pub fn stop_on_signals(tx: Sender<Stop>) -> Result<()> {
         .build()
         .context("start the signal handler's event loop")?;
     // Registered here, before any set-up, not on the thread (which might start late).
-    let (mut int, mut term, mut hup) = {
+    let (mut int, mut term, mut hup, mut usr1, mut usr2) = {
         let _entered = runtime.enter();
         (
             signal(SignalKind::interrupt()).context("install the SIGINT handler")?,
             signal(SignalKind::terminate()).context("install the SIGTERM handler")?,
             signal(SignalKind::hangup()).context("install the SIGHUP handler")?,
+            signal(SignalKind::user_defined1()).context("install the SIGUSR1 handler")?,
+            signal(SignalKind::user_defined2()).context("install the SIGUSR2 handler")?,
         )
     };
     std::thread::Builder::new()
@@ -32,6 +51,14 @@ pub fn stop_on_signals(tx: Sender<Stop>) -> Result<()> {
                         _ = int.recv() => Stop::signal("interrupted (SIGINT)"),
                         _ = term.recv() => Stop::signal("terminated (SIGTERM)"),
                         _ = hup.recv() => Stop::signal("terminated (SIGHUP)"),
+                        _ = usr1.recv() => {
+                            ON_DEMAND.store(1, Ordering::SeqCst);
+                            continue;
+                        }
+                        _ = usr2.recv() => {
+                            ON_DEMAND.store(2, Ordering::SeqCst);
+                            continue;
+                        }
                     };
                     if tx.send(stop).is_err() {
                         return;

@@ -460,6 +460,8 @@ fn the_operator_objects_hold_the_rules_and_scrape_what_the_daemonset_serves() {
         "{args:?}"
     );
     assert!(args.contains(&"--keep-serving"));
+    // Always on at fleet scale: the allocator's probes armed only while they matter.
+    assert!(args.contains(&"--allocator=auto"), "{args:?}");
     assert_eq!(
         monitor["spec"]["podMetricsEndpoints"][0]["path"],
         "/metrics"

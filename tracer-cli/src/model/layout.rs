@@ -899,6 +899,11 @@ impl Layout {
         out
     }
 
+    /// The devices with segments of unseen contents.
+    pub fn unseen_devices(&self) -> impl Iterator<Item = i32> + '_ {
+        self.sight.unseen.values().map(|s| s.device)
+    }
+
     /// The trace had a gap from `from_ns` to `to_ns` (tracer restarted): what the state holds
     /// is carried over it, believed until an allocation overlaps it or it is freed.
     pub fn mark_gap(&mut self, from_ns: Option<i64>, to_ns: i64) {

@@ -183,6 +183,7 @@ impl LiveAllocators {
             let layout = &p.state.layout;
             let mut devices: Vec<i32> = layout.stats().keys().map(|&(d, _)| d).collect();
             devices.extend(layout.outside_devices());
+            devices.extend(layout.unseen_devices());
             devices.extend(p.largest_request.keys());
             devices.sort_unstable();
             devices.dedup();
@@ -202,11 +203,20 @@ impl LiveAllocators {
 impl Process {
     fn row(&self, pid: u32, device: i32) -> AllocatorRow {
         let layout = &self.state.layout;
-        let blocks = layout.blocks_seen > 0;
+        // Not armed (`--allocator auto`): what is served is the device bytes held, as when
+        // PyTorch's probes are never seen; no block figure from before is served as current.
+        let disarmed = matches!(
+            layout.block_sight(),
+            super::layout::BlockSight::DisarmedAt(_)
+        );
+        let blocks = layout.blocks_seen > 0 && !disarmed;
         let mut stats = layout.device_total(device);
         let outside = layout.outside(device);
         if !blocks {
-            stats.reserved += outside;
+            stats = PoolStats {
+                reserved: stats.reserved + outside + layout.unseen_contents(Some(device)).1,
+                ..PoolStats::default()
+            };
         }
         AllocatorRow {
             pid,

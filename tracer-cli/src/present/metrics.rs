@@ -541,6 +541,25 @@ fn health_families(f: &mut Families, s: Option<&RecordingStatus>, health: &Healt
         &[],
         s.sessions_evicted,
     );
+    let mode = [("mode", s.allocator_mode.to_owned())];
+    f.gauge(
+        "tracer_allocator_probes_armed",
+        "Processes whose PyTorch allocator probes are armed now (--allocator auto; the others' allocator series carry only the device bytes held, view=\"segments\").",
+        &mode,
+        s.armed_now as f64,
+    );
+    f.counter(
+        "tracer_allocator_armings_total",
+        "Times --allocator auto armed a process's PyTorch allocator probes.",
+        &mode,
+        s.armings,
+    );
+    f.counter(
+        "tracer_allocator_disarmings_total",
+        "Times --allocator auto disarmed them (quiet, on demand, or the process ended).",
+        &mode,
+        s.disarmings,
+    );
 }
 
 #[cfg(test)]
@@ -652,6 +671,10 @@ mod tests {
             figures,
             db_bytes: 4096,
             sessions_evicted: 0,
+            allocator_mode: "always",
+            armed_now: 0,
+            armings: 0,
+            disarmings: 0,
         };
         let names = |uid: &str| {
             (uid == "u-1").then(|| PodName {

@@ -165,6 +165,11 @@ pub struct RecordingStatus {
     /// The database's bytes in use, and the sessions --max-db deleted.
     pub db_bytes: u64,
     pub sessions_evicted: u64,
+    /// `--allocator`: its mode, the processes armed now, armings and disarmings so far.
+    pub allocator_mode: &'static str,
+    pub armed_now: u64,
+    pub armings: u64,
+    pub disarmings: u64,
 }
 
 /// What a finished recording stored (printed by `tracer trace` at the end).
@@ -241,6 +246,7 @@ pub struct Recording {
     figures_grace: Duration,
     /// `--allocator auto`: this thread arms and disarms.
     arms: bool,
+    allocator: crate::model::arming::Mode,
 }
 
 impl Recording {
@@ -320,6 +326,7 @@ impl Recording {
         store.set_libraries(session, &serde_json::to_string(&probes.libraries())?)?;
         let host_context = host_context_state(&probes);
         store.set_host_context(session, &host_context)?;
+        store.set_allocator_mode(session, opts.allocator.name())?;
         eprintln!(
             "tracer: session {session}: {} probes on {} libraries; writing to {}",
             probes.probe_count(),
@@ -371,6 +378,7 @@ impl Recording {
             on_warning: threads.on_warning,
             figures_grace: opts.figures_grace,
             arms: opts.allocator == crate::model::arming::Mode::Auto,
+            allocator: opts.allocator,
         })
     }
 
@@ -473,6 +481,10 @@ impl Recording {
                 .clone(),
             db_bytes: self.shared.db_bytes.load(Ordering::SeqCst),
             sessions_evicted: self.shared.sessions_evicted.load(Ordering::SeqCst),
+            allocator_mode: self.allocator.name(),
+            armed_now: self.shared.armed_now.load(Ordering::SeqCst),
+            armings: self.shared.armings.load(Ordering::SeqCst),
+            disarmings: self.shared.disarmings.load(Ordering::SeqCst),
         })
     }
 

@@ -3,11 +3,11 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 13;
+pub const SCHEMA_VERSION: i64 = 14;
 
 /// The oldest version read as it is, without a migration: the versions after it only added
 /// a table and columns their readers look for (11: `thread_devices`, `sessions.devices_learned`,
-/// `processes.gpus`; 12: `gpu_samples`; 13: `offcpu_blocks`).
+/// `processes.gpus`; 12: `gpu_samples`; 13: `offcpu_blocks`; 14: `sessions.allocator`).
 pub const READABLE_FROM: i64 = 10;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
@@ -302,5 +302,9 @@ CREATE TABLE offcpu_blocks (
     data       BLOB NOT NULL
 );
 CREATE INDEX offcpu_blocks_session ON offcpu_blocks(session_id, min_off_ns);
+"#,
+    // 14: `--allocator`'s mode; its armings are marks in the calls (ops 35 and 36).
+    r#"
+ALTER TABLE sessions ADD COLUMN allocator TEXT;
 "#,
 ];

@@ -210,6 +210,17 @@ impl Store {
         Ok(())
     }
 
+    /// `--allocator`'s mode ("always", "auto", "off").
+    pub fn set_allocator_mode(&self, session: i64, mode: &str) -> Result<()> {
+        self.conn
+            .execute(
+                "UPDATE sessions SET allocator = ?2 WHERE id = ?1",
+                params![session, mode],
+            )
+            .with_context(|| format!("record the allocator mode of session {session}"))?;
+        Ok(())
+    }
+
     pub fn append_note(&self, session: i64, note: &str) -> Result<()> {
         self.conn
             .execute(

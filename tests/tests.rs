@@ -3,6 +3,7 @@
 
 mod allocator;
 mod architecture;
+mod arming;
 mod common;
 mod e2e;
 mod fleet;

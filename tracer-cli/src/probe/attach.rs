@@ -28,7 +28,7 @@ use super::{
     discover::{Candidate, FileId},
     perf, usdt,
 };
-use crate::target::elf;
+use crate::target::{elf, semaphore};
 
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
 
@@ -91,21 +91,15 @@ pub struct Probes {
     usdt_next: u32,
     /// `--allocator`'s mode.
     allocator: crate::model::arming::Mode,
-    /// Libraries with PyTorch's allocator probes, armed per process (`--allocator auto`).
-    armable: BTreeMap<FileId, Armable>,
-    /// The processes armed now, with their sites' perf events and links.
-    armed: BTreeMap<u32, Vec<(OwnedFd, OwnedFd)>>,
+    /// Libraries with PyTorch's allocator probes, armed per process (`--allocator auto`), and
+    /// their sites' semaphores (file offsets).
+    armable: BTreeMap<FileId, Vec<u64>>,
+    /// The processes armed now: the semaphores tracer raised in each (addresses).
+    armed: BTreeMap<u32, Vec<u64>>,
     /// Whether PyTorch's probes can be attached (their programs loaded), or why not.
     pub torch_probes: Result<(), String>,
     /// Whether the scheduler tracepoints are attached (host context), or why not.
     pub host_context: Result<(), String>,
-}
-
-/// A library whose allocator probes tracer arms per process: its path and sites with their
-/// slots.
-struct Armable {
-    path: std::path::PathBuf,
-    sites: Vec<(usdt::Site, u32)>,
 }
 
 /// Field offsets in the sched_switch and sched_wakeup records.
@@ -458,34 +452,33 @@ impl Probes {
                 });
             }
         }
+        // `--allocator auto`/`off`: the sites are probed without raising their semaphores;
+        // tracer raises them in the processes it arms (a site without one fires everywhere).
         let per_process = self.allocator != crate::model::arming::Mode::Always;
-        let mut armable = Vec::new();
+        let mut semaphores = Vec::new();
         for site in &sites {
             let what = format!("{}:{} at {:#x}", site.provider, site.name, site.offset);
-            let result = if per_process {
-                self.site_slot(lib.id, site).map(|slot| {
-                    armable.push((site.clone(), slot));
-                })
-            } else {
-                self.attach_usdt(lib.id, &lib.open_path, site, pids)
-            };
-            match result {
-                Ok(()) if per_process => attached.push(format!(
-                    "{what} (armed per process: --allocator {})",
-                    self.allocator.name()
-                )),
+            let gated = per_process && site.semaphore != 0;
+            if gated && self.allocator == crate::model::arming::Mode::Off {
+                attached.push(format!("{what} (not probed: --allocator off)"));
+                continue;
+            }
+            match self.attach_usdt(lib.id, &lib.open_path, site, pids, !gated) {
+                Ok(()) if gated => {
+                    semaphores.push(site.semaphore);
+                    attached.push(format!(
+                        "{what} (armed per process: --allocator {})",
+                        self.allocator.name()
+                    ));
+                }
                 Ok(()) => attached.push(what),
                 Err(e) => failed.push(format!("{what}: {e:#}")),
             }
         }
-        if !armable.is_empty() {
-            self.armable.insert(
-                lib.id,
-                Armable {
-                    path: lib.open_path.clone(),
-                    sites: armable,
-                },
-            );
+        semaphores.sort_unstable();
+        semaphores.dedup();
+        if !semaphores.is_empty() {
+            self.armable.insert(lib.id, semaphores);
         }
         if attached.is_empty() {
             return Err(anyhow!(
@@ -525,14 +518,16 @@ impl Probes {
         path: &Path,
         site: &usdt::Site,
         pids: Option<&[u32]>,
+        raise_semaphore: bool,
     ) -> Result<()> {
         let slot = self.site_slot(file, site)?;
         let targets: Vec<Option<u32>> = match pids {
             None => vec![None],
             Some(pids) => pids.iter().map(|&p| Some(p)).collect(),
         };
+        let semaphore = if raise_semaphore { site.semaphore } else { 0 };
         for pid in targets {
-            let pair = self.site_link(path, site, slot, pid)?;
+            let pair = self.site_link(path, site, semaphore, slot, pid)?;
             self.usdt_links.push(pair);
         }
         Ok(())
@@ -566,12 +561,14 @@ impl Probes {
         Ok(slot)
     }
 
-    /// The uprobe at a site (its semaphore raised while it exists) for every process or one,
-    /// and the USDT program linked to it with the site's slot as cookie.
+    /// The uprobe at a site (the semaphore at file offset `semaphore` raised while it exists;
+    /// 0: none) for every process or one, and the USDT program linked to it with the site's
+    /// slot as cookie.
     fn site_link(
         &self,
         path: &Path,
         site: &usdt::Site,
+        semaphore: u64,
         slot: u32,
         pid: Option<u32>,
     ) -> Result<(OwnedFd, OwnedFd)> {
@@ -584,67 +581,80 @@ impl Probes {
             .fd()
             .context("the USDT program is not loaded")?
             .as_fd();
-        let perf = perf::uprobe(path, site.offset, site.semaphore, pid)?;
+        let perf = perf::uprobe(path, site.offset, semaphore, pid)?;
         let link = perf::link(prog_fd, perf.as_fd(), u64::from(slot))?;
         Ok((perf, link))
     }
 
-    /// Arms PyTorch's allocator probes in `pid` (`--allocator auto`): every site of every such
-    /// library it maps, together (sites share semaphores: a raised semaphore with a site not
-    /// probed would lose its events unseen), or none. Returns the sites armed.
+    /// Arms PyTorch's allocator probes in `pid` (`--allocator auto`): raises, in its memory,
+    /// the semaphore of every site of every such library it maps (sites sharing a semaphore
+    /// are armed together, and every site is probed), or none. Returns the semaphores raised.
     pub fn arm(&mut self, pid: u32) -> Result<usize> {
-        if self.armed.contains_key(&pid) {
-            return Ok(self.armed[&pid].len());
+        if let Some(raised) = self.armed.get(&pid) {
+            return Ok(raised.len());
         }
-        let mapped: std::collections::HashSet<(u64, u64)> = crate::target::maps::read(pid)
-            .with_context(|| format!("read the memory maps of process {pid}"))?
-            .iter()
-            .map(|m| (m.dev, m.inode))
-            .collect();
-        let mut links = Vec::new();
-        for (file, lib) in &self.armable {
-            if !mapped.contains(&(file.dev, file.ino)) {
+        let mappings = crate::target::maps::read(pid)
+            .with_context(|| format!("read the memory maps of process {pid}"))?;
+        let mut addrs = Vec::new();
+        for (file, semaphores) in &self.armable {
+            if !mappings
+                .iter()
+                .any(|m| (m.dev, m.inode) == (file.dev, file.ino))
+            {
                 continue;
             }
-            for (site, slot) in &lib.sites {
-                // On error the links made so far close here, lowering their semaphores.
-                let pair = self
-                    .site_link(&lib.path, site, *slot, Some(pid))
-                    .with_context(|| {
-                        format!(
-                            "arm {}:{} in process {pid} ({})",
-                            site.provider,
-                            site.name,
-                            lib.path.display()
-                        )
-                    })?;
-                links.push(pair);
+            for &offset in semaphores {
+                addrs.push(semaphore::address(
+                    pid,
+                    &mappings,
+                    (file.dev, file.ino),
+                    offset,
+                )?);
             }
         }
-        if links.is_empty() {
+        if addrs.is_empty() {
             return Err(anyhow!(
                 "process {pid} maps no library with PyTorch's allocator probes"
             ));
         }
-        let n = links.len();
-        self.armed.insert(pid, links);
+        let memory = semaphore::Memory::open(pid)?;
+        for (i, &addr) in addrs.iter().enumerate() {
+            if let Err(e) = memory.adjust(addr, 1) {
+                for &done in &addrs[..i] {
+                    // Undone as far as the process still lets it.
+                    let _ = memory.adjust(done, -1);
+                }
+                return Err(e);
+            }
+        }
+        let n = addrs.len();
+        self.armed.insert(pid, addrs);
         Ok(n)
     }
 
-    /// Disarms `pid`'s allocator probes: their perf events close (the kernel lowers the
-    /// semaphores) on a thread of their own, as each takes a grace period. Whether it was armed.
+    /// Disarms `pid`'s allocator probes: lowers the semaphores tracer raised there. Whether
+    /// it was armed (a process gone has nothing left to lower).
     pub fn disarm(&mut self, pid: u32) -> bool {
-        let Some(links) = self.armed.remove(&pid) else {
+        let Some(addrs) = self.armed.remove(&pid) else {
             return false;
         };
-        let closing = std::thread::Builder::new()
-            .name("tracer-disarm".into())
-            .spawn(move || drop(links));
-        if let Err(e) = closing {
-            // The links were moved into the closure that failed to start: dropped with it.
-            log::debug!("close disarmed probes on a thread: {e}");
+        if let Ok(memory) = semaphore::Memory::open(pid) {
+            for addr in addrs {
+                if let Err(e) = memory.adjust(addr, -1) {
+                    log::debug!("disarm process {pid}: {e:#}");
+                }
+            }
         }
         true
+    }
+
+    /// Disarms every process (the recording ends: their sites stop evaluating their
+    /// arguments once the probes are gone).
+    pub fn disarm_all(&mut self) {
+        let pids: Vec<u32> = self.armed.keys().copied().collect();
+        for pid in pids {
+            self.disarm(pid);
+        }
     }
 
     /// The processes armed now, and the plan slots taken (each site keeps one).

@@ -506,6 +506,8 @@ impl Recording {
     /// Stops recording new calls, lets calls in progress return, drains and stores everything
     /// submitted, and ends the session; the probes stay attached until [`Finished::detach`].
     pub fn finish(mut self, outcome: Result<Stop>) -> Result<Finished> {
+        // The semaphores tracer raised go down with the recording.
+        self.probes.disarm_all();
         let paused = self.probes.pause();
         let in_flight = self.wait_for_calls_in_flight(CALLS_IN_FLIGHT_WAIT);
         let kernel = self.probes.counters()?;

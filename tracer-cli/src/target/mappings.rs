@@ -119,6 +119,7 @@ pub(crate) fn parse_record(b: &[u8]) -> Option<(u64, PerfRecord)> {
                     end: start.checked_add(len)?,
                     offset: pgoff,
                     executable: true,
+                    writable: prot & libc::PROT_WRITE as u32 != 0,
                     path: PathBuf::from(text.strip_suffix(" (deleted)").unwrap_or(&text)),
                     deleted,
                     dev,

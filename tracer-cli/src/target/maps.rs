@@ -11,6 +11,7 @@ pub struct Mapping {
     /// File offset of `start`.
     pub offset: u64,
     pub executable: bool,
+    pub writable: bool,
     pub path: PathBuf,
     /// The file was deleted (or replaced) since it was mapped.
     pub deleted: bool,
@@ -38,6 +39,7 @@ pub(crate) fn parse_line(line: &str) -> Option<Mapping> {
         end: u64::from_str_radix(end, 16).ok()?,
         offset: u64::from_str_radix(offset, 16).ok()?,
         executable: perms.as_bytes().get(2) == Some(&b'x'),
+        writable: perms.as_bytes().get(1) == Some(&b'w'),
         path: PathBuf::from(path.strip_suffix(" (deleted)").unwrap_or(path)),
         deleted: path.ends_with(" (deleted)"),
         dev: {

@@ -13,4 +13,5 @@ pub mod pods;
 pub mod procinfo;
 pub mod python;
 pub mod safe_file;
+pub mod semaphore;
 pub mod sites;

@@ -23,7 +23,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Record every CUDA allocation call of running processes (needs root or CAP_BPF + CAP_PERFMON).
-    Trace(cmd::trace::TraceArgs),
+    Trace(Box<cmd::trace::TraceArgs>),
     /// Run a read-only SQL statement over a trace database.
     Query(cmd::query::QueryArgs),
     /// Check what tracer needs and whether this machine has it.
@@ -54,7 +54,7 @@ fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Trace(args) => cmd::trace::run(args),
+        Command::Trace(args) => cmd::trace::run(*args),
         Command::Query(args) => cmd::query::run(args),
         Command::Check(args) => cmd::check::run(args),
         Command::Explain(args) => cmd::explain::run(args),

@@ -396,9 +396,7 @@ impl ArmingRow {
 /// Whether `pid`'s allocator probes were armed at `ts_ns`, from the rows in time order: None
 /// where no row says (always on, or a session before `--allocator`).
 pub fn armed_at(rows: &[ArmingRow], pid: u32, ts_ns: i64) -> Option<&ArmingRow> {
-    rows.iter()
-        .filter(|r| r.pid == pid && r.ts_ns <= ts_ns)
-        .next_back()
+    rows.iter().rfind(|r| r.pid == pid && r.ts_ns <= ts_ns)
 }
 
 #[cfg(test)]

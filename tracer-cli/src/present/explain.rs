@@ -96,9 +96,7 @@ fn arming(
     {
         let said = match armed_at(&r.arming, m.pid, m.ts_ns) {
             None => continue,
-            Some(a) if !a.armed => format!(
-                "came while the probes were not armed: the request, allocated and reserved come from PyTorch's message and the CUDA calls; the block layout was not known (an OOM arms the probes for what follows; `--allocator always` sees it from the start)"
-            ),
+            Some(a) if !a.armed => "came while the probes were not armed: the request, allocated and reserved come from PyTorch's message and the CUDA calls; the block layout was not known (an OOM arms the probes for what follows; `--allocator always` sees it from the start)".to_owned(),
             Some(a) => format!(
                 "came with the probes armed since {}: segments made before then have unknown contents, never counted free",
                 format_utc(a.ts_ns)

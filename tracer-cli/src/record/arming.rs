@@ -9,28 +9,114 @@
 //! lowered, so block events read after it are of before it, and dropped.
 
 use std::{
-    sync::atomic::Ordering,
+    sync::atomic::{AtomicU8, Ordering},
     time::{Duration, Instant},
 };
+
+use std::collections::HashMap;
 
 use super::shared::Shared;
 use crate::{
     decode::Call,
-    model::arming::{Decision, Reason},
+    model::{
+        arming::{Arming, Decision, Mode, Reason},
+        Event, GpuSample, Placement,
+    },
     probe::attach::Probes,
 };
 
-/// What the registry and the main thread hand each other.
-#[derive(Debug, Default)]
-pub struct Queue {
-    /// Decisions to carry out (registry -> main thread).
-    pub requests: Vec<Decision>,
-    /// Marks to hand on (main thread -> registry), each before any call made after it.
-    pub marks: Vec<Call>,
-    /// Whether each arming took (pid, armed, monotonic ns).
-    pub results: Vec<(u32, bool, u64)>,
-    /// Root asked to arm (true) or to stop asking (false): SIGUSR1, SIGUSR2.
-    pub on_demand: Option<bool>,
+/// The latest SIGUSR1 (1) or SIGUSR2 (2) not yet taken.
+pub static ON_DEMAND: AtomicU8 = AtomicU8::new(0);
+
+/// Root's latest asking: Some(true) to arm (SIGUSR1), Some(false) to stop asking (SIGUSR2).
+pub fn take_on_demand() -> Option<bool> {
+    match ON_DEMAND.swap(0, Ordering::SeqCst) {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }
+}
+
+/// The registry's part: the decisions, and what they need that the calls do not say.
+pub struct Auto {
+    arming: Arming,
+    /// Each GPU's total memory as NVML said at the start, by its label ("GPU 3").
+    nvml_totals: HashMap<String, u64>,
+    /// Where each process runs (its device numbers to the host's GPUs).
+    placements: HashMap<u32, Placement>,
+    /// Decisions not yet handed to the main thread.
+    requests: Vec<Decision>,
+}
+
+impl Auto {
+    pub fn new(arming: Arming) -> Auto {
+        Auto {
+            arming,
+            nvml_totals: HashMap::new(),
+            placements: HashMap::new(),
+            requests: Vec::new(),
+        }
+    }
+
+    /// Whether tracer decides when to arm (`--allocator auto`).
+    pub fn decides(&self) -> bool {
+        self.arming.decides()
+    }
+
+    /// A process first seen gets a mark saying its blocks are not seen (`auto`, `off`).
+    pub fn unarmed_at_first(&self) -> bool {
+        self.arming.mode != Mode::Always
+    }
+
+    pub fn nvml_said(&mut self, samples: &[GpuSample]) {
+        for s in samples {
+            self.nvml_totals.insert(s.gpu.clone(), s.total);
+        }
+    }
+
+    pub fn placed(&mut self, pid: u32, placement: Placement) {
+        self.placements.insert(pid, placement);
+    }
+
+    /// Feeds one call to the decisions, with its device's total from NVML when the process's
+    /// own calls did not say it.
+    pub fn observe(&mut self, event: &Event) {
+        let (pid, device) = (event.pid, event.device);
+        if device >= 0 && self.arming.total(pid, device).is_none() {
+            let label = self.placements.get(&pid).map(|p| p.gpu(device).label);
+            if let Some(&total) = label.and_then(|l| self.nvml_totals.get(&l)) {
+                self.arming.set_total(pid, device, total);
+            }
+        }
+        self.requests.extend(self.arming.observe(event));
+    }
+
+    pub fn exited(&mut self, pid: u32) {
+        self.placements.remove(&pid);
+        self.requests.extend(self.arming.exited(pid));
+    }
+
+    /// What the main thread did since (its results, and its marks: handed on before any
+    /// record read after this), root's asking, and the quiet processes to disarm; the
+    /// decisions made go to the main thread.
+    pub fn round(&mut self, shared: &Shared, wall_offset_ns: i64) -> Vec<Call> {
+        if self.arming.mode == Mode::Always {
+            return Vec::new();
+        }
+        let now = monotonic_ns() as i64 + wall_offset_ns;
+        let Ok(mut q) = shared.arming.lock() else {
+            return Vec::new();
+        };
+        for (pid, ok, ts) in q.results.drain(..) {
+            self.arming.armed(pid, ok, ts as i64 + wall_offset_ns);
+        }
+        if let Some(arm) = q.on_demand.take() {
+            self.requests.extend(self.arming.on_demand(arm, now));
+        }
+        self.requests.extend(self.arming.due(now));
+        q.requests.append(&mut self.requests);
+        std::mem::take(&mut q.marks)
+    }
 }
 
 /// How long the main thread waits for the registry to take an arming's mark.

@@ -173,13 +173,7 @@ pub struct Registry {
     /// at each out-of-memory.
     pub nvml: Option<NvmlWatch>,
     /// `--allocator`: when PyTorch's allocator probes are armed in each process.
-    pub arming: crate::model::arming::Arming,
-    /// Each GPU's total memory as NVML said at the start, by its label ("GPU 3").
-    pub nvml_totals: HashMap<String, u64>,
-    /// Where each process runs (its device numbers to the host's GPUs).
-    pub placements: HashMap<u32, crate::model::Placement>,
-    /// Decisions not yet handed to the main thread.
-    pub arming_requests: Vec<crate::model::arming::Decision>,
+    pub arming: super::arming::Auto,
 }
 
 /// NVML asked at the start and at out-of-memory evidence, at most once a second.
@@ -260,41 +254,6 @@ impl KeyframeClock {
 }
 
 impl Registry {
-    /// `--allocator auto`: what the main thread did since (its results and marks: the marks
-    /// are handed on before any record read after this), root's asking, and the quiet
-    /// processes to disarm; the decisions made go to the main thread.
-    fn arming_round(&mut self, shared: &Shared) -> Vec<crate::decode::Call> {
-        if self.arming.mode == crate::model::arming::Mode::Always {
-            return Vec::new();
-        }
-        let now = super::arming::monotonic_ns() as i64 + self.wall_offset_ns;
-        let Ok(mut q) = shared.arming.lock() else {
-            return Vec::new();
-        };
-        for (pid, ok, ts) in q.results.drain(..) {
-            self.arming.armed(pid, ok, ts as i64 + self.wall_offset_ns);
-        }
-        if let Some(arm) = q.on_demand.take() {
-            self.arming_requests.extend(self.arming.on_demand(arm, now));
-        }
-        self.arming_requests.extend(self.arming.due(now));
-        q.requests.append(&mut self.arming_requests);
-        std::mem::take(&mut q.marks)
-    }
-
-    /// Feeds one call to the arming decisions, with its device's total from NVML when the
-    /// process's own calls did not say it.
-    fn arm_on(&mut self, event: &crate::model::Event) {
-        let (pid, device) = (event.pid, event.device);
-        if device >= 0 && self.arming.total(pid, device).is_none() {
-            let label = self.placements.get(&pid).map(|p| p.gpu(device).label);
-            if let Some(&total) = label.and_then(|l| self.nvml_totals.get(&l)) {
-                self.arming.set_total(pid, device, total);
-            }
-        }
-        self.arming_requests.extend(self.arming.observe(event));
-    }
-
     /// Turns the reader's records into deliveries for the writer until the reader is done.
     pub fn run(
         mut self,
@@ -311,16 +270,14 @@ impl Registry {
                     gpu_samples: watch.sample(true),
                     ..Delivery::default()
                 };
-                for s in &start.gpu_samples {
-                    self.nvml_totals.insert(s.gpu.clone(), s.total);
-                }
+                self.arming.nvml_said(&start.gpu_samples);
                 tx.send(start)
                     .map_err(|_| anyhow!("the database writer stopped"))?;
             }
             let mut pids_seen: HashSet<u32> = HashSet::new();
             let mut last_python_scan = Instant::now();
             loop {
-                let marks = self.arming_round(shared);
+                let marks = self.arming.round(shared, self.wall_offset_ns);
                 let wait = if self.arming.decides() { 25 } else { 250 };
                 let mut records = match rx.recv_timeout(Duration::from_millis(wait)) {
                     Ok(Inbound::Ring(records)) => records,
@@ -422,7 +379,7 @@ impl Registry {
             allocators.describe(p.pid, AllocConf::from_env(get), rank);
             if self.arming.decides() {
                 let placement = crate::model::Placement::new(p.pid, &env, p.gpus.as_deref());
-                self.placements.insert(p.pid, placement);
+                self.arming.placed(p.pid, placement);
             }
             allocators.started(p.pid, p.start_time_ns);
             if let Some(gap) = self.before_trace(p) {
@@ -443,7 +400,7 @@ impl Registry {
             figures.apply(&event);
             let alarm = allocators.apply(&event);
             if self.arming.decides() {
-                self.arm_on(&event);
+                self.arming.observe(&event);
             }
             let device = event.device.max(-1);
             if moves_memory(event.class()) {
@@ -486,7 +443,7 @@ impl Registry {
                         stack: None,
                         op: m.op,
                     };
-                    self.arm_on(&oom);
+                    self.arming.observe(&oom);
                 }
                 self.series.oom(m.pid, oom_device(&m.text), ts);
             }
@@ -655,7 +612,7 @@ impl Registry {
                     if call.op.spec().library != tracer_common::Library::Tracer
                         && pids_seen.insert(call.pid)
                     {
-                        if self.arming.mode != crate::model::arming::Mode::Always {
+                        if self.arming.unarmed_at_first() {
                             // Its blocks are not seen until armed: the layout knows so.
                             let ts = call.ts_mono_ns.saturating_sub(1);
                             out.calls.push(super::arming::not_armed_yet(call.pid, ts));
@@ -704,7 +661,7 @@ impl Registry {
                         python.registered_at.remove(&pid);
                     }
                     out.exited.push(pid);
-                    self.arming_requests.extend(self.arming.exited(pid));
+                    self.arming.exited(pid);
                 }
             }
         }

@@ -401,7 +401,7 @@ impl Recording {
             if self.arms {
                 // Arming waits on this thread, which holds the probes.
                 wake = wake.min(Instant::now() + ARMING_POLL);
-                if let Some(arm) = super::signals::take_on_demand() {
+                if let Some(arm) = super::arming::take_on_demand() {
                     if let Ok(mut q) = self.shared.arming.lock() {
                         q.on_demand = Some(arm);
                     }
@@ -761,10 +761,10 @@ fn spawn_pipeline(
         ended_joins: HashMap::new(),
         callers: Default::default(),
         nvml,
-        arming: crate::model::arming::Arming::new(opts.allocator, opts.arming),
-        nvml_totals: HashMap::new(),
-        arming_requests: Vec::new(),
-        placements: HashMap::new(),
+        arming: super::arming::Auto::new(crate::model::arming::Arming::new(
+            opts.allocator,
+            opts.arming,
+        )),
     };
     registry.take_up(taken, gaps, shared)?;
     let (deliveries_tx, deliveries_rx) = mpsc::sync_channel(1024);

@@ -13,11 +13,24 @@ use crate::{
 };
 
 /// What the recording's threads share.
+/// What the registry and the main thread hand each other.
+#[derive(Debug, Default)]
+pub struct ArmingQueue {
+    /// Decisions to carry out (registry -> main thread).
+    pub requests: Vec<crate::model::arming::Decision>,
+    /// Marks to hand on (main thread -> registry), each before any call made after it.
+    pub marks: Vec<crate::decode::Call>,
+    /// Whether each arming took (pid, armed, monotonic ns).
+    pub results: Vec<(u32, bool, u64)>,
+    /// Root asked to arm (true) or to stop asking (false): SIGUSR1, SIGUSR2.
+    pub on_demand: Option<bool>,
+}
+
 #[derive(Default)]
 pub struct Shared {
     /// `--allocator auto`: decisions, marks and results between the registry and the main
     /// thread (record/arming.rs).
-    pub arming: Mutex<super::arming::Queue>,
+    pub arming: Mutex<ArmingQueue>,
     /// Processes whose allocator probes are armed now, armings and disarmings so far.
     pub armed_now: AtomicU64,
     pub armings: AtomicU64,

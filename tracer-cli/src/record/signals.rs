@@ -3,26 +3,11 @@
 //! `--allocator auto` to arm PyTorch's allocator probes in every traced process, and to stop
 //! asking (only root, or tracer's own user, may signal it).
 
-use std::sync::{
-    atomic::{AtomicU8, Ordering},
-    mpsc::Sender,
-};
+use std::sync::{atomic::Ordering, mpsc::Sender};
 
 use anyhow::{Context as _, Result};
 
 use super::session::Stop;
-
-/// The latest SIGUSR1 (1) or SIGUSR2 (2) not yet taken.
-static ON_DEMAND: AtomicU8 = AtomicU8::new(0);
-
-/// Root's latest asking: Some(true) to arm (SIGUSR1), Some(false) to stop asking (SIGUSR2).
-pub fn take_on_demand() -> Option<bool> {
-    match ON_DEMAND.swap(0, Ordering::SeqCst) {
-        1 => Some(true),
-        2 => Some(false),
-        _ => None,
-    }
-}
 
 /// Catches the three signals on a thread of its own; each one becomes a [`Stop`] sent to `tx`.
 pub fn stop_on_signals(tx: Sender<Stop>) -> Result<()> {
@@ -52,11 +37,11 @@ pub fn stop_on_signals(tx: Sender<Stop>) -> Result<()> {
                         _ = term.recv() => Stop::signal("terminated (SIGTERM)"),
                         _ = hup.recv() => Stop::signal("terminated (SIGHUP)"),
                         _ = usr1.recv() => {
-                            ON_DEMAND.store(1, Ordering::SeqCst);
+                            super::arming::ON_DEMAND.store(1, Ordering::SeqCst);
                             continue;
                         }
                         _ = usr2.recv() => {
-                            ON_DEMAND.store(2, Ordering::SeqCst);
+                            super::arming::ON_DEMAND.store(2, Ordering::SeqCst);
                             continue;
                         }
                     };

@@ -31,6 +31,9 @@ pub struct AllocatorRow {
     pub fragmentation: f64,
     /// Device bytes held outside the allocator's segments.
     pub outside: u64,
+    /// Bytes of segments whose contents tracer did not see (`--allocator auto` armed after
+    /// they were made): not in `stats`, their free room unknown.
+    pub unseen: u64,
     /// The largest request since the last look.
     pub largest_request: u64,
     /// The device as this process's cudaMemGetInfo last said (free bytes kept current with
@@ -226,6 +229,11 @@ impl Process {
             fragmentation: layout.worst_fragmentation(device),
             stats,
             outside: if blocks { outside } else { 0 },
+            unseen: if blocks {
+                layout.unseen_contents(Some(device)).1
+            } else {
+                0
+            },
             largest_request: self.largest_request.get(&device).copied().unwrap_or(0),
             device_said: self.state.pressure.device_free(device).copied(),
             device_total: self.state.pressure.device_total(device),

@@ -404,6 +404,12 @@ fn allocator_families(
         s.reserved as f64,
     );
     f.gauge(
+        "tracer_allocator_unseen_bytes",
+        "Segments whose contents tracer did not see (--allocator auto armed after they were made): not in allocated or reserved, their free room unknown, so the largest free block is a lower bound while this is above 0.",
+        &l,
+        row.unseen as f64,
+    );
+    f.gauge(
         "tracer_allocator_free_blocks",
         "Free blocks inside the allocator's segments.",
         &l,
@@ -606,6 +612,7 @@ mod tests {
             },
             fragmentation: 0.25,
             outside: 0,
+            unseen: 0,
             largest_request: 0,
             device_said: None,
             device_total: None,

@@ -683,3 +683,64 @@ fn auto_arms_at_a_cache_miss_disarms_when_quiet_and_never_shows_unseen_memory_fr
         "{text}"
     );
 }
+
+/// `--allocator auto` through an out-of-memory: the probes are armed when the process's device
+/// memory passes its share of the GPU (the simulated 3 GiB device), so the segments made
+/// before hold blocks tracer did not see; explain still explains the OOM from PyTorch's message
+/// and the CUDA calls, says what it could not see, and draws no capacity verdict from a
+/// partial layout.
+#[test]
+fn an_oom_in_auto_mode_is_explained_from_the_message_and_the_calls() {
+    let Some(fx) = Fixture::new() else { return };
+    let trace = fx.trace(
+        &["libcudart.so.12", "libsimtorch.so"],
+        &["--quiet", "--allocator", "auto"],
+    );
+    let out = incident_workload(&fx.sim)
+        .args(["--steps", "200", "--speed", "100"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("OutOfMemoryError"));
+    trace.stop(SIGINT);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    let arming: Vec<(bool, &str)> = report["arming"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["armed"].as_bool().unwrap(), a["reason"].as_str().unwrap()))
+        .collect();
+    // Its end disarms it, unless the trace stopped first.
+    assert_eq!(
+        arming[..2],
+        [(false, "not_armed_yet"), (true, "reserved")],
+        "{:#}",
+        report["arming"]
+    );
+    assert!(
+        arming[2..].iter().all(|&a| a == (false, "ended")),
+        "{arming:?}"
+    );
+    let armed = &report["arming"][1];
+    assert_eq!(armed["total"], 3u64 << 30, "the device's total: {armed}");
+    assert!(armed["held"].as_u64().unwrap() * 100 >= 85 * (3u64 << 30));
+    let chains = report["chains"].as_array().unwrap();
+    let oom = chains
+        .iter()
+        .find(|c| c["rule"] == "oom")
+        .expect("the OOM is explained");
+    let effect = oom["effect"].as_str().unwrap();
+    assert!(effect.contains("Tried to allocate 216.00 MiB"), "{effect}");
+    assert!(effect.contains("contents unknown"), "{effect}");
+    assert!(
+        !effect.contains("(capacity)"),
+        "no verdict from a partial layout: {effect}"
+    );
+    assert_eq!(report["holders"][0]["verdict"], "unknown");
+    let text = Command::new(TRACER)
+        .args(["explain", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("came with the probes armed since"), "{text}");
+}

@@ -262,6 +262,22 @@
     }
   }
 
+  // When PyTorch's allocator probes were armed (--allocator auto).
+  if ((E.arming || []).length) {
+    const aSec = section("When PyTorch's allocator probes were armed (--allocator auto)", "arming");
+    aSec.append(el("p", { text: "The block layout is known only while a process is armed, and then only in segments made after arming: segments made before hold blocks tracer did not see, kept out of every figure, never shown free." }));
+    const SAYS = {
+      not_armed_yet: "not armed when first seen", reserved: "its device memory passed its share of the GPU",
+      cache_miss: "a device allocation after warm-up", failed_allocation: "a failed device allocation",
+      out_of_memory: "PyTorch's out-of-memory error", on_demand: "root asked (SIGUSR1)", quiet: "a quiet period",
+      on_demand_ended: "root's asking ended (SIGUSR2)", failed: "arming failed", ended: "the process ended",
+    };
+    aSec.append(table(["pid", "when", "armed", "why", "held / GPU"],
+      E.arming.map((a) => [String(a.pid), utc(a.ts_ns), a.armed ? "armed" : "disarmed",
+        SAYS[a.reason] || String(a.reason), a.total ? bytes(a.held) + " / " + bytes(a.total) : ""]),
+      [false, false, false, false, true]));
+  }
+
   // The requests under other allocator settings (tracer whatif).
   if (D.whatif) {
     const W = D.whatif, F = W.fidelity;

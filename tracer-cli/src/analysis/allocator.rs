@@ -41,6 +41,9 @@ pub struct Forensics {
     pub requested: u64,
     pub total: PoolStats,
     pub outside: u64,
+    /// Bytes of segments whose contents tracer did not see (`--allocator auto` armed after
+    /// they were made): not in `total` nor `pools`.
+    pub unseen: u64,
     /// The device's free memory (cudaMemGetInfo, kept current), when known.
     pub device_free: Option<u64>,
     /// The device's pools at the failure.
@@ -75,6 +78,19 @@ impl Forensics {
     /// held the most it can be, capacity when it held less than the least, or when all its free
     /// bytes were one block (which did not fit).
     pub fn verdict(&self, tried: Option<u64>) -> OomVerdict {
+        match self.verdict_from_seen(tried) {
+            // Segments tracer did not see whole may hold the free bytes that would make it
+            // fragmentation.
+            OomVerdict::Capacity if self.unseen > 0 => OomVerdict::Unknown(format!(
+                "{} of the device's segments were made before PyTorch's allocator probes were armed (--allocator auto): their free bytes are unknown; PyTorch's message says how much was reserved but unallocated, and `--allocator always` (or arming before they were made) shows where",
+                b(self.unseen)
+            )),
+            verdict => verdict,
+        }
+    }
+
+    /// The verdict from the segments tracer saw whole.
+    fn verdict_from_seen(&self, tried: Option<u64>) -> OomVerdict {
         if let Some(request) = tried {
             let pool = self.pool(pool_of(request));
             return if pool.cached() >= request {
@@ -373,7 +389,10 @@ impl<'a> LayoutMeasure<'a> {
         let window = self.window;
         while self.next_sample <= SAMPLES && e.ts_ns > self.sample_at(self.next_sample) {
             let at = self.sample_at(self.next_sample);
-            self.f.samples.push((at, self.layout.total()));
+            // Not while the allocator's probes were disarmed: its figures were not seen then.
+            if self.layout.blocks_known() {
+                self.f.samples.push((at, self.layout.total()));
+            }
             self.next_sample += 1;
         }
         let spec = e.op.spec();
@@ -513,7 +532,10 @@ impl<'a> LayoutMeasure<'a> {
         f.attempts = attempts::counts(attempts);
         while self.next_sample <= SAMPLES {
             let at = self.sample_at(self.next_sample);
-            self.f.samples.push((at, self.layout.total()));
+            // Not while the allocator's probes were disarmed: its figures were not seen then.
+            if self.layout.blocks_known() {
+                self.f.samples.push((at, self.layout.total()));
+            }
             self.next_sample += 1;
         }
         let mut f = self.f;
@@ -603,6 +625,7 @@ fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics
         requested: e.size,
         total,
         outside: layout.outside(e.device),
+        unseen: layout.unseen_contents(Some(e.device)).1,
         device_free: free.map(|d| d.free.max(0) as u64),
         pools: layout
             .stats()

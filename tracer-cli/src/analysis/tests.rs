@@ -910,6 +910,7 @@ fn failure(requested: u64, whole_segment: bool, large: PoolStats) -> allocator::
         requested,
         total: large,
         outside: 0,
+        unseen: 0,
         device_free: None,
         pools: vec![(Pool::Large, large)],
         whole_segment,

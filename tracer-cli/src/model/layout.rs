@@ -880,6 +880,11 @@ impl Layout {
         };
     }
 
+    /// Whether the allocator's blocks are seen now (not disarmed).
+    pub fn blocks_known(&self) -> bool {
+        !matches!(self.sight.state, BlockSight::DisarmedAt(_))
+    }
+
     /// Whether block events are seen now, and since when.
     pub fn block_sight(&self) -> BlockSight {
         self.sight.state

@@ -46,6 +46,8 @@ pub struct Auto {
     placements: HashMap<u32, Placement>,
     /// Decisions not yet handed to the main thread.
     requests: Vec<Decision>,
+    /// Processes that ended since the last round.
+    ended: Vec<u32>,
 }
 
 impl Auto {
@@ -55,6 +57,7 @@ impl Auto {
             nvml_totals: HashMap::new(),
             placements: HashMap::new(),
             requests: Vec::new(),
+            ended: Vec::new(),
         }
     }
 
@@ -91,9 +94,10 @@ impl Auto {
         self.requests.extend(self.arming.observe(event));
     }
 
+    /// The process ended: forgotten at the next round, once the delivery holding its exit
+    /// (and its last messages, read before it) was taken in.
     pub fn exited(&mut self, pid: u32) {
-        self.placements.remove(&pid);
-        self.requests.extend(self.arming.exited(pid));
+        self.ended.push(pid);
     }
 
     /// What the main thread did since (its results, and its marks: handed on before any
@@ -109,6 +113,10 @@ impl Auto {
         };
         for (pid, ok, ts) in q.results.drain(..) {
             self.arming.armed(pid, ok, ts as i64 + wall_offset_ns);
+        }
+        for pid in std::mem::take(&mut self.ended) {
+            self.placements.remove(&pid);
+            self.requests.extend(self.arming.exited(pid));
         }
         if let Some(arm) = q.on_demand.take() {
             self.requests.extend(self.arming.on_demand(arm, now));

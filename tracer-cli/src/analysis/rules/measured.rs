@@ -394,10 +394,15 @@ pub fn oom_forensics(
             pb(x.requested)
         ),
     };
-    let seen = if f.unknown.exact() {
-        ""
+    let seen = if x.unseen > 0 {
+        format!(
+            " in the segments tracer saw whole ({} more in segments made before PyTorch's allocator probes were armed, contents unknown)",
+            pb(x.unseen)
+        )
+    } else if f.unknown.exact() {
+        String::new()
     } else {
-        " in the segments tracer saw"
+        " in the segments tracer saw".to_owned()
     };
     let mut text = format!(
         "{asked}{seen}: {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated ({} free blocks, largest {}); {} outside PyTorch's allocator",

@@ -124,7 +124,7 @@ wait_for() { # file, seconds, pid that must stay alive, what
   done
 }
 
-# run SETUP(untraced|traced|stack) MODE(default|expandable) NAME [--oom]: the workload, traced as
+# run SETUP(untraced|traced|auto|stack) MODE(default|expandable) NAME [--oom]: the workload, traced as
 # asked from its first allocation; leaves $work/NAME/{stats.json,trace.db,trace.jsonl}.
 run() {
   local setup=$1 mode=$2 name=$3; shift 3
@@ -151,6 +151,8 @@ run() {
   if [ "$setup" != untraced ]; then
     local flags=(--pid "$wpid" --json --quiet --db "$dir/trace.db")
     [ "$setup" = stack ] && flags+=(--stack)
+    # auto: PyTorch's allocator probes armed only under pressure (none in this loop).
+    [ "$setup" = auto ] && flags+=(--allocator auto)
     "$tracer" trace "${flags[@]}" >"$dir/trace.jsonl" 2>"$dir/trace.err" &
     tpid=$!
     children+=("$tpid")
@@ -250,11 +252,12 @@ say "checking a co-tenant (another process holds all but 3 GiB; the loop runs to
 co_tenant_json=()
 if co_tenant; then co_tenant_json=(--co-tenant "$work/co-tenant.json"); fi
 
-# 3. Cost: the same steps untraced, traced and traced with --stack, interleaved ---------------
+# 3. Cost: the same steps untraced, traced, traced with --allocator auto and traced with --stack,
+# interleaved ----------------------------------------------------------------------------------
 echo '[' >"$work/runs.json"
 sep=""
 for r in $(seq 1 "$rounds"); do
-  for setup in untraced traced stack; do
+  for setup in untraced traced auto stack; do
     run "$setup" default "cost-$setup-$r"
     printf '%s{"setup": "%s", "round": %d, "stats": "%s", "trace": "%s"}\n' "$sep" "$setup" "$r" \
       "$work/cost-$setup-$r/stats.json" "$work/cost-$setup-$r/trace.jsonl" >>"$work/runs.json"

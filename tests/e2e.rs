@@ -997,7 +997,12 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
         "{explain_shared}"
     );
     let ratios = &summary["cost"]["ratios"];
-    for k in ["traced/untraced", "stack/untraced", "stack/traced"] {
+    for k in [
+        "traced/untraced",
+        "auto/untraced",
+        "stack/untraced",
+        "stack/traced",
+    ] {
         assert!(ratios[k].as_f64().unwrap() > 0.0, "{ratios:#}");
     }
     // Each round paired with its untraced run; events a step from what tracer stored (the
@@ -1014,6 +1019,10 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
             "{paired:#}"
         );
     }
+    // --allocator auto's rounds, paired the same way (its events: the CUDA calls, and the
+    // allocator's while armed).
+    let auto = &summary["cost"]["paired"]["auto"];
+    assert_eq!(auto["rounds"].as_array().unwrap().len(), 1, "{auto:#}");
     assert!(stdout.contains("events a step"), "{stdout}");
     let explain = std::fs::read_to_string(out.join("explain-default.txt")).unwrap();
     assert!(explain.contains("out of memory"), "{explain}");

@@ -442,11 +442,11 @@ def cost(args):
         rounds.setdefault(r.get("round", len(by[r["setup"]])), {})[r["setup"]] = run
     med = {k: statistics.median(x["loop_s"] for x in v) for k, v in by.items()}
     ratios = {}
-    for a, b in (("traced", "untraced"), ("stack", "untraced"), ("stack", "traced")):
+    for a, b in (("traced", "untraced"), ("auto", "untraced"), ("stack", "untraced"), ("stack", "traced")):
         if a in med and b in med and med[b] > 0:
             ratios[f"{a}/{b}"] = med[a] / med[b]
     per_round = {}
-    for setup in ("traced", "stack"):
+    for setup in ("traced", "auto", "stack"):
         rows = []
         for n in sorted(rounds):
             r = rounds[n]

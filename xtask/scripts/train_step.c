@@ -14,7 +14,10 @@
  * WORK_MS is the body's CPU work a step (the bench finds the one that makes an untraced step
  * last as long as it asks: the waits and hand-offs take the rest).
  * Prints {"steps", "step_ms_mean", "step_ms_median", "step_ms_min", "step_ms_max",
- *         "hits_per_step", "cuda_calls_per_step", "cpu_s", "semaphore"}. */
+ *         "hits_per_step", "cuda_calls_per_step", "cpu_s", "semaphore", "armed_steps",
+ *         "armed_ms_sum", "unarmed_ms_sum"}: the last three split the steps by whether PyTorch's
+ *         semaphores were raised (tracer --allocator auto armed) from start to end; a step
+ *         during which they changed counts in neither sum. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
@@ -206,10 +209,20 @@ int main(int argc, char **argv) {
     for (int i = 0; i < warmup; i++) step();
     double *ms = calloc(steps, sizeof *ms);
     double cpu0 = now_s(CLOCK_PROCESS_CPUTIME_ID), wall0 = now_s(CLOCK_MONOTONIC);
+    /* Steps made with PyTorch's semaphores raised (tracer's allocator probes armed) and not. */
+    int armed_steps = 0;
+    double armed_ms = 0, unarmed_ms = 0;
     for (int i = 0; i < steps; i++) {
+        int armed = simtorch_semaphores() > 0;
         double t0 = now_s(CLOCK_MONOTONIC);
         step();
         ms[i] = (now_s(CLOCK_MONOTONIC) - t0) * 1e3;
+        if (armed && simtorch_semaphores() > 0) {
+            armed_steps++;
+            armed_ms += ms[i];
+        } else if (!armed && simtorch_semaphores() == 0) {
+            unarmed_ms += ms[i];
+        }
     }
     double wall = now_s(CLOCK_MONOTONIC) - wall0, cpu = now_s(CLOCK_PROCESS_CPUTIME_ID) - cpu0;
     struct handoff *all[] = {&gpu, &backward, &batch};
@@ -222,8 +235,9 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 3; i++) pthread_join(threads[i], NULL);
     qsort(ms, steps, sizeof *ms, cmp);
     printf("{\"steps\":%d,\"step_ms_mean\":%.4f,\"step_ms_median\":%.4f,\"step_ms_min\":%.4f,\"step_ms_max\":%.4f,"
-           "\"hits_per_step\":%d,\"cuda_calls_per_step\":%d,\"cpu_s\":%.6f,\"semaphore\":%d}\n",
+           "\"hits_per_step\":%d,\"cuda_calls_per_step\":%d,\"cpu_s\":%.6f,\"semaphore\":%d,"
+           "\"armed_steps\":%d,\"armed_ms_sum\":%.4f,\"unarmed_ms_sum\":%.4f}\n",
            steps, wall * 1e3 / steps, ms[steps / 2], ms[0], ms[steps - 1], n_ops, 2 * SLICES + 5, cpu,
-           simtorch_semaphores());
+           simtorch_semaphores(), armed_steps, armed_ms, unarmed_ms);
     return 0;
 }

@@ -195,6 +195,12 @@ impl Tracer {
         Ok(Tracer { child, lines })
     }
 
+    /// Sends it `signal` (SIGUSR1 and SIGUSR2 arm and disarm `--allocator auto`).
+    pub(crate) fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
     /// CPU seconds its threads have used so far (the reader, registry and writer): the
     /// scheduler's nanoseconds on a CPU, summed over its threads.
     pub(crate) fn cpu_s(&self) -> f64 {

@@ -5,6 +5,7 @@ mod explain_bench;
 mod flight_bench;
 mod prologue;
 mod step_bench;
+mod step_modes;
 mod tensor_bench;
 mod whatif_bench;
 

@@ -34,7 +34,7 @@ pub struct StepBenchArgs {
 const STEP_MS: [(f64, f64); 2] = [(20.0, 1.05), (200.0, 1.02)];
 /// Allocator probe hits a step (malloc + free), as a GPT-2 step made on the H200.
 const HITS: u32 = 1000;
-const WARMUP: u32 = 5;
+pub(crate) const WARMUP: u32 = 5;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Setup {
@@ -75,12 +75,12 @@ impl Setup {
     }
 }
 
-struct Loop {
-    tracer: PathBuf,
-    sim: PathBuf,
+pub(crate) struct Loop {
+    pub(crate) tracer: PathBuf,
+    pub(crate) sim: PathBuf,
     exe: PathBuf,
     plan: PathBuf,
-    db: PathBuf,
+    pub(crate) db: PathBuf,
     units_per_ms: f64,
 }
 
@@ -97,7 +97,7 @@ struct Run {
 }
 
 impl Loop {
-    fn run_once(&self, work_ms: f64, steps: u32) -> Result<Value> {
+    pub(crate) fn run_once(&self, work_ms: f64, steps: u32) -> Result<Value> {
         let out = Command::new(&self.exe)
             .arg(&self.plan)
             .arg(format!("{:.0}", self.units_per_ms))
@@ -171,11 +171,11 @@ fn run_of(rep: &Value, steps: u32) -> Result<Run> {
 }
 
 /// The median of one setup's rounds (bench.rs's `stats`).
-fn median(v: Vec<f64>) -> f64 {
+pub(crate) fn median(v: Vec<f64>) -> f64 {
     stats(v).0
 }
 
-fn spread(v: &[f64]) -> (f64, f64) {
+pub(crate) fn spread(v: &[f64]) -> (f64, f64) {
     let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     (lo, hi)
@@ -230,7 +230,7 @@ fn setup_loop() -> Result<Loop> {
 
 /// The body's work that makes an untraced step last `step_ms` (the waits and hand-offs take
 /// the rest): two untraced runs, a line through them.
-fn work_for(l: &Loop, step_ms: f64) -> Result<f64> {
+pub(crate) fn work_for(l: &Loop, step_ms: f64) -> Result<f64> {
     let steps = (1000.0 / step_ms).ceil().max(5.0) as u32;
     let (w0, w1) = (step_ms * 0.4, step_ms * 0.8);
     let t0 = run_of(&l.run_once(w0, steps)?, steps)?.step_ms;
@@ -245,7 +245,7 @@ pub fn run(args: StepBenchArgs) -> Result<()> {
     for (step_ms, target) in STEP_MS {
         section(&l, &args, step_ms, target)?;
     }
-    Ok(())
+    crate::step_modes::section(&l, &args)
 }
 
 fn section(l: &Loop, args: &StepBenchArgs, step_ms: f64, target: f64) -> Result<()> {

@@ -160,6 +160,8 @@ pub struct Arming {
     procs: HashMap<u32, Process>,
     /// Each (pid, device)'s total bytes, as the driver or NVML said.
     totals: HashMap<(u32, i32), u64>,
+    /// Root's asking lasts (SIGUSR1 until SIGUSR2): processes seen meanwhile are armed too.
+    asking: bool,
 }
 
 impl Arming {
@@ -234,7 +236,12 @@ impl Arming {
             // The pressure lasts: it keeps the probes armed.
             p.last_trigger_ns = p.last_trigger_ns.max(e.ts_ns);
         }
-        let reason = reason.or((share >= settings.arm_share).then_some(Reason::Reserved))?;
+        let reason = reason
+            .or((share >= settings.arm_share).then_some(Reason::Reserved))
+            .or(self.asking.then_some(Reason::OnDemand))?;
+        if self.asking {
+            p.on_demand = true;
+        }
         p.last_trigger_ns = p.last_trigger_ns.max(e.ts_ns);
         if p.armed_at.is_some() || p.asked {
             return None;
@@ -255,6 +262,7 @@ impl Arming {
         if !self.decides() {
             return Vec::new();
         }
+        self.asking = arm;
         let mut out = Vec::new();
         for (&pid, p) in &mut self.procs {
             p.on_demand = arm;

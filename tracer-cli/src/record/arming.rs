@@ -174,9 +174,14 @@ pub fn carry_out(probes: &mut Probes, shared: &Shared) {
     for d in requests {
         if d.arm {
             arm(probes, shared, &d);
-        } else if probes.disarm(d.pid) {
-            push_mark(shared, mark(&d, false, monotonic_ns()));
-            shared.disarmings.fetch_add(1, Ordering::SeqCst);
+        } else {
+            let t = Instant::now();
+            let was_armed = probes.disarm(d.pid);
+            add_time(shared, t);
+            if was_armed {
+                push_mark(shared, mark(&d, false, monotonic_ns()));
+                shared.disarmings.fetch_add(1, Ordering::SeqCst);
+            }
         }
     }
     shared
@@ -188,7 +193,10 @@ fn arm(probes: &mut Probes, shared: &Shared, d: &Decision) {
     let ts = monotonic_ns();
     push_mark(shared, mark(d, true, ts));
     wait_until_taken(shared);
-    let ok = match probes.arm(d.pid) {
+    let t = Instant::now();
+    let armed = probes.arm(d.pid);
+    add_time(shared, t);
+    let ok = match armed {
         Ok(_) => {
             shared.armings.fetch_add(1, Ordering::SeqCst);
             true
@@ -202,6 +210,11 @@ fn arm(probes: &mut Probes, shared: &Shared, d: &Decision) {
     if let Ok(mut q) = shared.arming.lock() {
         q.results.push((d.pid, ok, ts));
     }
+}
+
+fn add_time(shared: &Shared, since: Instant) {
+    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    shared.arming_ns.fetch_add(ns, Ordering::SeqCst);
 }
 
 fn push_mark(shared: &Shared, call: Call) {

@@ -196,8 +196,20 @@ pub struct Summary {
     /// Entries left in the per-thread kernel maps at the end (they go as threads exit).
     pub kernel_maps: std::collections::BTreeMap<String, u64>,
     pub keyframes: KeyframeCost,
+    /// `--allocator`: its mode, and what arming cost.
+    pub allocator: ArmingCost,
     #[serde(skip)]
     pub stats: LiveStats,
+}
+
+/// `--allocator`'s mode, the armings and disarmings, and the time the main thread spent
+/// carrying them out (raising and lowering semaphores, not waiting for the registry).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ArmingCost {
+    pub mode: &'static str,
+    pub armings: u64,
+    pub disarmings: u64,
+    pub carry_out_s: f64,
 }
 
 /// Keyframes stored, and the CPU seconds the recording's threads spent making and storing them.
@@ -587,6 +599,12 @@ impl Recording {
                 keyframes: KeyframeCost {
                     written: self.shared.keyframes.load(Ordering::SeqCst),
                     cpu_s: self.shared.keyframe_cpu_ns.load(Ordering::SeqCst) as f64 / 1e9,
+                },
+                allocator: ArmingCost {
+                    mode: self.allocator.name(),
+                    armings: self.shared.armings.load(Ordering::SeqCst),
+                    disarmings: self.shared.disarmings.load(Ordering::SeqCst),
+                    carry_out_s: self.shared.arming_ns.load(Ordering::SeqCst) as f64 / 1e9,
                 },
                 stats,
             },

@@ -35,6 +35,8 @@ pub struct Shared {
     pub armed_now: AtomicU64,
     pub armings: AtomicU64,
     pub disarmings: AtomicU64,
+    /// Time the main thread spent raising and lowering semaphores (ns).
+    pub arming_ns: AtomicU64,
     pub stop: AtomicBool,
     pub live: Mutex<LiveStats>,
     /// Each process's allocator layout, rebuilt as its calls arrive (the live table).

@@ -273,3 +273,14 @@ fn marks_in_the_call_stream_arm_and_disarm_the_layout() {
     assert_eq!(state.layout.block_sight(), BlockSight::ArmedAt(2));
     assert_eq!(state.layout.unseen_contents(None).0, 1);
 }
+
+#[test]
+fn roots_asking_arms_processes_seen_while_it_lasts() {
+    let mut a = auto();
+    assert!(a.on_demand(true, 0).is_empty(), "no process seen yet");
+    let d = a.observe(&call(Op::CudaMalloc, SEG, GIB, S)).unwrap();
+    assert_eq!(d.reason, Reason::OnDemand);
+    a.armed(7, true, S);
+    assert!(a.due(1000 * S).is_empty());
+    assert_eq!(a.on_demand(false, 1001 * S).len(), 1);
+}

@@ -147,6 +147,12 @@ fn workload_ns(p: &Paths, w: Workload, iters: u64) -> Result<f64> {
     Ok(rep["cpu_s"].as_f64().ok_or_else(|| anyhow!("no cpu_s"))? * 1e9 / per as f64)
 }
 
+/// kill(2) on a child of ours (a pid from [`Tracer::pid`]).
+pub(crate) fn send_signal(pid: u32, signal: i32) {
+    // SAFETY: kill(2) has no memory effects; the pid is our own child's.
+    unsafe { libc::kill(pid as i32, signal) };
+}
+
 /// A running `tracer trace --json`, attached.
 pub(crate) struct Tracer {
     child: Child,
@@ -197,8 +203,11 @@ impl Tracer {
 
     /// Sends it `signal` (SIGUSR1 and SIGUSR2 arm and disarm `--allocator auto`).
     pub(crate) fn signal(&self, signal: i32) {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.child.id() as i32, signal) };
+        send_signal(self.child.id(), signal);
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// CPU seconds its threads have used so far (the reader, registry and writer): the

@@ -28,6 +28,9 @@ pub struct StepBenchArgs {
     /// Seconds of timed steps per run.
     #[arg(long, default_value_t = 3.0)]
     pub step_secs: f64,
+    /// Only the section of `--allocator`'s modes.
+    #[arg(long)]
+    pub modes_only: bool,
 }
 
 /// Step lengths measured (ms), with the ratio each should stay under.
@@ -242,8 +245,10 @@ pub(crate) fn work_for(l: &Loop, step_ms: f64) -> Result<f64> {
 pub fn run(args: StepBenchArgs) -> Result<()> {
     let l = setup_loop()?;
     ensure!(args.step_rounds >= 1, "--step-rounds must be at least 1");
-    for (step_ms, target) in STEP_MS {
-        section(&l, &args, step_ms, target)?;
+    if !args.modes_only {
+        for (step_ms, target) in STEP_MS {
+            section(&l, &args, step_ms, target)?;
+        }
     }
     crate::step_modes::section(&l, &args)
 }

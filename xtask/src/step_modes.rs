@@ -8,7 +8,7 @@ use anyhow::{ensure, Result};
 use serde_json::Value;
 
 use crate::{
-    bench::Tracer,
+    bench::{send_signal, Tracer},
     step_bench::{median, spread, work_for, Loop, StepBenchArgs, WARMUP},
 };
 
@@ -98,16 +98,14 @@ fn measure(l: &Loop, mode: Mode, work_ms: f64, steps: u32) -> Result<Run> {
     }
     let rep = std::thread::scope(|s| {
         if mode == Mode::AutoPhases {
-            let third = std::time::Duration::from_secs_f64(
-                f64::from(steps) * STEP_MS / 3e3,
-            );
+            let third = std::time::Duration::from_secs_f64(f64::from(steps) * STEP_MS / 3e3);
             let warmup = std::time::Duration::from_secs_f64(f64::from(WARMUP) * STEP_MS / 1e3);
-            let tracer = &tracer;
+            let pid = tracer.pid();
             s.spawn(move || {
                 std::thread::sleep(warmup + third);
-                tracer.signal(libc::SIGUSR1);
+                send_signal(pid, libc::SIGUSR1);
                 std::thread::sleep(third);
-                tracer.signal(libc::SIGUSR2);
+                send_signal(pid, libc::SIGUSR2);
             });
         }
         l.run_once(work_ms, steps)

@@ -148,6 +148,7 @@ mod tests {
             on_warning: Vec::new(),
             kernel_maps: Default::default(),
             keyframes: Default::default(),
+            allocator: Default::default(),
             counters: SessionCounters {
                 submitted: 2,
                 events_read: 2,

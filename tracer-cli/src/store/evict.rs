@@ -95,7 +95,7 @@ impl Store {
                         "--max-db: deleted session {id} ({events} events) to stay under {max_bytes} bytes"
                     ));
                 }
-                None => match self.evict_oldest_calls(current, max_bytes)? {
+                None => match self.evict_oldest_calls(current, max_bytes, log_held)? {
                     Evicted::Some(note) => out.notes.push(note),
                     Evicted::NeedKeyframe => {
                         out.need_keyframe = true;
@@ -200,8 +200,14 @@ impl Store {
     /// of the current session's call blocks after the islands (every call is in one), cut at a
     /// keyframe, but the blocks around incidents in it; with the rows they copy, the off-CPU
     /// intervals among them and the keyframes they make useless; counts each kind.
-    fn evict_oldest_calls(&mut self, current: i64, max_bytes: u64) -> Result<Evicted> {
-        let over_budget = self.footprint()? > max_bytes;
+    fn evict_oldest_calls(
+        &mut self,
+        current: i64,
+        max_bytes: u64,
+        log_held: bool,
+    ) -> Result<Evicted> {
+        // A log a reader holds is no measure of the detail: deleting only lengthens it.
+        let over_budget = !log_held && self.footprint()? > max_bytes;
         let tx = self.conn.transaction()?;
         if kept_bytes(&tx, current)? > max_bytes / KEPT_SHARE {
             let note = evict_oldest_island(&tx, current)?;
@@ -242,7 +248,7 @@ impl Store {
             },
         };
         // Cutting at the latest block would leave the session no call to explain: only past
-        // the budget itself (the bound holds before the detail).
+        // the budget itself (the bound holds before the detail), never for a held log.
         let last: i64 = tx.query_row(
             "SELECT max(id) FROM call_blocks WHERE session_id = ?1",
             [current],

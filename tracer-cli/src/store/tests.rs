@@ -988,6 +988,42 @@ fn a_reader_holding_the_log_does_not_make_eviction_delete_everything() {
     assert!((1..held).contains(&left(&store)), "{}", left(&store));
 }
 
+/// The flight test's failure under a loaded CI machine: a job that ended leaves its latest
+/// keyframe on the session's latest block, and readers (explain beside the trace) hold the log,
+/// so the footprint stays over `--max-db` whatever is deleted; the cut at that keyframe, allowed
+/// past the budget, took every call. A log held is not the detail's size: it is no reason to
+/// delete the last calls.
+#[test]
+fn a_held_log_never_makes_eviction_cut_at_the_latest_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (mut store, session) = new_store(&dir);
+    store.insert_keyframe(session, 0, &[]).unwrap();
+    for batch in 0..10u64 {
+        write(&mut store, session, &varied_calls(5000, batch % 7));
+    }
+    store.insert_keyframe(session, 10, &[]).unwrap();
+    let reader = rusqlite::Connection::open(&path).unwrap();
+    reader.execute_batch("BEGIN").unwrap();
+    let _: i64 = reader
+        .query_row("SELECT count(*) FROM call_blocks", [], |r| r.get(0))
+        .unwrap();
+    let budget = store.footprint().unwrap() * 6 / 10;
+    for _ in 0..12 {
+        store.enforce_max_size(session, budget).unwrap();
+    }
+    let left: i64 = store
+        .conn()
+        .query_row(
+            "SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = ?1",
+            [session],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(left > 0, "every call evicted while a reader held the log");
+    reader.execute_batch("COMMIT").unwrap();
+}
+
 /// Off-CPU intervals are packed in blocks; explain's loader and `offcpu_intervals` give back
 /// every one, with the rows of sessions recorded before version 13, and --max-db deletes and
 /// counts them with the calls they lie among.

@@ -103,3 +103,20 @@ fn arming_raises_the_semaphores_of_one_process_and_ten_thousand_cycles_exhaust_n
         let _ = p.wait();
     }
 }
+
+/// A share that is no share of a GPU is refused before anything starts, naming the option.
+#[test]
+fn an_arm_share_that_is_no_share_is_refused_naming_it() {
+    for bad in ["0", "1.5", "most"] {
+        let out = Command::new(TRACER)
+            .args(["trace", "--allocator", "auto", "--arm-share", bad])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--arm-share") && err.contains("not a share of the GPU"),
+            "{err}"
+        );
+    }
+}

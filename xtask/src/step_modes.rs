@@ -86,7 +86,7 @@ fn measure(l: &Loop, mode: Mode, work_ms: f64, steps: u32) -> Result<Run> {
             "--allocator",
             allocator,
             "--arm-min",
-            "0s",
+            "1ms",
             "--arm-quiet",
             "1h",
         ],

@@ -321,6 +321,11 @@ impl Recording {
             let mut states = Vec::new();
             for t in &mut taken {
                 gaps.push(t.close_gap(session_started_ns));
+                if opts.allocator == crate::model::arming::Mode::Always {
+                    // Taken up from an `--allocator auto` session that had it disarmed: its
+                    // blocks are seen from now on, in segments made from now on.
+                    t.state.layout.arm(session_started_ns);
+                }
                 states.push(KeyframeState {
                     pid: t.state.pid,
                     start_time_ns: t.state.start_time_ns,

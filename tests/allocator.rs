@@ -671,13 +671,7 @@ fn auto_arms_at_a_cache_miss_disarms_when_quiet_and_never_shows_unseen_memory_fr
     for d in p["devices"].as_array().unwrap() {
         assert_eq!(d["total"]["largest_free"], 0, "nothing unseen is free: {d}");
     }
-    let text = Command::new(TRACER)
-        .args(["explain", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    assert_ok(&text);
-    let text = String::from_utf8_lossy(&text.stdout);
+    let text = explain_text(&fx.db);
     assert!(
         text.contains("armed at a device allocation after warm-up"),
         "{text}"
@@ -736,11 +730,6 @@ fn an_oom_in_auto_mode_is_explained_from_the_message_and_the_calls() {
         "no verdict from a partial layout: {effect}"
     );
     assert_eq!(report["holders"][0]["verdict"], "unknown");
-    let text = Command::new(TRACER)
-        .args(["explain", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&text.stdout);
+    let text = explain_text(&fx.db);
     assert!(text.contains("came with the probes armed since"), "{text}");
 }

@@ -382,6 +382,17 @@ pub fn query(db: &Path, sql: &str) -> Vec<Value> {
     }
 }
 
+/// `tracer explain --db DB`'s text; it must succeed.
+pub fn explain_text(db: &Path) -> String {
+    let out = Command::new(TRACER)
+        .args(["explain", "--db"])
+        .arg(db)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// `tracer ARGS --db DB` as JSON (ARGS asks for it: `--json`); it must succeed.
 pub fn tracer_json(db: &Path, args: &[&str]) -> Value {
     let out = Command::new(TRACER)

@@ -21,14 +21,17 @@ enum Mode {
     Untraced,
     Always,
     AutoQuiet,
+    /// Outside pressure without the scheduler programs: what they cost there.
+    AutoQuietNoSched,
     AutoArmed,
     AutoPhases,
 }
 
-const MODES: [Mode; 5] = [
+const MODES: [Mode; 6] = [
     Mode::Untraced,
     Mode::Always,
     Mode::AutoQuiet,
+    Mode::AutoQuietNoSched,
     Mode::AutoArmed,
     Mode::AutoPhases,
 ];
@@ -39,6 +42,7 @@ impl Mode {
             Mode::Untraced => "untraced",
             Mode::Always => "--allocator always",
             Mode::AutoQuiet => "auto, outside pressure",
+            Mode::AutoQuietNoSched => "  the same, no sched",
             Mode::AutoArmed => "auto, armed (SIGUSR1)",
             Mode::AutoPhases => "auto, pressure phases",
         }
@@ -76,21 +80,20 @@ fn measure(l: &Loop, mode: Mode, work_ms: f64, steps: u32) -> Result<Run> {
     } else {
         "auto"
     };
-    let tracer = Tracer::start_with(
-        &l.tracer,
-        &l.db,
-        &l.sim.join("libcudart.so.12"),
-        &[
-            "--lib",
-            &torch,
-            "--allocator",
-            allocator,
-            "--arm-min",
-            "1ms",
-            "--arm-quiet",
-            "1h",
-        ],
-    )?;
+    let mut flags = vec![
+        "--lib",
+        &torch,
+        "--allocator",
+        allocator,
+        "--arm-min",
+        "1ms",
+        "--arm-quiet",
+        "1h",
+    ];
+    if mode == Mode::AutoQuietNoSched {
+        flags.push("--no-host-context");
+    }
+    let tracer = Tracer::start_with(&l.tracer, &l.db, &l.sim.join("libcudart.so.12"), &flags)?;
     if mode == Mode::AutoArmed {
         tracer.signal(libc::SIGUSR1);
         // Taken by the main thread (50 ms) and the registry (25 ms) before the loop starts.
@@ -216,6 +219,11 @@ fn print(steps: u32, runs: &[Vec<Run>]) {
     let (quiet, (lo, hi)) = ratio(Mode::AutoQuiet);
     println!(
         "  auto outside pressure   {quiet:.3}x untraced, rounds {lo:.3}-{hi:.3}   target <= {TARGET}"
+    );
+    let (no_sched, (lo, hi)) = ratio(Mode::AutoQuietNoSched);
+    println!(
+        "    without the scheduler programs {no_sched:.3}x, rounds {lo:.3}-{hi:.3} (they cost {:.3} of the step there)",
+        quiet - no_sched
     );
     let (armed, (lo, hi)) = ratio(Mode::AutoArmed);
     println!("  auto armed              {armed:.3}x untraced, rounds {lo:.3}-{hi:.3}");

@@ -703,10 +703,17 @@ fn an_oom_in_auto_mode_is_explained_from_the_message_and_the_calls() {
         .iter()
         .map(|a| (a["armed"].as_bool().unwrap(), a["reason"].as_str().unwrap()))
         .collect();
-    // Its end disarms it, unless the trace stopped first.
+    // Armed when its memory passed the share (or, on a slower machine, at the failed
+    // allocations or the OOM that came first); its end disarms it, unless the trace stopped first.
     assert_eq!(
-        arming[..2],
-        [(false, "not_armed_yet"), (true, "reserved")],
+        arming[0],
+        (false, "not_armed_yet"),
+        "{:#}",
+        report["arming"]
+    );
+    let (armed, why) = arming[1];
+    assert!(
+        armed && ["reserved", "failed_allocation", "out_of_memory"].contains(&why),
         "{:#}",
         report["arming"]
     );
@@ -714,9 +721,11 @@ fn an_oom_in_auto_mode_is_explained_from_the_message_and_the_calls() {
         arming[2..].iter().all(|&a| a == (false, "ended")),
         "{arming:?}"
     );
-    let armed = &report["arming"][1];
-    assert_eq!(armed["total"], 3u64 << 30, "the device's total: {armed}");
-    assert!(armed["held"].as_u64().unwrap() * 100 >= 85 * (3u64 << 30));
+    if why == "reserved" {
+        let armed = &report["arming"][1];
+        assert_eq!(armed["total"], 3u64 << 30, "the device's total: {armed}");
+        assert!(armed["held"].as_u64().unwrap() * 100 >= 85 * (3u64 << 30));
+    }
     let chains = report["chains"].as_array().unwrap();
     let oom = chains
         .iter()
@@ -725,11 +734,18 @@ fn an_oom_in_auto_mode_is_explained_from_the_message_and_the_calls() {
     let effect = oom["effect"].as_str().unwrap();
     assert!(effect.contains("Tried to allocate 216.00 MiB"), "{effect}");
     assert!(effect.contains("contents unknown"), "{effect}");
+    // Fragmentation only where the free bytes tracer saw prove it; never capacity from a
+    // partial layout.
     assert!(
         !effect.contains("(capacity)"),
         "no verdict from a partial layout: {effect}"
     );
-    assert_eq!(report["holders"][0]["verdict"], "unknown");
+    let verdict = report["holders"][0]["verdict"].as_str().unwrap();
+    assert!(["unknown", "fragmentation"].contains(&verdict), "{verdict}");
     let text = explain_text(&fx.db);
-    assert!(text.contains("came with the probes armed since"), "{text}");
+    assert!(
+        text.contains("came with the probes armed since")
+            || text.contains("came while the probes were not armed"),
+        "{text}"
+    );
 }

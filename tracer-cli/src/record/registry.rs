@@ -96,7 +96,9 @@ impl Python {
         if let Some(interp) = found {
             match self.procs.insert(pid, interp) {
                 Ok(()) => {
-                    self.registered_at.entry(pid).or_insert_with(monotonic_ns);
+                    self.registered_at
+                        .entry(pid)
+                        .or_insert_with(super::arming::monotonic_ns);
                 }
                 Err(e) => eprintln!("tracer: {e:#}"),
             }
@@ -136,13 +138,6 @@ impl Python {
             .get(&call.pid)
             .is_some_and(|&at| call.ts_mono_ns < at)
     }
-}
-
-/// CLOCK_MONOTONIC in ns: bpf_ktime_get_ns's clock.
-fn monotonic_ns() -> u64 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
-        .unwrap_or(0)
 }
 
 pub struct Registry {

@@ -947,6 +947,28 @@ fn blocks_written_after_everything_was_evicted_come_after_the_hole() {
 /// While a reader holds the log (an `explain` run beside `trace`), SQLite cannot truncate it:
 /// deleting more calls only makes the log longer. One round then deletes one step's worth and
 /// waits for a later round, and never the session's every call.
+/// A reader in a transaction that has read: SQLite's log cannot be truncated while it lives.
+fn hold_log(path: &std::path::Path) -> rusqlite::Connection {
+    let reader = rusqlite::Connection::open(path).unwrap();
+    reader.execute_batch("BEGIN").unwrap();
+    let _: i64 = reader
+        .query_row("SELECT count(*) FROM call_blocks", [], |r| r.get(0))
+        .unwrap();
+    reader
+}
+
+/// Calls the session's blocks still hold.
+fn calls_left(store: &Store, session: i64) -> i64 {
+    store
+        .conn()
+        .query_row(
+            "SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = ?1",
+            [session],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
 #[test]
 fn a_reader_holding_the_log_does_not_make_eviction_delete_everything() {
     let dir = tempfile::tempdir().unwrap();
@@ -957,23 +979,10 @@ fn a_reader_holding_the_log_does_not_make_eviction_delete_everything() {
         write(&mut store, session, &varied_calls(5000, batch % 7));
     }
     store.insert_keyframe(session, 20, &[]).unwrap();
-    let reader = rusqlite::Connection::open(&path).unwrap();
-    reader.execute_batch("BEGIN").unwrap();
-    let _: i64 = reader
-        .query_row("SELECT count(*) FROM call_blocks", [], |r| r.get(0))
-        .unwrap();
+    let reader = hold_log(&path);
     let budget = store.footprint().unwrap() * 6 / 10;
     store.enforce_max_size(session, budget).unwrap();
-    let left = |store: &Store| -> i64 {
-        store
-            .conn()
-            .query_row(
-                "SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = ?1",
-                [session],
-                |r| r.get(0),
-            )
-            .unwrap()
-    };
+    let left = |store: &Store| calls_left(store, session);
     let held = left(&store);
     assert!(
         held >= 80_000,
@@ -1003,23 +1012,12 @@ fn a_held_log_never_makes_eviction_cut_at_the_latest_block() {
         write(&mut store, session, &varied_calls(5000, batch % 7));
     }
     store.insert_keyframe(session, 10, &[]).unwrap();
-    let reader = rusqlite::Connection::open(&path).unwrap();
-    reader.execute_batch("BEGIN").unwrap();
-    let _: i64 = reader
-        .query_row("SELECT count(*) FROM call_blocks", [], |r| r.get(0))
-        .unwrap();
+    let reader = hold_log(&path);
     let budget = store.footprint().unwrap() * 6 / 10;
     for _ in 0..12 {
         store.enforce_max_size(session, budget).unwrap();
     }
-    let left: i64 = store
-        .conn()
-        .query_row(
-            "SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = ?1",
-            [session],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let left = calls_left(&store, session);
     assert!(left > 0, "every call evicted while a reader held the log");
     reader.execute_batch("COMMIT").unwrap();
 }

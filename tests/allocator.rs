@@ -676,6 +676,38 @@ fn auto_arms_at_a_cache_miss_disarms_when_quiet_and_never_shows_unseen_memory_fr
         text.contains("armed at a device allocation after warm-up"),
         "{text}"
     );
+    // Host context only while armed: the script's 1 s sleep before the arming left no off-CPU
+    // interval; its sleeps begun while armed did (one outlasts the disarming).
+    let host = query(&fx.db, "SELECT host_context FROM sessions");
+    assert!(
+        host[0]["host_context"]
+            .as_str()
+            .unwrap()
+            .ends_with("; followed=while-armed"),
+        "{host:?}"
+    );
+    let armed_at = query(
+        &fx.db,
+        "SELECT c.ts_ns FROM calls c JOIN ops o ON o.id = c.op_id WHERE o.name = 'tracer:allocator_armed'",
+    )[0]["ts_ns"]
+        .as_i64()
+        .unwrap();
+    let long_sleeps = query(
+        &fx.db,
+        "SELECT off_ns FROM offcpu_intervals WHERE on_ns - off_ns > 700000000 ORDER BY off_ns",
+    );
+    let starts: Vec<i64> = long_sleeps
+        .iter()
+        .map(|s| s["off_ns"].as_i64().unwrap())
+        .collect();
+    assert!(
+        !starts.is_empty() && starts.iter().all(|&off| off >= armed_at),
+        "sleeps off the CPU {starts:?}, armed at {armed_at}"
+    );
+    assert!(
+        text.contains("host context only while a process's allocator probes were armed"),
+        "{text}"
+    );
 }
 
 /// `--allocator auto` through an out-of-memory: the probes are armed when the process's device

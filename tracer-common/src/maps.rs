@@ -57,6 +57,13 @@ pub const GLOBAL_WAKEUP_PID_OFF: &str = "WAKEUP_PID_OFF";
 pub const GLOBAL_FORK_PARENT_PID_OFF: &str = "FORK_PARENT_PID_OFF";
 pub const GLOBAL_FORK_CHILD_PID_OFF: &str = "FORK_CHILD_PID_OFF";
 pub const SCHED_TIDS_ENTRIES: u32 = 1 << 16;
+/// Global: non-zero when the scheduler programs follow a process only while its allocator
+/// probes are armed (`--allocator auto`); the processes armed now are in [`SCHED_ARMED`].
+pub const GLOBAL_SCHED_ARMED_ONLY: &str = "SCHED_ARMED_ONLY";
+/// pid -> 1 for each traced process whose allocator probes are armed now (set by userspace as
+/// it arms and disarms), read only when [`GLOBAL_SCHED_ARMED_ONLY`] is set.
+pub const SCHED_ARMED: &str = "SCHED_ARMED";
+pub const SCHED_ARMED_ENTRIES: u32 = 4096;
 
 /// tgid -> [`crate::PyProcess`]: CPython interpreters whose frames the return program walks
 /// (--stack); filled by userspace, copied to forked children by sched_process_fork.

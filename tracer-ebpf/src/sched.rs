@@ -24,6 +24,15 @@ use crate::{
 #[map(name = "OFFCPU")]
 static OFFCPU: HashMap<u32, OffCpu> = HashMap::with_max_entries(names::SCHED_TIDS_ENTRIES, 0);
 
+/// The processes followed now when [`SCHED_ARMED_ONLY`] is set (userspace arms and disarms).
+#[map(name = "SCHED_ARMED")]
+static SCHED_ARMED: HashMap<u32, u32> = HashMap::with_max_entries(names::SCHED_ARMED_ENTRIES, 0);
+
+/// Non-zero (`--allocator auto`): a process's threads are followed only while its allocator
+/// probes are armed, so that outside pressure their switches cost one lookup more, no event.
+#[unsafe(no_mangle)]
+static SCHED_ARMED_ONLY: u32 = 0;
+
 /// Offsets of the tracepoint fields, from tracefs (set by userspace at load).
 #[unsafe(no_mangle)]
 static PREV_PID_OFF: u32 = 24;
@@ -56,6 +65,10 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
     let Some(pid) = unsafe { SCHED_TIDS.get(&prev) }.copied() else {
         return forward_next(&ctx, None);
     };
+    // SAFETY: the value is only tested.
+    if global(&SCHED_ARMED_ONLY) != 0 && unsafe { SCHED_ARMED.get(&pid) }.is_none() {
+        return forward_next(&ctx, None);
+    }
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     // SAFETY: as above.

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::Event;
-use crate::model::{HostRecord, OffSlice};
+use crate::model::{arming::ArmingRow, HostRecord, OffSlice};
 use crate::units::format_ns as t;
 
 #[derive(Clone, Debug, Default)]
@@ -16,6 +16,10 @@ pub struct Host {
     pub recorded: bool,
     /// Online CPUs of the traced machine, when recorded.
     pub cpus: Option<u32>,
+    /// `--allocator auto`: the spans in which each process's threads were followed (while its
+    /// allocator probes were armed); None where they were followed throughout. A call outside
+    /// them has no host context: it is left out, never counted as one that did not wait.
+    followed: Option<HashMap<u32, Vec<(i64, i64)>>>,
 }
 
 /// How many threads of one traced process tree were runnable (on a CPU or waiting for one), as
@@ -101,7 +105,8 @@ pub struct Crowding {
     pub peak: u32,
 }
 
-/// Off-CPU time overlapping some calls, and the part of it spent runnable, waiting for a CPU.
+/// Off-CPU time overlapping some calls (those whose threads were followed), and the part of
+/// it spent runnable, waiting for a CPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Overlap {
     pub calls: u64,
@@ -120,6 +125,7 @@ impl Host {
             mut slices,
             recorded,
             cpus,
+            while_armed,
         } = record;
         slices.sort_by_key(|s| (s.tid, s.off_ns));
         let mut by_tid: HashMap<u32, Vec<OffSlice>> = HashMap::new();
@@ -139,14 +145,57 @@ impl Host {
             runnable,
             recorded,
             cpus,
+            followed: while_armed.then(HashMap::new),
         }
+    }
+
+    /// Whether the scheduler followed a process only while it was armed (`--allocator auto`).
+    pub fn while_armed(&self) -> bool {
+        self.followed.is_some()
+    }
+
+    /// Sets the spans in which each process was followed, from whether it was armed where the
+    /// walk began (`armed_from_start`) and its armings and disarmings after, in time order;
+    /// only for a session that followed processes while armed.
+    pub fn follow_while_armed(&mut self, armed_from_start: &[u32], rows: &[ArmingRow]) {
+        let Some(followed) = &mut self.followed else {
+            return;
+        };
+        let mut open: HashMap<u32, i64> = armed_from_start.iter().map(|&p| (p, i64::MIN)).collect();
+        for r in rows {
+            match (r.armed, open.get(&r.pid).copied()) {
+                (true, None) => {
+                    open.insert(r.pid, r.ts_ns);
+                }
+                (false, Some(from)) => {
+                    open.remove(&r.pid);
+                    followed.entry(r.pid).or_default().push((from, r.ts_ns));
+                }
+                _ => {}
+            }
+        }
+        for (pid, from) in open {
+            followed.entry(pid).or_default().push((from, i64::MAX));
+        }
+    }
+
+    /// Whether the call's threads were followed for the whole of it.
+    pub fn saw(&self, e: &Event) -> bool {
+        let Some(followed) = &self.followed else {
+            return true;
+        };
+        followed.get(&e.pid).is_some_and(|spans| {
+            spans
+                .iter()
+                .any(|&(from, to)| from <= e.ts_ns && e.end_ns() <= to)
+        })
     }
 
     /// How many threads of `pid`'s process tree were runnable during `calls`.
     pub fn crowding(&self, pid: u32, calls: &[&Event]) -> Option<Crowding> {
         let r = self.runnable.get(&pid)?;
         let (mut area, mut time, mut peak) = (0.0, 0u64, 0);
-        for e in calls {
+        for e in calls.iter().filter(|e| self.saw(e)) {
             area += r.area_to(e.end_ns()) - r.area_to(e.ts_ns);
             time += e.duration_ns;
             peak = peak.max(r.peak(e.ts_ns, e.end_ns()));
@@ -173,7 +222,7 @@ impl Host {
     /// How long the calls' own threads were off the CPU while the calls ran.
     pub fn during(&self, calls: &[&Event]) -> Overlap {
         let mut o = Overlap::default();
-        for e in calls {
+        for e in calls.iter().filter(|e| self.saw(e)) {
             o.calls += 1;
             o.call_ns += e.duration_ns;
             let Some(slices) = self.by_tid.get(&e.tid) else {
@@ -196,6 +245,15 @@ impl Host {
         o
     }
 
+    /// "12" or, where some calls' threads were not followed, "12 of the 40 ... followed".
+    pub fn of_followed(&self, seen: u64, all: usize) -> String {
+        if seen as usize == all {
+            seen.to_string()
+        } else {
+            format!("{seen} (of {all}: those while the scheduler followed their threads, the allocator probes armed)")
+        }
+    }
+
     /// A compounding factor for `calls` when their threads waited for a CPU during a real share
     /// of them (10%).
     pub fn compounding(&self, calls: &[&Event], what: &str) -> Option<String> {
@@ -210,7 +268,7 @@ impl Host {
             .unwrap_or_default();
         Some(format!(
             "CPU contention: during the {} {what} their own threads waited {} for a CPU ({:.0}% of the {} they took; {} off the CPU in all){crowd} - other runnable work, such as DataLoader workers, competed for the cores",
-            o.calls,
+            self.of_followed(o.calls, calls.len()),
             t(o.run_queue_ns),
             o.run_queue_ns as f64 * 100.0 / o.call_ns as f64,
             t(o.call_ns),

@@ -747,6 +747,10 @@ pub struct Explanation {
     pub events_in_window: u64,
     /// The scheduler was traced: CPU contention can be tied to the calls it slowed.
     pub host_context: bool,
+    /// The scheduler followed a process only while its allocator probes were armed
+    /// (`--allocator auto`): CPU contention is assessed only for calls made then.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub host_while_armed: bool,
     pub processes: Vec<ProcessReport>,
     pub chains: Vec<Chain>,
     /// Top call sites per op (--stack sessions).
@@ -972,6 +976,7 @@ pub fn analyze_collected(
         window,
         events_in_window,
         host_context: host.recorded,
+        host_while_armed: host.recorded && host.while_armed(),
         processes,
         chains,
         call_sites,

@@ -438,7 +438,70 @@ fn host_with(slices: Vec<OffSlice>) -> Host {
         slices,
         recorded: true,
         cpus: Some(2),
+        while_armed: false,
     })
+}
+
+/// `--allocator auto`: the scheduler followed the process only while armed (the first 10 of
+/// 30 slow syncs), so only those calls are assessed: their 58% waiting for a CPU is found,
+/// not diluted by 20 calls of which nothing is known; never armed, nothing is said.
+#[test]
+fn cpu_contention_in_auto_reads_only_the_calls_made_while_followed() {
+    use crate::model::arming::ArmingRow;
+    let v = slow_syncs();
+    let w = window_of(&v);
+    let followed: Vec<OffSlice> = v[..10]
+        .iter()
+        .map(|e| OffSlice {
+            pid: e.pid,
+            tid: e.tid,
+            off_ns: e.ts_ns + MS,
+            on_ns: e.ts_ns + 8 * MS,
+            wakeup_ns: None,
+            preempted: true,
+        })
+        .collect();
+    let row = |ts_ms: i64, armed| ArmingRow {
+        pid: 10,
+        ts_ns: ts_ms * MS,
+        armed,
+        reason: None,
+        held: 0,
+        total: 0,
+    };
+    let contention = |host: &Host| {
+        analyze(1, &v, host, w, &Inputs::new(&HashMap::new(), &HashMap::new()))
+            .chains
+            .into_iter()
+            .find(|c| c.rule == "cpu_contention")
+    };
+    // Read as if followed throughout: 70 ms of 360 ms waiting, under the rule's fifth.
+    assert!(contention(&host_with(followed.clone())).is_none());
+    let record = |slices| HostRecord {
+        slices,
+        recorded: true,
+        cpus: Some(2),
+        while_armed: true,
+    };
+    let mut host = Host::new(record(followed.clone()));
+    host.follow_while_armed(&[], &[row(-1, true), row(950, false)]);
+    assert_eq!(host.during(&v.iter().collect::<Vec<_>>()).calls, 10);
+    let chain = contention(&host).expect("contention in the followed calls");
+    assert!(
+        chain.root.contains("during the 10 (of 30: those while the scheduler followed"),
+        "{}",
+        chain.root
+    );
+    // Armed where the walk began, disarmed after the fifth call: five calls, too few.
+    let mut host = Host::new(record(followed.clone()));
+    host.follow_while_armed(&[10], &[row(450, false)]);
+    assert_eq!(host.during(&v.iter().collect::<Vec<_>>()).calls, 5);
+    assert!(contention(&host).is_none());
+    // Never armed: no call was followed.
+    let mut host = Host::new(record(followed));
+    host.follow_while_armed(&[], &[row(0, false)]);
+    assert_eq!(host.during(&v.iter().collect::<Vec<_>>()).calls, 0);
+    assert!(contention(&host).is_none());
 }
 
 #[test]

@@ -126,7 +126,14 @@ pub struct HostRecord {
     pub recorded: bool,
     /// Online CPUs of the traced machine, when recorded.
     pub cpus: Option<u32>,
+    /// A process's threads were followed only while its allocator probes were armed
+    /// (`--allocator auto`): their off-CPU time is known only then.
+    pub while_armed: bool,
 }
+
+/// The part of a session's host-context state that says its scheduler programs followed a
+/// process only while its allocator probes were armed.
+pub const FOLLOWED_WHILE_ARMED: &str = "followed=while-armed";
 
 /// Asks for transparent huge pages under a large vector about to be filled: a tenth of the
 /// page faults, and the kernel clears 2 MiB at a time.

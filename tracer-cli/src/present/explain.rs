@@ -31,6 +31,8 @@ pub fn text(out: &mut impl Write, explained: &Explained, per_process: bool) -> R
         r.events_in_window,
         if r.untimed {
             "; the snapshot has no times (an older PyTorch): its entries are in order only, so rates, latencies and bursts are not assessed"
+        } else if r.host_context && r.host_while_armed {
+            "; host context only while a process's allocator probes were armed (--allocator auto): CPU contention is assessed for the calls made then"
         } else if r.host_context {
             ""
         } else {

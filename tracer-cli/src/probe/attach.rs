@@ -100,6 +100,9 @@ pub struct Probes {
     pub torch_probes: Result<(), String>,
     /// Whether the scheduler tracepoints are attached (host context), or why not.
     pub host_context: Result<(), String>,
+    /// `--allocator auto` with host context: the processes the scheduler programs follow,
+    /// those armed now (kept in step with `armed`).
+    sched_armed: Option<aya::maps::HashMap<MapData, u32, u32>>,
 }
 
 /// Field offsets in the sched_switch and sched_wakeup records.
@@ -242,10 +245,22 @@ fn attach_sched(ebpf: &mut Ebpf) -> Result<(), String> {
     Ok(())
 }
 
+/// Takes map `name` out of the object as a hash map.
+fn take_hash_map<K: aya::Pod, V: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &str,
+) -> Result<aya::maps::HashMap<MapData, K, V>> {
+    let map = ebpf
+        .take_map(name)
+        .ok_or_else(|| anyhow!("eBPF object lacks map {name}"))?;
+    aya::maps::HashMap::try_from(map).with_context(|| format!("open map {name}"))
+}
+
 impl Probes {
     pub fn load(opts: LoadOptions) -> Result<Probes> {
         let floor = opts.floor;
         let stack: u32 = opts.stack.into();
+        let sched_armed_only: u32 = (opts.allocator == crate::model::arming::Mode::Auto).into();
         let sched = sched_offsets();
         let offsets = sched.as_ref().map_or(SchedOffsets::default(), |o| *o);
         let mut ebpf = EbpfLoader::new()
@@ -253,6 +268,7 @@ impl Probes {
             .override_global(names::GLOBAL_WAKEUP_BYTES, &opts.wakeup_bytes, true)
             .override_global(names::GLOBAL_FLOOR_MODE, &floor, true)
             .override_global(names::GLOBAL_STACK_MODE, &stack, true)
+            .override_global(names::GLOBAL_SCHED_ARMED_ONLY, &sched_armed_only, true)
             .override_global(names::GLOBAL_PREV_PID_OFF, &offsets.prev_pid, true)
             .override_global(names::GLOBAL_PREV_STATE_OFF, &offsets.prev_state, true)
             .override_global(names::GLOBAL_NEXT_PID_OFF, &offsets.next_pid, true)
@@ -309,6 +325,10 @@ impl Probes {
             Ok(_) => Err("--no-host-context".into()),
             Err(e) => Err(e),
         };
+        let sched_armed = match (&host_context, sched_armed_only) {
+            (Ok(()), 1) => Some(take_hash_map(&mut ebpf, names::SCHED_ARMED)?),
+            _ => None,
+        };
         // In --floor mode the USDT program returns at once: the floor of a block event.
         let torch_probes = load_torch_programs(&mut ebpf);
         Ok(Probes {
@@ -323,6 +343,7 @@ impl Probes {
             armed: BTreeMap::new(),
             host_context,
             torch_probes,
+            sched_armed,
         })
     }
 
@@ -629,6 +650,11 @@ impl Probes {
         }
         let n = addrs.len();
         self.armed.insert(pid, addrs);
+        if let Some(followed) = &mut self.sched_armed {
+            if let Err(e) = followed.insert(pid, 1, 0) {
+                log::warn!("follow the threads of armed process {pid} (host context): {e}");
+            }
+        }
         Ok(n)
     }
 
@@ -638,6 +664,10 @@ impl Probes {
         let Some(addrs) = self.armed.remove(&pid) else {
             return false;
         };
+        if let Some(followed) = &mut self.sched_armed {
+            // Absent when the insertion failed: nothing to undo.
+            let _ = followed.remove(&pid);
+        }
         if let Ok(memory) = semaphore::Memory::open(pid) {
             for addr in addrs {
                 if let Err(e) = memory.adjust(addr, -1) {
@@ -655,6 +685,11 @@ impl Probes {
         for pid in pids {
             self.disarm(pid);
         }
+    }
+
+    /// Whether the scheduler programs follow a process only while it is armed.
+    pub fn follows_armed_only(&self) -> bool {
+        self.sched_armed.is_some()
     }
 
     /// The processes armed now, and the plan slots taken (each site keeps one).

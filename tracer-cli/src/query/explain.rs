@@ -359,7 +359,18 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
         }
     }
     let known = Known::read(conn, session, &q.skip_frames)?;
-    let host = Host::new(events::host(conn, session, window.to_ns, q.pid)?);
+    let mut host = Host::new(events::host(conn, session, window.to_ns, q.pid)?);
+    let armed_from_start: Vec<u32> = begin
+        .states
+        .iter()
+        .filter(|s| {
+            matches!(
+                s.layout.block_sight(),
+                crate::model::layout::BlockSight::ArmedAt(_)
+            )
+        })
+        .map(|s| s.pid)
+        .collect();
     let oom_messages: Vec<crate::model::MessageRow> = known
         .messages
         .iter()
@@ -400,6 +411,7 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
     if let Some(e) = implausible {
         events::check_plausible(session, &[e])?;
     }
+    host.follow_while_armed(&armed_from_start, &arming);
     let t1 = std::time::Instant::now();
     let mut report =
         analysis::analyze_collected(session, collector.finish(), &host, window, &inputs);

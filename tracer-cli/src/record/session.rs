@@ -879,8 +879,13 @@ fn follow_mappings(shared: &Arc<Shared>, tx: SyncSender<Inbound>) -> Option<Shar
 fn host_context_state(probes: &Probes) -> String {
     match &probes.host_context {
         Ok(()) => format!(
-            "sched_switch, sched_wakeup, sched_process_fork, sched_process_exit; cpus={}",
-            procinfo::online_cpus().unwrap_or(0)
+            "sched_switch, sched_wakeup, sched_process_fork, sched_process_exit; cpus={}{}",
+            procinfo::online_cpus().unwrap_or(0),
+            if probes.follows_armed_only() {
+                format!("; {}", crate::model::FOLLOWED_WHILE_ARMED)
+            } else {
+                String::new()
+            }
         ),
         Err(e) => {
             eprintln!(

@@ -847,10 +847,15 @@ pub fn host(conn: &Connection, session: i64, to_ns: i64, pid: Option<u32>) -> Re
     if has_table(conn, "offcpu_blocks")? {
         off_cpu_blocks(conn, session, to_ns, pid, &mut slices)?;
     }
+    let while_armed = state.as_deref().is_some_and(|s| {
+        s.split(';')
+            .any(|part| part.trim() == crate::model::FOLLOWED_WHILE_ARMED)
+    });
     Ok(HostRecord {
         slices,
         recorded,
         cpus,
+        while_armed,
     })
 }
 

@@ -57,12 +57,12 @@ pub(super) fn cpu_contention(
     let threshold = select_quantile_with_zeros(&mut d, zeros, 0.95).max(100_000);
     let slow: Vec<&Event> = evs.iter().filter(|e| e.duration_ns >= threshold).collect();
     let o = host.during(&slow);
-    if slow.len() < 10 || o.call_ns == 0 || o.run_queue_ns * 5 < o.call_ns {
+    if o.calls < 10 || o.call_ns == 0 || o.run_queue_ns * 5 < o.call_ns {
         return None;
     }
     let share = o.run_queue_ns as f64 / o.call_ns as f64;
     let mut ops: BTreeMap<&str, u64> = BTreeMap::new();
-    for e in &slow {
+    for e in slow.iter().filter(|e| host.saw(e)) {
         *ops.entry(e.op.name()).or_default() += 1;
     }
     let listing: Vec<String> = ops.iter().map(|(op, n)| format!("{op} x{n}")).collect();
@@ -74,7 +74,7 @@ pub(super) fn cpu_contention(
         root: format!(
             "the calling threads waited {} for a CPU during the {} slowest calls ({}; at least {} each): {:.0}% of their {}",
             t(o.run_queue_ns),
-            slow.len(),
+            host.of_followed(o.calls, slow.len()),
             listing.join(", "),
             t(threshold),
             share * 100.0,
@@ -91,6 +91,6 @@ pub(super) fn cpu_contention(
             "fewer DataLoader workers (num_workers) than free cores, or pin them away from the training thread (taskset, cgroups)".into(),
             "torch.set_num_threads() so intra-op threads do not oversubscribe the cores".into(),
         ],
-        evidence: format!("{} slow calls and the scheduler's record of their threads", slow.len()),
+        evidence: format!("{} slow calls and the scheduler's record of their threads", o.calls),
     })
 }

@@ -470,10 +470,16 @@ fn cpu_contention_in_auto_reads_only_the_calls_made_while_followed() {
         total: 0,
     };
     let contention = |host: &Host| {
-        analyze(1, &v, host, w, &Inputs::new(&HashMap::new(), &HashMap::new()))
-            .chains
-            .into_iter()
-            .find(|c| c.rule == "cpu_contention")
+        analyze(
+            1,
+            &v,
+            host,
+            w,
+            &Inputs::new(&HashMap::new(), &HashMap::new()),
+        )
+        .chains
+        .into_iter()
+        .find(|c| c.rule == "cpu_contention")
     };
     // Read as if followed throughout: 70 ms of 360 ms waiting, under the rule's fifth.
     assert!(contention(&host_with(followed.clone())).is_none());
@@ -488,7 +494,9 @@ fn cpu_contention_in_auto_reads_only_the_calls_made_while_followed() {
     assert_eq!(host.during(&v.iter().collect::<Vec<_>>()).calls, 10);
     let chain = contention(&host).expect("contention in the followed calls");
     assert!(
-        chain.root.contains("during the 10 (of 30: those while the scheduler followed"),
+        chain
+            .root
+            .contains("during the 10 (of 30: those while the scheduler followed"),
         "{}",
         chain.root
     );

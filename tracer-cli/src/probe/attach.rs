@@ -16,6 +16,7 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use aya::{
     maps::{Array, MapData, PerCpuArray, RingBuf},
     programs::{
+        trace_point::TracePointLinkId,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
         RawTracePoint, TracePoint, UProbe,
     },
@@ -100,9 +101,8 @@ pub struct Probes {
     pub torch_probes: Result<(), String>,
     /// Whether the scheduler tracepoints are attached (host context), or why not.
     pub host_context: Result<(), String>,
-    /// `--allocator auto` with host context: the processes the scheduler programs follow,
-    /// those armed now (kept in step with `armed`).
-    sched_armed: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    /// `--allocator auto` with host context: the scheduler follows the processes armed now.
+    sched_follow: Option<SchedFollow>,
 }
 
 /// Field offsets in the sched_switch and sched_wakeup records.
@@ -225,24 +225,95 @@ fn load_torch_programs(ebpf: &mut Ebpf) -> Result<(), String> {
     Ok(())
 }
 
-fn attach_sched(ebpf: &mut Ebpf) -> Result<(), String> {
-    for (name, event) in [
-        (names::PROG_SCHED_SWITCH, "sched_switch"),
-        (names::PROG_SCHED_WAKEUP, "sched_wakeup"),
+/// The scheduler programs that follow threads off and back onto the CPU; `--allocator auto`
+/// attaches them only while some process is armed (each runs at every switch on the machine).
+const SCHED_FOLLOW: [(&str, &str); 2] = [
+    (names::PROG_SCHED_SWITCH, "sched_switch"),
+    (names::PROG_SCHED_WAKEUP, "sched_wakeup"),
+];
+
+/// The tracepoint program `name` of the object.
+fn sched_program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut TracePoint, String> {
+    ebpf.program_mut(name)
+        .ok_or_else(|| format!("eBPF object lacks program {name}"))?
+        .try_into()
+        .map_err(|e| format!("{name}: {e}"))
+}
+
+/// Loads the scheduler programs and attaches them; the two that follow threads only when
+/// `follow_now` (else [`SchedFollow`] attaches them while a process is armed).
+fn attach_sched(ebpf: &mut Ebpf, follow_now: bool) -> Result<(), String> {
+    for (name, event) in SCHED_FOLLOW.into_iter().chain([
         (names::PROG_SCHED_FORK, "sched_process_fork"),
         (names::PROG_SCHED_EXIT, "sched_process_exit"),
-    ] {
-        let program: &mut TracePoint = ebpf
-            .program_mut(name)
-            .ok_or_else(|| format!("eBPF object lacks program {name}"))?
-            .try_into()
-            .map_err(|e| format!("{name}: {e}"))?;
+    ]) {
+        let program = sched_program(ebpf, name)?;
         program.load().map_err(|e| format!("load {name}: {e}"))?;
-        program
-            .attach("sched", event)
-            .map_err(|e| format!("attach tracepoint sched:{event}: {e}"))?;
+        if follow_now || !SCHED_FOLLOW.iter().any(|(n, _)| *n == name) {
+            program
+                .attach("sched", event)
+                .map_err(|e| format!("attach tracepoint sched:{event}: {e}"))?;
+        }
     }
     Ok(())
+}
+
+/// `--allocator auto` with host context: the scheduler follows a process's threads only while
+/// it is armed, and the programs that follow them are attached only while some process is.
+struct SchedFollow {
+    /// The processes armed now, for the switch program.
+    armed: aya::maps::HashMap<MapData, u32, u32>,
+    /// Threads off the CPU since a switch the program saw: emptied when it is detached, so
+    /// that an interval whose end it never saw is never sent.
+    off_cpu: aya::maps::HashMap<MapData, u32, tracer_common::sched::OffCpu>,
+    links: Vec<(&'static str, TracePointLinkId)>,
+}
+
+impl SchedFollow {
+    fn take(ebpf: &mut Ebpf) -> Result<SchedFollow> {
+        Ok(SchedFollow {
+            armed: take_hash_map(ebpf, names::SCHED_ARMED)?,
+            off_cpu: take_hash_map(ebpf, names::OFFCPU)?,
+            links: Vec::new(),
+        })
+    }
+
+    /// Follows `pid`'s threads, attaching the programs if none was followed.
+    fn follow(&mut self, ebpf: &mut Ebpf, pid: u32) -> Result<()> {
+        self.armed
+            .insert(pid, 1, 0)
+            .with_context(|| format!("add process {pid} to {}", names::SCHED_ARMED))?;
+        if self.links.is_empty() {
+            for (name, event) in SCHED_FOLLOW {
+                let link = sched_program(ebpf, name)
+                    .map_err(|e| anyhow!(e))?
+                    .attach("sched", event)
+                    .with_context(|| format!("attach tracepoint sched:{event}"))?;
+                self.links.push((name, link));
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops following `pid`; with no process left, detaches the programs.
+    fn unfollow(&mut self, ebpf: &mut Ebpf, pid: u32) {
+        // Absent when following it failed: nothing to undo.
+        let _ = self.armed.remove(&pid);
+        if self.armed.keys().next().is_some() {
+            return;
+        }
+        for (name, link) in self.links.drain(..) {
+            if let Ok(program) = sched_program(ebpf, name) {
+                if let Err(e) = program.detach(link) {
+                    log::debug!("detach {name}: {e}");
+                }
+            }
+        }
+        let threads: Vec<u32> = self.off_cpu.keys().filter_map(Result::ok).collect();
+        for tid in threads {
+            let _ = self.off_cpu.remove(&tid);
+        }
+    }
 }
 
 /// Takes map `name` out of the object as a hash map.
@@ -320,13 +391,15 @@ impl Probes {
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::COUNTERS))?;
         let counters = PerCpuArray::try_from(counters).context("open the counters map")?;
         let host_context = match sched {
-            Ok(_) if opts.floor == 0 && opts.host_context => attach_sched(&mut ebpf),
+            Ok(_) if opts.floor == 0 && opts.host_context => {
+                attach_sched(&mut ebpf, sched_armed_only == 0)
+            }
             Ok(_) if opts.floor != 0 => Err("not in --floor mode".into()),
             Ok(_) => Err("--no-host-context".into()),
             Err(e) => Err(e),
         };
-        let sched_armed = match (&host_context, sched_armed_only) {
-            (Ok(()), 1) => Some(take_hash_map(&mut ebpf, names::SCHED_ARMED)?),
+        let sched_follow = match (&host_context, sched_armed_only) {
+            (Ok(()), 1) => Some(SchedFollow::take(&mut ebpf)?),
             _ => None,
         };
         // In --floor mode the USDT program returns at once: the floor of a block event.
@@ -343,7 +416,7 @@ impl Probes {
             armed: BTreeMap::new(),
             host_context,
             torch_probes,
-            sched_armed,
+            sched_follow,
         })
     }
 
@@ -650,9 +723,9 @@ impl Probes {
         }
         let n = addrs.len();
         self.armed.insert(pid, addrs);
-        if let Some(followed) = &mut self.sched_armed {
-            if let Err(e) = followed.insert(pid, 1, 0) {
-                log::warn!("follow the threads of armed process {pid} (host context): {e}");
+        if let Some(follow) = &mut self.sched_follow {
+            if let Err(e) = follow.follow(&mut self.ebpf, pid) {
+                log::warn!("follow the threads of armed process {pid} (host context): {e:#}");
             }
         }
         Ok(n)
@@ -664,9 +737,8 @@ impl Probes {
         let Some(addrs) = self.armed.remove(&pid) else {
             return false;
         };
-        if let Some(followed) = &mut self.sched_armed {
-            // Absent when the insertion failed: nothing to undo.
-            let _ = followed.remove(&pid);
+        if let Some(follow) = &mut self.sched_follow {
+            follow.unfollow(&mut self.ebpf, pid);
         }
         if let Ok(memory) = semaphore::Memory::open(pid) {
             for addr in addrs {
@@ -689,7 +761,7 @@ impl Probes {
 
     /// Whether the scheduler programs follow a process only while it is armed.
     pub fn follows_armed_only(&self) -> bool {
-        self.sched_armed.is_some()
+        self.sched_follow.is_some()
     }
 
     /// The processes armed now, and the plan slots taken (each site keeps one).
@@ -807,7 +879,13 @@ impl Probes {
             ),
             (
                 names::OFFCPU,
-                keys::<u32, tracer_common::sched::OffCpu>(&self.ebpf, names::OFFCPU),
+                match &self.sched_follow {
+                    // Taken out of the object: `auto` empties it when it stops following.
+                    Some(follow) => {
+                        Some(follow.off_cpu.keys().filter(Result::is_ok).count() as u64)
+                    }
+                    None => keys::<u32, tracer_common::sched::OffCpu>(&self.ebpf, names::OFFCPU),
+                },
             ),
             (
                 names::INFLIGHT,

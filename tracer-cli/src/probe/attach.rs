@@ -263,18 +263,25 @@ fn attach_sched(ebpf: &mut Ebpf, follow_now: bool) -> Result<(), String> {
 struct SchedFollow {
     /// The processes armed now, for the switch program.
     armed: aya::maps::HashMap<MapData, u32, u32>,
-    /// Threads off the CPU since a switch the program saw: emptied when it is detached, so
-    /// that an interval whose end it never saw is never sent.
-    off_cpu: aya::maps::HashMap<MapData, u32, tracer_common::sched::OffCpu>,
+    /// Threads off the CPU since a switch the program saw: emptied once it is detached, so
+    /// that an interval whose end it never saw is never sent. None while a detaching thread
+    /// holds it.
+    off_cpu: Option<OffCpuMap>,
     links: Vec<(&'static str, TracePointLinkId)>,
+    /// Detaching waits for the kernel's grace period (about 0.1 s here): a thread does it,
+    /// and hands the map back emptied.
+    detaching: Option<std::thread::JoinHandle<OffCpuMap>>,
 }
+
+type OffCpuMap = aya::maps::HashMap<MapData, u32, tracer_common::sched::OffCpu>;
 
 impl SchedFollow {
     fn take(ebpf: &mut Ebpf) -> Result<SchedFollow> {
         Ok(SchedFollow {
             armed: take_hash_map(ebpf, names::SCHED_ARMED)?,
-            off_cpu: take_hash_map(ebpf, names::OFFCPU)?,
+            off_cpu: Some(take_hash_map(ebpf, names::OFFCPU)?),
             links: Vec::new(),
+            detaching: None,
         })
     }
 
@@ -284,6 +291,8 @@ impl SchedFollow {
             .insert(pid, 1, 0)
             .with_context(|| format!("add process {pid} to {}", names::SCHED_ARMED))?;
         if self.links.is_empty() {
+            // A detaching still under way empties the map: it must end before new intervals.
+            self.detached();
             for (name, event) in SCHED_FOLLOW {
                 let link = sched_program(ebpf, name)
                     .map_err(|e| anyhow!(e))?
@@ -295,24 +304,48 @@ impl SchedFollow {
         Ok(())
     }
 
-    /// Stops following `pid`; with no process left, detaches the programs.
+    /// Stops following `pid`; with no process left, detaches the programs (in a thread).
     fn unfollow(&mut self, ebpf: &mut Ebpf, pid: u32) {
         // Absent when following it failed: nothing to undo.
         let _ = self.armed.remove(&pid);
-        if self.armed.keys().next().is_some() {
+        if self.links.is_empty() || self.armed.keys().next().is_some() {
             return;
         }
+        let mut links = Vec::new();
         for (name, link) in self.links.drain(..) {
-            if let Ok(program) = sched_program(ebpf, name) {
-                if let Err(e) = program.detach(link) {
-                    log::debug!("detach {name}: {e}");
-                }
+            match sched_program(ebpf, name).map(|p| p.take_link(link)) {
+                Ok(Ok(link)) => links.push(link),
+                Ok(Err(e)) => log::debug!("detach {name}: {e}"),
+                Err(e) => log::debug!("detach {name}: {e}"),
             }
         }
-        let threads: Vec<u32> = self.off_cpu.keys().filter_map(Result::ok).collect();
-        for tid in threads {
-            let _ = self.off_cpu.remove(&tid);
+        let Some(mut off_cpu) = self.off_cpu.take() else {
+            return;
+        };
+        self.detaching = Some(std::thread::spawn(move || {
+            drop(links);
+            let threads: Vec<u32> = off_cpu.keys().filter_map(Result::ok).collect();
+            for tid in threads {
+                let _ = off_cpu.remove(&tid);
+            }
+            off_cpu
+        }));
+    }
+
+    /// Waits for a detaching under way, taking the map back.
+    fn detached(&mut self) {
+        if let Some(thread) = self.detaching.take() {
+            match thread.join() {
+                Ok(map) => self.off_cpu = Some(map),
+                Err(_) => log::warn!("detaching the scheduler programs failed"),
+            }
         }
+    }
+
+    /// Threads off the CPU now, as the programs saw them.
+    fn off_cpu_entries(&mut self) -> Option<u64> {
+        self.detached();
+        Some(self.off_cpu.as_ref()?.keys().filter(Result::is_ok).count() as u64)
     }
 }
 
@@ -866,7 +899,7 @@ impl Probes {
 
     /// Entries held now by the per-thread kernel maps (each thread's go when it exits), by
     /// map name.
-    pub fn map_entries(&self) -> Vec<(&'static str, u64)> {
+    pub fn map_entries(&mut self) -> Vec<(&'static str, u64)> {
         fn keys<K: aya::Pod, V: aya::Pod>(ebpf: &Ebpf, name: &'static str) -> Option<u64> {
             let map: aya::maps::HashMap<_, K, V> =
                 aya::maps::HashMap::try_from(ebpf.map(name)?).ok()?;
@@ -879,11 +912,9 @@ impl Probes {
             ),
             (
                 names::OFFCPU,
-                match &self.sched_follow {
+                match &mut self.sched_follow {
                     // Taken out of the object: `auto` empties it when it stops following.
-                    Some(follow) => {
-                        Some(follow.off_cpu.keys().filter(Result::is_ok).count() as u64)
-                    }
+                    Some(follow) => follow.off_cpu_entries(),
                     None => keys::<u32, tracer_common::sched::OffCpu>(&self.ebpf, names::OFFCPU),
                 },
             ),

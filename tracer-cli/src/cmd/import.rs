@@ -94,6 +94,26 @@ fn snapshot(file: &std::path::Path, db: &std::path::Path, as_json: bool) -> Resu
             println!("{n} {what}");
         }
     }
+    if let Some(first) = &imported.first_unusable {
+        println!(
+            "{} entries lack a field tracer needs, skipped (the first: {first})",
+            imported.unusable_entries
+        );
+    }
+    if imported.trace_overflowed == Some(true) {
+        println!(
+            "the file says its trace ring overflowed ({} entries kept): what came before its first entry is rebuilt from the final state, its calls unknown",
+            imported
+                .trace_max_entries
+                .map_or("its capacity".to_owned(), |n| n.to_string())
+        );
+    }
+    if imported.host_segments + imported.host_entries > 0 {
+        println!(
+            "{} pinned host segments and {} host trace entries: not imported (tracer models device memory)",
+            imported.host_segments, imported.host_entries
+        );
+    }
     if check.equal() {
         println!(
             "layout check: equal to the allocator's own final state ({} segments, {} blocks)",

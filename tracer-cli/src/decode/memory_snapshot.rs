@@ -22,6 +22,19 @@ pub struct MemorySnapshot {
     pub stacks: Vec<Vec<Frame>>,
     /// Entries of actions this tracer does not know, skipped.
     pub unknown_actions: u64,
+    /// Entries of known actions that lack a field tracer needs (or hold a mistyped one),
+    /// skipped, and the first one's place and fault.
+    pub unusable_entries: u64,
+    pub first_unusable: Option<String>,
+    /// The trace's ring overflowed, so it starts after the job did
+    /// (`allocator_settings.trace_alloc_overflowed`; None: the file does not say).
+    pub trace_overflowed: Option<bool>,
+    /// The ring's capacity (`allocator_settings.trace_alloc_max_entries`).
+    pub trace_max_entries: Option<u64>,
+    /// Pinned host memory (`host_segments`, `host_traces`): counted, not imported (tracer
+    /// models device memory).
+    pub host_segments: u64,
+    pub host_entries: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,11 +153,16 @@ pub fn read(p: &Pickle) -> Result<MemorySnapshot> {
     for (device, &t) in p.items(traces).iter().enumerate() {
         let mut entries = Vec::new();
         for (i, &e) in p.items(t).iter().enumerate() {
-            if let Some(entry) = r
-                .entry(e)
-                .map_err(|err| anyhow!("device_traces[{device}][{i}]: {err}"))?
-            {
-                entries.push(entry);
+            match r.entry(e) {
+                Ok(Some(entry)) => entries.push(entry),
+                Ok(None) => {}
+                // One entry tracer cannot use is no reason to refuse the file: counted, said.
+                Err(err) => {
+                    r.out.unusable_entries += 1;
+                    r.out
+                        .first_unusable
+                        .get_or_insert_with(|| format!("device_traces[{device}][{i}]: {err}"));
+                }
             }
         }
         if !entries.is_empty() {
@@ -154,9 +172,19 @@ pub fn read(p: &Pickle) -> Result<MemorySnapshot> {
             });
         }
     }
-    r.out.alloc_conf = p
-        .field(root, "allocator_settings")
-        .map(|s| alloc_conf(p, s));
+    let settings = p.field(root, "allocator_settings");
+    r.out.alloc_conf = settings.map(|s| alloc_conf(p, s));
+    r.out.trace_overflowed = settings
+        .and_then(|s| p.field(s, "trace_alloc_overflowed"))
+        .and_then(|v| p.bool(v));
+    r.out.trace_max_entries = settings
+        .and_then(|s| p.field(s, "trace_alloc_max_entries"))
+        .and_then(|v| p.int(v))
+        .and_then(|n| u64::try_from(n).ok());
+    r.out.host_segments = p.field(root, "host_segments").map_or(0, |v| p.items(v).len() as u64);
+    r.out.host_entries = p.field(root, "host_traces").map_or(0, |v| {
+        p.items(v).iter().map(|&t| p.items(t).len() as u64).sum()
+    });
     Ok(r.out)
 }
 
@@ -244,9 +272,17 @@ impl Reader<'_> {
             Some(f) => self.stack(f)?,
             None => None,
         };
+        // PyTorch writes an out-of-memory's device free bytes as `device_free`, with no
+        // address (older tracer test files put them in `addr`).
+        let addr = match action {
+            Action::Oom => self
+                .u64(e, "device_free")
+                .or_else(|_| self.u64(e, "addr"))?,
+            _ => self.u64(e, "addr")?,
+        };
         Ok(Some(TraceEntry {
             action,
-            addr: self.u64(e, "addr")?,
+            addr,
             size: self.u64(e, "size")?,
             stream: self.u64(e, "stream").unwrap_or(0),
             time_us: self.i64(e, "time_us").ok(),

@@ -78,7 +78,6 @@ fn every_real_snapshot_rebuilds_to_the_allocators_own_layout() {
     }
 }
 
-/// Each bad file exits 2 naming the file and what is wrong with it, and stores nothing.
 /// whatif's fidelity gate on what PyTorch's real allocator decided: replayed under the settings
 /// the job ran with, from the state each trace began in, the simulator makes every segment
 /// allocation the allocator made (count and sizes, in order) and puts every block at the
@@ -339,7 +338,8 @@ trace = [
     e('alloc', A + 12 * MIB, 20 * MIB, 6),
     e('segment_map', A + 40 * MIB, 20 * MIB, 7),
     e('segment_unmap', A + 40 * MIB, 20 * MIB, 8),
-    e('oom', 10 * MIB, 100 * MIB, 9),
+    # PyTorch's form: the device's free bytes as `device_free`, no address.
+    {'action': 'oom', 'device_free': 10 * MIB, 'size': 100 * MIB, 'stream': 0, 'time_us': 1009, 'frames': fr},
 ]
 blocks = [
     {'address': A, 'size': 8 * MIB, 'requested_size': 0, 'state': 'inactive'},
@@ -389,5 +389,55 @@ fn an_expandable_segments_oom_is_capacity_and_the_allocator_is_no_bypass() {
         .unwrap_or_else(|| panic!("an OOM chain: {rules:?}"));
     let effect = oom["effect"].as_str().unwrap();
     assert!(effect.contains("Tried to allocate 100.00 MiB"), "{effect}");
+    assert!(effect.contains("has 10.00 MiB free"), "{effect}");
     assert!(effect.contains("(capacity)"), "{effect}");
+}
+
+/// Every real snapshot imported, then exported as PyTorch's memory snapshot: its segments
+/// (every field), blocks, the requested bytes of its live blocks and its trace entries (action,
+/// address, size, stream, time, an out-of-memory's free bytes) equal the original's, and so do
+/// the Python frames of every entry; a file without times gets none.
+#[test]
+fn every_real_snapshot_exports_back_to_itself() {
+    let Some(files) = snapshots() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    for (i, file) in files.iter().enumerate() {
+        let db = dir.path().join(format!("{i}.db"));
+        let r = import(&db, file);
+        assert_eq!(r["import"]["unusable_entries"], 0, "{r:#}");
+        let out = dir.path().join(format!("{i}.pickle"));
+        let export = std::process::Command::new(TRACER)
+            .args(["export", "--format", "pytorch-snapshot", "--db"])
+            .arg(&db)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert_ok(&export);
+        let stderr = String::from_utf8_lossy(&export.stderr);
+        assert!(
+            stderr.contains("entries of the state before an imported trace began"),
+            "{stderr}"
+        );
+        let compared = std::process::Command::new("python3")
+            .arg(workspace().join("tests/python/snapshot_compare.py"))
+            .arg(file)
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert_ok(&compared);
+        let parts: Value = serde_json::from_slice(&compared.stdout).unwrap();
+        for (part, v) in parts.as_object().unwrap() {
+            assert_eq!(
+                v["compared"],
+                v["equal"],
+                "{}: {part}: {v:#}",
+                file.display()
+            );
+        }
+        assert!(
+            parts["entries"]["compared"].as_u64().unwrap() > 1000,
+            "{parts:#}"
+        );
+    }
 }

@@ -1,4 +1,5 @@
-//! `tracer export --format perfetto -o FILE`: a session as a Perfetto trace, streamed.
+//! `tracer export --format perfetto -o FILE`: a session as a Perfetto trace, streamed;
+//! `--format pytorch-snapshot`: one process as PyTorch's memory snapshot pickle.
 
 use std::path::PathBuf;
 
@@ -6,9 +7,11 @@ use anyhow::{Context as _, Result};
 use clap::{Args, ValueEnum};
 use tracer_cli::{
     model::layout::AllocConf,
-    paths,
+    paths, present,
     present::perfetto::{PerfettoWriter, Written},
     query,
+    query::layout::At,
+    query::pytorch_snapshot::{self, SnapshotQuery, DEFAULT_MAX_ENTRIES},
     store::{events, Access, Store},
 };
 
@@ -16,6 +19,9 @@ use tracer_cli::{
 pub enum Format {
     /// Perfetto's protobuf trace (open it in ui.perfetto.dev).
     Perfetto,
+    /// PyTorch's memory snapshot pickle (`torch.cuda.memory._dump_snapshot`): open it in
+    /// pytorch.org/memory_viz or read it with torch.cuda._memory_viz.
+    PytorchSnapshot,
 }
 
 #[derive(Debug, Args)]
@@ -31,9 +37,21 @@ pub struct ExportArgs {
     /// The session (default: the latest).
     #[arg(long)]
     pub session: Option<i64>,
-    /// Only this process.
+    /// Only this process (a memory snapshot is one process's: needed when several used
+    /// PyTorch's allocator).
     #[arg(long)]
     pub pid: Option<u32>,
+    /// pytorch-snapshot: the instant: `oom` (the first out-of-memory) or a time as tracer
+    /// prints it (default: the end).
+    #[arg(long, value_parser = super::layout::parse_at)]
+    pub at: Option<At>,
+    /// pytorch-snapshot: only the trace entries this long before the instant (e.g. 300s).
+    #[arg(long, value_parser = tracer_cli::units::parse_duration)]
+    pub since: Option<std::time::Duration>,
+    /// pytorch-snapshot: the most trace entries per device, the newest kept
+    /// (`trace_alloc_overflowed` is then set).
+    #[arg(long, default_value_t = DEFAULT_MAX_ENTRIES as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_entries: u64,
 }
 
 pub fn run(args: ExportArgs) -> Result<()> {
@@ -42,7 +60,11 @@ pub fn run(args: ExportArgs) -> Result<()> {
     // A failed export leaves no partial trace and the previous file in place.
     let mut output = paths::create_output(&args.output, &who)?;
     let out = std::io::BufWriter::with_capacity(1 << 20, &mut output);
-    let Format::Perfetto = args.format;
+    if let Format::PytorchSnapshot = args.format {
+        export_snapshot(&db, &args, out)
+            .with_context(|| format!("exporting to {}", args.output.display()))?;
+        return output.commit();
+    }
     let (session, written) = export_perfetto(&db, args.session, args.pid, out)
         .with_context(|| format!("exporting to {}", args.output.display()))?;
     output.commit()?;
@@ -56,6 +78,81 @@ pub fn run(args: ExportArgs) -> Result<()> {
         args.output.display()
     );
     Ok(())
+}
+
+/// Writes one process as a PyTorch memory snapshot; says on stderr what it holds and what was
+/// left out.
+fn export_snapshot(
+    db: &std::path::Path,
+    args: &ExportArgs,
+    mut out: impl std::io::Write,
+) -> Result<()> {
+    let export = pytorch_snapshot::export(
+        db,
+        &SnapshotQuery {
+            session: args.session,
+            pid: args.pid,
+            at: args.at.unwrap_or(At::End),
+            since_ns: args
+                .since
+                .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)),
+            max_entries: usize::try_from(args.max_entries).unwrap_or(usize::MAX),
+        },
+    )?;
+    present::pytorch_snapshot::write(&mut out, &export)?;
+    out.flush()?;
+    let entries: usize = export.traces.iter().map(Vec::len).sum();
+    let blocks: usize = export.segments.iter().map(|s| s.blocks.len()).sum();
+    eprintln!(
+        "tracer: session {} pid {}: {} segments, {} blocks, {} trace entries on {} devices, {} call sites in {}",
+        export.session,
+        export.pid,
+        export.segments.len(),
+        blocks,
+        entries,
+        export.traces.len(),
+        export.frames.len(),
+        args.output.display()
+    );
+    for line in left_out_lines(&export.left_out) {
+        eprintln!("tracer: left out: {line}");
+    }
+    Ok(())
+}
+
+/// What the snapshot leaves out, in words (nothing unseen is written as free).
+fn left_out_lines(l: &pytorch_snapshot::LeftOut) -> Vec<String> {
+    let mut lines = Vec::new();
+    if l.unseen_segments > 0 {
+        lines.push(format!(
+            "{} segments ({}) whose blocks tracer did not see (made before PyTorch's allocator probes were armed or the process was traced), with {} entries of theirs",
+            l.unseen_segments,
+            tracer_cli::units::format_bytes(l.unseen_bytes),
+            l.entries_of_unseen
+        ));
+    } else if l.entries_of_unseen > 0 {
+        lines.push(format!(
+            "{} entries of device allocations that are not the allocator's",
+            l.entries_of_unseen
+        ));
+    }
+    if l.outside_allocations > 0 {
+        lines.push(format!(
+            "{} device allocations no block landed in (a library's own cudaMalloc)",
+            l.outside_allocations
+        ));
+    }
+    for (n, what) in [
+        (l.entries_rebuilt, "entries of the state before an imported trace began (rebuilt from its final state, never recorded)"),
+        (l.entries_before_hole, "entries before calls --max-db deleted (the layout after them comes from a keyframe)"),
+        (l.entries_before_since, "entries before --since"),
+        (l.entries_cut, "oldest entries past --max-entries (trace_alloc_overflowed is set)"),
+    ] {
+        if n > 0 {
+            lines.push(format!("{n} {what}"));
+        }
+    }
+    lines
 }
 
 /// Streams a session (or one process of it) into a Perfetto trace: its calls in time order from

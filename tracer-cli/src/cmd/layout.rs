@@ -36,7 +36,7 @@ pub struct LayoutArgs {
     pub timeline: bool,
 }
 
-fn parse_at(text: &str) -> Result<At, String> {
+pub(crate) fn parse_at(text: &str) -> Result<At, String> {
     if text == "oom" {
         return Ok(At::Oom);
     }

@@ -181,7 +181,9 @@ pub fn read(p: &Pickle) -> Result<MemorySnapshot> {
         .and_then(|s| p.field(s, "trace_alloc_max_entries"))
         .and_then(|v| p.int(v))
         .and_then(|n| u64::try_from(n).ok());
-    r.out.host_segments = p.field(root, "host_segments").map_or(0, |v| p.items(v).len() as u64);
+    r.out.host_segments = p
+        .field(root, "host_segments")
+        .map_or(0, |v| p.items(v).len() as u64);
     r.out.host_entries = p.field(root, "host_traces").map_or(0, |v| {
         p.items(v).iter().map(|&t| p.items(t).len() as u64).sum()
     });

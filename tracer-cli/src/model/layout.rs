@@ -881,6 +881,24 @@ impl Layout {
     }
 
     /// Whether the allocator's blocks are seen now (not disarmed).
+    /// Whether the block at `addr` was freed and waits for other streams' work (PyTorch's
+    /// active_pending_free).
+    pub fn is_pending(&self, addr: u64) -> bool {
+        self.pending.blocks.contains_key(&addr)
+    }
+
+    /// The address of the segment holding `addr`, where the layout knows one.
+    pub fn segment_of(&self, addr: u64) -> Option<u64> {
+        let (&start, seg) = self.segments.range(..=addr).next_back()?;
+        (addr < start + seg.size).then_some(start)
+    }
+
+    /// Whether the segment at `addr` holds blocks tracer did not see (made before the
+    /// allocator's probes were armed).
+    pub fn contents_unseen(&self, addr: u64) -> bool {
+        self.sight.unseen.contains_key(&addr)
+    }
+
     pub fn blocks_known(&self) -> bool {
         !matches!(self.sight.state, BlockSight::DisarmedAt(_))
     }

@@ -9,6 +9,8 @@ pub mod layout;
 pub mod live;
 pub mod metrics;
 pub mod perfetto;
+pub mod pickle;
+pub mod pytorch_snapshot;
 pub mod report;
 pub mod rows;
 pub mod stacks;

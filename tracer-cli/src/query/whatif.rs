@@ -399,7 +399,7 @@ pub fn recorded_run(
 }
 
 /// The bytes of PyTorch's "Tried to allocate 1.50 GiB" (its format_size: two decimals).
-fn tried_to_allocate(message: &str) -> Option<u64> {
+pub(crate) fn tried_to_allocate(message: &str) -> Option<u64> {
     let rest = message.split_once("Tried to allocate ")?.1;
     let mut words = rest.split_whitespace();
     let value: f64 = words.next()?.parse().ok()?;

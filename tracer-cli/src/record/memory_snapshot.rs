@@ -318,6 +318,8 @@ struct Plan {
     /// The latest device's first trace entry, when a state before the trace was rebuilt: the
     /// allocator was in use before it.
     trace_begins_ns: Option<i64>,
+    /// Blocks the program freed whose return to the pool is not yet in the trace: when.
+    free_requested: HashMap<u64, i64>,
     inconsistent: u64,
 }
 
@@ -347,6 +349,7 @@ impl Plan {
             segments_before: 0,
             blocks_before: 0,
             trace_begins_ns: None,
+            free_requested: HashMap::new(),
             inconsistent: 0,
         }
     }
@@ -465,9 +468,21 @@ impl Plan {
             Action::SegmentMap => Op::CuMemMap,
             Action::SegmentUnmap => Op::CuMemUnmap,
             Action::Oom => return self.oom(device, e, ts),
-            Action::FreeRequested | Action::Snapshot => return,
+            Action::FreeRequested => {
+                self.free_requested.insert(e.addr, ts);
+                return;
+            }
+            Action::Snapshot => return,
         };
         self.push(op, device, e.addr, e.size, ts, e.stream, e.stack);
+        if e.action == Action::FreeCompleted {
+            // The block returns to its pool now; the program freed it this long before
+            // (kept in aux1, so that an export writes both entries at their times).
+            let requested = self.free_requested.remove(&e.addr).unwrap_or(ts);
+            if let Some(c) = self.calls.last_mut() {
+                c.aux1 = (ts - requested).max(0) as u64;
+            }
+        }
     }
 
     /// The device refused the segment the request needed: the failed cudaMalloc, then

@@ -1021,6 +1021,38 @@ fn damaged_or(e: rusqlite::Error, session: i64, what: &str) -> anyhow::Error {
     }
 }
 
+/// The processes with PyTorch's block events in the session.
+pub fn block_event_pids(conn: &Connection, session: i64) -> Result<Vec<u32>> {
+    let mut stmt =
+        conn.prepare("SELECT DISTINCT pid FROM tensor_events WHERE session_id = ?1 ORDER BY pid")?;
+    let pids = stmt
+        .query_map([session], |r| r.get(0))?
+        .collect::<rusqlite::Result<Vec<u32>>>()
+        .map_err(|e| damaged_or(e, session, "read the processes with block events"))?;
+    Ok(pids)
+}
+
+/// The frames of call site `stack_id`, innermost first.
+pub fn frames_of(conn: &Connection, stack_id: i64) -> Result<Vec<FrameOut>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT kind, function, file, line, module, address FROM stack_frames WHERE stack_id = ?1 ORDER BY idx",
+    )?;
+    let frames = stmt
+        .query_map([stack_id], |r| {
+            Ok(FrameOut {
+                kind: r.get(0)?,
+                function: r.get(1)?,
+                file: r.get(2)?,
+                line: r.get(3)?,
+                module: r.get(4)?,
+                address: r.get(5)?,
+            })
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .with_context(|| format!("read the frames of call site {stack_id}"))?;
+    Ok(frames)
+}
+
 /// The session's call sites by (stack, op), most calls first.
 pub fn stacks(
     conn: &Connection,

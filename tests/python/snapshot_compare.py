@@ -1,0 +1,84 @@
+"""Compares a PyTorch memory snapshot tracer exported with the one it imported, field by field,
+as plain data (the files are loaded with a loader that refuses every class). Prints one JSON
+object: per part, how many compared and how many equal, with the first difference.
+
+usage: snapshot_compare.py ORIGINAL EXPORTED
+"""
+import json
+import pickle
+import sys
+
+
+class PlainOnly(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"a class in a snapshot: {module}.{name}")
+
+
+def load(path):
+    with open(path, "rb") as f:
+        return PlainOnly(f).load()
+
+
+SEGMENT_FIELDS = ["device", "address", "total_size", "allocated_size", "stream", "segment_type",
+                  "is_expandable", "segment_pool_id"]
+ENTRY_FIELDS = ["action", "addr", "size", "stream", "time_us", "device_free"]
+
+
+def frames_of(x):
+    return [(f["filename"], f["line"], f["name"]) for f in x.get("frames", [])]
+
+
+class Part:
+    def __init__(self):
+        self.compared = 0
+        self.equal = 0
+        self.first = None
+
+    def check(self, where, mine, theirs):
+        self.compared += 1
+        if mine == theirs:
+            self.equal += 1
+        elif self.first is None:
+            self.first = f"{where}: original {theirs!r}, exported {mine!r}"
+
+    def out(self):
+        return {"compared": self.compared, "equal": self.equal, "first_difference": self.first}
+
+
+def main():
+    original, exported = load(sys.argv[1]), load(sys.argv[2])
+    parts = {k: Part() for k in ["segments", "blocks", "active_requested", "entries",
+                                 "entry_frames_python"]}
+    theirs = {(s["device"], s["address"]): s for s in original["segments"]}
+    mine = {(s["device"], s["address"]): s for s in exported["segments"]}
+    for key in sorted(set(theirs) | set(mine)):
+        t, m = theirs.get(key), mine.get(key)
+        where = f"segment {key[1]:#x} on device {key[0]}"
+        if t is None or m is None:
+            parts["segments"].check(where, m and "present", t and "present")
+            continue
+        parts["segments"].check(where, {f: m.get(f) for f in SEGMENT_FIELDS},
+                                {f: t.get(f) for f in SEGMENT_FIELDS})
+        parts["blocks"].check(where, [(b["address"], b["size"], b["state"]) for b in m["blocks"]],
+                              [(b["address"], b["size"], b["state"]) for b in t["blocks"]])
+        parts["active_requested"].check(
+            where,
+            [b["requested_size"] for b in m["blocks"] if b["state"] != "inactive"],
+            [b["requested_size"] for b in t["blocks"] if b["state"] != "inactive"])
+    traces_t = [t for t in original["device_traces"]]
+    traces_m = [t for t in exported["device_traces"]]
+    for device in range(max(len(traces_t), len(traces_m))):
+        t = traces_t[device] if device < len(traces_t) else []
+        m = traces_m[device] if device < len(traces_m) else []
+        parts["entries"].check(f"device {device}: entries", len(m), len(t))
+        for i, (a, b) in enumerate(zip(m, t)):
+            parts["entries"].check(f"device {device} entry {i}", {f: a.get(f) for f in ENTRY_FIELDS},
+                                   {f: b.get(f) for f in ENTRY_FIELDS})
+            # tracer keeps the frames from the first outside PyTorch's recording and
+            # allocator: the Python frames of both must be the same.
+            py = lambda e: [f for f in frames_of(e) if f[0].endswith(".py")]
+            parts["entry_frames_python"].check(f"device {device} entry {i} frames", py(a), py(b))
+    print(json.dumps({k: v.out() for k, v in parts.items()}))
+
+
+main()

@@ -1,0 +1,624 @@
+//! A session as a PyTorch memory snapshot (`tracer export --format pytorch-snapshot`): one
+//! process's allocator replayed to an instant, its segments and blocks then and the trace
+//! entries that led there, each with its frames, in the terms `_dump_snapshot` uses. What
+//! tracer did not see is left out whole (a segment with its entries) and counted, never
+//! written as free.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::path::Path;
+
+use anyhow::Result;
+use serde::Serialize;
+use tracer_common::Op;
+
+use super::layout::At;
+use crate::exit::user_error;
+use crate::model::layout::{AllocConf, Layout, RunKind};
+use crate::model::policy::Pool;
+use crate::model::state::ProcessState;
+use crate::model::{Event, NO_DEVICE};
+use crate::store::{events, Access, Store, SNAPSHOT_UNTIMED};
+
+/// PyTorch's own default ring (`_record_memory_history(max_entries=100000)`).
+pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
+
+/// What to export.
+#[derive(Clone, Debug)]
+pub struct SnapshotQuery {
+    pub session: Option<i64>,
+    pub pid: Option<u32>,
+    pub at: At,
+    /// Only entries this long before the instant.
+    pub since_ns: Option<i64>,
+    /// The most trace entries kept per device (the newest).
+    pub max_entries: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockState {
+    ActiveAllocated,
+    ActivePendingFree,
+    Inactive,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Block {
+    pub address: u64,
+    pub size: u64,
+    pub requested_size: u64,
+    pub state: BlockState,
+    /// Index into [`Export::frames`].
+    pub frames: Option<usize>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Segment {
+    pub device: i32,
+    pub address: u64,
+    pub total_size: u64,
+    pub allocated_size: u64,
+    pub stream: u64,
+    pub small: bool,
+    pub expandable: bool,
+    pub blocks: Vec<Block>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    Alloc,
+    FreeRequested,
+    FreeCompleted,
+    SegmentAlloc,
+    SegmentFree,
+    SegmentMap,
+    SegmentUnmap,
+    Oom,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Entry {
+    pub action: Action,
+    /// The block or segment (`oom`: none).
+    pub addr: u64,
+    pub size: u64,
+    pub stream: u64,
+    /// `oom`: the device's free bytes, when known.
+    pub device_free: Option<u64>,
+    /// None where the session has no times (an older snapshot imported): none invented.
+    pub time_us: Option<i64>,
+    pub frames: Option<usize>,
+}
+
+/// One frame as PyTorch writes it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Frame {
+    pub filename: String,
+    pub line: i64,
+    pub name: String,
+}
+
+/// What was left out, and why.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct LeftOut {
+    /// Segments whose contents tracer did not see (made before the allocator's probes were
+    /// armed, or the process was traced), with their bytes; their entries go with them.
+    pub unseen_segments: u64,
+    pub unseen_bytes: u64,
+    /// Device allocations no block landed in (libraries' own cudaMalloc): not the allocator's.
+    pub outside_allocations: u64,
+    /// Entries of left-out segments, before `--since`, before a hole `--max-db` made, or the
+    /// state before an imported trace began (rebuilt, never recorded).
+    pub entries_of_unseen: u64,
+    pub entries_before_since: u64,
+    pub entries_before_hole: u64,
+    pub entries_rebuilt: u64,
+    /// Entries past `--max-entries`, oldest first (the ring overflowed).
+    pub entries_cut: u64,
+}
+
+/// The snapshot, ready to encode.
+#[derive(Clone, Debug, Serialize)]
+pub struct Export {
+    pub session: i64,
+    pub pid: u32,
+    pub at_ns: i64,
+    pub segments: Vec<Segment>,
+    /// Indexed by device number, covering every device a segment or an entry names.
+    pub traces: Vec<Vec<Entry>>,
+    pub frames: Vec<Vec<Frame>>,
+    pub alloc_conf: Option<String>,
+    pub expandable: bool,
+    pub max_entries: usize,
+    pub overflowed: bool,
+    pub left_out: LeftOut,
+}
+
+/// Replays `q`'s process to its instant.
+pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
+    let store = Store::open(db, Access::ReadOnly)?;
+    let conn = store.conn();
+    let info = events::session(conn, q.session)?;
+    let at_ns = match q.at {
+        At::End => i64::MAX,
+        At::Time(t) => t,
+        At::Oom => super::layout::oom_time(conn, info.id, q.pid)?.ok_or_else(|| {
+            user_error(format!(
+                "session {} recorded no out-of-memory: no failed allocation and no PyTorch OOM",
+                info.id
+            ))
+        })?,
+    };
+    let pid = match q.pid {
+        Some(p) => p,
+        None => only_allocator_process(conn, info.id)?,
+    };
+    let source = events::source(conn, info.id)?;
+    let timed = source != SNAPSHOT_UNTIMED;
+    // A snapshot records the allocator's own actions only: each device allocation is its.
+    let imported = source == SNAPSHOT_UNTIMED || source == "snapshot";
+    let conf = events::alloc_confs(conn, info.id)?.remove(&pid);
+    let rebuilt_until = crate::store::series::gaps(conn, info.id)?
+        .into_iter()
+        .filter(|g| g.pid == pid && g.kind == "before_trace")
+        .map(|g| g.to_ns)
+        .max();
+    let ooms: Vec<(i64, String)> = events::messages(conn, info.id)?
+        .into_iter()
+        .filter(|m| m.pid == pid && m.op == Op::TorchOom.name() && m.ts_ns <= at_ns)
+        .map(|m| (m.ts_ns, m.text))
+        .collect();
+    let begin = super::begin(conn, info.id, at_ns, Some(pid))?;
+    let mut replay = Replay::new(
+        begin.states.iter().find(|s| s.pid == pid),
+        conf.as_deref(),
+        timed,
+        rebuilt_until,
+        ooms,
+    );
+    replay.imported = imported;
+    super::walk(db, info.id, &begin, at_ns, Some(pid), |step| match step {
+        super::Step::Call(e) => replay.call(e),
+        super::Step::Resume { states, .. } => replay.resume(states, pid),
+    })?;
+    let mut out = replay.finish(q, at_ns, conf)?;
+    out.session = info.id;
+    out.pid = pid;
+    out.frames = frames(conn, &mut out)?;
+    Ok(out)
+}
+
+/// The one process with PyTorch's block events, else a message naming them.
+fn only_allocator_process(conn: &rusqlite::Connection, session: i64) -> Result<u32> {
+    let pids = events::block_event_pids(conn, session)?;
+    match pids.as_slice() {
+        [one] => Ok(*one),
+        [] => Err(user_error(format!(
+            "session {session} has no PyTorch allocator events (pytorch:malloc, pytorch:free): nothing to export as a memory snapshot"
+        ))),
+        many => Err(user_error(format!(
+            "session {session} has allocator events of {} processes ({}): name one with --pid",
+            many.len(),
+            many.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+/// The walk's state: the layout, the entries so far, the frees waiting for other streams.
+struct Replay {
+    layout: Layout,
+    timed: bool,
+    rebuilt_until: Option<i64>,
+    /// Out-of-memory messages not yet placed, oldest first.
+    ooms: VecDeque<(i64, String)>,
+    /// Per device, in time order: (ts_ns, entry, call site).
+    entries: BTreeMap<i32, Vec<(i64, Entry, Option<i64>)>>,
+    /// Requested bytes of each live block (a free's entry says them).
+    requested: HashMap<u64, u64>,
+    /// Blocks freed while other streams' work may use them: their free_completed waits.
+    pending: BTreeMap<u64, (i32, u64, u64, Option<i64>)>,
+    /// Segments a block landed in: the allocator's (a device allocation no block ever lands
+    /// in is a library's own).
+    allocator_segments: BTreeSet<u64>,
+    /// The latest device free bytes a cudaMemGetInfo said, per device.
+    device_free: HashMap<i32, u64>,
+    entries_before_hole: u64,
+    /// An imported snapshot: every device allocation is the allocator's, and a segment
+    /// entry's stream and a free's two instants are stored with it.
+    imported: bool,
+    /// Segment allocations whose stream the first block in them says: (device, entry index).
+    stream_unknown: BTreeMap<u64, (i32, usize)>,
+}
+
+impl Replay {
+    fn new(
+        state: Option<&ProcessState>,
+        conf: Option<&str>,
+        timed: bool,
+        rebuilt_until: Option<i64>,
+        ooms: Vec<(i64, String)>,
+    ) -> Replay {
+        let layout = state.map_or_else(
+            || Layout::new(conf.map_or_else(AllocConf::default, AllocConf::parse)),
+            |s| s.layout.clone(),
+        );
+        let allocator_segments = layout
+            .segments()
+            .iter()
+            .filter(|s| s.pool.is_some())
+            .map(|s| s.addr)
+            .collect();
+        Replay {
+            layout,
+            timed,
+            rebuilt_until,
+            ooms: ooms.into(),
+            entries: BTreeMap::new(),
+            requested: HashMap::new(),
+            pending: BTreeMap::new(),
+            allocator_segments,
+            device_free: HashMap::new(),
+            entries_before_hole: 0,
+            imported: false,
+            stream_unknown: BTreeMap::new(),
+        }
+    }
+
+    fn call(&mut self, e: &Event) {
+        while self.ooms.front().is_some_and(|(ts, _)| *ts <= e.ts_ns) {
+            if let Some((ts, text)) = self.ooms.pop_front() {
+                self.oom(ts, &text, e.device);
+            }
+        }
+        let device = if e.device == NO_DEVICE { 0 } else { e.device };
+        let stack = e.stack.map(|s| i64::from(s.get()));
+        let ok = e.ret == 0;
+        match e.op {
+            Op::TorchMalloc => {
+                self.requested.insert(e.ptr, e.size);
+                self.push(e.ts_ns, device, Action::Alloc, e.ptr, e.size, e.aux0, stack);
+            }
+            Op::TorchFree => {
+                let size = self.requested.remove(&e.ptr).unwrap_or(e.size);
+                // An imported free is stored where the block returned; aux1 says how long
+                // before the program freed it.
+                let asked = if self.imported {
+                    e.ts_ns - e.aux1 as i64
+                } else {
+                    e.ts_ns
+                };
+                self.push(
+                    asked,
+                    device,
+                    Action::FreeRequested,
+                    e.ptr,
+                    size,
+                    e.aux0,
+                    stack,
+                );
+                self.pending.insert(e.ptr, (device, size, e.aux0, stack));
+            }
+            Op::CudaMemGetInfo | Op::CuMemGetInfo if ok => {
+                self.device_free.insert(device, e.aux0);
+            }
+            op if ok && is_segment_op(op) => {
+                let action = match op {
+                    Op::CudaFree | Op::CuMemFree => Action::SegmentFree,
+                    Op::CuMemMap => Action::SegmentMap,
+                    Op::CuMemUnmap => Action::SegmentUnmap,
+                    _ => Action::SegmentAlloc,
+                };
+                let stream = if self.imported {
+                    e.aux0
+                } else {
+                    self.layout.segment_stream(e.ptr).unwrap_or(0)
+                };
+                if action == Action::SegmentAlloc && !self.imported {
+                    let at = self.entries.get(&device).map_or(0, Vec::len);
+                    self.stream_unknown.insert(e.ptr, (device, at));
+                }
+                self.push(e.ts_ns, device, action, e.ptr, e.size, stream, stack);
+            }
+            _ => {}
+        }
+        self.layout.apply(e);
+        if e.op == Op::TorchMalloc {
+            if let Some(seg) = self.layout.segment_of(e.ptr) {
+                self.allocator_segments.insert(seg);
+                // The segment was made for this block: its stream.
+                if let Some((device, at)) = self.stream_unknown.remove(&seg) {
+                    if let Some(entry) = self.entries.get_mut(&device).and_then(|v| v.get_mut(at)) {
+                        entry.1.stream = e.aux0;
+                    }
+                }
+            }
+        }
+        self.completed(e.ts_ns);
+    }
+
+    /// Frees whose block went back to its pool (no stream's work holds it now).
+    fn completed(&mut self, ts_ns: i64) {
+        let done: Vec<u64> = self
+            .pending
+            .keys()
+            .copied()
+            .filter(|&addr| !self.layout.is_pending(addr))
+            .collect();
+        for addr in done {
+            if let Some((device, size, stream, stack)) = self.pending.remove(&addr) {
+                self.push(
+                    ts_ns,
+                    device,
+                    Action::FreeCompleted,
+                    addr,
+                    size,
+                    stream,
+                    stack,
+                );
+            }
+        }
+    }
+
+    /// PyTorch's out-of-memory: the request from its message, the device's free bytes from
+    /// the cudaMemGetInfo it made for the message.
+    fn oom(&mut self, ts_ns: i64, text: &str, device: i32) {
+        let device = if device == NO_DEVICE { 0 } else { device };
+        let size = super::whatif::tried_to_allocate(text).unwrap_or(0);
+        let free = self.device_free.get(&device).copied();
+        self.entries.entry(device).or_default().push((
+            ts_ns,
+            Entry {
+                action: Action::Oom,
+                addr: 0,
+                size,
+                stream: 0,
+                device_free: free,
+                time_us: self.timed.then_some(ts_ns / 1000),
+                frames: None,
+            },
+            None,
+        ));
+    }
+
+    #[allow(clippy::too_many_arguments)] // reason: one entry's fields, named at each use
+    fn push(
+        &mut self,
+        ts_ns: i64,
+        device: i32,
+        action: Action,
+        addr: u64,
+        size: u64,
+        stream: u64,
+        stack: Option<i64>,
+    ) {
+        self.entries.entry(device).or_default().push((
+            ts_ns,
+            Entry {
+                action,
+                addr,
+                size,
+                stream,
+                device_free: None,
+                time_us: self.timed.then_some(ts_ns / 1000),
+                frames: None,
+            },
+            stack,
+        ));
+    }
+
+    /// `--max-db` deleted calls: the entries before cannot be replayed onto the state after.
+    fn resume(&mut self, states: Vec<ProcessState>, pid: u32) {
+        if let Some(s) = states.into_iter().find(|s| s.pid == pid) {
+            self.layout = s.layout;
+        }
+        self.entries_before_hole += self.entries.values().map(|v| v.len() as u64).sum::<u64>();
+        self.entries.clear();
+        self.pending.clear();
+        self.stream_unknown.clear();
+    }
+
+    fn finish(mut self, q: &SnapshotQuery, at_ns: i64, conf: Option<String>) -> Result<Export> {
+        for (ts, text) in std::mem::take(&mut self.ooms) {
+            if ts <= at_ns {
+                self.oom(ts, &text, 0);
+            }
+        }
+        let mut left = LeftOut {
+            entries_before_hole: self.entries_before_hole,
+            ..LeftOut::default()
+        };
+        let (segments, unseen) = self.segments(&mut left);
+        let since = q.since_ns.map(|s| at_ns.saturating_sub(s));
+        let mut traces: Vec<Vec<(Entry, Option<i64>)>> = Vec::new();
+        let mut overflowed = false;
+        for (device, mut list) in std::mem::take(&mut self.entries) {
+            // An imported free's request was placed at its own, earlier, instant.
+            list.sort_by_key(|(ts, _, _)| *ts);
+            let mut kept: Vec<(Entry, Option<i64>)> = Vec::new();
+            for (ts, entry, stack) in list {
+                if self.rebuilt_until.is_some_and(|r| ts < r) {
+                    left.entries_rebuilt += 1;
+                } else if since.is_some_and(|s| ts < s) {
+                    left.entries_before_since += 1;
+                } else if self.of_left_out(&entry, &unseen) || self.not_allocators(&entry) {
+                    left.entries_of_unseen += 1;
+                } else {
+                    kept.push((entry, stack));
+                }
+            }
+            if kept.len() > q.max_entries {
+                let cut = kept.len() - q.max_entries;
+                left.entries_cut += cut as u64;
+                kept.drain(..cut);
+                overflowed = true;
+            }
+            let at = usize::try_from(device).unwrap_or(0);
+            if traces.len() <= at {
+                traces.resize_with(at + 1, Vec::new);
+            }
+            traces[at] = kept;
+        }
+        if let Some(last) = segments.iter().map(|s| s.device).max() {
+            let needed = usize::try_from(last).unwrap_or(0) + 1;
+            if traces.len() < needed {
+                traces.resize_with(needed, Vec::new);
+            }
+        }
+        let expandable = conf
+            .as_deref()
+            .is_some_and(|c| c.contains("expandable_segments:True"))
+            || segments.iter().any(|s| s.expandable);
+        Ok(Export {
+            session: 0,
+            pid: 0,
+            at_ns,
+            segments,
+            traces: traces
+                .into_iter()
+                .map(|t| {
+                    t.into_iter()
+                        .map(|(mut e, stack)| {
+                            e.frames = stack.map(|s| s as usize);
+                            e
+                        })
+                        .collect()
+                })
+                .collect(),
+            frames: Vec::new(),
+            expandable,
+            alloc_conf: conf,
+            max_entries: q.max_entries,
+            overflowed,
+            left_out: left,
+        })
+    }
+
+    /// The segments seen whole, and the address ranges of those left out.
+    fn segments(&self, left: &mut LeftOut) -> (Vec<Segment>, Vec<(u64, u64)>) {
+        let mut out = Vec::new();
+        let mut unseen = Vec::new();
+        for s in self.layout.segments() {
+            if self.layout.contents_unseen(s.addr) {
+                left.unseen_segments += 1;
+                left.unseen_bytes += s.size;
+                unseen.push((s.addr, s.addr + s.size));
+                continue;
+            }
+            if !self.imported && s.pool.is_none() && !self.allocator_segments.contains(&s.addr) {
+                left.outside_allocations += 1;
+                unseen.push((s.addr, s.addr + s.size));
+                continue;
+            }
+            let blocks: Vec<Block> = s
+                .runs
+                .iter()
+                .filter(|r| r.kind != RunKind::Unmapped)
+                .map(|r| Block {
+                    address: r.addr,
+                    size: r.size,
+                    requested_size: r.requested,
+                    state: match r.kind {
+                        RunKind::Allocated => BlockState::ActiveAllocated,
+                        RunKind::Pending => BlockState::ActivePendingFree,
+                        _ => BlockState::Inactive,
+                    },
+                    frames: r.stack.map(|s| s as usize),
+                })
+                .collect();
+            let allocated_size = blocks
+                .iter()
+                .filter(|b| b.state != BlockState::Inactive)
+                .map(|b| b.size)
+                .sum();
+            // PyTorch reports an expandable segment's mapped part as its size.
+            let total_size = if s.expandable {
+                blocks.iter().map(|b| b.size).sum()
+            } else {
+                s.size
+            };
+            out.push(Segment {
+                device: s.device,
+                address: s.addr,
+                total_size,
+                allocated_size,
+                stream: self.layout.segment_stream(s.addr).unwrap_or(0),
+                small: s.pool.map_or(s.size == 2 << 20, |p| p == Pool::Small),
+                expandable: s.expandable,
+                blocks,
+            });
+        }
+        out.sort_by_key(|s| (s.device, s.address));
+        (out, unseen)
+    }
+
+    /// A device allocation (or its release) no block ever landed in: a library's own.
+    fn not_allocators(&self, e: &Entry) -> bool {
+        !self.imported
+            && matches!(e.action, Action::SegmentAlloc | Action::SegmentFree)
+            && !self.allocator_segments.contains(&e.addr)
+    }
+
+    /// Whether the entry is of a segment left out.
+    fn of_left_out(&self, e: &Entry, unseen: &[(u64, u64)]) -> bool {
+        e.action != Action::Oom && unseen.iter().any(|&(a, b)| a <= e.addr && e.addr < b)
+    }
+}
+
+fn is_segment_op(op: Op) -> bool {
+    matches!(
+        op,
+        // The runtime's, not the driver calls nested in them (the same allocation); the
+        // driver's mappings of expandable segments.
+        Op::CudaMalloc | Op::CudaFree | Op::CuMemMap | Op::CuMemUnmap
+    )
+}
+
+/// Reads the frames of the call sites the blocks and entries name (stack ids until now), and
+/// points them at the list.
+fn frames(conn: &rusqlite::Connection, out: &mut Export) -> Result<Vec<Vec<Frame>>> {
+    let mut index: HashMap<usize, usize> = HashMap::new();
+    let mut frames = Vec::new();
+    let mut place = |stack: &mut Option<usize>| -> Result<()> {
+        let Some(id) = *stack else { return Ok(()) };
+        let at = match index.get(&id) {
+            Some(&at) => at,
+            None => {
+                let rows = events::frames_of(conn, id as i64)?;
+                frames.push(rows.into_iter().map(frame).collect());
+                index.insert(id, frames.len() - 1);
+                frames.len() - 1
+            }
+        };
+        *stack = Some(at);
+        Ok(())
+    };
+    for s in &mut out.segments {
+        for b in &mut s.blocks {
+            place(&mut b.frames)?;
+        }
+    }
+    for t in &mut out.traces {
+        for e in t {
+            place(&mut e.frames)?;
+        }
+    }
+    Ok(frames)
+}
+
+/// A stored frame as PyTorch names one: a Python frame's file and line, a native one's
+/// function (or its module and offset) with the file unknown ("??").
+fn frame(f: events::FrameOut) -> Frame {
+    let name = f
+        .function
+        .clone()
+        .unwrap_or_else(|| match (&f.module, f.address) {
+            (Some(m), Some(a)) => format!("{m}+{a:#x}"),
+            _ => "??".to_owned(),
+        });
+    Frame {
+        filename: f.file.unwrap_or_else(|| "??".to_owned()),
+        line: f.line.unwrap_or(0),
+        name,
+    }
+}

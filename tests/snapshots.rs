@@ -389,7 +389,9 @@ fn an_expandable_segments_oom_is_capacity_and_the_allocator_is_no_bypass() {
         .unwrap_or_else(|| panic!("an OOM chain: {rules:?}"));
     let effect = oom["effect"].as_str().unwrap();
     assert!(effect.contains("Tried to allocate 100.00 MiB"), "{effect}");
-    assert!(effect.contains("has 10.00 MiB free"), "{effect}");
+    // The entry's device free bytes, from PyTorch's form (`device_free`), in its message.
+    let evidence = oom["evidence"].as_str().unwrap();
+    assert!(evidence.contains("GPU 0 has 10.00 MiB free"), "{evidence}");
     assert!(effect.contains("(capacity)"), "{effect}");
 }
 

@@ -100,8 +100,8 @@ fi
 # check ran and the newest, only those files of each wheel: the message probe's test.
 torch_libs="${TRACER_TORCH_LIBS:-$HOME/.cache/tracer/torch-libs}"
 for version in 2.11.0 2.15.0; do
-  if [ ! -f "$torch_libs/$version/libc10.so" ]; then
-    log "fetch libc10.so and libc10_cuda.so of torch $version from PyPI into $torch_libs/$version"
+  if [ ! -f "$torch_libs/$version/libc10.so" ] || [ ! -f "$torch_libs/$version/_memory_viz.py" ]; then
+    log "fetch libc10.so, libc10_cuda.so and _memory_viz.py of torch $version from PyPI into $torch_libs/$version"
     python3 "$(dirname "$0")/torch_libs.py" "$version" "$torch_libs/$version.part"
     rm -rf "${torch_libs:?}/$version" && mv "$torch_libs/$version.part" "$torch_libs/$version"
   fi

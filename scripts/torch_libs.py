@@ -1,6 +1,8 @@
 """Fetches libc10.so and libc10_cuda.so from PyTorch's x86-64 wheels on PyPI without the rest of
-the wheel (about 2 MB of a 530 MB file): HTTP range requests read the zip's central directory,
-then each file's entry. Each file is checked against the CRC the wheel lists.
+the wheel (about 2 MB of a 530 MB file), with PyTorch's own memory snapshot tools
+(torch/cuda/_memory_viz.py, and the viewer torch/utils/viz/MemoryViz.js where the wheel ships it):
+HTTP range requests read the zip's central directory, then each file's entry. Each file is
+checked against the CRC the wheel lists.
 
     torch_libs.py VERSION OUT_DIR
 
@@ -16,7 +18,9 @@ import urllib.parse
 import urllib.request
 import zlib
 
-WANTED = ("torch/lib/libc10.so", "torch/lib/libc10_cuda.so")
+WANTED = ("torch/lib/libc10.so", "torch/lib/libc10_cuda.so", "torch/cuda/_memory_viz.py")
+# Fetched where the wheel has it.
+OPTIONAL = ("torch/utils/viz/MemoryViz.js",)
 
 
 INDEX = "https://pypi.org/pypi/torch/json"
@@ -75,7 +79,7 @@ def fetch(version, out):
         name = cd[at + 46:at + 46 + name_len].decode()
         extra = cd[at + 46 + name_len:at + 46 + name_len + extra_len]
         at += 46 + name_len + extra_len + comment_len
-        if name not in WANTED:
+        if name not in WANTED + OPTIONAL:
             continue
         usize, csize, offset = zip64(extra, (usize, csize, offset))
         local = ranged(url, offset, offset + 29)
@@ -87,7 +91,7 @@ def fetch(version, out):
             raise SystemExit(f"torch {version}: {name} does not match the wheel's CRC")
         with open(os.path.join(out, os.path.basename(name)), "wb") as f:
             f.write(data)
-        found += 1
+        found += name in WANTED
     if found != len(WANTED):
         raise SystemExit(f"torch {version}: found {found} of {WANTED} in the wheel")
 

@@ -118,6 +118,69 @@ fn the_layout_at_the_oom_is_the_allocators_own() {
     }
 }
 
+/// `tracer export --format pytorch-snapshot --at oom`: the snapshot PyTorch would have dumped
+/// at the OOM has the allocator's own layout then, and PyTorch's own `_memory_viz.py` (from the
+/// real wheels, run as a script) reads it: its segments' summary and the trace.
+#[test]
+fn the_snapshot_exported_at_the_oom_is_the_allocators_own_and_pytorch_reads_it() {
+    for name in ["default", "expandable"] {
+        let r = recording(name);
+        let file = r.db.with_extension("pickle");
+        let out = Command::new(TRACER)
+            .args([
+                "export",
+                "--format",
+                "pytorch-snapshot",
+                "--at",
+                "oom",
+                "--db",
+            ])
+            .arg(&r.db)
+            .arg("-o")
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert_ok(&out);
+        let figures = Command::new("python3")
+            .arg(workspace().join("tests/python/snapshot_compare.py"))
+            .arg("--figures")
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert_ok(&figures);
+        let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
+        for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
+            assert_eq!(
+                figures[key], r.stats["layout"][key],
+                "{name}: {key}: {figures:#}"
+            );
+        }
+        // PyTorch's own ring holds 100,000 entries by default: so does the export, and says
+        // it overflowed (the recording made more).
+        assert_eq!(figures["entries"], 100_000, "{figures:#}");
+        assert_eq!(figures["overflowed"], true, "{figures:#}");
+        for version in ["2.11.0", "2.15.0"] {
+            let viz = torch_lib(version, "_memory_viz.py");
+            for action in ["stats", "trace"] {
+                let read = Command::new("python3")
+                    .arg(&viz)
+                    .arg(action)
+                    .arg(&file)
+                    .output()
+                    .unwrap();
+                assert_ok(&read);
+                let text = String::from_utf8_lossy(&read.stdout);
+                let expect = if action == "stats" {
+                    "allocated"
+                } else {
+                    "Device 0"
+                };
+                assert!(text.contains(expect), "{version} {action}: {text}");
+            }
+        }
+    }
+}
+
 #[test]
 fn the_oom_chain_states_the_figures_pytorchs_message_states() {
     let r = recording("default");

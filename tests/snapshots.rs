@@ -441,5 +441,25 @@ fn every_real_snapshot_exports_back_to_itself() {
             parts["entries"]["compared"].as_u64().unwrap() > 1000,
             "{parts:#}"
         );
+        // PyTorch's own tool (the real wheel's _memory_viz.py, run as a script) prints the
+        // same summary and trace for both.
+        let viz = torch_lib("2.15.0", "_memory_viz.py");
+        for action in ["stats", "trace"] {
+            let read = |f: &std::path::Path| {
+                let o = std::process::Command::new("python3")
+                    .arg(&viz)
+                    .arg(action)
+                    .arg(f)
+                    .output()
+                    .unwrap();
+                assert_ok(&o);
+                o.stdout
+            };
+            assert!(
+                read(file) == read(&out),
+                "{}: _memory_viz.py {action} differs",
+                file.display()
+            );
+        }
     }
 }

@@ -3,6 +3,7 @@ as plain data (the files are loaded with a loader that refuses every class). Pri
 object: per part, how many compared and how many equal, with the first difference.
 
 usage: snapshot_compare.py ORIGINAL EXPORTED
+       snapshot_compare.py --figures FILE     the allocator's figures of its segments, as JSON
 """
 import json
 import pickle
@@ -45,7 +46,24 @@ class Part:
         return {"compared": self.compared, "equal": self.equal, "first_difference": self.first}
 
 
+def figures(path):
+    snap = load(path)
+    blocks = [b for s in snap["segments"] for b in s["blocks"]]
+    free = [b["size"] for b in blocks if b["state"] == "inactive"]
+    return {
+        "reserved": sum(s["total_size"] for s in snap["segments"]),
+        "allocated": sum(b["size"] for b in blocks if b["state"] != "inactive"),
+        "free_blocks": len(free),
+        "largest_free": max(free, default=0),
+        "entries": sum(len(t) for t in snap["device_traces"]),
+        "overflowed": snap["allocator_settings"].get("trace_alloc_overflowed"),
+    }
+
+
 def main():
+    if sys.argv[1] == "--figures":
+        print(json.dumps(figures(sys.argv[2])))
+        return
     original, exported = load(sys.argv[1]), load(sys.argv[2])
     parts = {k: Part() for k in ["segments", "blocks", "active_requested", "entries",
                                  "entry_frames_python"]}

@@ -169,7 +169,10 @@ pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
         .filter(|m| m.pid == pid && m.op == Op::TorchOom.name() && m.ts_ns <= at_ns)
         .map(|m| (m.ts_ns, m.text))
         .collect();
-    let begin = super::begin(conn, info.id, at_ns, Some(pid))?;
+    // The walk starts where the entries do (the first call kept, or the keyframe before
+    // --since), not at the instant: the trace leads up to it.
+    let from_ns = q.since_ns.map_or(i64::MIN, |s| at_ns.saturating_sub(s));
+    let begin = super::begin(conn, info.id, from_ns, Some(pid))?;
     let mut replay = Replay::new(
         begin.states.iter().find(|s| s.pid == pid),
         conf.as_deref(),

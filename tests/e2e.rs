@@ -1543,6 +1543,62 @@ fn a_demo_run_by_an_unprivileged_user_says_so_and_still_explains() {
     assert_eq!(std::fs::metadata(&db).unwrap().uid(), NOBODY);
 }
 
+/// The incident demo exported as PyTorch's memory snapshot, at its end and at its OOM: the
+/// segments hold tracer's own layout figures then, and PyTorch's `_memory_viz.py` (the real
+/// wheel's, run as a script) reads both.
+#[test]
+fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    let out = Command::new(TRACER)
+        .args(["demo", "incident", "--duration", "10s", "--db"])
+        .arg(&db)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    for at in ["end", "oom"] {
+        let file = dir.path().join(format!("{at}.pickle"));
+        let mut export = Command::new(TRACER);
+        export
+            .args(["export", "--format", "pytorch-snapshot", "--db"])
+            .arg(&db)
+            .arg("-o")
+            .arg(&file);
+        let mut layout = vec!["layout", "--json"];
+        if at == "oom" {
+            export.args(["--at", "oom"]);
+            layout.extend(["--at", "oom"]);
+        }
+        let exported = export.output().unwrap();
+        assert_ok(&exported);
+        let figures = Command::new("python3")
+            .arg(workspace().join("tests/python/snapshot_compare.py"))
+            .arg("--figures")
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert_ok(&figures);
+        let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
+        let layout = tracer_json(&db, &layout);
+        let total = &layout[0]["devices"][0]["total"];
+        for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
+            assert_eq!(figures[key], total[key], "{at}: {key}: {figures:#} {total:#}");
+        }
+        assert!(figures["entries"].as_u64().unwrap() > 100, "{figures:#}");
+        let viz = torch_lib("2.15.0", "_memory_viz.py");
+        for action in ["stats", "trace"] {
+            let read = Command::new("python3")
+                .arg(&viz)
+                .arg(action)
+                .arg(&file)
+                .output()
+                .unwrap();
+            assert_ok(&read);
+            assert!(!read.stdout.is_empty(), "{at} {action}");
+        }
+    }
+}
+
 #[test]
 fn demo_list_and_bad_scenario() {
     let out = Command::new(TRACER)

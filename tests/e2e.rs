@@ -1582,7 +1582,10 @@ fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
         let layout = tracer_json(&db, &layout);
         let total = &layout[0]["devices"][0]["total"];
         for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
-            assert_eq!(figures[key], total[key], "{at}: {key}: {figures:#} {total:#}");
+            assert_eq!(
+                figures[key], total[key],
+                "{at}: {key}: {figures:#} {total:#}"
+            );
         }
         assert!(figures["entries"].as_u64().unwrap() > 100, "{figures:#}");
         let viz = torch_lib("2.15.0", "_memory_viz.py");

@@ -2,7 +2,10 @@
 //! headless Chromium, and `tracer mcp` driven by a real MCP client; both checked against
 //! `tracer explain --json`, `tracer query`, `tracer layout` and the workload's own account.
 
-use std::{path::Path, process::Command};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use crate::common::*;
 use serde_json::Value;
@@ -270,6 +273,96 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
     assert_eq!(reserved_max, peak);
 }
 
+/// `tracer mcp --export-dir DIR`: export_snapshot writes new files in DIR only, named by
+/// numbers, never through a link planted under its name (the next name is taken), private to
+/// the user, holding the layout at the OOM; a directory given as a link is refused at start.
+#[test]
+fn an_mcp_client_exports_a_memory_snapshot_only_into_its_directory() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let Some(fx) = Fixture::new() else { return };
+    record_incident(&fx, &[], || {});
+    let dir = tempfile::tempdir().unwrap();
+    let layout = tracer_json(&fx.db, &["layout", "--at", "oom", "--json"]);
+    let (session, pid) = (
+        scalar(&fx.db, "SELECT max(id) FROM sessions"),
+        layout[0]["pid"].as_i64().unwrap(),
+    );
+    let target = dir.path().join("elsewhere");
+    std::fs::write(&target, "not to be touched").unwrap();
+    let planted = format!("tracer-s{session}-p{pid}-oom.pickle");
+    std::os::unix::fs::symlink(&target, dir.path().join(&planted)).unwrap();
+    let tracer = Path::new(TRACER).as_os_str().to_owned();
+    let seen = python(
+        "mcp_client.py",
+        &[
+            &tracer,
+            fx.db.as_os_str(),
+            "export".as_ref(),
+            dir.path().as_os_str(),
+        ],
+    );
+    assert_eq!(
+        std::fs::read_to_string(&target).unwrap(),
+        "not to be touched"
+    );
+    let first = &seen["first"]["structured"];
+    let path = PathBuf::from(first["path"].as_str().unwrap());
+    assert_eq!(
+        path,
+        dir.path()
+            .join(format!("tracer-s{session}-p{pid}-oom-2.pickle"))
+    );
+    assert_eq!(
+        seen["second"]["structured"]["path"],
+        dir.path()
+            .join(format!("tracer-s{session}-p{pid}-oom-3.pickle"))
+            .to_str()
+            .unwrap()
+    );
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let figures = Command::new("python3")
+        .arg(workspace().join("tests/python/snapshot_compare.py"))
+        .arg("--figures")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_ok(&figures);
+    let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
+    let total = &layout[0]["devices"][0]["total"];
+    for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
+        assert_eq!(figures[key], total[key], "{key}: {figures:#}");
+    }
+    assert_eq!(first["entries"], figures["entries"]);
+    assert_eq!(seen["bad"]["is_error"], true, "{seen:#}");
+    assert!(seen["bad"]["text"]
+        .as_str()
+        .unwrap()
+        .contains("max_entries 0"));
+    // Only those files, in that directory.
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 4, "{names:?}");
+    // A directory given as a link is refused before serving.
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(dir.path(), &link).unwrap();
+    let refused = Command::new(TRACER)
+        .args(["mcp", "--db"])
+        .arg(&fx.db)
+        .arg("--export-dir")
+        .arg(&link)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("export directory"));
+}
+
 #[test]
 fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
     let Some(fx) = Fixture::new() else { return };
@@ -298,8 +391,23 @@ fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
     names.sort_unstable();
     assert_eq!(
         names,
-        ["explain", "layout", "op_stats", "query", "sessions", "stacks", "whatif"]
+        [
+            "explain",
+            "export_snapshot",
+            "layout",
+            "op_stats",
+            "query",
+            "sessions",
+            "stacks",
+            "whatif"
+        ]
     );
+    // Without --export-dir the server writes nothing.
+    assert_eq!(seen["export_off"]["is_error"], true);
+    assert!(seen["export_off"]["text"]
+        .as_str()
+        .unwrap()
+        .contains("--export-dir"));
     assert!(tools.values().all(|t| t["output_schema"] == true));
     assert!(tools["query"]["description"]
         .as_str()

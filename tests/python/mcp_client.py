@@ -1,8 +1,10 @@
 """A real MCP client (PyPI mcp) driving `tracer mcp` over stdio; prints what it saw as JSON.
 
 usage: mcp_client.py TRACER DB live|full [QUERY_TIME]
+       mcp_client.py TRACER DB export DIR
   live: the database a running trace is writing: sessions and one query.
   full: every tool and the prompt, and the refusals, with how long each refusal took.
+  export: `tracer mcp --export-dir DIR`: export_snapshot at the OOM twice, and a bad bound.
 """
 import asyncio
 import json
@@ -29,7 +31,11 @@ async def call(session, name, args):
 
 
 async def main(tracer, db, mode, query_time):
-    args = ["mcp", "--db", db] + (["--query-time", query_time] if query_time else [])
+    args = ["mcp", "--db", db]
+    if mode == "export":
+        args += ["--export-dir", query_time]
+    elif query_time:
+        args += ["--query-time", query_time]
     params = StdioServerParameters(command=tracer, args=args)
     out = {}
     async with stdio_client(params) as (read, write):
@@ -39,6 +45,12 @@ async def main(tracer, db, mode, query_time):
             if mode == "live":
                 out["sessions"] = await call(session, "sessions", {})
                 out["count"] = await call(session, "query", {"sql": "SELECT count(*) AS n FROM events"})
+                print(json.dumps(out))
+                return
+            if mode == "export":
+                out["first"] = await call(session, "export_snapshot", {"at": "oom"})
+                out["second"] = await call(session, "export_snapshot", {"at": "oom"})
+                out["bad"] = await call(session, "export_snapshot", {"max_entries": 0})
                 print(json.dumps(out))
                 return
             tools = await session.list_tools()
@@ -60,6 +72,7 @@ async def main(tracer, db, mode, query_time):
             out["stacks"] = await call(session, "stacks", {"top": 5})
             out["layout_oom"] = await call(session, "layout", {"at": "oom"})
             out["whatif"] = await call(session, "whatif", {"conf": ["expandable_segments:True"]})
+            out["export_off"] = await call(session, "export_snapshot", {"at": "oom"})
             out["query"] = await call(
                 session,
                 "query",

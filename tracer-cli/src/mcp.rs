@@ -59,6 +59,8 @@ const MAX_PROCESSES: usize = 32;
 pub struct TracerMcp {
     db: Arc<PathBuf>,
     query_time: Duration,
+    /// Where `export_snapshot` writes (`--export-dir`); None: exports are off.
+    export_dir: Option<Arc<crate::paths::ExportDir>>,
     tool_router: ToolRouter<Self>,
     prompt_router: PromptRouter<Self>,
 }
@@ -832,8 +834,9 @@ pub struct LayoutOut {
     pub procs_omitted: usize,
 }
 
-pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
-    let at = match args.at.as_deref() {
+/// A tool's `at`: "oom", "end" (default) or a time.
+fn at_of(at: Option<&str>) -> Result<At> {
+    Ok(match at {
         None | Some("end") => At::End,
         Some("oom") => At::Oom,
         Some(t) => At::Time(crate::units::parse_time(t).map_err(|e| {
@@ -841,7 +844,11 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
                 "at {t:?}: {e}; give \"oom\", \"end\" or Unix seconds"
             ))
         })?),
-    };
+    })
+}
+
+pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
+    let at = at_of(args.at.as_deref())?;
     let (s, layouts) = layout::layout(
         db,
         &LayoutQuery {
@@ -916,6 +923,99 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
     })
 }
 
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct ExportSnapshotArgs {
+    /// The session (default: the latest).
+    pub session: Option<i64>,
+    /// The process (needed when several used PyTorch's allocator).
+    pub pid: Option<u32>,
+    /// "oom" (the first out-of-memory), "end" (default), or Unix seconds.
+    pub at: Option<String>,
+    /// The most trace entries kept, the newest (default 100000, at most 1000000).
+    pub max_entries: Option<u64>,
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ExportSnapshotOut {
+    /// The file written, in the server's export directory.
+    pub path: String,
+    #[serde(rename = "s")]
+    pub session: i64,
+    pub pid: u32,
+    pub segments: usize,
+    pub blocks: usize,
+    pub entries: usize,
+    /// What was left out (tracer did not see it, or the bounds cut it), in words.
+    pub left_out: Vec<String>,
+}
+
+/// The most trace entries one export may keep.
+const MAX_EXPORT_ENTRIES: u64 = 1_000_000;
+
+/// Writes one process as PyTorch's memory snapshot in the export directory, under a name made
+/// of numbers only (the session, the pid, the instant), never of anything the traced program
+/// said.
+pub fn export_snapshot(
+    db: &Path,
+    dir: &crate::paths::ExportDir,
+    args: &ExportSnapshotArgs,
+) -> Result<ExportSnapshotOut> {
+    use crate::query::pytorch_snapshot as snapshot;
+    let max_entries = args
+        .max_entries
+        .unwrap_or(snapshot::DEFAULT_MAX_ENTRIES as u64);
+    if !(1..=MAX_EXPORT_ENTRIES).contains(&max_entries) {
+        return Err(crate::exit::user_error(format!(
+            "max_entries {max_entries}: give 1 to {MAX_EXPORT_ENTRIES}"
+        )));
+    }
+    let at = at_of(args.at.as_deref())?;
+    let export = snapshot::export(
+        db,
+        &snapshot::SnapshotQuery {
+            session: args.session,
+            pid: args.pid,
+            at,
+            since_ns: None,
+            max_entries: max_entries as usize,
+        },
+    )?;
+    let mut bytes = Vec::new();
+    crate::present::pytorch_snapshot::write(&mut bytes, &export)?;
+    let instant = match at {
+        At::End => "end".to_owned(),
+        At::Oom => "oom".to_owned(),
+        At::Time(t) => format!("t{t}"),
+    };
+    let stem = format!("tracer-s{}-p{}-{instant}", export.session, export.pid);
+    let mut written = None;
+    for n in 1..=100 {
+        let name = if n == 1 {
+            format!("{stem}.pickle")
+        } else {
+            format!("{stem}-{n}.pickle")
+        };
+        written = dir.write_new(&name, &bytes)?;
+        if written.is_some() {
+            break;
+        }
+    }
+    let path = written.ok_or_else(|| {
+        crate::exit::user_error(format!(
+            "{stem}.pickle and 99 more of its names exist in the export directory: remove some"
+        ))
+    })?;
+    Ok(ExportSnapshotOut {
+        path: path.display().to_string(),
+        session: export.session,
+        pid: export.pid,
+        segments: export.segments.len(),
+        blocks: export.segments.iter().map(|s| s.blocks.len()).sum(),
+        entries: export.traces.iter().map(Vec::len).sum(),
+        left_out: crate::present::pytorch_snapshot::left_out_lines(&export.left_out),
+    })
+}
+
 // ---- the protocol ----
 
 #[derive(Debug, Default, Deserialize, JsonSchema)]
@@ -926,10 +1026,15 @@ pub struct InvestigateArgs {
 
 #[tool_router(router = tool_router)]
 impl TracerMcp {
-    pub fn new(db: PathBuf, query_time: Duration) -> Self {
+    pub fn new(
+        db: PathBuf,
+        query_time: Duration,
+        export_dir: Option<crate::paths::ExportDir>,
+    ) -> Self {
         TracerMcp {
             db: Arc::new(db),
             query_time,
+            export_dir: export_dir.map(Arc::new),
             tool_router: Self::tool_router(),
             prompt_router: Self::prompt_router(),
         }
@@ -1023,6 +1128,28 @@ impl TracerMcp {
     ) -> Result<Json<WhatIfOut>, String> {
         self.blocking(move |db| whatif(db, &args)).await.map(Json)
     }
+
+    #[tool(
+        name = "export_snapshot",
+        description = "Writes one process's allocator as PyTorch's memory snapshot pickle (what torch.cuda.memory._dump_snapshot() writes: segments, blocks, the trace entries with their frames) at an instant (at = \"oom\", \"end\" or Unix seconds), for pytorch.org/memory_viz or torch.cuda._memory_viz. Writes only a new file in the directory `tracer mcp --export-dir` named (refused without it); returns its path, the counts, and what was left out (segments whose blocks tracer did not see are left out whole, never shown free).",
+        annotations(
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn export_snapshot(
+        &self,
+        Parameters(args): Parameters<ExportSnapshotArgs>,
+    ) -> Result<Json<ExportSnapshotOut>, String> {
+        let Some(dir) = self.export_dir.clone() else {
+            return Err("exports are off: start tracer mcp with --export-dir DIR to allow them (files are written only there)".to_owned());
+        };
+        self.blocking(move |db| export_snapshot(db, &dir, &args))
+            .await
+            .map(Json)
+    }
 }
 
 #[prompt_router]
@@ -1067,9 +1194,13 @@ impl ServerHandler for TracerMcp {
 }
 
 /// Serves the protocol on stdin/stdout until the client goes.
-pub async fn serve(db: PathBuf, query_time: Duration) -> Result<()> {
+pub async fn serve(
+    db: PathBuf,
+    query_time: Duration,
+    export_dir: Option<crate::paths::ExportDir>,
+) -> Result<()> {
     use rmcp::ServiceExt as _;
-    let server = TracerMcp::new(db, query_time)
+    let server = TracerMcp::new(db, query_time, export_dir)
         .serve(rmcp::transport::stdio())
         .await
         .context("starting the MCP session on stdio")?;
@@ -1203,9 +1334,9 @@ mod tests {
 
     #[test]
     fn every_tool_has_an_output_schema() {
-        let server = TracerMcp::new(PathBuf::from("/nonexistent"), QUERY_TIME);
+        let server = TracerMcp::new(PathBuf::from("/nonexistent"), QUERY_TIME, None);
         let tools = server.tool_router.list_all();
-        assert_eq!(tools.len(), 7);
+        assert_eq!(tools.len(), 8);
         for t in tools {
             assert!(t.output_schema.is_some(), "{} has no output schema", t.name);
         }

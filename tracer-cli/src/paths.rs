@@ -97,6 +97,78 @@ impl Drop for ActingAs {
     }
 }
 
+/// The one directory a server writes in (`tracer mcp --export-dir`): opened once, as the
+/// invoking user and without following a link; each file is made new in it through that
+/// descriptor (never replacing one, never through a link, never elsewhere), as that user.
+pub struct ExportDir {
+    dir: std::os::fd::OwnedFd,
+    path: PathBuf,
+    owner: Option<(u32, u32)>,
+}
+
+impl ExportDir {
+    pub fn open(path: &Path, who: &Invoker) -> Result<ExportDir> {
+        use nix::fcntl::{open, OFlag};
+        let _as_user = act_as(who.owner);
+        let dir = open(
+            path,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| {
+            crate::exit::user_error(format!(
+                "export directory {}: {e}: give an existing directory (not a link) you can write",
+                path.display()
+            ))
+        })?;
+        Ok(ExportDir {
+            dir,
+            path: path.to_owned(),
+            owner: who.owner,
+        })
+    }
+
+    /// Writes `bytes` as a new file `name` (letters, digits, '-', '_' and '.', not leading)
+    /// in the directory; returns its path, or None where a file of that name is there already.
+    pub fn write_new(&self, name: &str, bytes: &[u8]) -> Result<Option<PathBuf>> {
+        use nix::fcntl::{openat, OFlag};
+        use std::io::Write as _;
+        let plain = !name.is_empty()
+            && !name.starts_with('.')
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !plain {
+            anyhow::bail!("{name:?} is not a plain file name");
+        }
+        let _as_user = act_as(self.owner);
+        let fd = match openat(
+            &self.dir,
+            name,
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        ) {
+            Err(nix::errno::Errno::EEXIST) => return Ok(None),
+            other => other,
+        }
+        .map_err(|e| {
+            crate::exit::user_error(format!("create {} in {}: {e}", name, self.path.display()))
+        })?;
+        let mut file = std::fs::File::from(fd);
+        let written = file.write_all(bytes).and_then(|()| file.sync_all());
+        if let Err(e) = written {
+            // No partial file left behind.
+            let _ = nix::unistd::unlinkat(&self.dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir);
+            return Err(anyhow::Error::new(e).context(format!(
+                "write {} in {}",
+                name,
+                self.path.display()
+            )));
+        }
+        Ok(Some(self.path.join(name)))
+    }
+}
+
 /// An output file being written (`tracer report -o`, `tracer export -o`): a private temporary
 /// file beside it, created as the invoking user (their file-system ids: under sudo, root
 /// writes only where they could) and never through a link, renamed over the path when

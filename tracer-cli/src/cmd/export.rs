@@ -114,45 +114,10 @@ fn export_snapshot(
         export.frames.len(),
         args.output.display()
     );
-    for line in left_out_lines(&export.left_out) {
+    for line in present::pytorch_snapshot::left_out_lines(&export.left_out) {
         eprintln!("tracer: left out: {line}");
     }
     Ok(())
-}
-
-/// What the snapshot leaves out, in words (nothing unseen is written as free).
-fn left_out_lines(l: &pytorch_snapshot::LeftOut) -> Vec<String> {
-    let mut lines = Vec::new();
-    if l.unseen_segments > 0 {
-        lines.push(format!(
-            "{} segments ({}) whose blocks tracer did not see (made before PyTorch's allocator probes were armed or the process was traced), with {} entries of theirs",
-            l.unseen_segments,
-            tracer_cli::units::format_bytes(l.unseen_bytes),
-            l.entries_of_unseen
-        ));
-    } else if l.entries_of_unseen > 0 {
-        lines.push(format!(
-            "{} entries of device allocations that are not the allocator's",
-            l.entries_of_unseen
-        ));
-    }
-    if l.outside_allocations > 0 {
-        lines.push(format!(
-            "{} device allocations no block landed in (a library's own cudaMalloc)",
-            l.outside_allocations
-        ));
-    }
-    for (n, what) in [
-        (l.entries_rebuilt, "entries of the state before an imported trace began (rebuilt from its final state, never recorded)"),
-        (l.entries_before_hole, "entries before calls --max-db deleted (the layout after them comes from a keyframe)"),
-        (l.entries_before_since, "entries before --since"),
-        (l.entries_cut, "oldest entries past --max-entries (trace_alloc_overflowed is set)"),
-    ] {
-        if n > 0 {
-            lines.push(format!("{n} {what}"));
-        }
-    }
-    lines
 }
 
 /// Streams a session (or one process of it) into a Perfetto trace: its calls in time order from

@@ -1,5 +1,6 @@
 //! `tracer mcp`: an MCP server over stdio for assistants (Claude, Cursor, any MCP client),
-//! read-only over a trace database. stdout carries only the protocol; logs go to stderr.
+//! read-only over a trace database (with `--export-dir`, it also writes PyTorch memory
+//! snapshots there, and only there). stdout carries only the protocol; logs go to stderr.
 
 use std::time::Duration;
 
@@ -14,6 +15,10 @@ pub struct McpArgs {
     /// How long one `query` may run before it is stopped.
     #[arg(long, value_parser = parse_duration, default_value = "20s")]
     pub query_time: Duration,
+    /// Lets the `export_snapshot` tool write PyTorch memory snapshots, as new files in this
+    /// existing directory only (opened now, never through a link; off without it).
+    #[arg(long, value_name = "DIR")]
+    pub export_dir: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: McpArgs) -> Result<()> {
@@ -25,9 +30,14 @@ pub fn run(args: McpArgs) -> Result<()> {
     let db = args.db.path()?;
     // Fail at once, with the fix, rather than at the first tool call.
     store::Store::open(&db, store::Access::ReadOnly)?;
+    let export_dir = args
+        .export_dir
+        .as_deref()
+        .map(|d| tracer_cli::paths::ExportDir::open(d, &tracer_cli::paths::invoker()))
+        .transpose()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the MCP server's runtime")?;
-    runtime.block_on(tracer_cli::mcp::serve(db, args.query_time))
+    runtime.block_on(tracer_cli::mcp::serve(db, args.query_time, export_dir))
 }

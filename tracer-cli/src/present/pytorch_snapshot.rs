@@ -5,7 +5,9 @@
 use std::io::{self, Write};
 
 use super::pickle::{self, PyValue};
-use crate::query::pytorch_snapshot::{Action, Block, BlockState, Entry, Export, Frame, Segment};
+use crate::query::pytorch_snapshot::{
+    Action, Block, BlockState, Entry, Export, Frame, LeftOut, Segment,
+};
 
 /// Writes `export` as a memory snapshot pickle.
 pub fn write(out: &mut impl Write, export: &Export) -> io::Result<()> {
@@ -141,4 +143,39 @@ fn settings(export: &Export) -> PyValue {
         ),
         ("trace_alloc_overflowed", PyValue::Bool(export.overflowed)),
     ])
+}
+
+/// What the snapshot leaves out, in words (nothing unseen is written as free).
+pub fn left_out_lines(l: &LeftOut) -> Vec<String> {
+    let mut lines = Vec::new();
+    if l.unseen_segments > 0 {
+        lines.push(format!(
+            "{} segments ({}) whose blocks tracer did not see (made before PyTorch's allocator probes were armed or the process was traced), with {} entries of theirs",
+            l.unseen_segments,
+            crate::units::format_bytes(l.unseen_bytes),
+            l.entries_of_unseen
+        ));
+    } else if l.entries_of_unseen > 0 {
+        lines.push(format!(
+            "{} entries of device allocations that are not the allocator's",
+            l.entries_of_unseen
+        ));
+    }
+    if l.outside_allocations > 0 {
+        lines.push(format!(
+            "{} device allocations no block landed in (a library's own cudaMalloc)",
+            l.outside_allocations
+        ));
+    }
+    for (n, what) in [
+        (l.entries_rebuilt, "entries of the state before an imported trace began (rebuilt from its final state, never recorded)"),
+        (l.entries_before_hole, "entries before calls --max-db deleted (the layout after them comes from a keyframe)"),
+        (l.entries_before_since, "entries before --since"),
+        (l.entries_cut, "oldest entries past --max-entries (trace_alloc_overflowed is set)"),
+    ] {
+        if n > 0 {
+            lines.push(format!("{n} {what}"));
+        }
+    }
+    lines
 }

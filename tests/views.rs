@@ -113,6 +113,23 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
         })
         .collect();
     assert_eq!(seen["chain_titles"], serde_json::json!(titles));
+    // The map's moment links its export as PyTorch's memory snapshot: the command shown runs.
+    let commands = seen["export_commands"].as_array().unwrap();
+    assert!(!commands.is_empty(), "{seen:#}");
+    let shown = commands[0].as_str().unwrap();
+    assert!(shown.contains("--at oom"), "{shown}");
+    let words: Vec<&str> = shown.split_whitespace().collect();
+    assert_eq!(words[0], "tracer");
+    let exported = Command::new(TRACER)
+        .args(&words[1..])
+        .arg("--db")
+        .arg(&fx.db)
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_ok(&exported);
+    let file = dir.join(words[words.len() - 1]);
+    assert!(std::fs::metadata(&file).unwrap().len() > 1000);
     // What would have avoided it: whatif's rows, as tracer whatif computes them.
     let whatif = &data["whatif"];
     assert_eq!(whatif["fidelity"]["holds"], true, "{whatif:#}");

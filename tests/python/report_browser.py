@@ -78,6 +78,7 @@ try:
         "ops": ops,
         "losses": losses,
         "segments": len(driver.find_elements(By.CSS_SELECTOR, "#segmap .seg")),
+        "export_commands": cells("#segmap .export code"),
         "whatif_rows": [[td.text for td in tr.find_elements(By.CSS_SELECTOR, "td")]
                         for tr in driver.find_elements(By.CSS_SELECTOR, "#whatif table tr")[1:]],
         "runs": len(driver.find_elements(By.CSS_SELECTOR, "#segmap .run")),

@@ -184,6 +184,13 @@
       }
       if (p.view === "segments") {
         mapBox.append(el("p", { class: "note", text: "Only the device allocations are visible for this process (no PyTorch allocator probes were seen: another framework, an older PyTorch, or the cudaMallocAsync backend), so there are no blocks to map." }));
+      } else {
+        // The same moment as PyTorch's own memory snapshot, for its viewer and tools.
+        const at = sn.label === "oom" ? "oom" : sn.label === "end" ? "end" : String(sn.at_ns);
+        const cmd = "tracer export --format pytorch-snapshot --session " + D.session.id + " --pid " + p.pid +
+          (at === "end" ? "" : " --at " + at) + " -o pid" + p.pid + "-" + (at === "end" || at === "oom" ? at : "t" + at) + ".pickle";
+        mapBox.append(el("p", { class: "note export" }, "As PyTorch's memory snapshot (open it in ",
+          el("a", { href: "https://pytorch.org/memory_viz", text: "pytorch.org/memory_viz" }), "): ", el("code", { text: cmd })));
       }
       const segs = p.segments.slice().sort((a, b) => a.device - b.device || b.size - a.size);
       for (const seg of segs) {

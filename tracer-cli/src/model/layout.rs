@@ -899,6 +899,11 @@ impl Layout {
         self.sight.unseen.contains_key(&addr)
     }
 
+    /// The segments whose contents tracer did not see: (address, size).
+    pub fn unseen_segments(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.sight.unseen.iter().map(|(&a, s)| (a, s.size))
+    }
+
     pub fn blocks_known(&self) -> bool {
         !matches!(self.sight.state, BlockSight::DisarmedAt(_))
     }

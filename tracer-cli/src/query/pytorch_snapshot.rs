@@ -501,11 +501,13 @@ impl Replay {
     fn segments(&self, left: &mut LeftOut) -> (Vec<Segment>, Vec<(u64, u64)>) {
         let mut out = Vec::new();
         let mut unseen = Vec::new();
+        for (addr, size) in self.layout.unseen_segments() {
+            left.unseen_segments += 1;
+            left.unseen_bytes += size;
+            unseen.push((addr, addr + size));
+        }
         for s in self.layout.segments() {
-            if self.layout.contents_unseen(s.addr) {
-                left.unseen_segments += 1;
-                left.unseen_bytes += s.size;
-                unseen.push((s.addr, s.addr + s.size));
+            if unseen.iter().any(|&(a, _)| a == s.addr) {
                 continue;
             }
             if !self.imported && s.pool.is_none() && !self.allocator_segments.contains(&s.addr) {

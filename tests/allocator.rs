@@ -645,10 +645,15 @@ fn auto_arms_at_a_cache_miss_disarms_when_quiet_and_never_shows_unseen_memory_fr
         })
         .collect();
     let said = |name: &str, ret: i64| (format!("tracer:allocator_{name}"), ret);
-    // Not armed yet (1), armed at the cache miss (3), disarmed when quiet (7).
+    // Not armed yet (1), arming and armed at the cache miss (3), disarmed when quiet (7).
     assert_eq!(
         marks,
-        [said("disarmed", 1), said("armed", 3), said("disarmed", 7)]
+        [
+            said("disarmed", 1),
+            said("arming", 3),
+            said("armed", 3),
+            said("disarmed", 7)
+        ]
     );
     let blocks = query(&fx.db, "SELECT op, size FROM tensor_events ORDER BY ts_ns");
     let blocks: Vec<(&str, u64)> = blocks
@@ -814,7 +819,14 @@ fn an_oom_in_auto_mode_is_explained_from_the_message_and_the_calls() {
     // layout's own figures there, the segments of unknown contents left out and said.
     let file = fx.db.with_extension("pickle");
     let export = Command::new(TRACER)
-        .args(["export", "--format", "pytorch-snapshot", "--at", "oom", "--db"])
+        .args([
+            "export",
+            "--format",
+            "pytorch-snapshot",
+            "--at",
+            "oom",
+            "--db",
+        ])
         .arg(&fx.db)
         .arg("-o")
         .arg(&file)

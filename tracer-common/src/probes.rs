@@ -196,9 +196,10 @@ ops! {
     CuDevicePrimaryCtxRetain = 34,
     AllocatorArmed = 35,
     AllocatorDisarmed = 36,
+    AllocatorArming = 37,
 }
 
-pub const OP_COUNT: usize = 37;
+pub const OP_COUNT: usize = 38;
 
 use ArgRole::*;
 use Library::{Driver, Runtime, Torch};
@@ -540,6 +541,7 @@ pub const PROBES: [ProbeSpec; OP_COUNT] = [
     ),
     tracer_mark(Op::AllocatorArmed, "tracer:allocator_armed"),
     tracer_mark(Op::AllocatorDisarmed, "tracer:allocator_disarmed"),
+    tracer_mark(Op::AllocatorArming, "tracer:allocator_arming"),
 ];
 
 const _: () = {

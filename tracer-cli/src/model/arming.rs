@@ -3,7 +3,8 @@
 //! (about 1,000 a training step), only while memory is tight. Pure decisions over the calls:
 //! the recording acts on them (probe/attach.rs arms, record/arming.rs carries them out) and
 //! stores each arming and disarming in the call stream as a mark (`tracer:allocator_armed`,
-//! `tracer:allocator_disarmed`) whose `ret` is its [`Reason`].
+//! `tracer:allocator_disarmed`) whose `ret` is its [`Reason`]; an arming is also marked where
+//! it began (`tracer:allocator_arming`), before its semaphores were raised.
 
 use std::collections::HashMap;
 
@@ -344,6 +345,12 @@ fn decision(pid: u32, arm: bool, reason: Reason) -> Decision {
 }
 
 impl Decision {
+    /// The mark made before an arming's semaphores are raised (its armed mark follows once
+    /// they are up): op and `ret`.
+    pub fn arming_mark(&self) -> (Op, i32) {
+        (Op::AllocatorArming, self.reason as i32)
+    }
+
     /// The mark's op and `ret` once carried out (`armed`: whether the probes are armed now).
     pub fn mark(&self, armed: bool) -> (Op, i32) {
         let op = if armed {

@@ -267,6 +267,10 @@ pub enum BlockSight {
     ArmedAt(i64),
     /// Not armed since this time (wall ns): what was known of the blocks is dropped.
     DisarmedAt(i64),
+    /// Being armed since this time: the semaphores are being raised, so a segment made now
+    /// may hold blocks made before they were up. New segments are of unknown contents until
+    /// the armed mark (made once they are up); block events are taken.
+    ArmingSince(i64),
 }
 
 /// A segment whose contents tracer did not see: made before the allocator's probes were
@@ -296,7 +300,7 @@ impl Sight {
         match self.state {
             BlockSight::Always => false,
             BlockSight::ArmedAt(at) => ts < at,
-            BlockSight::DisarmedAt(_) => true,
+            BlockSight::DisarmedAt(_) | BlockSight::ArmingSince(_) => true,
         }
     }
 
@@ -365,6 +369,7 @@ impl Layout {
         let spec = e.op.spec();
         let disarmed = matches!(self.sight.state, BlockSight::DisarmedAt(_));
         match (spec.class, spec.space) {
+            (OpClass::Probes, _) if e.op == Op::AllocatorArming => self.arming(e.ts_ns),
             (OpClass::Probes, _) if e.op == Op::AllocatorArmed => self.arm(e.ts_ns),
             (OpClass::Probes, _) => self.disarm(e.ts_ns),
             // Made before the disarm and read after it: their state is dropped.
@@ -843,8 +848,17 @@ impl Layout {
     /// from then on; segments made before hold blocks tracer never saw.
     pub fn arm(&mut self, ts: i64) {
         // Armed already, or seen from the first call: nothing was missed.
-        if let BlockSight::DisarmedAt(_) = self.sight.state {
+        if let BlockSight::DisarmedAt(_) | BlockSight::ArmingSince(_) = self.sight.state {
             self.sight.state = BlockSight::ArmedAt(ts);
+        }
+    }
+
+    /// tracer began raising the probes' semaphores at `ts` (the armed mark follows once they
+    /// are up): block events are taken from now, but a segment made before that mark may hold
+    /// blocks made before the semaphores were up, so its contents stay unknown.
+    pub fn arming(&mut self, ts: i64) {
+        if let BlockSight::DisarmedAt(_) = self.sight.state {
+            self.sight.state = BlockSight::ArmingSince(ts);
         }
     }
 
@@ -905,7 +919,10 @@ impl Layout {
     }
 
     pub fn blocks_known(&self) -> bool {
-        !matches!(self.sight.state, BlockSight::DisarmedAt(_))
+        matches!(
+            self.sight.state,
+            BlockSight::Always | BlockSight::ArmedAt(_)
+        )
     }
 
     /// Whether block events are seen now, and since when.

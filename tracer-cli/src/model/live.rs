@@ -208,10 +208,7 @@ impl Process {
         let layout = &self.state.layout;
         // Not armed (`--allocator auto`): what is served is the device bytes held, as when
         // PyTorch's probes are never seen; no block figure from before is served as current.
-        let disarmed = matches!(
-            layout.block_sight(),
-            super::layout::BlockSight::DisarmedAt(_)
-        );
+        let disarmed = !layout.blocks_known();
         let blocks = layout.blocks_seen > 0 && !disarmed;
         let mut stats = layout.device_total(device);
         let outside = layout.outside(device);

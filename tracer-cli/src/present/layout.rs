@@ -210,6 +210,10 @@ fn sight_line(p: &ProcessLayout) -> Option<String> {
             "PyTorch's allocator probes armed at {} (--allocator auto){unseen}",
             format_utc(at)
         )),
+        BlockSight::ArmingSince(at) => Some(format!(
+            "PyTorch's allocator probes being armed since {} (--allocator auto): segments made until they are up hold blocks tracer may not have seen{unseen}",
+            format_utc(at)
+        )),
         BlockSight::DisarmedAt(at) => Some(format!(
             "PyTorch's allocator probes NOT ARMED since {} (--allocator auto): blocks not seen; {n} segment(s) ({}) of unknown contents",
             format_utc(at),

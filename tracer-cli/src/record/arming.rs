@@ -132,7 +132,11 @@ const MARK_TAKEN_WITHIN: Duration = Duration::from_secs(2);
 
 /// The mark of a decision carried out at `ts_mono_ns`.
 pub fn mark(d: &Decision, armed: bool, ts_mono_ns: u64) -> Call {
-    let (op, ret) = d.mark(armed);
+    mark_of(d, d.mark(armed), ts_mono_ns)
+}
+
+/// The mark (op, `ret`) of decision `d` at `ts_mono_ns`.
+fn mark_of(d: &Decision, (op, ret): (tracer_common::Op, i32), ts_mono_ns: u64) -> Call {
     Call {
         ts_mono_ns,
         pid: d.pid,
@@ -189,15 +193,20 @@ pub fn carry_out(probes: &mut Probes, shared: &Shared) {
         .store(probes.armed_now().0 as u64, Ordering::SeqCst);
 }
 
+/// Arms `d`'s process: the arming mark first (the registry takes it before any block event
+/// can exist), then the semaphores, then the armed mark, once they are up: a segment made
+/// between the two may hold blocks made before they were up, so the layout counts only
+/// segments made after the armed mark as seen whole.
 fn arm(probes: &mut Probes, shared: &Shared, d: &Decision) {
-    let ts = monotonic_ns();
-    push_mark(shared, mark(d, true, ts));
+    push_mark(shared, mark_of(d, d.arming_mark(), monotonic_ns()));
     wait_until_taken(shared);
     let t = Instant::now();
     let armed = probes.arm(d.pid);
     add_time(shared, t);
+    let ts = monotonic_ns();
     let ok = match armed {
         Ok(_) => {
+            push_mark(shared, mark(d, true, ts));
             shared.armings.fetch_add(1, Ordering::SeqCst);
             true
         }

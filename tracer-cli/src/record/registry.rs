@@ -272,16 +272,20 @@ impl Registry {
             let mut pids_seen: HashSet<u32> = HashSet::new();
             let mut last_python_scan = Instant::now();
             loop {
-                let marks = self.arming.round(shared, self.wall_offset_ns);
                 let wait = if self.arming.decides() { 25 } else { 250 };
-                let mut records = match rx.recv_timeout(Duration::from_millis(wait)) {
-                    Ok(Inbound::Ring(records)) => records,
-                    Ok(Inbound::Processes(notices)) => {
-                        if let Some(python) = self.python.as_mut() {
-                            python.on_notices(notices);
-                        }
-                        continue;
+                let received = rx.recv_timeout(Duration::from_millis(wait));
+                if let Ok(Inbound::Processes(notices)) = received {
+                    if let Some(python) = self.python.as_mut() {
+                        python.on_notices(notices);
                     }
+                    continue;
+                }
+                // Taken once the records are here: a call made after a mark was read after it
+                // was pushed, so the mark is among these and goes first.
+                let marks = self.arming.round(shared, self.wall_offset_ns);
+                let mut records = match received {
+                    Ok(Inbound::Ring(records)) => records,
+                    Ok(Inbound::Processes(_)) => Vec::new(),
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Vec::new(),
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                         // The last state, so a later tracer takes up from the end.
@@ -302,8 +306,8 @@ impl Registry {
                     }
                 }
                 if !marks.is_empty() {
-                    // Marks taken before these records were read: none of them follows a
-                    // call made after the probes were armed.
+                    // Every record made after a mark comes after it (see above); one made
+                    // before it is judged by its own time (model/layout.rs `Sight`).
                     let mut with_marks: Vec<crate::decode::Record> =
                         marks.into_iter().map(crate::decode::Record::Call).collect();
                     with_marks.append(&mut records);

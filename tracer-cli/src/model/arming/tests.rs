@@ -233,6 +233,45 @@ fn a_layout_read_after_a_late_arming_never_shows_unseen_memory_as_free() {
     assert_eq!(l.unseen_contents(None), (1, LARGE_SEGMENT));
 }
 
+/// Between the arming mark and the armed one the semaphores are being raised: a segment made
+/// then may hold a block made before they were up (PyTorch's site ran unarmed), so it is of
+/// unknown contents; its blocks seen are taken; a segment made after the armed mark is seen
+/// whole. Read in time order, as every reader does.
+#[test]
+fn a_segment_made_while_the_semaphores_are_raised_is_never_shown_free() {
+    let mut l = Layout::default();
+    l.disarm(0);
+    l.apply(&call(Op::AllocatorArming, 0, 0, 100));
+    assert_eq!(l.block_sight(), BlockSight::ArmingSince(100));
+    assert!(!l.blocks_known());
+    // The segment PyTorch made for a block whose site ran before the semaphore was up.
+    l.apply(&call(Op::CudaMalloc, SEG, LARGE_SEGMENT, 150));
+    l.apply(&call(Op::AllocatorArmed, 0, 0, 200));
+    assert_eq!(l.block_sight(), BlockSight::ArmedAt(200));
+    assert_eq!(l.unseen_contents(Some(0)), (1, LARGE_SEGMENT));
+    let t = l.device_total(0);
+    assert_eq!(
+        (t.reserved, t.largest_free),
+        (0, 0),
+        "nothing unseen is free"
+    );
+    // A block seen in it later is taken (its free is recognised), and shows nothing free.
+    l.apply(&call(Op::TorchMalloc, SEG + (16 << 20), 1 << 20, 250));
+    l.apply(&call(Op::TorchFree, SEG + (16 << 20), 0, 260));
+    assert_eq!(l.unexplained.unmatched_frees, 0);
+    assert_eq!(l.device_total(0).largest_free, 0);
+    // Made after the armed mark: seen whole.
+    l.apply(&call(Op::CudaMalloc, SEG + (1 << 30), LARGE_SEGMENT, 300));
+    l.apply(&call(Op::TorchMalloc, SEG + (1 << 30), 4 << 20, 301));
+    assert_eq!(l.device_total(0).reserved, LARGE_SEGMENT);
+    // An arming that failed: the disarmed mark follows the arming one.
+    let mut f = Layout::default();
+    f.disarm(0);
+    f.apply(&call(Op::AllocatorArming, 0, 0, 100));
+    f.apply(&call(Op::AllocatorDisarmed, 0, 0, 110));
+    assert_eq!(f.block_sight(), BlockSight::DisarmedAt(110));
+}
+
 #[test]
 fn a_disarm_drops_block_state_and_later_block_events_are_not_applied() {
     let mut l = Layout::default();

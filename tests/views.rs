@@ -124,7 +124,7 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
         .args(&words[1..])
         .arg("--db")
         .arg(&fx.db)
-        .current_dir(&dir)
+        .current_dir(dir)
         .output()
         .unwrap();
     assert_ok(&exported);

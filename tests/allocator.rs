@@ -700,6 +700,7 @@ fn auto_arms_at_a_cache_miss_disarms_when_quiet_and_never_shows_unseen_memory_fr
         .unwrap();
     assert_ok(&figures);
     let figures: serde_json::Value = serde_json::from_slice(&figures.stdout).unwrap();
+    assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
     // Both segments were made before the arming (v was placed in t's): nothing is left that
     // tracer saw whole, so nothing is written, and their entries went with them.
     assert_eq!(figures["reserved"], 0, "{figures}");
@@ -843,6 +844,7 @@ fn an_oom_in_auto_mode_is_explained_from_the_message_and_the_calls() {
         .unwrap();
     assert_ok(&figures);
     let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
+    assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
     let layout = tracer_json(&fx.db, &["layout", "--at", "oom", "--json"]);
     let total = &layout[0]["devices"][0]["total"];
     for key in ["allocated", "reserved", "free_blocks", "largest_free"] {

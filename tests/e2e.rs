@@ -1579,6 +1579,7 @@ fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
             .unwrap();
         assert_ok(&figures);
         let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
+        assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
         let layout = tracer_json(&db, &layout);
         let total = &layout[0]["devices"][0]["total"];
         for key in ["allocated", "reserved", "free_blocks", "largest_free"] {

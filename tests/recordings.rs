@@ -149,6 +149,7 @@ fn the_snapshot_exported_at_the_oom_is_the_allocators_own_and_pytorch_reads_it()
             .unwrap();
         assert_ok(&figures);
         let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
+        assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
         for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
             assert_eq!(
                 figures[key], r.stats["layout"][key],

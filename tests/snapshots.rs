@@ -392,6 +392,29 @@ fn an_expandable_segments_oom_is_capacity_and_the_allocator_is_no_bypass() {
     // The entry's device free bytes, from PyTorch's form (`device_free`), in its message.
     let evidence = oom["evidence"].as_str().unwrap();
     assert!(evidence.contains("GPU 0 has 10.00 MiB free"), "{evidence}");
+    // Exported back, it is the same snapshot: the expandable segment, its blocks, every entry
+    // (the mappings, and the oom with its request and free bytes).
+    let out = dir.path().join("exported.pickle");
+    let export = std::process::Command::new(TRACER)
+        .args(["export", "--format", "pytorch-snapshot", "--db"])
+        .arg(&db)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_ok(&export);
+    let compared = std::process::Command::new("python3")
+        .arg(workspace().join("tests/python/snapshot_compare.py"))
+        .arg(&file)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_ok(&compared);
+    let parts: Value = serde_json::from_slice(&compared.stdout).unwrap();
+    for (part, v) in parts.as_object().unwrap() {
+        assert_eq!(v["compared"], v["equal"], "{part}: {v:#}");
+    }
+    assert_eq!(parts["entries"]["compared"], 11, "{parts:#}");
     assert!(effect.contains("(capacity)"), "{effect}");
 }
 

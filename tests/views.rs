@@ -348,6 +348,7 @@ fn an_mcp_client_exports_a_memory_snapshot_only_into_its_directory() {
         .unwrap();
     assert_ok(&figures);
     let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
+    assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
     let total = &layout[0]["devices"][0]["total"];
     for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
         assert_eq!(figures[key], total[key], "{key}: {figures:#}");

@@ -3,7 +3,8 @@ as plain data (the files are loaded with a loader that refuses every class). Pri
 object: per part, how many compared and how many equal, with the first difference.
 
 usage: snapshot_compare.py ORIGINAL EXPORTED
-       snapshot_compare.py --figures FILE     the allocator's figures of its segments, as JSON
+       snapshot_compare.py --figures FILE     the allocator's figures of its segments, as JSON,
+                                              with the faults of its self-consistency (`faults`)
 """
 import json
 import pickle
@@ -46,6 +47,49 @@ class Part:
         return {"compared": self.compared, "equal": self.equal, "first_difference": self.first}
 
 
+ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+           "segment_map", "segment_unmap", "oom", "snapshot"}
+
+
+def faults(snap):
+    """What makes a snapshot inconsistent with itself: blocks that do not tile their segment,
+    a free requested whose block neither completed its free nor waits pending, an unknown
+    action, an oom entry with an address."""
+    out = []
+    states = {}
+    for s in snap["segments"]:
+        at = s["address"]
+        for b in s["blocks"]:
+            if b["address"] != at:
+                out.append(f"segment {s['address']:#x}: a block at {b['address']:#x}, expected {at:#x}")
+            at = b["address"] + b["size"]
+            states[b["address"]] = b["state"]
+        if at != s["address"] + s["total_size"]:
+            out.append(f"segment {s['address']:#x}: blocks end at {at:#x}, the segment at {s['address'] + s['total_size']:#x}")
+        allocated = sum(b["size"] for b in s["blocks"] if b["state"] != "inactive")
+        if allocated != s["allocated_size"]:
+            out.append(f"segment {s['address']:#x}: allocated_size {s['allocated_size']}, its blocks {allocated}")
+    for device, trace in enumerate(snap["device_traces"]):
+        waiting = {}
+        for i, e in enumerate(trace):
+            if e["action"] not in ACTIONS:
+                out.append(f"device {device} entry {i}: action {e['action']!r}")
+            if e["action"] == "oom":
+                if "addr" in e or "device_free" not in e:
+                    out.append(f"device {device} entry {i}: an oom with an address or without device_free")
+                continue
+            if e["action"] == "free_requested":
+                waiting[e["addr"]] = i
+            elif e["action"] == "free_completed":
+                waiting.pop(e["addr"], None)
+            elif e["action"] == "alloc":
+                waiting.pop(e["addr"], None)
+        for addr, i in waiting.items():
+            if states.get(addr) != "active_pending_free":
+                out.append(f"device {device} entry {i}: free_requested of {addr:#x} never completed, its block {states.get(addr)}")
+    return out
+
+
 def figures(path):
     snap = load(path)
     blocks = [b for s in snap["segments"] for b in s["blocks"]]
@@ -57,6 +101,7 @@ def figures(path):
         "largest_free": max(free, default=0),
         "entries": sum(len(t) for t in snap["device_traces"]),
         "overflowed": snap["allocator_settings"].get("trace_alloc_overflowed"),
+        "faults": faults(snap)[:5],
     }
 
 
@@ -64,6 +109,7 @@ def main():
     if sys.argv[1] == "--figures":
         print(json.dumps(figures(sys.argv[2])))
         return
+    parts_faults = faults(load(sys.argv[2]))
     original, exported = load(sys.argv[1]), load(sys.argv[2])
     parts = {k: Part() for k in ["segments", "blocks", "active_requested", "entries",
                                  "entry_frames_python"]}
@@ -96,7 +142,10 @@ def main():
             # allocator: the Python frames of both must be the same.
             py = lambda e: [f for f in frames_of(e) if f[0].endswith(".py")]
             parts["entry_frames_python"].check(f"device {device} entry {i} frames", py(a), py(b))
-    print(json.dumps({k: v.out() for k, v in parts.items()}))
+    out = {k: v.out() for k, v in parts.items()}
+    out["exported_faults"] = {"compared": 1, "equal": int(not parts_faults),
+                              "first_difference": parts_faults[0] if parts_faults else None}
+    print(json.dumps(out))
 
 
 main()

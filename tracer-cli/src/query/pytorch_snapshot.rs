@@ -227,6 +227,8 @@ struct Replay {
     /// The latest device free bytes a cudaMemGetInfo said, per device.
     device_free: HashMap<i32, u64>,
     entries_before_hole: u64,
+    /// Per device, the call site of the latest failed device allocation.
+    failed_at: HashMap<i32, Option<i64>>,
     /// An imported snapshot: every device allocation is the allocator's, and a segment
     /// entry's stream and a free's two instants are stored with it.
     imported: bool,
@@ -263,6 +265,7 @@ impl Replay {
             allocator_segments,
             device_free: HashMap::new(),
             entries_before_hole: 0,
+            failed_at: HashMap::new(),
             imported: false,
             stream_unknown: BTreeMap::new(),
         }
@@ -304,6 +307,10 @@ impl Replay {
             }
             Op::CudaMemGetInfo | Op::CuMemGetInfo if ok => {
                 self.device_free.insert(device, e.aux0);
+            }
+            // The request PyTorch's out-of-memory follows: where it was made.
+            op if !ok && op.spec().class == tracer_common::OpClass::Alloc => {
+                self.failed_at.insert(device, stack);
             }
             op if ok && is_segment_op(op) => {
                 let action = match op {
@@ -368,7 +375,13 @@ impl Replay {
     fn oom(&mut self, ts_ns: i64, text: &str, device: i32) {
         let device = if device == NO_DEVICE { 0 } else { device };
         let size = super::whatif::tried_to_allocate(text).unwrap_or(0);
-        let free = self.device_free.get(&device).copied();
+        // The cudaMemGetInfo PyTorch made for its message, else the message (an imported
+        // snapshot's has the entry's bytes).
+        let free = self
+            .device_free
+            .get(&device)
+            .copied()
+            .or_else(|| super::whatif::said_free(text));
         self.entries.entry(device).or_default().push((
             ts_ns,
             Entry {
@@ -380,7 +393,7 @@ impl Replay {
                 time_us: self.timed.then_some(ts_ns / 1000),
                 frames: None,
             },
-            None,
+            self.failed_at.remove(&device).flatten(),
         ));
     }
 
@@ -515,43 +528,26 @@ impl Replay {
                 unseen.push((s.addr, s.addr + s.size));
                 continue;
             }
-            let blocks: Vec<Block> = s
-                .runs
-                .iter()
-                .filter(|r| r.kind != RunKind::Unmapped)
-                .map(|r| Block {
-                    address: r.addr,
-                    size: r.size,
-                    requested_size: r.requested,
-                    state: match r.kind {
-                        RunKind::Allocated => BlockState::ActiveAllocated,
-                        RunKind::Pending => BlockState::ActivePendingFree,
-                        _ => BlockState::Inactive,
-                    },
-                    frames: r.stack.map(|s| s as usize),
-                })
-                .collect();
-            let allocated_size = blocks
-                .iter()
-                .filter(|b| b.state != BlockState::Inactive)
-                .map(|b| b.size)
-                .sum();
-            // PyTorch reports an expandable segment's mapped part as its size.
-            let total_size = if s.expandable {
-                blocks.iter().map(|b| b.size).sum()
-            } else {
-                s.size
-            };
-            out.push(Segment {
-                device: s.device,
-                address: s.addr,
-                total_size,
-                allocated_size,
-                stream: self.layout.segment_stream(s.addr).unwrap_or(0),
-                small: s.pool.map_or(s.size == 2 << 20, |p| p == Pool::Small),
-                expandable: s.expandable,
-                blocks,
-            });
+            // PyTorch reports each contiguous mapped range of an expandable segment as a
+            // segment of its own.
+            for runs in s.runs.split(|r| r.kind == RunKind::Unmapped) {
+                let Some(first) = runs.first() else { continue };
+                let blocks: Vec<Block> = runs.iter().map(block).collect();
+                out.push(Segment {
+                    device: s.device,
+                    address: first.addr,
+                    total_size: blocks.iter().map(|b| b.size).sum(),
+                    allocated_size: blocks
+                        .iter()
+                        .filter(|b| b.state != BlockState::Inactive)
+                        .map(|b| b.size)
+                        .sum(),
+                    stream: self.layout.segment_stream(s.addr).unwrap_or(0),
+                    small: s.pool.map_or(s.size == 2 << 20, |p| p == Pool::Small),
+                    expandable: s.expandable,
+                    blocks,
+                });
+            }
         }
         out.sort_by_key(|s| (s.device, s.address));
         (out, unseen)
@@ -567,6 +563,21 @@ impl Replay {
     /// Whether the entry is of a segment left out.
     fn of_left_out(&self, e: &Entry, unseen: &[(u64, u64)]) -> bool {
         e.action != Action::Oom && unseen.iter().any(|&(a, b)| a <= e.addr && e.addr < b)
+    }
+}
+
+/// A run of the layout as PyTorch's block.
+fn block(r: &crate::model::layout::Run) -> Block {
+    Block {
+        address: r.addr,
+        size: r.size,
+        requested_size: r.requested,
+        state: match r.kind {
+            RunKind::Allocated => BlockState::ActiveAllocated,
+            RunKind::Pending => BlockState::ActivePendingFree,
+            _ => BlockState::Inactive,
+        },
+        frames: r.stack.map(|s| s as usize),
     }
 }
 

@@ -400,7 +400,24 @@ pub fn recorded_run(
 
 /// The bytes of PyTorch's "Tried to allocate 1.50 GiB" (its format_size: two decimals).
 pub(crate) fn tried_to_allocate(message: &str) -> Option<u64> {
-    let rest = message.split_once("Tried to allocate ")?.1;
+    size_after(message, "Tried to allocate ")
+}
+
+/// The device's free bytes PyTorch's message states: "of which 10.56 MiB is free" (2.x),
+/// "has 10.00 MiB free" (an imported snapshot's entry), to its two decimals.
+pub(crate) fn said_free(message: &str) -> Option<u64> {
+    size_after(message, " of which ").or_else(|| {
+        let (_, rest) = message.split_once("GPU ")?.1.split_once(" has ")?;
+        rest.split_whitespace()
+            .nth(2)
+            .filter(|w| w.starts_with("free"))?;
+        size_after(message, " has ")
+    })
+}
+
+/// The size PyTorch's format_size wrote right after `before`.
+fn size_after(message: &str, before: &str) -> Option<u64> {
+    let rest = message.split_once(before)?.1;
     let mut words = rest.split_whitespace();
     let value: f64 = words.next()?.parse().ok()?;
     let unit = match words.next()?.trim_end_matches(['.', ';', ',']) {
@@ -757,6 +774,15 @@ mod tests {
             Some(3 << 29)
         );
         assert_eq!(tried_to_allocate("Tried to allocate 512 bytes."), Some(512));
+        assert_eq!(
+            said_free("Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which 10.50 MiB is free."),
+            Some(10_500 * 1024 * 1024 / 1000)
+        );
+        assert_eq!(
+            said_free("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has 10.00 MiB free (PyTorch's memory snapshot)"),
+            Some(10 << 20)
+        );
+        assert_eq!(said_free("Tried to allocate 2.00 MiB."), None);
         assert_eq!(tried_to_allocate("out of memory"), None);
         let s = parse_settings(
             "expandable_segments:True,garbage_collection_threshold:0.8,max_split_size_mb:128",

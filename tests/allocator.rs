@@ -679,28 +679,12 @@ fn auto_arms_at_a_cache_miss_disarms_when_quiet_and_never_shows_unseen_memory_fr
     // Exported as PyTorch's memory snapshot, the unseen segments are left out whole (never
     // written as inactive blocks), with their entries, and said.
     let file = fx.db.with_extension("pickle");
-    let export = Command::new(TRACER)
-        .args(["export", "--format", "pytorch-snapshot", "--db"])
-        .arg(&fx.db)
-        .arg("-o")
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert_ok(&export);
-    let said = String::from_utf8_lossy(&export.stderr);
+    let said = export_snapshot(&fx.db, &file, &[]);
     assert!(
         said.contains("2 segments (50.0 MiB) whose blocks tracer did not see"),
         "{said}"
     );
-    let figures = Command::new("python3")
-        .arg(workspace_file("tests/python/snapshot_compare.py"))
-        .arg("--figures")
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert_ok(&figures);
-    let figures: serde_json::Value = serde_json::from_slice(&figures.stdout).unwrap();
-    assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
+    let figures = snapshot_figures(&file);
     // Both segments were made before the arming (v was placed in t's): nothing is left that
     // tracer saw whole, so nothing is written, and their entries went with them.
     assert_eq!(figures["reserved"], 0, "{figures}");
@@ -819,32 +803,9 @@ fn an_oom_in_auto_mode_is_explained_from_the_message_and_the_calls() {
     // The memory snapshot at the OOM holds the segments tracer saw whole, no more: the
     // layout's own figures there, the segments of unknown contents left out and said.
     let file = fx.db.with_extension("pickle");
-    let export = Command::new(TRACER)
-        .args([
-            "export",
-            "--format",
-            "pytorch-snapshot",
-            "--at",
-            "oom",
-            "--db",
-        ])
-        .arg(&fx.db)
-        .arg("-o")
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert_ok(&export);
-    let said = String::from_utf8_lossy(&export.stderr);
+    let said = export_snapshot(&fx.db, &file, &["--at", "oom"]);
     assert!(said.contains("whose blocks tracer did not see"), "{said}");
-    let figures = Command::new("python3")
-        .arg(workspace_file("tests/python/snapshot_compare.py"))
-        .arg("--figures")
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert_ok(&figures);
-    let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
-    assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
+    let figures = snapshot_figures(&file);
     let layout = tracer_json(&fx.db, &["layout", "--at", "oom", "--json"]);
     let total = &layout[0]["devices"][0]["total"];
     for key in ["allocated", "reserved", "free_blocks", "largest_free"] {

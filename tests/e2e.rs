@@ -1558,28 +1558,12 @@ fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
     assert_ok(&out);
     for at in ["end", "oom"] {
         let file = dir.path().join(format!("{at}.pickle"));
-        let mut export = Command::new(TRACER);
-        export
-            .args(["export", "--format", "pytorch-snapshot", "--db"])
-            .arg(&db)
-            .arg("-o")
-            .arg(&file);
-        let mut layout = vec!["layout", "--json"];
+        let (mut layout, instant) = (vec!["layout", "--json"], vec!["--at", "oom"]);
         if at == "oom" {
-            export.args(["--at", "oom"]);
-            layout.extend(["--at", "oom"]);
+            layout.extend(&instant);
         }
-        let exported = export.output().unwrap();
-        assert_ok(&exported);
-        let figures = Command::new("python3")
-            .arg(workspace().join("tests/python/snapshot_compare.py"))
-            .arg("--figures")
-            .arg(&file)
-            .output()
-            .unwrap();
-        assert_ok(&figures);
-        let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
-        assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
+        export_snapshot(&db, &file, if at == "oom" { &instant } else { &[] });
+        let figures = snapshot_figures(&file);
         let layout = tracer_json(&db, &layout);
         let total = &layout[0]["devices"][0]["total"];
         for key in ["allocated", "reserved", "free_blocks", "largest_free"] {

@@ -126,30 +126,8 @@ fn the_snapshot_exported_at_the_oom_is_the_allocators_own_and_pytorch_reads_it()
     for name in ["default", "expandable"] {
         let r = recording(name);
         let file = r.db.with_extension("pickle");
-        let out = Command::new(TRACER)
-            .args([
-                "export",
-                "--format",
-                "pytorch-snapshot",
-                "--at",
-                "oom",
-                "--db",
-            ])
-            .arg(&r.db)
-            .arg("-o")
-            .arg(&file)
-            .output()
-            .unwrap();
-        assert_ok(&out);
-        let figures = Command::new("python3")
-            .arg(workspace().join("tests/python/snapshot_compare.py"))
-            .arg("--figures")
-            .arg(&file)
-            .output()
-            .unwrap();
-        assert_ok(&figures);
-        let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
-        assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
+        export_snapshot(&r.db, &file, &["--at", "oom"]);
+        let figures = snapshot_figures(&file);
         for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
             assert_eq!(
                 figures[key], r.stats["layout"][key],

@@ -395,25 +395,8 @@ fn an_expandable_segments_oom_is_capacity_and_the_allocator_is_no_bypass() {
     // Exported back, it is the same snapshot: the expandable segment, its blocks, every entry
     // (the mappings, and the oom with its request and free bytes).
     let out = dir.path().join("exported.pickle");
-    let export = std::process::Command::new(TRACER)
-        .args(["export", "--format", "pytorch-snapshot", "--db"])
-        .arg(&db)
-        .arg("-o")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert_ok(&export);
-    let compared = std::process::Command::new("python3")
-        .arg(workspace().join("tests/python/snapshot_compare.py"))
-        .arg(&file)
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert_ok(&compared);
-    let parts: Value = serde_json::from_slice(&compared.stdout).unwrap();
-    for (part, v) in parts.as_object().unwrap() {
-        assert_eq!(v["compared"], v["equal"], "{part}: {v:#}");
-    }
+    export_snapshot(&db, &out, &[]);
+    let parts = assert_snapshots_equal(&file, &out);
     assert_eq!(parts["entries"]["compared"], 11, "{parts:#}");
     assert!(effect.contains("(capacity)"), "{effect}");
 }
@@ -431,35 +414,12 @@ fn every_real_snapshot_exports_back_to_itself() {
         let r = import(&db, file);
         assert_eq!(r["import"]["unusable_entries"], 0, "{r:#}");
         let out = dir.path().join(format!("{i}.pickle"));
-        let export = std::process::Command::new(TRACER)
-            .args(["export", "--format", "pytorch-snapshot", "--db"])
-            .arg(&db)
-            .arg("-o")
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert_ok(&export);
-        let stderr = String::from_utf8_lossy(&export.stderr);
+        let stderr = export_snapshot(&db, &out, &[]);
         assert!(
             stderr.contains("entries of the state before an imported trace began"),
             "{stderr}"
         );
-        let compared = std::process::Command::new("python3")
-            .arg(workspace().join("tests/python/snapshot_compare.py"))
-            .arg(file)
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert_ok(&compared);
-        let parts: Value = serde_json::from_slice(&compared.stdout).unwrap();
-        for (part, v) in parts.as_object().unwrap() {
-            assert_eq!(
-                v["compared"],
-                v["equal"],
-                "{}: {part}: {v:#}",
-                file.display()
-            );
-        }
+        let parts = assert_snapshots_equal(file, &out);
         assert!(
             parts["entries"]["compared"].as_u64().unwrap() > 1000,
             "{parts:#}"

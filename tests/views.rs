@@ -340,15 +340,7 @@ fn an_mcp_client_exports_a_memory_snapshot_only_into_its_directory() {
         std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
         0o600
     );
-    let figures = Command::new("python3")
-        .arg(workspace().join("tests/python/snapshot_compare.py"))
-        .arg("--figures")
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert_ok(&figures);
-    let figures: Value = serde_json::from_slice(&figures.stdout).unwrap();
-    assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
+    let figures = snapshot_figures(&path);
     let total = &layout[0]["devices"][0]["total"];
     for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
         assert_eq!(figures[key], total[key], "{key}: {figures:#}");

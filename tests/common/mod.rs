@@ -551,3 +551,56 @@ pub fn pylib() -> PathBuf {
             PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tracer/pylib")
         })
 }
+
+/// `tracer export --format pytorch-snapshot ARGS --db DB -o FILE`; it must succeed. Its stderr
+/// (what it left out).
+pub fn export_snapshot(db: &Path, file: &Path, args: &[&str]) -> String {
+    let out = Command::new(TRACER)
+        .args(["export", "--format", "pytorch-snapshot"])
+        .args(args)
+        .arg("--db")
+        .arg(db)
+        .arg("-o")
+        .arg(file)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A memory snapshot's allocator figures (tests/python/snapshot_compare.py --figures); the
+/// file must be consistent with itself.
+pub fn snapshot_figures(file: &Path) -> Value {
+    let out = Command::new("python3")
+        .arg(workspace().join("tests/python/snapshot_compare.py"))
+        .arg("--figures")
+        .arg(file)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let figures: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(figures["faults"], serde_json::json!([]), "{figures:#}");
+    figures
+}
+
+/// Compares an exported snapshot with its original, part by part (snapshot_compare.py): every
+/// part must be equal. The parts, with their counts.
+pub fn assert_snapshots_equal(original: &Path, exported: &Path) -> Value {
+    let out = Command::new("python3")
+        .arg(workspace().join("tests/python/snapshot_compare.py"))
+        .arg(original)
+        .arg(exported)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let parts: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for (part, v) in parts.as_object().unwrap() {
+        assert_eq!(
+            v["compared"],
+            v["equal"],
+            "{}: {part}: {v:#}",
+            original.display()
+        );
+    }
+    parts
+}

@@ -86,20 +86,41 @@ pub enum Action {
     Snapshot,
 }
 
+/// Each action by the name PyTorch writes.
+const ACTIONS: [(&str, Action); 9] = [
+    ("alloc", Action::Alloc),
+    ("free_requested", Action::FreeRequested),
+    ("free_completed", Action::FreeCompleted),
+    ("segment_alloc", Action::SegmentAlloc),
+    ("segment_free", Action::SegmentFree),
+    ("segment_map", Action::SegmentMap),
+    ("segment_unmap", Action::SegmentUnmap),
+    ("oom", Action::Oom),
+    ("snapshot", Action::Snapshot),
+];
+
 impl Action {
     fn parse(name: &str) -> Option<Action> {
-        Some(match name {
-            "alloc" => Action::Alloc,
-            "free_requested" => Action::FreeRequested,
-            "free_completed" => Action::FreeCompleted,
-            "segment_alloc" => Action::SegmentAlloc,
-            "segment_free" => Action::SegmentFree,
-            "segment_map" => Action::SegmentMap,
-            "segment_unmap" => Action::SegmentUnmap,
-            "oom" => Action::Oom,
-            "snapshot" => Action::Snapshot,
-            _ => return None,
-        })
+        ACTIONS.iter().find(|(n, _)| *n == name).map(|(_, a)| *a)
+    }
+
+    /// The name PyTorch writes.
+    pub fn name(self) -> &'static str {
+        ACTIONS
+            .iter()
+            .find(|(_, a)| *a == self)
+            .map_or("snapshot", |(n, _)| n)
+    }
+}
+
+impl BlockKind {
+    /// The state PyTorch writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockKind::Allocated => "active_allocated",
+            BlockKind::PendingFree => "active_pending_free",
+            BlockKind::Inactive => "inactive",
+        }
     }
 }
 
@@ -230,14 +251,17 @@ impl Reader<'_> {
             .field(s, "blocks")
             .ok_or_else(|| anyhow!("no 'blocks'"))?;
         for (i, &b) in self.p.items(list).iter().enumerate() {
-            let state = match self
+            let named = self
                 .str(b, "state")
-                .map_err(|e| anyhow!("blocks[{i}]: {e}"))?
-            {
-                "active_allocated" => BlockKind::Allocated,
-                "active_pending_free" => BlockKind::PendingFree,
-                "inactive" => BlockKind::Inactive,
-                other => bail!("blocks[{i}]: unknown state '{other}'"),
+                .map_err(|e| anyhow!("blocks[{i}]: {e}"))?;
+            let Some(state) = [
+                BlockKind::Allocated,
+                BlockKind::PendingFree,
+                BlockKind::Inactive,
+            ]
+            .into_iter()
+            .find(|k| k.name() == named) else {
+                bail!("blocks[{i}]: unknown state '{named}'");
             };
             blocks.push(BlockState {
                 address: self

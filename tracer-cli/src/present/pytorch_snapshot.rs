@@ -71,32 +71,13 @@ fn block(b: &Block, framed: &impl Fn(Option<usize>) -> PyValue) -> PyValue {
         ("address", PyValue::int(b.address)),
         ("size", PyValue::int(b.size)),
         ("requested_size", PyValue::int(b.requested_size)),
-        (
-            "state",
-            PyValue::str(match b.state {
-                BlockState::ActiveAllocated => "active_allocated",
-                BlockState::ActivePendingFree => "active_pending_free",
-                BlockState::Inactive => "inactive",
-            }),
-        ),
+        ("state", PyValue::str(b.state.name())),
         ("frames", framed(b.frames)),
     ])
 }
 
 fn entry(e: &Entry, framed: &impl Fn(Option<usize>) -> PyValue) -> PyValue {
-    let mut pairs = vec![(
-        "action".to_owned(),
-        PyValue::str(match e.action {
-            Action::Alloc => "alloc",
-            Action::FreeRequested => "free_requested",
-            Action::FreeCompleted => "free_completed",
-            Action::SegmentAlloc => "segment_alloc",
-            Action::SegmentFree => "segment_free",
-            Action::SegmentMap => "segment_map",
-            Action::SegmentUnmap => "segment_unmap",
-            Action::Oom => "oom",
-        }),
-    )];
+    let mut pairs = vec![("action".to_owned(), PyValue::str(e.action.name()))];
     // PyTorch writes an out-of-memory's device free bytes in place of an address.
     if e.action == Action::Oom {
         pairs.push((

@@ -8,10 +8,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::Path;
 
 use anyhow::Result;
-use serde::Serialize;
 use tracer_common::Op;
 
 use super::layout::At;
+pub use crate::decode::memory_snapshot::{Action, BlockKind as BlockState};
 use crate::exit::user_error;
 use crate::model::layout::{AllocConf, Layout, RunKind};
 use crate::model::policy::Pool;
@@ -34,15 +34,7 @@ pub struct SnapshotQuery {
     pub max_entries: usize,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BlockState {
-    ActiveAllocated,
-    ActivePendingFree,
-    Inactive,
-}
-
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Block {
     pub address: u64,
     pub size: u64,
@@ -52,7 +44,7 @@ pub struct Block {
     pub frames: Option<usize>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Segment {
     pub device: i32,
     pub address: u64,
@@ -64,20 +56,7 @@ pub struct Segment {
     pub blocks: Vec<Block>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Action {
-    Alloc,
-    FreeRequested,
-    FreeCompleted,
-    SegmentAlloc,
-    SegmentFree,
-    SegmentMap,
-    SegmentUnmap,
-    Oom,
-}
-
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Entry {
     pub action: Action,
     /// The block or segment (`oom`: none).
@@ -92,7 +71,7 @@ pub struct Entry {
 }
 
 /// One frame as PyTorch writes it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Frame {
     pub filename: String,
     pub line: i64,
@@ -100,7 +79,7 @@ pub struct Frame {
 }
 
 /// What was left out, and why.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default)]
 pub struct LeftOut {
     /// Segments whose contents tracer did not see (made before the allocator's probes were
     /// armed, or the process was traced), with their bytes; their entries go with them.
@@ -119,7 +98,7 @@ pub struct LeftOut {
 }
 
 /// The snapshot, ready to encode.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Export {
     pub session: i64,
     pub pid: u32,
@@ -573,8 +552,8 @@ fn block(r: &crate::model::layout::Run) -> Block {
         size: r.size,
         requested_size: r.requested,
         state: match r.kind {
-            RunKind::Allocated => BlockState::ActiveAllocated,
-            RunKind::Pending => BlockState::ActivePendingFree,
+            RunKind::Allocated => BlockState::Allocated,
+            RunKind::Pending => BlockState::PendingFree,
             _ => BlockState::Inactive,
         },
         frames: r.stack.map(|s| s as usize),

@@ -1085,9 +1085,6 @@ pub fn stacks(
             r.get::<_, u32>(6)?,
         ))
     })?;
-    let mut frames_stmt = conn.prepare(
-        "SELECT kind, function, file, line, module, address FROM stack_frames WHERE stack_id = ?1 ORDER BY idx",
-    )?;
     let mut out = Vec::new();
     for row in rows {
         let (stack_id, op_id, pid, calls, bytes, python, native_depth) =
@@ -1095,19 +1092,7 @@ pub fn stacks(
         let Some(op) = Op::from_u32(op_id) else {
             continue;
         };
-        let frames = frames_stmt
-            .query_map([stack_id], |r| {
-                Ok(FrameOut {
-                    kind: r.get(0)?,
-                    function: r.get(1)?,
-                    file: r.get(2)?,
-                    line: r.get(3)?,
-                    module: r.get(4)?,
-                    address: r.get(5)?,
-                })
-            })?
-            .collect::<rusqlite::Result<Vec<_>>>()
-            .context("read stack_frames")?;
+        let frames = frames_of(conn, stack_id)?;
         out.push(StackSite {
             stack_id,
             op: op.name(),

@@ -1573,16 +1573,11 @@ fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
             );
         }
         assert!(figures["entries"].as_u64().unwrap() > 100, "{figures:#}");
-        let viz = torch_lib("2.15.0", "_memory_viz.py");
         for action in ["stats", "trace"] {
-            let read = Command::new("python3")
-                .arg(&viz)
-                .arg(action)
-                .arg(&file)
-                .output()
-                .unwrap();
-            assert_ok(&read);
-            assert!(!read.stdout.is_empty(), "{at} {action}");
+            assert!(
+                !memory_viz("2.15.0", action, &file).is_empty(),
+                "{at} {action}"
+            );
         }
     }
 }

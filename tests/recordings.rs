@@ -139,16 +139,8 @@ fn the_snapshot_exported_at_the_oom_is_the_allocators_own_and_pytorch_reads_it()
         assert_eq!(figures["entries"], 100_000, "{figures:#}");
         assert_eq!(figures["overflowed"], true, "{figures:#}");
         for version in ["2.11.0", "2.15.0"] {
-            let viz = torch_lib(version, "_memory_viz.py");
             for action in ["stats", "trace"] {
-                let read = Command::new("python3")
-                    .arg(&viz)
-                    .arg(action)
-                    .arg(&file)
-                    .output()
-                    .unwrap();
-                assert_ok(&read);
-                let text = String::from_utf8_lossy(&read.stdout);
+                let text = memory_viz(version, action, &file);
                 let expect = if action == "stats" {
                     "allocated"
                 } else {

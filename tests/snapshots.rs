@@ -426,20 +426,9 @@ fn every_real_snapshot_exports_back_to_itself() {
         );
         // PyTorch's own tool (the real wheel's _memory_viz.py, run as a script) prints the
         // same summary and trace for both.
-        let viz = torch_lib("2.15.0", "_memory_viz.py");
         for action in ["stats", "trace"] {
-            let read = |f: &std::path::Path| {
-                let o = std::process::Command::new("python3")
-                    .arg(&viz)
-                    .arg(action)
-                    .arg(f)
-                    .output()
-                    .unwrap();
-                assert_ok(&o);
-                o.stdout
-            };
             assert!(
-                read(file) == read(&out),
+                memory_viz("2.15.0", action, file) == memory_viz("2.15.0", action, &out),
                 "{}: _memory_viz.py {action} differs",
                 file.display()
             );

@@ -604,3 +604,16 @@ pub fn assert_snapshots_equal(original: &Path, exported: &Path) -> Value {
     }
     parts
 }
+
+/// What PyTorch's own `_memory_viz.py ACTION FILE` (the real wheel's, run as a script) prints;
+/// it must succeed.
+pub fn memory_viz(version: &str, action: &str, file: &Path) -> String {
+    let out = Command::new("python3")
+        .arg(torch_lib(version, "_memory_viz.py"))
+        .arg(action)
+        .arg(file)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -433,6 +433,21 @@ fn slow_syncs() -> Vec<Event> {
         .collect()
 }
 
+/// Each call's thread preempted from 1 ms to 8 ms into it.
+fn preempted_inside(calls: &[Event]) -> Vec<OffSlice> {
+    calls
+        .iter()
+        .map(|e| OffSlice {
+            pid: e.pid,
+            tid: e.tid,
+            off_ns: e.ts_ns + MS,
+            on_ns: e.ts_ns + 8 * MS,
+            wakeup_ns: None,
+            preempted: true,
+        })
+        .collect()
+}
+
 fn host_with(slices: Vec<OffSlice>) -> Host {
     Host::new(HostRecord {
         slices,
@@ -450,17 +465,7 @@ fn cpu_contention_in_auto_reads_only_the_calls_made_while_followed() {
     use crate::model::arming::ArmingRow;
     let v = slow_syncs();
     let w = window_of(&v);
-    let followed: Vec<OffSlice> = v[..10]
-        .iter()
-        .map(|e| OffSlice {
-            pid: e.pid,
-            tid: e.tid,
-            off_ns: e.ts_ns + MS,
-            on_ns: e.ts_ns + 8 * MS,
-            wakeup_ns: None,
-            preempted: true,
-        })
-        .collect();
+    let followed = preempted_inside(&v[..10]);
     let row = |ts_ms: i64, armed| ArmingRow {
         pid: 10,
         ts_ns: ts_ms * MS,
@@ -517,17 +522,7 @@ fn cpu_contention_counts_only_waits_inside_the_slow_calls() {
     let v = slow_syncs();
     let w = window_of(&v);
     // Preempted for 7 ms inside each 12 ms call: 58% of the calls' time waiting for a CPU.
-    let inside: Vec<OffSlice> = v
-        .iter()
-        .map(|e| OffSlice {
-            pid: e.pid,
-            tid: e.tid,
-            off_ns: e.ts_ns + MS,
-            on_ns: e.ts_ns + 8 * MS,
-            wakeup_ns: None,
-            preempted: true,
-        })
-        .collect();
+    let inside = preempted_inside(&v);
     let c = analyze(
         1,
         &v,

@@ -83,7 +83,7 @@ fn snapshot(file: &std::path::Path, db: &std::path::Path, as_json: bool) -> Resu
     for (what, n) in [
         (
             "entries of actions tracer does not know, skipped",
-            imported.unknown_actions,
+            imported.notes.unknown_actions,
         ),
         (
             "entries that contradict the final state",
@@ -94,24 +94,25 @@ fn snapshot(file: &std::path::Path, db: &std::path::Path, as_json: bool) -> Resu
             println!("{n} {what}");
         }
     }
-    if let Some(first) = &imported.first_unusable {
+    if let Some(first) = &imported.notes.first_unusable {
         println!(
             "{} entries lack a field tracer needs, skipped (the first: {first})",
-            imported.unusable_entries
+            imported.notes.unusable_entries
         );
     }
-    if imported.trace_overflowed == Some(true) {
+    if imported.notes.trace_overflowed == Some(true) {
         println!(
             "the file says its trace ring overflowed ({} entries kept): what came before its first entry is rebuilt from the final state, its calls unknown",
             imported
+                .notes
                 .trace_max_entries
                 .map_or("its capacity".to_owned(), |n| n.to_string())
         );
     }
-    if imported.host_segments + imported.host_entries > 0 {
+    if imported.notes.host_segments + imported.notes.host_entries > 0 {
         println!(
             "{} pinned host segments and {} host trace entries: not imported (tracer models device memory)",
-            imported.host_segments, imported.host_entries
+            imported.notes.host_segments, imported.notes.host_entries
         );
     }
     if check.equal() {

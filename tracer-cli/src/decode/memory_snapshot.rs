@@ -20,6 +20,13 @@ pub struct MemorySnapshot {
     pub alloc_conf: Option<String>,
     /// The distinct call sites of the trace's entries, innermost frame first.
     pub stacks: Vec<Vec<Frame>>,
+    /// What tracer read of the file but could not use, and what it says of itself.
+    pub notes: FileNotes,
+}
+
+/// What an import read of a snapshot but could not use, and what the file says of its trace.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct FileNotes {
     /// Entries of actions this tracer does not know, skipped.
     pub unknown_actions: u64,
     /// Entries of known actions that lack a field tracer needs (or hold a mistyped one),
@@ -179,8 +186,9 @@ pub fn read(p: &Pickle) -> Result<MemorySnapshot> {
                 Ok(None) => {}
                 // One entry tracer cannot use is no reason to refuse the file: counted, said.
                 Err(err) => {
-                    r.out.unusable_entries += 1;
+                    r.out.notes.unusable_entries += 1;
                     r.out
+                        .notes
                         .first_unusable
                         .get_or_insert_with(|| format!("device_traces[{device}][{i}]: {err}"));
                 }
@@ -195,17 +203,17 @@ pub fn read(p: &Pickle) -> Result<MemorySnapshot> {
     }
     let settings = p.field(root, "allocator_settings");
     r.out.alloc_conf = settings.map(|s| alloc_conf(p, s));
-    r.out.trace_overflowed = settings
+    r.out.notes.trace_overflowed = settings
         .and_then(|s| p.field(s, "trace_alloc_overflowed"))
         .and_then(|v| p.bool(v));
-    r.out.trace_max_entries = settings
+    r.out.notes.trace_max_entries = settings
         .and_then(|s| p.field(s, "trace_alloc_max_entries"))
         .and_then(|v| p.int(v))
         .and_then(|n| u64::try_from(n).ok());
-    r.out.host_segments = p
+    r.out.notes.host_segments = p
         .field(root, "host_segments")
         .map_or(0, |v| p.items(v).len() as u64);
-    r.out.host_entries = p.field(root, "host_traces").map_or(0, |v| {
+    r.out.notes.host_entries = p.field(root, "host_traces").map_or(0, |v| {
         p.items(v).iter().map(|&t| p.items(t).len() as u64).sum()
     });
     Ok(r.out)
@@ -291,7 +299,7 @@ impl Reader<'_> {
 
     fn entry(&mut self, e: ValueId) -> Result<Option<TraceEntry>> {
         let Some(action) = Action::parse(self.str(e, "action")?) else {
-            self.out.unknown_actions += 1;
+            self.out.notes.unknown_actions += 1;
             return Ok(None);
         };
         let stack = match self.p.field(e, "frames") {

@@ -103,16 +103,7 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
     let store = Store::open(db, Access::ReadOnly)?;
     let conn = store.conn();
     let info = events::session(conn, q.session)?;
-    let at_ns = match q.at {
-        At::End => i64::MAX,
-        At::Time(t) => t,
-        At::Oom => oom_time(conn, info.id, q.pid)?.ok_or_else(|| {
-            user_error(format!(
-                "session {} recorded no out-of-memory: no failed allocation and no PyTorch OOM",
-                info.id
-            ))
-        })?,
-    };
+    let at_ns = instant(conn, info.id, q.at, q.pid)?;
     let comms = events::comms(conn, info.id)?;
     let confs = events::alloc_confs(conn, info.id)?;
     let begin = super::begin(conn, info.id, at_ns, q.pid)?;
@@ -308,6 +299,24 @@ pub(crate) fn process_layout(
             .filter(|s| device.is_none_or(|d| d == s.device))
             .collect(),
     }
+}
+
+/// The instant `at` names in `session` (of `pid`'s OOM, or any process's), in wall ns.
+pub(crate) fn instant(
+    conn: &rusqlite::Connection,
+    session: i64,
+    at: At,
+    pid: Option<u32>,
+) -> Result<i64> {
+    Ok(match at {
+        At::End => i64::MAX,
+        At::Time(t) => t,
+        At::Oom => oom_time(conn, session, pid)?.ok_or_else(|| {
+            user_error(format!(
+                "session {session} recorded no out-of-memory: no failed allocation and no PyTorch OOM"
+            ))
+        })?,
+    })
 }
 
 /// When PyTorch raised out-of-memory first (of one process, or any): its message, else the

@@ -119,16 +119,7 @@ pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
     let store = Store::open(db, Access::ReadOnly)?;
     let conn = store.conn();
     let info = events::session(conn, q.session)?;
-    let at_ns = match q.at {
-        At::End => i64::MAX,
-        At::Time(t) => t,
-        At::Oom => super::layout::oom_time(conn, info.id, q.pid)?.ok_or_else(|| {
-            user_error(format!(
-                "session {} recorded no out-of-memory: no failed allocation and no PyTorch OOM",
-                info.id
-            ))
-        })?,
-    };
+    let at_ns = super::layout::instant(conn, info.id, q.at, q.pid)?;
     let pid = match q.pid {
         Some(p) => p,
         None => only_allocator_process(conn, info.id)?,

@@ -52,17 +52,9 @@ pub struct ImportedSnapshot {
     pub calls: u64,
     /// Trace entries read, of all devices.
     pub entries: u64,
-    /// Entries of actions this tracer does not know (skipped).
-    pub unknown_actions: u64,
-    /// Entries lacking a field tracer needs (skipped), and the first one's fault.
-    pub unusable_entries: u64,
-    pub first_unusable: Option<String>,
-    /// The file says its trace ring overflowed (it starts after the job did), and its size.
-    pub trace_overflowed: Option<bool>,
-    pub trace_max_entries: Option<u64>,
-    /// Pinned host memory in the file, not imported.
-    pub host_segments: u64,
-    pub host_entries: u64,
+    /// What was read of the file but not used, and what it says of its trace.
+    #[serde(flatten)]
+    pub notes: memory_snapshot::FileNotes,
     /// The trace starts after the job did: segments and blocks live before its first entry,
     /// rebuilt backwards from the final state.
     pub segments_before_trace: u64,
@@ -176,13 +168,7 @@ pub fn import_snapshot(file: &Path, snap: &MemorySnapshot, db: &Path) -> Result<
         session,
         calls: stored,
         entries: snap.traces.iter().map(|t| t.entries.len() as u64).sum(),
-        unknown_actions: snap.unknown_actions,
-        unusable_entries: snap.unusable_entries,
-        first_unusable: snap.first_unusable.clone(),
-        trace_overflowed: snap.trace_overflowed,
-        trace_max_entries: snap.trace_max_entries,
-        host_segments: snap.host_segments,
-        host_entries: snap.host_entries,
+        notes: snap.notes.clone(),
         segments_before_trace: plan.segments_before,
         blocks_before_trace: plan.blocks_before,
         inconsistent_entries: plan.inconsistent,

@@ -1582,6 +1582,47 @@ fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
     }
 }
 
+/// A memory snapshot is one process's: with several PyTorch processes in the session and no
+/// `--pid`, the export exits 2 naming them and writes nothing; a bound of no entries is
+/// refused naming the option.
+#[test]
+fn a_snapshot_export_that_cannot_choose_a_process_names_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    let out = Command::new(TRACER)
+        .args(["demo", "co-tenant", "--duration", "10s", "--db"])
+        .arg(&db)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let file = dir.path().join("s.pickle");
+    let export = |extra: &[&str]| {
+        Command::new(TRACER)
+            .args(["export", "--format", "pytorch-snapshot", "--db"])
+            .arg(&db)
+            .arg("-o")
+            .arg(&file)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = export(&[]);
+    assert_fails(&refused, 2, "name one with --pid");
+    assert!(!file.exists(), "nothing written");
+    let stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
+    let pids: Vec<String> = query(&db, "SELECT DISTINCT pid FROM tensor_events ORDER BY pid")
+        .iter()
+        .map(|r| r["pid"].to_string())
+        .collect();
+    assert!(pids.len() >= 2, "{pids:?}");
+    assert!(stderr.contains(&pids.join(", ")), "{stderr}");
+    assert_fails(&export(&["--max-entries", "0"]), 2, "--max-entries");
+    // Naming one, it is written.
+    let one = export(&["--pid", &pids[0]]);
+    assert_ok(&one);
+    assert!(snapshot_figures(&file)["reserved"].as_u64().unwrap() > 0);
+}
+
 #[test]
 fn demo_list_and_bad_scenario() {
     let out = Command::new(TRACER)

@@ -283,8 +283,10 @@ fn a_statically_linked_program_is_found_in_its_own_symbols() {
     };
     let (sim, db) = (&fx.sim, &fx.db);
     let trace = Trace::start(db, &["--quiet"]);
+    // It waits before its calls for discovery to find it: tracer rescans once a second, and
+    // under the whole suite's load (2 cores) a rescan can come late; 2.5 s once missed it.
     let out = Command::new(sim.join("staticapp"))
-        .args(["100", "2500"])
+        .args(["100", "6000"])
         .output()
         .unwrap();
     let stopped = trace.stop(SIGINT);

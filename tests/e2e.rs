@@ -1545,19 +1545,25 @@ fn a_demo_run_by_an_unprivileged_user_says_so_and_still_explains() {
     assert_eq!(std::fs::metadata(&db).unwrap().uid(), NOBODY);
 }
 
+/// `tracer demo SCENARIO` recorded into a database of its own (in the folder returned).
+fn demo_db(scenario: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    let out = Command::new(TRACER)
+        .args(["demo", scenario, "--duration", "10s", "--db"])
+        .arg(&db)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    (dir, db)
+}
+
 /// The incident demo exported as PyTorch's memory snapshot, at its end and at its OOM: the
 /// segments hold tracer's own layout figures then, and PyTorch's `_memory_viz.py` (the real
 /// wheel's, run as a script) reads both.
 #[test]
 fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("demo.db");
-    let out = Command::new(TRACER)
-        .args(["demo", "incident", "--duration", "10s", "--db"])
-        .arg(&db)
-        .output()
-        .unwrap();
-    assert_ok(&out);
+    let (dir, db) = demo_db("incident");
     for at in ["end", "oom"] {
         let file = dir.path().join(format!("{at}.pickle"));
         let (mut layout, instant) = (vec!["layout", "--json"], vec!["--at", "oom"]);
@@ -1589,14 +1595,7 @@ fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
 /// refused naming the option.
 #[test]
 fn a_snapshot_export_that_cannot_choose_a_process_names_them() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("demo.db");
-    let out = Command::new(TRACER)
-        .args(["demo", "co-tenant", "--duration", "10s", "--db"])
-        .arg(&db)
-        .output()
-        .unwrap();
-    assert_ok(&out);
+    let (dir, db) = demo_db("co-tenant");
     let file = dir.path().join("s.pickle");
     let export = |extra: &[&str]| {
         Command::new(TRACER)

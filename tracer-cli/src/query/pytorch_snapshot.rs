@@ -197,8 +197,9 @@ struct Replay {
     /// The latest device free bytes a cudaMemGetInfo said, per device.
     device_free: HashMap<i32, u64>,
     entries_before_hole: u64,
-    /// Per device, the call site of the latest failed device allocation.
-    failed_at: HashMap<i32, Option<i64>>,
+    /// The latest failed device allocation's device and call site: the request an
+    /// out-of-memory message follows.
+    failed: Option<(i32, Option<i64>)>,
     /// An imported snapshot: every device allocation is the allocator's, and a segment
     /// entry's stream and a free's two instants are stored with it.
     imported: bool,
@@ -235,7 +236,7 @@ impl Replay {
             allocator_segments,
             device_free: HashMap::new(),
             entries_before_hole: 0,
-            failed_at: HashMap::new(),
+            failed: None,
             imported: false,
             stream_unknown: BTreeMap::new(),
         }
@@ -244,7 +245,7 @@ impl Replay {
     fn call(&mut self, e: &Event) {
         while self.ooms.front().is_some_and(|(ts, _)| *ts <= e.ts_ns) {
             if let Some((ts, text)) = self.ooms.pop_front() {
-                self.oom(ts, &text, e.device);
+                self.oom(ts, &text);
             }
         }
         let device = if e.device == NO_DEVICE { 0 } else { e.device };
@@ -280,7 +281,7 @@ impl Replay {
             }
             // The request PyTorch's out-of-memory follows: where it was made.
             op if !ok && op.spec().class == tracer_common::OpClass::Alloc => {
-                self.failed_at.insert(device, stack);
+                self.failed = Some((device, stack));
             }
             op if ok && is_segment_op(op) => {
                 let action = match op {
@@ -342,8 +343,8 @@ impl Replay {
 
     /// PyTorch's out-of-memory: the request from its message, the device's free bytes from
     /// the cudaMemGetInfo it made for the message.
-    fn oom(&mut self, ts_ns: i64, text: &str, device: i32) {
-        let device = if device == NO_DEVICE { 0 } else { device };
+    fn oom(&mut self, ts_ns: i64, text: &str) {
+        let (device, stack) = self.failed.take().unwrap_or((0, None));
         let size = super::whatif::tried_to_allocate(text).unwrap_or(0);
         // The cudaMemGetInfo PyTorch made for its message, else the message (an imported
         // snapshot's has the entry's bytes).
@@ -363,7 +364,7 @@ impl Replay {
                 time_us: self.timed.then_some(ts_ns / 1000),
                 frames: None,
             },
-            self.failed_at.remove(&device).flatten(),
+            stack,
         ));
     }
 
@@ -407,7 +408,7 @@ impl Replay {
     fn finish(mut self, q: &SnapshotQuery, at_ns: i64, conf: Option<String>) -> Result<Export> {
         for (ts, text) in std::mem::take(&mut self.ooms) {
             if ts <= at_ns {
-                self.oom(ts, &text, 0);
+                self.oom(ts, &text);
             }
         }
         let mut left = LeftOut {

@@ -121,6 +121,31 @@ fn check_every_block_event(expandable: bool, streams: bool) -> Vec<Value> {
         text.contains("(allocator view)") && text.contains("] "),
         "{text}"
     );
+    // Exported as PyTorch's memory snapshot, the trace makes the allocator's block events in
+    // its order: a free no other stream used completes at once, one kept for other streams
+    // when its last event completes.
+    let file = fx.db.with_extension("pickle");
+    export_snapshot(&fx.db, &file, &[]);
+    let expected: Vec<(String, u64)> = truth
+        .iter()
+        .flat_map(|t| {
+            let ptr = t["ptr"].as_u64().unwrap();
+            match t["op"].as_str().unwrap() {
+                "malloc" => vec![("alloc", ptr)],
+                "free" => vec![("free_requested", ptr), ("free_completed", ptr)],
+                op => vec![(
+                    if op == "free_requested" {
+                        "free_requested"
+                    } else {
+                        "free_completed"
+                    },
+                    ptr,
+                )],
+            }
+        })
+        .map(|(a, p)| (a.to_owned(), p))
+        .collect();
+    assert_eq!(snapshot_block_actions(&file), expected);
     truth
 }
 

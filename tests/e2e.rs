@@ -1581,6 +1581,12 @@ fn the_incident_demo_exports_as_a_memory_snapshot_pytorch_reads() {
             );
         }
         assert!(figures["entries"].as_u64().unwrap() > 100, "{figures:#}");
+        // Free blocks carry their last tenant's request, one the trace freed.
+        assert!(
+            figures["inactive_tenants"].as_u64().unwrap() > 0,
+            "{figures:#}"
+        );
+        assert_eq!(figures["inactive_tenants_never_freed"], 0, "{figures:#}");
         for action in ["stats", "trace"] {
             assert!(
                 !memory_viz("2.15.0", action, &file).is_empty(),

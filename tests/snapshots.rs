@@ -341,8 +341,10 @@ trace = [
     # PyTorch's form: the device's free bytes as `device_free`, no address.
     {'action': 'oom', 'device_free': 10 * MIB, 'size': 100 * MIB, 'stream': 0, 'time_us': 1009, 'frames': fr},
 ]
+# A free block keeps the request of its Block object's last tenant: the 8 MiB freed at A; the
+# remainder at A + 32 MiB is the Block the pages were mapped as, never allocated.
 blocks = [
-    {'address': A, 'size': 8 * MIB, 'requested_size': 0, 'state': 'inactive'},
+    {'address': A, 'size': 8 * MIB, 'requested_size': 8 * MIB, 'state': 'inactive'},
     {'address': A + 8 * MIB, 'size': 4 * MIB, 'requested_size': 4 * MIB, 'state': 'active_allocated'},
     {'address': A + 12 * MIB, 'size': 20 * MIB, 'requested_size': 20 * MIB, 'state': 'active_allocated'},
     {'address': A + 32 * MIB, 'size': 8 * MIB, 'requested_size': 0, 'state': 'inactive'},
@@ -402,9 +404,10 @@ fn an_expandable_segments_oom_is_capacity_and_the_allocator_is_no_bypass() {
 }
 
 /// Every real snapshot imported, then exported as PyTorch's memory snapshot: its segments
-/// (every field), blocks, the requested bytes of its live blocks and its trace entries (action,
-/// address, size, stream, time, an out-of-memory's free bytes) equal the original's, and so do
-/// the Python frames of every entry; a file without times gets none.
+/// (every field), blocks, the requested bytes of its live blocks and of its free ones (the last
+/// tenant's of each Block object, followed through splits and merges) and its trace entries
+/// (action, address, size, stream, time, an out-of-memory's free bytes) equal the original's,
+/// and so do the Python frames of every entry; a file without times gets none.
 #[test]
 fn every_real_snapshot_exports_back_to_itself() {
     let Some(files) = snapshots() else { return };
@@ -419,9 +422,15 @@ fn every_real_snapshot_exports_back_to_itself() {
             stderr.contains("entries of the state before an imported trace began"),
             "{stderr}"
         );
+        // Every free block at the end was freed inside the trace: its tenant was seen.
+        assert!(!stderr.contains("inactive blocks"), "{stderr}");
         let parts = assert_snapshots_equal(file, &out);
         assert!(
             parts["entries"]["compared"].as_u64().unwrap() > 1000,
+            "{parts:#}"
+        );
+        assert!(
+            parts["inactive_requested"]["compared"].as_u64().unwrap() >= 4,
             "{parts:#}"
         );
         // PyTorch's own tool (the real wheel's _memory_viz.py, run as a script) prints the

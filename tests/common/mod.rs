@@ -583,6 +583,19 @@ pub fn snapshot_figures(file: &Path) -> Value {
     figures
 }
 
+/// A memory snapshot's block entries (alloc, free_requested, free_completed) in trace order:
+/// (action, address).
+pub fn snapshot_block_actions(file: &Path) -> Vec<(String, u64)> {
+    let out = Command::new("python3")
+        .arg(workspace().join("tests/python/snapshot_compare.py"))
+        .arg("--block-actions")
+        .arg(file)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// Compares an exported snapshot with its original, part by part (snapshot_compare.py): every
 /// part must be equal. The parts, with their counts.
 pub fn assert_snapshots_equal(original: &Path, exported: &Path) -> Value {

@@ -5,6 +5,8 @@ object: per part, how many compared and how many equal, with the first differenc
 usage: snapshot_compare.py ORIGINAL EXPORTED
        snapshot_compare.py --figures FILE     the allocator's figures of its segments, as JSON,
                                               with the faults of its self-consistency (`faults`)
+       snapshot_compare.py --block-actions FILE
+                                              its trace's block entries, [action, addr] each
 """
 import json
 import pickle
@@ -94,7 +96,13 @@ def figures(path):
     snap = load(path)
     blocks = [b for s in snap["segments"] for b in s["blocks"]]
     free = [b["size"] for b in blocks if b["state"] == "inactive"]
+    # A free block's request is its last tenant's: one the trace freed, when it holds them all.
+    freed = {e["size"] for t in snap["device_traces"] for e in t if e["action"] == "free_requested"}
+    tenants = [b["requested_size"] for b in blocks
+               if b["state"] == "inactive" and b["requested_size"] > 0]
     return {
+        "inactive_tenants": len(tenants),
+        "inactive_tenants_never_freed": sum(1 for r in tenants if r not in freed),
         "reserved": sum(s["total_size"] for s in snap["segments"]),
         "allocated": sum(b["size"] for b in blocks if b["state"] != "inactive"),
         "free_blocks": len(free),
@@ -109,10 +117,15 @@ def main():
     if sys.argv[1] == "--figures":
         print(json.dumps(figures(sys.argv[2])))
         return
+    if sys.argv[1] == "--block-actions":
+        snap = load(sys.argv[2])
+        print(json.dumps([[e["action"], e["addr"]] for t in snap["device_traces"] for e in t
+                          if e["action"] in ("alloc", "free_requested", "free_completed")]))
+        return
     parts_faults = faults(load(sys.argv[2]))
     original, exported = load(sys.argv[1]), load(sys.argv[2])
-    parts = {k: Part() for k in ["segments", "blocks", "active_requested", "entries",
-                                 "entry_frames_python"]}
+    parts = {k: Part() for k in ["segments", "blocks", "active_requested",
+                                 "inactive_requested", "entries", "entry_frames_python"]}
     theirs = {(s["device"], s["address"]): s for s in original["segments"]}
     mine = {(s["device"], s["address"]): s for s in exported["segments"]}
     for key in sorted(set(theirs) | set(mine)):
@@ -129,6 +142,11 @@ def main():
             where,
             [b["requested_size"] for b in m["blocks"] if b["state"] != "inactive"],
             [b["requested_size"] for b in t["blocks"] if b["state"] != "inactive"])
+        # An inactive block keeps its Block object's last tenant's request.
+        for a, b in zip(m["blocks"], t["blocks"]):
+            if a["state"] == "inactive" and b["state"] == "inactive":
+                parts["inactive_requested"].check(f"{where}: free block {b['address']:#x}",
+                                                  a["requested_size"], b["requested_size"])
     traces_t = [t for t in original["device_traces"]]
     traces_m = [t for t in exported["device_traces"]]
     for device in range(max(len(traces_t), len(traces_m))):

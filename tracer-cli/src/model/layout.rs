@@ -346,7 +346,7 @@ struct Freed {
 /// The longest a free's own event records follow it (they are made inside the same call, a
 /// few microseconds later; the allocator's later records are for blocks freed during a CUDA
 /// graph capture, long before).
-const FREE_RECORDS_WITHIN_NS: i64 = 10_000_000;
+pub(crate) const FREE_RECORDS_WITHIN_NS: i64 = 10_000_000;
 
 /// `aux1` of a cudaEventRecord called from the library that holds PyTorch's allocator probes
 /// (the recording tells so from the call's return address).
@@ -465,6 +465,18 @@ impl Layout {
                 runs: runs_of(addr, s, &self.pending.blocks),
             })
             .collect()
+    }
+
+    /// The runs of the segment starting at `addr` (whatever its pool), where the layout knows
+    /// one.
+    pub fn runs_of_segment(&self, addr: u64) -> Option<Vec<Run>> {
+        let seg = self.segments.get(&addr)?;
+        Some(runs_of(addr, seg, &self.pending.blocks))
+    }
+
+    /// The addresses of the blocks freed and kept for other streams' work.
+    pub fn pending_blocks(&self) -> impl Iterator<Item = u64> + '_ {
+        self.pending.blocks.keys().copied()
     }
 
     /// The stream a segment serves, when tracer saw the allocation that made it.

@@ -153,6 +153,7 @@ pub fn left_out_lines(l: &LeftOut) -> Vec<String> {
         (l.entries_before_hole, "entries before calls --max-db deleted (the layout after them comes from a keyframe)"),
         (l.entries_before_since, "entries before --since"),
         (l.entries_cut, "oldest entries past --max-entries (trace_alloc_overflowed is set)"),
+        (l.inactive_tenant_unseen, "inactive blocks' requested_size (free since before what tracer saw: written 0, as PyTorch writes for a block never allocated)"),
     ] {
         if n > 0 {
             lines.push(format!("{n} {what}"));

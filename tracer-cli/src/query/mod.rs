@@ -12,6 +12,7 @@ pub mod layout;
 pub mod pytorch_snapshot;
 pub mod report;
 pub mod snapshot_check;
+pub mod snapshot_tenants;
 pub mod whatif;
 
 use std::path::Path;

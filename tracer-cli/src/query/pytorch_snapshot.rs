@@ -11,9 +11,10 @@ use anyhow::Result;
 use tracer_common::Op;
 
 use super::layout::At;
+use super::snapshot_tenants::{Tenant, Tenants};
 pub use crate::decode::memory_snapshot::{Action, BlockKind as BlockState};
 use crate::exit::user_error;
-use crate::model::layout::{AllocConf, Layout, RunKind};
+use crate::model::layout::{AllocConf, Layout, RunKind, FREE_RECORDS_WITHIN_NS};
 use crate::model::policy::Pool;
 use crate::model::state::ProcessState;
 use crate::model::{Event, NO_DEVICE};
@@ -95,6 +96,9 @@ pub struct LeftOut {
     pub entries_rebuilt: u64,
     /// Entries past `--max-entries`, oldest first (the ring overflowed).
     pub entries_cut: u64,
+    /// Inactive blocks free since before the replay began: their last tenant's requested
+    /// size was not seen (written 0, as for a block never allocated).
+    pub inactive_tenant_unseen: u64,
 }
 
 /// The snapshot, ready to encode.
@@ -178,6 +182,19 @@ fn only_allocator_process(conn: &rusqlite::Connection, session: i64) -> Result<u
     }
 }
 
+/// A block freed whose free_completed is not written yet.
+struct Freed {
+    device: i32,
+    size: u64,
+    stream: u64,
+    stack: Option<i64>,
+    /// The free's instant (an imported one's: where its block returned).
+    ts_ns: i64,
+    tid: u32,
+    /// Kept for other streams' work since (active_pending_free).
+    kept: bool,
+}
+
 /// The walk's state: the layout, the entries so far, the frees waiting for other streams.
 struct Replay {
     layout: Layout,
@@ -190,7 +207,7 @@ struct Replay {
     /// Requested bytes of each live block (a free's entry says them).
     requested: HashMap<u64, u64>,
     /// Blocks freed while other streams' work may use them: their free_completed waits.
-    pending: BTreeMap<u64, (i32, u64, u64, Option<i64>)>,
+    pending: BTreeMap<u64, Freed>,
     /// Segments a block landed in: the allocator's (a device allocation no block ever lands
     /// in is a library's own).
     allocator_segments: BTreeSet<u64>,
@@ -205,6 +222,10 @@ struct Replay {
     imported: bool,
     /// Segment allocations whose stream the first block in them says: (device, entry index).
     stream_unknown: BTreeMap<u64, (i32, usize)>,
+    /// The last requested size each free block's Block object was allocated with.
+    tenants: Tenants,
+    /// The walk passed the state an imported trace rebuilt.
+    past_rebuilt: bool,
 }
 
 impl Replay {
@@ -226,7 +247,6 @@ impl Replay {
             .map(|s| s.addr)
             .collect();
         Replay {
-            layout,
             timed,
             rebuilt_until,
             ooms: ooms.into(),
@@ -239,6 +259,9 @@ impl Replay {
             failed: None,
             imported: false,
             stream_unknown: BTreeMap::new(),
+            tenants: Tenants::not_seen(&layout),
+            past_rebuilt: false,
+            layout,
         }
     }
 
@@ -247,6 +270,12 @@ impl Replay {
             if let Some((ts, text)) = self.ooms.pop_front() {
                 self.oom(ts, &text);
             }
+        }
+        if !self.past_rebuilt && self.rebuilt_until.is_some_and(|r| e.ts_ns >= r) {
+            // The state an imported trace rebuilt holds free blocks whose tenants it never
+            // saw.
+            self.past_rebuilt = true;
+            self.tenants = Tenants::not_seen(&self.layout);
         }
         let device = if e.device == NO_DEVICE { 0 } else { e.device };
         let stack = e.stack.map(|s| i64::from(s.get()));
@@ -274,7 +303,18 @@ impl Replay {
                     e.aux0,
                     stack,
                 );
-                self.pending.insert(e.ptr, (device, size, e.aux0, stack));
+                self.pending.insert(
+                    e.ptr,
+                    Freed {
+                        device,
+                        size,
+                        stream: e.aux0,
+                        stack,
+                        ts_ns: e.ts_ns,
+                        tid: e.tid,
+                        kept: false,
+                    },
+                );
             }
             Op::CudaMemGetInfo | Op::CuMemGetInfo if ok => {
                 self.device_free.insert(device, e.aux0);
@@ -303,7 +343,11 @@ impl Replay {
             }
             _ => {}
         }
+        let before = self.tenants.before(&self.layout, e);
         self.layout.apply(e);
+        if let Some(before) = before {
+            self.tenants.after(&self.layout, before, e);
+        }
         if e.op == Op::TorchMalloc {
             if let Some(seg) = self.layout.segment_of(e.ptr) {
                 self.allocator_segments.insert(seg);
@@ -315,27 +359,46 @@ impl Replay {
                 }
             }
         }
-        self.completed(e.ts_ns);
+        self.completed(Some(e));
     }
 
-    /// Frees whose block went back to its pool (no stream's work holds it now).
-    fn completed(&mut self, ts_ns: i64) {
-        let done: Vec<u64> = self
-            .pending
-            .keys()
-            .copied()
-            .filter(|&addr| !self.layout.is_pending(addr))
-            .collect();
-        for addr in done {
-            if let Some((device, size, stream, stack)) = self.pending.remove(&addr) {
+    /// Frees whose block went back to its pool (no stream's work holds it now). A block freed
+    /// is kept for other streams by the events its thread records right after the free: until
+    /// that thread moves on, its free is not decided; one never kept completed at its free (as
+    /// PyTorch's free_block does at once), one kept when the layout returns it (`e`'s time).
+    /// `None`: the walk ended.
+    fn completed(&mut self, e: Option<&Event>) {
+        let mut done = Vec::new();
+        for (&addr, freed) in &mut self.pending {
+            if self.layout.is_pending(addr) {
+                freed.kept = true;
+                continue;
+            }
+            let undecided = !freed.kept
+                && e.is_some_and(|e| {
+                    let the_free = e.ts_ns == freed.ts_ns && e.ptr == addr;
+                    let elsewhere_soon = e.tid != freed.tid
+                        && e.ts_ns.saturating_sub(freed.ts_ns) <= FREE_RECORDS_WITHIN_NS;
+                    the_free || elsewhere_soon
+                });
+            if !undecided {
+                let at = match (freed.kept, e) {
+                    (true, Some(e)) => e.ts_ns,
+                    _ => freed.ts_ns,
+                };
+                done.push((addr, at));
+            }
+        }
+        for (addr, ts_ns) in done {
+            if let Some(f) = self.pending.remove(&addr) {
                 self.push(
                     ts_ns,
-                    device,
+                    f.device,
                     Action::FreeCompleted,
                     addr,
-                    size,
-                    stream,
-                    stack,
+                    f.size,
+                    f.stream,
+                    f.stack,
                 );
             }
         }
@@ -399,6 +462,7 @@ impl Replay {
         if let Some(s) = states.into_iter().find(|s| s.pid == pid) {
             self.layout = s.layout;
         }
+        self.tenants = Tenants::not_seen(&self.layout);
         self.entries_before_hole += self.entries.values().map(|v| v.len() as u64).sum::<u64>();
         self.entries.clear();
         self.pending.clear();
@@ -406,6 +470,7 @@ impl Replay {
     }
 
     fn finish(mut self, q: &SnapshotQuery, at_ns: i64, conf: Option<String>) -> Result<Export> {
+        self.completed(None);
         for (ts, text) in std::mem::take(&mut self.ooms) {
             if ts <= at_ns {
                 self.oom(ts, &text);
@@ -503,7 +568,22 @@ impl Replay {
             // segment of its own.
             for runs in s.runs.split(|r| r.kind == RunKind::Unmapped) {
                 let Some(first) = runs.first() else { continue };
-                let blocks: Vec<Block> = runs.iter().map(block).collect();
+                let blocks: Vec<Block> = runs
+                    .iter()
+                    .map(|r| {
+                        let mut b = block(r);
+                        if b.state == BlockState::Inactive {
+                            b.requested_size = match self.tenants.of(s.addr, r.addr) {
+                                Tenant::Requested(bytes) => bytes,
+                                Tenant::NotSeen => {
+                                    left.inactive_tenant_unseen += 1;
+                                    0
+                                }
+                            };
+                        }
+                        b
+                    })
+                    .collect();
                 out.push(Segment {
                     device: s.device,
                     address: first.addr,

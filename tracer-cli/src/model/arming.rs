@@ -150,6 +150,9 @@ struct Process {
     armed_at: Option<i64>,
     asked: bool,
     last_trigger_ns: i64,
+    /// The latest trigger of its own (not root's asking): what keeps it armed once the asking
+    /// ends.
+    own_trigger_ns: Option<i64>,
     on_demand: bool,
 }
 
@@ -236,10 +239,13 @@ impl Arming {
         if share >= settings.hold_share && (p.armed_at.is_some() || p.asked) {
             // The pressure lasts: it keeps the probes armed.
             p.last_trigger_ns = p.last_trigger_ns.max(e.ts_ns);
+            p.own_trigger_ns = Some(p.own_trigger_ns.map_or(e.ts_ns, |t| t.max(e.ts_ns)));
         }
-        let reason = reason
-            .or((share >= settings.arm_share).then_some(Reason::Reserved))
-            .or(self.asking.then_some(Reason::OnDemand))?;
+        let own = reason.or((share >= settings.arm_share).then_some(Reason::Reserved));
+        if own.is_some() {
+            p.own_trigger_ns = Some(p.own_trigger_ns.map_or(e.ts_ns, |t| t.max(e.ts_ns)));
+        }
+        let reason = own.or(self.asking.then_some(Reason::OnDemand))?;
         if self.asking {
             p.on_demand = true;
         }
@@ -258,7 +264,9 @@ impl Arming {
         })
     }
 
-    /// Root asked to arm (`arm` true) or to end its asking for every process seen.
+    /// Root asked to arm (`arm` true) or to end its asking for every process seen. Ending it
+    /// disarms the processes only the asking kept armed; one with a trigger of its own within
+    /// the quiet period stays armed until that period passes.
     pub fn on_demand(&mut self, arm: bool, now_ns: i64) -> Vec<Decision> {
         if !self.decides() {
             return Vec::new();
@@ -274,8 +282,13 @@ impl Arming {
                     out.push(decision(pid, true, Reason::OnDemand));
                 }
             } else if p.armed_at.is_some() {
-                p.armed_at = None;
-                out.push(decision(pid, false, Reason::OnDemandEnded));
+                match p.own_trigger_ns {
+                    Some(t) if now_ns - t < self.settings.quiet_ns => p.last_trigger_ns = t,
+                    _ => {
+                        p.armed_at = None;
+                        out.push(decision(pid, false, Reason::OnDemandEnded));
+                    }
+                }
             }
         }
         out.sort_by_key(|d| d.pid);

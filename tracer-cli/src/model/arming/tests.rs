@@ -161,6 +161,35 @@ fn out_of_memory_and_root_arm_and_roots_asking_holds_it() {
     assert_eq!(ended[0].reason, Reason::OnDemandEnded);
 }
 
+/// Ending root's asking disarms what only the asking held; a process under pressure of its
+/// own stays armed until its quiet period passes.
+#[test]
+fn ending_roots_asking_leaves_a_process_under_pressure_armed() {
+    let mut a = auto();
+    let failed = Event {
+        ret: 2,
+        ..call(Op::CudaMalloc, 0, GIB, 0)
+    };
+    arms(&mut a, &failed);
+    let other = Event {
+        pid: 8,
+        tid: 8,
+        ..call(Op::CudaMalloc, SEG, GIB, 0)
+    };
+    a.observe(&other);
+    let asked = a.on_demand(true, S);
+    assert_eq!(asked.len(), 1, "pid 7 was armed already");
+    a.armed(8, true, S);
+    let ended = a.on_demand(false, 2 * S);
+    assert_eq!(ended.len(), 1);
+    assert_eq!((ended[0].pid, ended[0].reason), (8, Reason::OnDemandEnded));
+    assert_eq!(a.armed_pids(), vec![7]);
+    let quiet = a.settings.quiet_ns.max(a.settings.min_armed_ns);
+    let due = a.due(quiet);
+    assert_eq!(due.len(), 1);
+    assert_eq!((due[0].pid, due[0].reason), (7, Reason::Quiet));
+}
+
 #[test]
 fn always_and_off_never_decide() {
     for mode in [Mode::Always, Mode::Off] {

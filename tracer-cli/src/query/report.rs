@@ -3,7 +3,10 @@
 //! (downsampled, see model/series.rs), the moments worth marking, and the allocator's segment
 //! map at the OOM, at the end and at evenly spaced times between.
 
-use std::{collections::HashMap, path::Path};
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::Path,
+};
 
 use anyhow::Result;
 use serde::Serialize;
@@ -74,7 +77,8 @@ pub struct ReportData {
     pub coverage: Vec<String>,
     /// Exactly what `tracer explain --json` prints for the same window.
     pub explain: Explanation,
-    pub comms: HashMap<u32, String>,
+    /// Ordered, so that the page is the same for the same session.
+    pub comms: BTreeMap<u32, String>,
     /// The calls read to draw the charts (the whole session up to the window's end).
     pub calls_read: u64,
     /// Each chart point covers this many ns.
@@ -84,7 +88,7 @@ pub struct ReportData {
     pub markers_omitted: u64,
     pub snapshots: Vec<SegmentMaps>,
     /// Call sites of the blocks in the maps, by stack id.
-    pub sites: HashMap<u32, String>,
+    pub sites: BTreeMap<u32, String>,
     /// The recorded requests under other allocator settings (`tracer whatif`), for runs of at
     /// most [`WHATIF_EVENTS`] events in the window.
     pub whatif: Option<super::whatif::WhatIf>,
@@ -181,7 +185,7 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
         losses,
         coverage,
         explain: report,
-        comms: comms.clone(),
+        comms: comms.iter().map(|(&k, v)| (k, v.clone())).collect(),
         calls_read,
         bucket_ns: pass.timeline.bucket_ns(),
         lines: pass.timeline.lines(),

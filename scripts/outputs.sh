@@ -31,7 +31,7 @@ for snap in "$shared"/snapshots/*.pickle; do
 done
 
 normalize() {
-    sed -e "s#$work#DB_DIR#g" -e 's#"generated_[a-z_]*": *[0-9"][^,}]*#"generated": X#g'
+    sed -e "s#$work#DB_DIR#g" -e "s#$tracer#TRACER#g" -e 's#"generated_[a-z_]*": *[0-9"][^,}]*#"generated": X#g'
 }
 
 run() {

@@ -602,7 +602,7 @@ fn final_report(db: &Path, session: i64, announced: &Announced) -> Result<()> {
         .report
         .chains
         .iter()
-        .map(|c| ((c.rule, c.pid), c.title.as_str()))
+        .map(|c| ((c.rule.name(), c.pid), c.title.as_str()))
         .collect();
     for line in changed_since_shown(announced, &kept) {
         println!("{line}");

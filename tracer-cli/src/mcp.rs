@@ -360,7 +360,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
             .iter()
             .take(MAX_CHAINS)
             .map(|c| ChainOut {
-                rule: c.rule.to_owned(),
+                rule: c.rule.name().to_owned(),
                 severity: format!("{:?}", c.severity).to_uppercase(),
                 pid: c.pid,
                 title: c.title.clone(),
@@ -373,7 +373,7 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
                     .take(MAX_TIMELINE)
                     .map(|e| ((e.ts_ns - from) as f64 / 1e9, e.text.clone()))
                     .collect(),
-                fix: c.fix.clone(),
+                fix: c.fix.iter().map(|f| f.text.to_string()).collect(),
                 evidence: c.evidence.clone(),
             })
             .collect(),

@@ -25,8 +25,8 @@ use crate::model::{layout::AllocConf, Event, FastMap, Rank, SiteLabels, StackId,
 use crate::units::{format_bytes, format_utc};
 pub use collect::{is_block_event, BlockTally, Collected, Collector, OpTally};
 pub use host::Host;
-pub use rules::Chain;
 use rules::Proc;
+pub use rules::{Chain, Fix, Rule};
 use scan::Scan;
 
 /// Exact quantile of sorted values (nearest rank): the reference for [`select_quantile`].
@@ -770,18 +770,6 @@ pub struct Explanation {
     pub arming: Vec<crate::model::arming::ArmingRow>,
 }
 
-/// The rules that read rates, durations or intervals: not applied to a session whose times
-/// give only the order of its calls.
-const TIMED_RULES: [&str; 7] = [
-    "latency_growth",
-    "leak",
-    "churn",
-    "empty_cache_churn",
-    "sync_stall",
-    "periodic_spike",
-    "cpu_contention",
-];
-
 /// What explain knows of a session beside its calls.
 pub struct Inputs<'a> {
     pub comms: &'a HashMap<u32, String>,
@@ -901,29 +889,27 @@ pub fn analyze_collected(
             }
             (tables, direct, call_sites(active, blocks, sites))
         });
-        let replayed = rules::replayed(active, window, host, sites);
+        let measured: Vec<Option<&allocator::Findings>> =
+            layouts.iter().map(|f| f.visible.then_some(f)).collect();
+        let replayed = rules::replayed(active, &measured, window, host, sites);
         let others = others
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         (replayed, others)
     });
     let mut replay_chains = Vec::with_capacity(replayed.len());
-    for ((table, (mut chains, live)), findings) in processes.iter_mut().zip(replayed).zip(&layouts)
-    {
+    for ((table, (chains, live)), findings) in processes.iter_mut().zip(replayed).zip(&layouts) {
         table.outstanding = outstanding(&live);
         if findings.visible {
-            // The allocator's own layout replaces the inference from latencies.
-            chains.replace_with_measured(
-                rules::fragmentation_chain(table.pid, findings),
-                rules::leak_chain(table.pid, findings, window),
-            );
             table.allocator = Some(allocator_figures(findings));
         }
         replay_chains.push(chains);
     }
     let mut chains = rules::merge(replay_chains, direct);
     if inputs.untimed {
-        chains.retain(|c| !TIMED_RULES.contains(&c.rule));
+        // Rules that read rates, durations or intervals say nothing of a session whose times
+        // give only the order of its calls.
+        chains.retain(|c| !c.rule.timed());
     }
     let who = rules::Who {
         placements: inputs.placements,

@@ -67,7 +67,7 @@ fn chains(events: &[Event]) -> Vec<Chain> {
 }
 
 fn rules_fired(events: &[Event]) -> Vec<&'static str> {
-    let mut r: Vec<&str> = chains(events).iter().map(|c| c.rule).collect();
+    let mut r: Vec<&str> = chains(events).iter().map(|c| c.rule.name()).collect();
     r.sort_unstable();
     r
 }
@@ -950,7 +950,7 @@ fn expandable_segments_are_the_allocator_not_a_bypass_nor_churn() {
             ..Inputs::new(&comms, &sites)
         },
     );
-    let fired: Vec<&str> = with_setting.chains.iter().map(|c| c.rule).collect();
+    let fired: Vec<&str> = with_setting.chains.iter().map(|c| c.rule.name()).collect();
     assert!(!fired.contains(&"driver_bypass"), "{fired:?}");
     assert!(!fired.contains(&"churn"), "{fired:?}");
 }
@@ -1067,7 +1067,7 @@ fn segment_cycles_under_pytorchs_allocator_are_its_cache_released_and_refilled()
         churn.title
     );
     assert!(
-        !churn.fix.iter().any(|f| f.contains("keep the buffer")),
+        !churn.fix.iter().any(|f| f.text.contains("keep the buffer")),
         "{:?}",
         churn.fix
     );

@@ -148,7 +148,7 @@ fn devices(out: &mut impl Write, r: &Explanation) -> Result<()> {
     let outlier = r
         .chains
         .iter()
-        .find(|c| c.rule == "rank_outlier")
+        .find(|c| c.rule == crate::analysis::Rule::RankOutlier)
         .map(|c| c.pid);
     writeln!(out)?;
     writeln!(out, "Ranks and devices (peaks in the window):")?;

@@ -672,19 +672,6 @@ fn row(run: &RecordedRun, conf: &str, recorded: bool, capacity: u64, search: boo
 /// explain simulates the settings its fixes name only for runs up to this many requests (a
 /// simulation per setting; `tracer whatif` takes any size).
 const CITE_REQUESTS: usize = 1_000_000;
-/// The chains whose fixes are allocator settings.
-const CITING_RULES: [&str; 3] = ["fragmentation", "oom", "early_warning"];
-
-/// The allocator setting a fix line names ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-/// (...)" names "expandable_segments:True").
-fn named_setting(fix: &str) -> Option<&str> {
-    let rest = fix.split_once("PYTORCH_CUDA_ALLOC_CONF=")?.1;
-    let setting = rest
-        .split_whitespace()
-        .next()?
-        .trim_end_matches([':', ',', ';']);
-    setting.contains(':').then_some(setting)
-}
 
 /// Appends to each fix of `chains` that names an allocator setting what the simulator says the
 /// recorded requests would have done under it, beside what they did as run; or why it could
@@ -693,8 +680,8 @@ pub fn cite_in_fixes(db: &Path, session: i64, chains: &mut [crate::analysis::Cha
     // Per process: its run, what the run did as simulated, and whether the gate holds (each
     // computed once, however many chains cite it).
     let mut runs: HashMap<u32, Option<(RecordedRun, Outcome, bool)>> = HashMap::new();
-    for chain in chains.iter_mut().filter(|c| CITING_RULES.contains(&c.rule)) {
-        if !chain.fix.iter().any(|f| named_setting(f).is_some()) {
+    for chain in chains.iter_mut().filter(|c| c.rule.cites_settings()) {
+        if !chain.fix.iter().any(|f| f.setting.is_some()) {
             continue;
         }
         let entry = match runs.entry(chain.pid) {
@@ -717,7 +704,7 @@ pub fn cite_in_fixes(db: &Path, session: i64, chains: &mut [crate::analysis::Cha
         };
         let holds = *holds;
         for fix in chain.fix.iter_mut() {
-            let Some(setting) = named_setting(fix) else {
+            let Some(setting) = fix.setting else {
                 continue;
             };
             let text = if holds {
@@ -739,7 +726,7 @@ pub fn cite_in_fixes(db: &Path, session: i64, chains: &mut [crate::analysis::Cha
             } else {
                 " [not simulated: the simulator does not reproduce this run's decisions (`tracer whatif` shows where)]".to_owned()
             };
-            fix.push_str(&text);
+            fix.text.to_mut().push_str(&text);
         }
     }
     Ok(())
@@ -757,18 +744,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_setting_a_fix_names_is_read_from_its_text() {
-        assert_eq!(
-            named_setting(
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: segments grow in place"
-            ),
-            Some("expandable_segments:True")
-        );
-        assert_eq!(
-            named_setting("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 (large cached blocks)"),
-            Some("max_split_size_mb:128")
-        );
-        assert_eq!(named_setting("reduce the batch size"), None);
+    fn pytorchs_message_gives_the_request_and_the_free_bytes() {
         assert_eq!(
             tried_to_allocate("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has"),
             Some(3 << 29)

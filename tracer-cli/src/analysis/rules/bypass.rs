@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use tracer_common::{Library, OpClass, Space};
 
 use super::churn::expandable_calls;
-use super::{Chain, Proc, Severity, FIX_FRACTION};
+use super::{Chain, Proc, Rule, Severity, FIX_FRACTION};
 use crate::{
     analysis::{Event, FastMap},
     units::format_bytes as b,
@@ -58,7 +58,7 @@ pub(super) fn driver_bypass(p: &Proc<'_>) -> Option<Chain> {
     }
     let listing: Vec<String> = ops.iter().map(|(op, n)| format!("{op} x{n}")).collect();
     Some(Chain {
-        rule: "driver_bypass",
+        rule: Rule::DriverBypass,
         severity: Severity::Low,
         pid,
         title: "allocations bypass the CUDA runtime".into(),

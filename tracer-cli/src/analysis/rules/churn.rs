@@ -5,14 +5,45 @@ use std::collections::BTreeMap;
 
 use tracer_common::{Library, Op, OpClass, Space};
 
-use super::{entry, Chain, Proc, Severity};
+use super::{entry, Chain, Fix, Proc, Rule, Severity, EXPANDABLE};
 use crate::{
     analysis::{select_quantile, Event, FastMap, Window},
     units::{format_bytes as b, format_ns as t},
 };
 
 /// Rule 5a: tight alloc/free cycles of the same size (found by the replay).
+/// `measured`: the allocator's own layout is seen, so segments given back and taken again are
+/// its doing, not the program's.
 pub(super) fn churn(
+    pid: u32,
+    cycles: BTreeMap<(Op, u64), Vec<u64>>,
+    window: Window,
+    measured: bool,
+) -> Option<(Chain, Op)> {
+    let (mut chain, op) = churn_chain(pid, cycles, window)?;
+    if measured && op.spec().space == Space::Device {
+        cache_released(&mut chain);
+    }
+    Some((chain, op))
+}
+
+/// Churn of the allocator's segments: its cache released and refilled.
+fn cache_released(c: &mut Chain) {
+    c.title = c.title.replace(
+        "alloc/free churn",
+        "the allocator's cache released and refilled",
+    );
+    c.effect = "PyTorch's caching allocator gave these segments back to the device and reserved them again: it releases cached blocks to retry a cudaMalloc the device refused (running near its limit), or torch.cuda.empty_cache() is called; each cycle pays cudaMalloc again".into();
+    c.fix = vec![
+        "leave the device headroom (a smaller batch or sequence length), or remove empty_cache() from the loop".into(),
+        Fix::setting(
+            EXPANDABLE,
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the cache grows in place instead",
+        ),
+    ];
+}
+
+fn churn_chain(
     pid: u32,
     cycles: BTreeMap<(Op, u64), Vec<u64>>,
     window: Window,
@@ -29,7 +60,7 @@ pub(super) fn churn(
     }
     let mut lives = lives;
     Some((Chain {
-        rule: "churn",
+        rule: Rule::Churn,
         severity: if rate >= 1000.0 { Severity::Medium } else { Severity::Low },
         pid,
         title: format!("alloc/free churn -> {op} on the hot path"),
@@ -106,7 +137,7 @@ pub(super) fn empty_cache_churn(pid: u32, evs: &[Event], device_frees: u64) -> O
     }
     let total: u64 = bursts.iter().map(|b| b.2).sum();
     Some(Chain {
-        rule: "empty_cache_churn",
+        rule: Rule::EmptyCacheChurn,
         severity: Severity::Medium,
         pid,
         title: "release-then-reallocate bursts -> empty_cache() in the loop".into(),

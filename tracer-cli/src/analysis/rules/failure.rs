@@ -3,7 +3,7 @@
 
 use tracer_common::OpClass;
 
-use super::{entry, Chain, Proc, Severity, FIX_EXPANDABLE, FIX_MAX_SPLIT};
+use super::{entry, Chain, Proc, Rule, Severity, FIX_EXPANDABLE, FIX_MAX_SPLIT};
 use crate::{
     analysis::{
         replay::{self},
@@ -78,7 +78,7 @@ pub(super) fn allocator_retry(pid: u32, evs: &[Event], attempts: &[Attempt]) -> 
         format!("{} {} succeeds", ok.op.name(), b(ok.size)),
     ));
     Some(Chain {
-        rule: "allocator_retry",
+        rule: Rule::AllocatorRetry,
         severity: if recovered.len() >= 3 { Severity::High } else { Severity::Medium },
         pid,
         title: format!("allocation failure -> cache flush -> {} retry", f.op.name()),
@@ -217,7 +217,7 @@ pub(super) fn oom(
         ),
     ));
     Some(Chain {
-        rule: "oom",
+        rule: Rule::Oom,
         severity: Severity::High,
         pid,
         title: format!("out of memory: {} of {} failed", f.op.name(), b(requested)),

@@ -3,7 +3,7 @@
 
 use tracer_common::{Op, OpClass, Space};
 
-use super::{entry, secs_between, Chain, Proc, Severity, FIX_EXPANDABLE};
+use super::{entry, secs_between, Chain, Proc, Rule, Severity, FIX_EXPANDABLE};
 use crate::{
     analysis::{
         replay::{self, is_device_alloc_ok, Buckets, BUCKETS},
@@ -96,7 +96,7 @@ pub(super) fn latency_growth(
     let growth = last as f64 / first as f64;
     let (start, end, span) = (times.start, times.end, buckets.span);
     Some(Chain {
-        rule: "latency_growth",
+        rule: Rule::LatencyGrowth,
         severity: if growth >= 4.0 {
             Severity::High
         } else {
@@ -194,7 +194,7 @@ pub(super) fn periodic_spike(
     }
     let mut spike_d: Vec<u64> = spikes.iter().map(|e| e.duration_ns).collect();
     Some(Chain {
-        rule: "periodic_spike",
+        rule: Rule::PeriodicSpike,
         severity: Severity::Medium,
         pid,
         title: format!("periodic allocation spikes every {:.1}s", mean / 1e9),

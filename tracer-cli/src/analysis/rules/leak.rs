@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use tracer_common::OpClass;
 
-use super::{entry, Chain, Proc, Severity};
+use super::{entry, Chain, Proc, Rule, Severity};
 use crate::{
     analysis::{
         replay::{self},
@@ -101,7 +101,7 @@ pub(super) fn leak(
     }
     let per_min = (last - first) as f64 / window.secs() * 60.0;
     Some(Chain {
-        rule: "leak",
+        rule: Rule::Leak,
         severity: if last >= 2 * first.max(1) { Severity::High } else { Severity::Medium },
         pid,
         title: "memory held grows steadily -> leak".into(),

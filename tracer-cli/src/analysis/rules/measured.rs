@@ -3,7 +3,7 @@
 //! before an out-of-memory, the layout at the failure, and what is not known when the layout
 //! is not exact.
 
-use super::{Chain, Severity, TimelineEntry};
+use super::{Chain, Fix, Rule, Severity, TimelineEntry, EXPANDABLE, MAX_SPLIT};
 use crate::{
     analysis::{
         allocator::{Findings, Forced, FragKind, FragKinds, OomVerdict},
@@ -48,7 +48,7 @@ pub fn leak_chain(pid: u32, f: &Findings, window: Window) -> Option<Chain> {
         .map(|(site, n, bytes)| format!("{site} ({n} blocks, {})", b(*bytes)))
         .collect();
     Some(Chain {
-        rule: "leak",
+        rule: Rule::Leak,
         severity: if last >= 2 * first.max(1) { Severity::High } else { Severity::Medium },
         pid,
         title: "tensors held grow steadily -> leak".into(),
@@ -107,8 +107,14 @@ fn figures(s: &PoolStats) -> String {
     )
 }
 
-const FIX_EXPANDABLE: &str = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: segments grow in place, so the free bytes stay in one block";
-const FIX_MAX_SPLIT: &str = "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: large cached blocks are not cut for small tensors";
+const FIX_EXPANDABLE: Fix = Fix::setting(
+    EXPANDABLE,
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: segments grow in place, so the free bytes stay in one block",
+);
+const FIX_MAX_SPLIT: Fix = Fix::setting(
+    MAX_SPLIT,
+    "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: large cached blocks are not cut for small tensors",
+);
 
 /// Fragmentation inside the cached segments, measured, pool by pool against the requests
 /// each pool serves: new segments the pool's cache could have held in bytes but not in one
@@ -190,7 +196,7 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
         );
     }
     Some(Chain {
-        rule: "fragmentation",
+        rule: Rule::Fragmentation,
         severity: fragmentation_severity(&forced, &s, held, short),
         pid,
         title: "fragmentation inside the allocator's cached segments".into(),
@@ -235,22 +241,22 @@ fn kind_said(kind: FragKind) -> &'static str {
 }
 
 /// The fixes, the one for the kind that held the most free bytes first.
-fn kind_fixes(kinds: &FragKinds) -> Vec<String> {
-    let mut fixes: Vec<String> = Vec::new();
+fn kind_fixes(kinds: &FragKinds) -> Vec<Fix> {
+    let mut fixes: Vec<Fix> = Vec::new();
     for (kind, _) in kinds.ranked() {
         let fix = match kind {
             FragKind::Split => FIX_MAX_SPLIT,
             FragKind::Spread => FIX_EXPANDABLE,
-            FragKind::OtherStream => "allocate each tensor on the stream that uses it (each stream's cache serves only that stream)",
-            FragKind::Pending => "synchronize the other stream before freeing, or avoid Tensor.record_stream: blocks stay held until its work is done",
+            FragKind::OtherStream => "allocate each tensor on the stream that uses it (each stream's cache serves only that stream)".into(),
+            FragKind::Pending => "synchronize the other stream before freeing, or avoid Tensor.record_stream: blocks stay held until its work is done".into(),
         };
-        if !fixes.iter().any(|f| f == fix) {
-            fixes.push(fix.into());
+        if !fixes.contains(&fix) {
+            fixes.push(fix);
         }
     }
     for fix in [FIX_EXPANDABLE, FIX_MAX_SPLIT] {
-        if !fixes.iter().any(|f| f == fix) {
-            fixes.push(fix.into());
+        if !fixes.contains(&fix) {
+            fixes.push(fix);
         }
     }
     fixes
@@ -327,7 +333,7 @@ pub fn warning_chain(pid: u32, f: &Findings, first_failure: Option<i64>) -> Opti
         .map(|(site, n, bytes)| format!("{site} ({n} blocks, {})", b(*bytes)))
         .collect();
     Some(Chain {
-        rule: "early_warning",
+        rule: Rule::EarlyWarning,
         severity: Severity::High,
         pid,
         title: format!(
@@ -366,7 +372,7 @@ pub fn oom_forensics(
     f: &Findings,
     fatal_ns: i64,
     message: Option<&str>,
-) -> Option<(String, Vec<String>, Option<bool>)> {
+) -> Option<(String, Vec<Fix>, Option<bool>)> {
     let x = f
         .forensics
         .iter()
@@ -562,7 +568,7 @@ pub fn unknown_chain(pid: u32, f: &Findings) -> Option<Chain> {
         "the job's next steps: the layout is exact again once no block event has contradicted it for twice the longest life of a block seen since, counted in block events (at least 1000)"
     };
     Some(Chain {
-        rule: "unknown_state",
+        rule: Rule::UnknownState,
         severity: Severity::Low,
         pid,
         title: "the allocator's layout is not fully known: no verdict is drawn from it".into(),
@@ -573,7 +579,7 @@ pub fn unknown_chain(pid: u32, f: &Findings) -> Option<Chain> {
             ts_ns: since,
             text: "first evidence that tracer did not see everything".into(),
         }],
-        fix: vec![format!("what would settle it: {settle}")],
+        fix: vec![format!("what would settle it: {settle}").into()],
         evidence: format!(
             "{} blocks outside known segments, {} allocations over blocks believed held, {} gap(s)",
             f.orphans.0, u.freed_unseen, u.gaps

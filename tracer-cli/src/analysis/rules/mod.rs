@@ -10,6 +10,7 @@ mod latency;
 mod leak;
 pub(super) mod measured;
 mod ranks;
+mod rule;
 mod stalls;
 mod tenants;
 
@@ -22,12 +23,14 @@ use stalls::{cpu_contention, sync_stall};
 
 pub use measured::{fragmentation_chain, leak_chain, oom_forensics, unknown_chain, warning_chain};
 pub use ranks::outlier_chains;
+pub use rule::Rule;
 pub use tenants::{name_in_oom, Holders, Judged, Who};
 
 use serde::Serialize;
-use tracer_common::{Op, Space};
+use tracer_common::Op;
 
 use super::{
+    allocator::Findings,
     replay::{self},
     scan::Scan,
     Event, Host, SiteLabels, Window,
@@ -49,9 +52,8 @@ pub struct TimelineEntry {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Chain {
-    /// Stable rule name (latency_growth, allocator_retry, oom, leak, churn,
-    /// empty_cache_churn, driver_bypass, sync_stall, periodic_spike).
-    pub rule: &'static str,
+    /// The rule that found it (its stable name in JSON: [`RULES`]).
+    pub rule: Rule,
     pub severity: Severity,
     pub pid: u32,
     pub title: String,
@@ -59,13 +61,65 @@ pub struct Chain {
     pub effect: String,
     pub compounding: Vec<String>,
     pub timeline: Vec<TimelineEntry>,
-    pub fix: Vec<String>,
+    pub fix: Vec<Fix>,
     /// How much data the chain rests on.
     pub evidence: String,
 }
 
-const FIX_EXPANDABLE: &str = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (segments grow in place instead of fragmenting)";
-const FIX_MAX_SPLIT: &str = "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 (large cached blocks are not split for small tensors)";
+/// What to do, and the allocator setting it names (whatif cites those with its simulation).
+/// In JSON, the text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fix {
+    pub text: std::borrow::Cow<'static, str>,
+    /// The PYTORCH_CUDA_ALLOC_CONF setting it names ("expandable_segments:True").
+    pub setting: Option<&'static str>,
+}
+
+impl Fix {
+    /// A fix naming allocator setting `setting`.
+    pub const fn setting(setting: &'static str, text: &'static str) -> Fix {
+        Fix {
+            text: std::borrow::Cow::Borrowed(text),
+            setting: Some(setting),
+        }
+    }
+}
+
+impl From<&'static str> for Fix {
+    fn from(text: &'static str) -> Fix {
+        Fix {
+            text: text.into(),
+            setting: None,
+        }
+    }
+}
+
+impl From<String> for Fix {
+    fn from(text: String) -> Fix {
+        Fix {
+            text: text.into(),
+            setting: None,
+        }
+    }
+}
+
+impl std::fmt::Display for Fix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl Serialize for Fix {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+pub(crate) const EXPANDABLE: &str = "expandable_segments:True";
+pub(crate) const MAX_SPLIT: &str = "max_split_size_mb:128";
+
+const FIX_EXPANDABLE: Fix = Fix::setting(EXPANDABLE, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (segments grow in place instead of fragmenting)");
+const FIX_MAX_SPLIT: Fix = Fix::setting(MAX_SPLIT, "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 (large cached blocks are not split for small tensors)");
 const FIX_FRACTION: &str = "torch.cuda.set_per_process_memory_fraction(0.9) to leave headroom for allocations outside PyTorch";
 
 fn entry(ts_ns: i64, text: String) -> TimelineEntry {
@@ -90,27 +144,36 @@ pub struct Proc<'a> {
 }
 
 /// The chains of the rules that replay allocations (latency growth, leak, churn) for
-/// each process, with what the replay left live at the window's end.
+/// each process, with what the replay left live at the window's end. Where the allocator's own
+/// layout was measured (`measured`, per process), its fragmentation and leak chains stand in
+/// place of the inference from latencies and segments, and segments given back and taken
+/// again are the allocator's doing.
 pub fn replayed<'a>(
     procs: &[Proc<'a>],
+    measured: &[Option<&Findings>],
     window: Window,
     host: &Host,
     sites: &SiteLabels,
 ) -> Vec<(ReplayChains, Vec<&'a Event>)> {
     procs
         .iter()
-        .map(|p| {
+        .zip(measured)
+        .map(|(p, measured)| {
             let allocs = AllocTimes::of(p.window);
             let samples = leak_samples(window);
             let mut r = replay::replay(p.all, window, &samples, allocs.map(|a| a.buckets()));
+            let (fragmentation, leak) = match measured {
+                Some(f) => (fragmentation_chain(p.pid, f), leak_chain(p.pid, f, window)),
+                None => {
+                    let inferred = allocs.and_then(|a| latency_growth(p, a, &mut r, host));
+                    (inferred, leak(p, window, &samples, &r, sites))
+                }
+            };
+            let cycles = allocator_pages_out(p, std::mem::take(&mut r.churn));
             let chains = ReplayChains {
-                fragmentation: allocs.and_then(|a| latency_growth(p, a, &mut r, host)),
-                leak: leak(p, window, &samples, &r, sites),
-                churn: churn(
-                    p.pid,
-                    allocator_pages_out(p, std::mem::take(&mut r.churn)),
-                    window,
-                ),
+                fragmentation,
+                leak,
+                churn: churn(p.pid, cycles, window, measured.is_some()),
             };
             (chains, r.live)
         })
@@ -124,28 +187,6 @@ pub struct ReplayChains {
     leak: Option<Chain>,
     /// The chain, and the op whose cycles it counts.
     churn: Option<(Chain, Op)>,
-}
-
-impl ReplayChains {
-    /// Puts what the allocator's own layout measured in place of what the segments suggest:
-    /// fragmentation from its blocks, a leak in tensors rather than in its cache. Segments
-    /// given back and taken again are then the allocator's doing, not the program's.
-    pub fn replace_with_measured(&mut self, fragmentation: Option<Chain>, leak: Option<Chain>) {
-        self.fragmentation = fragmentation;
-        self.leak = leak;
-        let segments = |op: Op| op.spec().space == Space::Device;
-        if let Some((c, _)) = self.churn.as_mut().filter(|(_, op)| segments(*op)) {
-            c.title = c.title.replace(
-                "alloc/free churn",
-                "the allocator's cache released and refilled",
-            );
-            c.effect = "PyTorch's caching allocator gave these segments back to the device and reserved them again: it releases cached blocks to retry a cudaMalloc the device refused (running near its limit), or torch.cuda.empty_cache() is called; each cycle pays cudaMalloc again".into();
-            c.fix = vec![
-                "leave the device headroom (a smaller batch or sequence length), or remove empty_cache() from the loop".into(),
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the cache grows in place instead".into(),
-            ];
-        }
-    }
 }
 
 /// The chains of the rules that need no replay, for one process, from one scan of its calls.

@@ -2,7 +2,7 @@
 //! one that stands out (the first to fail, or the one holding far more than the others) is
 //! named, with how far it stands out and why (its cache fragments, or it holds more tensors).
 
-use super::{Chain, Severity, TimelineEntry};
+use super::{Chain, Fix, Rule, Severity, TimelineEntry, EXPANDABLE};
 use crate::{analysis::ranks::DeviceRow, units::format_bytes as b};
 
 /// How far the outlier's peak must stand above the others' median to be named without a failure.
@@ -130,18 +130,24 @@ fn outlier_chain(rows: &[DeviceRow], window_from_ns: i64) -> Option<Chain> {
         ),
         None => "it is the first to run out of memory: one rank's OOM ends the whole job".into(),
     };
-    let mut fix = Vec::new();
+    let mut fix: Vec<Fix> = Vec::new();
     if fragments {
-        fix.push("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every rank (segments grow in place instead of fragmenting)".into());
-        fix.push(format!(
-            "give {} batches of even shapes (bucket sequences by length), as the others get",
-            top.who()
-        ));
+        fix.push(Fix::setting(EXPANDABLE, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every rank (segments grow in place instead of fragmenting)"));
+        fix.push(
+            format!(
+                "give {} batches of even shapes (bucket sequences by length), as the others get",
+                top.who()
+            )
+            .into(),
+        );
     } else {
-        fix.push(format!(
-            "balance what {} gets (data shard, sequence lengths, pipeline stage) against the others",
-            top.who()
-        ));
+        fix.push(
+            format!(
+                "balance what {} gets (data shard, sequence lengths, pipeline stage) against the others",
+                top.who()
+            )
+            .into(),
+        );
     }
     fix.push(
         "size the job for its largest rank, not the average: the others' headroom does not help it"
@@ -155,7 +161,7 @@ fn outlier_chain(rows: &[DeviceRow], window_from_ns: i64) -> Option<Chain> {
         });
     }
     Some(Chain {
-        rule: "rank_outlier",
+        rule: Rule::RankOutlier,
         severity: if top.failures > 0 {
             Severity::High
         } else {
@@ -256,7 +262,7 @@ mod tests {
             "{}",
             c.root
         );
-        assert!(c.fix[0].contains("expandable_segments"));
+        assert!(c.fix[0].text.contains("expandable_segments"));
     }
 
     #[test]

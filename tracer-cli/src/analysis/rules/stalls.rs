@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{entry, Chain, Severity};
+use super::{entry, Chain, Rule, Severity};
 use crate::{
     analysis::{select_quantile, select_quantile_with_zeros, Event, Host, Window},
     units::format_ns as t,
@@ -22,7 +22,7 @@ pub(super) fn sync_stall(pid: u32, syncs: &[&Event], window: Window, host: &Host
     }
     let worst = syncs.iter().max_by_key(|e| e.duration_ns)?;
     Some(Chain {
-        rule: "sync_stall",
+        rule: Rule::SyncStall,
         severity: if share >= 0.25 { Severity::High } else { Severity::Medium },
         pid,
         title: "host waits on the GPU -> synchronisation stalls".into(),
@@ -67,7 +67,7 @@ pub(super) fn cpu_contention(
     }
     let listing: Vec<String> = ops.iter().map(|(op, n)| format!("{op} x{n}")).collect();
     Some(Chain {
-        rule: "cpu_contention",
+        rule: Rule::CpuContention,
         severity: if share >= 0.5 { Severity::High } else { Severity::Medium },
         pid,
         title: "CPU contention -> slow CUDA calls".into(),

@@ -440,7 +440,7 @@ fn say_in_chain(
         ));
         chain
             .fix
-            .retain(|f| !f.starts_with("leave the device to this job"));
+            .retain(|f| !f.text.starts_with("leave the device to this job"));
     } else {
         let others: u64 = h.others.iter().map(|t| t.bytes).sum();
         let listed: Vec<String> = h.others.iter().map(said).collect();
@@ -470,10 +470,12 @@ fn say_in_chain(
                     "run this job where it has {} to itself, or bound the other processes there ({} held)",
                     h.gpu,
                     pb(others)
-                ),
+                )
+                .into(),
             );
             chain.fix.retain(|f| {
-                !f.starts_with("reduce the batch size") && !f.starts_with("reduce peak memory")
+                !f.text.starts_with("reduce the batch size")
+                    && !f.text.starts_with("reduce peak memory")
             });
         }
         HeldBy::Unknown if h.others.is_empty() && h.unattributed.is_some() => {

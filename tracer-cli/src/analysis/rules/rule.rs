@@ -1,0 +1,244 @@
+//! The rules as data: each verdict's identity, its wire name and what the analysis and whatif
+//! need to know of it. A new rule is a variant, a row of [`RULES`] and its function in a
+//! family file.
+
+use serde::{Serialize, Serializer};
+
+/// A verdict rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Rule {
+    LatencyGrowth,
+    AllocatorRetry,
+    Oom,
+    Leak,
+    Churn,
+    EmptyCacheChurn,
+    DriverBypass,
+    SyncStall,
+    PeriodicSpike,
+    CpuContention,
+    RankOutlier,
+    Fragmentation,
+    EarlyWarning,
+    UnknownState,
+}
+
+/// What is known of a rule.
+#[derive(Clone, Copy, Debug)]
+pub struct RuleSpec {
+    pub rule: Rule,
+    /// Stable name, in JSON and the report (never changed: users' alerts match on it).
+    pub name: &'static str,
+    /// Reads rates, durations or intervals: not applied to a session whose times give only
+    /// the order of its calls (an imported snapshot without times).
+    pub timed: bool,
+    /// Its fixes may name allocator settings, which explain cites with whatif's simulation.
+    pub cites_settings: bool,
+    /// What it finds, in a line.
+    pub finds: &'static str,
+}
+
+/// Every rule, in the order chains of one process are listed.
+pub const RULES: [RuleSpec; 14] = [
+    spec(
+        Rule::LatencyGrowth,
+        "latency_growth",
+        true,
+        false,
+        "allocation latency growing with the segments held (fragmentation inferred from timing)",
+    ),
+    spec(
+        Rule::Fragmentation,
+        "fragmentation",
+        false,
+        true,
+        "free bytes scattered in the allocator's own blocks (measured)",
+    ),
+    spec(
+        Rule::AllocatorRetry,
+        "allocator_retry",
+        false,
+        false,
+        "a device allocation refused, then retried after the cache was released",
+    ),
+    spec(
+        Rule::Oom,
+        "oom",
+        false,
+        true,
+        "an allocation that failed for good, with why",
+    ),
+    spec(
+        Rule::EarlyWarning,
+        "early_warning",
+        false,
+        true,
+        "memory tight before a failure: the largest free block below what was asked",
+    ),
+    spec(
+        Rule::Leak,
+        "leak",
+        true,
+        false,
+        "memory held growing step after step",
+    ),
+    spec(
+        Rule::Churn,
+        "churn",
+        true,
+        false,
+        "device allocations freed and made again in a loop",
+    ),
+    spec(
+        Rule::EmptyCacheChurn,
+        "empty_cache_churn",
+        true,
+        false,
+        "the cache released and refilled (empty_cache in a loop)",
+    ),
+    spec(
+        Rule::DriverBypass,
+        "driver_bypass",
+        false,
+        false,
+        "device memory allocated outside PyTorch's allocator",
+    ),
+    spec(
+        Rule::SyncStall,
+        "sync_stall",
+        true,
+        false,
+        "allocations waiting on a device synchronization",
+    ),
+    spec(
+        Rule::PeriodicSpike,
+        "periodic_spike",
+        true,
+        false,
+        "slow device allocations recurring at a period",
+    ),
+    spec(
+        Rule::CpuContention,
+        "cpu_contention",
+        true,
+        false,
+        "slow calls whose threads waited for a CPU",
+    ),
+    spec(
+        Rule::RankOutlier,
+        "rank_outlier",
+        false,
+        true,
+        "one rank of a job holding more than the others",
+    ),
+    spec(
+        Rule::UnknownState,
+        "unknown_state",
+        false,
+        false,
+        "what tracer did not see of the allocator, and what would settle it",
+    ),
+];
+
+#[allow(clippy::too_many_arguments)] // reason: one row of the table, named by its fields
+const fn spec(
+    rule: Rule,
+    name: &'static str,
+    timed: bool,
+    cites_settings: bool,
+    finds: &'static str,
+) -> RuleSpec {
+    RuleSpec {
+        rule,
+        name,
+        timed,
+        cites_settings,
+        finds,
+    }
+}
+
+impl Rule {
+    pub fn spec(self) -> &'static RuleSpec {
+        // Every variant has its row (tests::the_table_covers_every_rule).
+        RULES.iter().find(|s| s.rule == self).unwrap_or(&RULES[0])
+    }
+
+    pub fn name(self) -> &'static str {
+        self.spec().name
+    }
+
+    pub fn timed(self) -> bool {
+        self.spec().timed
+    }
+
+    pub fn cites_settings(self) -> bool {
+        self.spec().cites_settings
+    }
+
+    /// The rule of a wire name.
+    pub fn named(name: &str) -> Option<Rule> {
+        RULES.iter().find(|s| s.name == name).map(|s| s.rule)
+    }
+}
+
+impl std::fmt::Display for Rule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl PartialEq<&str> for Rule {
+    fn eq(&self, other: &&str) -> bool {
+        self.name() == *other
+    }
+}
+
+impl Serialize for Rule {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each variant's place, by an exhaustive match: a new variant does not compile here
+    /// until it has one.
+    fn ordinal(r: Rule) -> usize {
+        match r {
+            Rule::LatencyGrowth => 0,
+            Rule::AllocatorRetry => 1,
+            Rule::Oom => 2,
+            Rule::Leak => 3,
+            Rule::Churn => 4,
+            Rule::EmptyCacheChurn => 5,
+            Rule::DriverBypass => 6,
+            Rule::SyncStall => 7,
+            Rule::PeriodicSpike => 8,
+            Rule::CpuContention => 9,
+            Rule::RankOutlier => 10,
+            Rule::Fragmentation => 11,
+            Rule::EarlyWarning => 12,
+            Rule::UnknownState => 13,
+        }
+    }
+    const VARIANTS: usize = 14;
+
+    #[test]
+    fn the_table_covers_every_rule_once_with_a_name_of_its_own() {
+        let mut seen = [false; VARIANTS];
+        for row in &RULES {
+            let at = ordinal(row.rule);
+            assert!(!seen[at], "{:?} has two rows", row.rule);
+            seen[at] = true;
+            assert_eq!(Rule::named(row.name), Some(row.rule));
+            assert_eq!(row.rule.spec().name, row.name);
+        }
+        assert!(seen.iter().all(|&s| s), "a rule without a row: {seen:?}");
+        let mut names: Vec<&str> = RULES.iter().map(|s| s.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), RULES.len());
+    }
+}

@@ -101,7 +101,7 @@ pub(super) fn allocator_retry(pid: u32, evs: &[Event], attempts: &[Attempt]) -> 
         timeline,
         fix: vec![
             "reduce peak memory: smaller batch, activation checkpointing, mixed precision".into(),
-            FIX_EXPANDABLE.into(),
+            FIX_EXPANDABLE,
         ],
         evidence: format!("{} failed allocation(s) followed by frees and a successful retry", recovered.len()),
     })
@@ -235,7 +235,7 @@ pub(super) fn oom(
         effect,
         compounding: Vec::new(),
         timeline,
-        fix: vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into(), "reduce the batch size or sequence length at this step".into()],
+        fix: vec![FIX_EXPANDABLE, FIX_MAX_SPLIT, "reduce the batch size or sequence length at this step".into()],
         evidence: format!(
             "{} failed allocation(s), {} retried, {} raised; memory info calls seen: {}",
             counts.failures,

@@ -211,7 +211,7 @@ pub(super) fn periodic_spike(
         timeline: spikes.iter().take(6).map(|e| entry(e.ts_ns, format!("{} took {}", e.op.name(), t(e.duration_ns)))).collect(),
         fix: vec![
             "find the periodic task (checkpointing, evaluation, logging every N steps) and pre-allocate its buffers".into(),
-            FIX_EXPANDABLE.into(),
+            FIX_EXPANDABLE,
         ],
         evidence: format!("{} spikes among {} allocations", spikes.len(), allocs),
     })

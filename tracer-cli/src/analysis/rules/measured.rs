@@ -358,8 +358,8 @@ pub fn warning_chain(pid: u32, f: &Findings, first_failure: Option<i64>) -> Opti
         timeline,
         fix: vec![
             "checkpoint now, or free what the pinning blocks hold".into(),
-            FIX_EXPANDABLE.into(),
-            FIX_MAX_SPLIT.into(),
+            FIX_EXPANDABLE,
+            FIX_MAX_SPLIT,
         ],
         evidence: "the allocator's layout at that moment and cudaMemGetInfo kept current with the segments since".into(),
     })
@@ -446,7 +446,7 @@ pub fn oom_forensics(
                 return Some((
                     text,
                     vec![
-                        FIX_EXPANDABLE.into(),
+                        FIX_EXPANDABLE,
                         "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
                     ],
                     None,
@@ -477,12 +477,12 @@ pub fn oom_forensics(
             unknown_said(f)
         ));
         vec![
-            FIX_EXPANDABLE.into(),
+            FIX_EXPANDABLE,
             "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
         ]
     } else if verdict == Some(true) {
         text.push_str(": the cache held the bytes, not one block that fit (fragmentation)");
-        vec![FIX_EXPANDABLE.into(), FIX_MAX_SPLIT.into()]
+        vec![FIX_EXPANDABLE, FIX_MAX_SPLIT]
     } else {
         text.push_str(": the memory is in use, not lost to fragmentation (capacity)");
         vec![

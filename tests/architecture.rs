@@ -17,11 +17,11 @@ const LAYERS: &[&[&str]] = &[
     &["paths"],
     &["decode", "model"],
     &["store", "analysis"],
-    &["query", "target"],
+    &["query", "traced"],
     &["probe"],
     &["record"],
     &["present"],
-    &["demo", "serve", "mcp"],
+    &["demo", "serve"],
     // The binary's subcommands (main.rs), over the library.
     &["cmd"],
 ];

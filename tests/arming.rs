@@ -14,7 +14,7 @@ use tracer_cli::{
         attach::{LoadOptions, Probes},
         discover,
     },
-    target::semaphore,
+    traced::semaphore,
 };
 
 use crate::common::*;
@@ -67,7 +67,7 @@ fn arming_raises_the_semaphores_of_one_process_and_ten_thousand_cycles_exhaust_n
     let file = std::fs::metadata(&lib).unwrap();
     let semaphore_of = |pid: u32| {
         use std::os::unix::fs::MetadataExt as _;
-        let maps = tracer_cli::target::maps::read(pid).unwrap();
+        let maps = tracer_cli::traced::maps::read(pid).unwrap();
         let addr =
             semaphore::address(pid, &maps, (file.dev(), file.ino()), site.semaphore).unwrap();
         semaphore::Memory::open(pid)

@@ -186,17 +186,17 @@ fn feed(rng: &mut Rng, blocks: [&[u8]; 2], records: &[Vec<u8>], elf: &[u8]) {
     let _ = offcpu_blocks::decode(&random, rng.below(9000), |_| {});
     let first = rng.next() as i32;
     let offset = rng.next() % 4096;
-    let _ = crate::target::python::linetable::line_from_locations(&random, first, offset);
-    let _ = crate::target::python::linetable::line_from_linetable_310(&random, first, offset);
+    let _ = crate::traced::python::linetable::line_from_locations(&random, first, offset);
+    let _ = crate::traced::python::linetable::line_from_linetable_310(&random, first, offset);
     let text = |bytes: Vec<u8>| String::from_utf8_lossy(&bytes).into_owned();
-    let _ = crate::target::maps::parse_line(&text(rng.mutate(MAPS_LINE.as_bytes())));
-    let _ = crate::target::maps::parse_line(&text(random.clone()));
+    let _ = crate::traced::maps::parse_line(&text(rng.mutate(MAPS_LINE.as_bytes())));
+    let _ = crate::traced::maps::parse_line(&text(random.clone()));
     let _ = crate::decode::simlog::parse_line(&text(rng.mutate(SIMLOG_LINE.as_bytes())));
     let _ = crate::decode::simlog::parse_line(&text(rng.mutate(SIMLOG_OOM_LINE.as_bytes())));
     let _ = crate::probe::usdt::parse_arg(&text(rng.mutate(b"-8@-56(%rbp)")));
     let _ = crate::probe::usdt::parse_arg(&text(random));
     let _ = crate::probe::usdt::sites_of(rng.mutate(elf).as_slice());
-    let _ = crate::target::mappings::parse_record(&rng.mutate(&perf_seed()));
+    let _ = crate::traced::mappings::parse_record(&rng.mutate(&perf_seed()));
     for pickle in [rng.mutate(SNAPSHOT_SEED), random_pickle(rng)] {
         if let Ok(p) = decode::pickle::decode(&pickle) {
             let _ = decode::memory_snapshot::read(&p);
@@ -245,10 +245,10 @@ fn run(seed: u64, rounds: u64, budget: Duration) -> u64 {
 fn every_decoder_survives_garbage_quick() {
     // The seeds are valid inputs, so that mutations start from what the decoders accept.
     assert!(matches!(
-        crate::target::mappings::parse_record(&perf_seed()),
+        crate::traced::mappings::parse_record(&perf_seed()),
         Some((
             99,
-            crate::target::mappings::PerfRecord::Mmap2 { pid: 7, .. }
+            crate::traced::mappings::PerfRecord::Mmap2 { pid: 7, .. }
         ))
     ));
     let n = run(0x5eed, 20_000, Duration::from_secs(20));

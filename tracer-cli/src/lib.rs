@@ -8,7 +8,6 @@ pub mod analysis;
 pub mod decode;
 pub mod demo;
 pub mod exit;
-pub mod mcp;
 pub mod model;
 pub mod paths;
 pub mod perf_event;
@@ -18,7 +17,7 @@ pub mod query;
 pub mod record;
 pub mod serve;
 pub mod store;
-pub mod target;
+pub mod traced;
 pub mod units;
 
 #[cfg(test)]

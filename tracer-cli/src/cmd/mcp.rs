@@ -39,5 +39,9 @@ pub fn run(args: McpArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the MCP server's runtime")?;
-    runtime.block_on(tracer_cli::mcp::serve(db, args.query_time, export_dir))
+    runtime.block_on(tracer_cli::serve::mcp::serve(
+        db,
+        args.query_time,
+        export_dir,
+    ))
 }

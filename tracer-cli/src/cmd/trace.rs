@@ -11,8 +11,8 @@ use tracer_cli::{
     paths,
     present::{self, live},
     record::{on_warning::OnWarning, signals, RecordOptions, Recording, RecordingStatus, Stop},
-    serve::{self, MetricsServer},
-    target::pods::{KubeSource, PodDirectory},
+    serve::metrics::{self as endpoint, MetricsServer},
+    traced::pods::{KubeSource, PodDirectory},
     units::{parse_duration, parse_size},
 };
 use tracer_common::maps::DEFAULT_RING_BYTES;
@@ -75,10 +75,10 @@ pub struct TraceArgs {
     /// Serve Prometheus metrics on this address: PORT (127.0.0.1:PORT), IP:PORT or
     /// [IPv6]:PORT. Read-only, no authentication: anything but loopback needs a firewall or a
     /// NetworkPolicy. Paths: /metrics, /healthz, /readyz.
-    #[arg(long, value_name = "ADDR", value_parser = serve::parse_addr)]
+    #[arg(long, value_name = "ADDR", value_parser = endpoint::parse_addr)]
     pub metrics: Option<SocketAddr>,
     /// Connections the metrics endpoint serves at once; more are closed at once, unread.
-    #[arg(long, value_name = "N", default_value_t = serve::DEFAULT_MAX_CONNECTIONS, requires = "metrics")]
+    #[arg(long, value_name = "N", default_value_t = endpoint::DEFAULT_MAX_CONNECTIONS, requires = "metrics")]
     pub metrics_max_connections: usize,
     /// How long an ended process's series stay (so its last figures are scraped).
     #[arg(long, value_parser = parse_duration, default_value = "5m", requires = "metrics")]

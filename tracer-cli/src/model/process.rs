@@ -180,7 +180,7 @@ fn container_gpus(value: &str) -> Option<Vec<String>> {
     Some(entries)
 }
 
-/// What NVIDIA's management library said of one GPU at a moment (target/nvml.rs): its memory
+/// What NVIDIA's management library said of one GPU at a moment (traced/nvml.rs): its memory
 /// and the processes using it with their bytes (each one's CUDA context included).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct GpuSample {

@@ -21,7 +21,7 @@ use crate::{
         live::AllocatorRow,
     },
     record::RecordingStatus,
-    target::pods::PodName,
+    traced::pods::PodName,
 };
 
 /// Processes exported at most (the most recently seen pids beyond are counted, not shown).

@@ -29,7 +29,7 @@ use super::{
     discover::{Candidate, FileId},
     perf, usdt,
 };
-use crate::target::{elf, semaphore};
+use crate::traced::{elf, semaphore};
 
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
 
@@ -720,7 +720,7 @@ impl Probes {
         if let Some(raised) = self.armed.get(&pid) {
             return Ok(raised.len());
         }
-        let mappings = crate::target::maps::read(pid)
+        let mappings = crate::traced::maps::read(pid)
             .with_context(|| format!("read the memory maps of process {pid}"))?;
         let mut addrs = Vec::new();
         for (file, semaphores) in &self.armable {
@@ -962,7 +962,7 @@ impl Followed {
     /// make a CUDA call (DataLoader workers) still compete with those that do.
     pub fn process_tree(&mut self, pid: u32) -> usize {
         let mut added = Vec::new();
-        for tid in crate::target::procinfo::thread_tree(pid) {
+        for tid in crate::traced::procinfo::thread_tree(pid) {
             // A tid already followed keeps its process (a traced child stays its own).
             if self.map.get(&tid, 0).is_err() && self.map.insert(tid, pid, 0).is_ok() {
                 added.push(tid);
@@ -971,7 +971,7 @@ impl Followed {
         // A thread that exited between the listing and the insert is past its exit program,
         // which would have removed it: remove it here, or it stays for good.
         for &tid in &added {
-            if !crate::target::procinfo::thread_alive(tid) {
+            if !crate::traced::procinfo::thread_alive(tid) {
                 // Absent already if its exit came after all.
                 let _ = self.map.remove(&tid);
             }
@@ -1075,7 +1075,7 @@ pub fn self_test() -> Result<u64> {
 /// The file holding this process's code at `addr`, and the address's offset in it.
 fn own_code_offset(addr: usize) -> Result<(std::path::PathBuf, u64)> {
     let addr = addr as u64;
-    let maps = crate::target::maps::read(std::process::id()).context("read /proc/self/maps")?;
+    let maps = crate::traced::maps::read(std::process::id()).context("read /proc/self/maps")?;
     let m = maps
         .iter()
         .find(|m| m.executable && (m.start..m.end).contains(&addr))

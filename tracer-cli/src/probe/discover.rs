@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::Result;
 
-use crate::{exit::user_error, target::maps};
+use crate::{exit::user_error, traced::maps};
 
 /// (device, inode): the identity of a file, whatever path reaches it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -132,7 +132,7 @@ pub fn scan_processes(pids: &[u32], cache: &mut FileCache) -> Vec<Candidate> {
                         *cache
                             .torch
                             .entry(id)
-                            .or_insert_with(|| crate::target::elf::has_torch_probes(&open_path))
+                            .or_insert_with(|| crate::traced::elf::has_torch_probes(&open_path))
                     })
             };
             if is_cuda_library_name(name) || torch() {
@@ -175,7 +175,7 @@ fn exports_runtime(exe: &Path) -> bool {
     {
         return false;
     }
-    crate::target::elf::read_symbols(exe)
+    crate::traced::elf::read_symbols(exe)
         .map(|s| {
             s.targets
                 .iter()
@@ -362,9 +362,9 @@ pub fn explicit_libraries(libs: &[PathBuf]) -> Result<Vec<Candidate>> {
                 path.display()
             ))
         })?;
-        let symbols = crate::target::elf::read_symbols(path)
+        let symbols = crate::traced::elf::read_symbols(path)
             .map_err(|e| user_error(format!("--lib {}: {e:#}", path.display())))?;
-        if symbols.targets.is_empty() && !crate::target::elf::has_torch_probes(path) {
+        if symbols.targets.is_empty() && !crate::traced::elf::has_torch_probes(path) {
             return Err(user_error(format!(
                 "--lib {}: the file exports none of the probed CUDA calls (cudaMalloc, cuMemAlloc_v2, ...) and has no PyTorch probes: pass libcudart.so.*, libcuda.so.* or libc10_cuda.so",
                 path.display()

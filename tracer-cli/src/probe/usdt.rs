@@ -179,9 +179,9 @@ fn parse_int(text: &str) -> Option<i64> {
 
 /// The sites of `path`'s `.note.stapsdt` (none when it has no such section).
 pub fn read_sites(path: &Path) -> Result<Vec<Site>> {
-    let sites = match crate::target::safe_file::bytes(path)? {
-        crate::target::safe_file::Bytes::Mapped(map) => sites_of(&*map),
-        crate::target::safe_file::Bytes::Read(cache) => sites_of(&cache),
+    let sites = match crate::traced::safe_file::bytes(path)? {
+        crate::traced::safe_file::Bytes::Mapped(map) => sites_of(&*map),
+        crate::traced::safe_file::Bytes::Read(cache) => sites_of(&cache),
     };
     sites.with_context(|| format!("read the USDT notes of {}", path.display()))
 }
@@ -204,7 +204,7 @@ pub fn sites_of<'a, R: object::ReadRef<'a>>(data: R) -> Result<Vec<Site>> {
         return Ok(Vec::new());
     };
     let base_actual = elf.section_by_name(".stapsdt.base").map(|s| s.address());
-    let segments = crate::target::elf::FileOffsets::of(&elf);
+    let segments = crate::traced::elf::FileOffsets::of(&elf);
     let file_offset = |addr: u64| segments.of_address(addr);
     let mut sites = Vec::new();
     while let Some(note) = notes
@@ -386,7 +386,7 @@ mod tests {
 
     #[test]
     fn a_library_truncated_under_the_reader_is_an_error_not_a_crash() {
-        use crate::target::safe_file::truncation::{truncate, writable_elf};
+        use crate::traced::safe_file::truncation::{truncate, writable_elf};
         let dir = tempfile::tempdir().unwrap();
         let lib = writable_elf(dir.path());
         assert!(read_sites(&lib).is_ok(), "the whole file reads");

@@ -3,7 +3,7 @@
 //! stored as a mark in the call stream, which the registry hands on like a call.
 //!
 //! Arming raises the sites' semaphores in the process's memory (probe/attach.rs,
-//! target/semaphore.rs): microseconds, no uprobe made or removed. The order is what makes the
+//! traced/semaphore.rs): microseconds, no uprobe made or removed. The order is what makes the
 //! layout right: an arming's mark is taken by the registry before the semaphores are raised,
 //! so no block event can reach the layout before it; a disarming's mark is made after they are
 //! lowered, so block events read after it are of before it, and dropped.

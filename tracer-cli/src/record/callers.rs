@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::{
     probe::discover::{file_id, FileId},
-    target::{elf, maps},
+    traced::{elf, maps},
 };
 
 /// Executable ranges of one process: (start, end, holds PyTorch's allocator probes).

@@ -17,7 +17,7 @@ use crate::{
     paths,
     record::join::Join,
     store::{Batch, SessionCounters, SessionStart, Store},
-    target::procinfo,
+    traced::procinfo,
 };
 
 /// Bytes of log read per write transaction: bounds memory whatever the log's size.

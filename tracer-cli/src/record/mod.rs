@@ -1,7 +1,7 @@
 //! Recording: the threads `tracer trace` runs. The session attaches the probes (crate::probe)
 //! and ties the threads together from start to the final flush: the reader drains the ring
 //! buffer and hands over (crate::probe::stage empties the CPUs' stages), the registry learns what is slow
-//! to learn (crate::target: /proc, interpreters, call sites) beside it and `join` what the
+//! to learn (crate::traced: /proc, interpreters, call sites) beside it and `join` what the
 //! kernel no longer keeps, the writer stores batches, `signals` turns signals into stops and
 //! `on_warning` runs the user's command, `arming` carries out `--allocator auto`'s decisions. `import` records from the simulated runtime's own log
 //! instead of the ring, `memory_snapshot` from a PyTorch memory snapshot.

@@ -38,7 +38,7 @@ use crate::{
         attach::{Followed, PyProcs},
         discover,
     },
-    target::{mappings::Notice, maps, pods, procinfo, sites::Sites},
+    traced::{mappings::Notice, maps, pods, procinfo, sites::Sites},
 };
 
 /// How often running processes are looked at for interpreters started since (--stack).
@@ -173,13 +173,13 @@ pub struct Registry {
 
 /// NVML asked at the start and at out-of-memory evidence, at most once a second.
 pub struct NvmlWatch {
-    nvml: crate::target::nvml::Nvml,
+    nvml: crate::traced::nvml::Nvml,
     /// The last out-of-memory sample.
     last: Option<Instant>,
 }
 
 impl NvmlWatch {
-    pub fn new(nvml: crate::target::nvml::Nvml) -> NvmlWatch {
+    pub fn new(nvml: crate::traced::nvml::Nvml) -> NvmlWatch {
         NvmlWatch { nvml, last: None }
     }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use anyhow::{Context as _, Result};
 
-use crate::target::procinfo;
+use crate::traced::procinfo;
 use crate::{
     model::{
         layout::{AllocConf, Layout},

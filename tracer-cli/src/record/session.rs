@@ -33,7 +33,7 @@ use crate::probe::{
     discover::{self, Candidate, Origin, Scanner},
     privileges,
 };
-use crate::target::{
+use crate::traced::{
     mappings::{Mappings, SharedMappings},
     procinfo,
     sites::Sites,
@@ -708,7 +708,7 @@ fn open_nvml(opts: &RecordOptions) -> Result<Option<super::registry::NvmlWatch>>
     let Some(path) = opts.nvml.as_deref() else {
         return Ok(None);
     };
-    match crate::target::nvml::Nvml::open(path) {
+    match crate::traced::nvml::Nvml::open(path) {
         Ok(nvml) => Ok(Some(super::registry::NvmlWatch::new(nvml))),
         Err(e) if opts.nvml_required => Err(crate::exit::user_error(format!(
             "--nvml {path}: {e:#} (name NVIDIA's libnvidia-ml.so.1, or --nvml off)"

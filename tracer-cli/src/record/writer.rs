@@ -14,7 +14,7 @@ use std::{
 use anyhow::{anyhow, Result};
 
 use super::shared::{thread_cpu_ns, Shared};
-use crate::target::{
+use crate::traced::{
     procinfo,
     sites::{Site, SiteWriter, LOCAL_SITE_BASE},
 };

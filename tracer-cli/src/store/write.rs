@@ -39,7 +39,7 @@ impl Store {
         tx.commit().context("store threads' devices")
     }
 
-    /// Stores what NVML said of each GPU (target/nvml.rs).
+    /// Stores what NVML said of each GPU (traced/nvml.rs).
     pub fn write_gpu_samples(
         &mut self,
         session: i64,

@@ -198,7 +198,7 @@ mod tests {
 
     #[test]
     fn a_library_truncated_under_the_reader_is_an_error_not_a_crash() {
-        use crate::target::safe_file::truncation::{truncate, writable_elf};
+        use crate::traced::safe_file::truncation::{truncate, writable_elf};
         let dir = tempfile::tempdir().unwrap();
         let lib = writable_elf(dir.path());
         assert!(read_symbols(&lib).is_ok(), "the whole file reads");

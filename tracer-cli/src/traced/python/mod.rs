@@ -16,7 +16,7 @@ use tracer_common::{PyOffsets, PyProcess};
 
 use crate::{
     decode::RawPyFrame,
-    target::maps::{self, Mapping},
+    traced::maps::{self, Mapping},
 };
 
 const NONE: u32 = PyOffsets::NONE;
@@ -231,9 +231,9 @@ impl PyElf {
 
 fn read_py_elf(path: &Path) -> Option<PyElf> {
     // Bounded reads of a file a user may own (never a map their truncation could fault).
-    match crate::target::safe_file::bytes(path).ok()? {
-        crate::target::safe_file::Bytes::Mapped(map) => py_elf_of(&*map),
-        crate::target::safe_file::Bytes::Read(cache) => py_elf_of(&cache),
+    match crate::traced::safe_file::bytes(path).ok()? {
+        crate::traced::safe_file::Bytes::Mapped(map) => py_elf_of(&*map),
+        crate::traced::safe_file::Bytes::Read(cache) => py_elf_of(&cache),
     }
 }
 
@@ -316,7 +316,7 @@ impl Finder {
         };
         let mut seen = std::collections::HashSet::new();
         for m in &maps {
-            if !crate::target::mappings::looks_like_python(&m.path)
+            if !crate::traced::mappings::looks_like_python(&m.path)
                 || !m.executable
                 || !seen.insert(m.path.clone())
             {

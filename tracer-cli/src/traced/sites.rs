@@ -15,8 +15,8 @@ use super::mappings::SharedMappings;
 use crate::{
     decode::{PyStatus, RawSite},
     store::{StackFrame, StackRow, Store},
-    target::maps::{self, Mapping},
-    target::python,
+    traced::maps::{self, Mapping},
+    traced::python,
 };
 
 /// A native frame, located in its file.

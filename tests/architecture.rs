@@ -392,3 +392,35 @@ fn a_file_over_700_lines_says_why() {
         "over 700 lines with no reason at the top: {long:?}"
     );
 }
+
+/// What keeps allocator state, and what moves it: none of it belongs in present/.
+const STATE_MACHINES: &[&str] = &[
+    "LiveAllocators",
+    "Layout::new",
+    "layout::Layout",
+    "Figures::default",
+    "ProcessState",
+    "Tenants",
+    ".apply(",
+    ".restore(",
+];
+
+/// present/ only renders what it is given: no module there (outside its tests) keeps or moves
+/// the allocator's state; the replays live on the query side.
+#[test]
+fn present_renders_only() {
+    let mut files = Vec::new();
+    collect_rs(&workspace().join("tracer-cli/src/present"), &mut files);
+    assert!(files.len() > 10, "{files:?}");
+    let mut found = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        for word in STATE_MACHINES {
+            if code.contains(word) {
+                found.push(format!("{}: {word}", file.display()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "present/ keeps or moves state: {found:?}");
+}

@@ -138,18 +138,20 @@ fn export_perfetto(
         .map(|(p, c)| (p, AllocConf::parse(&c)))
         .collect();
     let sites = events::site_labels(conn, info.id, &[])?;
-    let mut writer = PerfettoWriter::new(out, names, confs, sites);
+    let mut writer = PerfettoWriter::new(out, names, sites);
+    let mut replay = query::perfetto::Replay::new(confs);
     let begin = query::begin(conn, info.id, i64::MIN, pid)?;
-    writer.start_from(begin.states.iter().cloned());
+    replay.start_from(begin.states.iter().cloned());
     let mut failed = None;
     query::walk(db, info.id, &begin, i64::MAX, pid, |step| match step {
         query::Step::Call(e) => {
+            let changed = replay.call(e);
             if failed.is_none() {
-                failed = writer.call(e).err();
+                failed = writer.call(e, &changed).err();
             }
         }
         // The calls of the hole were evicted: the allocators go on from the keyframe after it.
-        query::Step::Resume { states, .. } => writer.start_from(states),
+        query::Step::Resume { states, .. } => replay.start_from(states),
     })?;
     if let Some(e) = failed {
         return Err(e);

@@ -15,10 +15,8 @@ use anyhow::{Context as _, Result};
 use prost::Message as _;
 use tracer_common::OpClass;
 
-use crate::model::{
-    figures::Figures, layout::AllocConf, live::LiveAllocators, Event, FastMap, MessageRow,
-    SiteLabels,
-};
+use crate::model::{Event, FastMap, MessageRow, SiteLabels};
+use crate::query::perfetto::{Consequences, COUNTERS};
 
 /// Perfetto's builtin clock ids.
 const CLOCK_REALTIME: u32 = 1;
@@ -201,14 +199,6 @@ impl Interned {
     }
 }
 
-/// The counters each process and device gets, in the order their tracks are made.
-const COUNTERS: [&str; 4] = [
-    "allocated",
-    "reserved",
-    "device memory held",
-    "largest free block",
-];
-
 /// What the trace holds, for the caller's summary.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Written {
@@ -224,7 +214,6 @@ pub struct PerfettoWriter<W: Write> {
     out: W,
     buf: Vec<u8>,
     names: HashMap<u32, String>,
-    confs: HashMap<u32, AllocConf>,
     sites: SiteLabels,
     next_uuid: u64,
     processes: FastMap<u32, u64>,
@@ -232,26 +221,18 @@ pub struct PerfettoWriter<W: Write> {
     counters: FastMap<(u32, i32, usize), (u64, i64)>,
     event_names: Interned,
     annotation_names: Interned,
-    allocators: LiveAllocators,
-    figures: Figures,
     started: bool,
     written: Written,
 }
 
 impl<W: Write> PerfettoWriter<W> {
-    /// `names`: each process's command name; `confs`: its allocator settings; `sites`: the
-    /// call sites' labels (a `--stack` session).
-    pub fn new(
-        out: W,
-        names: HashMap<u32, String>,
-        confs: HashMap<u32, AllocConf>,
-        sites: SiteLabels,
-    ) -> Self {
+    /// `names`: each process's command name; `sites`: the call sites' labels (a `--stack`
+    /// session).
+    pub fn new(out: W, names: HashMap<u32, String>, sites: SiteLabels) -> Self {
         PerfettoWriter {
             out,
             buf: Vec::with_capacity(256),
             names,
-            confs,
             sites,
             next_uuid: 1,
             processes: FastMap::default(),
@@ -259,21 +240,8 @@ impl<W: Write> PerfettoWriter<W> {
             counters: FastMap::default(),
             event_names: Interned::default(),
             annotation_names: Interned::default(),
-            allocators: LiveAllocators::default(),
-            figures: Figures::default(),
             started: false,
             written: Written::default(),
-        }
-    }
-
-    /// The processes' states where the calls to come begin (a keyframe's): the counters go on
-    /// from them.
-    pub fn start_from(
-        &mut self,
-        states: impl IntoIterator<Item = crate::model::state::ProcessState>,
-    ) {
-        for s in states {
-            self.allocators.restore(s);
         }
     }
 
@@ -341,9 +309,6 @@ impl<W: Write> PerfettoWriter<W> {
             ..Default::default()
         })?;
         self.processes.insert(pid, uuid);
-        if let Some(&conf) = self.confs.get(&pid) {
-            self.allocators.describe(pid, Some(conf), None);
-        }
         Ok(uuid)
     }
 
@@ -437,8 +402,8 @@ impl<W: Write> PerfettoWriter<W> {
     }
 
     /// One stored call: its slice (an instant for the allocator's probes, which have no
-    /// duration), then what it changed.
-    pub fn call(&mut self, e: &Event) -> Result<()> {
+    /// duration), then what it changed (`c`, from the query side).
+    pub fn call(&mut self, e: &Event, c: &Consequences) -> Result<()> {
         let ts = e.ts_ns.max(0) as u64;
         self.start(ts)?;
         let track = self.thread_track(e.pid, e.tid)?;
@@ -480,61 +445,31 @@ impl<W: Write> PerfettoWriter<W> {
                 },
             )?;
         }
-        self.consequences(e, ts + e.duration_ns)
+        self.consequences(e, ts + e.duration_ns, c)
     }
 
     /// Failures, retries, early warnings and the counters a call moved.
-    fn consequences(&mut self, e: &Event, end: u64) -> Result<()> {
-        let device = e.device.max(-1);
-        let before = self
-            .figures
-            .get(e.pid)
-            .and_then(|p| p.devices.get(&device))
-            .cloned();
-        self.figures.apply(e);
-        let after = self
-            .figures
-            .get(e.pid)
-            .and_then(|p| p.devices.get(&device))
-            .cloned();
+    fn consequences(&mut self, e: &Event, end: u64, c: &Consequences) -> Result<()> {
         let process = self.process_track(e.pid)?;
-        if let (Some(after), before) = (after, before.unwrap_or_default()) {
-            let size = vec![int("size", e.size as i64), int("device", device.into())];
-            if after.alloc_failures > before.alloc_failures {
-                self.instant(end, process, "allocation failed", size.clone())?;
-            }
-            if after.retries > before.retries {
-                self.instant(end, process, "allocation retried", size)?;
-            }
+        let size = vec![int("size", e.size as i64), int("device", c.device.into())];
+        if c.failed {
+            self.instant(end, process, "allocation failed", size.clone())?;
         }
-        if let Some(alarm) = self.allocators.apply(e) {
+        if c.retried {
+            self.instant(end, process, "allocation retried", size)?;
+        }
+        if let Some(w) = &c.warning {
             let args = vec![
-                int("request", alarm.request as i64),
-                int("largest free block", alarm.stats.largest_free as i64),
-                int("device free", alarm.device_free as i64),
-                int("device", alarm.device.into()),
+                int("request", w.request as i64),
+                int("largest free block", w.largest_free as i64),
+                int("device free", w.device_free as i64),
+                int("device", w.device.into()),
             ];
             self.instant(end, process, "early warning: the next request fails", args)?;
         }
-        if !matches!(
-            e.op.spec().class,
-            OpClass::Alloc | OpClass::Free | OpClass::BlockAlloc | OpClass::BlockFree
-        ) {
-            return Ok(());
-        }
-        let Some(row) = self.allocators.row(e.pid, device) else {
-            return Ok(());
-        };
-        let blocks = row.view == "blocks";
-        let values = [
-            blocks.then_some(row.stats.allocated),
-            blocks.then_some(row.stats.reserved),
-            Some(row.stats.reserved + row.outside),
-            blocks.then_some(row.stats.largest_free),
-        ];
-        for (i, value) in values.into_iter().enumerate() {
-            if let Some(v) = value {
-                self.counter(e.pid, device, i, end, v as i64)?;
+        for (i, value) in c.counters.iter().enumerate() {
+            if let Some(v) = *value {
+                self.counter(e.pid, c.device, i, end, v as i64)?;
             }
         }
         Ok(())

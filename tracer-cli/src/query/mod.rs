@@ -9,6 +9,7 @@
 pub mod diff;
 pub mod explain;
 pub mod layout;
+pub mod perfetto;
 pub mod pytorch_snapshot;
 pub mod report;
 pub mod snapshot_check;

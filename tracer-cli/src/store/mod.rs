@@ -19,6 +19,7 @@ pub mod series;
 mod sessions;
 mod tensor_events;
 pub mod walk;
+pub mod whole_session;
 mod write;
 
 use std::path::PathBuf;

@@ -301,7 +301,7 @@ fn migrates_a_version_1_database_and_keeps_its_data() {
     assert_eq!((off, blocks), (0, 0), "an old session has no call blocks");
     // So explain reads its rows.
     drop(store);
-    let events = events::load(&path, 1, i64::MAX, None).unwrap();
+    let events = whole_session::load(&path, 1, i64::MAX, None).unwrap();
     assert_eq!(events.len(), 1);
     assert_eq!((events[0].ts_ns, events[0].duration_ns), (5, 9));
 }
@@ -336,8 +336,8 @@ fn parallel_load_matches_one_ordered_query() {
     let path = dir.path().join("t.db");
     let key = |e: &crate::model::Event| (e.ts_ns, e.pid, e.size);
     for (pid, to_ns) in [(None, i64::MAX), (Some(101), i64::MAX), (None, 1_011_020)] {
-        let single = events::load_split(&path, second, to_ns, pid, i64::MAX).unwrap();
-        let parallel = events::load_split(&path, second, to_ns, pid, 1).unwrap();
+        let single = whole_session::load_split(&path, second, to_ns, pid, i64::MAX).unwrap();
+        let parallel = whole_session::load_split(&path, second, to_ns, pid, 1).unwrap();
         let mut stmt = store
             .conn()
             .prepare(
@@ -476,7 +476,7 @@ fn from_rows(
     to_ns: i64,
     pid: Option<u32>,
 ) -> Vec<crate::model::Event> {
-    events::load_split(path, session, to_ns, pid, 1).unwrap()
+    whole_session::load_split(path, session, to_ns, pid, 1).unwrap()
 }
 
 /// Every call of a session has its copy in the call blocks: decoding the blocks gives exactly
@@ -556,11 +556,11 @@ fn call_blocks_hold_exactly_the_rows() {
         (Some(102), 210_000_000),
     ] {
         let rows = from_rows(&path, second, to_ns, pid);
-        let from_blocks = events::load_blocks(&path, second, to_ns, pid).unwrap();
+        let from_blocks = whole_session::load_blocks(&path, second, to_ns, pid).unwrap();
         assert!(rows.len() > 100, "{pid:?} {to_ns}: {}", rows.len());
         assert_eq!(without_block_events(&from_blocks), rows, "{pid:?} {to_ns}");
         assert_eq!(
-            events::load(&path, second, to_ns, pid).unwrap(),
+            whole_session::load(&path, second, to_ns, pid).unwrap(),
             from_blocks
         );
     }
@@ -583,7 +583,7 @@ fn a_damaged_call_block_falls_back_to_the_rows() {
         .conn()
         .execute("UPDATE call_blocks SET data = substr(data, 1, 100) WHERE id = (SELECT max(id) FROM call_blocks)", [])
         .unwrap();
-    let err = events::load_blocks(&path, session, i64::MAX, None).unwrap_err();
+    let err = whole_session::load_blocks(&path, session, i64::MAX, None).unwrap_err();
     assert!(
         format!("{err:#}").contains("is damaged: ends inside record"),
         "{err:#}"
@@ -596,7 +596,10 @@ fn a_damaged_call_block_falls_back_to_the_rows() {
             .count()
     };
     assert_eq!(rows.len(), rowed(0) + rowed(1));
-    assert_eq!(events::load(&path, session, i64::MAX, None).unwrap(), rows);
+    assert_eq!(
+        whole_session::load(&path, session, i64::MAX, None).unwrap(),
+        rows
+    );
 }
 
 /// --max-db evicting the oldest calls of the running session removes whole blocks and exactly
@@ -655,7 +658,7 @@ fn evicting_part_of_the_current_session_keeps_blocks_and_rows_equal() {
     assert!(evicted > 0 && left > 0, "{left} left, {evicted} evicted");
     let rows = from_rows(&path, session, i64::MAX, None);
     assert_eq!(rows.len() as i64, rows_left);
-    let from_blocks = events::load_blocks(&path, session, i64::MAX, None).unwrap();
+    let from_blocks = whole_session::load_blocks(&path, session, i64::MAX, None).unwrap();
     assert_eq!(from_blocks.len() as i64, left);
     assert_eq!(without_block_events(&from_blocks), rows);
 }
@@ -699,7 +702,7 @@ fn nearly_sorted_calls_are_put_in_time_order_stably() {
         let mut want = input.clone();
         want.sort_by_key(|e| e.ts_ns);
         let mut got = input.clone();
-        events::sort_nearly_sorted(&mut got);
+        whole_session::sort_nearly_sorted(&mut got);
         assert_eq!(got, want);
     }
 }
@@ -795,7 +798,10 @@ fn the_walk_reads_what_the_loader_reads_in_its_order() {
             Ok(())
         })
         .unwrap();
-        assert_eq!(walked, events::load(&path, session, to_ns, pid).unwrap());
+        assert_eq!(
+            walked,
+            whole_session::load(&path, session, to_ns, pid).unwrap()
+        );
         assert_eq!((w.calls as usize, w.out_of_order), (walked.len(), 0));
     }
     let mut after = 0;

@@ -11,7 +11,8 @@ use std::path::Path;
 use anyhow::{Context as _, Result};
 use rusqlite::params;
 
-use super::events::{has_call_blocks, load, open_reader, sort_nearly_sorted};
+use super::events::{has_call_blocks, open_reader};
+use super::whole_session::{load, sort_nearly_sorted};
 use crate::{exit::user_error, model::Event};
 
 /// Calls held back at most (a very long call stored far behind the ones that began after it):

@@ -3,6 +3,8 @@
 //! programs, its interpreter for the Python frame walk; for each new call site: its code objects
 //! and native frames (--stack). Then the calls go on to the writer.
 
+mod deliver;
+
 use std::{
     collections::{HashMap, HashSet},
     sync::{
@@ -23,14 +25,9 @@ use super::{
 use crate::{
     decode::{Call, Record},
     model::{
-        env_map,
-        figures::oom_device,
-        layout::AllocConf,
         live::LiveAllocators,
-        moves_memory,
         run_series::{GapRow, RunSeries},
         state::ProcessState,
-        Rank,
     },
 };
 use crate::{
@@ -38,7 +35,7 @@ use crate::{
         attach::{Followed, PyProcs},
         discover,
     },
-    traced::{mappings::Notice, maps, pods, procinfo, sites::Sites},
+    traced::{mappings::Notice, maps, procinfo, sites::Sites},
 };
 
 /// How often running processes are looked at for interpreters started since (--stack).
@@ -343,160 +340,10 @@ impl Registry {
         result
     }
 
-    /// Counts the delivery, updates the live figures (firing --on-warning's command on an
-    /// early warning) and hands it to the writer.
-    fn deliver(
-        &mut self,
-        delivery: Delivery,
-        tx: &SyncSender<Delivery>,
-        shared: &Shared,
-    ) -> Result<()> {
-        shared.events_read.fetch_add(
-            (delivery.calls.len() + delivery.messages.len()) as u64,
-            Ordering::SeqCst,
-        );
-        shared
-            .calls_before_interpreter
-            .store(self.before_interpreter, Ordering::SeqCst);
-        if let Ok(mut live) = shared.live.lock() {
-            for c in &delivery.calls {
-                live.add_one(c.pid, c.op, c.ret, c.size, c.duration_ns);
-            }
-            for &pid in &delivery.exited {
-                live.exited(pid);
-            }
-        }
-        let (Ok(mut allocators), Ok(mut figures)) =
-            (shared.allocators.lock(), shared.figures.lock())
-        else {
-            return Err(anyhow!("the live figures' lock is poisoned"));
-        };
-        for p in &delivery.processes {
-            let env = env_map(p.env.as_deref());
-            let get = |k: &str| env.get(k).map(String::as_str);
-            let rank = Rank::from_env(get);
-            allocators.describe(p.pid, AllocConf::from_env(get), rank);
-            if self.arming.decides() {
-                let placement = crate::model::Placement::new(p.pid, &env, p.gpus.as_deref());
-                self.arming.placed(p.pid, placement);
-            }
-            allocators.started(p.pid, p.start_time_ns);
-            if let Some(gap) = self.before_trace(p) {
-                self.gaps.push(gap);
-            }
-            figures.describe(
-                p.pid,
-                p.comm.as_deref().unwrap_or_default(),
-                rank.map(|r| r.label()),
-                p.cgroup.as_deref().and_then(pods::pod_of),
-                crate::model::Placement::new(p.pid, &env, p.gpus.as_deref()),
-            );
-        }
-        self.keyframes.events += delivery.calls.len() as u64;
-        for c in &delivery.calls {
-            let event = crate::store::blocks::event_of(c, self.wall_offset_ns);
-            self.keyframes.latest_ns = self.keyframes.latest_ns.max(event.ts_ns);
-            figures.apply(&event);
-            let alarm = allocators.apply(&event);
-            if self.arming.decides() {
-                self.arming.observe(&event);
-            }
-            let device = event.device.max(-1);
-            if moves_memory(event.class()) {
-                self.series.apply(
-                    &event,
-                    allocators.row(c.pid, device).as_ref(),
-                    allocators.device_free(c.pid, device),
-                );
-            } else {
-                self.series.apply(&event, None, None);
-            }
-            let Some(alarm) = alarm else {
-                continue;
-            };
-            self.series.warned(c.pid, alarm.device, alarm.ts_ns);
-            figures.warned(c.pid, alarm.device);
-            if let Some(hook) = self.hook.as_mut() {
-                hook.fire(c.pid, allocators.rank(c.pid), &alarm, alarm.ts_ns);
-                shared
-                    .on_warning_skipped
-                    .store(hook.skipped, Ordering::SeqCst);
-            }
-        }
-        for m in &delivery.messages {
-            if m.op.spec().class == tracer_common::OpClass::Oom {
-                figures.oom(m.pid, &m.text);
-                let ts = m.ts_mono_ns as i64 + self.wall_offset_ns;
-                if self.arming.decides() {
-                    let oom = crate::model::Event {
-                        ts_ns: ts,
-                        duration_ns: 0,
-                        size: 0,
-                        ptr: 0,
-                        aux0: 0,
-                        aux1: 0,
-                        pid: m.pid,
-                        tid: m.tid,
-                        ret: 0,
-                        device: oom_device(&m.text),
-                        stack: None,
-                        op: m.op,
-                    };
-                    self.arming.observe(&oom);
-                }
-                self.series.oom(m.pid, oom_device(&m.text), ts);
-            }
-        }
-        let now = std::time::Instant::now();
-        drop(figures);
-        let mut delivery = delivery;
-        // The keyframe holds the exited processes' last states: it precedes their exit.
-        if self.keyframes.due(
-            shared.keyframe_wanted.load(Ordering::SeqCst),
-            allocators.blocks_held(),
-        ) {
-            delivery.keyframe = Some(self.keyframe(&allocators, shared)?);
-            shared.keyframe_wanted.store(false, Ordering::SeqCst);
-        }
-        for &pid in &delivery.exited {
-            let join = self.ended_joins.remove(&pid);
-            if let Some(state) = allocators.state(pid).filter(|_| self.keyframes.on) {
-                let started = thread_cpu_ns();
-                let mut state = state.clone();
-                if let Some(join) = join {
-                    state.take_join(join.live, join.devices);
-                }
-                self.ended.push(state);
-                shared.keyframe_cpu_since(started);
-            }
-            allocators.exited(pid);
-            self.series.exited(pid);
-            self.taken_up.remove(&pid);
-        }
-        if let Ok(mut figures) = shared.figures.lock() {
-            for &pid in &delivery.exited {
-                figures.exited(pid, now);
-            }
-        }
-        drop(allocators);
-        delivery.series = self.series.take_closed(wall_now_ns());
-        delivery.gaps = std::mem::take(&mut self.gaps);
-        if let Some(watch) = self.nvml.as_mut() {
-            if out_of_memory_in(&delivery) {
-                delivery.gpu_samples = watch.sample(false);
-            }
-        }
-        tx.send(delivery)
-            .map_err(|_| anyhow!("the database writer stopped"))
-    }
-
     /// What is kept beside the calls when none arrive: the series' finished rows, gaps, and a
     /// keyframe when one is due (`last`: the recording ends, every row and a final keyframe).
     fn add_keeping(&mut self, d: &mut Delivery, shared: &Shared, last: bool) -> Result<()> {
-        let allocators = shared
-            .allocators
-            .lock()
-            .map_err(|_| anyhow!("the live figures' lock is poisoned"))?;
+        let allocators = shared.lock_allocators()?;
         let wanted = shared.keyframe_wanted.load(Ordering::SeqCst);
         if (last && self.keyframes.events > 0)
             || self.keyframes.due(wanted, allocators.blocks_held())
@@ -579,10 +426,7 @@ impl Registry {
         gaps: Vec<GapRow>,
         shared: &Shared,
     ) -> Result<()> {
-        let mut allocators = shared
-            .allocators
-            .lock()
-            .map_err(|_| anyhow!("the live figures' lock is poisoned"))?;
+        let mut allocators = shared.lock_allocators()?;
         for t in taken {
             let pid = t.state.pid;
             self.join.restore(

@@ -647,11 +647,7 @@ fn record_on_warning(
 
 /// The allocators' figures now; starts the live table's next interval.
 fn allocator_rows(shared: &Shared) -> Result<Vec<AllocatorRow>> {
-    Ok(shared
-        .allocators
-        .lock()
-        .map_err(|_| anyhow!("allocator layouts lock poisoned"))?
-        .rows())
+    Ok(shared.lock_allocators()?.rows())
 }
 
 /// How long the stop waits for calls in progress to return before counting them abandoned.

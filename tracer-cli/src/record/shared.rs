@@ -2,7 +2,7 @@
 
 use std::sync::{
     atomic::{AtomicBool, AtomicU64, Ordering},
-    Mutex,
+    Mutex, MutexGuard,
 };
 
 use tracer_common::maps::Counter;
@@ -92,6 +92,22 @@ pub fn thread_cpu_ns() -> u64 {
 }
 
 impl Shared {
+    /// The layouts' lock. Taken before the figures' whenever both are held (the registry,
+    /// applying calls), so that the two are always taken in one order.
+    pub fn lock_allocators(&self) -> anyhow::Result<MutexGuard<'_, LiveAllocators>> {
+        self.allocators
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the live layouts' lock is poisoned"))
+    }
+
+    /// The figures' lock (the metrics endpoint's): after [`Shared::lock_allocators`] when both
+    /// are held.
+    pub fn lock_figures(&self) -> anyhow::Result<MutexGuard<'_, Figures>> {
+        self.figures
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the live figures' lock is poisoned"))
+    }
+
     /// Counts the CPU time spent on keyframes since `started` (a [`thread_cpu_ns`] reading).
     pub fn keyframe_cpu_since(&self, started: u64) {
         self.keyframe_cpu_ns

@@ -13,7 +13,7 @@
 //!
 //! A free run that existed before the replay began has a last tenant tracer did not see.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use tracer_common::{OpClass, Space};
 
@@ -157,22 +157,33 @@ fn relabel(
     new: &[Run],
     change: Change,
 ) -> BTreeMap<u64, Tenant> {
-    // Blocks gone back to free space: each makes the free run it lies in its own.
+    // Blocks gone back to free space: each makes the free run it lies in its own. (By
+    // address: a small pool's segment may hold thousands of blocks.)
+    let still: HashSet<u64> = new
+        .iter()
+        .filter(|r| holds_block(r))
+        .map(|r| r.addr)
+        .collect();
     let freed: Vec<&Run> = old
         .iter()
-        .filter(|r| holds_block(r) && !new.iter().any(|n| holds_block(n) && n.addr == r.addr))
+        .filter(|r| holds_block(r) && !still.contains(&r.addr))
+        .collect();
+    let old_space: HashMap<u64, &Run> = old
+        .iter()
+        .filter(|r| !holds_block(r))
+        .map(|r| (r.addr, r))
         .collect();
     let tenant_of = |r: &Run| old_tenants.get(&r.addr).copied().unwrap_or(Tenant::NotSeen);
     let mut out = BTreeMap::new();
     for n in new.iter().filter(|r| !holds_block(r)) {
         let overlaps = |r: &Run| r.addr < n.addr + n.size && n.addr < r.addr + r.size;
-        let same = old
-            .iter()
-            .find(|r| r.kind == n.kind && r.addr == n.addr && r.size == n.size);
+        let same = old_space
+            .get(&n.addr)
+            .filter(|r| r.kind == n.kind && r.size == n.size);
         let freed_here = freed.iter().rev().find(|r| overlaps(r));
         let tenant = if let Some(b) = freed_here.filter(|_| n.kind == RunKind::Free) {
             Tenant::Requested(b.requested)
-        } else if let Some(r) = same {
+        } else if let Some(&r) = same {
             tenant_of(r)
         } else {
             // Mapped pages take the unmapped block's identity, unmapped pages the free

@@ -7,9 +7,12 @@ use serde::{Serialize, Serializer};
 /// A verdict rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Rule {
+    // In the order of [`RULES`], whose row each indexes.
     LatencyGrowth,
+    Fragmentation,
     AllocatorRetry,
     Oom,
+    EarlyWarning,
     Leak,
     Churn,
     EmptyCacheChurn,
@@ -18,8 +21,6 @@ pub enum Rule {
     PeriodicSpike,
     CpuContention,
     RankOutlier,
-    Fragmentation,
-    EarlyWarning,
     UnknownState,
 }
 
@@ -159,8 +160,8 @@ const fn spec(
 
 impl Rule {
     pub fn spec(self) -> &'static RuleSpec {
-        // Every variant has its row (tests::the_table_covers_every_rule).
-        RULES.iter().find(|s| s.rule == self).unwrap_or(&RULES[0])
+        // Each variant's row is at its place (tests::the_table_covers_every_rule...).
+        &RULES[self as usize]
     }
 
     pub fn name(self) -> &'static str {
@@ -208,18 +209,18 @@ mod tests {
     fn ordinal(r: Rule) -> usize {
         match r {
             Rule::LatencyGrowth => 0,
-            Rule::AllocatorRetry => 1,
-            Rule::Oom => 2,
-            Rule::Leak => 3,
-            Rule::Churn => 4,
-            Rule::EmptyCacheChurn => 5,
-            Rule::DriverBypass => 6,
-            Rule::SyncStall => 7,
-            Rule::PeriodicSpike => 8,
-            Rule::CpuContention => 9,
-            Rule::RankOutlier => 10,
-            Rule::Fragmentation => 11,
-            Rule::EarlyWarning => 12,
+            Rule::Fragmentation => 1,
+            Rule::AllocatorRetry => 2,
+            Rule::Oom => 3,
+            Rule::EarlyWarning => 4,
+            Rule::Leak => 5,
+            Rule::Churn => 6,
+            Rule::EmptyCacheChurn => 7,
+            Rule::DriverBypass => 8,
+            Rule::SyncStall => 9,
+            Rule::PeriodicSpike => 10,
+            Rule::CpuContention => 11,
+            Rule::RankOutlier => 12,
             Rule::UnknownState => 13,
         }
     }
@@ -228,8 +229,14 @@ mod tests {
     #[test]
     fn the_table_covers_every_rule_once_with_a_name_of_its_own() {
         let mut seen = [false; VARIANTS];
-        for row in &RULES {
+        for (i, row) in RULES.iter().enumerate() {
             let at = ordinal(row.rule);
+            assert_eq!(
+                (at, row.rule as usize),
+                (i, i),
+                "{:?} out of place",
+                row.rule
+            );
             assert!(!seen[at], "{:?} has two rows", row.rule);
             seen[at] = true;
             assert_eq!(Rule::named(row.name), Some(row.rule));

@@ -263,3 +263,54 @@ fn whatif_reproduces_both_runs_and_predicts_expandable_segments() {
         "predicted {predicted}, PyTorch reserved {real} at its peak"
     );
 }
+
+/// The co-tenant recording (tests/data/gpu-h200/*-co-tenant*, the GPU check of 2026-11-27):
+/// another process took all but 3 GiB of the H200 once the trace ran, and the training loop
+/// ran to a natural OOM. Who held the device is what PyTorch's out-of-memory observer (its
+/// snapshot and message at that instant) and the other process itself said.
+#[test]
+fn who_held_the_device_at_a_co_tenants_oom_is_who_pytorch_and_the_other_process_say() {
+    let r = recording("co-tenant");
+    let data = workspace().join("tests/data/gpu-h200/holder-co-tenant.json");
+    let other: Value = serde_json::from_slice(&std::fs::read(data).unwrap()).unwrap();
+    let seen = &r.stats["natural_oom"];
+    let report = explain(&r);
+    let h = report["holders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["pid"] == r.stats["pid"])
+        .unwrap_or_else(|| panic!("no holders for the loop: {report:#}"));
+    assert_eq!(h["verdict"], "other_processes", "{h:#}");
+    assert_eq!(h["requested"], seen["alloc"], "{h:#}");
+    assert_eq!(h["device_total"], seen["device_total"], "{h:#}");
+    assert_eq!(h["device_free"], seen["device_free"], "{h:#}");
+    let (allocated, reserved) = (
+        seen["layout"]["allocated"].as_u64().unwrap(),
+        seen["layout"]["reserved"].as_u64().unwrap(),
+    );
+    assert_eq!(h["allocated"], allocated, "{h:#}");
+    assert_eq!(h["cached"], reserved - allocated, "{h:#}");
+    // The other process by its traced cudaMalloc, to the byte its allocator reserved; beside
+    // it, its CUDA context: what PyTorch's message says it had ("Process 854 has 136.28 GiB")
+    // less what tracer saw it take, to the message's two decimals.
+    let tenant = &h["others"][0];
+    assert_eq!(tenant["pid"], other["pid"], "{h:#}");
+    assert_eq!(tenant["bytes"], other["reserved"], "{h:#}");
+    assert_eq!(tenant["from_message"], false);
+    let message = seen["message"].as_str().unwrap();
+    let said = said_after(message, &format!("Process {} has ", other["pid"]));
+    let gib: f64 = said.strip_suffix(" GiB").unwrap().parse().unwrap();
+    let total = tenant["bytes"].as_u64().unwrap() + tenant["untraced"].as_u64().unwrap();
+    let off = (total as f64 / (1u64 << 30) as f64 - gib).abs();
+    assert!(off <= 0.005, "{total} B against the message's {said}");
+    // What is left held by no one: under the rounding of the message's figures and what the
+    // driver keeps, never the other process's context again.
+    assert!(h["unattributed"].as_u64().unwrap_or(0) < 32 << 20, "{h:#}");
+    // `layout --at oom` of the loop: the allocator's own layout at the instant.
+    let pid = r.stats["pid"].to_string();
+    let layout = tracer_json(&r.db, &["layout", "--at", "oom", "--pid", &pid, "--json"]);
+    let total = &layout[0]["devices"][0]["total"];
+    assert_eq!(total["allocated"], allocated, "{layout:#}");
+    assert_eq!(total["reserved"], reserved, "{layout:#}");
+}

@@ -27,6 +27,18 @@ pub struct Tenant {
     /// is not traced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvml_at_ns: Option<i64>,
+    /// A traced process that PyTorch's message (else NVML, asked at the failure) says had more
+    /// than tracer saw it take: the difference, its CUDA context mostly (to the message's two
+    /// decimals).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub untraced: Option<u64>,
+}
+
+impl Tenant {
+    /// All it held: what tracer saw it take and what the message or NVML adds.
+    pub fn total(&self) -> u64 {
+        self.bytes + self.untraced.unwrap_or(0)
+    }
 }
 
 /// Where processes run and what they are called, for naming co-tenants.
@@ -59,6 +71,16 @@ fn on_gpu(
     message: Option<&str>,
     sample: Option<&crate::model::GpuSample>,
 ) -> Vec<Tenant> {
+    let named = message.map(processes_named).unwrap_or_default();
+    // NVML's figures count for a traced process only when asked at the failure.
+    let nvml_then = sample.filter(|s| s.ts_ns >= at_ns);
+    let said_of = |pid: u32| {
+        named
+            .iter()
+            .find(|&&(q, _)| q == pid)
+            .or_else(|| nvml_then?.processes.iter().find(|&&(q, _)| q == pid))
+            .map(|&(_, b)| b)
+    };
     let mut tenants: Vec<Tenant> = everyone
         .iter()
         .filter(|q| q.pid != p.pid)
@@ -71,10 +93,13 @@ fn on_gpu(
                 since_ns: calls_on(q, gpu, who).next().map(|e| e.ts_ns),
                 from_message: false,
                 nvml_at_ns: None,
+                untraced: said_of(q.pid)
+                    .map(|said| said.saturating_sub(bytes))
+                    .filter(|&b| b > MESSAGE_ROUNDING),
             })
         })
         .collect();
-    for (pid, bytes) in message.map(processes_named).unwrap_or_default() {
+    for &(pid, bytes) in &named {
         if pid != p.pid && !tenants.iter().any(|t| t.pid == pid) {
             tenants.push(Tenant {
                 pid,
@@ -83,6 +108,7 @@ fn on_gpu(
                 since_ns: None,
                 from_message: true,
                 nvml_at_ns: None,
+                untraced: None,
             });
         }
     }
@@ -96,11 +122,12 @@ fn on_gpu(
                     since_ns: None,
                     from_message: false,
                     nvml_at_ns: Some(sample.ts_ns),
+                    untraced: None,
                 });
             }
         }
     }
-    tenants.sort_by_key(|t| std::cmp::Reverse(t.bytes));
+    tenants.sort_by_key(|t| std::cmp::Reverse(t.total()));
     tenants
 }
 
@@ -257,7 +284,7 @@ impl Holders {
             mine.join(", ")
         )];
         if !self.others.is_empty() {
-            let others: u64 = self.others.iter().map(|t| t.bytes).sum();
+            let others: u64 = self.others.iter().map(Tenant::total).sum();
             let listed: Vec<String> = self.others.iter().map(said).collect();
             parts.push(format!(
                 "other processes {} ({})",
@@ -321,15 +348,22 @@ pub fn name_in_oom(
         .map(|said| said.saturating_sub(held))
         .filter(|&b| b > MESSAGE_ROUNDING);
     let unseen = reading.map(|r| held_by_no_one_traced(p, &gpu, r, everyone, who));
+    // What no traced call held but the message or NVML names: processes tracer did not see
+    // allocate, and traced processes' contexts.
     let named: u64 = tenants
         .iter()
-        .filter(|t| t.from_message || t.nvml_at_ns.is_some())
-        .map(|t| t.bytes)
+        .map(|t| {
+            if t.from_message || t.nvml_at_ns.is_some() {
+                t.bytes
+            } else {
+                t.untraced.unwrap_or(0)
+            }
+        })
         .sum();
     let unattributed = unseen
         .map(|u| u.saturating_sub(named + untraced.unwrap_or(0)))
         .filter(|&b| b > MESSAGE_ROUNDING);
-    let others: u64 = tenants.iter().map(|t| t.bytes).sum();
+    let others: u64 = tenants.iter().map(Tenant::total).sum();
     let fragmentation = judged.as_ref().and_then(|j| j.fragmentation);
     let verdict = match fragmentation {
         Some(true) => HeldBy::Fragmentation,
@@ -442,7 +476,7 @@ fn say_in_chain(
             .fix
             .retain(|f| !f.text.starts_with("leave the device to this job"));
     } else {
-        let others: u64 = h.others.iter().map(|t| t.bytes).sum();
+        let others: u64 = h.others.iter().map(Tenant::total).sum();
         let listed: Vec<String> = h.others.iter().map(said).collect();
         chain.compounding.push(format!(
             "other processes held {} on {}: {}",
@@ -453,7 +487,7 @@ fn say_in_chain(
     }
     match h.verdict {
         HeldBy::OtherProcesses => {
-            let others: u64 = h.others.iter().map(|t| t.bytes).sum();
+            let others: u64 = h.others.iter().map(Tenant::total).sum();
             chain.effect = chain.effect.replace(
                 "the memory is in use, not lost to fragmentation (capacity)",
                 "the memory is in use, by other processes",
@@ -606,7 +640,16 @@ fn said(t: &Tenant) -> String {
         (false, None, Some(ns)) => format!(" since {}", format_utc(ns)),
         (false, None, None) => String::new(),
     };
-    format!("pid {}{name} {}{when}", t.pid, pb(t.bytes))
+    let more = t
+        .untraced
+        .map(|u| {
+            format!(
+                ", and {} more by PyTorch's message or NVML (its CUDA context)",
+                pb(u)
+            )
+        })
+        .unwrap_or_default();
+    format!("pid {}{name} {}{when}{more}", t.pid, pb(t.bytes))
 }
 
 #[cfg(test)]

@@ -314,3 +314,37 @@ fn who_held_the_device_at_a_co_tenants_oom_is_who_pytorch_and_the_other_process_
     assert_eq!(total["allocated"], allocated, "{layout:#}");
     assert_eq!(total["reserved"], reserved, "{layout:#}");
 }
+
+/// `tracer explain` reads a session through one connection, in one read transaction, and walks
+/// its calls once: also with `--pid` (its span read from the blocks at either end of its calls)
+/// and with the fixes it cites whatif's simulation in (the runs replayed taken from the same
+/// walk). A recording by a tracer that did not store the devices it learned needs a look ahead
+/// too: the co-tenant recording is by one that did.
+#[test]
+fn explain_opens_one_connection_and_walks_the_session_once() {
+    let r = recording("co-tenant");
+    let pid = r.stats["pid"].to_string();
+    for args in [vec![], vec!["--pid", pid.as_str()], vec!["--since", "2s"]] {
+        let out = Command::new(TRACER)
+            .arg("explain")
+            .args(&args)
+            .arg("--db")
+            .arg(&r.db)
+            .env("TRACER_TIMING", "1")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        assert!(
+            stdout.contains("[simulated from the"),
+            "{args:?}: no fix cited: {stdout}"
+        );
+        assert!(
+            stderr.contains(", 1 connection(s), 1 walk(s)"),
+            "{args:?}: {stderr}"
+        );
+    }
+}

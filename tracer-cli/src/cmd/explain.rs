@@ -69,8 +69,11 @@ pub fn run(args: ExplainArgs) -> Result<()> {
     let explained = explain::explain(&db, &args.window.query())?;
     if std::env::var_os("TRACER_TIMING").is_some() {
         eprintln!(
-            "explain: load {:?}, analyze {:?}",
-            explained.load_time, explained.analysis_time
+            "explain: load {:?}, analyze {:?}, {} connection(s), {} walk(s)",
+            explained.load_time,
+            explained.analysis_time,
+            tracer_cli::store::counted::connections(),
+            tracer_cli::store::counted::walks()
         );
     }
     if args.json {

@@ -143,7 +143,7 @@ fn export_perfetto(
     let begin = query::begin(conn, info.id, i64::MIN, pid)?;
     replay.start_from(begin.states.iter().cloned());
     let mut failed = None;
-    query::walk(db, info.id, &begin, i64::MAX, pid, |step| match step {
+    query::walk(conn, info.id, &begin, i64::MAX, pid, |step| match step {
         query::Step::Call(e) => {
             let changed = replay.call(e);
             if failed.is_none() {

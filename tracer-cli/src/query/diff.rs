@@ -63,10 +63,10 @@ pub struct Diff {
 }
 
 /// The process of `session` to compare: `pid`, else the one with the most block events.
-fn busiest(db: &Path, conn: &rusqlite::Connection, session: i64) -> Result<u32> {
+fn busiest(conn: &rusqlite::Connection, session: i64) -> Result<u32> {
     let begin = super::begin(conn, session, i64::MIN, None)?;
     let mut counts: HashMap<u32, u64> = HashMap::new();
-    super::walk_calls(db, session, &begin, i64::MAX, None, |e| {
+    super::walk_calls(conn, session, &begin, i64::MAX, None, |e| {
         if matches!(e.class(), OpClass::BlockAlloc | OpClass::Alloc) {
             *counts.entry(e.pid).or_default() += 1;
         }
@@ -89,7 +89,7 @@ fn figures(db: &Path, session: i64, pid: Option<u32>) -> Result<RunFigures> {
     let info = events::session(conn, Some(session))?;
     let pid = match pid {
         Some(p) => p,
-        None => busiest(db, conn, info.id)?,
+        None => busiest(conn, info.id)?,
     };
     let conf = events::alloc_confs(conn, info.id)?
         .remove(&pid)
@@ -118,7 +118,7 @@ fn figures(db: &Path, session: i64, pid: Option<u32>) -> Result<RunFigures> {
     let mut attempts: Vec<Attempt> = Vec::new();
     let mut held: HashMap<StackId, u64> = HashMap::new();
     let mut live: HashMap<u64, (StackId, u64)> = HashMap::new();
-    super::walk_calls(db, info.id, &begin, i64::MAX, Some(pid), |e| {
+    super::walk_calls(conn, info.id, &begin, i64::MAX, Some(pid), |e| {
         let first = *first_ns.get_or_insert(e.ts_ns);
         let since = |ts: i64| (ts - first) as f64 / 1e9;
         let alarm = state.apply_memory(e);

@@ -150,10 +150,10 @@ fn evicted_span(conn: &Connection, session: i64, q: &ExplainQuery) -> Result<Opt
 }
 
 /// The window of `q` in its session.
-pub fn window(db: &Path, conn: &Connection, q: &ExplainQuery) -> Result<Windowed> {
+pub fn window(conn: &Connection, q: &ExplainQuery) -> Result<Windowed> {
     let info = events::session(conn, q.session)?;
     let running = info.status == "running";
-    let Some((first, last)) = span(db, info.id, q.pid, q.to)?.or(evicted_span(conn, info.id, q)?)
+    let Some((first, last)) = span(conn, info.id, q.pid, q.to)?.or(evicted_span(conn, info.id, q)?)
     else {
         return Err(user_error(match (q.pid, q.to) {
             (Some(pid), _) => format!(
@@ -210,26 +210,22 @@ pub fn window(db: &Path, conn: &Connection, q: &ExplainQuery) -> Result<Windowed
     })
 }
 
-/// The first and last stored call of the session (of `pid`: one pass over its calls), up to
-/// `to`.
-fn span(db: &Path, session: i64, pid: Option<u32>, to: Option<i64>) -> Result<Option<(i64, i64)>> {
+/// The first and last stored call of the session (of `pid`: read from the blocks at either end
+/// that hold its calls), up to `to`.
+fn span(
+    conn: &Connection,
+    session: i64,
+    pid: Option<u32>,
+    to: Option<i64>,
+) -> Result<Option<(i64, i64)>> {
     let to = to.unwrap_or(i64::MAX);
-    if pid.is_none() {
-        let Some((first, last)) = events::stored_span(db, session)? else {
-            return Ok(None);
-        };
-        return Ok((first <= to).then_some((first, last.min(to))));
+    if let Some(pid) = pid {
+        return crate::store::walk::pid_span(conn, session, pid, to);
     }
-    let mut span: Option<(i64, i64)> = None;
-    crate::store::walk::walk(db, session, 0, to, pid, |step| {
-        if let crate::store::walk::Step::Call(e) = step {
-            span = Some(span.map_or((e.ts_ns, e.ts_ns), |(a, b)| {
-                (a.min(e.ts_ns), b.max(e.ts_ns))
-            }));
-        }
-        Ok(())
-    })?;
-    Ok(span)
+    let Some((first, last)) = events::stored_span(conn, session)? else {
+        return Ok(None);
+    };
+    Ok((first <= to).then_some((first, last.min(to))))
 }
 
 /// Explains the window: one walk from the nearest keyframe at or before it.
@@ -332,9 +328,18 @@ pub fn explain_beside<V: Visit + Send>(
 }
 
 /// [`explain`], also handing the walk to `visit`.
+///
+/// One connection, in one read transaction (every read sees the same database, also while a
+/// trace writes or `--max-db` evicts), and one walk: the window's span comes from the blocks at
+/// its ends, and the runs whatif replays for the fixes' citations from the walk itself where it
+/// saw them whole.
 pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> Result<Explained> {
     let store = Store::open(db, Access::ReadOnly)?;
-    let conn = store.conn();
+    let read = store
+        .conn()
+        .unchecked_transaction()
+        .with_context(|| format!("begin reading {}", db.display()))?;
+    let conn: &Connection = &read;
     let t0 = std::time::Instant::now();
     let Windowed {
         session,
@@ -342,7 +347,7 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
         mut window,
         from_given,
         to_given,
-    } = window(db, conn, q)?;
+    } = window(conn, q)?;
     let begin = super::begin(conn, session, window.from_ns, q.pid)?;
     visit.start(&begin);
     let mut clipped_from = None;
@@ -379,17 +384,35 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
         .collect();
     let inputs = known.inputs();
     let mut collector = Collector::new(window, &inputs, begin.states.clone());
+    // The fixes' citations replay each process's whole run: this walk holds it when it starts
+    // at the session's beginning and runs to its end.
+    let mut recordings = if begin.keyframe().is_none() && q.to.is_none() {
+        Some(super::whatif::Recordings::new(conn, session, &begin)?)
+    } else {
+        None
+    };
+    let mut in_window: u64 = 0;
     let mut implausible: Option<Event> = None;
     let mut holes = Vec::new();
     let mut arming = Vec::new();
     super::walk(
-        db,
+        conn,
         session,
         &begin,
         window.to_ns,
         q.pid,
         |step| match step {
             super::Step::Call(e) => {
+                if window.contains(e.ts_ns) {
+                    in_window += 1;
+                    if in_window > CITE_EVENTS {
+                        // Too many to cite: the citations are not made.
+                        recordings = None;
+                    }
+                }
+                if let Some(r) = recordings.as_mut() {
+                    r.call(e);
+                }
                 if implausible.is_none()
                     && events::check_plausible(session, std::slice::from_ref(e)).is_err()
                 {
@@ -431,7 +454,8 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
     // The fixes that name an allocator setting say what it would have done to these requests
     // (a replay per setting: small runs only, `tracer whatif` for the rest).
     if report.events_in_window <= CITE_EVENTS {
-        if let Err(e) = super::whatif::cite_in_fixes(db, session, &mut report.chains) {
+        if let Err(e) = super::whatif::cite_in_fixes(conn, session, &mut report.chains, recordings)
+        {
             log::warn!("simulating the fixes of session {session}: {e:#}");
         }
     }
@@ -531,7 +555,6 @@ mod tests {
     #[test]
     fn explain_says_every_call_was_evicted_not_that_none_was_recorded() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.db");
         let (mut store, session) = new_store(&dir);
         store.insert_keyframe(session, 0, &[]).unwrap();
         write(&mut store, session, &varied_calls(5000, 1));
@@ -545,7 +568,7 @@ mod tests {
             pid: None,
             skip_frames: Vec::new(),
         };
-        let Err(e) = super::window(&path, store.conn(), &q) else {
+        let Err(e) = super::window(store.conn(), &q) else {
             panic!("a window of nothing");
         };
         let text = e.to_string();

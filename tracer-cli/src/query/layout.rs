@@ -112,7 +112,7 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         .iter()
         .map(|s| (s.pid, (s.clone(), s.last_ns)))
         .collect();
-    super::walk(db, info.id, &begin, at_ns, q.pid, |step| {
+    super::walk(conn, info.id, &begin, at_ns, q.pid, |step| {
         let e = match step {
             super::Step::Call(e) => e,
             super::Step::Resume { states: after, .. } => {
@@ -381,7 +381,7 @@ pub fn layout_timeline(
     // Per process, the free whose point waits for the event records that may follow it.
     let mut held: std::collections::HashMap<u32, (i64, &'static str, u64)> = Default::default();
     let mut result = Ok(());
-    super::walk(db, info.id, &begin, i64::MAX, pid, |step| {
+    super::walk(conn, info.id, &begin, i64::MAX, pid, |step| {
         let e = match step {
             super::Step::Call(e) => e,
             super::Step::Resume { states, .. } => {

@@ -16,8 +16,6 @@ pub mod snapshot_check;
 pub mod snapshot_tenants;
 pub mod whatif;
 
-use std::path::Path;
-
 use anyhow::Result;
 use rusqlite::Connection;
 
@@ -86,48 +84,60 @@ pub enum Step<'a> {
 /// call's device is the one CUDA ran it on ([`Devices`]), also where the recording did not know
 /// it.
 pub fn walk(
-    db: &Path,
+    conn: &Connection,
     session: i64,
     begin: &Begin,
     to_ns: i64,
     pid: Option<u32>,
     mut visit: impl FnMut(Step<'_>),
 ) -> Result<Walked> {
-    let conn = crate::store::events::open_reader(db)?;
-    let mut devices = Devices::new(db, &conn, session, &begin.states, pid)?;
-    walk::walk(db, session, begin.start.after_block(), to_ns, pid, |step| {
-        match step {
-            walk::Step::Call(e) => visit(Step::Call(&devices.resolve(e))),
-            walk::Step::Hole(hole) => {
-                let states = match keyframes::at_block(&conn, session, hole.through_block)? {
-                    Some(k) => keyframes::states(&conn, &k, pid)?,
-                    None => Vec::new(),
-                };
-                devices.restore(&states);
-                visit(Step::Resume { hole, states });
+    let mut devices = Devices::new(conn, session, &begin.states, pid)?;
+    walk::walk(
+        conn,
+        session,
+        begin.start.after_block(),
+        to_ns,
+        pid,
+        |step| {
+            match step {
+                walk::Step::Call(e) => visit(Step::Call(&devices.resolve(e))),
+                walk::Step::Hole(hole) => {
+                    let states = match keyframes::at_block(conn, session, hole.through_block)? {
+                        Some(k) => keyframes::states(conn, &k, pid)?,
+                        None => Vec::new(),
+                    };
+                    devices.restore(&states);
+                    visit(Step::Resume { hole, states });
+                }
             }
-        }
-        Ok(())
-    })
+            Ok(())
+        },
+    )
 }
 
 /// Hands `visit` the calls only: for answers that keep no state across a hole (counts).
 pub fn walk_calls(
-    db: &Path,
+    conn: &Connection,
     session: i64,
     begin: &Begin,
     to_ns: i64,
     pid: Option<u32>,
     mut visit: impl FnMut(&Event),
 ) -> Result<Walked> {
-    let conn = crate::store::events::open_reader(db)?;
-    let mut devices = Devices::new(db, &conn, session, &begin.states, pid)?;
-    walk::walk(db, session, begin.start.after_block(), to_ns, pid, |step| {
-        if let walk::Step::Call(e) = step {
-            visit(&devices.resolve(e));
-        }
-        Ok(())
-    })
+    let mut devices = Devices::new(conn, session, &begin.states, pid)?;
+    walk::walk(
+        conn,
+        session,
+        begin.start.after_block(),
+        to_ns,
+        pid,
+        |step| {
+            if let walk::Step::Call(e) = step {
+                visit(&devices.resolve(e));
+            }
+            Ok(())
+        },
+    )
 }
 
 /// The device of each call a walk hands on, as CUDA defines it (model/devices.rs): what the
@@ -152,7 +162,6 @@ impl std::error::Error for Enough {}
 
 impl Devices {
     pub fn new(
-        db: &Path,
         conn: &Connection,
         session: i64,
         states: &[ProcessState],
@@ -183,7 +192,7 @@ impl Devices {
             };
         if !wanted.is_empty() {
             let mut ahead = LookAhead::new(wanted);
-            let looked = walk::walk(db, session, 0, i64::MAX, pid, |step| match step {
+            let looked = walk::walk(conn, session, 0, i64::MAX, pid, |step| match step {
                 walk::Step::Call(e) if !ahead.take(e.pid, e.tid, e.op, e.ret, e.device) => {
                     Err(Enough.into())
                 }

@@ -155,7 +155,7 @@ pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
         ooms,
     );
     replay.imported = imported;
-    super::walk(db, info.id, &begin, at_ns, Some(pid), |step| match step {
+    super::walk(conn, info.id, &begin, at_ns, Some(pid), |step| match step {
         super::Step::Call(e) => replay.call(e),
         super::Step::Resume { states, .. } => replay.resume(states, pid),
     })?;

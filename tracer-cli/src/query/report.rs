@@ -103,7 +103,7 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
     let store = Store::open(db, Access::ReadOnly)?;
     let conn = store.conn();
     // The window and the moments to map are known before the walk.
-    let windowed = explain::window(db, conn, q)?;
+    let windowed = explain::window(conn, q)?;
     let (window, session_id) = (windowed.window, windowed.session);
     let comms = events::comms(conn, session_id)?;
     let confs: HashMap<u32, AllocConf> = events::alloc_confs(conn, session_id)?

@@ -272,7 +272,7 @@ impl Builder {
 
 /// The process (the one with an OOM, else the most requests) and device (its most requests)
 /// to replay, unless given.
-fn choose(db: &Path, conn: &rusqlite::Connection, session: i64, pid: Option<u32>) -> Result<u32> {
+fn choose(conn: &rusqlite::Connection, session: i64, pid: Option<u32>) -> Result<u32> {
     if let Some(p) = pid {
         return Ok(p);
     }
@@ -284,7 +284,7 @@ fn choose(db: &Path, conn: &rusqlite::Connection, session: i64, pid: Option<u32>
     }
     let mut requests: HashMap<u32, u64> = HashMap::new();
     let begin = super::begin(conn, session, i64::MIN, None)?;
-    super::walk_calls(db, session, &begin, i64::MAX, None, |e| {
+    super::walk_calls(conn, session, &begin, i64::MAX, None, |e| {
         if e.class() == OpClass::BlockAlloc {
             *requests.entry(e.pid).or_default() += 1;
         }
@@ -311,43 +311,162 @@ pub fn recorded_run(
     let store = Store::open(db, Access::ReadOnly)?;
     let conn = store.conn();
     let info = events::session(conn, session)?;
-    let pid = choose(db, conn, info.id, pid)?;
-    let snapshot = events::source(conn, info.id)?.starts_with("snapshot");
-    let conf_text = events::alloc_confs(conn, info.id)?
-        .remove(&pid)
-        .unwrap_or_default();
-    let settings = parse_settings(&conf_text);
-    // The requests begin where the trace saw the allocator from: after a snapshot's rebuilt
-    // past, or at the keyframe the walk starts from.
-    let begins_ns = series::gaps(conn, info.id)?
-        .into_iter()
-        .filter(|g| g.pid == pid && g.kind == "before_trace")
-        .map(|g| g.to_ns)
-        .max();
-    let begin = super::begin(conn, info.id, i64::MIN, Some(pid))?;
-    let mut past = begin
-        .states
-        .iter()
-        .find(|s| s.pid == pid)
-        .map(|s| s.layout.clone())
-        .unwrap_or_else(|| Layout::new(settings.conf));
-    let mut builders: HashMap<i32, Builder> = HashMap::new();
-    let mut seeded = begins_ns.is_none() && begin.keyframe().is_none();
-    super::walk_calls(db, info.id, &begin, i64::MAX, Some(pid), |e| {
-        if !seeded {
-            if begins_ns.is_some_and(|t| e.ts_ns < t) {
-                past.apply(e);
-                return;
-            }
-            seeded = true;
-            let devices: std::collections::BTreeSet<i32> =
-                past.segment_maps(true).iter().map(|s| s.device).collect();
-            for d in devices {
-                builders.entry(d).or_default().seed_from(&past, d, snapshot);
+    let pid = choose(conn, info.id, pid)?;
+    let run = recorded_run_on(conn, info.id, pid, device)?;
+    Ok((info.id, run))
+}
+
+/// [`recorded_run`] of `pid` in `session`, read through `conn` by a walk of its own.
+fn recorded_run_on(
+    conn: &rusqlite::Connection,
+    session: i64,
+    pid: u32,
+    device: Option<i32>,
+) -> Result<RecordedRun> {
+    let begin = super::begin(conn, session, i64::MIN, Some(pid))?;
+    let mut recordings = Recordings::new(conn, session, &begin)?;
+    super::walk_calls(conn, session, &begin, i64::MAX, Some(pid), |e| {
+        recordings.call(e);
+    })?;
+    recordings.finish(conn, session, pid, device)
+}
+
+/// The recorded runs of the processes whose calls a walk hands on, built as it goes: a walk of
+/// their own ([`recorded_run`]) or one made for something else (explain's, which then cites
+/// its fixes without a second).
+pub struct Recordings {
+    snapshot: bool,
+    confs: HashMap<u32, String>,
+    /// Per process: where the requests begin after a snapshot's rebuilt past.
+    begins_ns: HashMap<u32, i64>,
+    /// Per process: the state the walk starts from (its keyframe's).
+    starts: HashMap<u32, Layout>,
+    keyframe: bool,
+    runs: HashMap<u32, RunRecording>,
+}
+
+/// One process's run being built.
+struct RunRecording {
+    past: Layout,
+    begins_ns: Option<i64>,
+    builders: HashMap<i32, Builder>,
+    seeded: bool,
+    snapshot: bool,
+}
+
+impl Recordings {
+    /// For a walk of `session` that starts at `begin`.
+    pub fn new(
+        conn: &rusqlite::Connection,
+        session: i64,
+        begin: &super::Begin,
+    ) -> Result<Recordings> {
+        // The requests begin where the trace saw the allocator from: after a snapshot's
+        // rebuilt past, or at the keyframe the walk starts from.
+        let mut begins_ns: HashMap<u32, i64> = HashMap::new();
+        for g in series::gaps(conn, session)? {
+            if g.kind == "before_trace" {
+                let t = begins_ns.entry(g.pid).or_insert(g.to_ns);
+                *t = (*t).max(g.to_ns);
             }
         }
-        builders.entry(e.device).or_default().call(e);
-    })?;
+        Ok(Recordings {
+            snapshot: events::source(conn, session)?.starts_with("snapshot"),
+            confs: events::alloc_confs(conn, session)?,
+            begins_ns,
+            starts: begin
+                .states
+                .iter()
+                .map(|s| (s.pid, s.layout.clone()))
+                .collect(),
+            keyframe: begin.keyframe().is_some(),
+            runs: HashMap::new(),
+        })
+    }
+
+    pub fn call(&mut self, e: &Event) {
+        let run = self.runs.entry(e.pid).or_insert_with(|| {
+            let begins_ns = self.begins_ns.get(&e.pid).copied();
+            let settings = parse_settings(self.confs.get(&e.pid).map_or("", String::as_str));
+            RunRecording {
+                past: self
+                    .starts
+                    .get(&e.pid)
+                    .cloned()
+                    .unwrap_or_else(|| Layout::new(settings.conf)),
+                begins_ns,
+                builders: HashMap::new(),
+                seeded: begins_ns.is_none() && !self.keyframe,
+                snapshot: self.snapshot,
+            }
+        });
+        run.call(e);
+    }
+
+    /// The run of `pid` on `device` (its busiest, unless given).
+    pub fn finish(
+        mut self,
+        conn: &rusqlite::Connection,
+        session: i64,
+        pid: u32,
+        device: Option<i32>,
+    ) -> Result<RecordedRun> {
+        let builders = self
+            .runs
+            .remove(&pid)
+            .map(|r| r.builders)
+            .unwrap_or_default();
+        let conf_text = self.confs.remove(&pid).unwrap_or_default();
+        finish_run(conn, session, pid, device, builders, conf_text)
+    }
+
+    /// The run of `pid` on its busiest device, taken out of the recordings.
+    fn take(&mut self, conn: &rusqlite::Connection, session: i64, pid: u32) -> Result<RecordedRun> {
+        let builders = self
+            .runs
+            .remove(&pid)
+            .map(|r| r.builders)
+            .unwrap_or_default();
+        let conf_text = self.confs.get(&pid).cloned().unwrap_or_default();
+        finish_run(conn, session, pid, None, builders, conf_text)
+    }
+}
+
+impl RunRecording {
+    fn call(&mut self, e: &Event) {
+        if !self.seeded {
+            if self.begins_ns.is_some_and(|t| e.ts_ns < t) {
+                self.past.apply(e);
+                return;
+            }
+            self.seeded = true;
+            let devices: std::collections::BTreeSet<i32> = self
+                .past
+                .segment_maps(true)
+                .iter()
+                .map(|s| s.device)
+                .collect();
+            for d in devices {
+                self.builders
+                    .entry(d)
+                    .or_default()
+                    .seed_from(&self.past, d, self.snapshot);
+            }
+        }
+        self.builders.entry(e.device).or_default().call(e);
+    }
+}
+
+/// The run of `pid` on `device` from its builders: its settings, OOMs and refused requests.
+fn finish_run(
+    conn: &rusqlite::Connection,
+    session: i64,
+    pid: u32,
+    device: Option<i32>,
+    mut builders: HashMap<i32, Builder>,
+    conf_text: String,
+) -> Result<RecordedRun> {
+    let settings = parse_settings(&conf_text);
     let device = match device {
         Some(d) => d,
         None => builders
@@ -360,7 +479,7 @@ pub fn recorded_run(
     if run.placed.is_empty() {
         return Err(user_error(format!(
             "pid {pid} made no pytorch:malloc on device {device} in session {}: name another with --pid or --device",
-            info.id
+            session
         )));
     }
     run.pid = pid;
@@ -380,7 +499,7 @@ pub fn recorded_run(
     };
     run.conf_text = conf_text;
     run.settings = Some(settings);
-    let ooms: Vec<_> = events::messages(conn, info.id)?
+    let ooms: Vec<_> = events::messages(conn, session)?
         .into_iter()
         .filter(|m| m.pid == pid && m.op == Op::TorchOom.name())
         .collect();
@@ -395,7 +514,7 @@ pub fn recorded_run(
             *size = (*size).max(asked);
         }
     }
-    Ok((info.id, run))
+    Ok(run)
 }
 
 /// The bytes of PyTorch's "Tried to allocate 1.50 GiB" (its format_size: two decimals).
@@ -676,7 +795,12 @@ const CITE_REQUESTS: usize = 1_000_000;
 /// Appends to each fix of `chains` that names an allocator setting what the simulator says the
 /// recorded requests would have done under it, beside what they did as run; or why it could
 /// not say.
-pub fn cite_in_fixes(db: &Path, session: i64, chains: &mut [crate::analysis::Chain]) -> Result<()> {
+pub fn cite_in_fixes(
+    conn: &rusqlite::Connection,
+    session: i64,
+    chains: &mut [crate::analysis::Chain],
+    mut recorded: Option<Recordings>,
+) -> Result<()> {
     // Per process: its run, what the run did as simulated, and whether the gate holds (each
     // computed once, however many chains cite it).
     let mut runs: HashMap<u32, Option<(RecordedRun, Outcome, bool)>> = HashMap::new();
@@ -687,10 +811,13 @@ pub fn cite_in_fixes(db: &Path, session: i64, chains: &mut [crate::analysis::Cha
         let entry = match runs.entry(chain.pid) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                let run = recorded_run(db, Some(session), Some(chain.pid), None)
-                    .ok()
-                    .map(|(_, run)| run)
-                    .filter(|run| run.requests.len() <= CITE_REQUESTS);
+                // From the walk that made the chains where it saw the whole run, else a walk
+                // of the process's calls from the session's start.
+                let run = match recorded.as_mut() {
+                    Some(r) => r.take(conn, session, chain.pid),
+                    None => recorded_run_on(conn, session, chain.pid, None),
+                };
+                let run = run.ok().filter(|run| run.requests.len() <= CITE_REQUESTS);
                 v.insert(run.map(|run| {
                     let capacity = run.capacity.unwrap_or(u64::MAX / 4);
                     let as_run = simulate(&run, run.settings(), capacity);

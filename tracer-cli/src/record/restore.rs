@@ -3,8 +3,6 @@
 //! What happened between that session's last call of the process and now is a gap: stated
 //! (the `gaps` table), and the layout heals from what it sees next (model/layout.rs).
 
-use std::path::Path;
-
 use anyhow::{Context as _, Result};
 
 use crate::traced::procinfo;
@@ -62,7 +60,7 @@ impl TakenUp {
 /// The states of the processes running now (in `scope`, or all) that an earlier session of
 /// this boot kept, advanced by that session's calls of them after its last keyframe. Done
 /// before any probe is attached: probes filling a ring nobody reads yet would lose calls.
-pub fn take_up(store: &Store, db: &Path, scope: Option<&[u32]>) -> Result<Vec<TakenUp>> {
+pub fn take_up(store: &Store, scope: Option<&[u32]>) -> Result<Vec<TakenUp>> {
     let boot = boot_id();
     let conn = store.conn();
     // Every process of an earlier session of this boot, with the latest session that knew it.
@@ -105,13 +103,20 @@ pub fn take_up(store: &Store, db: &Path, scope: Option<&[u32]>) -> Result<Vec<Ta
                 None => continue,
             };
         // From the latest keyframe (or a session nothing was evicted of): no hole follows.
-        let walked = walk(db, from_session, after_block, i64::MAX, Some(pid), |step| {
-            if let Step::Call(e) = step {
-                state.apply_memory(e);
-                state.apply_join(e);
-            }
-            Ok(())
-        })?;
+        let walked = walk(
+            conn,
+            from_session,
+            after_block,
+            i64::MAX,
+            Some(pid),
+            |step| {
+                if let Step::Call(e) = step {
+                    state.apply_memory(e);
+                    state.apply_join(e);
+                }
+                Ok(())
+            },
+        )?;
         if state.events == 0 && keyframe.is_none() {
             continue;
         }

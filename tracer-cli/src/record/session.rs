@@ -275,7 +275,7 @@ impl Recording {
             eprintln!("tracer: session {id} was left running by a tracer that is gone: marked crashed (its calls are kept)");
         }
         let pid_scope = (!opts.pids.is_empty()).then_some(opts.pids.as_slice());
-        let mut taken = restore::take_up(&store, &opts.db, pid_scope)?;
+        let mut taken = restore::take_up(&store, pid_scope)?;
         let mut probes = Probes::load(LoadOptions {
             // At most 2 GiB: checked above.
             ring_bytes: opts.ring_bytes as u32,

@@ -635,7 +635,7 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
     // One walk over the stored calls (from the keyframe the calls --max-db left begin at).
     let begin = crate::query::begin(store.conn(), info.id, i64::MIN, args.pid)?;
     let mut t0: Option<i64> = None;
-    crate::query::walk_calls(db, info.id, &begin, i64::MAX, args.pid, |e| {
+    crate::query::walk_calls(store.conn(), info.id, &begin, i64::MAX, args.pid, |e| {
         let t0 = *t0.get_or_insert(e.ts_ns);
         if op.is_some_and(|o| o != e.op)
             || matches!(e.class(), OpClass::BlockAlloc | OpClass::BlockFree)

@@ -78,8 +78,8 @@ pub fn check_plausible(session: i64, events: &[Event]) -> Result<()> {
 }
 
 /// Whether the session stores its calls in call blocks (every trace since schema 4).
-pub(super) fn has_call_blocks(path: &Path, session: i64) -> Result<bool> {
-    Ok(open_reader(path)?
+pub(super) fn has_call_blocks(conn: &Connection, session: i64) -> Result<bool> {
+    Ok(conn
         .query_row(
             "SELECT call_blocks FROM sessions WHERE id = ?1",
             [session],
@@ -91,9 +91,8 @@ pub(super) fn has_call_blocks(path: &Path, session: i64) -> Result<bool> {
 }
 
 /// The entry times of the session's first and last stored calls (None: it stored none).
-pub fn stored_span(path: &Path, session: i64) -> Result<Option<(i64, i64)>> {
-    let conn = open_reader(path)?;
-    let sql = if has_call_blocks(path, session)? {
+pub fn stored_span(conn: &Connection, session: i64) -> Result<Option<(i64, i64)>> {
+    let sql = if has_call_blocks(conn, session)? {
         "SELECT min(min_ts_ns), max(max_ts_ns) FROM call_blocks WHERE session_id = ?1"
     } else {
         "SELECT min(ts_ns), max(ts_ns) FROM calls WHERE session_id = ?1"
@@ -120,6 +119,7 @@ pub(crate) fn open_reader(path: &Path) -> Result<Connection> {
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )
     .with_context(|| format!("open database {} for reading", path.display()))?;
+    super::counted::opened();
     // 64 MiB of page cache per reader: the scan is sequential, the cache only spares re-reads.
     conn.execute_batch("PRAGMA cache_size = -65536")
         .with_context(|| format!("configure reader of {}", path.display()))?;

@@ -38,6 +38,32 @@ pub struct Store {
     path: PathBuf,
 }
 
+/// What a command's reads cost, counted where they are paid: the connections this process
+/// opened to databases and the walks over a session's calls it made (`TRACER_TIMING` prints
+/// them; e2e holds `tracer explain` to one of each).
+pub mod counted {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+    static CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+    static WALKS: AtomicU64 = AtomicU64::new(0);
+
+    pub fn connections() -> u64 {
+        CONNECTIONS.load(Relaxed)
+    }
+
+    pub fn walks() -> u64 {
+        WALKS.load(Relaxed)
+    }
+
+    pub(super) fn opened() {
+        CONNECTIONS.fetch_add(1, Relaxed);
+    }
+
+    pub(super) fn walked() {
+        WALKS.fetch_add(1, Relaxed);
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Access {
     ReadWrite,

@@ -34,6 +34,7 @@ impl Store {
         } | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = Connection::open_with_flags(path, flags)
             .map_err(|e| user_error(format!("cannot open database {}: {e}", path.display())))?;
+        counted::opened();
         // A WAL database is read through its -shm file, which needs write access.
         if access == Access::ReadOnly {
             if let Err(e) = conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| {

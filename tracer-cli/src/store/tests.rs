@@ -791,24 +791,54 @@ fn the_walk_reads_what_the_loader_reads_in_its_order() {
     }
     for (to_ns, pid) in [(i64::MAX, None), (250_000_000, Some(101))] {
         let mut walked = Vec::new();
-        let w = super::walk::walk(&path, session, 0, to_ns, pid, |step| {
-            if let super::walk::Step::Call(e) = step {
-                walked.push(*e);
-            }
-            Ok(())
-        })
+        let w = super::walk::walk(
+            &super::events::open_reader(&path).unwrap(),
+            session,
+            0,
+            to_ns,
+            pid,
+            |step| {
+                if let super::walk::Step::Call(e) = step {
+                    walked.push(*e);
+                }
+                Ok(())
+            },
+        )
         .unwrap();
         assert_eq!(
             walked,
             whole_session::load(&path, session, to_ns, pid).unwrap()
         );
         assert_eq!((w.calls as usize, w.out_of_order), (walked.len(), 0));
+        // A process's span from the blocks at its ends: the walk's first and last of its calls
+        // (the long call stored late is the first).
+        for p in [100, 101, 102, 999]
+            .into_iter()
+            .filter(|&p| pid.is_none_or(|q| q == p))
+        {
+            let conn = super::events::open_reader(&path).unwrap();
+            let theirs: Vec<i64> = walked
+                .iter()
+                .filter(|e| e.pid == p)
+                .map(|e| e.ts_ns)
+                .collect();
+            let span = theirs.first().zip(theirs.last()).map(|(a, b)| (*a, *b));
+            let read = super::walk::pid_span(&conn, session, p, to_ns).unwrap();
+            assert_eq!(read, span, "pid {p} up to {to_ns}");
+        }
     }
     let mut after = 0;
-    super::walk::walk(&path, session, through, i64::MAX, None, |_| {
-        after += 1;
-        Ok(())
-    })
+    super::walk::walk(
+        &super::events::open_reader(&path).unwrap(),
+        session,
+        through,
+        i64::MAX,
+        None,
+        |_| {
+            after += 1;
+            Ok(())
+        },
+    )
     .unwrap();
     let expected: i64 = store
         .conn()
@@ -876,18 +906,25 @@ fn eviction_keeps_the_detail_around_an_incident_and_walks_resume_after_holes() {
     );
     let mut batches = std::collections::BTreeSet::new();
     let (mut calls, mut holes) = (0i64, Vec::new());
-    super::walk::walk(&path, session, 0, i64::MAX, None, |step| {
-        match step {
-            super::walk::Step::Call(e) => {
-                calls += 1;
-                batches.insert(e.ts_ns as u64 / gap);
+    super::walk::walk(
+        &super::events::open_reader(&path).unwrap(),
+        session,
+        0,
+        i64::MAX,
+        None,
+        |step| {
+            match step {
+                super::walk::Step::Call(e) => {
+                    calls += 1;
+                    batches.insert(e.ts_ns as u64 / gap);
+                }
+                super::walk::Step::Hole(h) => {
+                    holes.push((h.from_ns as u64 / gap, h.to_ns as u64 / gap))
+                }
             }
-            super::walk::Step::Hole(h) => {
-                holes.push((h.from_ns as u64 / gap, h.to_ns as u64 / gap))
-            }
-        }
-        Ok(())
-    })
+            Ok(())
+        },
+    )
     .unwrap();
     // The minute before the OOM holds no call (batch 3 lies at 300 s): the OOM's batch is kept,
     // from the keyframe at its start; those before and the next ones went.
@@ -941,10 +978,17 @@ fn blocks_written_after_everything_was_evicted_come_after_the_hole() {
         "block {first} after hole through {hole_end}"
     );
     let mut steps = Vec::new();
-    super::walk::walk(&path, session, 0, i64::MAX, None, |step| {
-        steps.push(matches!(step, super::walk::Step::Hole(_)));
-        Ok(())
-    })
+    super::walk::walk(
+        &super::events::open_reader(&path).unwrap(),
+        session,
+        0,
+        i64::MAX,
+        None,
+        |step| {
+            steps.push(matches!(step, super::walk::Step::Hole(_)));
+            Ok(())
+        },
+    )
     .unwrap();
     assert_eq!(steps.len(), 5001);
     assert!(steps[0], "the hole first, then the new calls");

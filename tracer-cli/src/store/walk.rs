@@ -6,12 +6,10 @@
 //! Calls are handed on once no later block can hold an earlier one: the order is exactly
 //! [`super::events::load`]'s (entry time, then the writer's order).
 
-use std::path::Path;
-
 use anyhow::{Context as _, Result};
-use rusqlite::params;
+use rusqlite::{params, Connection};
 
-use super::events::{has_call_blocks, open_reader};
+use super::events::has_call_blocks;
 use super::whole_session::{load, sort_nearly_sorted};
 use crate::{exit::user_error, model::Event};
 
@@ -59,26 +57,28 @@ pub fn holes(conn: &rusqlite::Connection, session: i64, after_block: i64) -> Res
 }
 
 /// Hands `visit` the calls of `session` stored in blocks after `after_block` (0: all), begun at
-/// or before `to_ns`, of `pid` (or every process), in time order, and each hole it passes.
+/// or before `to_ns`, of `pid` (or every process), in time order, and each hole it passes:
+/// read through `conn` (in the caller's read transaction, where it holds one).
 pub fn walk(
-    path: &Path,
+    conn: &Connection,
     session: i64,
     after_block: i64,
     to_ns: i64,
     pid: Option<u32>,
     mut visit: impl FnMut(Step<'_>) -> Result<()>,
 ) -> Result<Walked> {
+    super::counted::walked();
     let mut walked = Walked::default();
-    if !has_call_blocks(path, session)? {
-        // Sessions older than the call blocks (schema 4) are read whole.
-        for e in load(path, session, to_ns, pid)? {
+    if !has_call_blocks(conn, session)? {
+        // Sessions older than the call blocks (schema 4) are read whole, on connections of
+        // the old loader's own.
+        for e in load(&database_path(conn)?, session, to_ns, pid)? {
             walked.calls += 1;
             visit(Step::Call(&e))?;
         }
         return Ok(walked);
     }
-    let conn = open_reader(path)?;
-    let holes = holes(&conn, session, after_block)?;
+    let holes = holes(conn, session, after_block)?;
     let mut next_hole = 0;
     let list: Vec<(i64, i64)> = conn
         .prepare(
@@ -94,8 +94,7 @@ pub fn walk(
     for i in (0..list.len()).rev() {
         later_min[i] = later_min[i + 1].min(list[i].1);
     }
-    let mut block = conn
-        .prepare("SELECT format, calls, data FROM call_blocks WHERE id = ?1 AND session_id = ?2")?;
+    let mut block = conn.prepare(BLOCK_SQL)?;
     let mut pending: Vec<Event> = Vec::new();
     let mut batch: Vec<Event> = Vec::new();
     for (i, &(id, _)) in list.iter().enumerate() {
@@ -113,30 +112,14 @@ pub fn walk(
             next_hole += 1;
         }
         batch.clear();
-        let mut rows = block.query(params![id, session])?;
-        let Some(r) = rows.next().context("read a call block")? else {
-            continue;
-        };
-        let format: i64 = r.get(0)?;
-        if format != super::blocks::FORMAT {
-            return Err(user_error(format!(
-                "call block {id} of session {session} has format {format}, which this tracer does not read: use the tracer that recorded it"
-            )));
-        }
-        let calls = r.get::<_, i64>(1)?.max(0) as usize;
-        if calls > super::blocks::MAX_CALLS {
-            return Err(damaged(
-                session,
-                id,
-                format!("it claims {calls} calls, more than a block holds"),
-            ));
-        }
-        super::blocks::decode(r.get_ref(2)?.as_blob()?, calls, |e| {
+        let read = read_block(&mut block, session, id, |e| {
             if e.ts_ns <= to_ns && pid.is_none_or(|p| p == e.pid) {
                 batch.push(e);
             }
-        })
-        .map_err(|e| damaged(session, id, e.to_string()))?;
+        })?;
+        if !read {
+            continue;
+        }
         walked.blocks += 1;
         sort_nearly_sorted(&mut batch);
         merge_into(&mut pending, &mut batch);
@@ -157,6 +140,114 @@ pub fn walk(
         visit(Step::Call(&e))?;
     }
     Ok(walked)
+}
+
+/// The statement [`read_block`] runs.
+const BLOCK_SQL: &str =
+    "SELECT format, calls, data FROM call_blocks WHERE id = ?1 AND session_id = ?2";
+
+/// Hands `visit` every call of block `id` (false: there is no such block).
+fn read_block(
+    stmt: &mut rusqlite::Statement<'_>,
+    session: i64,
+    id: i64,
+    visit: impl FnMut(Event),
+) -> Result<bool> {
+    let mut rows = stmt.query(params![id, session])?;
+    let Some(r) = rows.next().context("read a call block")? else {
+        return Ok(false);
+    };
+    let format: i64 = r.get(0)?;
+    if format != super::blocks::FORMAT {
+        return Err(user_error(format!(
+            "call block {id} of session {session} has format {format}, which this tracer does not read: use the tracer that recorded it"
+        )));
+    }
+    let calls = r.get::<_, i64>(1)?.max(0) as usize;
+    if calls > super::blocks::MAX_CALLS {
+        return Err(damaged(
+            session,
+            id,
+            format!("it claims {calls} calls, more than a block holds"),
+        ));
+    }
+    super::blocks::decode(r.get_ref(2)?.as_blob()?, calls, visit)
+        .map_err(|e| damaged(session, id, e.to_string()))?;
+    Ok(true)
+}
+
+/// The entry times of the first and last stored calls of `pid` in `session` begun at or before
+/// `to_ns` (None: it stored none), read from the blocks at either end that hold them rather
+/// than by a walk: a block's `min_ts_ns` and `max_ts_ns` say when no block further in can hold
+/// an earlier, or a later, call.
+pub fn pid_span(
+    conn: &Connection,
+    session: i64,
+    pid: u32,
+    to_ns: i64,
+) -> Result<Option<(i64, i64)>> {
+    if !has_call_blocks(conn, session)? {
+        let calls = load(&database_path(conn)?, session, to_ns, Some(pid))?;
+        return Ok(calls
+            .first()
+            .zip(calls.last())
+            .map(|(a, b)| (a.ts_ns, b.ts_ns)));
+    }
+    let list: Vec<(i64, i64, i64)> = conn
+        .prepare(
+            "SELECT id, min_ts_ns, max_ts_ns FROM call_blocks WHERE session_id = ?1 ORDER BY id",
+        )?
+        .query_map([session], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<rusqlite::Result<_>>()
+        .with_context(|| format!("list the call blocks of session {session}"))?;
+    let mut stmt = conn.prepare(BLOCK_SQL)?;
+    let mut times = |id: i64, keep: &mut dyn FnMut(i64)| {
+        read_block(&mut stmt, session, id, |e| {
+            if e.pid == pid && e.ts_ns <= to_ns {
+                keep(e.ts_ns);
+            }
+        })
+    };
+    // The earliest call any block from i on can hold, and the latest any block up to i can.
+    let mut later_min = vec![i64::MAX; list.len() + 1];
+    for i in (0..list.len()).rev() {
+        later_min[i] = later_min[i + 1].min(list[i].1);
+    }
+    let earlier_max: Vec<i64> = list
+        .iter()
+        .scan(i64::MIN, |m, b| {
+            *m = (*m).max(b.2);
+            Some(*m)
+        })
+        .collect();
+    let mut first: Option<i64> = None;
+    for (i, &(id, _, _)) in list.iter().enumerate() {
+        if later_min[i] > to_ns || first.is_some_and(|f| later_min[i] >= f) {
+            break;
+        }
+        times(id, &mut |t| first = Some(first.map_or(t, |f| f.min(t))))?;
+    }
+    let Some(first) = first else {
+        return Ok(None);
+    };
+    let mut last = first;
+    for (i, &(id, _, _)) in list.iter().enumerate().rev() {
+        if earlier_max[i] <= last {
+            break;
+        }
+        times(id, &mut |t| last = last.max(t))?;
+    }
+    Ok(Some((first, last)))
+}
+
+/// The file behind `conn`, for the old loader's connections.
+fn database_path(conn: &Connection) -> Result<std::path::PathBuf> {
+    conn.path()
+        .filter(|p| !p.is_empty())
+        .map(std::path::PathBuf::from)
+        .context(
+            "a session recorded before call blocks is read from a database file, not from memory",
+        )
 }
 
 /// A block that cannot be read back: said, with what still can be (exit 2).

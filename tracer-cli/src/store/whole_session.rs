@@ -25,7 +25,7 @@ pub fn load(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Result<V
 }
 
 fn load_unchecked(path: &Path, session: i64, to_ns: i64, pid: Option<u32>) -> Result<Vec<Event>> {
-    if has_call_blocks(path, session)? {
+    if has_call_blocks(&open_reader(path)?, session)? {
         match load_blocks(path, session, to_ns, pid) {
             Ok(events) => return Ok(events),
             Err(e) => {

@@ -424,3 +424,45 @@ fn present_renders_only() {
     }
     assert!(found.is_empty(), "present/ keeps or moves state: {found:?}");
 }
+
+/// How the analysis runs the rules: the table's rows, stage by stage.
+const RULE_STAGES: &[&str] = &["replayed", "scanned", "laid", "across", "merge"];
+
+/// Every rule is run from the table (analysis/rules/rule.rs `RULES`): outside analysis/rules/,
+/// the analysis calls the rules only through the stages that run its rows, never a rule by name
+/// and never an edit of a chain after its rule returned it.
+#[test]
+fn every_rule_runs_from_the_table() {
+    let mut files = Vec::new();
+    collect_rs(&workspace().join("tracer-cli/src/analysis"), &mut files);
+    let rules_dir = workspace().join("tracer-cli/src/analysis/rules");
+    let mut found = Vec::new();
+    let mut stages_called = BTreeSet::new();
+    for file in files.iter().filter(|f| !f.starts_with(&rules_dir)) {
+        let text = std::fs::read_to_string(file).unwrap();
+        // Outside the unit tests (a test-only helper may come first).
+        let code = text.split("#[cfg(test)]\nmod ").next().unwrap_or("");
+        for (at, _) in code.match_indices("rules::") {
+            let name: String = code[at + "rules::".len()..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            let called = code[at + "rules::".len() + name.len()..].starts_with('(');
+            if called {
+                if RULE_STAGES.contains(&name.as_str()) {
+                    stages_called.insert(name);
+                } else {
+                    found.push(format!("{}: rules::{name}(", file.display()));
+                }
+            }
+        }
+        for edit in [".effect = ", ".fix = ", ".fix.insert(", ".effect.push_str("] {
+            if code.contains(edit) {
+                found.push(format!("{}: a chain edited ({edit})", file.display()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "rules run outside the table: {found:?}");
+    let all: BTreeSet<String> = RULE_STAGES.iter().map(|s| s.to_string()).collect();
+    assert_eq!(stages_called, all, "a stage the analysis never runs");
+}

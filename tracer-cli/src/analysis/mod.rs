@@ -408,50 +408,6 @@ fn allocator_figures(f: &allocator::Findings) -> AllocatorFigures {
     }
 }
 
-/// The early warning, and the OOM chain told from the layout at the failure.
-/// Adds the allocator's chains of `p` and its forensics to the OOM chain; returns what the OOM
-/// was judged from the allocator's layout (the failure's figures, and whether the cache held the
-/// bytes: `None` when that is not known).
-fn allocator_chains<'f>(
-    p: &Proc<'_>,
-    f: &'f allocator::Findings,
-    messages: &[crate::model::MessageRow],
-    chains: &mut Vec<Chain>,
-) -> Option<rules::Judged<'f>> {
-    if !f.visible {
-        return None;
-    }
-    // The failure that was not recovered: the OOM chain's last timeline entry.
-    let oom = chains
-        .iter()
-        .position(|c| c.rule == "oom" && c.pid == p.pid);
-    let fatal_ns = oom.and_then(|i| chains[i].timeline.last()).map(|t| t.ts_ns);
-    chains.extend(rules::warning_chain(p.pid, f, fatal_ns));
-    let (Some(i), Some(fatal_ns)) = (oom, fatal_ns) else {
-        return None;
-    };
-    let message = messages
-        .iter()
-        .find(|m| {
-            m.pid == p.pid && m.op == tracer_common::Op::TorchOom.name() && m.ts_ns >= fatal_ns
-        })
-        .map(|m| m.text.as_str());
-    let (forensics, fixes, fragmentation) = rules::oom_forensics(f, fatal_ns, message)?;
-    let c = &mut chains[i];
-    c.effect = forensics;
-    c.fix = fixes;
-    if let Some(m) = message {
-        c.evidence.push_str(&format!("; PyTorch raised: {m}"));
-    }
-    Some(rules::Judged {
-        failure: f
-            .forensics
-            .iter()
-            .rfind(|x| x.ts_ns >= fatal_ns && x.ts_ns - fatal_ns < 1_000_000_000)?,
-        fragmentation,
-    })
-}
-
 /// What explain knows of a session beside its calls.
 pub struct Inputs<'a> {
     pub comms: &'a HashMap<u32, String>,
@@ -556,24 +512,42 @@ pub fn analyze_collected(
             ..p
         })
         .collect();
-    // The replaying rules on this core; the tables, the other rules and the call sites on the
-    // other (they read the same calls independently).
-    let (replayed, (mut processes, direct, call_sites)) = std::thread::scope(|scope| {
+    let who = rules::Who {
+        placements: inputs.placements,
+        comms,
+        owners: inputs.owners,
+        gpu_samples: inputs.gpu_samples,
+    };
+    let measured: Vec<Option<&allocator::Findings>> =
+        layouts.iter().map(|f| f.visible.then_some(f)).collect();
+    // The replaying rules on this core; the tables, the scanning rules and the call sites on
+    // the other (they read the same calls independently).
+    let (replayed, (mut processes, scanned, holders, call_sites)) = std::thread::scope(|scope| {
         let blocks = &mut blocks;
-        let (everyone, active) = (&everyone, &active);
+        let (everyone, active, measured, who) = (&everyone, &active, &measured, &who);
         let others = scope.spawn(move || {
             let mut tables = Vec::with_capacity(active.len());
-            let mut direct = Vec::with_capacity(active.len());
-            for p in active {
+            let mut scanned = Vec::with_capacity(active.len());
+            let mut holders = Vec::new();
+            for (p, measured) in active.iter().zip(measured) {
                 let mut scan = Scan::of(p.window, blocks.get(&p.pid));
                 tables.push(process_table(p, &mut scan, blocks.get_mut(&p.pid), comms));
-                direct.push(rules::direct(p, everyone, scan, window, host, sites));
+                scanned.push(rules::scanned(&mut rules::Scanning {
+                    p,
+                    everyone,
+                    scan,
+                    window,
+                    host,
+                    sites,
+                    measured: *measured,
+                    messages: inputs.messages,
+                    who,
+                    holders: &mut holders,
+                }));
             }
-            (tables, direct, call_sites(active, blocks, sites))
+            (tables, scanned, holders, call_sites(active, blocks, sites))
         });
-        let measured: Vec<Option<&allocator::Findings>> =
-            layouts.iter().map(|f| f.visible.then_some(f)).collect();
-        let replayed = rules::replayed(active, &measured, window, host, sites);
+        let replayed = rules::replayed(active, measured, window, host, sites);
         let others = others
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -587,33 +561,24 @@ pub fn analyze_collected(
         }
         replay_chains.push(chains);
     }
-    let mut chains = rules::merge(replay_chains, direct);
+    let mut chains = rules::merge(replay_chains, scanned);
     if inputs.untimed {
         // Rules that read rates, durations or intervals say nothing of a session whose times
         // give only the order of its calls.
         chains.retain(|c| !c.rule.timed());
     }
-    let who = rules::Who {
-        placements: inputs.placements,
-        comms,
-        owners: inputs.owners,
-        gpu_samples: inputs.gpu_samples,
-    };
-    let mut holders = Vec::new();
     for (p, findings) in active.iter().zip(&layouts) {
-        let judged = allocator_chains(p, findings, inputs.messages, &mut chains);
-        chains.extend(rules::unknown_chain(p.pid, findings));
-        if let Some(oom) = chains
-            .iter_mut()
-            .find(|c| c.rule == "oom" && c.pid == p.pid)
-        {
-            let message = inputs
-                .messages
-                .iter()
-                .find(|m| m.pid == p.pid && m.op == tracer_common::Op::TorchOom.name())
-                .map(|m| m.text.as_str());
-            holders.extend(rules::name_in_oom(oom, p, &everyone, &who, message, judged));
-        }
+        // The failure that was not recovered: the OOM chain's last timeline entry.
+        let fatal_ns = chains
+            .iter()
+            .find(|c| c.rule == Rule::Oom && c.pid == p.pid)
+            .and_then(|c| c.timeline.last())
+            .map(|t| t.ts_ns);
+        chains.extend(rules::laid(&rules::Laid {
+            pid: p.pid,
+            findings,
+            fatal_ns,
+        }));
     }
     let devices = device_rows(&active, &layouts, inputs.ranks, &who);
     let states = active
@@ -633,7 +598,7 @@ pub fn analyze_collected(
             })
         })
         .collect();
-    chains.extend(rules::outlier_chains(&devices, window.from_ns));
+    chains.extend(rules::across(&devices, window.from_ns));
     chains.sort_by_key(|c| std::cmp::Reverse(c.severity));
     let events_in_window = active
         .iter()

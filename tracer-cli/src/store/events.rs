@@ -1,7 +1,8 @@
 //! Reading sessions and events back for analysis.
 //!
-//! Over 700 lines because each small reader (sessions, events, messages, stacks, processes) is a
-//! query and its owned row type, kept together so the SQL and its row read as one.
+//! Each small reader (sessions, events, messages, processes, host context) is a query and its
+//! owned row type, kept together so the SQL and its row read as one; the call sites' readers
+//! are in call_sites.rs.
 
 use std::{collections::HashMap, path::Path};
 
@@ -9,12 +10,10 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension as _};
 use tracer_common::{Op, OpClass};
 
+use super::tensor_events::damaged_or;
 use crate::{
     exit::user_error,
-    model::{
-        stack_id, Event, HostRecord, MessageRow, OffSlice, Placement, SiteLabels, StackId,
-        NO_DEVICE,
-    },
+    model::{stack_id, Event, HostRecord, MessageRow, OffSlice, Placement, StackId, NO_DEVICE},
 };
 
 #[derive(Clone, Debug)]
@@ -586,126 +585,6 @@ fn off_cpu_blocks(
     Ok(())
 }
 
-/// Path fragments of frames that are not the user's own code: installed packages and the
-/// standard library (explain --skip-frames adds more).
-pub const LIBRARY_FRAMES: &[&str] = &["site-packages", "dist-packages", "/lib/python3", "<frozen"];
-
-/// Native modules that are never the call site (the CUDA libraries, the FFI and the interpreter).
-fn runtime_module(module: &str) -> bool {
-    [
-        "libcudart",
-        "libcuda.",
-        "libffi",
-        "libpython",
-        "/python3",
-        "libc.so",
-        "ld-linux",
-    ]
-    .iter()
-    .any(|m| module.contains(m))
-}
-
-/// "dir/train.py" from "/home/me/dir/train.py": enough to tell files apart, short enough to read.
-fn short_path(path: &str) -> String {
-    let parts: Vec<&str> = path.rsplit('/').take(2).collect();
-    parts.into_iter().rev().collect::<Vec<_>>().join("/")
-}
-
-/// The call site of each of the session's stacks: its first frame in the user's own code
-/// ("dir/train.py:74 (train_step)"), skipping frames whose file contains one of `skip`.
-pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<SiteLabels> {
-    let mut stmt = conn.prepare(
-        "SELECT f.stack_id, f.kind, f.function, f.file, f.line, f.module FROM stack_frames f
-         JOIN stacks s ON s.id = f.stack_id WHERE s.session_id = ?1 ORDER BY f.stack_id, f.idx",
-    )?;
-    let mut rows = stmt.query([session])?;
-    let mut labels = SiteLabels::new();
-    // Per stack: the chosen Python frame, else the first native one outside the runtime.
-    let mut best: HashMap<i64, (u8, String)> = HashMap::new();
-    while let Some(r) = rows.next().context("read stack_frames")? {
-        let (id, kind): (i64, String) = (r.get(0)?, r.get(1)?);
-        let function: Option<String> = r.get(2)?;
-        let file: Option<String> = r.get(3)?;
-        let line: Option<i64> = r.get(4)?;
-        let module: Option<String> = r.get(5)?;
-        let current = best.get(&id).map_or(u8::MAX, |(rank, _)| *rank);
-        let where_ = |file: &str| match line {
-            Some(l) => format!("{}:{l}", short_path(file)),
-            None => short_path(file),
-        };
-        let candidate = if kind == "python" {
-            let file = file.unwrap_or_default();
-            let library = LIBRARY_FRAMES.iter().any(|p| file.contains(p))
-                || skip.iter().any(|p| file.contains(p.as_str()));
-            let label = format!("{} ({})", where_(&file), function.unwrap_or_default());
-            // Rank 0: user code; 2: any Python frame (a stack entirely in libraries).
-            Some((if library { 2 } else { 0 }, label))
-        } else {
-            let module = module.unwrap_or_default();
-            match function {
-                Some(f) if !runtime_module(&module) => Some((
-                    1,
-                    match file {
-                        Some(file) => format!("{} ({f})", where_(&file)),
-                        None if module.is_empty() => f,
-                        None => format!("{f} ({})", short_path(&module)),
-                    },
-                )),
-                _ => None,
-            }
-        };
-        if let Some((rank, label)) = candidate {
-            if rank < current {
-                best.insert(id, (rank, label));
-            }
-        }
-    }
-    for (id, (_, label)) in best {
-        if let Some(id) = stack_id(id) {
-            labels.insert(id, label);
-        }
-    }
-    Ok(labels)
-}
-
-/// A stored frame, for `tracer stacks`.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct FrameOut {
-    pub kind: String,
-    pub function: Option<String>,
-    pub file: Option<String>,
-    pub line: Option<i64>,
-    pub module: Option<String>,
-    pub address: Option<i64>,
-}
-
-/// One call site with the calls made from it.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct StackSite {
-    pub stack_id: i64,
-    pub op: &'static str,
-    pub pid: u32,
-    pub calls: u64,
-    pub bytes: u64,
-    pub python: String,
-    pub native_depth: u32,
-    /// Innermost first.
-    pub frames: Vec<FrameOut>,
-}
-
-/// A damaged call block met inside a query (through `tensor_events`) is bad input, named as
-/// such (exit 2); any other error keeps its context.
-fn damaged_or(e: rusqlite::Error, session: i64, what: &str) -> anyhow::Error {
-    match &e {
-        rusqlite::Error::SqliteFailure(_, Some(msg)) if msg.contains("damaged") => {
-            user_error(format!(
-                "{what} of session {session}: the database is damaged: {msg} (tracer explain reads the rows instead)"
-            ))
-        }
-        _ => anyhow::Error::new(e).context(what.to_owned()),
-    }
-}
-
 /// The processes with PyTorch's block events in the session.
 pub fn block_event_pids(conn: &Connection, session: i64) -> Result<Vec<u32>> {
     let mut stmt =
@@ -717,77 +596,4 @@ pub fn block_event_pids(conn: &Connection, session: i64) -> Result<Vec<u32>> {
     Ok(pids)
 }
 
-/// The frames of call site `stack_id`, innermost first.
-pub fn frames_of(conn: &Connection, stack_id: i64) -> Result<Vec<FrameOut>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT kind, function, file, line, module, address FROM stack_frames WHERE stack_id = ?1 ORDER BY idx",
-    )?;
-    let frames = stmt
-        .query_map([stack_id], |r| {
-            Ok(FrameOut {
-                kind: r.get(0)?,
-                function: r.get(1)?,
-                file: r.get(2)?,
-                line: r.get(3)?,
-                module: r.get(4)?,
-                address: r.get(5)?,
-            })
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()
-        .with_context(|| format!("read the frames of call site {stack_id}"))?;
-    Ok(frames)
-}
-
-/// The session's call sites by (stack, op), most calls first.
-pub fn stacks(
-    conn: &Connection,
-    session: i64,
-    op: Option<Op>,
-    pid: Option<u32>,
-    top: u32,
-) -> Result<Vec<StackSite>> {
-    let mut stmt = conn.prepare(
-        "WITH c AS (
-             SELECT stack_id, op_id, pid, size, ret FROM calls
-             WHERE session_id = ?1 AND stack_id IS NOT NULL
-             UNION ALL
-             SELECT t.stack_id, o.id, t.pid, t.size, 0 FROM tensor_events t JOIN ops o ON o.name = t.op
-             WHERE t.session_id = ?1 AND t.stack_id IS NOT NULL)
-         SELECT c.stack_id, c.op_id, s.pid, count(*), coalesce(sum(CASE WHEN c.ret = 0 THEN c.size END), 0),
-                s.python, s.native_depth
-         FROM c JOIN stacks s ON s.id = c.stack_id
-         WHERE (?2 IS NULL OR c.op_id = ?2) AND (?3 IS NULL OR c.pid = ?3)
-         GROUP BY c.stack_id, c.op_id ORDER BY count(*) DESC, c.stack_id LIMIT ?4",
-    )?;
-    let rows = stmt.query_map(params![session, op.map(|o| o as u32), pid, top], |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, u32>(1)?,
-            r.get::<_, u32>(2)?,
-            r.get::<_, i64>(3)?,
-            r.get::<_, i64>(4)?,
-            r.get::<_, String>(5)?,
-            r.get::<_, u32>(6)?,
-        ))
-    })?;
-    let mut out = Vec::new();
-    for row in rows {
-        let (stack_id, op_id, pid, calls, bytes, python, native_depth) =
-            row.map_err(|e| damaged_or(e, session, "read call sites"))?;
-        let Some(op) = Op::from_u32(op_id) else {
-            continue;
-        };
-        let frames = frames_of(conn, stack_id)?;
-        out.push(StackSite {
-            stack_id,
-            op: op.name(),
-            pid,
-            calls: calls as u64,
-            bytes: bytes as u64,
-            python,
-            native_depth,
-            frames,
-        });
-    }
-    Ok(out)
-}
+pub use super::call_sites::{frames_of, site_labels, stacks, FrameOut, StackSite, LIBRARY_FRAMES};

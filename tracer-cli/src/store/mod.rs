@@ -7,6 +7,7 @@
 //! versions and their migrations).
 
 pub mod blocks;
+mod call_sites;
 pub mod events;
 mod evict;
 pub mod keyframes;

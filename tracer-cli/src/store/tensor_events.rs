@@ -240,3 +240,16 @@ pub(super) fn best_index_on_session(info: &mut IndexInfo, session_column: c_int)
         }
     }
 }
+
+/// A damaged call block met inside a query (through `tensor_events`) is bad input, named as
+/// such (exit 2); any other error keeps its context.
+pub(super) fn damaged_or(e: rusqlite::Error, session: i64, what: &str) -> anyhow::Error {
+    match &e {
+        rusqlite::Error::SqliteFailure(_, Some(msg)) if msg.contains("damaged") => {
+            crate::exit::user_error(format!(
+                "{what} of session {session}: the database is damaged: {msg} (tracer explain reads the rows instead)"
+            ))
+        }
+        _ => anyhow::Error::new(e).context(what.to_owned()),
+    }
+}

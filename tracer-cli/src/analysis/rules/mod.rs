@@ -1,7 +1,9 @@
 //! Causal-chain rules, a file per family. Each reads the events of one process and returns a
-//! chain only when its evidence is in the data, with the numbers that support it; this file
-//! holds the chain's types and runs the rules: those over the allocation replay (`replayed`)
-//! and those over one scan of the calls (`direct`).
+//! chain only when its evidence is in the data, with the numbers that support it. The table
+//! (rule.rs [`RULES`]) names each rule's stage and function (runs.rs); this file holds the
+//! chain's types and runs the table's rows stage by stage: over the allocation replay
+//! (`replayed`), over one scan of the calls (`scanned`), over the measured layout (`laid`) and
+//! across the processes' devices (`across`).
 
 mod bypass;
 mod churn;
@@ -11,23 +13,20 @@ mod leak;
 pub(super) mod measured;
 mod ranks;
 mod rule;
+mod runs;
 mod stalls;
 mod tenants;
 
-use bypass::driver_bypass;
-use churn::{allocator_pages_out, churn, empty_cache_churn};
-use failure::{allocator_retry, oom};
-use latency::{latency_growth, periodic_spike, AllocTimes};
-use leak::{leak, leak_samples};
-use stalls::{cpu_contention, sync_stall};
+use latency::AllocTimes;
+use leak::leak_samples;
 
-pub use measured::{fragmentation_chain, leak_chain, oom_forensics, unknown_chain, warning_chain};
-pub use ranks::outlier_chains;
-pub use rule::Rule;
-pub use tenants::{name_in_oom, Holders, Judged, Who};
+use ranks::outlier_chains;
+pub use rule::{Rule, RULES};
+use runs::Replaying;
+pub use runs::{Laid, Runs, Scanning};
+pub use tenants::{Holders, Who};
 
 use serde::Serialize;
-use tracer_common::Op;
 
 use super::{
     allocator::Findings,
@@ -143,109 +142,86 @@ pub struct Proc<'a> {
     pub expandable_setting: bool,
 }
 
-/// The chains of the rules that replay allocations (latency growth, leak, churn) for
-/// each process, with what the replay left live at the window's end. Where the allocator's own
-/// layout was measured (`measured`, per process), its fragmentation and leak chains stand in
-/// place of the inference from latencies and segments, and segments given back and taken
-/// again are the allocator's doing.
+/// The replay stage's rules ([`Runs::Replay`]) of each process, in the table's order, with what
+/// the replay left live at the window's end. Where the allocator's own layout was measured
+/// (`measured`, per process), its rules stand in place of the inference from latencies and
+/// segments.
 pub fn replayed<'a>(
     procs: &[Proc<'a>],
     measured: &[Option<&Findings>],
     window: Window,
     host: &Host,
     sites: &SiteLabels,
-) -> Vec<(ReplayChains, Vec<&'a Event>)> {
+) -> Vec<(Vec<Chain>, Vec<&'a Event>)> {
     procs
         .iter()
         .zip(measured)
         .map(|(p, measured)| {
             let allocs = AllocTimes::of(p.window);
             let samples = leak_samples(window);
-            let mut r = replay::replay(p.all, window, &samples, allocs.map(|a| a.buckets()));
-            let (fragmentation, leak) = match measured {
-                Some(f) => (fragmentation_chain(p.pid, f), leak_chain(p.pid, f, window)),
-                None => {
-                    let inferred = allocs.and_then(|a| latency_growth(p, a, &mut r, host));
-                    (inferred, leak(p, window, &samples, &r, sites))
-                }
+            let replay = replay::replay(p.all, window, &samples, allocs.map(|a| a.buckets()));
+            let mut facts = Replaying {
+                p,
+                window,
+                host,
+                sites,
+                measured: *measured,
+                allocs,
+                samples,
+                replay,
             };
-            let cycles = allocator_pages_out(p, std::mem::take(&mut r.churn));
-            let chains = ReplayChains {
-                fragmentation,
-                leak,
-                churn: churn(p.pid, cycles, window, measured.is_some()),
-            };
-            (chains, r.live)
+            let chains = RULES
+                .iter()
+                .filter_map(|row| match row.runs {
+                    Runs::Replay(run) => run(&mut facts),
+                    _ => None,
+                })
+                .collect();
+            (chains, facts.replay.live)
         })
         .collect()
 }
 
-/// [`replayed`]'s chains of one process.
-#[derive(Debug, Default)]
-pub struct ReplayChains {
-    fragmentation: Option<Chain>,
-    leak: Option<Chain>,
-    /// The chain, and the op whose cycles it counts.
-    churn: Option<(Chain, Op)>,
+/// The scan stage's rules ([`Runs::Scan`]) of one process, in the table's order.
+pub fn scanned(facts: &mut Scanning<'_, '_>) -> Vec<Chain> {
+    RULES
+        .iter()
+        .filter_map(|row| match row.runs {
+            Runs::Scan(run) => run(facts),
+            _ => None,
+        })
+        .collect()
 }
 
-/// The chains of the rules that need no replay, for one process, from one scan of its calls.
-pub fn direct(
-    p: &Proc<'_>,
-    everyone: &[Proc<'_>],
-    scan: Scan<'_>,
-    window: Window,
-    host: &Host,
-    sites: &SiteLabels,
-) -> DirectChains {
-    // Durations of every call only when CPU contention can be assessed.
-    let cpu = host
-        .recorded
-        .then(|| cpu_contention(p.pid, p.window, scan.all_durations(), host))
-        .flatten();
-    DirectChains {
-        retry: allocator_retry(p.pid, p.window, &scan.attempts),
-        oom: oom(p, everyone, &scan.attempts, sites),
-        empty_cache: empty_cache_churn(p.pid, p.window, scan.device_frees_ok),
-        bypass: scan.driver_allocs.then(|| driver_bypass(p)).flatten(),
-        sync: sync_stall(p.pid, &scan.syncs, window, host),
-        periodic: periodic_spike(p.pid, p.window, scan.device_alloc_durations, host),
-        cpu,
-    }
+/// The layout stage's rules ([`Runs::Layout`]) of one process, in the table's order.
+pub fn laid(facts: &Laid<'_>) -> Vec<Chain> {
+    RULES
+        .iter()
+        .filter_map(|row| match row.runs {
+            Runs::Layout(run) => run(facts),
+            _ => None,
+        })
+        .collect()
 }
 
-/// [`direct`]'s chains of one process.
-#[derive(Debug, Default)]
-pub struct DirectChains {
-    retry: Option<Chain>,
-    oom: Option<Chain>,
-    empty_cache: Option<Chain>,
-    bypass: Option<Chain>,
-    sync: Option<Chain>,
-    periodic: Option<Chain>,
-    cpu: Option<Chain>,
+/// The rules across every process's devices ([`Runs::Devices`]).
+pub fn across(rows: &[crate::analysis::ranks::DeviceRow], window_from_ns: i64) -> Vec<Chain> {
+    RULES
+        .iter()
+        .flat_map(|row| match row.runs {
+            Runs::Devices(run) => run(rows, window_from_ns),
+            _ => Vec::new(),
+        })
+        .collect()
 }
 
-/// Every chain, process by process, each process's in the rules' order.
-pub fn merge(replayed: Vec<ReplayChains>, direct: Vec<DirectChains>) -> Vec<Chain> {
+/// The replay and scan stages' chains, process by process, each process's in the table's order.
+pub fn merge(replayed: Vec<Vec<Chain>>, scanned: Vec<Vec<Chain>>) -> Vec<Chain> {
     let mut chains = Vec::new();
-    for (r, d) in replayed.into_iter().zip(direct) {
-        chains.extend(
-            [
-                r.fragmentation,
-                d.retry,
-                d.oom,
-                r.leak,
-                r.churn.map(|(c, _)| c),
-                d.empty_cache,
-                d.bypass,
-                d.sync,
-                d.periodic,
-                d.cpu,
-            ]
-            .into_iter()
-            .flatten(),
-        );
+    for (mut mine, scanned) in replayed.into_iter().zip(scanned) {
+        mine.extend(scanned);
+        mine.sort_by_key(|c| c.rule);
+        chains.extend(mine);
     }
     chains
 }

@@ -1,8 +1,10 @@
-//! The rules as data: each verdict's identity, its wire name and what the analysis and whatif
-//! need to know of it. A new rule is a variant, a row of [`RULES`] and its function in a
-//! family file.
+//! The rules as data: each verdict's identity, its wire name, what the analysis and whatif
+//! need to know of it, and the function the analysis runs for it. A new rule is a variant, a
+//! row of [`RULES`] and its function (runs.rs, over its family file).
 
 use serde::{Serialize, Serializer};
+
+use super::runs::{self, Runs};
 
 /// A verdict rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -37,6 +39,8 @@ pub struct RuleSpec {
     pub cites_settings: bool,
     /// What it finds, in a line.
     pub finds: &'static str,
+    /// Where it runs and its function (runs.rs): the analysis runs every row, in this order.
+    pub runs: Runs,
 }
 
 /// Every rule, in the order chains of one process are listed.
@@ -47,6 +51,7 @@ pub const RULES: [RuleSpec; 14] = [
         true,
         false,
         "allocation latency growing with the segments held (fragmentation inferred from timing)",
+        Runs::Replay(runs::latency_growth),
     ),
     spec(
         Rule::Fragmentation,
@@ -54,6 +59,7 @@ pub const RULES: [RuleSpec; 14] = [
         false,
         true,
         "free bytes scattered in the allocator's own blocks (measured)",
+        Runs::Replay(runs::fragmentation),
     ),
     spec(
         Rule::AllocatorRetry,
@@ -61,6 +67,7 @@ pub const RULES: [RuleSpec; 14] = [
         false,
         false,
         "a device allocation refused, then retried after the cache was released",
+        Runs::Scan(runs::allocator_retry),
     ),
     spec(
         Rule::Oom,
@@ -68,6 +75,7 @@ pub const RULES: [RuleSpec; 14] = [
         false,
         true,
         "an allocation that failed for good, with why",
+        Runs::Scan(runs::oom),
     ),
     spec(
         Rule::EarlyWarning,
@@ -75,6 +83,7 @@ pub const RULES: [RuleSpec; 14] = [
         false,
         true,
         "memory tight before a failure: the largest free block below what was asked",
+        Runs::Layout(runs::early_warning),
     ),
     spec(
         Rule::Leak,
@@ -82,6 +91,7 @@ pub const RULES: [RuleSpec; 14] = [
         true,
         false,
         "memory held growing step after step",
+        Runs::Replay(runs::leak),
     ),
     spec(
         Rule::Churn,
@@ -89,6 +99,7 @@ pub const RULES: [RuleSpec; 14] = [
         true,
         false,
         "device allocations freed and made again in a loop",
+        Runs::Replay(runs::churn),
     ),
     spec(
         Rule::EmptyCacheChurn,
@@ -96,6 +107,7 @@ pub const RULES: [RuleSpec; 14] = [
         true,
         false,
         "the cache released and refilled (empty_cache in a loop)",
+        Runs::Scan(runs::empty_cache_churn),
     ),
     spec(
         Rule::DriverBypass,
@@ -103,6 +115,7 @@ pub const RULES: [RuleSpec; 14] = [
         false,
         false,
         "device memory allocated outside PyTorch's allocator",
+        Runs::Scan(runs::driver_bypass),
     ),
     spec(
         Rule::SyncStall,
@@ -110,6 +123,7 @@ pub const RULES: [RuleSpec; 14] = [
         true,
         false,
         "allocations waiting on a device synchronization",
+        Runs::Scan(runs::sync_stall),
     ),
     spec(
         Rule::PeriodicSpike,
@@ -117,6 +131,7 @@ pub const RULES: [RuleSpec; 14] = [
         true,
         false,
         "slow device allocations recurring at a period",
+        Runs::Scan(runs::periodic_spike),
     ),
     spec(
         Rule::CpuContention,
@@ -124,6 +139,7 @@ pub const RULES: [RuleSpec; 14] = [
         true,
         false,
         "slow calls whose threads waited for a CPU",
+        Runs::Scan(runs::cpu_contention),
     ),
     spec(
         Rule::RankOutlier,
@@ -131,6 +147,7 @@ pub const RULES: [RuleSpec; 14] = [
         false,
         true,
         "one rank of a job holding more than the others",
+        Runs::Devices(super::outlier_chains),
     ),
     spec(
         Rule::UnknownState,
@@ -138,6 +155,7 @@ pub const RULES: [RuleSpec; 14] = [
         false,
         false,
         "what tracer did not see of the allocator, and what would settle it",
+        Runs::Layout(runs::unknown_state),
     ),
 ];
 
@@ -148,6 +166,7 @@ const fn spec(
     timed: bool,
     cites_settings: bool,
     finds: &'static str,
+    runs: Runs,
 ) -> RuleSpec {
     RuleSpec {
         rule,
@@ -155,6 +174,7 @@ const fn spec(
         timed,
         cites_settings,
         finds,
+        runs,
     }
 }
 

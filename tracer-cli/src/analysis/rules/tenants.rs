@@ -3,6 +3,10 @@
 //! when their roots say so), with the bytes it held at that instant, and the processes
 //! PyTorch's own message names ("Process 516 has 129.79 GiB memory in use") that tracer did not
 //! see allocate. Another job's process is a co-tenant, never a rank.
+//!
+//! Over 700 lines because who held the GPU is one account (this process, its libraries, the
+//! traced others, those the message or NVML names, and what no one held) whose figures, verdict
+//! and sentences must agree; its tests sit with it.
 
 use std::collections::HashMap;
 
@@ -312,8 +316,9 @@ pub struct LibraryHeld {
     pub allocations: u64,
 }
 
-/// Adds to the OOM chain of `p` (its last timeline entry: the failure PyTorch raised for) who
-/// else held the GPU, and, when they held more than the request, says the memory was theirs.
+/// Part of the OOM rule (runs.rs `oom`), before its chain is returned: adds to the chain of `p`
+/// (its last timeline entry: the failure PyTorch raised for) who else held the GPU, and, when
+/// they held more than the request, says the memory was theirs.
 pub fn name_in_oom(
     chain: &mut Chain,
     p: &Proc<'_>,

@@ -87,14 +87,14 @@ fi
 # traces, a real MCP client (mcp) for `tracer mcp`, and selenium to drive headless Chromium.
 pylib="${TRACER_PYLIB:-$HOME/.cache/tracer/pylib}"
 pylib_ok=1
-for module in kubernetes_validate yaml perfetto mcp selenium; do
+for module in kubernetes_validate yaml perfetto mcp selenium opentelemetry/proto; do
   [ -d "$pylib/$module" ] || pylib_ok=0
 done
 if [ "$pylib_ok" -eq 0 ]; then
-  log "pip install kubernetes-validate PyYAML perfetto mcp selenium into $pylib"
+  log "pip install kubernetes-validate PyYAML perfetto mcp selenium opentelemetry-proto into $pylib"
   python3 -m pip install -q --disable-pip-version-check --upgrade --target "$pylib" \
     'kubernetes-validate==1.37.0' 'PyYAML==6.0.3' 'perfetto==0.59.1' 'protobuf==7.36.2' \
-    'mcp==2.3.0' 'selenium==4.51.0' >&2
+    'mcp==2.3.0' 'selenium==4.51.0' 'opentelemetry-proto==1.45.2' >&2
 fi
 # PyTorch's real libc10.so (where its OutOfMemoryError is built) from the 2.11 wheel the GPU
 # check ran and the newest, only those files of each wheel: the message probe's test.

@@ -9,6 +9,7 @@ mod e2e;
 mod fleet;
 mod flight;
 mod lifecycle;
+mod otlp;
 mod recordings;
 mod security;
 mod snapshots;

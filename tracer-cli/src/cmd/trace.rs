@@ -11,13 +11,17 @@ use tracer_cli::{
     paths,
     present::{self, live},
     record::{on_warning::OnWarning, signals, RecordOptions, Recording, RecordingStatus, Stop},
-    serve::metrics::{self as endpoint, MetricsServer},
+    serve::{
+        metrics::{self as endpoint, MetricsServer},
+        otlp::{OtlpConfig, OtlpPusher},
+    },
     traced::pods::{KubeSource, PodDirectory},
     units::{parse_duration, parse_size},
 };
 use tracer_common::maps::DEFAULT_RING_BYTES;
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("exported").multiple(true).args(["metrics", "otlp_endpoint"])))]
 pub struct TraceArgs {
     /// Trace only this process (repeatable). Default: every process using a CUDA library.
     #[arg(long = "pid", value_name = "PID")]
@@ -77,11 +81,21 @@ pub struct TraceArgs {
     /// NetworkPolicy. Paths: /metrics, /healthz, /readyz.
     #[arg(long, value_name = "ADDR", value_parser = endpoint::parse_addr)]
     pub metrics: Option<SocketAddr>,
+    /// Push the same metrics to an OpenTelemetry collector over OTLP/HTTP (protobuf), e.g.
+    /// http://otel-collector:4318 (`/v1/metrics` is added to a URL without a path); https
+    /// with the system's CA certificates. Default: the standard OTEL_EXPORTER_OTLP_ENDPOINT or
+    /// OTEL_EXPORTER_OTLP_METRICS_ENDPOINT when set (`off`: not even then); their HEADERS,
+    /// TIMEOUT, PROTOCOL and CERTIFICATE variables and OTEL_RESOURCE_ATTRIBUTES apply.
+    #[arg(long, value_name = "URL|off")]
+    pub otlp_endpoint: Option<String>,
+    /// How often metrics are pushed over OTLP (default: OTEL_METRIC_EXPORT_INTERVAL, else 60s).
+    #[arg(long, value_parser = parse_duration)]
+    pub otlp_interval: Option<Duration>,
     /// Connections the metrics endpoint serves at once; more are closed at once, unread.
     #[arg(long, value_name = "N", default_value_t = endpoint::DEFAULT_MAX_CONNECTIONS, requires = "metrics")]
     pub metrics_max_connections: usize,
-    /// How long an ended process's series stay (so its last figures are scraped).
-    #[arg(long, value_parser = parse_duration, default_value = "5m", requires = "metrics")]
+    /// How long an ended process's series stay (so its last figures are scraped or pushed).
+    #[arg(long, value_parser = parse_duration, default_value = "5m", requires = "exported")]
     pub metrics_grace: Duration,
     /// Pod names for the series: `auto` (from the Kubernetes API with the pod's service
     /// account, when running in a cluster), `off`, or a kubeconfig file's path.
@@ -89,7 +103,7 @@ pub struct TraceArgs {
         long,
         value_name = "auto|off|KUBECONFIG",
         default_value = "auto",
-        requires = "metrics"
+        requires = "exported"
     )]
     pub kubernetes: String,
     /// If tracing cannot start (no BPF, no uprobes), keep serving --metrics, unready, saying
@@ -189,9 +203,13 @@ pub fn run(args: TraceArgs) -> Result<()> {
         }),
         None => None,
     };
-    let exporter = match args.metrics {
-        Some(addr) => Some(Exporter::start(addr, &args)?),
-        None => None,
+    let otlp = OtlpConfig::read(args.otlp_endpoint.as_deref(), args.otlp_interval, &|name| {
+        std::env::var(name).ok()
+    })?;
+    let exporter = if args.metrics.is_some() || otlp.is_some() {
+        Some(Exporter::start(args.metrics, otlp, &args)?)
+    } else {
+        None
     };
     let started = Recording::start(RecordOptions {
         pids: args.pids.clone(),
@@ -218,8 +236,8 @@ pub fn run(args: TraceArgs) -> Result<()> {
         arming: arming_settings(&args),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
-        figures_grace: if args.metrics.is_some() {
-            // Zero means "no figures kept at all"; with --metrics the least is "gone at once".
+        figures_grace: if exporter.is_some() {
+            // Zero means "no figures kept at all"; exported, the least is "gone at once".
             args.metrics_grace.max(Duration::from_nanos(1))
         } else {
             Duration::ZERO
@@ -235,8 +253,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
     if args.json {
         let mut started = serde_json::to_value(recording.started())?;
         started["event"] = "started".into();
-        if let Some(exporter) = &exporter {
-            started["metrics"] = exporter.server.local_addr().to_string().into();
+        if let Some(server) = exporter.as_ref().and_then(|e| e.server.as_ref()) {
+            started["metrics"] = server.local_addr().to_string().into();
+        }
+        if let Some(otlp) = exporter.as_ref().and_then(|e| e.otlp.as_ref()) {
+            started["otlp"] = otlp.endpoint().into();
         }
         // A reader of stdout that went away stops nothing: the database is the record.
         unless_broken_pipe(present::json::line(&started))?;
@@ -259,6 +280,9 @@ pub fn run(args: TraceArgs) -> Result<()> {
         }
     });
     let finished = recording.finish(outcome)?;
+    if let Some(exporter) = exporter {
+        exporter.finish();
+    }
     let printed = if args.json {
         present::json::line(&present::summary::json(&finished.summary))
     } else {
@@ -277,21 +301,54 @@ fn unless_broken_pipe(result: Result<()>) -> Result<()> {
     }
 }
 
-/// The metrics endpoint and the pod names its series carry.
+/// The metrics endpoint, the OTLP sender, and the pod names their series carry.
 struct Exporter {
-    server: MetricsServer,
+    server: Option<MetricsServer>,
+    otlp: Option<OtlpPusher>,
     pods: PodDirectory,
+    /// When the exported counters began (OTLP's start time of cumulative series).
+    started_ns: u64,
+    /// The latest export request, pushed once more when tracer stops.
+    last: std::sync::Mutex<Option<Vec<u8>>>,
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 impl Exporter {
-    fn start(addr: SocketAddr, args: &TraceArgs) -> Result<Exporter> {
-        let server = MetricsServer::start(addr, args.metrics_max_connections)
-            .map_err(|e| user_error(format!("{e:#}: pick another --metrics address")))?;
-        eprintln!(
-            "tracer: metrics on http://{}/metrics (no authentication; at most {} connections)",
-            server.local_addr(),
-            args.metrics_max_connections
-        );
+    fn start(
+        addr: Option<SocketAddr>,
+        otlp: Option<OtlpConfig>,
+        args: &TraceArgs,
+    ) -> Result<Exporter> {
+        let server = match addr {
+            Some(addr) => {
+                let server = MetricsServer::start(addr, args.metrics_max_connections)
+                    .map_err(|e| user_error(format!("{e:#}: pick another --metrics address")))?;
+                eprintln!(
+                    "tracer: metrics on http://{}/metrics (no authentication; at most {} connections)",
+                    server.local_addr(),
+                    args.metrics_max_connections
+                );
+                Some(server)
+            }
+            None => None,
+        };
+        let otlp = match otlp {
+            Some(config) => {
+                let pusher = OtlpPusher::start(config)?;
+                eprintln!(
+                    "tracer: metrics pushed over OTLP/HTTP to {} every {} s",
+                    pusher.endpoint(),
+                    pusher.interval.as_secs_f64()
+                );
+                Some(pusher)
+            }
+            None => None,
+        };
         let source = match args.kubernetes.as_str() {
             "auto" => KubeSource::InCluster,
             "off" => KubeSource::Off,
@@ -299,10 +356,28 @@ impl Exporter {
         };
         let exporter = Exporter {
             server,
+            otlp,
             pods: PodDirectory::start(source),
+            started_ns: now_ns(),
+            last: std::sync::Mutex::new(None),
         };
         exporter.publish_health(None, false, "starting");
         Ok(exporter)
+    }
+
+    fn health(
+        &self,
+        session: Option<i64>,
+        tracing: bool,
+        reason: &str,
+    ) -> present::metrics::Health {
+        present::metrics::Health {
+            tracing,
+            reason: reason.to_owned(),
+            session,
+            refused: self.server.as_ref().map_or(0, MetricsServer::refused),
+            otlp: self.otlp.as_ref().map(OtlpPusher::counts),
+        }
     }
 
     /// What a second of recording adds up to; asks for the names of pods not yet known.
@@ -314,25 +389,54 @@ impl Exporter {
                 }
             }
         }
-        let health = present::metrics::Health {
-            tracing: true,
-            reason: String::new(),
-            session: Some(session),
-            refused: self.server.refused(),
-        };
-        let page = present::metrics::render(Some(snapshot), &health, &|uid| self.pods.name(uid));
-        self.server.publish(page, true, "tracing");
+        let health = self.health(Some(session), true, "");
+        let families =
+            present::metrics::families(Some(snapshot), &health, &|uid| self.pods.name(uid));
+        self.export(&families, true, "tracing");
     }
 
     fn publish_health(&self, session: Option<i64>, tracing: bool, reason: &str) {
-        let health = present::metrics::Health {
-            tracing,
-            reason: reason.to_owned(),
-            session,
-            refused: self.server.refused(),
+        let families =
+            present::metrics::families(None, &self.health(session, tracing, reason), &|_| None);
+        self.export(&families, tracing, reason);
+    }
+
+    /// The same families to the page and, when due, to the collector.
+    fn export(&self, families: &[prometheus::proto::MetricFamily], ready: bool, reason: &str) {
+        if let Some(server) = &self.server {
+            server.publish(present::metrics::text(families), ready, reason);
+        }
+        if let Some(otlp) = &self.otlp {
+            use prost::Message as _;
+            let resource = otlp.resource();
+            let body = present::otlp::request(families, resource, self.started_ns, now_ns())
+                .encode_to_vec();
+            let Ok(mut last) = self.last.lock() else {
+                return;
+            };
+            if otlp.due(std::time::Instant::now()) {
+                otlp.push(body);
+                *last = None;
+            } else {
+                *last = Some(body);
+            }
+        }
+    }
+
+    /// Pushes the last figures not yet pushed and says what the OTLP sender did.
+    fn finish(self) {
+        let Some(otlp) = self.otlp else {
+            return;
         };
-        let page = present::metrics::render(None, &health, &|_| None);
-        self.server.publish(page, tracing, reason);
+        if let Some(body) = self.last.lock().ok().and_then(|mut l| l.take()) {
+            otlp.push(body);
+        }
+        let endpoint = otlp.endpoint().to_owned();
+        let c = otlp.finish();
+        eprintln!(
+            "tracer: OTLP: {} metric batch(es) sent to {endpoint}, {} dropped, {} failed attempt(s)",
+            c.sent, c.dropped, c.failed
+        );
     }
 
     /// Tracing could not start: serve that, unready, until a stop arrives; then the error.

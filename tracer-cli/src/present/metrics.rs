@@ -40,6 +40,8 @@ pub struct Health {
     pub session: Option<i64>,
     /// Connections the endpoint refused (over its limit).
     pub refused: u64,
+    /// What the OTLP sender did, when metrics are pushed.
+    pub otlp: Option<super::otlp::OtlpCounts>,
 }
 
 /// The exposition: every family with at least one series.
@@ -48,16 +50,30 @@ pub fn render(
     health: &Health,
     pod_name: &dyn Fn(&str) -> Option<PodName>,
 ) -> String {
+    text(&families(snapshot, health, pod_name))
+}
+
+/// Every family with at least one series: what the page shows and OTLP pushes.
+pub fn families(
+    snapshot: Option<&RecordingStatus>,
+    health: &Health,
+    pod_name: &dyn Fn(&str) -> Option<PodName>,
+) -> Vec<MetricFamily> {
     let mut families = Families::default();
     if let Some(s) = snapshot {
         process_families(&mut families, s, pod_name);
         gpu_families(&mut families, s);
     }
     health_families(&mut families, snapshot, health);
+    families.done()
+}
+
+/// The text format of `families`.
+pub fn text(families: &[MetricFamily]) -> String {
     let mut out = Vec::new();
     // Families are checked non-empty as they are made; an encoding error can then only be a
     // write to a Vec, which does not fail.
-    let _ = TextEncoder::new().encode(&families.done(), &mut out);
+    let _ = TextEncoder::new().encode(families, &mut out);
     String::from_utf8(out).unwrap_or_default()
 }
 
@@ -480,6 +496,26 @@ fn health_families(f: &mut Families, s: Option<&RecordingStatus>, health: &Healt
         &[],
         health.refused,
     );
+    if let Some(o) = &health.otlp {
+        f.counter(
+            "tracer_otlp_batches_sent_total",
+            "Metric batches the OTLP collector took.",
+            &[],
+            o.sent,
+        );
+        f.counter(
+            "tracer_otlp_batches_dropped_total",
+            "Metric batches dropped: past the queue's bound while the collector was down or slow, or refused by it.",
+            &[],
+            o.dropped,
+        );
+        f.counter(
+            "tracer_otlp_export_failures_total",
+            "OTLP export attempts that failed (retried with backoff unless refused for good).",
+            &[],
+            o.failed,
+        );
+    }
     let Some(s) = s else { return };
     if let Some(session) = health.session {
         f.gauge(

@@ -8,6 +8,7 @@ pub mod json;
 pub mod layout;
 pub mod live;
 pub mod metrics;
+pub mod otlp;
 pub mod perfetto;
 pub mod pickle;
 pub mod pytorch_snapshot;

@@ -385,8 +385,10 @@ pub fn explain_visiting(db: &Path, q: &ExplainQuery, visit: &mut impl Visit) -> 
     let inputs = known.inputs();
     let mut collector = Collector::new(window, &inputs, begin.states.clone());
     // The fixes' citations replay each process's whole run: this walk holds it when it starts
-    // at the session's beginning and runs to its end.
-    let mut recordings = if begin.keyframe().is_none() && q.to.is_none() {
+    // at the session's beginning and runs to its end (and the session is small enough for
+    // citations at all: a larger one is not recorded on the way).
+    let small = events::stored_calls(conn, session)? <= CITE_EVENTS;
+    let mut recordings = if small && begin.keyframe().is_none() && q.to.is_none() {
         Some(super::whatif::Recordings::new(conn, session, &begin)?)
     } else {
         None

@@ -3,3 +3,4 @@
 
 pub mod mcp;
 pub mod metrics;
+pub mod otlp;

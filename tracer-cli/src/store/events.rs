@@ -112,6 +112,19 @@ pub fn stored_span(conn: &Connection, session: i64) -> Result<Option<(i64, i64)>
     Ok(first.zip(last))
 }
 
+/// The calls the session stores (in its call blocks, else its rows).
+pub fn stored_calls(conn: &Connection, session: i64) -> Result<u64> {
+    let sql = if has_call_blocks(conn, session)? {
+        "SELECT coalesce(sum(calls), 0) FROM call_blocks WHERE session_id = ?1"
+    } else {
+        "SELECT count(*) FROM calls WHERE session_id = ?1"
+    };
+    let n: i64 = conn
+        .query_row(sql, [session], |r| r.get(0))
+        .with_context(|| format!("count the calls of session {session}"))?;
+    Ok(n.max(0) as u64)
+}
+
 pub(crate) fn open_reader(path: &Path) -> Result<Connection> {
     let conn = Connection::open_with_flags(
         path,

@@ -25,6 +25,16 @@ struct Receiver {
 
 impl Receiver {
     fn start(dir: &Path, port: u16, delay_file: Option<&Path>) -> Receiver {
+        Receiver::start_with(dir, port, delay_file, None)
+    }
+
+    /// [`Receiver::start`], over https with `tls` (certificate, key) when given.
+    fn start_with(
+        dir: &Path,
+        port: u16,
+        delay_file: Option<&Path>,
+        tls: Option<(&Path, &Path)>,
+    ) -> Receiver {
         let out = dir.join(format!("received-{port}.jsonl"));
         let port_file = dir.join(format!("port-{port}"));
         let mut cmd = Command::new("python3");
@@ -38,6 +48,9 @@ impl Receiver {
             .stderr(Stdio::inherit());
         if let Some(f) = delay_file {
             cmd.arg("--delay-file").arg(f);
+        }
+        if let Some((cert, key)) = tls {
+            cmd.arg("--tls").arg(cert).arg(key);
         }
         let child = cmd.spawn().expect("python3");
         wait_until(
@@ -385,4 +398,112 @@ fn the_daemonset_shows_both_ways_out() {
         text.contains("OTEL_EXPORTER_OTLP_ENDPOINT"),
         "the OTLP way is not shown"
     );
+}
+
+/// https: the collector's certificate, signed by no CA the system trusts, is refused (said
+/// once, nothing sent) until OTEL_EXPORTER_OTLP_CERTIFICATE names it; then every batch goes.
+#[test]
+fn otlp_over_https_trusts_the_certificate_it_is_given() {
+    let Some(fx) = Fixture::new() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    // A CA of the test's own, and the collector's certificate signed by it.
+    let file = |name: &str| dir.path().join(name);
+    std::fs::write(
+        file("leaf.ext"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .current_dir(dir.path())
+            .args(args)
+            .output()
+            .expect("openssl");
+        assert!(out.status.success(), "openssl {args:?}: {out:?}");
+    };
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "key.pem",
+        "-out",
+        "leaf.csr",
+    ]);
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "leaf.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "leaf.ext",
+        "-out",
+        "cert.pem",
+    ]);
+    let (cert, key, ca) = (file("cert.pem"), file("key.pem"), file("ca.pem"));
+    let receiver = Receiver::start_with(dir.path(), 0, None, Some((&cert, &key)));
+    let endpoint = format!("https://127.0.0.1:{}", receiver.port);
+    let run = |env: &[(&str, &str)]| {
+        let trace = fx.trace_with_env(
+            &["libcudart.so.12"],
+            &[
+                "--otlp-endpoint",
+                &endpoint,
+                "--otlp-interval",
+                "200ms",
+                "--quiet",
+                "--duration",
+                "2",
+            ],
+            env,
+        );
+        trace.stop(0)
+    };
+    let untrusted = run(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "1000")]);
+    assert_eq!(
+        untrusted.stderr.matches("cannot export metrics to").count(),
+        1,
+        "{}",
+        untrusted.stderr
+    );
+    assert!(
+        untrusted.stderr.contains("certificate"),
+        "{}",
+        untrusted.stderr
+    );
+    assert!(receiver.batches().is_empty());
+    let cert_path = ca.to_str().unwrap();
+    let trusted = run(&[("OTEL_EXPORTER_OTLP_CERTIFICATE", cert_path)]);
+    assert!(
+        trusted.stderr.contains(", 0 dropped, 0 failed attempt(s)"),
+        "{}",
+        trusted.stderr
+    );
+    assert!(!receiver.batches().is_empty());
+    assert_eq!(receiver.batches()[0]["resource"]["service.name"], "tracer");
 }

@@ -4,9 +4,10 @@ classes (opentelemetry-proto from PyPI). Each request is appended to OUT as one 
 its resource attributes and every metric (name, unit, kind, temporality, monotonic, and each
 point's attributes and value, or a histogram's count, sum, bounds and per-bucket counts).
 
-usage: otlp_receiver.py OUT --port-file FILE [--port N] [--delay-file FILE]
+usage: otlp_receiver.py OUT --port-file FILE [--port N] [--delay-file FILE] [--tls CERT KEY]
 
 --delay-file: when FILE exists, each answer waits the seconds it holds (a slow collector).
+--tls: serve https with this certificate and key (PEM).
 """
 
 import argparse
@@ -58,6 +59,7 @@ def main():
     ap.add_argument("--port-file", required=True)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--delay-file")
+    ap.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))
     args = ap.parse_args()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -100,6 +102,12 @@ def main():
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    if args.tls:
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*args.tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     with open(args.port_file + ".tmp", "w") as f:
         f.write(str(server.server_address[1]))
     os.rename(args.port_file + ".tmp", args.port_file)

@@ -8,7 +8,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::{Read as _, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::{SocketAddr, TcpListener},
     os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -35,27 +35,6 @@ fn yaml(path: &Path) -> Vec<Value> {
         path.as_os_str(),
     ]))
     .unwrap()
-}
-
-/// An HTTP/1.0 GET: the status code and body; None when the connection closed unanswered.
-fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(20))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: t\r\n\r\n").ok()?;
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    let code = head.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, body.to_owned()))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn metrics_addr(trace: &Trace) -> SocketAddr {

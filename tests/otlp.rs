@@ -6,8 +6,7 @@
 
 use std::{
     collections::BTreeMap,
-    io::{Read as _, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
@@ -81,24 +80,6 @@ impl Drop for Receiver {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn page(addr: SocketAddr) -> Option<String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(20))).ok()?;
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: t\r\n\r\n").ok()?;
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    Some(text.split_once("\r\n\r\n")?.1.to_owned())
 }
 
 /// Series whose value moves on its own (the database's size) or with the pushing itself.
@@ -229,7 +210,10 @@ fn otlp_pushes_the_values_the_metrics_endpoint_serves() {
     let mut last = (BTreeMap::new(), BTreeMap::new());
     let agreed = (0..200).any(|_| {
         std::thread::sleep(Duration::from_millis(100));
-        let (Some(page), Some(batch)) = (page(metrics), receiver.batches().pop()) else {
+        let (Some(page), Some(batch)) = (
+            get(metrics, "/metrics").map(|(_, body)| body),
+            receiver.batches().pop(),
+        ) else {
             return false;
         };
         last = (page_series(&page), otlp_series(&batch));

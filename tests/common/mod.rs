@@ -630,3 +630,26 @@ pub fn memory_viz(version: &str, action: &str, file: &Path) -> String {
     assert_ok(&out);
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// An HTTP/1.0 GET: the status code and body; None when the connection closed unanswered.
+pub fn get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(20))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: t\r\n\r\n").ok()?;
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_owned()))
+}
+
+/// A port nothing listens on (it was free a moment ago).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -234,6 +234,8 @@ struct Queue {
     closing: std::sync::atomic::AtomicBool,
     /// 1 while a batch is being sent.
     sending: AtomicU64,
+    /// The collector is failing: tracer stopping does not wait for it.
+    failing: std::sync::atomic::AtomicBool,
     sent: AtomicU64,
     dropped: AtomicU64,
     failed: AtomicU64,
@@ -259,6 +261,7 @@ impl OtlpPusher {
             wake: Condvar::new(),
             closing: Default::default(),
             sending: AtomicU64::new(0),
+            failing: Default::default(),
             sent: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             failed: AtomicU64::new(0),
@@ -328,11 +331,11 @@ impl OtlpPusher {
         }
     }
 
-    /// Gives the sender up to one timeout to deliver what waits (the last batch), then stops
-    /// it; what is still waiting is dropped and counted.
+    /// Gives the sender up to one timeout to deliver what waits (the last batch), unless the
+    /// collector is failing, then stops it; what is still waiting is dropped and counted.
     pub fn finish(mut self) -> OtlpCounts {
         let deadline = Instant::now() + self.timeout;
-        while Instant::now() < deadline && !self.idle() {
+        while Instant::now() < deadline && !self.idle() && !self.queue.failing.load(Relaxed) {
             std::thread::sleep(Duration::from_millis(20));
         }
         self.queue.closing.store(true, Relaxed);
@@ -505,6 +508,7 @@ async fn send_loop(queue: Arc<Queue>, client: Client, config: OtlpConfig) {
         match export(&client, &config, batch.clone()).await {
             Ok(()) => {
                 queue.sent.fetch_add(1, Relaxed);
+                queue.failing.store(false, Relaxed);
                 if let Some((since, attempts)) = failing.take() {
                     eprintln!(
                         "tracer: OTLP: the collector at {url} takes metrics again ({attempts} failed attempt(s) over {:.0} s; {} batch(es) dropped so far)",
@@ -529,6 +533,7 @@ async fn send_loop(queue: Arc<Queue>, client: Client, config: OtlpConfig) {
             }
             Err(Failure::Retry(why)) => {
                 queue.failed.fetch_add(1, Relaxed);
+                queue.failing.store(true, Relaxed);
                 if failing.is_none() {
                     eprintln!(
                         "tracer: OTLP: cannot export metrics to {url} ({why}): retrying with backoff ({} s to {} s); the recording goes on, and past {QUEUE_BATCHES} waiting batches the oldest are dropped (counted in tracer_otlp_batches_dropped_total); said once until it recovers",
@@ -637,6 +642,21 @@ mod tests {
         assert!(OtlpConfig::read(Some("off"), None, &env_of(&vars))
             .unwrap()
             .is_none());
+    }
+
+    #[test]
+    fn a_certificate_that_cannot_be_read_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.pem");
+        let e = format!("{:#}", client(Some(&missing)).err().unwrap());
+        assert!(
+            e.contains("OTEL_EXPORTER_OTLP_CERTIFICATE") && e.contains("missing.pem"),
+            "{e}"
+        );
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "not a certificate\n").unwrap();
+        let e = format!("{:#}", client(Some(&empty)).err().unwrap());
+        assert!(e.contains("no certificate in it"), "{e}");
     }
 
     #[test]

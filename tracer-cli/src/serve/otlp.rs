@@ -117,6 +117,11 @@ fn parse_url(url: &str, from: &str) -> Result<hyper::Uri> {
             "{from} {url:?} is not a URL ({e}): give http(s)://HOST:PORT, e.g. http://otel-collector:4318"
         ))
     })?;
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err(user_error(format!(
+            "{from}: a user or password in the URL would be printed with it: give them as a header in OTEL_EXPORTER_OTLP_HEADERS (e.g. Authorization=Basic%20...) and the URL without them"
+        )));
+    }
     match uri.scheme_str() {
         Some("http" | "https") if uri.host().is_some() => Ok(uri),
         _ => Err(user_error(format!(
@@ -667,6 +672,8 @@ mod tests {
                 OtlpConfig::read(flag, None, &env_of(vars)).unwrap_err()
             )
         };
+        let e = err(Some("https://user:secret@collector:4318"), &[]);
+        assert!(e.contains("OTEL_EXPORTER_OTLP_HEADERS") && !e.contains("secret"), "{e}");
         let e = err(Some("collector:4318"), &[]);
         assert!(
             e.contains("--otlp-endpoint") && e.contains("http://"),

@@ -673,7 +673,10 @@ mod tests {
             )
         };
         let e = err(Some("https://user:secret@collector:4318"), &[]);
-        assert!(e.contains("OTEL_EXPORTER_OTLP_HEADERS") && !e.contains("secret"), "{e}");
+        assert!(
+            e.contains("OTEL_EXPORTER_OTLP_HEADERS") && !e.contains("secret"),
+            "{e}"
+        );
         let e = err(Some("collector:4318"), &[]);
         assert!(
             e.contains("--otlp-endpoint") && e.contains("http://"),

@@ -4,3 +4,4 @@
 pub mod mcp;
 pub mod metrics;
 pub mod otlp;
+mod otlp_config;

@@ -10,7 +10,7 @@ use std::{
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpListener},
     os::unix::process::CommandExt as _,
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::{Child, Command, Stdio},
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -24,17 +24,6 @@ use serde_json::Value;
 
 fn deploy(rel: &str) -> PathBuf {
     workspace().join("deploy").join(rel)
-}
-
-/// The YAML documents of a file, as JSON.
-fn yaml(path: &Path) -> Vec<Value> {
-    let code = "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))";
-    serde_json::from_value(python_json(&[
-        "-c".as_ref(),
-        std::ffi::OsStr::new(code),
-        path.as_os_str(),
-    ]))
-    .unwrap()
 }
 
 fn metrics_addr(trace: &Trace) -> SocketAddr {

@@ -653,3 +653,14 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// The YAML documents of a file, as JSON.
+pub fn yaml(path: &Path) -> Vec<Value> {
+    let code = "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))";
+    serde_json::from_value(python_json(&[
+        "-c".as_ref(),
+        std::ffi::OsStr::new(code),
+        path.as_os_str(),
+    ]))
+    .unwrap()
+}

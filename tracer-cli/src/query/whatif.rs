@@ -328,7 +328,7 @@ fn recorded_run_on(
     super::walk_calls(conn, session, &begin, i64::MAX, Some(pid), |e| {
         recordings.call(e);
     })?;
-    recordings.finish(conn, session, pid, device)
+    recordings.take(conn, session, pid, device)
 }
 
 /// The recorded runs of the processes whose calls a walk hands on, built as it goes: a walk of
@@ -403,9 +403,9 @@ impl Recordings {
         run.call(e);
     }
 
-    /// The run of `pid` on `device` (its busiest, unless given).
-    pub fn finish(
-        mut self,
+    /// The run of `pid` on `device` (its busiest, unless given), taken out of the recordings.
+    pub fn take(
+        &mut self,
         conn: &rusqlite::Connection,
         session: i64,
         pid: u32,
@@ -416,19 +416,8 @@ impl Recordings {
             .remove(&pid)
             .map(|r| r.builders)
             .unwrap_or_default();
-        let conf_text = self.confs.remove(&pid).unwrap_or_default();
-        finish_run(conn, session, pid, device, builders, conf_text)
-    }
-
-    /// The run of `pid` on its busiest device, taken out of the recordings.
-    fn take(&mut self, conn: &rusqlite::Connection, session: i64, pid: u32) -> Result<RecordedRun> {
-        let builders = self
-            .runs
-            .remove(&pid)
-            .map(|r| r.builders)
-            .unwrap_or_default();
         let conf_text = self.confs.get(&pid).cloned().unwrap_or_default();
-        finish_run(conn, session, pid, None, builders, conf_text)
+        finish_run(conn, session, pid, device, builders, conf_text)
     }
 }
 
@@ -814,7 +803,7 @@ pub fn cite_in_fixes(
                 // From the walk that made the chains where it saw the whole run, else a walk
                 // of the process's calls from the session's start.
                 let run = match recorded.as_mut() {
-                    Some(r) => r.take(conn, session, chain.pid),
+                    Some(r) => r.take(conn, session, chain.pid, None),
                     None => recorded_run_on(conn, session, chain.pid, None),
                 };
                 let run = run.ok().filter(|run| run.requests.len() <= CITE_REQUESTS);

@@ -33,8 +33,8 @@ struct Queue {
     batches: Mutex<VecDeque<Bytes>>,
     wake: Condvar,
     closing: std::sync::atomic::AtomicBool,
-    /// 1 while a batch is being sent.
-    sending: AtomicU64,
+    /// A batch is being sent.
+    sending: std::sync::atomic::AtomicBool,
     /// The collector is failing: tracer stopping does not wait for it.
     failing: std::sync::atomic::AtomicBool,
     sent: AtomicU64,
@@ -61,7 +61,7 @@ impl OtlpPusher {
             batches: Mutex::new(VecDeque::new()),
             wake: Condvar::new(),
             closing: Default::default(),
-            sending: AtomicU64::new(0),
+            sending: Default::default(),
             failing: Default::default(),
             sent: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
@@ -163,7 +163,7 @@ impl OtlpPusher {
             .lock()
             .map(|b| b.is_empty())
             .unwrap_or(true)
-            && self.queue.sending.load(Relaxed) == 0
+            && !self.queue.sending.load(Relaxed)
     }
 }
 
@@ -293,7 +293,7 @@ fn next(queue: &Queue) -> Option<Bytes> {
             return None;
         }
         if let Some(b) = batches.pop_front() {
-            queue.sending.store(1, Relaxed);
+            queue.sending.store(true, Relaxed);
             return Some(b);
         }
         batches = queue.wake.wait(batches).ok()?;
@@ -354,13 +354,13 @@ async fn send_loop(queue: Arc<Queue>, client: Client, config: OtlpConfig) {
                         queue.dropped.fetch_add(1, Relaxed);
                     }
                 }
-                queue.sending.store(0, Relaxed);
+                queue.sending.store(false, Relaxed);
                 pause(&queue, backoff);
                 backoff = (backoff * 2).min(BACKOFF_MOST);
                 continue;
             }
         }
-        queue.sending.store(0, Relaxed);
+        queue.sending.store(false, Relaxed);
     }
 }
 

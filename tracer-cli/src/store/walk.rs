@@ -90,10 +90,7 @@ pub fn walk(
         .collect::<rusqlite::Result<_>>()
         .with_context(|| format!("list the call blocks of session {session}"))?;
     // The earliest call any block from i on can hold.
-    let mut later_min = vec![i64::MAX; list.len() + 1];
-    for i in (0..list.len()).rev() {
-        later_min[i] = later_min[i + 1].min(list[i].1);
-    }
+    let later_min = earliest_from(list.iter().map(|b| b.1));
     let mut block = conn.prepare(BLOCK_SQL)?;
     let mut pending: Vec<Event> = Vec::new();
     let mut batch: Vec<Event> = Vec::new();
@@ -140,6 +137,16 @@ pub fn walk(
         visit(Step::Call(&e))?;
     }
     Ok(walked)
+}
+
+/// For blocks whose earliest calls are `mins`, in order: the earliest call any block from
+/// each on can hold (one more entry, `i64::MAX`, past the last).
+fn earliest_from(mins: impl DoubleEndedIterator<Item = i64> + ExactSizeIterator) -> Vec<i64> {
+    let mut later_min = vec![i64::MAX; mins.len() + 1];
+    for (i, min) in mins.enumerate().rev() {
+        later_min[i] = later_min[i + 1].min(min);
+    }
+    later_min
 }
 
 /// The statement [`read_block`] runs.
@@ -209,10 +216,7 @@ pub fn pid_span(
         })
     };
     // The earliest call any block from i on can hold, and the latest any block up to i can.
-    let mut later_min = vec![i64::MAX; list.len() + 1];
-    for i in (0..list.len()).rev() {
-        later_min[i] = later_min[i + 1].min(list[i].1);
-    }
+    let later_min = earliest_from(list.iter().map(|b| b.1));
     let earlier_max: Vec<i64> = list
         .iter()
         .scan(i64::MIN, |m, b| {

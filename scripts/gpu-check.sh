@@ -6,12 +6,13 @@
 # says held it with PyTorch's snapshot at the OOM; measures the cost (untraced, traced, traced
 # --stack, interleaved); keeps `tracer explain`'s report. Needs no network. Run as root, with a tracer built elsewhere:
 #
-#   scripts/gpu-check.sh OUTDIR [--tracer PATH] [--steps N] [--rounds N] [--python PATH]
+#   scripts/gpu-check.sh OUTDIR [--tracer PATH] [--steps N] [--rounds N (0: no cost)] [--python PATH]
 #   scripts/gpu-check.sh OUTDIR --simulated     # the same check on the simulated runtime (no GPU;
 #                                               # tests the check itself, says nothing of a GPU)
 #
-# OUTDIR receives at most 8 files: summary.txt, summary.json, explain-default.txt,
-# explain-expandable.txt, explain-co-tenant.txt, trace-default.db.gz, trace-expandable.db.gz, log.txt.
+# OUTDIR receives summary.txt, summary.json, explain-default.txt, explain-expandable.txt,
+# explain-co-tenant.txt, trace-default.db.gz, trace-expandable.db.gz, log.txt, and cases/ (the
+# recorded cases: PyTorch's account, its snapshots, tracer's database, explain and layout of each).
 # GPU_CHECK_KEEP=DIR keeps the working files (each run's statistics, database, logs) in DIR.
 # Exit status: 0 every comparison equal or explained, or no GPU here (it says so); 1 a comparison
 # differs or a step failed; 2 bad arguments; 3 tracing cannot work on this machine (it says why).
@@ -252,8 +253,80 @@ say "checking a co-tenant (another process holds all but 3 GiB; the loop runs to
 co_tenant_json=()
 if co_tenant; then co_tenant_json=(--co-tenant "$work/co-tenant.json"); fi
 
+# 2d. Recorded cases (real GPU only): CUDA graphs in a shared private pool, torch.compile's graph
+# trees, a serving engine's start-up (and one whose KV cache leaves too little for its captures), a
+# per-process memory fraction's refusal, and a training loop run to an OOM beside a co-tenant with
+# its memory history ring wrapped and the trace begun mid-run (default and expandable). Each traced
+# with --stack; PyTorch's own account (phases, memory_stats, its snapshot with segment_pool_id) kept
+# beside tracer's database in OUTDIR/cases/ as test data. GPU_CHECK_CASES picks some (space-separated).
+recorded_case() { # NAME CASE CONF(default|expandable) HOLD(0|1) [args]
+  local name=$1 kind=$2 conf=$3 hold=$4; shift 4
+  local dir="$work/case-$name" env=() hpid="" pids=()
+  mkdir -p "$dir" "$out/cases"
+  [ "$conf" = expandable ] && env+=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+  if [ "$hold" = 1 ]; then
+    PYTHONUNBUFFERED=1 "$python" "$here/gpu_check/holder.py" --leave $((3 << 30)) --ready "$dir/holder-ready" \
+      --go "$dir/holder-go" --held "$dir/holder.json" --done "$dir/holder-done" >"$dir/holder.log" 2>&1 &
+    hpid=$!; children+=("$hpid"); pids+=(--pid "$hpid")
+    wait_for "$dir/holder-ready" 180 "$hpid" || { cat "$dir/holder.log"; say "case $name: the other process did not start"; return 1; }
+  fi
+  env "${env[@]}" PYTHONUNBUFFERED=1 timeout 150 "$python" "$here/gpu_check/cases.py" "$kind" "$@" \
+    --snapshot "$dir/snapshot.pickle.gz" --ready "$dir/ready" --go "$dir/go" --stats "$dir/stats.json" \
+    >"$dir/workload.log" 2>&1 &
+  local wpid=$!; children+=("$wpid")
+  wait_for "$dir/ready" 240 "$wpid" || { tail -20 "$dir/workload.log"; say "case $name: the workload did not get ready"; return 1; }
+  local real; real=$("$python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["pid"])' "$dir/ready")
+  pids+=(--pid "$real")
+  "$tracer" trace "${pids[@]}" --stack --json --quiet --db "$dir/trace.db" >"$dir/trace.jsonl" 2>"$dir/trace.err" &
+  local tpid=$!; children+=("$tpid")
+  wait_for "$dir/trace.jsonl" 60 "$tpid" || { cat "$dir/trace.err"; say "case $name: tracer did not start"; return 1; }
+  if [ -n "$hpid" ]; then
+    touch "$dir/holder-go"
+    wait_for "$dir/holder.json" 180 "$hpid" || { cat "$dir/holder.log"; say "case $name: the other process took nothing"; return 1; }
+  fi
+  touch "$dir/go"
+  local rc=0
+  wait "$wpid" || rc=$?
+  [ -n "$hpid" ] && { touch "$dir/holder-done"; wait "$hpid" || true; }
+  local i=0
+  while kill -0 "$tpid" 2>/dev/null && [ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done
+  kill -INT "$tpid" 2>/dev/null || true
+  wait "$tpid" || say "case $name: tracer exited non-zero"
+  grep '^phase' "$dir/workload.log" | sed 's/^/    /'
+  grep -v '^phase' "$dir/workload.log" | tail -5 | sed 's/^/    /'
+  say "case $name: workload exit $rc; $(wc -c <"$dir/trace.db" 2>/dev/null || echo 0) B of trace"
+  "$tracer" explain --db "$dir/trace.db" >"$dir/explain.txt" 2>&1 || true
+  sed -n '1,60p' "$dir/explain.txt" | sed 's/^/    | /'
+  "$tracer" layout --db "$dir/trace.db" --at oom >"$dir/layout-oom.txt" 2>&1 || true
+  gzip -9 -f "$dir/trace.db"
+  cp "$dir"/stats.json "$out/cases/$name-stats.json" 2>/dev/null || true
+  cp "$dir"/holder.json "$out/cases/$name-holder.json" 2>/dev/null || true
+  cp "$dir"/trace.db.gz "$out/cases/$name-trace.db.gz" 2>/dev/null || true
+  cp "$dir"/explain.txt "$out/cases/$name-explain.txt" 2>/dev/null || true
+  cp "$dir"/layout-oom.txt "$out/cases/$name-layout-oom.txt" 2>/dev/null || true
+  cp "$dir"/workload.log "$out/cases/$name-workload.log" 2>/dev/null || true
+  for s in "$dir"/snapshot*.pickle.gz; do [ -f "$s" ] && cp "$s" "$out/cases/$name-$(basename "$s")"; done
+  return 0
+}
+if [ "$simulated" = 0 ]; then
+  for c in ${GPU_CHECK_CASES:-graphs engine engine-oom fraction ring-oom-default ring-oom-expandable compiled}; do
+    say "recording case $c"
+    case $c in
+      graphs) recorded_case graphs graphs default 0 ;;
+      compiled) recorded_case compiled compiled default 0 ;;
+      engine) recorded_case engine engine default 0 --gpu-memory-utilization 0.90 ;;
+      engine-oom) recorded_case engine-oom engine default 0 --gpu-memory-utilization 0.999 --profile-rows 1024 --rows-per-seq 16 ;;
+      fraction) recorded_case fraction fraction default 0 --fraction 0.02 ;;
+      ring-oom-default) recorded_case ring-oom-default ring-oom default 1 --warm-steps 40 --history 3000 ;;
+      ring-oom-expandable) recorded_case ring-oom-expandable ring-oom expandable 1 --warm-steps 40 --history 3000 ;;
+    esac || say "case $c failed"
+  done
+fi
+
 # 3. Cost: the same steps untraced, traced, traced with --allocator auto and traced with --stack,
 # interleaved ----------------------------------------------------------------------------------
+cost_json=()
+[ "$rounds" -gt 0 ] && cost_json=(--cost "$work/cost.json")
 echo '[' >"$work/runs.json"
 sep=""
 for r in $(seq 1 "$rounds"); do
@@ -265,12 +338,12 @@ for r in $(seq 1 "$rounds"); do
   done
 done
 echo ']' >>"$work/runs.json"
-"$python" "$here/gpu_check/report.py" cost --runs "$work/runs.json" -o "$work/cost.json"
+[ "$rounds" -gt 0 ] && "$python" "$here/gpu_check/report.py" cost --runs "$work/runs.json" -o "$work/cost.json"
 
 # 4. Summary -------------------------------------------------------------------------------------
 status=0
 "$python" "$here/gpu_check/report.py" summary --machine "$work/machine.json" \
-  --compare "$work/compare-default.json" "$work/compare-expandable.json" --cost "$work/cost.json" "${co_tenant_json[@]}" \
+  --compare "$work/compare-default.json" "$work/compare-expandable.json" "${cost_json[@]}" "${co_tenant_json[@]}" \
   --out-text "$out/summary.txt" --out-json "$out/summary.json" || status=$?
 say "results in $out: $(cd "$out" && ls | tr '\n' ' ')"
 exit $status

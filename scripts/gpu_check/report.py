@@ -374,6 +374,30 @@ def compare(args):
     json.dump(result, open(args.out, "w"), indent=1)
 
 
+ROUNDING = 8 << 20  # PyTorch's message writes two decimals
+
+
+def expected_cause(seen, layout, held):
+    """The verdict PyTorch's own figures give by analysis/oom.rs's rules."""
+    if not seen or not layout:
+        return None
+    short = seen["alloc"] - seen["device_free"]
+    split = layout["reserved"] - layout["allocated"]
+    others = held.get("requested", 0)
+    if short <= 0:
+        return "unknown"
+    frag, other = split >= short, others >= short
+    if frag and other:
+        return "fragmentation_and_other_processes"
+    if frag:
+        return "fragmentation"
+    if other:
+        return "other_processes"
+    if split and others and split + others >= short:
+        return "fragmentation_and_other_processes"
+    return "this_process"
+
+
 def co_tenant(args):
     """The co-tenant run: a training loop ran to a natural OOM on a device another process held
     all but a few GiB of. What tracer said of who held the device at the OOM (explain's holders,
@@ -387,6 +411,7 @@ def co_tenant(args):
     mine = [h for h in report.get("holders", []) if h["pid"] == stats["pid"]]
     h = mine[0] if mine else {}
     other = next((t for t in h.get("others", []) if t["pid"] == held["pid"]), {})
+    ar = h.get("arithmetic") or {}
     layout = seen.get("layout", {})
     message = seen.get("message", "")
     rows = [
@@ -400,8 +425,25 @@ def co_tenant(args):
             layout.get("reserved", 0) - layout.get("allocated", 0) if layout else None),
         row("the device's free bytes at the OOM", h.get("device_free"), seen.get("device_free"),
             note="tracer: cudaMemGetInfo kept current with the process's own calls; PyTorch: its observer's"),
-        row("who held the memory (verdict)", h.get("verdict"), "other_processes",
-            note="the other process held more than the request"),
+        row("who held the memory (verdict)", h.get("verdict"), expected_cause(seen, layout, held),
+            note="PyTorch's figures by the same rules: request - device free = shortfall; split bytes and the other process's against it"),
+        row("OOM arithmetic: what the device could give", ar.get("could_give"), seen.get("device_free"),
+            status=None if ar.get("could_give") is None or seen.get("device_free") is None
+            else "equal" if abs(ar["could_give"] - seen["device_free"]) <= ROUNDING else "DIFFERS",
+            note="tracer: %s; PyTorch: its observer's cudaMemGetInfo (within the message's two decimals)"
+            % (ar.get("source") or {}).get("kind")),
+        row("OOM arithmetic: never above what the device refused", (ar.get("could_give") or 0) < (ar.get("refused") or 1),
+            True, note="refused %s B" % ar.get("refused")),
+        row("OOM arithmetic: shortfall", ar.get("shortfall"),
+            seen.get("alloc", 0) - seen.get("device_free", 0) if seen else None,
+            status=None if ar.get("shortfall") is None or not seen
+            else "equal" if abs(ar["shortfall"] - (seen["alloc"] - seen["device_free"])) <= ROUNDING else "DIFFERS"),
+        row("OOM arithmetic: split bytes in live segments", ar.get("split"),
+            layout.get("reserved", 0) - layout.get("allocated", 0) if layout else None,
+            status=None if ar.get("split") is None or not layout
+            else "equal" if abs(ar["split"] - (layout["reserved"] - layout["allocated"])) <= ROUNDING else "DIFFERS"),
+        row("memory tracer could not attribute", h.get("unattributed"), None, status="explained",
+            note="in use on the device, held by no traced process and named by neither the message nor NVML"),
         row("PyTorch's message names the other process", f"Process {held['pid']} has" in message, True,
             status="equal" if f"Process {held['pid']} has" in message else "explained",
             note="NVML readable" if f"Process {held['pid']} has" in message

@@ -7,6 +7,7 @@ pub mod allocator;
 mod answer;
 mod collect;
 mod host;
+pub mod oom;
 pub mod ranks;
 mod replay;
 mod rules;

@@ -35,7 +35,7 @@ pub fn text(out: &mut impl Write, w: &WhatIf) -> Result<()> {
         size(w.recorded_peak_reserved)
     )?;
     match w.capacity {
-        Some(c) => writeln!(out, "The allocator could hold {} on that device (cudaMemGetInfo, or the request the device refused).", size(c))?,
+        Some(c) => writeln!(out, "The allocator could hold {} on that device ({}).", size(c), w.capacity_source)?,
         None => writeln!(out, "The device's capacity is unknown (no cudaMemGetInfo and no refused request): simulated without a limit; 'least memory' still holds.")?,
     }
     if w.seeded_blocks > 0 {

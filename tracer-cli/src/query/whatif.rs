@@ -51,6 +51,10 @@ pub struct RecordedRun {
     pub reserves: Vec<u64>,
     /// Bytes the allocator could hold (from cudaMemGetInfo, or bounded by a failed request).
     pub capacity: Option<u64>,
+    /// Where [`RecordedRun::capacity`] comes from, in words.
+    pub capacity_source: &'static str,
+    /// The allocator's reserved bytes at each refused request (after its flush).
+    pub reserved_at_refusals: Vec<u64>,
     pub device_total: Option<u64>,
     pub recorded_ooms: u64,
     pub recorded_peak_reserved: u64,
@@ -97,6 +101,8 @@ struct Builder {
     /// A device allocation failed and none succeeded after it (yet): the request it was for,
     /// refused unless a retry succeeds.
     refusal: Option<u64>,
+    /// The reserved bytes when the refusal was seen.
+    refusal_reserved: u64,
     last_stream: u64,
     released_since_malloc: bool,
     segment_sizes: HashMap<u64, u64>,
@@ -149,6 +155,7 @@ impl Builder {
     fn settle_refusal(&mut self) {
         if let Some(size) = self.refusal.take() {
             self.run.refused.push(self.run.requests.len());
+            self.run.reserved_at_refusals.push(self.refusal_reserved);
             self.run.requests.push(Request::Malloc {
                 size,
                 stream: self.last_stream,
@@ -201,6 +208,7 @@ impl Builder {
                     0
                 };
                 self.refusal = Some(made + e.size);
+                self.refusal_reserved = self.reserved;
                 // A refused segment bounds the capacity, and so does a refused page with the
                 // pages its request made before it (they hold memory no mapping shows yet).
                 let bound = self
@@ -262,10 +270,12 @@ impl Builder {
 
     fn finish(mut self) -> RecordedRun {
         self.settle_refusal();
-        self.run.capacity = match (self.capacity_seen, self.capacity_bound) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        (self.run.capacity, self.run.capacity_source) =
+            match (self.capacity_seen, self.capacity_bound) {
+                (Some(a), Some(b)) if a <= b => (Some(a), CAPACITY_SEEN),
+                (_, Some(b)) => (Some(b), CAPACITY_BOUND),
+                (a, None) => (a, CAPACITY_SEEN),
+            };
         self.run
     }
 }
@@ -494,6 +504,18 @@ fn finish_run(
         .collect();
     // Without PyTorch's message, the requests it refused are its OOMs all the same.
     run.recorded_ooms = (ooms.len()).max(run.refused.len()) as u64;
+    // The device's free bytes at the failure, as PyTorch's message (or a snapshot's oom entry)
+    // says them, beside what the allocator held then: the best capacity there is.
+    let said: Option<u64> = run
+        .reserved_at_refusals
+        .iter()
+        .zip(&ooms)
+        .filter_map(|(&reserved, m)| said_free(&m.text).map(|free| reserved + free))
+        .min();
+    if let Some(capacity) = said {
+        run.capacity = Some(capacity);
+        run.capacity_source = CAPACITY_SAID;
+    }
     // A refused page (expandable segments) says little of the request: PyTorch's message says
     // how much it tried to allocate (to its two decimals).
     for (&i, m) in run.refused.iter().zip(&ooms) {
@@ -505,6 +527,12 @@ fn finish_run(
     }
     Ok(run)
 }
+
+/// Where the capacity comes from.
+const CAPACITY_SAID: &str = "the device's free bytes at the failure by PyTorch's message (or the snapshot's oom entry), beside what the allocator held";
+const CAPACITY_SEEN: &str = "cudaMemGetInfo's free bytes beside what the allocator held";
+const CAPACITY_BOUND: &str =
+    "an upper bound: the request the device refused, beside what the allocator held";
 
 /// The bytes of PyTorch's "Tried to allocate 1.50 GiB" (its format_size: two decimals).
 pub(crate) fn tried_to_allocate(message: &str) -> Option<u64> {
@@ -618,6 +646,38 @@ pub fn fidelity(run: &RecordedRun) -> Fidelity {
     }
 }
 
+/// The run as recorded, replayed as the gate replays it (the recorded settings, the device's
+/// own segment addresses): the "as run" row and what every setting is compared with.
+pub fn as_run(run: &RecordedRun, capacity: u64) -> Outcome {
+    let settings = run.settings();
+    let addresses = if settings.expandable {
+        run.reserves.clone()
+    } else {
+        run.device_allocs.iter().map(|&(a, _)| a).collect()
+    };
+    let mut sim = Simulator::new(
+        settings,
+        capacity,
+        run.device_total.unwrap_or(capacity),
+        addresses,
+    );
+    sim.seed(&run.seed);
+    sim.run(&run.requests).0
+}
+
+/// The recorded settings with `setting` added; none when the run already had it.
+pub fn with_setting(recorded: &str, setting: &str) -> Option<String> {
+    let had = |item: &str| recorded.split(',').any(|r| r.trim() == item.trim());
+    if setting.split(',').all(had) {
+        return None;
+    }
+    Some(if recorded.is_empty() {
+        setting.to_owned()
+    } else {
+        format!("{recorded},{setting}")
+    })
+}
+
 /// The run under `settings` on a device where the allocator may hold `capacity` bytes.
 pub fn simulate(run: &RecordedRun, settings: Settings, capacity: u64) -> Outcome {
     let mut sim = Simulator::new(
@@ -706,6 +766,7 @@ pub struct WhatIf {
     /// Blocks live when the requests begin (a keyframe's or a snapshot's rebuilt state).
     pub seeded_blocks: usize,
     pub capacity: Option<u64>,
+    pub capacity_source: &'static str,
     pub recorded_ooms: u64,
     pub recorded_peak_reserved: u64,
     pub fidelity: Fidelity,
@@ -724,12 +785,9 @@ pub fn whatif(db: &Path, q: &WhatIfQuery) -> Result<WhatIf> {
     };
     let mut confs = vec![(run.conf_text.clone(), true)];
     for c in tried {
-        let text = if run.conf_text.is_empty() {
-            c
-        } else {
-            format!("{},{c}", run.conf_text)
-        };
-        confs.push((text, false));
+        if let Some(text) = with_setting(&run.conf_text, &c) {
+            confs.push((text, false));
+        }
     }
     let rows = std::thread::scope(|scope| {
         let handles: Vec<_> = confs
@@ -753,6 +811,7 @@ pub fn whatif(db: &Path, q: &WhatIfQuery) -> Result<WhatIf> {
         mallocs: run.mallocs(),
         seeded_blocks: run.seed.iter().map(|s| s.blocks.len()).sum(),
         capacity: run.capacity,
+        capacity_source: run.capacity_source,
         recorded_ooms: run.recorded_ooms,
         recorded_peak_reserved: run.recorded_peak_reserved,
         fidelity,
@@ -762,7 +821,11 @@ pub fn whatif(db: &Path, q: &WhatIfQuery) -> Result<WhatIf> {
 
 fn row(run: &RecordedRun, conf: &str, recorded: bool, capacity: u64, search: bool) -> WhatIfRow {
     let settings = parse_settings(conf);
-    let o = simulate(run, settings, capacity);
+    let o = if recorded {
+        as_run(run, capacity)
+    } else {
+        simulate(run, settings, capacity)
+    };
     WhatIfRow {
         conf: conf.to_owned(),
         recorded_settings: recorded,
@@ -809,7 +872,7 @@ pub fn cite_in_fixes(
                 let run = run.ok().filter(|run| run.requests.len() <= CITE_REQUESTS);
                 v.insert(run.map(|run| {
                     let capacity = run.capacity.unwrap_or(u64::MAX / 4);
-                    let as_run = simulate(&run, run.settings(), capacity);
+                    let as_run = as_run(&run, capacity);
                     let holds = fidelity(&run).holds;
                     (run, as_run, holds)
                 }))
@@ -819,31 +882,41 @@ pub fn cite_in_fixes(
             continue;
         };
         let holds = *holds;
-        for fix in chain.fix.iter_mut() {
+        let mut disproved = Vec::new();
+        chain.fix.retain_mut(|fix| {
             let Some(setting) = fix.setting else {
-                continue;
+                return true;
             };
-            let text = if holds {
-                let conf = if run.conf_text.is_empty() {
-                    setting.to_owned()
-                } else {
-                    format!("{},{setting}", run.conf_text)
-                };
-                let capacity = run.capacity.unwrap_or(u64::MAX / 4);
-                let o = simulate(run, parse_settings(&conf), capacity);
-                format!(
-                    " [simulated from the {} recorded requests: {}, peak reserved {}; as run: {}, peak reserved {} (`tracer whatif`)]",
+            if !holds {
+                fix.text.to_mut().push_str(" [not simulated: the simulator does not reproduce this run's decisions (`tracer whatif` shows where)]");
+                return true;
+            }
+            // A setting the run already had is no fix of it.
+            let Some(conf) = with_setting(&run.conf_text, setting) else {
+                return false;
+            };
+            let capacity = run.capacity.unwrap_or(u64::MAX / 4);
+            let o = simulate(run, parse_settings(&conf), capacity);
+            if let Some((i, _)) = o.oom {
+                // Replayed, it still runs out of memory: not a fix, said after those that help.
+                disproved.push(crate::analysis::Fix::from(format!(
+                    "not a fix: PYTORCH_CUDA_ALLOC_CONF={setting} would not have avoided it (replayed from the {} recorded requests: an OOM at request {i}; as run: {})",
                     run.requests.len(),
-                    ending(&o),
-                    crate::units::format_bytes(o.peak_reserved),
-                    ending(as_run),
-                    crate::units::format_bytes(as_run.peak_reserved)
-                )
-            } else {
-                " [not simulated: the simulator does not reproduce this run's decisions (`tracer whatif` shows where)]".to_owned()
-            };
-            fix.text.to_mut().push_str(&text);
-        }
+                    ending(as_run)
+                )));
+                return false;
+            }
+            fix.text.to_mut().push_str(&format!(
+                " [simulated from the {} recorded requests: {}, peak reserved {}; as run: {}, peak reserved {} (`tracer whatif`)]",
+                run.requests.len(),
+                ending(&o),
+                crate::units::format_bytes(o.peak_reserved),
+                ending(as_run),
+                crate::units::format_bytes(as_run.peak_reserved)
+            ));
+            true
+        });
+        chain.fix.extend(disproved);
     }
     Ok(())
 }

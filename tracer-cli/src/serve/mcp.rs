@@ -284,7 +284,8 @@ pub struct HoldersOut {
     pub others: Vec<(u32, Option<String>, u64, bool)>,
     /// in use, held by no traced process and no process PyTorch's message names
     pub unattributed: Option<u64>,
-    /// other_processes, this_process, beyond_device, fragmentation or unknown
+    /// other_processes, this_process, beyond_device, fragmentation,
+    /// fragmentation_and_other_processes, memory_fraction or unknown
     pub verdict: String,
     /// the whole split in words
     pub said: String,

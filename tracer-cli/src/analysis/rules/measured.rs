@@ -368,11 +368,7 @@ pub fn warning_chain(pid: u32, f: &Findings, first_failure: Option<i64>) -> Opti
 /// The layout at the out-of-memory that was not recovered (the failure at `fatal_ns`, or the
 /// allocator's retry of it within a second: PyTorch's message describes the state after its
 /// cache flush), and the fixes that fit it.
-pub fn oom_forensics(
-    f: &Findings,
-    fatal_ns: i64,
-    message: Option<&str>,
-) -> Option<(String, Vec<Fix>, Option<bool>)> {
+pub fn oom_forensics(f: &Findings, fatal_ns: i64, message: Option<&str>) -> Option<Forensic> {
     let x = f
         .forensics
         .iter()
@@ -418,39 +414,24 @@ pub fn oom_forensics(
         pb(x.total.largest_free),
         pb(x.outside)
     );
-    if let Some(free) = x.device_free {
-        text.push_str(&format!("; the device had {} free", pb(free)));
-        if x.pages_unmapped > 0 {
-            text.push_str(&format!(
-                " while the request held {} in pages it had made, given back as it failed ({} free after)",
-                pb(x.pages_unmapped),
-                pb(free + x.pages_unmapped)
-            ));
-        }
-        if let Some(said) = x
-            .device_free_reported_ns
-            .filter(|&at| x.ts_ns - at > 1_000_000_000)
-        {
-            text.push_str(&format!(
-                " (cudaMemGetInfo said {} before, less what this process reserved since)",
-                crate::units::format_ns((x.ts_ns - said).max(0) as u64)
-            ));
-        }
-    }
+    let split = message
+        .and_then(pytorch_cached)
+        .or_else(|| (f.unknown.exact() && x.unseen == 0).then(|| x.total.cached()));
     let verdict = if f.unknown.exact() {
         match x.verdict(message.and_then(pytorch_tried)) {
             OomVerdict::Fragmentation => Some(true),
             OomVerdict::Capacity => Some(false),
             OomVerdict::Unknown(why) => {
-                text.push_str(&format!(": fragmentation or capacity is not known: {why}"));
-                return Some((
+                return Some(Forensic {
                     text,
-                    vec![
+                    clause: format!(": fragmentation or capacity is not known: {why}"),
+                    fixes: vec![
                         FIX_EXPANDABLE,
                         "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
                     ],
-                    None,
-                ));
+                    fragmentation: None,
+                    split,
+                });
             }
         }
     } else {
@@ -471,26 +452,58 @@ pub fn oom_forensics(
             None => None,
         }
     };
-    let fixes = if verdict.is_none() {
-        text.push_str(&format!(
-            ": whether the cache held the bytes is unknown: tracer's layout is not exact here ({}); PyTorch's out-of-memory message (its probe, libc10.so traced) or a trace from the job's start would settle it",
-            unknown_said(f)
-        ));
-        vec![
-            FIX_EXPANDABLE,
-            "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
-        ]
+    let (clause, fixes) = if verdict.is_none() {
+        (
+            format!(
+                ": whether the cache held the bytes is unknown: tracer's layout is not exact here ({}); PyTorch's out-of-memory message (its probe, libc10.so traced) or a trace from the job's start would settle it",
+                unknown_said(f)
+            ),
+            vec![
+                FIX_EXPANDABLE,
+                "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
+            ],
+        )
     } else if verdict == Some(true) {
-        text.push_str(": the cache held the bytes, not one block that fit (fragmentation)");
-        vec![FIX_EXPANDABLE, FIX_MAX_SPLIT]
+        (
+            ": the cache held the bytes, not one block that fit (fragmentation)".to_owned(),
+            vec![FIX_EXPANDABLE, FIX_MAX_SPLIT],
+        )
     } else {
-        text.push_str(": the memory is in use, not lost to fragmentation (capacity)");
-        vec![
-            "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
-            "leave the device to this job (other processes hold memory on it)".into(),
-        ]
+        (
+            ": the memory is in use, not lost to fragmentation (capacity)".to_owned(),
+            fixes_for_capacity(),
+        )
     };
-    Some((text, fixes, verdict))
+    Some(Forensic {
+        text,
+        clause,
+        fixes,
+        fragmentation: verdict,
+        split,
+    })
+}
+
+/// What to do when the request does not fit the device even with the cache given back.
+pub fn fixes_for_capacity() -> Vec<Fix> {
+    vec![
+        "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),
+        "leave the device to this job (other processes hold memory on it)".into(),
+    ]
+}
+
+/// The layout at an out-of-memory in words, and what it alone says of the failure; the OOM's
+/// arithmetic (analysis/oom.rs) decides with the device's figures beside it.
+pub struct Forensic {
+    /// What was asked and what the allocator held, with what tracer did not see.
+    pub text: String,
+    /// The verdict from the cache alone (fragmentation, capacity, or unknown), as a clause.
+    pub clause: String,
+    pub fixes: Vec<Fix>,
+    /// The cache held the bytes (fragmentation), did not (capacity), or that is not known.
+    pub fragmentation: Option<bool>,
+    /// Free bytes in blocks inside live segments after the flush: PyTorch's "reserved but
+    /// unallocated" from its message, else tracer's layout where it is exact.
+    pub split: Option<u64>,
 }
 
 /// What is not known of the allocator's layout, in a few words.

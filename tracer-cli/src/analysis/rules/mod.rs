@@ -5,6 +5,7 @@
 //! (`replayed`), over one scan of the calls (`scanned`), over the measured layout (`laid`) and
 //! across the processes' devices (`across`).
 
+mod arithmetic;
 mod bypass;
 mod churn;
 mod failure;

@@ -122,9 +122,8 @@ fn judge<'f>(
             x.pid == chain.pid && x.op == tracer_common::Op::TorchOom.name() && x.ts_ns >= fatal_ns
         })
         .map(|x| x.text.as_str());
-    let (forensics, fixes, fragmentation) = measured::oom_forensics(m, fatal_ns, message)?;
-    chain.effect = forensics;
-    chain.fix = fixes;
+    let forensic = measured::oom_forensics(m, fatal_ns, message)?;
+    chain.effect = forensic.text;
     if let Some(text) = message {
         chain
             .evidence
@@ -135,7 +134,10 @@ fn judge<'f>(
             .forensics
             .iter()
             .rfind(|x| x.ts_ns >= fatal_ns && x.ts_ns - fatal_ns < 1_000_000_000)?,
-        fragmentation,
+        fragmentation: forensic.fragmentation,
+        split: forensic.split,
+        clause: forensic.clause,
+        fixes: forensic.fixes,
     })
 }
 

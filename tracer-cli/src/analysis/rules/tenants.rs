@@ -182,6 +182,12 @@ pub struct Judged<'f> {
     pub failure: &'f crate::analysis::allocator::Forensics,
     /// The cache held the bytes (fragmentation), did not (capacity), or that is not known.
     pub fragmentation: Option<bool>,
+    /// Free bytes in split blocks inside live segments after the flush, where known.
+    pub split: Option<u64>,
+    /// The verdict from the cache alone, as a clause, and its fixes: said where the OOM's
+    /// arithmetic decides nothing.
+    pub clause: String,
+    pub fixes: Vec<super::Fix>,
 }
 
 /// Who held the GPU when a process ran out of memory: its allocator, its memory outside the
@@ -215,6 +221,8 @@ pub struct Holders {
     /// names.
     pub unattributed: Option<u64>,
     pub verdict: HeldBy,
+    /// What was asked, what the device could give, the shortfall and what stood in the way.
+    pub arithmetic: crate::analysis::oom::Arithmetic,
 }
 
 /// The memory the request needed was...
@@ -232,6 +240,11 @@ pub enum HeldBy {
     Fragmentation,
     /// ...not known: the figures do not tell (the chain says what would settle it).
     Unknown,
+    /// ...both in this process's split blocks and in other processes' hands: each alone, or
+    /// the two together, exceed the shortfall.
+    FragmentationAndOtherProcesses,
+    /// ...not the device's: the process's memory fraction refused it before any cudaMalloc.
+    MemoryFraction,
 }
 
 impl HeldBy {
@@ -243,6 +256,8 @@ impl HeldBy {
             HeldBy::BeyondDevice => "beyond_device",
             HeldBy::Fragmentation => "fragmentation",
             HeldBy::Unknown => "unknown",
+            HeldBy::FragmentationAndOtherProcesses => "fragmentation_and_other_processes",
+            HeldBy::MemoryFraction => "memory_fraction",
         }
     }
 
@@ -257,6 +272,12 @@ impl HeldBy {
                 "lost to fragmentation (the cache held it, in no block that fit)"
             }
             HeldBy::Unknown => "not known (the chain says what would settle it)",
+            HeldBy::FragmentationAndOtherProcesses => {
+                "held by other processes and lost to fragmentation (each share said in the chain)"
+            }
+            HeldBy::MemoryFraction => {
+                "refused by the process's memory fraction before the device was asked"
+            }
         }
     }
 }
@@ -369,23 +390,28 @@ pub fn name_in_oom(
         .map(|u| u.saturating_sub(named + untraced.unwrap_or(0)))
         .filter(|&b| b > MESSAGE_ROUNDING);
     let others: u64 = tenants.iter().map(Tenant::total).sum();
-    let fragmentation = judged.as_ref().and_then(|j| j.fragmentation);
-    let verdict = match fragmentation {
-        Some(true) => HeldBy::Fragmentation,
-        _ if others >= failed.size => HeldBy::OtherProcesses,
-        Some(false) if unattributed.is_some_and(|u| u >= failed.size) => HeldBy::Unknown,
-        Some(false)
-            if reading.is_some_and(|r| {
-                failed.size
-                    > r.aux1
-                        .saturating_sub(others + unattributed.unwrap_or(0) + untraced.unwrap_or(0))
-            }) =>
-        {
-            HeldBy::BeyondDevice
-        }
-        Some(false) => HeldBy::ThisProcess,
-        None => HeldBy::Unknown,
-    };
+    let arithmetic = super::arithmetic::of_failure(&super::arithmetic::Failure {
+        failed,
+        at_ns,
+        judged: judged.as_ref(),
+        message,
+        nvml,
+        reading,
+        others,
+        outside: outside.iter().map(|o| o.bytes).sum(),
+        untraced,
+        unattributed,
+    });
+    let verdict = super::arithmetic::held_by(&arithmetic, || {
+        old_verdict(
+            judged.as_ref().and_then(|j| j.fragmentation),
+            others,
+            failed.size,
+            unattributed,
+            untraced,
+            reading,
+        )
+    });
     let holders = Holders {
         pid: p.pid,
         device: failed.device,
@@ -393,10 +419,7 @@ pub fn name_in_oom(
         at_ns,
         requested: failed.size,
         device_total: reading.map(|r| r.aux1).or(nvml.map(|s| s.total)),
-        device_free: judged
-            .as_ref()
-            .and_then(|j| j.failure.device_free)
-            .or(reading.map(|r| r.aux0.min(r.aux1))),
+        device_free: arithmetic.could_give,
         allocated: judged.as_ref().map(|j| j.failure.total.allocated),
         cached: judged.as_ref().map(|j| j.failure.total.cached()),
         held,
@@ -405,9 +428,39 @@ pub fn name_in_oom(
         others: tenants,
         unattributed,
         verdict,
+        arithmetic,
     };
     say_in_chain(chain, &holders, reading, message.is_some());
+    super::arithmetic::say(chain, &holders, judged.as_ref());
     Some(holders)
+}
+
+/// Who held the memory by the cache's own verdict and the figures beside it, where the OOM's
+/// arithmetic decides nothing.
+fn old_verdict(
+    fragmentation: Option<bool>,
+    others: u64,
+    requested: u64,
+    unattributed: Option<u64>,
+    untraced: Option<u64>,
+    reading: Option<&crate::model::Event>,
+) -> HeldBy {
+    match fragmentation {
+        Some(true) => HeldBy::Fragmentation,
+        _ if others >= requested => HeldBy::OtherProcesses,
+        Some(false) if unattributed.is_some_and(|u| u >= requested) => HeldBy::Unknown,
+        Some(false)
+            if reading.is_some_and(|r| {
+                requested
+                    > r.aux1
+                        .saturating_sub(others + unattributed.unwrap_or(0) + untraced.unwrap_or(0))
+            }) =>
+        {
+            HeldBy::BeyondDevice
+        }
+        Some(false) => HeldBy::ThisProcess,
+        None => HeldBy::Unknown,
+    }
 }
 
 /// PyTorch's figures have two decimals: a difference this small is the rounding.
@@ -477,9 +530,6 @@ fn say_in_chain(
                 " (processes that allocated before the trace are not seen: PyTorch's out-of-memory message or nvidia-smi names them)"
             }
         ));
-        chain
-            .fix
-            .retain(|f| !f.text.starts_with("leave the device to this job"));
     } else {
         let others: u64 = h.others.iter().map(Tenant::total).sum();
         let listed: Vec<String> = h.others.iter().map(said).collect();
@@ -489,42 +539,6 @@ fn say_in_chain(
             h.gpu,
             listed.join("; ")
         ));
-    }
-    match h.verdict {
-        HeldBy::OtherProcesses => {
-            let others: u64 = h.others.iter().map(Tenant::total).sum();
-            chain.effect = chain.effect.replace(
-                "the memory is in use, not lost to fragmentation (capacity)",
-                "the memory is in use, by other processes",
-            );
-            chain.effect.push_str(&format!(
-                ": held by other processes on {} ({}), more than the {} requested",
-                h.gpu,
-                pb(others),
-                pb(h.requested)
-            ));
-            chain.fix.insert(
-                0,
-                format!(
-                    "run this job where it has {} to itself, or bound the other processes there ({} held)",
-                    h.gpu,
-                    pb(others)
-                )
-                .into(),
-            );
-            chain.fix.retain(|f| {
-                !f.text.starts_with("reduce the batch size")
-                    && !f.text.starts_with("reduce peak memory")
-            });
-        }
-        HeldBy::Unknown if h.others.is_empty() && h.unattributed.is_some() => {
-            chain.effect.push_str(&format!(
-                ": {} of {} was held outside this process and no traced process held it: who held it is not known (nvidia-smi, or a trace running before the other jobs start, would settle it)",
-                pb(h.unattributed.unwrap_or(0)),
-                h.gpu
-            ));
-        }
-        _ => {}
     }
 }
 

@@ -1,0 +1,399 @@
+//! The arithmetic of an out-of-memory: what was asked of the device, what the device could give
+//! at that instant, the shortfall, and what stood in the way. The verdict follows from those
+//! figures by the rules stated on [`Cause`]. One function ([`arithmetic`]) computes it; explain,
+//! the report, mcp, `layout --at oom` and the metrics read its result through the OOM's holders.
+//!
+//! A refusal bounds the device's free memory: a device that refused N bytes had less than N
+//! free. No figure given here says more; an estimate that did is shown beside the bound, with
+//! the difference said as memory no traced call took.
+
+use serde::Serialize;
+
+use crate::units::format_bytes_as_pytorch as pb;
+
+/// Where the device's free bytes at the failure come from, the most direct first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum FreeSource {
+    /// PyTorch's out-of-memory message: cudaMemGetInfo read after its cache flush.
+    Message,
+    /// A memory snapshot's `oom` entry (`device_free`, read as the allocator failed).
+    Snapshot,
+    /// NVML, asked at the failure.
+    Nvml,
+    /// cudaMemGetInfo `age_ns` before, kept current with this process's own calls since.
+    Estimate { age_ns: i64 },
+    /// Nothing but the refusal itself: less than the refused size.
+    Bound,
+}
+
+/// What the OOM's evidence holds, for [`arithmetic`].
+#[derive(Clone, Debug, Default)]
+pub struct Inputs {
+    /// PyTorch's request ("Tried to allocate ...": the segment size it computed; a snapshot's
+    /// `oom` entry: the rounded block).
+    pub request: Option<u64>,
+    /// What the device refused (the failed cudaMalloc's segment, or a page of an expandable
+    /// segment); none when the refusal never reached the device.
+    pub refused: Option<u64>,
+    /// The refused size was one page of an expandable segment, not the whole request.
+    pub page: bool,
+    /// Pages the same request had made before its refused page, given back as it failed.
+    pub given_back: u64,
+    pub message_free: Option<u64>,
+    pub snapshot_free: Option<u64>,
+    pub nvml_free: Option<u64>,
+    /// cudaMemGetInfo kept current: the free bytes and their age at the failure.
+    pub estimate: Option<(u64, i64)>,
+    /// Free bytes in blocks inside live segments after the flush (PyTorch's "reserved but
+    /// unallocated" after its flush, or tracer's layout at the retry).
+    pub split: Option<u64>,
+    /// Bytes other processes held on the device.
+    pub others: u64,
+    /// This process's memory outside the allocator (libraries that call the driver directly).
+    pub outside: u64,
+    /// This process's memory no traced call took (its CUDA context, mostly).
+    pub untraced: Option<u64>,
+    /// In use on the device but held by no one traced or named.
+    pub unattributed: Option<u64>,
+    /// A per-process memory fraction's limit ("... N allowed;" in PyTorch's message).
+    pub allowed: Option<u64>,
+}
+
+/// What decided the out-of-memory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Cause {
+    /// It does not fit even with every split byte returned and no other process on the device.
+    Capacity,
+    /// The split bytes alone exceed the shortfall; other processes' bytes do not.
+    Fragmentation,
+    /// Other processes' bytes alone exceed the shortfall; the split bytes do not.
+    OtherProcesses,
+    /// Both stood in the way: each alone exceeds the shortfall (`each_enough`), or only the
+    /// two together do.
+    Both { each_enough: bool },
+    /// The allocator refused before asking the device: the request would pass the process's
+    /// memory fraction (`torch.cuda.set_per_process_memory_fraction`).
+    FractionLimit { allowed: u64 },
+    /// The figures do not decide it: why, and what would settle it.
+    Unknown { why: String },
+}
+
+impl Cause {
+    /// Its name in JSON and the metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Cause::Capacity => "capacity",
+            Cause::Fragmentation => "fragmentation",
+            Cause::OtherProcesses => "other_processes",
+            Cause::Both { .. } => "fragmentation_and_other_processes",
+            Cause::FractionLimit { .. } => "memory_fraction",
+            Cause::Unknown { .. } => "unknown",
+        }
+    }
+}
+
+/// The out-of-memory in figures, and the verdict that follows from them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Arithmetic {
+    /// What had to come from the device: the refused segment, or for an expandable segment
+    /// PyTorch's request (its pages).
+    pub asked: Option<u64>,
+    pub request: Option<u64>,
+    pub refused: Option<u64>,
+    pub page: bool,
+    /// What the device could give at that instant, and where the figure comes from.
+    pub could_give: Option<u64>,
+    pub source: FreeSource,
+    /// The refusal's own bound on the free bytes (less than the refused size).
+    pub bound: Option<u64>,
+    /// An estimate of the free bytes that the refusal contradicts: its figure, its age, and
+    /// the difference, memory no traced call took.
+    pub contradicted: Option<(u64, i64)>,
+    pub not_taken: Option<u64>,
+    pub shortfall: Option<u64>,
+    pub split: Option<u64>,
+    pub others: u64,
+    pub outside: u64,
+    pub untraced: Option<u64>,
+    pub unattributed: Option<u64>,
+    pub cause: Cause,
+}
+
+/// The arithmetic of one out-of-memory from its evidence.
+pub fn arithmetic(i: &Inputs) -> Arithmetic {
+    // A device that refused N bytes had less than N free at that instant; figures read after
+    // the failure also hold the pages the request gave back as it failed.
+    let bound = i.refused.map(|r| r.saturating_sub(1));
+    let within = |free: u64| bound.is_none_or(|b| free <= b);
+    let measured = [
+        (i.message_free, FreeSource::Message),
+        (i.snapshot_free, FreeSource::Snapshot),
+        (i.nvml_free, FreeSource::Nvml),
+    ]
+    .into_iter()
+    .find_map(|(free, source)| free.map(|f| (f, source)));
+    let estimate = i.estimate.filter(|&(free, _)| within(free));
+    let contradicted = i.estimate.filter(|&(free, _)| !within(free));
+    let (could_give, source) = match (measured, estimate, bound) {
+        (Some((f, s)), _, _) => (Some(f), s),
+        (None, Some((f, age)), _) => (Some(f), FreeSource::Estimate { age_ns: age }),
+        (None, None, Some(b)) => (Some(b), FreeSource::Bound),
+        (None, None, None) => (None, FreeSource::Bound),
+    };
+    let not_taken = contradicted
+        .zip(could_give)
+        .map(|((est, _), free)| est.saturating_sub(free));
+    let asked = if i.page {
+        i.request
+    } else {
+        i.refused.or(i.request)
+    };
+    let shortfall = asked
+        .zip(could_give)
+        .map(|(a, f)| a.saturating_sub(f))
+        .filter(|_| i.allowed.is_none());
+    let cause = cause(i, asked, shortfall, source);
+    Arithmetic {
+        asked,
+        request: i.request,
+        refused: i.refused,
+        page: i.page,
+        could_give,
+        source,
+        bound,
+        contradicted,
+        not_taken,
+        shortfall,
+        split: i.split,
+        others: i.others,
+        outside: i.outside,
+        untraced: i.untraced,
+        unattributed: i.unattributed,
+        cause,
+    }
+}
+
+/// The verdict from the figures: capacity when the request does not fit even with every split
+/// byte and no other process; fragmentation or other processes when that alone exceeds the
+/// shortfall; both when each does, or only the two together.
+fn cause(i: &Inputs, asked: Option<u64>, shortfall: Option<u64>, source: FreeSource) -> Cause {
+    if let Some(allowed) = i.allowed {
+        return Cause::FractionLimit { allowed };
+    }
+    let Some(asked) = asked else {
+        return Cause::Unknown {
+            why: "what was asked of the device is not known (PyTorch's out-of-memory message names the request)".into(),
+        };
+    };
+    if shortfall == Some(0) {
+        return Cause::Unknown {
+            why: format!(
+                "by the figures {} would have fit: the refusal came from page rounding, another device, or memory taken between the reading and the call",
+                pb(asked)
+            ),
+        };
+    }
+    // With only the refusal's bound the shortfall lies between one byte and all that was
+    // asked: a share that covers all of it decides, anything less does not.
+    let need = match (source, shortfall) {
+        (FreeSource::Bound, _) | (_, None) => asked,
+        (_, Some(s)) => s,
+    };
+    let Some(split) = i.split else {
+        return if i.others >= need {
+            Cause::OtherProcesses
+        } else {
+            Cause::Unknown {
+                why: "the allocator's free bytes inside its segments are not known (PyTorch's out-of-memory message, or its allocator probes, would settle it)".into(),
+            }
+        };
+    };
+    match (split >= need, i.others >= need) {
+        (true, true) => Cause::Both { each_enough: true },
+        (true, false) => Cause::Fragmentation,
+        (false, true) => Cause::OtherProcesses,
+        (false, false) if split > 0 && i.others > 0 && split + i.others >= need => {
+            Cause::Both { each_enough: false }
+        }
+        (false, false) if source == FreeSource::Bound => Cause::Unknown {
+            why: format!(
+                "only that the device had under {} free is known: neither the split bytes ({}) nor other processes' ({}) cover all of it; PyTorch's out-of-memory message, or NVML at the failure, would settle it",
+                pb(asked),
+                pb(split),
+                pb(i.others)
+            ),
+        },
+        (false, false) => Cause::Capacity,
+    }
+}
+
+impl Arithmetic {
+    /// The figures in one sentence: asked, could give, short by, in the way.
+    pub fn figures(&self) -> String {
+        let mut parts = Vec::new();
+        if let Cause::FractionLimit { allowed } = self.cause {
+            parts.push(format!(
+                "asked {}; the process's memory fraction allows {} (torch.cuda.set_per_process_memory_fraction): the allocator refused without asking the device",
+                self.request.map_or("an unknown size".into(), pb),
+                pb(allowed)
+            ));
+            return parts.join("");
+        }
+        let asked = match (self.asked, self.refused, self.page) {
+            (Some(a), Some(r), true) => format!(
+                "asked {} (the device refused a {} page of an expandable segment)",
+                pb(a),
+                pb(r)
+            ),
+            (Some(a), _, false) if self.request.is_some_and(|q| q != a) => format!(
+                "asked the device for a {} segment (PyTorch's request {})",
+                pb(a),
+                pb(self.request.unwrap_or(a))
+            ),
+            (Some(a), Some(_), _) => format!("asked the device for {}", pb(a)),
+            (Some(a), None, _) => format!("asked {}", pb(a)),
+            (None, Some(r), _) => format!("the device refused {}", pb(r)),
+            (None, None, _) => "the request is not known".to_owned(),
+        };
+        parts.push(asked);
+        parts.push(self.could_give_said());
+        if let Some(s) = self.shortfall {
+            parts.push(match self.source {
+                FreeSource::Bound => format!("short by at least 1 byte, at most {}", pb(s.max(1))),
+                _ => format!("short by {}", pb(s)),
+            });
+        }
+        let mut way = Vec::new();
+        if let Some(split) = self.split {
+            way.push(format!(
+                "{} free in split blocks inside live segments (no cache flush returns them)",
+                pb(split)
+            ));
+        }
+        if self.others > 0 {
+            way.push(format!("{} held by other processes", pb(self.others)));
+        }
+        if self.outside > 0 {
+            way.push(format!(
+                "{} of this process's outside PyTorch's allocator",
+                pb(self.outside)
+            ));
+        }
+        if let Some(u) = self.untraced {
+            way.push(format!(
+                "{} of this process's no traced call took (its CUDA context, mostly)",
+                pb(u)
+            ));
+        }
+        if let Some(u) = self.unattributed {
+            way.push(format!("{} held by no one traced or named", pb(u)));
+        }
+        if !way.is_empty() {
+            parts.push(format!("in the way: {}", way.join(", ")));
+        }
+        parts.join("; ")
+    }
+
+    fn could_give_said(&self) -> String {
+        let Some(free) = self.could_give else {
+            return "what the device could give is not known".into();
+        };
+        let mut said = match self.source {
+            FreeSource::Message => format!(
+                "the device had {} free (PyTorch's message, read after its cache flush)",
+                pb(free)
+            ),
+            FreeSource::Snapshot => format!(
+                "the device had {} free (the memory snapshot's oom entry)",
+                pb(free)
+            ),
+            FreeSource::Nvml => format!("the device had {} free (NVML at the failure)", pb(free)),
+            FreeSource::Estimate { age_ns } => format!(
+                "the device had {} free (cudaMemGetInfo {} before, kept current with this process's calls since)",
+                pb(free),
+                crate::units::format_ns(age_ns.max(0) as u64)
+            ),
+            FreeSource::Bound => format!(
+                "the device had at most {} free (it refused {})",
+                pb(free),
+                pb(self.refused.unwrap_or(free + 1))
+            ),
+        };
+        if let (Some((est, age)), Some(diff)) = (self.contradicted, self.not_taken) {
+            said.push_str(&format!(
+                "; cudaMemGetInfo {} before, kept current with this process's calls, said {}: {} went where no traced call took it (lazily loaded modules, the CUDA context growing, another process)",
+                crate::units::format_ns(age.max(0) as u64),
+                pb(est),
+                pb(diff)
+            ));
+        }
+        said
+    }
+
+    /// The verdict, with the figures that decide it.
+    pub fn verdict(&self) -> String {
+        let short = self.shortfall.map_or("the request".into(), pb);
+        let split = self.split.unwrap_or(0);
+        match &self.cause {
+            Cause::Capacity => format!(
+                "capacity: it does not fit even with every split byte ({}) returned and no other process on the device ({} short)",
+                pb(split),
+                short
+            ),
+            Cause::Fragmentation => format!(
+                "fragmentation decided it: {} lay free in split blocks, more than the {} it was short, in no block that fit",
+                pb(split),
+                short
+            ),
+            Cause::OtherProcesses => format!(
+                "other processes decided it: they held {}, more than the {} it was short{}",
+                pb(self.others),
+                short,
+                if self.split.is_some() {
+                    format!("; the split bytes ({}) were not enough", pb(split))
+                } else {
+                    String::new()
+                }
+            ),
+            Cause::Both { each_enough: true } => format!(
+                "fragmentation and other processes each decided it: the split bytes ({}) and other processes' ({}) each exceed the {} it was short",
+                pb(split),
+                pb(self.others),
+                short
+            ),
+            Cause::Both { each_enough: false } => format!(
+                "fragmentation and other processes together decided it: {} short, the split bytes {} of it, other processes' {}",
+                short,
+                pb(split),
+                pb(self.others)
+            ),
+            Cause::FractionLimit { allowed } => format!(
+                "the process's memory fraction decided it: {} allowed, and the request would pass it (no cudaMalloc was made)",
+                pb(*allowed)
+            ),
+            Cause::Unknown { why } => format!("not decided: {why}"),
+        }
+    }
+}
+
+/// "... 2.81 GiB allowed; ...": a per-process memory fraction's limit in PyTorch's message.
+pub fn allowed_said(message: &str) -> Option<u64> {
+    let head = message.split_once(" allowed;")?.0;
+    let words: Vec<&str> = head.split_whitespace().collect();
+    let n = words.len();
+    (n >= 2)
+        .then(|| super::rules::measured::pytorch_size(&words[n - 2..].join(" ")))
+        .flatten()
+}
+
+/// "... GPU 0 has a total capacity of 79.19 GiB of which 10.50 MiB is free.": the free bytes
+/// PyTorch read after its flush.
+pub fn free_said(message: &str) -> Option<u64> {
+    let rest = message.split_once(" of which ")?.1;
+    super::rules::measured::pytorch_size(rest.split(" is free").next()?)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,133 @@
+//! The OOM chain's arithmetic: the failure's evidence (the refused call, PyTorch's message, the
+//! allocator's layout, NVML, who else held the GPU) turned into analysis/oom.rs's inputs, its
+//! verdict into who held the memory, and both said in the chain with the fixes that follow.
+
+use tracer_common::Op;
+
+use super::{measured, Chain, Fix, FIX_EXPANDABLE, FIX_MAX_SPLIT};
+use crate::{
+    analysis::oom::{self, Arithmetic, Cause},
+    units::format_bytes_as_pytorch as pb,
+};
+
+use super::tenants::{HeldBy, Holders, Judged};
+
+/// One failure's evidence, as the OOM rule found it.
+pub struct Failure<'a, 'f> {
+    /// The refused call (the failure for good, or its retry).
+    pub failed: &'a crate::model::Event,
+    pub at_ns: i64,
+    pub judged: Option<&'a Judged<'f>>,
+    pub message: Option<&'a str>,
+    /// NVML, asked at the failure.
+    pub nvml: Option<&'a crate::model::GpuSample>,
+    /// The last cudaMemGetInfo of the device (or PyTorch's, right after the failure).
+    pub reading: Option<&'a crate::model::Event>,
+    pub others: u64,
+    pub outside: u64,
+    pub untraced: Option<u64>,
+    pub unattributed: Option<u64>,
+}
+
+/// The arithmetic of the failure.
+pub fn of_failure(f: &Failure<'_, '_>) -> Arithmetic {
+    let forensics = f.judged.map(|j| j.failure);
+    // cudaMemGetInfo kept current with the process's own calls since, else the last reading.
+    let estimate = forensics
+        .and_then(|x| {
+            x.device_free
+                .map(|free| (free, x.device_free_reported_ns.map_or(0, |t| f.at_ns - t)))
+        })
+        .or(f.reading.map(|r| (r.aux0.min(r.aux1), f.at_ns - r.ts_ns)));
+    let page = forensics.map_or(f.failed.op == Op::CuMemCreate, |x| !x.whole_segment);
+    oom::arithmetic(&oom::Inputs {
+        request: f.message.and_then(measured::pytorch_tried),
+        refused: Some(f.failed.size).filter(|&s| s > 0),
+        page,
+        given_back: forensics.map_or(0, |x| x.pages_unmapped),
+        message_free: f.message.and_then(oom::free_said),
+        snapshot_free: None,
+        nvml_free: f.nvml.map(|s| s.total.saturating_sub(s.used)),
+        estimate,
+        split: f.judged.and_then(|j| j.split),
+        others: f.others,
+        outside: f.outside,
+        untraced: f.untraced,
+        unattributed: f.unattributed,
+        allowed: f.message.and_then(oom::allowed_said),
+    })
+}
+
+/// Who held the memory the request needed, by the arithmetic's verdict; `otherwise` where it
+/// decides nothing.
+pub fn held_by(a: &Arithmetic, otherwise: impl FnOnce() -> HeldBy) -> HeldBy {
+    match a.cause {
+        Cause::Fragmentation => HeldBy::Fragmentation,
+        Cause::OtherProcesses => HeldBy::OtherProcesses,
+        Cause::Both { .. } => HeldBy::FragmentationAndOtherProcesses,
+        Cause::FractionLimit { .. } => HeldBy::MemoryFraction,
+        Cause::Capacity => match otherwise() {
+            HeldBy::BeyondDevice => HeldBy::BeyondDevice,
+            _ => HeldBy::ThisProcess,
+        },
+        Cause::Unknown { .. } => otherwise(),
+    }
+}
+
+/// The arithmetic and its verdict in the chain's effect, and the fixes that follow from it.
+pub fn say(chain: &mut Chain, h: &Holders, judged: Option<&Judged<'_>>) {
+    let a = &h.arithmetic;
+    if !chain.effect.is_empty() {
+        chain.effect.push_str("; ");
+    }
+    chain.effect.push_str(&a.figures());
+    let decided = !matches!(a.cause, Cause::Unknown { .. });
+    match (decided, judged) {
+        (true, _) => {
+            chain.effect.push_str(": ");
+            chain.effect.push_str(&a.verdict());
+        }
+        (false, Some(j)) => chain.effect.push_str(&j.clause),
+        (false, None) => {
+            chain.effect.push_str(": ");
+            chain.effect.push_str(&a.verdict());
+        }
+    }
+    if h.verdict == HeldBy::Unknown && h.others.is_empty() && h.unattributed.is_some() {
+        chain.effect.push_str(&format!(
+            ": {} of {} was held outside this process and no traced process held it: who held it is not known (nvidia-smi, or a trace running before the other jobs start, would settle it)",
+            pb(h.unattributed.unwrap_or(0)),
+            h.gpu
+        ));
+    }
+    if let Some(fixes) = fixes(h, judged) {
+        chain.fix = fixes;
+    }
+    if h.others.is_empty() {
+        chain
+            .fix
+            .retain(|f| !f.text.starts_with("leave the device to this job"));
+    }
+}
+
+/// The fixes for the verdict; none where the chain's own stand.
+fn fixes(h: &Holders, judged: Option<&Judged<'_>>) -> Option<Vec<Fix>> {
+    let run_alone = || -> Fix {
+        format!(
+            "run this job where it has {} to itself, or bound the other processes there ({} held)",
+            h.gpu,
+            pb(h.arithmetic.others)
+        )
+        .into()
+    };
+    Some(match h.verdict {
+        HeldBy::Fragmentation => vec![FIX_EXPANDABLE, FIX_MAX_SPLIT],
+        HeldBy::OtherProcesses => vec![run_alone()],
+        HeldBy::FragmentationAndOtherProcesses => vec![run_alone(), FIX_EXPANDABLE, FIX_MAX_SPLIT],
+        HeldBy::ThisProcess | HeldBy::BeyondDevice => measured::fixes_for_capacity(),
+        HeldBy::MemoryFraction => vec![
+            "raise the process's memory fraction (torch.cuda.set_per_process_memory_fraction), or reduce peak memory: a smaller batch or sequence length, activation checkpointing".into(),
+        ],
+        HeldBy::Unknown => return judged.map(|j| j.fixes.clone()),
+    })
+}

@@ -176,6 +176,9 @@ run() {
   fi
 }
 
+# GPU_CHECK_ONLY_CASES=1: the recorded cases alone (2d; no comparisons, no cost).
+only_cases=${GPU_CHECK_ONLY_CASES:-}
+compared() {
 for mode in default expandable; do
   say "checking the $mode allocator (traced with --stack, $steps steps, then a provoked OOM)"
   run stack "$mode" "check-$mode" --oom
@@ -252,6 +255,8 @@ co_tenant() {
 say "checking a co-tenant (another process holds all but 3 GiB; the loop runs to a natural OOM)"
 co_tenant_json=()
 if co_tenant; then co_tenant_json=(--co-tenant "$work/co-tenant.json"); fi
+}
+if [ -z "$only_cases" ]; then compared; fi
 
 # 2d. Recorded cases (real GPU only): CUDA graphs in a shared private pool, torch.compile's graph
 # trees, a serving engine's start-up (and one whose KV cache leaves too little for its captures), a
@@ -314,6 +319,8 @@ if [ "$simulated" = 0 ]; then
     case $c in
       graphs) recorded_case graphs graphs default 0 ;;
       compiled) recorded_case compiled compiled default 0 ;;
+      mempool) recorded_case mempool mempool default 0 ;;
+      graph-reset) recorded_case graph-reset graph-reset default 0 ;;
       engine) recorded_case engine engine default 0 --gpu-memory-utilization 0.90 ;;
       engine-oom) recorded_case engine-oom engine default 0 --gpu-memory-utilization 0.999 --profile-rows 1024 --rows-per-seq 16 ;;
       fraction) recorded_case fraction fraction default 0 --fraction 0.02 ;;
@@ -325,6 +332,10 @@ fi
 
 # 3. Cost: the same steps untraced, traced, traced with --allocator auto and traced with --stack,
 # interleaved ----------------------------------------------------------------------------------
+if [ -n "$only_cases" ]; then
+  say "results in $out: $(cd "$out" && ls | tr '\n' ' ')"
+  exit 0
+fi
 cost_json=()
 [ "$rounds" -gt 0 ] && cost_json=(--cost "$work/cost.json")
 echo '[' >"$work/runs.json"

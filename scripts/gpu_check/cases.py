@@ -130,6 +130,53 @@ def case_graphs(args):
     mark("graphs reset, empty_cache")
 
 
+def case_mempool(args):
+    """torch.cuda.MemPool and use_mem_pool: a user pool's free block that a default-pool request
+    may not use; then a pool made with use_on_oom, used only after an OOM; then the pool freed."""
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        held = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 5, 30, 100, 3)]
+    mark("pool filled", pool=list(pool.id))
+    del held[3]
+    mark("pool block freed")
+    eager = torch.empty(60 << 20, dtype=torch.uint8, device="cuda")
+    mark("default request beside the pool's free block")
+    try:
+        oom_pool = torch.cuda.MemPool(use_on_oom=True)
+        with torch.cuda.use_mem_pool(oom_pool):
+            spare = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+        del spare
+        mark("use_on_oom pool made", oom_pool=list(oom_pool.id))
+    except Exception as e:  # noqa: BLE001 - an older PyTorch without use_on_oom: said
+        mark("use_on_oom not available", error="%s: %s" % (type(e).__name__, e))
+    dump_snapshot(args.snapshot, "pools")
+    del held, eager, pool
+    torch.cuda.empty_cache()
+    mark("pool released, empty_cache")
+
+
+def case_graph_reset(args):
+    """Graphs captured, then reset one by one (keep_graph default): the pool freed at use count
+    0, its segments going back at the next empty_cache."""
+    model = MLP(d=512).cuda()
+    model(torch.randn(64, 512, device="cuda"))
+    graphs = []
+    for bs in (64, 128):
+        x = torch.randn(bs, 512, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = model(x)
+        graphs.append((g, x, y))
+        mark("captured bs=%d" % bs, pool=list(g.pool()))
+    for i, (g, _x, _y) in enumerate(graphs):
+        g.reset()
+        mark("reset graph %d" % i)
+    graphs.clear()
+    mark("graphs dropped")
+    torch.cuda.empty_cache()
+    mark("empty_cache")
+
+
 def case_compiled(args):
     """torch.compile(mode="reduce-overhead"): CUDA graph trees, warm-up routed to the pool."""
     model = MLP(d=512).cuda()
@@ -238,7 +285,7 @@ def ring_oom_after_go(args, model, opt, rng):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("case", choices=("graphs", "compiled", "engine", "fraction", "ring-oom"))
+    p.add_argument("case", choices=("graphs", "compiled", "engine", "fraction", "ring-oom", "mempool", "graph-reset"))
     p.add_argument("--snapshot", required=True)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--profile-rows", type=int, default=8192)
@@ -259,7 +306,7 @@ def main():
     error = None
     try:
         {"graphs": case_graphs, "compiled": case_compiled, "engine": case_engine,
-         "fraction": case_fraction}.get(args.case, lambda a: ring_oom_after_go(a, *state))(args)
+         "fraction": case_fraction, "mempool": case_mempool, "graph-reset": case_graph_reset}.get(args.case, lambda a: ring_oom_after_go(a, *state))(args)
     except Exception as e:  # noqa: BLE001 - kept in the results: a case that fails is data too
         error = "%s: %s" % (type(e).__name__, e)
         print("cases: %s" % error, file=sys.stderr, flush=True)

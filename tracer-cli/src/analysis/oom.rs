@@ -15,7 +15,11 @@ use crate::units::format_bytes_as_pytorch as pb;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum FreeSource {
-    /// PyTorch's out-of-memory message: cudaMemGetInfo read after its cache flush.
+    /// cudaMemGetInfo right after the failure (PyTorch reads it for its message, after its
+    /// cache flush): exact.
+    AfterFailure,
+    /// PyTorch's out-of-memory message: cudaMemGetInfo read after its cache flush, to two
+    /// decimals.
     Message,
     /// A memory snapshot's `oom` entry (`device_free`, read as the allocator failed).
     Snapshot,
@@ -40,6 +44,8 @@ pub struct Inputs {
     pub page: bool,
     /// Pages the same request had made before its refused page, given back as it failed.
     pub given_back: u64,
+    /// cudaMemGetInfo's free bytes read right after the failure.
+    pub after_free: Option<u64>,
     pub message_free: Option<u64>,
     pub snapshot_free: Option<u64>,
     pub nvml_free: Option<u64>,
@@ -128,6 +134,7 @@ pub fn arithmetic(i: &Inputs) -> Arithmetic {
     let bound = i.refused.map(|r| r.saturating_sub(1));
     let within = |free: u64| bound.is_none_or(|b| free <= b);
     let measured = [
+        (i.after_free, FreeSource::AfterFailure),
         (i.message_free, FreeSource::Message),
         (i.snapshot_free, FreeSource::Snapshot),
         (i.nvml_free, FreeSource::Nvml),
@@ -301,6 +308,10 @@ impl Arithmetic {
             return "what the device could give is not known".into();
         };
         let mut said = match self.source {
+            FreeSource::AfterFailure => format!(
+                "the device had {} free (cudaMemGetInfo right after the failure, after the cache flush: the reading PyTorch's message is made from)",
+                pb(free)
+            ),
             FreeSource::Message => format!(
                 "the device had {} free (PyTorch's message, read after its cache flush)",
                 pb(free)

@@ -4,7 +4,7 @@
 
 use tracer_common::Op;
 
-use super::{measured, Chain, Fix, FIX_EXPANDABLE, FIX_MAX_SPLIT};
+use super::{entry, measured, Chain, Fix, Rule, Severity, FIX_EXPANDABLE, FIX_MAX_SPLIT};
 use crate::{
     analysis::oom::{self, Arithmetic, Cause},
     units::format_bytes_as_pytorch as pb,
@@ -32,19 +32,27 @@ pub struct Failure<'a, 'f> {
 /// The arithmetic of the failure.
 pub fn of_failure(f: &Failure<'_, '_>) -> Arithmetic {
     let forensics = f.judged.map(|j| j.failure);
-    // cudaMemGetInfo kept current with the process's own calls since, else the last reading.
+    // A reading right after the failure is the device after the flush; one before it, an
+    // estimate kept current with the process's own calls since.
+    let after_free = f
+        .reading
+        .filter(|r| r.ts_ns >= f.at_ns)
+        .map(|r| r.aux0.min(r.aux1));
+    let before = f.reading.filter(|r| r.ts_ns < f.at_ns);
     let estimate = forensics
         .and_then(|x| {
             x.device_free
                 .map(|free| (free, x.device_free_reported_ns.map_or(0, |t| f.at_ns - t)))
         })
-        .or(f.reading.map(|r| (r.aux0.min(r.aux1), f.at_ns - r.ts_ns)));
+        .filter(|&(_, age)| age >= 0)
+        .or(before.map(|r| (r.aux0.min(r.aux1), f.at_ns - r.ts_ns)));
     let page = forensics.map_or(f.failed.op == Op::CuMemCreate, |x| !x.whole_segment);
     oom::arithmetic(&oom::Inputs {
         request: f.message.and_then(measured::pytorch_tried),
         refused: Some(f.failed.size).filter(|&s| s > 0),
         page,
         given_back: forensics.map_or(0, |x| x.pages_unmapped),
+        after_free,
         message_free: f.message.and_then(oom::free_said),
         snapshot_free: None,
         nvml_free: f.nvml.map(|s| s.total.saturating_sub(s.used)),
@@ -130,4 +138,69 @@ fn fixes(h: &Holders, judged: Option<&Judged<'_>>) -> Option<Vec<Fix>> {
         ],
         HeldBy::Unknown => return judged.map(|j| j.fixes.clone()),
     })
+}
+
+/// An out-of-memory PyTorch raised with no failed device call before it: the allocator refused
+/// without asking the device (a per-process memory fraction's limit, a pool's own allocator),
+/// or the call was not traced. Its chain from the message alone.
+pub fn from_message(pid: u32, m: &crate::model::MessageRow) -> Chain {
+    let text = m.text.as_str();
+    let a = oom::arithmetic(&oom::Inputs {
+        request: measured::pytorch_tried(text),
+        message_free: oom::free_said(text),
+        split: measured::pytorch_cached(text),
+        allowed: oom::allowed_said(text),
+        ..oom::Inputs::default()
+    });
+    let fraction = matches!(a.cause, Cause::FractionLimit { .. });
+    let tried = a.request.map_or("an unknown size".into(), pb);
+    Chain {
+        rule: Rule::Oom,
+        severity: Severity::High,
+        pid,
+        title: if fraction {
+            format!("out of memory: PyTorch refused {tried} without asking the device (its memory fraction)")
+        } else {
+            format!("out of memory: PyTorch raised for {tried}, with no failed device call traced")
+        },
+        root: format!(
+            "PyTorch raised out of memory for {tried}; no cudaMalloc or page of it failed in the trace{}",
+            if fraction {
+                ": the allocator checks the process's memory fraction before it asks the device"
+            } else {
+                " (the device call was not traced, or a pool's own allocator refused)"
+            }
+        ),
+        effect: format!("{}{}: {}", a.figures(), reserved_said(text, &a), a.verdict()),
+        compounding: Vec::new(),
+        timeline: vec![entry(m.ts_ns, format!("PyTorch raises out of memory ({tried})"))],
+        fix: if fraction {
+            vec!["raise the process's memory fraction (torch.cuda.set_per_process_memory_fraction), or reduce peak memory: a smaller batch or sequence length, activation checkpointing".into()]
+        } else {
+            vec!["reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into()]
+        },
+        evidence: format!("PyTorch's out-of-memory message and no failed device call: {text}"),
+    }
+}
+
+/// The fraction's sum as PyTorch checks it: what the allocator reserved (allocated and cached,
+/// by its message) and the request, against what the fraction allows.
+fn reserved_said(text: &str, a: &Arithmetic) -> String {
+    let allocated = text
+        .split_once("Of the allocated memory ")
+        .and_then(|(_, rest)| {
+            measured::pytorch_size(rest.split(" is allocated by PyTorch").next()?)
+        });
+    match (a.cause.clone(), allocated, measured::pytorch_cached(text), a.request) {
+        (Cause::FractionLimit { allowed }, Some(allocated), Some(cached), Some(request)) => format!(
+            "; reserved {} (allocated {}, cached {}) and the {} asked make {}, more than the {} allowed",
+            pb(allocated + cached),
+            pb(allocated),
+            pb(cached),
+            pb(request),
+            pb(allocated + cached + request),
+            pb(allowed)
+        ),
+        _ => String::new(),
+    }
 }

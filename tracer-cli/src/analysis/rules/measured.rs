@@ -414,9 +414,13 @@ pub fn oom_forensics(f: &Findings, fatal_ns: i64, message: Option<&str>) -> Opti
         pb(x.total.largest_free),
         pb(x.outside)
     );
-    let split = message
-        .and_then(pytorch_cached)
-        .or_else(|| (f.unknown.exact() && x.unseen == 0).then(|| x.total.cached()));
+    // The layout at the raised failure is after the flush: exact where tracer saw it whole,
+    // else PyTorch's message (two decimals).
+    let split = if f.unknown.exact() && x.unseen == 0 {
+        Some(x.total.cached())
+    } else {
+        message.and_then(pytorch_cached)
+    };
     let verdict = if f.unknown.exact() {
         match x.verdict(message.and_then(pytorch_tried)) {
             OomVerdict::Fragmentation => Some(true),
@@ -545,7 +549,7 @@ pub fn unknown_said(f: &Findings) -> String {
 }
 
 /// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.
-fn pytorch_cached(message: &str) -> Option<u64> {
+pub(crate) fn pytorch_cached(message: &str) -> Option<u64> {
     let before = message
         .split(" is reserved by PyTorch but unallocated")
         .next()?;

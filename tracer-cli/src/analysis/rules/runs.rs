@@ -92,7 +92,14 @@ pub(super) fn allocator_retry(f: &mut Scanning<'_, '_>) -> Option<Chain> {
 /// The out-of-memory, told from the allocator's layout at the failure where it was measured
 /// (its figures and PyTorch's message), with who else held the GPU then.
 pub(super) fn oom(f: &mut Scanning<'_, '_>) -> Option<Chain> {
-    let mut chain = failure::oom(f.p, f.everyone, &f.scan.attempts, f.sites)?;
+    let Some(mut chain) = failure::oom(f.p, f.everyone, &f.scan.attempts, f.sites) else {
+        // PyTorch raised with no failed device call: its message alone tells the failure.
+        return f
+            .messages
+            .iter()
+            .find(|m| m.pid == f.p.pid && m.op == tracer_common::Op::TorchOom.name())
+            .map(|m| super::arithmetic::from_message(f.p.pid, m));
+    };
     let fatal_ns = chain.timeline.last().map(|t| t.ts_ns)?;
     let judged = f
         .measured

@@ -1353,7 +1353,7 @@ fn check_incident(simulated: bool) {
     let oom = chain(&r, "oom");
     assert_eq!(oom["severity"], "HIGH");
     let effect = oom["effect"].as_str().unwrap();
-    assert!(effect.contains("(fragmentation)"), "{oom}");
+    assert!(effect.contains("fragmentation decided it"), "{oom}");
     assert!(
         oom["fix"][0]
             .as_str()

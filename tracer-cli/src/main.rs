@@ -34,11 +34,11 @@ enum Command {
     Stacks(cmd::stacks::StacksArgs),
     /// Run a realistic workload on the simulated CUDA runtime, trace it, and explain it (no GPU needed).
     Demo(cmd::demo::DemoArgs),
-    /// Store the simulated CUDA runtime's own event log (SIMCUDA_EVENTS) as a session to explain.
+    /// Store a PyTorch memory snapshot (--snapshot, gzip too) or the simulated runtime's event log as a session to explain.
     Import(cmd::import::ImportArgs),
     /// Show the allocator's segments and blocks at a moment (rebuilt from PyTorch's own probes).
     Layout(cmd::layout::LayoutArgs),
-    /// Export a session to another tool's format (Perfetto's trace, for ui.perfetto.dev).
+    /// Export a session as a PyTorch memory snapshot (memory_viz) or a Perfetto trace (ui.perfetto.dev).
     Export(cmd::export::ExportArgs),
     /// Write a session as one self-contained HTML page: memory over time, the segment map, the chains.
     Report(cmd::report::ReportArgs),

@@ -345,6 +345,11 @@ impl Arithmetic {
 
     /// The verdict, with the figures that decide it.
     pub fn verdict(&self) -> String {
+        self.verdict_on("the device")
+    }
+
+    /// The verdict, naming the GPU (`on`: "GPU 0").
+    pub fn verdict_on(&self, on: &str) -> String {
         let short = self.shortfall.map_or("the request".into(), pb);
         let split = self.split.unwrap_or(0);
         match &self.cause {
@@ -359,7 +364,7 @@ impl Arithmetic {
                 short
             ),
             Cause::OtherProcesses => format!(
-                "other processes decided it: they held {}, more than the {} it was short{}",
+                "other processes decided it: held by other processes on {on} ({}), more than the {} it was short{}",
                 pb(self.others),
                 short,
                 if self.split.is_some() {
@@ -369,13 +374,13 @@ impl Arithmetic {
                 }
             ),
             Cause::Both { each_enough: true } => format!(
-                "fragmentation and other processes each decided it: the split bytes ({}) and other processes' ({}) each exceed the {} it was short",
+                "fragmentation and other processes each decided it: the split bytes ({}) and what other processes held on {on} ({}) each exceed the {} it was short",
                 pb(split),
                 pb(self.others),
                 short
             ),
             Cause::Both { each_enough: false } => format!(
-                "fragmentation and other processes together decided it: {} short, the split bytes {} of it, other processes' {}",
+                "fragmentation and other processes together decided it: {} short, the split bytes {} of it, what other processes held on {on} {}",
                 short,
                 pb(split),
                 pb(self.others)
@@ -395,7 +400,7 @@ pub fn allowed_said(message: &str) -> Option<u64> {
     let words: Vec<&str> = head.split_whitespace().collect();
     let n = words.len();
     (n >= 2)
-        .then(|| super::rules::measured::pytorch_size(&words[n - 2..].join(" ")))
+        .then(|| pytorch_size(&words[n - 2..].join(" ")))
         .flatten()
 }
 
@@ -403,7 +408,30 @@ pub fn allowed_said(message: &str) -> Option<u64> {
 /// PyTorch read after its flush.
 pub fn free_said(message: &str) -> Option<u64> {
     let rest = message.split_once(" of which ")?.1;
-    super::rules::measured::pytorch_size(rest.split(" is free").next()?)
+    pytorch_size(rest.split(" is free").next()?)
+}
+
+/// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.
+pub fn pytorch_cached(message: &str) -> Option<u64> {
+    let before = message
+        .split(" is reserved by PyTorch but unallocated")
+        .next()?;
+    pytorch_size(before.rsplit(", and ").next()?)
+}
+
+/// A size as PyTorch's format_size writes it ("55.66 MiB", "512 bytes").
+pub fn pytorch_size(text: &str) -> Option<u64> {
+    let compact = text.trim().replace("bytes", "B").replace(' ', "");
+    if compact.trim_start_matches('0').starts_with(['B', '.']) || compact == "0" {
+        return Some(0);
+    }
+    crate::units::parse_size(&compact).ok()
+}
+
+/// "Tried to allocate 22.00 MiB.": the request PyTorch names.
+pub fn pytorch_tried(message: &str) -> Option<u64> {
+    let rest = message.split_once("Tried to allocate ")?.1;
+    pytorch_size(rest.split(". ").next()?)
 }
 
 #[cfg(test)]

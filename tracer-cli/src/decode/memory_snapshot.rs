@@ -343,7 +343,7 @@ impl Reader<'_> {
                     .str(f, "filename")
                     .map_err(|e| anyhow!("frames[{i}]: {e}"))?
                     .to_owned(),
-                line: self.i64(f, "line").unwrap_or(0),
+                line: self.i64(f, "line").map(|l| l.max(0)).unwrap_or(0),
             });
         }
         let id = self.out.stacks.len() as u32;

@@ -267,7 +267,10 @@ impl Machine<'_> {
         let mut buf = [fill; 8];
         buf[..low.len()].copy_from_slice(low);
         let v = i64::from_le_bytes(buf);
-        if (v < 0) != negative {
+        // An unsigned 64-bit value above i64::MAX (PyTorch writes an unknown frame line as
+        // size_t's -1, 18446744073709551615) is kept as its two's complement: -1 there.
+        let unsigned_64 = !negative && high.len() == 1 && low.len() == 8;
+        if (v < 0) != negative && !unsigned_64 {
             return Err(PickleError::WideInt(at));
         }
         self.int(v);
@@ -544,5 +547,13 @@ mod tests {
             decode(b"\x80\x04\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01.").err(),
             Some(PickleError::WideInt(2))
         );
+    }
+
+    /// torch.compile's frames write an unknown line as size_t's -1 (2^64 - 1): an unsigned
+    /// 64-bit integer, read as its two's complement, not refused.
+    #[test]
+    fn an_unsigned_64_bit_integer_is_read() {
+        let p = decode(b"\x80\x04\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\x00.").unwrap();
+        assert_eq!(p.get(p.root()), &Value::Int(-1));
     }
 }

@@ -48,20 +48,24 @@ pub fn check(db: &Path, session: i64, snap: &MemorySnapshot) -> Result<SnapshotC
     let mut rebuilt: std::collections::BTreeMap<(i32, u64), (u64, Blocks)> = processes
         .iter()
         .flat_map(|p| &p.segments)
-        .map(|s| {
-            let blocks: Blocks = s
-                .runs
-                .iter()
-                .filter(|r| r.kind != RunKind::Unmapped)
-                .map(|r| (r.addr, r.size, r.kind == RunKind::Allocated))
-                .collect();
-            // An expandable segment's size, as PyTorch reports it, is what is mapped of it.
-            let size = if s.expandable {
-                blocks.iter().map(|b| b.1).sum()
-            } else {
-                s.size
-            };
-            ((s.device, s.addr), (size, blocks))
+        .flat_map(|s| {
+            if !s.expandable {
+                let blocks: Blocks = s
+                    .runs
+                    .iter()
+                    .map(|r| (r.addr, r.size, r.kind == RunKind::Allocated))
+                    .collect();
+                return vec![((s.device, s.addr), (s.size, blocks))];
+            }
+            // PyTorch lists each mapped stretch of an expandable segment as a segment of its
+            // own, its size what is mapped.
+            stretches(&s.runs)
+                .into_iter()
+                .map(|blocks| {
+                    let size = blocks.iter().map(|b| b.1).sum();
+                    ((s.device, blocks[0].0), (size, blocks))
+                })
+                .collect()
         })
         .collect();
     let mut out = SnapshotCheck::default();
@@ -115,6 +119,25 @@ pub fn check(db: &Path, session: i64, snap: &MemorySnapshot) -> Result<SnapshotC
         });
     }
     Ok(out)
+}
+
+/// The mapped stretches of an expandable segment's runs, each its blocks in address order.
+fn stretches(runs: &[crate::model::layout::Run]) -> Vec<Blocks> {
+    let mut out: Vec<Blocks> = Vec::new();
+    let mut current: Blocks = Vec::new();
+    for r in runs {
+        if r.kind == RunKind::Unmapped {
+            if !current.is_empty() {
+                out.push(std::mem::take(&mut current));
+            }
+            continue;
+        }
+        current.push((r.addr, r.size, r.kind == RunKind::Allocated));
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
 }
 
 fn blocks_text(blocks: &Blocks) -> String {

@@ -71,6 +71,29 @@ pub struct ImportedSnapshot {
 /// Reads and checks a snapshot file (untrusted): a bad one is the user's error, naming it.
 /// Under sudo the file is opened with the invoking user's file-system ids: root reads nothing
 /// through it that they could not read themselves.
+/// The most a gzip'd snapshot may unpack to: far above any snapshot memory_viz can open, well
+/// below what would exhaust a node's memory.
+const GUNZIPPED_MAX: u64 = 4 << 30;
+
+/// The bytes as they are, or unpacked where they are gzip's (magic 1f 8b), bounded.
+fn gunzipped(bytes: Vec<u8>) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    if !bytes.starts_with(&[0x1f, 0x8b]) {
+        return Ok(bytes);
+    }
+    let mut out = Vec::new();
+    flate2::read::MultiGzDecoder::new(bytes.as_slice())
+        .take(GUNZIPPED_MAX + 1)
+        .read_to_end(&mut out)?;
+    if out.len() as u64 > GUNZIPPED_MAX {
+        return Err(std::io::Error::other(format!(
+            "it unpacks to more than {} (not a memory snapshot)",
+            crate::units::format_bytes(GUNZIPPED_MAX)
+        )));
+    }
+    Ok(out)
+}
+
 pub fn read_snapshot(file: &Path) -> Result<MemorySnapshot> {
     let as_user = paths::act_as(paths::invoker().owner);
     if !file.is_file() {
@@ -86,6 +109,12 @@ pub fn read_snapshot(file: &Path) -> Result<MemorySnapshot> {
         ))
     })?;
     drop(as_user);
+    let bytes = gunzipped(bytes).map_err(|e| {
+        user_error(format!(
+            "cannot decompress the memory snapshot {}: {e}",
+            file.display()
+        ))
+    })?;
     let decoded = pickle::decode(&bytes).map_err(|e| {
         user_error(format!(
             "{} is not a memory snapshot tracer can read: {e}",
@@ -314,8 +343,11 @@ struct Plan {
 struct Before {
     /// Segments by address: (size, expandable).
     segments: BTreeMap<u64, (u64, bool)>,
-    /// Live blocks by address: (requested size, stream).
-    blocks: BTreeMap<u64, (u64, u64)>,
+    /// Expandable segments of the small pool (2 MiB pages; the large pool's are 20 MiB).
+    small: std::collections::BTreeSet<u64>,
+    /// Live blocks by address: (requested size, stream, the block's size where the final
+    /// state says it: a block keeps the size it was split to).
+    blocks: BTreeMap<u64, (u64, u64, Option<u64>)>,
     /// Expandable segments' mapped ranges: start -> end, disjoint and merged.
     mapped: BTreeMap<u64, u64>,
 }
@@ -381,17 +413,23 @@ impl Plan {
             b.segments.insert(s.address, (s.total_size, s.expandable));
             if s.expandable {
                 map_range(&mut b.mapped, s.address, s.address + s.total_size, true);
+                if s.small {
+                    b.small.insert(s.address);
+                }
             }
             for blk in &s.blocks {
                 if blk.state != BlockKind::Inactive {
-                    b.blocks.insert(blk.address, (blk.requested_size, s.stream));
+                    b.blocks
+                        .insert(blk.address, (blk.requested_size, s.stream, Some(blk.size)));
                 }
             }
         }
         for e in entries.iter().rev() {
             let consistent = match e.action {
                 Action::Alloc => b.blocks.remove(&e.addr).is_some(),
-                Action::FreeCompleted => b.blocks.insert(e.addr, (e.size, e.stream)).is_none(),
+                Action::FreeCompleted => {
+                    b.blocks.insert(e.addr, (e.size, e.stream, None)).is_none()
+                }
                 Action::SegmentAlloc => b.segments.remove(&e.addr).is_some(),
                 Action::SegmentFree => b.segments.insert(e.addr, (e.size, false)).is_none(),
                 Action::SegmentMap => map_range(&mut b.mapped, e.addr, e.addr + e.size, false),
@@ -414,7 +452,8 @@ impl Plan {
         entries: &[TraceEntry],
         start: i64,
     ) {
-        let events = before.segments.len() + before.mapped.len() + before.blocks.len();
+        let maps = before_maps(before, snap, entries);
+        let events = before.segments.len() + maps.len() + before.blocks.len();
         if events > 0 {
             self.trace_begins_ns = Some(self.trace_begins_ns.map_or(start, |t| t.max(start)));
         }
@@ -423,7 +462,8 @@ impl Plan {
             if expandable {
                 // The reservation is never in the trace: it held memory before the trace
                 // only if pages were mapped in it.
-                let extent = reserved_extent(addr, size, snap, entries);
+                let next = before.segments.range(addr + 1..).next().map(|(&a, _)| a);
+                let extent = reserved_extent(addr, size, snap, entries, next);
                 self.push(Op::CuMemAddressReserve, device, addr, extent, ts, 0, None);
                 if before.mapped.range(addr..addr + extent).next().is_some() {
                     self.segments_before += 1;
@@ -434,12 +474,23 @@ impl Plan {
             }
             ts += 1;
         }
-        for (&addr, &end) in &before.mapped {
-            self.push(Op::CuMemMap, device, addr, end - addr, ts, 0, None);
+        for (addr, size) in maps {
+            self.push(Op::CuMemMap, device, addr, size, ts, 0, None);
             ts += 1;
         }
-        for (&addr, &(requested, stream)) in before.blocks.iter().rev() {
-            self.push(Op::TorchMalloc, device, addr, requested, ts, stream, None);
+        for (&addr, &(requested, stream, block)) in before.blocks.iter().rev() {
+            // A block from before the trace keeps the size it was split to (a remainder under
+            // 1 MiB is not split off a large block): placed at its block size, it is rebuilt
+            // as PyTorch holds it.
+            self.push(
+                Op::TorchMalloc,
+                device,
+                addr,
+                block.unwrap_or(requested),
+                ts,
+                stream,
+                None,
+            );
             self.blocks_before += 1;
             ts += 1;
         }
@@ -535,6 +586,38 @@ impl Plan {
     }
 }
 
+/// The pages mapped before the trace, as PyTorch mapped them: each reservation's mapped ranges
+/// clipped to it, a page of its pool at a time (2 MiB small, 20 MiB large), so that each
+/// segment takes its pool from its first page as it did.
+fn before_maps(before: &Before, snap: &MemorySnapshot, entries: &[TraceEntry]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let expandable: Vec<(u64, u64)> = before
+        .segments
+        .iter()
+        .filter(|(_, &(_, e))| e)
+        .map(|(&a, &(size, _))| (a, size))
+        .collect();
+    for &(addr, size) in &expandable {
+        let next = before.segments.range(addr + 1..).next().map(|(&a, _)| a);
+        let end = addr + reserved_extent(addr, size, snap, entries, next);
+        let page: u64 = if before.small.contains(&addr) {
+            2 << 20
+        } else {
+            20 << 20
+        };
+        for (&from, &to) in before.mapped.range(..end) {
+            let (from, to) = (from.max(addr), to.min(end));
+            let mut at = from;
+            while at < to {
+                let len = page.min(to - at);
+                out.push((at, len));
+                at += len;
+            }
+        }
+    }
+    out
+}
+
 /// Maps (or unmaps) [start, end) in a set of disjoint merged ranges; true when the change is
 /// consistent with it (nothing mapped twice, nothing unmapped that was not mapped).
 fn map_range(ranges: &mut BTreeMap<u64, u64>, start: u64, end: u64, mapped: bool) -> bool {
@@ -580,22 +663,35 @@ fn map_range(ranges: &mut BTreeMap<u64, u64>, start: u64, end: u64, mapped: bool
     }
 }
 
-/// An expandable segment's reserved range: it grows upward as chunks are mapped at its end.
-fn reserved_extent(addr: u64, size: u64, snap: &MemorySnapshot, entries: &[TraceEntry]) -> u64 {
+/// An expandable segment's reserved range: it grows upward as chunks are mapped at its end,
+/// up to the next segment the snapshot or the rebuilt state knows of (reservations never
+/// overlap; PyTorch's snapshot lists each mapped stretch of one reservation as a segment).
+fn reserved_extent(
+    addr: u64,
+    size: u64,
+    snap: &MemorySnapshot,
+    entries: &[TraceEntry],
+    next: Option<u64>,
+) -> u64 {
+    let limit = next.unwrap_or(u64::MAX);
     let final_end = snap
         .segments
         .iter()
-        .filter(|s| s.address == addr)
-        .map(|s| addr + s.total_size)
+        .filter(|s| s.address >= addr && s.address < limit && s.expandable)
+        .map(|s| s.address + s.total_size)
         .max()
         .unwrap_or(addr + size);
     let mapped_end = entries
         .iter()
-        .filter(|e| matches!(e.action, Action::SegmentMap | Action::SegmentUnmap) && e.addr >= addr)
+        .filter(|e| {
+            matches!(e.action, Action::SegmentMap | Action::SegmentUnmap)
+                && e.addr >= addr
+                && e.addr < limit
+        })
         .map(|e| e.addr + e.size)
         .max()
         .unwrap_or(0);
-    final_end.max(mapped_end) - addr
+    final_end.max(mapped_end).min(limit) - addr
 }
 
 /// A size as PyTorch's format_size writes it.

@@ -10,9 +10,37 @@ use tracer_common::Op;
 use super::tensor_events::damaged_or;
 use crate::model::{stack_id, SiteLabels};
 
-/// Path fragments of frames that are not the user's own code: installed packages and the
-/// standard library (explain --skip-frames adds more).
-pub const LIBRARY_FRAMES: &[&str] = &["site-packages", "dist-packages", "/lib/python3", "<frozen"];
+/// Packages whose frames are PyTorch's own, never the user's line: matched as the path
+/// component right after site-packages or dist-packages (so `lightning/pytorch/...` is not).
+pub const PYTORCH_PACKAGES: &[&str] = &["torch", "functorch", "torchgen"];
+
+/// Whether a Python frame's file is PyTorch's own or the interpreter's (its standard library,
+/// frozen modules): not the user's line, whatever else is installed as a package is.
+pub fn pytorch_or_interpreter(file: &str) -> bool {
+    if file.starts_with('<') {
+        return true;
+    }
+    let parts: Vec<&str> = file.split('/').collect();
+    parts.iter().enumerate().any(|(i, part)| {
+        let next = parts.get(i + 1).copied();
+        match *part {
+            "site-packages" | "dist-packages" => next.is_some_and(|n| {
+                PYTORCH_PACKAGES.contains(&n)
+                    || PYTORCH_PACKAGES
+                        .iter()
+                        .any(|p| n.strip_suffix(".py") == Some(p))
+            }),
+            // The standard library: lib/pythonX.Y/<module>, not its site-packages.
+            _ if part.starts_with("python3")
+                && i > 0
+                && matches!(parts[i - 1], "lib" | "lib64") =>
+            {
+                next.is_some_and(|n| n != "site-packages" && n != "dist-packages")
+            }
+            _ => false,
+        }
+    })
+}
 
 /// Native modules that are never the call site (the CUDA libraries, the FFI and the interpreter).
 fn runtime_module(module: &str) -> bool {
@@ -35,8 +63,9 @@ fn short_path(path: &str) -> String {
     parts.into_iter().rev().collect::<Vec<_>>().join("/")
 }
 
-/// The call site of each of the session's stacks: its first frame in the user's own code
-/// ("dir/train.py:74 (train_step)"), skipping frames whose file contains one of `skip`.
+/// The call site of each of the session's stacks: its innermost Python frame outside PyTorch's
+/// own files and the interpreter's ("dir/train.py:74 (train_step)"), ahead of any native frame;
+/// frames whose file contains one of `skip` are passed over too.
 pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<SiteLabels> {
     let mut stmt = conn.prepare(
         "SELECT f.stack_id, f.kind, f.function, f.file, f.line, f.module FROM stack_frames f
@@ -59,10 +88,11 @@ pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<S
         };
         let candidate = if kind == "python" {
             let file = file.unwrap_or_default();
-            let library = LIBRARY_FRAMES.iter().any(|p| file.contains(p))
-                || skip.iter().any(|p| file.contains(p.as_str()));
+            let library =
+                pytorch_or_interpreter(&file) || skip.iter().any(|p| file.contains(p.as_str()));
             let label = format!("{} ({})", where_(&file), function.unwrap_or_default());
-            // Rank 0: user code; 2: any Python frame (a stack entirely in libraries).
+            // Rank 0: the innermost frame outside PyTorch and the interpreter (a framework
+            // installed as a package included); 2: any Python frame.
             Some((if library { 2 } else { 0 }, label))
         } else {
             let module = module.unwrap_or_default();
@@ -190,4 +220,35 @@ pub fn stacks(
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pytorch_or_interpreter as theirs;
+
+    /// PyTorch's own files and the interpreter's, by path component: a framework installed as
+    /// a package (torchtitan, lightning's `pytorch/` folder) is the user's line.
+    #[test]
+    fn pytorch_and_the_interpreter_are_told_by_path_component() {
+        for file in [
+            "/venv/lib/python3.11/site-packages/torch/nn/functional.py",
+            "/usr/lib/python3/dist-packages/torch/_tensor.py",
+            "/venv/lib/python3.12/site-packages/functorch/_src/eager.py",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/threading.py",
+            "/usr/lib/python3.11/json/encoder.py",
+            "<frozen runpy>",
+        ] {
+            assert!(theirs(file), "{file}");
+        }
+        for file in [
+            "/venv/lib/python3.11/site-packages/torchtitan/components/loss.py",
+            "/venv/lib/python3.11/site-packages/lightning/pytorch/trainer/trainer.py",
+            "/venv/lib/python3.11/site-packages/torchvision/models/resnet.py",
+            "/home/me/torch_experiments/train.py",
+            "/home/me/proj/train.py",
+            "train.py",
+        ] {
+            assert!(!theirs(file), "{file}");
+        }
+    }
 }

@@ -609,4 +609,6 @@ pub fn block_event_pids(conn: &Connection, session: i64) -> Result<Vec<u32>> {
     Ok(pids)
 }
 
-pub use super::call_sites::{frames_of, site_labels, stacks, FrameOut, StackSite, LIBRARY_FRAMES};
+pub use super::call_sites::{
+    frames_of, pytorch_or_interpreter, site_labels, stacks, FrameOut, StackSite,
+};

@@ -400,8 +400,44 @@ fn site_labels_pick_the_first_user_frame() {
         native("allocate", "/home/me/app"),
         native("main", "/home/me/app"),
     ];
+    // A framework installed as a package: every Python frame under site-packages, native
+    // frames of PyTorch's inside (issue 49's A100 snapshot, torchtitan).
+    let site = "/venv/lib/python3.11/site-packages";
+    let framework_stack = [
+        native("cudaMalloc", "/x/libcudart.so.12"),
+        native(
+            "at::detail::empty_generic",
+            &format!("{site}/torch/lib/libtorch_cpu.so"),
+        ),
+        py(
+            "cross_entropy",
+            &format!("{site}/torch/nn/functional.py"),
+            3494,
+        ),
+        py(
+            "cross_entropy_loss",
+            &format!("{site}/torchtitan/components/loss.py"),
+            21,
+        ),
+        py("train_step", &format!("{site}/torchtitan/train.py"), 400),
+        py("_run_module_as_main", "<frozen runpy>", 198),
+    ];
+    let lightning_stack = [
+        native("cudaMalloc", "/x/libcudart.so.12"),
+        py("linear", &format!("{site}/torch/nn/modules/linear.py"), 125),
+        py(
+            "training_step",
+            &format!("{site}/lightning/pytorch/core/module.py"),
+            77,
+        ),
+    ];
     let mut ids = Vec::new();
-    for frames in [&python_stack[..], &c_stack[..]] {
+    for frames in [
+        &python_stack[..],
+        &c_stack[..],
+        &framework_stack[..],
+        &lightning_stack[..],
+    ] {
         ids.push(
             store
                 .insert_stack(
@@ -422,6 +458,14 @@ fn site_labels_pick_the_first_user_frame() {
         "proj/utils.py:7 (helper)"
     );
     assert_eq!(labels[&stack_id(ids[1]).unwrap()], "allocate (me/app)");
+    assert_eq!(
+        labels[&stack_id(ids[2]).unwrap()],
+        "components/loss.py:21 (cross_entropy_loss)"
+    );
+    assert_eq!(
+        labels[&stack_id(ids[3]).unwrap()],
+        "core/module.py:77 (training_step)"
+    );
     let skip = ["utils.py".to_string()];
     let labels = events::site_labels(store.conn(), session, &skip).unwrap();
     assert_eq!(

@@ -10,7 +10,7 @@ use crate::{
     units::format_bytes_as_pytorch as pb,
 };
 
-use super::tenants::{HeldBy, Holders, Judged};
+use super::holders::{HeldBy, Holders, Judged};
 
 /// One failure's evidence, as the OOM rule found it.
 pub struct Failure<'a, 'f> {
@@ -48,7 +48,7 @@ pub fn of_failure(f: &Failure<'_, '_>) -> Arithmetic {
         .or(before.map(|r| (r.aux0.min(r.aux1), f.at_ns - r.ts_ns)));
     let page = forensics.map_or(f.failed.op == Op::CuMemCreate, |x| !x.whole_segment);
     oom::arithmetic(&oom::Inputs {
-        request: f.message.and_then(measured::pytorch_tried),
+        request: f.message.and_then(oom::pytorch_tried),
         refused: Some(f.failed.size).filter(|&s| s > 0),
         page,
         given_back: forensics.map_or(0, |x| x.pages_unmapped),
@@ -93,12 +93,12 @@ pub fn say(chain: &mut Chain, h: &Holders, judged: Option<&Judged<'_>>) {
     match (decided, judged) {
         (true, _) => {
             chain.effect.push_str(": ");
-            chain.effect.push_str(&a.verdict());
+            chain.effect.push_str(&a.verdict_on(&h.gpu));
         }
         (false, Some(j)) => chain.effect.push_str(&j.clause),
         (false, None) => {
             chain.effect.push_str(": ");
-            chain.effect.push_str(&a.verdict());
+            chain.effect.push_str(&a.verdict_on(&h.gpu));
         }
     }
     if h.verdict == HeldBy::Unknown && h.others.is_empty() && h.unattributed.is_some() {
@@ -146,9 +146,9 @@ fn fixes(h: &Holders, judged: Option<&Judged<'_>>) -> Option<Vec<Fix>> {
 pub fn from_message(pid: u32, m: &crate::model::MessageRow) -> Chain {
     let text = m.text.as_str();
     let a = oom::arithmetic(&oom::Inputs {
-        request: measured::pytorch_tried(text),
+        request: oom::pytorch_tried(text),
         message_free: oom::free_said(text),
-        split: measured::pytorch_cached(text),
+        split: oom::pytorch_cached(text),
         allowed: oom::allowed_said(text),
         ..oom::Inputs::default()
     });
@@ -188,10 +188,8 @@ pub fn from_message(pid: u32, m: &crate::model::MessageRow) -> Chain {
 fn reserved_said(text: &str, a: &Arithmetic) -> String {
     let allocated = text
         .split_once("Of the allocated memory ")
-        .and_then(|(_, rest)| {
-            measured::pytorch_size(rest.split(" is allocated by PyTorch").next()?)
-        });
-    match (a.cause.clone(), allocated, measured::pytorch_cached(text), a.request) {
+        .and_then(|(_, rest)| oom::pytorch_size(rest.split(" is allocated by PyTorch").next()?));
+    match (a.cause.clone(), allocated, oom::pytorch_cached(text), a.request) {
         (Cause::FractionLimit { allowed }, Some(allocated), Some(cached), Some(request)) => format!(
             "; reserved {} (allocated {}, cached {}) and the {} asked make {}, more than the {} allowed",
             pb(allocated + cached),

@@ -4,6 +4,7 @@
 //! is not exact.
 
 use super::{Chain, Fix, Rule, Severity, TimelineEntry, EXPANDABLE, MAX_SPLIT};
+use crate::analysis::oom::{pytorch_cached, pytorch_tried};
 use crate::{
     analysis::{
         allocator::{Findings, Forced, FragKind, FragKinds, OomVerdict},
@@ -203,7 +204,7 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
         root,
         effect,
         compounding: Vec::new(),
-        timeline: f
+        timeline: sorted(f
             .samples
             .iter()
             .map(|(ts, s)| TimelineEntry {
@@ -221,13 +222,19 @@ pub fn fragmentation_chain(pid: u32, f: &Findings) -> Option<Chain> {
                 ts_ns: ts,
                 text: format!("worst: fragmentation {:.0} % in the {pool:?} pool", s.fragmentation() * 100.0),
             }))
-            .collect(),
+            .collect()),
         fix: kind_fixes(&forced.kinds),
         evidence: format!(
             "the allocator's own layout, rebuilt from {} pytorch:malloc/free events and the device allocations",
             f.block_events
         ),
     })
+}
+
+/// A timeline in time order (the worst moment among the samples, not after them).
+fn sorted(mut timeline: Vec<TimelineEntry>) -> Vec<TimelineEntry> {
+    timeline.sort_by_key(|e| e.ts_ns);
+    timeline
 }
 
 /// How a kind of fragmentation reads in a chain.
@@ -546,29 +553,6 @@ pub fn unknown_said(f: &Findings) -> String {
         parts.push("frees of blocks tracer never saw allocated".into());
     }
     parts.join("; ")
-}
-
-/// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.
-pub(crate) fn pytorch_cached(message: &str) -> Option<u64> {
-    let before = message
-        .split(" is reserved by PyTorch but unallocated")
-        .next()?;
-    pytorch_size(before.rsplit(", and ").next()?)
-}
-
-/// A size as PyTorch's format_size writes it ("55.66 MiB", "512 bytes").
-pub(crate) fn pytorch_size(text: &str) -> Option<u64> {
-    let compact = text.trim().replace("bytes", "B").replace(' ', "");
-    if compact.trim_start_matches('0').starts_with(['B', '.']) || compact == "0" {
-        return Some(0);
-    }
-    crate::units::parse_size(&compact).ok()
-}
-
-/// "Tried to allocate 22.00 MiB.": the request PyTorch names.
-pub(crate) fn pytorch_tried(message: &str) -> Option<u64> {
-    let rest = message.split_once("Tried to allocate ")?.1;
-    pytorch_size(rest.split(". ").next()?)
 }
 
 /// What tracer did not see of the process's allocator, when that keeps its layout from being

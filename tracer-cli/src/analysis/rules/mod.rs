@@ -9,6 +9,7 @@ mod arithmetic;
 mod bypass;
 mod churn;
 mod failure;
+mod holders;
 mod latency;
 mod leak;
 pub(super) mod measured;

@@ -14,13 +14,7 @@ use serde_json::Value;
 /// repository (tests/recordings.rs).
 fn snapshots() -> Option<Vec<PathBuf>> {
     let dir = workspace().join("../shared/snapshots");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .map(|d| {
-            d.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "pickle"))
-                .collect()
-        })
-        .unwrap_or_default();
+    let mut files = pickles_in(&dir, false);
     files.sort();
     if files.is_empty() {
         skipped(&format!(
@@ -30,6 +24,22 @@ fn snapshots() -> Option<Vec<PathBuf>> {
         return None;
     }
     Some(files)
+}
+
+/// The plain `.pickle` files in `dir`, and with `gzipped` the `.pickle.gz` ones too.
+fn pickles_in(dir: &std::path::Path, gzipped: bool) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    let name = p.to_string_lossy();
+                    name.ends_with(".pickle") || (gzipped && name.ends_with(".pickle.gz"))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
 }
 
 fn import(db: &std::path::Path, file: &std::path::Path) -> Value {
@@ -43,6 +53,7 @@ fn import(db: &std::path::Path, file: &std::path::Path) -> Value {
 fn every_real_snapshot_rebuilds_to_the_allocators_own_layout() {
     let Some(files) = snapshots() else { return };
     assert_eq!(files.len(), 4, "{files:?}");
+    // (The gzip'd H200 snapshot beside them: every_gzipped_snapshot_from_a_real_gpu_rebuilds_exactly.)
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("t.db");
     for file in &files {
@@ -443,4 +454,58 @@ fn every_real_snapshot_exports_back_to_itself() {
             );
         }
     }
+}
+
+/// Snapshots dumped at real OOMs and mid-run on an H200 (PyTorch 2.11), gzip'd as they are kept:
+/// ../shared's GPT-2 job with expandable segments whose ring wrapped (the trace begins with 303
+/// blocks live, in two reservations, one of them mapped in two stretches), and the GPU check's
+/// recorded cases (CUDA graphs' private pools, torch.compile, a MemPool, ring-wrapped OOMs of
+/// both allocators). Imported as they are, every segment and block is rebuilt as PyTorch held
+/// it, nothing contradicts the trace, and a block from before it keeps the size it was split
+/// to.
+#[test]
+fn every_gzipped_snapshot_from_a_real_gpu_rebuilds_exactly() {
+    let mut files = pickles_in(&workspace().join("tests/data/gpu-h200/cases"), true);
+    assert_eq!(files.len(), 13, "{files:?}");
+    let shared =
+        workspace().join("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz");
+    if shared.exists() {
+        files.push(shared);
+    } else {
+        skipped("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz is not beside the checkout");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut before = 0;
+    for (i, file) in files.iter().enumerate() {
+        let db = dir.path().join(format!("{i}.db"));
+        let r = import(&db, file);
+        let check = &r["check"];
+        assert_eq!(
+            check["first_difference"],
+            Value::Null,
+            "{}: {r:#}",
+            file.display()
+        );
+        assert_eq!(
+            check["segments"],
+            check["segments_equal"],
+            "{}: {r:#}",
+            file.display()
+        );
+        assert_eq!(
+            check["blocks"],
+            check["blocks_equal"],
+            "{}: {r:#}",
+            file.display()
+        );
+        assert_eq!(
+            r["import"]["inconsistent_entries"],
+            0,
+            "{}: {r:#}",
+            file.display()
+        );
+        before += r["import"]["blocks_before_trace"].as_u64().unwrap();
+    }
+    // The ring-wrapped ones began mid-run.
+    assert!(before > 1000, "{before}");
 }

@@ -9,6 +9,7 @@ usage: snapshot_compare.py ORIGINAL EXPORTED
                                               its trace's block entries, [action, addr] each
 """
 import json
+import gzip
 import pickle
 import sys
 
@@ -20,6 +21,8 @@ class PlainOnly(pickle.Unpickler):
 
 def load(path):
     with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
         return PlainOnly(f).load()
 
 

@@ -311,6 +311,20 @@ impl Sight {
     }
 }
 
+/// A pytorch:malloc whose aux1 holds the size its block was split to: an imported snapshot's
+/// block from before its trace (the probe itself sets no aux1). Its final size is known where
+/// its split, decided before the trace, is not.
+pub const SPLIT_SIZE_IN_AUX1: &str = "aux1 of an imported pytorch:malloc";
+
+/// The size a block takes: its rounded request, or the size an imported block was split to.
+fn split_size(e: &Event, rounded: u64) -> u64 {
+    if e.op == tracer_common::Op::TorchMalloc && e.aux1 > rounded {
+        e.aux1
+    } else {
+        rounded
+    }
+}
+
 /// Blocks the program freed that the allocator keeps until other streams' work is done.
 ///
 /// PyTorch's `pytorch:free` fires before its allocator looks at the block. A block used on
@@ -650,7 +664,7 @@ impl Layout {
         let Some(seg) = self.segments.get_mut(&addr) else {
             return;
         };
-        let rounded = conf.round_size(e.size);
+        let rounded = split_size(e, conf.round_size(e.size));
         if seg.mapped.is_some() {
             self.expandable_used.insert(addr);
         }

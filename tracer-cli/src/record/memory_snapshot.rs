@@ -480,17 +480,12 @@ impl Plan {
         }
         for (&addr, &(requested, stream, block)) in before.blocks.iter().rev() {
             // A block from before the trace keeps the size it was split to (a remainder under
-            // 1 MiB is not split off a large block): placed at its block size, it is rebuilt
-            // as PyTorch holds it.
-            self.push(
-                Op::TorchMalloc,
-                device,
-                addr,
-                block.unwrap_or(requested),
-                ts,
-                stream,
-                None,
-            );
+            // 1 MiB is not split off a large block): its block size goes with it (aux1, see
+            // model/layout.rs `SPLIT_SIZE_IN_AUX1`), its request stays the request.
+            self.push(Op::TorchMalloc, device, addr, requested, ts, stream, None);
+            if let (Some(c), Some(block)) = (self.calls.last_mut(), block) {
+                c.aux1 = block;
+            }
             self.blocks_before += 1;
             ts += 1;
         }

@@ -509,3 +509,85 @@ fn every_gzipped_snapshot_from_a_real_gpu_rebuilds_exactly() {
     // The ring-wrapped ones began mid-run.
     assert!(before > 1000, "{before}");
 }
+
+/// whatif on a snapshot dumped in PyTorch's out-of-memory observer (the GPU check's ring-wrapped
+/// OOM on the H200): the device's capacity for the allocator is what it held at the failure and
+/// the device's free bytes the `oom` entry records, not the refused request's upper bound; the
+/// "as run" row is the replay the gate checks and fails at the recorded request; no setting
+/// whose replay still fails is offered as a fix.
+#[test]
+fn whatif_takes_the_capacity_from_the_oom_entry_and_offers_no_disproved_fix() {
+    let file =
+        workspace().join("tests/data/gpu-h200/cases/ring-oom-default-snapshot-at-oom.pickle.gz");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("t.db");
+    import(&db, &file);
+    let w = tracer_json(&db, &["whatif", "--json", "--no-search"]);
+    // At the instant: 8,959,033,344 B reserved (the snapshot's segments), 60,358,656 B free
+    // (its oom entry), written in the message to two decimals (57.56 MiB).
+    let capacity = w["capacity"].as_u64().unwrap() as i64;
+    let expected: i64 = 8_959_033_344 + 60_358_656;
+    assert!(
+        (capacity - expected).abs() < 8 << 10,
+        "{capacity} vs {expected}: {w:#}"
+    );
+    assert!(
+        w["capacity_source"]
+            .as_str()
+            .unwrap()
+            .contains("PyTorch's message"),
+        "{w:#}"
+    );
+    let f = &w["fidelity"];
+    assert_eq!(f["holds"], true, "{f:#}");
+    let refused = f["refused_recorded"][0].as_u64().unwrap();
+    assert_eq!(w["rows"][0]["recorded_settings"], true);
+    assert_eq!(w["rows"][0]["oom_request"], refused, "{w:#}");
+    // Every setting tried still fails at that request: none is a fix.
+    let report = tracer_json(&db, &["explain", "--json"]);
+    for c in report["chains"].as_array().unwrap() {
+        for fix in c["fix"].as_array().unwrap() {
+            let text = fix.as_str().unwrap();
+            assert!(
+                !(text.contains("[simulated")
+                    && text.contains("an OOM at request")
+                    && !text.contains("as run:")),
+                "{text}"
+            );
+            if text.contains("[simulated") {
+                assert!(
+                    text.contains(": no OOM,"),
+                    "a fix whose replay fails: {text}"
+                );
+            }
+        }
+    }
+}
+
+/// A replay that does not reproduce the run (../shared's GPT-2 snapshot with expandable
+/// segments, begun mid-run): the gate says so and no fix is called simulated.
+#[test]
+fn a_replay_that_does_not_reproduce_the_run_cites_no_simulated_fix() {
+    let file = workspace().join("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz");
+    if !file.exists() {
+        skipped("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz is not beside the checkout");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("t.db");
+    import(&db, &file);
+    let w = tracer_json(&db, &["whatif", "--json", "--no-search"]);
+    assert_eq!(w["fidelity"]["holds"], false, "{:#}", w["fidelity"]);
+    // The recorded setting is never added to itself.
+    for r in w["rows"].as_array().unwrap() {
+        let conf = r["conf"].as_str().unwrap();
+        assert_eq!(
+            conf.matches("expandable_segments:True").count(),
+            1,
+            "{conf}"
+        );
+    }
+    let report = tracer_json(&db, &["explain", "--json"]);
+    let fixes = report["chains"].to_string();
+    assert!(!fixes.contains("[simulated"), "{fixes}");
+}

@@ -667,15 +667,17 @@ pub fn as_run(run: &RecordedRun, capacity: u64) -> Outcome {
 
 /// The recorded settings with `setting` added; none when the run already had it.
 pub fn with_setting(recorded: &str, setting: &str) -> Option<String> {
-    let had = |item: &str| recorded.split(',').any(|r| r.trim() == item.trim());
-    if setting.split(',').all(had) {
+    let had = |item: &&str| recorded.split(',').any(|r| r.trim() == item.trim());
+    let new: Vec<&str> = setting.split(',').filter(|item| !had(item)).collect();
+    if new.is_empty() {
         return None;
     }
-    Some(if recorded.is_empty() {
-        setting.to_owned()
-    } else {
-        format!("{recorded},{setting}")
-    })
+    let mut all: Vec<&str> = recorded
+        .split(',')
+        .filter(|r| !r.trim().is_empty())
+        .collect();
+    all.extend(new);
+    Some(all.join(","))
 }
 
 /// The run under `settings` on a device where the allocator may hold `capacity` bytes.
@@ -931,6 +933,31 @@ fn ending(o: &Outcome) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A candidate is added to what the run had, never the recorded setting a second time.
+    #[test]
+    fn the_recorded_setting_is_not_added_to_itself() {
+        assert_eq!(
+            with_setting("", "max_split_size_mb:128").as_deref(),
+            Some("max_split_size_mb:128")
+        );
+        assert_eq!(
+            with_setting("expandable_segments:True", "expandable_segments:True"),
+            None
+        );
+        assert_eq!(
+            with_setting(
+                "expandable_segments:True",
+                "expandable_segments:True,roundup_power2_divisions:4"
+            )
+            .as_deref(),
+            Some("expandable_segments:True,roundup_power2_divisions:4")
+        );
+        assert_eq!(
+            with_setting("max_split_size_mb:256", "garbage_collection_threshold:0.8").as_deref(),
+            Some("max_split_size_mb:256,garbage_collection_threshold:0.8")
+        );
+    }
 
     #[test]
     fn pytorchs_message_gives_the_request_and_the_free_bytes() {

@@ -519,3 +519,33 @@ fn an_oom_during_graph_capture_is_told_with_pytorchs_figures() {
     // 64 MiB asked with 39.12 MiB free and nothing split: capacity.
     assert!(effect.contains("capacity: it does not fit"), "{effect}");
 }
+
+/// One story from explain and `layout --at oom` on every H200 recording: without `--pid` the
+/// layout shows first the process that ran out, on the device and GPU explain names, every
+/// process at the OOM's instant, and the same bytes held by no one traced or named (the CUDA
+/// contexts PyTorch's message names counted in both).
+#[test]
+fn explain_and_the_layout_at_the_oom_tell_one_story() {
+    for name in ["default", "expandable", "co-tenant"] {
+        let r = recording(name);
+        let report = explain(&r);
+        let h = &report["holders"][0];
+        let layout = tracer_json(&r.db, &["layout", "--at", "oom", "--json"]);
+        let first = &layout[0];
+        assert_eq!(first["pid"], h["pid"], "{name}: {layout:#}");
+        let device = &first["devices"][0];
+        assert_eq!(device["device"], h["device"], "{name}: {layout:#}");
+        assert_eq!(device["gpu"], h["gpu"], "{name}: {layout:#}");
+        assert_eq!(
+            device["gpu_share"]["unattributed"], h["unattributed"],
+            "{name}: {layout:#} {h:#}"
+        );
+        let at = first["at_ns"].as_i64().unwrap();
+        for p in layout.as_array().unwrap() {
+            assert_eq!(
+                p["at_ns"], at,
+                "{name}: every process at the OOM: {layout:#}"
+            );
+        }
+    }
+}

@@ -434,5 +434,26 @@ pub fn pytorch_tried(message: &str) -> Option<u64> {
     pytorch_size(rest.split(". ").next()?)
 }
 
+/// "Process 516 has 129.79 GiB memory in use": the processes PyTorch's message names, with
+/// their bytes (its two decimals).
+pub fn processes_named(message: &str) -> Vec<(u32, u64)> {
+    message
+        .split("Process ")
+        .skip(1)
+        .filter_map(|rest| {
+            let (pid, rest) = rest.split_once(" has ")?;
+            let bytes = pytorch_size(rest.split(" memory in use").next()?)?;
+            Some((pid.trim().parse().ok()?, bytes))
+        })
+        .collect()
+}
+
+/// "Including non-PyTorch memory, this process has 1.24 GiB memory in use": NVML's figure for
+/// the process, its CUDA context included.
+pub fn this_process_said(message: &str) -> Option<u64> {
+    let rest = message.split_once("this process has ")?.1;
+    pytorch_size(rest.split(" memory in use").next()?)
+}
+
 #[cfg(test)]
 mod tests;

@@ -140,28 +140,89 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         *last = e.ts_ns;
     })?;
     let placements = events::placements(conn, info.id)?;
+    // At an instant every process is shown as it was then, not at its own last call.
+    let moment = |last: i64| if at_ns == i64::MAX { last } else { at_ns };
     let mut out: Vec<ProcessLayout> = states
         .iter()
         .map(|(&pid, (s, last))| (pid, &s.layout, *last))
         .filter(|(_, l, _)| !l.stats().is_empty() || !l.segments().is_empty() || l.blocks_seen > 0)
         .map(|(pid, l, last)| {
-            process_layout(pid, comms.get(&pid).cloned(), l, last.min(at_ns), q.device)
+            process_layout(pid, comms.get(&pid).cloned(), l, moment(last), q.device)
         })
         .collect();
     let readings = Readings::read(conn, info.id)?;
-    let held: Vec<(u32, i32, u64)> = states
+    let mut held: Vec<(u32, i32, u64)> = states
         .iter()
         .flat_map(|(&pid, (s, _))| held_per_device(pid, &s.layout))
         .collect();
+    let mut ran_out: Option<(u32, i32)> = None;
+    if q.at == At::Oom {
+        let (who, named) = oom_named(conn, info.id, q.pid, &held)?;
+        // The process that ran out first; beside every process, what PyTorch's message says
+        // it had beyond its traced calls (its CUDA context), as explain counts it.
+        out.sort_by_key(|p| Some(p.pid) != who);
+        ran_out = who.map(|w| (w, named.first().map_or(0, |n| n.1)));
+        for (pid, device, bytes) in named {
+            match held.iter_mut().find(|h| h.0 == pid && h.1 == device) {
+                Some(h) => h.2 += bytes,
+                None => held.push((pid, device, bytes)),
+            }
+        }
+    }
+    let place = |pid: u32, device: i32| {
+        crate::model::Placement::of(&placements, pid)
+            .gpu(device)
+            .key
+    };
     share_gpus(
         &mut out,
         &held,
         &placements,
-        |pid, device| readings.last(pid, device, at_ns),
+        |pid, device| {
+            // At an OOM, the device as the process that ran out last read it, for every
+            // process on its GPU: one reading, one account.
+            match ran_out {
+                Some((w, wd)) if place(pid, device) == place(w, wd) => readings
+                    .last(w, wd, at_ns)
+                    .or_else(|| readings.last(pid, device, at_ns)),
+                _ => readings.last(pid, device, at_ns),
+            }
+        },
         q.pid.is_none() && q.device.is_none(),
     );
     Ok((info.id, out))
 }
+
+/// The process whose OOM `--at oom` names, and what its message says processes had on its
+/// device beyond their traced bytes (`held`): (pid, device, bytes) to add to them.
+fn oom_named(
+    conn: &rusqlite::Connection,
+    session: i64,
+    pid: Option<u32>,
+    held: &[(u32, i32, u64)],
+) -> Result<(Option<u32>, Vec<(u32, i32, u64)>)> {
+    let Some(m) = events::messages(conn, session)?
+        .into_iter()
+        .find(|m| m.op == tracer_common::Op::TorchOom.name() && pid.is_none_or(|p| p == m.pid))
+    else {
+        return Ok((pid, Vec::new()));
+    };
+    let device = held.iter().find(|h| h.0 == m.pid).map_or(0, |h| h.1);
+    let traced = |q: u32| -> u64 { held.iter().filter(|h| h.0 == q).map(|h| h.2).sum() };
+    use crate::analysis::oom::{processes_named, this_process_said};
+    let said = this_process_said(&m.text)
+        .map(|b| (m.pid, b))
+        .into_iter()
+        .chain(processes_named(&m.text));
+    let extra = said
+        .map(|(q, b)| (q, device, b.saturating_sub(traced(q))))
+        .filter(|&(_, _, b)| b > MESSAGE_ROUNDING)
+        .collect();
+    Ok((Some(m.pid), extra))
+}
+
+/// PyTorch's figures have two decimals: a difference this small is the rounding.
+const MESSAGE_ROUNDING: u64 = 8 << 20;
 
 /// What a process holds on each device through its traced calls (segments and outside):
 /// (pid, device, bytes), for [`share_gpus`].

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 pub use super::holders::{HeldBy, Holders, Judged, LibraryHeld, Tenant};
 use super::{holders::said, Chain, Proc};
+use crate::analysis::oom::{processes_named, this_process_said};
 use crate::{
     analysis::replay,
     model::{Gpu, Placement},
@@ -130,20 +131,6 @@ fn nvml_at<'a>(
     at_once()
         .find(|s| host_gpu && s.gpu == gpu.label)
         .or_else(|| at_once().find(|s| s.processes.iter().any(|&(p, b)| p == pid && b > 0)))
-}
-
-/// "Process 516 has 129.79 GiB memory in use": the processes PyTorch's message names, with
-/// their bytes (its two decimals).
-pub fn processes_named(message: &str) -> Vec<(u32, u64)> {
-    message
-        .split("Process ")
-        .skip(1)
-        .filter_map(|rest| {
-            let (pid, rest) = rest.split_once(" has ")?;
-            let bytes = crate::analysis::oom::pytorch_size(rest.split(" memory in use").next()?)?;
-            Some((pid.trim().parse().ok()?, bytes))
-        })
-        .collect()
 }
 
 /// Part of the OOM rule (runs.rs `oom`), before its chain is returned: adds to the chain of `p`
@@ -274,13 +261,6 @@ fn old_verdict(
 
 /// PyTorch's figures have two decimals: a difference this small is the rounding.
 const MESSAGE_ROUNDING: u64 = 8 << 20;
-
-/// "Including non-PyTorch memory, this process has 1.24 GiB memory in use": NVML's figure for
-/// the process, its CUDA context included.
-fn this_process_said(message: &str) -> Option<u64> {
-    let rest = message.split_once("this process has ")?.1;
-    crate::analysis::oom::pytorch_size(rest.split(" memory in use").next()?)
-}
 
 /// The figures, said in the chain; the verdict said in its effect and fixes.
 fn say_in_chain(

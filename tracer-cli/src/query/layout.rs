@@ -193,6 +193,9 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
     Ok((info.id, out))
 }
 
+/// Bytes a process held on one of its devices: (pid, device, bytes).
+type Held = (u32, i32, u64);
+
 /// The process whose OOM `--at oom` names, and what its message says processes had on its
 /// device beyond their traced bytes (`held`): (pid, device, bytes) to add to them.
 fn oom_named(
@@ -200,7 +203,7 @@ fn oom_named(
     session: i64,
     pid: Option<u32>,
     held: &[(u32, i32, u64)],
-) -> Result<(Option<u32>, Vec<(u32, i32, u64)>)> {
+) -> Result<(Option<u32>, Vec<Held>)> {
     let Some(m) = events::messages(conn, session)?
         .into_iter()
         .find(|m| m.op == tracer_common::Op::TorchOom.name() && pid.is_none_or(|p| p == m.pid))

@@ -982,6 +982,11 @@ fn gpu_check_on_the_simulated_runtime_finds_every_figure_equal() {
     let shared = &summary["co_tenant"];
     let rows = gpu_rows(shared);
     for (what, r) in &rows {
+        // What tracer could not attribute has no PyTorch figure: said, with none here.
+        if what.starts_with("memory tracer could not attribute") {
+            assert_eq!(r["tracer"], Value::Null, "{what}: {r:#}");
+            continue;
+        }
         assert_eq!(r["status"], "equal", "{what}: {r:#}");
     }
     assert_eq!(

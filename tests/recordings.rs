@@ -549,3 +549,61 @@ fn explain_and_the_layout_at_the_oom_tell_one_story() {
         }
     }
 }
+
+/// No fix is offered that its own replay disproves: on `tracer demo incident`'s recording and on
+/// every H200 recording, a setting whose replay still runs out of memory is said as no fix,
+/// after those that help, never cited as one.
+#[test]
+fn no_fix_is_offered_that_its_replay_disproves() {
+    let dir = tempfile::tempdir().unwrap();
+    let demo = dir.path().join("demo.db");
+    let out = Command::new("gzip")
+        .arg("-dc")
+        .arg(workspace().join("tests/data/demo-incident.db.gz"))
+        .output()
+        .expect("gzip");
+    assert!(out.status.success(), "gzip: {out:?}");
+    std::fs::write(&demo, out.stdout).unwrap();
+    let kept: Vec<Recording> = ["default", "expandable", "co-tenant"]
+        .into_iter()
+        .map(recording)
+        .collect();
+    let mut dbs = vec![demo];
+    dbs.extend(kept.iter().map(|r| r.db.clone()));
+    let mut disproved = 0;
+    for db in &dbs {
+        let report = tracer_json(db, &["explain", "--json"]);
+        for c in report["chains"].as_array().unwrap() {
+            let fixes: Vec<&str> = c["fix"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_str().unwrap())
+                .collect();
+            for (i, text) in fixes.iter().enumerate() {
+                if let Some(cited) = text.split_once("[simulated from the ") {
+                    let outcome = cited.1.split(";").next().unwrap();
+                    assert!(
+                        outcome.contains(": no OOM,"),
+                        "{}: a fix its replay disproves: {text}",
+                        db.display()
+                    );
+                }
+                if text.starts_with("not a fix: ") {
+                    disproved += 1;
+                    assert!(
+                        text.contains("would not have avoided it (replayed from the"),
+                        "{text}"
+                    );
+                    // Said after every fix that helps.
+                    assert!(
+                        fixes[i..].iter().all(|f| f.starts_with("not a fix: ")),
+                        "{fixes:?}"
+                    );
+                }
+            }
+        }
+    }
+    // max_split_size_mb:128 on the demo and the co-tenant OOM, at least.
+    assert!(disproved >= 2, "{disproved}");
+}

@@ -224,6 +224,15 @@ fn cause(i: &Inputs, asked: Option<u64>, shortfall: Option<u64>, source: FreeSou
         (false, false) if split > 0 && i.others > 0 && split + i.others >= need => {
             Cause::Both { each_enough: false }
         }
+        // Memory no one traced or named would have covered the rest: not capacity, and who
+        // held it is not known.
+        (false, false) if split + i.others + i.unattributed.unwrap_or(0) >= need => Cause::Unknown {
+            why: format!(
+                "{} was in use on the device held by no one traced or named, enough to cover the {} short: who held it is not known (nvidia-smi, or a trace running before the other jobs start, would settle it)",
+                pb(i.unattributed.unwrap_or(0)),
+                pb(need)
+            ),
+        },
         (false, false) if source == FreeSource::Bound => Cause::Unknown {
             why: format!(
                 "only that the device had under {} free is known: neither the split bytes ({}) nor other processes' ({}) cover all of it; PyTorch's out-of-memory message, or NVML at the failure, would settle it",
@@ -407,8 +416,16 @@ pub fn allowed_said(message: &str) -> Option<u64> {
 /// "... GPU 0 has a total capacity of 79.19 GiB of which 10.50 MiB is free.": the free bytes
 /// PyTorch read after its flush.
 pub fn free_said(message: &str) -> Option<u64> {
-    let rest = message.split_once(" of which ")?.1;
-    pytorch_size(rest.split(" is free").next()?)
+    if let Some((_, rest)) = message.split_once(" of which ") {
+        return pytorch_size(rest.split(" is free").next()?);
+    }
+    // An imported snapshot's `oom` entry: "GPU 0 has 10.00 MiB free (PyTorch's memory
+    // snapshot ...)".
+    let rest = message.split_once("GPU ")?.1.split_once(" has ")?.1;
+    let (size, after) = rest.split_once(" free")?;
+    (size.split_whitespace().count() == 2 && !after.starts_with('d'))
+        .then(|| pytorch_size(size))
+        .flatten()
 }
 
 /// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.

@@ -10,15 +10,13 @@
 //! that moment (highest address first, so that each block's split is decided beside the block
 //! that followed it).
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    path::Path,
-};
+use std::{collections::HashMap, path::Path};
 
 use anyhow::{Context as _, Result};
 use serde::Serialize;
 use tracer_common::Op;
 
+use super::snapshot_before::{before_maps, map_range, reserved_extent, Before};
 use crate::{
     decode::{
         memory_snapshot::{self, Action, BlockKind, MemorySnapshot, TraceEntry},
@@ -338,20 +336,6 @@ struct Plan {
     inconsistent: u64,
 }
 
-/// What the allocator held just before the trace's first entry.
-#[derive(Default)]
-struct Before {
-    /// Segments by address: (size, expandable).
-    segments: BTreeMap<u64, (u64, bool)>,
-    /// Expandable segments of the small pool (2 MiB pages; the large pool's are 20 MiB).
-    small: std::collections::BTreeSet<u64>,
-    /// Live blocks by address: (requested size, stream, the block's size where the final
-    /// state says it: a block keeps the size it was split to).
-    blocks: BTreeMap<u64, (u64, u64, Option<u64>)>,
-    /// Expandable segments' mapped ranges: start -> end, disjoint and merged.
-    mapped: BTreeMap<u64, u64>,
-}
-
 impl Plan {
     fn new(snap: &MemorySnapshot, file_ns: i64) -> Plan {
         Plan {
@@ -581,114 +565,6 @@ impl Plan {
     }
 }
 
-/// The pages mapped before the trace, as PyTorch mapped them: each reservation's mapped ranges
-/// clipped to it, a page of its pool at a time (2 MiB small, 20 MiB large), so that each
-/// segment takes its pool from its first page as it did.
-fn before_maps(before: &Before, snap: &MemorySnapshot, entries: &[TraceEntry]) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    let expandable: Vec<(u64, u64)> = before
-        .segments
-        .iter()
-        .filter(|(_, &(_, e))| e)
-        .map(|(&a, &(size, _))| (a, size))
-        .collect();
-    for &(addr, size) in &expandable {
-        let next = before.segments.range(addr + 1..).next().map(|(&a, _)| a);
-        let end = addr + reserved_extent(addr, size, snap, entries, next);
-        let page: u64 = if before.small.contains(&addr) {
-            2 << 20
-        } else {
-            20 << 20
-        };
-        for (&from, &to) in before.mapped.range(..end) {
-            let (from, to) = (from.max(addr), to.min(end));
-            let mut at = from;
-            while at < to {
-                let len = page.min(to - at);
-                out.push((at, len));
-                at += len;
-            }
-        }
-    }
-    out
-}
-
-/// Maps (or unmaps) [start, end) in a set of disjoint merged ranges; true when the change is
-/// consistent with it (nothing mapped twice, nothing unmapped that was not mapped).
-fn map_range(ranges: &mut BTreeMap<u64, u64>, start: u64, end: u64, mapped: bool) -> bool {
-    let overlapping: Vec<(u64, u64)> = ranges
-        .range(..end)
-        .filter(|&(_, &e)| e > start)
-        .map(|(&s, &e)| (s, e))
-        .collect();
-    let covered: u64 = overlapping
-        .iter()
-        .map(|&(s, e)| e.min(end) - s.max(start))
-        .sum();
-    for (s, _) in &overlapping {
-        ranges.remove(s);
-    }
-    let (mut lo, mut hi) = (start, end);
-    for &(s, e) in &overlapping {
-        if mapped {
-            (lo, hi) = (lo.min(s), hi.max(e));
-        } else {
-            if s < start {
-                ranges.insert(s, start);
-            }
-            if e > end {
-                ranges.insert(end, e);
-            }
-        }
-    }
-    if mapped {
-        // Join the neighbours it touches.
-        if let Some((&s, &e)) = ranges.range(..lo).next_back().filter(|(_, &e)| e == lo) {
-            ranges.remove(&s);
-            lo = s.min(lo);
-            hi = hi.max(e);
-        }
-        if let Some(e) = ranges.remove(&hi) {
-            hi = e;
-        }
-        ranges.insert(lo, hi);
-        covered == 0
-    } else {
-        covered == end - start
-    }
-}
-
-/// An expandable segment's reserved range: it grows upward as chunks are mapped at its end,
-/// up to the next segment the snapshot or the rebuilt state knows of (reservations never
-/// overlap; PyTorch's snapshot lists each mapped stretch of one reservation as a segment).
-fn reserved_extent(
-    addr: u64,
-    size: u64,
-    snap: &MemorySnapshot,
-    entries: &[TraceEntry],
-    next: Option<u64>,
-) -> u64 {
-    let limit = next.unwrap_or(u64::MAX);
-    let final_end = snap
-        .segments
-        .iter()
-        .filter(|s| s.address >= addr && s.address < limit && s.expandable)
-        .map(|s| s.address + s.total_size)
-        .max()
-        .unwrap_or(addr + size);
-    let mapped_end = entries
-        .iter()
-        .filter(|e| {
-            matches!(e.action, Action::SegmentMap | Action::SegmentUnmap)
-                && e.addr >= addr
-                && e.addr < limit
-        })
-        .map(|e| e.addr + e.size)
-        .max()
-        .unwrap_or(0);
-    final_end.max(mapped_end).min(limit) - addr
-}
-
 /// A size as PyTorch's format_size writes it.
 fn pytorch_size(bytes: u64) -> String {
     const KIB: f64 = 1024.0;
@@ -715,6 +591,7 @@ fn file_time_ns(file: &Path) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     #[test]
     fn mapped_ranges_merge_split_and_check() {

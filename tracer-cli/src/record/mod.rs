@@ -18,6 +18,7 @@ mod restore;
 pub mod session;
 mod shared;
 pub mod signals;
+mod snapshot_before;
 mod writer;
 
 pub use session::{Finished, RecordOptions, Recording, RecordingStatus, Started, Stop, Summary};

@@ -287,6 +287,11 @@ pub struct HoldersOut {
     /// other_processes, this_process, beyond_device, fragmentation,
     /// fragmentation_and_other_processes, memory_fraction or unknown
     pub verdict: String,
+    /// the OOM's arithmetic: bytes the request was short of what the device could give, and
+    /// in words what was asked, what the device could give and what stood in the way, with
+    /// the verdict that follows
+    pub short: Option<u64>,
+    pub math: String,
     /// the whole split in words
     pub said: String,
 }
@@ -449,6 +454,12 @@ pub fn explain_compact(db: &Path, args: &ExplainArgs) -> Result<ExplainOut> {
                     .collect(),
                 unattributed: h.unattributed,
                 verdict: h.verdict.name().to_owned(),
+                short: h.arithmetic.shortfall,
+                math: format!(
+                    "{}: {}",
+                    h.arithmetic.figures(),
+                    h.arithmetic.verdict_on(&h.gpu)
+                ),
                 said: h.split_said(),
             })
             .collect(),
@@ -1055,7 +1066,7 @@ impl TracerMcp {
 
     #[tool(
         name = "explain",
-        description = "What went wrong in a session and why: the causal chains and per-process tables of `tracer explain --json`, abbreviated. Fields: s = session, w = window [from_ns, to_ns], wt = window as UTC text, n = calls in the window; ch = chains (r = rule, sev = severity, t = title, root = root cause, eff = effect, cmp = compounding, tl = timeline [seconds since the window's start, text], fix = fixes, ev = evidence); pr = processes (ops: n = calls, err = errors, p50_ns/p99_ns/max_ns = latency, b = bytes, bh = bytes in human units; warn = warnings); dev = per process and device (d = device, v = view, held = peak held bytes, res = peak reserved, alloc = peak allocated, frag = fragmentation ratio, fail = failed allocations, gpu = the physical GPU, job = the job it belongs to); who = at each out-of-memory, who held the GPU (req = bytes asked, total/free = the device's, alloc/cached/held/outside/untraced = this process's, others = [pid, command, bytes, named only by PyTorch's message], unattributed = held by no one traced or named, verdict, said = in words); omitted = (chains, processes, process-device rows) left out (at most 20 chains, 32 processes and 256 rows are returned).",
+        description = "What went wrong in a session and why: the causal chains and per-process tables of `tracer explain --json`, abbreviated. Fields: s = session, w = window [from_ns, to_ns], wt = window as UTC text, n = calls in the window; ch = chains (r = rule, sev = severity, t = title, root = root cause, eff = effect, cmp = compounding, tl = timeline [seconds since the window's start, text], fix = fixes, ev = evidence); pr = processes (ops: n = calls, err = errors, p50_ns/p99_ns/max_ns = latency, b = bytes, bh = bytes in human units; warn = warnings); dev = per process and device (d = device, v = view, held = peak held bytes, res = peak reserved, alloc = peak allocated, frag = fragmentation ratio, fail = failed allocations, gpu = the physical GPU, job = the job it belongs to); who = at each out-of-memory, who held the GPU (req = bytes asked, total/free = the device's, alloc/cached/held/outside/untraced = this process's, others = [pid, command, bytes, named only by PyTorch's message], unattributed = held by no one traced or named, verdict, short = bytes short of what the device could give, math = the OOM's arithmetic in words, said = in words); omitted = (chains, processes, process-device rows) left out (at most 20 chains, 32 processes and 256 rows are returned).",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn explain(

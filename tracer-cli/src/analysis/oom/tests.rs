@@ -198,3 +198,29 @@ fn figures_that_say_it_fit_decide_nothing() {
     };
     assert!(matches!(arithmetic(&i).cause, Cause::Unknown { .. }));
 }
+
+#[test]
+fn an_imported_snapshots_oom_entry_gives_the_free_bytes() {
+    assert_eq!(
+        free_said("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has 10.00 MiB free (PyTorch's memory snapshot: the allocator's trace entry of the failure)."),
+        Some(10 * MIB)
+    );
+    assert_eq!(
+        free_said("CUDA out of memory. Tried to allocate 100.00 MiB."),
+        None
+    );
+}
+
+/// Memory held by no one traced or named that covers the shortfall: not capacity.
+#[test]
+fn unattributed_memory_that_covers_the_shortfall_is_not_capacity() {
+    let i = Inputs {
+        request: Some(64 * MIB),
+        refused: Some(64 * MIB),
+        message_free: Some(0),
+        split: Some(0),
+        unattributed: Some(768 * MIB),
+        ..Inputs::default()
+    };
+    assert!(matches!(arithmetic(&i).cause, Cause::Unknown { .. }));
+}

@@ -95,8 +95,10 @@ pub fn say(chain: &mut Chain, h: &Holders, judged: Option<&Judged<'_>>) {
             chain.effect.push_str(": ");
             chain.effect.push_str(&a.verdict_on(&h.gpu));
         }
-        (false, Some(j)) => chain.effect.push_str(&j.clause),
-        (false, None) => {
+        // What the cache alone said stands where it said fragmentation or what it does not
+        // know; where it said capacity, what the device's figures leave open is said instead.
+        (false, Some(j)) if j.fragmentation != Some(false) => chain.effect.push_str(&j.clause),
+        (false, _) => {
             chain.effect.push_str(": ");
             chain.effect.push_str(&a.verdict_on(&h.gpu));
         }

@@ -93,10 +93,18 @@ pub(super) fn allocator_retry(f: &mut Scanning<'_, '_>) -> Option<Chain> {
 /// (its figures and PyTorch's message), with who else held the GPU then.
 pub(super) fn oom(f: &mut Scanning<'_, '_>) -> Option<Chain> {
     let Some(mut chain) = failure::oom(f.p, f.everyone, &f.scan.attempts, f.sites) else {
-        // PyTorch raised with no failed device call: its message alone tells the failure.
+        // PyTorch raised with no failed device call: its message alone tells the failure, when
+        // it lies in the window and the trace saw the process's calls up to it (a window whose
+        // calls were evicted draws nothing).
+        let seen_up_to = |ts: i64| {
+            f.p.all
+                .iter()
+                .any(|e| e.ts_ns <= ts && ts - e.ts_ns < 1_000_000_000)
+        };
         return f
             .messages
             .iter()
+            .filter(|m| f.window.contains(m.ts_ns) && seen_up_to(m.ts_ns))
             .find(|m| m.pid == f.p.pid && m.op == tracer_common::Op::TorchOom.name())
             .map(|m| super::arithmetic::from_message(f.p.pid, m));
     };

@@ -17,17 +17,22 @@ struct Recording {
     _dir: tempfile::TempDir,
 }
 
+/// `gz` unpacked into `to`.
+fn gunzip(gz: &Path, to: &Path) {
+    let out = Command::new("gzip")
+        .arg("-dc")
+        .arg(gz)
+        .output()
+        .expect("gzip");
+    assert!(out.status.success(), "gzip {}: {out:?}", gz.display());
+    std::fs::write(to, out.stdout).unwrap();
+}
+
 fn recording(name: &str) -> Recording {
     let data = workspace().join("tests/data/gpu-h200");
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join(format!("{name}.db"));
-    let out = Command::new("gzip")
-        .arg("-dc")
-        .arg(data.join(format!("trace-{name}.db.gz")))
-        .output()
-        .expect("gzip");
-    assert!(out.status.success(), "gzip: {out:?}");
-    std::fs::write(&db, out.stdout).unwrap();
+    gunzip(&data.join(format!("trace-{name}.db.gz")), &db);
     let stats = std::fs::read(data.join(format!("stats-{name}.json"))).unwrap();
     Recording {
         db,
@@ -382,13 +387,7 @@ fn case(name: &str) -> (Recording, Option<Value>) {
     let data = workspace().join("tests/data/gpu-h200/cases");
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join(format!("{name}.db"));
-    let out = Command::new("gzip")
-        .arg("-dc")
-        .arg(data.join(format!("{name}-trace.db.gz")))
-        .output()
-        .expect("gzip");
-    assert!(out.status.success(), "gzip: {out:?}");
-    std::fs::write(&db, out.stdout).unwrap();
+    gunzip(&data.join(format!("{name}-trace.db.gz")), &db);
     let read = |file: String| {
         std::fs::read(data.join(file))
             .ok()
@@ -557,13 +556,7 @@ fn explain_and_the_layout_at_the_oom_tell_one_story() {
 fn no_fix_is_offered_that_its_replay_disproves() {
     let dir = tempfile::tempdir().unwrap();
     let demo = dir.path().join("demo.db");
-    let out = Command::new("gzip")
-        .arg("-dc")
-        .arg(workspace().join("tests/data/demo-incident.db.gz"))
-        .output()
-        .expect("gzip");
-    assert!(out.status.success(), "gzip: {out:?}");
-    std::fs::write(&demo, out.stdout).unwrap();
+    gunzip(&workspace().join("tests/data/demo-incident.db.gz"), &demo);
     let kept: Vec<Recording> = ["default", "expandable", "co-tenant"]
         .into_iter()
         .map(recording)

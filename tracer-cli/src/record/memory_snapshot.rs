@@ -362,7 +362,7 @@ impl Plan {
         let start = times.first().copied().unwrap_or(self.file_ns);
         self.state_before(device, &before, snap, entries, start);
         for (e, &ts) in entries.iter().zip(&times) {
-            self.entry(device, e, ts);
+            self.entry(device, e, ts, start);
         }
     }
 
@@ -475,7 +475,7 @@ impl Plan {
         }
     }
 
-    fn entry(&mut self, device: i32, e: &TraceEntry, ts: i64) {
+    fn entry(&mut self, device: i32, e: &TraceEntry, ts: i64, start: i64) {
         let op = match e.action {
             Action::Alloc => Op::TorchMalloc,
             Action::FreeCompleted => Op::TorchFree,
@@ -493,8 +493,10 @@ impl Plan {
         self.push(op, device, e.addr, e.size, ts, e.stream, e.stack);
         if e.action == Action::FreeCompleted {
             // The block returns to its pool now; the program freed it this long before
-            // (kept in aux1, so that an export writes both entries at their times).
-            let requested = self.free_requested.remove(&e.addr).unwrap_or(ts);
+            // (kept in aux1, so that an export writes both entries at their times). A free
+            // requested before the trace began is placed just before it, with the rebuilt
+            // state an export leaves out.
+            let requested = self.free_requested.remove(&e.addr).unwrap_or(start - 1);
             if let Some(c) = self.calls.last_mut() {
                 c.aux1 = (ts - requested).max(0) as u64;
             }

@@ -279,7 +279,13 @@ fn whatif_and_diff_refuse_sessions_without_allocator_requests() {
 #[test]
 fn a_file_that_is_not_a_snapshot_exits_2_naming_it() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, &[u8], &str); 4] = [
+    let cases: [(&str, &[u8], &str); 5] = [
+        // gzip's magic, then no deflate stream: a snapshot.pickle.gz cut or not gzip at all.
+        (
+            "broken.pickle.gz",
+            b"\x1f\x8b\x08\x00garbage that is no deflate stream",
+            "cannot decompress",
+        ),
         // pickle.dumps(collections.OrderedDict()): names a class.
         (
             "model.pt",

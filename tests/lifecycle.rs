@@ -22,6 +22,23 @@ fn build_native(sim: &std::path::Path, name: &str, flags: &[&str]) -> std::path:
     exe
 }
 
+/// A process's resident memory outside the BPF maps it has mapped (the event ring: kernel
+/// memory of a fixed size, resident once each page has been written), in KiB.
+fn private_rss_kib(pid: u32) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let (mut total, mut bpf) = (0, false);
+    for line in smaps.lines() {
+        if let Some(v) = line.strip_prefix("Rss:") {
+            if !bpf {
+                total += v.split_whitespace().next().unwrap().parse::<u64>().unwrap();
+            }
+        } else if line.contains('-') && !line.starts_with(|c: char| c.is_ascii_uppercase()) {
+            bpf = line.ends_with("anon_inode:bpf-map");
+        }
+    }
+    total
+}
+
 /// A process's resident memory, in KiB.
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -43,12 +60,22 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
     let warm = Command::new(&exe).arg("200").output().unwrap();
     assert!(warm.status.success());
     std::thread::sleep(Duration::from_millis(1500));
-    let rss_before = rss_kib(trace.child.id());
+    // Two rounds of 20,000: the first fills what is kept at its high-water mark (the event
+    // ring's pages, shared with the kernel and counted once touched; the allocator's arenas),
+    // the second shows what stays behind per process. Both printed; the bound is on the second.
+    let tracer = trace.child.id();
+    let rss_before = private_rss_kib(tracer);
+    let out = Command::new(&exe).arg("20000").output().unwrap();
+    assert_ok(&out);
+    std::thread::sleep(Duration::from_millis(1500));
+    let rss_first = private_rss_kib(tracer);
     let out = Command::new(&exe).arg("20000").output().unwrap();
     assert_ok(&out);
     let made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     std::thread::sleep(Duration::from_millis(1500));
-    let rss_after = rss_kib(trace.child.id());
+    let rss_after = private_rss_kib(tracer);
+    println!("soak: tracer RSS outside the event ring {rss_before} KiB, {rss_first} KiB after the first 20,000, {rss_after} KiB after the second");
+    let rss_before = rss_first;
     let stopped = trace.stop(SIGINT);
     let maps = &stopped.summary["kernel_maps"];
     let counters = &stopped.summary["counters"];
@@ -56,8 +83,9 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
         "soak: {} processes, {} threads; tracer RSS {} KiB before, {} KiB after; kernel maps at the end {maps}; counters {counters}",
         made["processes"], made["threads"], rss_before, rss_after
     );
-    // Every call stored; nothing lost, abandoned or refused by a full map.
-    let calls = made["calls"].as_i64().unwrap() + 800;
+    // Every call stored (the warm-up's 800 and two rounds); nothing lost, abandoned or refused
+    // by a full map.
+    let calls = 2 * made["calls"].as_i64().unwrap() + 800;
     assert_eq!(
         counters["events_stored"].as_i64(),
         Some(calls),

@@ -39,16 +39,6 @@ fn private_rss_kib(pid: u32) -> u64 {
     total
 }
 
-/// A process's resident memory, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap()
-}
-
 #[test]
 fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
     let Some(fx) = Fixture::new() else { return };

@@ -248,15 +248,14 @@ fn cause(i: &Inputs, asked: Option<u64>, shortfall: Option<u64>, source: FreeSou
 impl Arithmetic {
     /// The figures in one sentence: asked, could give, short by, in the way.
     pub fn figures(&self) -> String {
-        let mut parts = Vec::new();
         if let Cause::FractionLimit { allowed } = self.cause {
-            parts.push(format!(
+            return format!(
                 "asked {}; the process's memory fraction allows {} (torch.cuda.set_per_process_memory_fraction): the allocator refused without asking the device",
                 self.request.map_or("an unknown size".into(), pb),
                 pb(allowed)
-            ));
-            return parts.join("");
+            );
         }
+        let mut parts = Vec::new();
         let asked = match (self.asked, self.refused, self.page) {
             (Some(a), Some(r), true) => format!(
                 "asked {} (the device refused a {} page of an expandable segment)",

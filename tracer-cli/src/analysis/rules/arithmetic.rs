@@ -12,6 +12,14 @@ use crate::{
 
 use super::holders::{HeldBy, Holders, Judged};
 
+/// The fix when the process's memory fraction refused the request.
+const FIX_FRACTION: Fix = Fix {
+    text: std::borrow::Cow::Borrowed(
+        "raise the process's memory fraction (torch.cuda.set_per_process_memory_fraction), or reduce peak memory: a smaller batch or sequence length, activation checkpointing",
+    ),
+    setting: None,
+};
+
 /// One failure's evidence, as the OOM rule found it.
 pub struct Failure<'a, 'f> {
     /// The refused call (the failure for good, or its retry).
@@ -135,9 +143,7 @@ fn fixes(h: &Holders, judged: Option<&Judged<'_>>) -> Option<Vec<Fix>> {
         HeldBy::OtherProcesses => vec![run_alone()],
         HeldBy::FragmentationAndOtherProcesses => vec![run_alone(), FIX_EXPANDABLE, FIX_MAX_SPLIT],
         HeldBy::ThisProcess | HeldBy::BeyondDevice => measured::fixes_for_capacity(),
-        HeldBy::MemoryFraction => vec![
-            "raise the process's memory fraction (torch.cuda.set_per_process_memory_fraction), or reduce peak memory: a smaller batch or sequence length, activation checkpointing".into(),
-        ],
+        HeldBy::MemoryFraction => vec![FIX_FRACTION],
         HeldBy::Unknown => return judged.map(|j| j.fixes.clone()),
     })
 }
@@ -177,7 +183,7 @@ pub fn from_message(pid: u32, m: &crate::model::MessageRow) -> Chain {
         compounding: Vec::new(),
         timeline: vec![entry(m.ts_ns, format!("PyTorch raises out of memory ({tried})"))],
         fix: if fraction {
-            vec!["raise the process's memory fraction (torch.cuda.set_per_process_memory_fraction), or reduce peak memory: a smaller batch or sequence length, activation checkpointing".into()]
+            vec![FIX_FRACTION]
         } else {
             vec!["reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into()]
         },

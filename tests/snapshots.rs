@@ -43,6 +43,17 @@ fn pickles_in(dir: &std::path::Path, gzipped: bool) -> Vec<PathBuf> {
     files
 }
 
+/// ../shared's gzip'd GPT-2 snapshot from the H200, or None (said) when ../shared is not beside
+/// the checkout.
+fn h200_gpt2_snapshot() -> Option<PathBuf> {
+    let file = workspace().join("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz");
+    if !file.exists() {
+        skipped(&format!("{} is not beside the checkout", file.display()));
+        return None;
+    }
+    Some(file)
+}
+
 fn import(db: &std::path::Path, file: &std::path::Path) -> Value {
     tracer_json(
         db,
@@ -476,13 +487,7 @@ fn every_real_snapshot_exports_back_to_itself() {
 fn every_gzipped_snapshot_from_a_real_gpu_rebuilds_exactly() {
     let mut files = pickles_in(&workspace().join("tests/data/gpu-h200/cases"), true);
     assert_eq!(files.len(), 13, "{files:?}");
-    let shared =
-        workspace().join("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz");
-    if shared.exists() {
-        files.push(shared);
-    } else {
-        skipped("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz is not beside the checkout");
-    }
+    files.extend(h200_gpt2_snapshot());
     let dir = tempfile::tempdir().unwrap();
     let mut before = 0;
     for (i, file) in files.iter().enumerate() {
@@ -577,11 +582,9 @@ fn whatif_takes_the_capacity_from_the_oom_entry_and_offers_no_disproved_fix() {
 /// segments, begun mid-run): the gate says so and no fix is called simulated.
 #[test]
 fn a_replay_that_does_not_reproduce_the_run_cites_no_simulated_fix() {
-    let file = workspace().join("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz");
-    if !file.exists() {
-        skipped("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz is not beside the checkout");
+    let Some(file) = h200_gpt2_snapshot() else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("t.db");
     import(&db, &file);
@@ -607,11 +610,9 @@ fn a_replay_that_does_not_reproduce_the_run_cites_no_simulated_fix() {
 /// back, the frees requested before the trace began left with the state before it.
 #[test]
 fn the_gzipped_h200_snapshot_exports_back() {
-    let file = workspace().join("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz");
-    if !file.exists() {
-        skipped("../shared/snapshots/h200-torch2.11-gpt2-expandable-oom.pickle.gz is not beside the checkout");
+    let Some(file) = h200_gpt2_snapshot() else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("t.db");
     import(&db, &file);

@@ -437,7 +437,11 @@ pub fn pytorch_cached(message: &str) -> Option<u64> {
 
 /// A size as PyTorch's format_size writes it ("55.66 MiB", "512 bytes").
 pub fn pytorch_size(text: &str) -> Option<u64> {
-    let compact = text.trim().replace("bytes", "B").replace(' ', "");
+    let compact = text
+        .trim()
+        .trim_end_matches(['.', ';', ','])
+        .replace("bytes", "B")
+        .replace(' ', "");
     if compact.trim_start_matches('0').starts_with(['B', '.']) || compact == "0" {
         return Some(0);
     }

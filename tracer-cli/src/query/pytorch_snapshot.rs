@@ -408,14 +408,14 @@ impl Replay {
     /// the cudaMemGetInfo it made for the message.
     fn oom(&mut self, ts_ns: i64, text: &str) {
         let (device, stack) = self.failed.take().unwrap_or((0, None));
-        let size = super::whatif::tried_to_allocate(text).unwrap_or(0);
+        let size = crate::analysis::oom::pytorch_tried(text).unwrap_or(0);
         // The cudaMemGetInfo PyTorch made for its message, else the message (an imported
         // snapshot's has the entry's bytes).
         let free = self
             .device_free
             .get(&device)
             .copied()
-            .or_else(|| super::whatif::said_free(text));
+            .or_else(|| crate::analysis::oom::free_said(text));
         self.entries.entry(device).or_default().push((
             ts_ns,
             Entry {

@@ -14,6 +14,7 @@ use serde::Serialize;
 use tracer_common::{Library, Op, OpClass, Space};
 
 use crate::{
+    analysis::oom::{free_said, pytorch_tried},
     exit::user_error,
     model::{
         attempts::OUT_OF_MEMORY,
@@ -510,7 +511,7 @@ fn finish_run(
         .reserved_at_refusals
         .iter()
         .zip(&ooms)
-        .filter_map(|(&reserved, m)| said_free(&m.text).map(|free| reserved + free))
+        .filter_map(|(&reserved, m)| free_said(&m.text).map(|free| reserved + free))
         .min();
     if let Some(capacity) = said {
         run.capacity = Some(capacity);
@@ -520,7 +521,7 @@ fn finish_run(
     // how much it tried to allocate (to its two decimals).
     for (&i, m) in run.refused.iter().zip(&ooms) {
         if let (Some(asked), Some(Request::Malloc { size, .. })) =
-            (tried_to_allocate(&m.text), run.requests.get_mut(i))
+            (pytorch_tried(&m.text), run.requests.get_mut(i))
         {
             *size = (*size).max(asked);
         }
@@ -533,38 +534,6 @@ const CAPACITY_SAID: &str = "the device's free bytes at the failure by PyTorch's
 const CAPACITY_SEEN: &str = "cudaMemGetInfo's free bytes beside what the allocator held";
 const CAPACITY_BOUND: &str =
     "an upper bound: the request the device refused, beside what the allocator held";
-
-/// The bytes of PyTorch's "Tried to allocate 1.50 GiB" (its format_size: two decimals).
-pub(crate) fn tried_to_allocate(message: &str) -> Option<u64> {
-    size_after(message, "Tried to allocate ")
-}
-
-/// The device's free bytes PyTorch's message states: "of which 10.56 MiB is free" (2.x),
-/// "has 10.00 MiB free" (an imported snapshot's entry), to its two decimals.
-pub(crate) fn said_free(message: &str) -> Option<u64> {
-    size_after(message, " of which ").or_else(|| {
-        let (_, rest) = message.split_once("GPU ")?.1.split_once(" has ")?;
-        rest.split_whitespace()
-            .nth(2)
-            .filter(|w| w.starts_with("free"))?;
-        size_after(message, " has ")
-    })
-}
-
-/// The size PyTorch's format_size wrote right after `before`.
-fn size_after(message: &str, before: &str) -> Option<u64> {
-    let rest = message.split_once(before)?.1;
-    let mut words = rest.split_whitespace();
-    let value: f64 = words.next()?.parse().ok()?;
-    let unit = match words.next()?.trim_end_matches(['.', ';', ',']) {
-        "bytes" => 1.0,
-        "KiB" => 1024.0,
-        "MiB" => 1024.0 * 1024.0,
-        "GiB" => 1024.0 * 1024.0 * 1024.0,
-        _ => return None,
-    };
-    Some((value * unit) as u64)
-}
 
 /// Whether the simulator, under the recorded settings, made the recorded run's decisions.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -962,20 +931,20 @@ mod tests {
     #[test]
     fn pytorchs_message_gives_the_request_and_the_free_bytes() {
         assert_eq!(
-            tried_to_allocate("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has"),
+            pytorch_tried("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has"),
             Some(3 << 29)
         );
-        assert_eq!(tried_to_allocate("Tried to allocate 512 bytes."), Some(512));
+        assert_eq!(pytorch_tried("Tried to allocate 512 bytes."), Some(512));
         assert_eq!(
-            said_free("Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which 10.50 MiB is free."),
+            free_said("Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which 10.50 MiB is free."),
             Some(10_500 * 1024 * 1024 / 1000)
         );
         assert_eq!(
-            said_free("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has 10.00 MiB free (PyTorch's memory snapshot)"),
+            free_said("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has 10.00 MiB free (PyTorch's memory snapshot)"),
             Some(10 << 20)
         );
-        assert_eq!(said_free("Tried to allocate 2.00 MiB."), None);
-        assert_eq!(tried_to_allocate("out of memory"), None);
+        assert_eq!(free_said("Tried to allocate 2.00 MiB."), None);
+        assert_eq!(pytorch_tried("out of memory"), None);
         let s = parse_settings(
             "expandable_segments:True,garbage_collection_threshold:0.8,max_split_size_mb:128",
         );

@@ -520,18 +520,56 @@ fn an_oom_during_graph_capture_is_told_with_pytorchs_figures() {
     assert!(effect.contains("capacity: it does not fit"), "{effect}");
 }
 
-/// One story from explain and `layout --at oom` on every H200 recording: without `--pid` the
-/// layout shows first the process that ran out, on the device and GPU explain names, every
-/// process at the OOM's instant, and the same bytes held by no one traced or named (the CUDA
-/// contexts PyTorch's message names counted in both).
+/// Every recording in tests/data with an out-of-memory: tracer's own GPU recordings, the GPU
+/// check's cases that ran out, and `tracer demo incident`'s.
+fn recordings_with_an_oom() -> Vec<Recording> {
+    let mut all: Vec<Recording> = ["default", "expandable", "co-tenant"]
+        .into_iter()
+        .map(recording)
+        .collect();
+    for name in [
+        "engine-oom",
+        "fraction",
+        "ring-oom-default",
+        "ring-oom-expandable",
+    ] {
+        all.push(case(name).0);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    gunzip(&workspace().join("tests/data/demo-incident.db.gz"), &db);
+    all.push(Recording {
+        db,
+        stats: Value::Null,
+        _dir: dir,
+    });
+    all
+}
+
+/// One story from every command on every recording in tests/data with an OOM: explain, `layout`
+/// at the OOM (without `--pid`, the process that ran out first, every process at that instant)
+/// and at the end, the HTML report's embedded data and its map at the OOM, `tracer mcp`'s
+/// explain and layout, and the memory snapshot exported at the OOM all name the same process,
+/// device and GPU, the same bytes held by no one traced or named (the CUDA contexts PyTorch's
+/// message names counted in all) and the device's free bytes at the failure.
 #[test]
-fn explain_and_the_layout_at_the_oom_tell_one_story() {
-    for name in ["default", "expandable", "co-tenant"] {
-        let r = recording(name);
+fn every_command_tells_one_story() {
+    let tracer = std::path::Path::new(TRACER).as_os_str().to_owned();
+    for r in recordings_with_an_oom() {
+        let name = r.db.file_name().unwrap().to_string_lossy().into_owned();
         let report = explain(&r);
-        let h = &report["holders"][0];
         let layout = tracer_json(&r.db, &["layout", "--at", "oom", "--json"]);
         let first = &layout[0];
+        if report["holders"][0].is_null() {
+            // A refusal that never reached the device (a memory fraction): no one held the
+            // GPU against it; the layout still shows the process that ran out first.
+            assert_eq!(first["pid"], chain(&report, "oom")["pid"], "{name}");
+            continue;
+        }
+        let h = &report["holders"][0];
+        let pid = h["pid"].to_string();
+
+        // layout at the OOM, then at the end, for the process that ran out.
         assert_eq!(first["pid"], h["pid"], "{name}: {layout:#}");
         let device = &first["devices"][0];
         assert_eq!(device["device"], h["device"], "{name}: {layout:#}");
@@ -542,10 +580,88 @@ fn explain_and_the_layout_at_the_oom_tell_one_story() {
         );
         let at = first["at_ns"].as_i64().unwrap();
         for p in layout.as_array().unwrap() {
-            assert_eq!(
-                p["at_ns"], at,
-                "{name}: every process at the OOM: {layout:#}"
-            );
+            assert_eq!(p["at_ns"], at, "{name}: every process at the OOM: {layout:#}");
+        }
+        // At the end the process may hold nothing; what it holds is on a device CUDA named.
+        let end = tracer_json(&r.db, &["layout", "--pid", &pid, "--json"]);
+        for d in end[0]["devices"].as_array().unwrap() {
+            assert_eq!(d["device"], h["device"], "{name}: {end:#}");
+            assert_eq!(d["gpu"], h["gpu"], "{name}: {end:#}");
+        }
+
+        // The report: explain's answer, and its map at the OOM is the layout's.
+        let html = r.db.with_extension("html");
+        let out = Command::new(TRACER)
+            .args(["report", "-o"])
+            .arg(&html)
+            .arg("--db")
+            .arg(&r.db)
+            .output()
+            .unwrap();
+        assert_ok(&out);
+        let data = embedded_data(&std::fs::read_to_string(&html).unwrap());
+        assert_eq!(data["explain"]["holders"], report["holders"], "{name}");
+        let map = data["snapshots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["label"] == "oom")
+            .unwrap_or_else(|| panic!("{name}: no map at the OOM"));
+        let p = map["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["pid"] == h["pid"])
+            .unwrap_or_else(|| panic!("{name}: {map:#}"));
+        assert_eq!(p["devices"][0]["device"], h["device"], "{name}");
+        assert_eq!(p["devices"][0]["gpu"], h["gpu"], "{name}");
+        assert_eq!(
+            p["devices"][0]["gpu_share"]["unattributed"], h["unattributed"],
+            "{name}"
+        );
+
+        // mcp, as an assistant asks it.
+        let db = r.db.as_os_str().to_owned();
+        let mcp = python_json(&[
+            workspace().join("tests/python/mcp_client.py").as_os_str(),
+            &tracer,
+            &db,
+            "story".as_ref(),
+        ]);
+        let who = &mcp["explain"]["structured"]["who"][0];
+        assert_eq!(who["pid"], h["pid"], "{name}: {who:#}");
+        assert_eq!(who["d"], h["device"], "{name}: {who:#}");
+        assert_eq!(who["gpu"], h["gpu"], "{name}: {who:#}");
+        assert_eq!(who["untraced"], h["untraced"], "{name}: {who:#}");
+        assert_eq!(who["unattributed"], h["unattributed"], "{name}: {who:#}");
+        assert_eq!(who["free"], h["device_free"], "{name}: {who:#}");
+        assert_eq!(who["short"], h["arithmetic"]["shortfall"], "{name}: {who:#}");
+        let seen = &mcp["layout_oom"]["structured"]["procs"][0];
+        assert_eq!(seen["pid"], h["pid"], "{name}: {seen:#}");
+        let d = &seen["devs"][0];
+        assert_eq!(
+            (&d["d"], &d["gpu"], &d["unattributed"]),
+            (&h["device"], &h["gpu"], &h["unattributed"]),
+            "{name}: {seen:#}"
+        );
+
+        // The memory snapshot at the OOM: its segments on that device, the failure's free bytes
+        // as the arithmetic read them.
+        let pickle = r.db.with_extension("pickle");
+        export_snapshot(&r.db, &pickle, &["--at", "oom", "--pid", &pid]);
+        let figures = python_json(&[
+            workspace().join("tests/python/snapshot_compare.py").as_os_str(),
+            "--figures".as_ref(),
+            pickle.as_os_str(),
+        ]);
+        // (Segments tracer never saw made are left out, not guessed.)
+        for d in figures["segment_devices"].as_array().unwrap() {
+            assert_eq!(d, &h["device"], "{name}: {figures:#}");
+        }
+        let oom = &figures["ooms"][0];
+        assert_eq!(oom[0], h["device"], "{name}: {figures:#}");
+        if h["arithmetic"]["source"]["kind"] == "after_failure" {
+            assert_eq!(oom[1], h["arithmetic"]["could_give"], "{name}: {figures:#}");
         }
     }
 }

@@ -538,13 +538,8 @@ fn whatif_takes_the_capacity_from_the_oom_entry_and_offers_no_disproved_fix() {
     import(&db, &file);
     let w = tracer_json(&db, &["whatif", "--json", "--no-search"]);
     // At the instant: 8,959,033,344 B reserved (the snapshot's segments), 60,358,656 B free
-    // (its oom entry), written in the message to two decimals (57.56 MiB).
-    let capacity = w["capacity"].as_u64().unwrap() as i64;
-    let expected: i64 = 8_959_033_344 + 60_358_656;
-    assert!(
-        (capacity - expected).abs() < 8 << 10,
-        "{capacity} vs {expected}: {w:#}"
-    );
+    // (its oom entry's `device_free`, to the byte).
+    assert_eq!(w["capacity"], 8_959_033_344u64 + 60_358_656, "{w:#}");
     assert!(
         w["capacity_source"]
             .as_str()

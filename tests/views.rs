@@ -17,17 +17,6 @@ fn python(script: &str, args: &[&std::ffi::OsStr]) -> Value {
     python_json(&all)
 }
 
-/// The JSON the page embeds, read from the file itself.
-fn embedded_data(html: &str) -> Value {
-    let start = html
-        .find(r#"<script type="application/json" id="data">"#)
-        .expect("the data element");
-    let body = &html[start..];
-    let body = &body[body.find('>').unwrap() + 1..];
-    let end = body.find("</script>").unwrap();
-    serde_json::from_str(&body[..end]).unwrap()
-}
-
 fn number(text: &str) -> i64 {
     text.replace(',', "")
         .parse()

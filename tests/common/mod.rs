@@ -664,3 +664,14 @@ pub fn yaml(path: &Path) -> Vec<Value> {
     ]))
     .unwrap()
 }
+
+/// The JSON the page embeds, read from the file itself.
+pub fn embedded_data(html: &str) -> Value {
+    let start = html
+        .find(r#"<script type="application/json" id="data">"#)
+        .expect("the data element");
+    let body = &html[start..];
+    let body = &body[body.find('>').unwrap() + 1..];
+    let end = body.find("</script>").unwrap();
+    serde_json::from_str(&body[..end]).unwrap()
+}

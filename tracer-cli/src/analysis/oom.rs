@@ -427,6 +427,18 @@ pub fn free_said(message: &str) -> Option<u64> {
         .flatten()
 }
 
+/// What an imported snapshot's `oom` entry recorded to the byte (its `device_free`), which the
+/// import writes into the message it makes of the entry: "... (PyTorch's memory snapshot: ...,
+/// 60358656 bytes free)". None for PyTorch's own messages, which say two decimals.
+pub fn snapshot_free_said(message: &str) -> Option<u64> {
+    let (_, rest) = message.split_once(SNAPSHOT_OOM_SAYS)?;
+    let (digits, _) = rest.split_once(" bytes free")?;
+    digits.trim().parse().ok()
+}
+
+/// Where the import's message of a snapshot's `oom` entry says the exact free bytes.
+pub const SNAPSHOT_OOM_SAYS: &str = "(PyTorch's memory snapshot: the allocator's trace entry of the failure, ";
+
 /// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.
 pub fn pytorch_cached(message: &str) -> Option<u64> {
     let before = message
@@ -434,6 +446,10 @@ pub fn pytorch_cached(message: &str) -> Option<u64> {
         .next()?;
     pytorch_size(before.rsplit(", and ").next()?)
 }
+
+/// PyTorch's figures have two decimals: a difference this small is the rounding. Memory held by
+/// no one traced or named is said only above it, by every command.
+pub const MESSAGE_ROUNDING: u64 = 8 << 20;
 
 /// A size as PyTorch's format_size writes it ("55.66 MiB", "512 bytes").
 pub fn pytorch_size(text: &str) -> Option<u64> {

@@ -415,6 +415,12 @@ impl Layout {
         &self.totals
     }
 
+    /// Memory held on no known device: a keyframe stored before devices were learned.
+    pub fn has_unknown_device(&self) -> bool {
+        self.totals.keys().any(|(d, _)| *d == crate::model::NO_DEVICE)
+            || self.outside.get(&crate::model::NO_DEVICE).is_some_and(|&b| b > 0)
+    }
+
     /// All pools of all devices together.
     pub fn total(&self) -> PoolStats {
         let mut t = PoolStats::default();
@@ -1019,6 +1025,11 @@ impl Layout {
             }
         }
         out
+    }
+
+    /// The devices of blocks seen in segments tracer never saw made.
+    pub fn orphan_devices(&self) -> impl Iterator<Item = i32> + '_ {
+        self.orphans.values().map(|o| o.device)
     }
 
     /// Blocks held in segments tracer never saw, on `device` (all devices: None): (blocks,

@@ -145,21 +145,79 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
     let mut out: Vec<ProcessLayout> = states
         .iter()
         .map(|(&pid, (s, last))| (pid, &s.layout, *last))
-        .filter(|(_, l, _)| !l.stats().is_empty() || !l.segments().is_empty() || l.blocks_seen > 0)
+        .filter(|(_, l, _)| shown(l))
         .map(|(pid, l, last)| {
             process_layout(pid, comms.get(&pid).cloned(), l, moment(last), q.device)
         })
         .collect();
     let readings = Readings::read(conn, info.id)?;
-    let mut held: Vec<(u32, i32, u64)> = states
+    let held: Vec<(u32, i32, u64)> = states
         .iter()
         .flat_map(|(&pid, (s, _))| held_per_device(pid, &s.layout))
         .collect();
+    let oom = if q.at == At::Oom {
+        Some(OomAt {
+            pid: q.pid,
+            message: oom_message(conn, info.id, q.pid)?,
+        })
+    } else {
+        None
+    };
+    share_at(
+        &mut out,
+        held,
+        &placements,
+        &readings,
+        at_ns,
+        oom.as_ref(),
+        q.pid.is_none() && q.device.is_none(),
+    );
+    Ok((info.id, out))
+}
+
+/// A process laid out: it held device memory or PyTorch's probes showed its blocks.
+pub(crate) fn shown(l: &crate::model::layout::Layout) -> bool {
+    !l.stats().is_empty() || !l.segments().is_empty() || l.blocks_seen > 0
+}
+
+/// Bytes a process held on one of its devices: (pid, device, bytes).
+type Held = (u32, i32, u64);
+
+/// An out-of-memory a layout is taken at: the process whose OOM it is (`--pid`, where given)
+/// and PyTorch's message of it, where recorded.
+pub(crate) struct OomAt {
+    pub pid: Option<u32>,
+    pub message: Option<crate::model::MessageRow>,
+}
+
+/// PyTorch's first out-of-memory message of `pid` (or of any process).
+pub(crate) fn oom_message(
+    conn: &rusqlite::Connection,
+    session: i64,
+    pid: Option<u32>,
+) -> Result<Option<crate::model::MessageRow>> {
+    Ok(events::messages(conn, session)?
+        .into_iter()
+        .find(|m| m.op == tracer_common::Op::TorchOom.name() && pid.is_none_or(|p| p == m.pid)))
+}
+
+/// Sets each layout's GPU share at `at_ns` (`share_gpus`). At an out-of-memory, one account
+/// for `layout --at oom` and the report's map at it: the process that ran out first, what
+/// PyTorch's message says processes had beyond their traced calls (their CUDA contexts)
+/// counted beside them as explain counts it, and the device as that process last read it for
+/// every process on its GPU.
+pub(crate) fn share_at(
+    out: &mut [ProcessLayout],
+    mut held: Vec<Held>,
+    placements: &std::collections::HashMap<u32, crate::model::Placement>,
+    readings: &Readings,
+    at_ns: i64,
+    oom: Option<&OomAt>,
+    everyone: bool,
+) {
     let mut ran_out: Option<(u32, i32)> = None;
-    if q.at == At::Oom {
-        let (who, named) = oom_named(conn, info.id, q.pid, &held)?;
-        // The process that ran out first; beside every process, what PyTorch's message says
-        // it had beyond its traced calls (its CUDA context), as explain counts it.
+    if let Some(oom) = oom {
+        let (who, named) = oom_named(oom, &held);
         out.sort_by_key(|p| Some(p.pid) != who);
         ran_out = who.map(|w| (w, named.first().map_or(0, |n| n.1)));
         for (pid, device, bytes) in named {
@@ -170,45 +228,29 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         }
     }
     let place = |pid: u32, device: i32| {
-        crate::model::Placement::of(&placements, pid)
+        crate::model::Placement::of(placements, pid)
             .gpu(device)
             .key
     };
     share_gpus(
-        &mut out,
+        out,
         &held,
-        &placements,
-        |pid, device| {
-            // At an OOM, the device as the process that ran out last read it, for every
-            // process on its GPU: one reading, one account.
-            match ran_out {
-                Some((w, wd)) if place(pid, device) == place(w, wd) => readings
-                    .last(w, wd, at_ns)
-                    .or_else(|| readings.last(pid, device, at_ns)),
-                _ => readings.last(pid, device, at_ns),
-            }
+        placements,
+        |pid, device| match ran_out {
+            Some((w, wd)) if place(pid, device) == place(w, wd) => readings
+                .last(w, wd, at_ns)
+                .or_else(|| readings.last(pid, device, at_ns)),
+            _ => readings.last(pid, device, at_ns),
         },
-        q.pid.is_none() && q.device.is_none(),
+        everyone,
     );
-    Ok((info.id, out))
 }
 
-/// Bytes a process held on one of its devices: (pid, device, bytes).
-type Held = (u32, i32, u64);
-
-/// The process whose OOM `--at oom` names, and what its message says processes had on its
-/// device beyond their traced bytes (`held`): (pid, device, bytes) to add to them.
-fn oom_named(
-    conn: &rusqlite::Connection,
-    session: i64,
-    pid: Option<u32>,
-    held: &[(u32, i32, u64)],
-) -> Result<(Option<u32>, Vec<Held>)> {
-    let Some(m) = events::messages(conn, session)?
-        .into_iter()
-        .find(|m| m.op == tracer_common::Op::TorchOom.name() && pid.is_none_or(|p| p == m.pid))
-    else {
-        return Ok((pid, Vec::new()));
+/// The process whose OOM `oom` names, and what its message says processes had on its device
+/// beyond their traced bytes (`held`): (pid, device, bytes) to add to them.
+fn oom_named(oom: &OomAt, held: &[(u32, i32, u64)]) -> (Option<u32>, Vec<Held>) {
+    let Some(m) = &oom.message else {
+        return (oom.pid, Vec::new());
     };
     let device = held.iter().find(|h| h.0 == m.pid).map_or(0, |h| h.1);
     let traced = |q: u32| -> u64 { held.iter().filter(|h| h.0 == q).map(|h| h.2).sum() };
@@ -221,11 +263,10 @@ fn oom_named(
         .map(|(q, b)| (q, device, b.saturating_sub(traced(q))))
         .filter(|&(_, _, b)| b > MESSAGE_ROUNDING)
         .collect();
-    Ok((Some(m.pid), extra))
+    (Some(m.pid), extra)
 }
 
-/// PyTorch's figures have two decimals: a difference this small is the rounding.
-const MESSAGE_ROUNDING: u64 = 8 << 20;
+use crate::analysis::oom::MESSAGE_ROUNDING;
 
 /// What a process holds on each device through its traced calls (segments and outside):
 /// (pid, device, bytes), for [`share_gpus`].
@@ -308,7 +349,8 @@ pub(crate) fn share_gpus(
                 said_at_ns: reading.map(|r| r.0),
                 unattributed: reading
                     .filter(|_| everyone)
-                    .map(|r| r.1.saturating_sub(r.2).saturating_sub(traced)),
+                    .map(|r| r.1.saturating_sub(r.2).saturating_sub(traced))
+                    .filter(|&b| b > MESSAGE_ROUNDING),
             };
         }
     }
@@ -321,7 +363,10 @@ pub(crate) fn process_layout(
     at_ns: i64,
     device: Option<i32>,
 ) -> ProcessLayout {
+    // A process whose segments all predate the trace still names its devices by its blocks.
     let mut devices: Vec<i32> = l.stats().keys().map(|(d, _)| *d).collect();
+    devices.extend(l.orphan_devices());
+    devices.sort_unstable();
     devices.dedup();
     devices.retain(|d| device.is_none_or(|want| want == *d));
     ProcessLayout {

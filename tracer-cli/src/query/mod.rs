@@ -64,6 +64,16 @@ pub fn begin(conn: &Connection, session: i64, from_ns: i64, pid: Option<u32>) ->
         Start::Beginning => Vec::new(),
         Start::Keyframe { keyframe, .. } => keyframes::states(conn, keyframe, pid)?,
     };
+    // A keyframe a tracer stored before it learned devices (schema 10) holds segments on no
+    // device; where every call before it is still stored, the walk from the first call
+    // resolves each call's device instead, as it does after the keyframe.
+    let unresolved = states.iter().any(|s| s.layout.has_unknown_device());
+    if unresolved && !keyframes::evicted(conn, session)? {
+        return Ok(Begin {
+            start: Start::Beginning,
+            states: Vec::new(),
+        });
+    }
     Ok(Begin { start, states })
 }
 

@@ -138,11 +138,19 @@ pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
         .filter(|g| g.pid == pid && g.kind == "before_trace")
         .map(|g| g.to_ns)
         .max();
-    let ooms: Vec<(i64, String)> = events::messages(conn, info.id)?
+    let mut ooms: Vec<OomSeen> = events::messages(conn, info.id)?
         .into_iter()
         .filter(|m| m.pid == pid && m.op == Op::TorchOom.name() && m.ts_ns <= at_ns)
-        .map(|m| (m.ts_ns, m.text))
+        .map(|m| OomSeen {
+            ts_ns: m.ts_ns,
+            text: Some(m.text),
+            size: None,
+            device_free: None,
+        })
         .collect();
+    if ooms.is_empty() {
+        ooms = raised_unsaid(conn, info.id, pid, at_ns)?;
+    }
     // The walk starts where the entries do (the first call kept, or the keyframe before
     // --since), not at the instant: the trace leads up to it.
     let from_ns = q.since_ns.map_or(i64::MIN, |s| at_ns.saturating_sub(s));
@@ -164,6 +172,51 @@ pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
     out.pid = pid;
     out.frames = frames(conn, &mut out)?;
     Ok(out)
+}
+
+/// An out-of-memory to write as an `oom` entry: PyTorch's message, or where none was recorded
+/// the refusal its allocator raised for (no retry followed), with the free bytes of the
+/// cudaMemGetInfo right after it (PyTorch's own reading for its message).
+struct OomSeen {
+    ts_ns: i64,
+    text: Option<String>,
+    size: Option<u64>,
+    device_free: Option<u64>,
+}
+
+/// The process's raised refusals up to `at_ns`, for a recording without PyTorch's messages.
+fn raised_unsaid(
+    conn: &rusqlite::Connection,
+    session: i64,
+    pid: u32,
+    at_ns: i64,
+) -> Result<Vec<OomSeen>> {
+    use crate::model::attempts;
+    use tracer_common::OpClass;
+    let calls =
+        events::calls_of_classes(conn, session, &[OpClass::Alloc, OpClass::MemInfo], Some(pid))?;
+    let allocs: Vec<&Event> = calls.iter().filter(|c| c.class() == OpClass::Alloc).collect();
+    let raised = attempts::raised(&attempts::attempts(allocs.iter().copied()));
+    Ok(raised
+        .iter()
+        .filter(|a| a.event.ts_ns <= at_ns)
+        .map(|a| {
+            let f = &a.event;
+            // The thread's next calls after the failure, up to its next allocation.
+            let reading = calls
+                .iter()
+                .filter(|c| c.tid == f.tid && c.ts_ns > f.ts_ns)
+                .take_while(|c| c.class() != OpClass::Alloc)
+                .find(|c| c.class() == OpClass::MemInfo && c.ret == 0);
+            OomSeen {
+                // Just after the failed call, so that the entry follows it.
+                ts_ns: f.ts_ns + 1,
+                text: None,
+                size: Some(f.size),
+                device_free: reading.map(|r| r.aux0),
+            }
+        })
+        .collect())
 }
 
 /// The one process with PyTorch's block events, else a message naming them.
@@ -201,7 +254,7 @@ struct Replay {
     timed: bool,
     rebuilt_until: Option<i64>,
     /// Out-of-memory messages not yet placed, oldest first.
-    ooms: VecDeque<(i64, String)>,
+    ooms: VecDeque<OomSeen>,
     /// Per device, in time order: (ts_ns, entry, call site).
     entries: BTreeMap<i32, Vec<(i64, Entry, Option<i64>)>>,
     /// Requested bytes of each live block (a free's entry says them).
@@ -234,7 +287,7 @@ impl Replay {
         conf: Option<&str>,
         timed: bool,
         rebuilt_until: Option<i64>,
-        ooms: Vec<(i64, String)>,
+        ooms: Vec<OomSeen>,
     ) -> Replay {
         let layout = state.map_or_else(
             || Layout::new(conf.map_or_else(AllocConf::default, AllocConf::parse)),
@@ -266,9 +319,9 @@ impl Replay {
     }
 
     fn call(&mut self, e: &Event) {
-        while self.ooms.front().is_some_and(|(ts, _)| *ts <= e.ts_ns) {
-            if let Some((ts, text)) = self.ooms.pop_front() {
-                self.oom(ts, &text);
+        while self.ooms.front().is_some_and(|o| o.ts_ns <= e.ts_ns) {
+            if let Some(o) = self.ooms.pop_front() {
+                self.oom(&o);
             }
         }
         if !self.past_rebuilt && self.rebuilt_until.is_some_and(|r| e.ts_ns >= r) {
@@ -406,16 +459,19 @@ impl Replay {
 
     /// PyTorch's out-of-memory: the request from its message, the device's free bytes from
     /// the cudaMemGetInfo it made for the message.
-    fn oom(&mut self, ts_ns: i64, text: &str) {
+    fn oom(&mut self, o: &OomSeen) {
+        use crate::analysis::oom::{free_said, pytorch_tried, snapshot_free_said};
         let (device, stack) = self.failed.take().unwrap_or((0, None));
-        let size = crate::analysis::oom::pytorch_tried(text).unwrap_or(0);
+        let text = o.text.as_deref();
+        let size = text.and_then(pytorch_tried).or(o.size).unwrap_or(0);
         // The cudaMemGetInfo PyTorch made for its message, else the message (an imported
         // snapshot's has the entry's bytes).
-        let free = self
+        let free = o
             .device_free
-            .get(&device)
-            .copied()
-            .or_else(|| crate::analysis::oom::free_said(text));
+            .or_else(|| self.device_free.get(&device).copied())
+            .or_else(|| text.and_then(snapshot_free_said))
+            .or_else(|| text.and_then(free_said));
+        let ts_ns = o.ts_ns;
         self.entries.entry(device).or_default().push((
             ts_ns,
             Entry {
@@ -471,10 +527,9 @@ impl Replay {
 
     fn finish(mut self, q: &SnapshotQuery, at_ns: i64, conf: Option<String>) -> Result<Export> {
         self.completed(None);
-        for (ts, text) in std::mem::take(&mut self.ooms) {
-            if ts <= at_ns {
-                self.oom(ts, &text);
-            }
+        // Each was taken at or before the instant (a refusal's entry just after its call).
+        for o in std::mem::take(&mut self.ooms) {
+            self.oom(&o);
         }
         let mut left = LeftOut {
             entries_before_hole: self.entries_before_hole,

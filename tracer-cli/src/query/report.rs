@@ -131,6 +131,10 @@ pub fn report_data(db: &Path, q: &ExplainQuery) -> Result<ReportData> {
     let mut pass = Pass::new(&confs, &comms, window.from_ns, window.to_ns);
     pass.placements = events::placements(conn, session_id)?;
     pass.readings = layouts::Readings::read(conn, session_id)?;
+    pass.oom = layouts::OomAt {
+        pid: q.pid,
+        message: layouts::oom_message(conn, session_id, q.pid)?,
+    };
     let mut walk = ReportWalk {
         pass,
         times: &times,
@@ -237,6 +241,8 @@ struct Pass<'a> {
     /// layouts' GPU shares.
     placements: HashMap<u32, crate::model::Placement>,
     readings: layouts::Readings,
+    /// The OOM the window shows, for its map.
+    oom: layouts::OomAt,
     from_ns: i64,
     to_ns: i64,
     allocators: LiveAllocators,
@@ -262,6 +268,10 @@ impl<'a> Pass<'a> {
             comms,
             placements: HashMap::new(),
             readings: layouts::Readings::default(),
+            oom: layouts::OomAt {
+                pid: None,
+                message: None,
+            },
             from_ns,
             to_ns,
             allocators,
@@ -392,11 +402,7 @@ impl<'a> Pass<'a> {
             .figures
             .processes()
             .map(|p| p.pid)
-            .filter(|&pid| {
-                self.allocators
-                    .layout(pid)
-                    .is_some_and(|l| !l.segments().is_empty() || !l.stats().is_empty())
-            })
+            .filter(|&pid| self.allocators.layout(pid).is_some_and(layouts::shown))
             .collect();
         pids.sort_unstable();
         let mut processes: Vec<layouts::ProcessLayout> = pids
@@ -418,11 +424,15 @@ impl<'a> Pass<'a> {
             .filter_map(|p| Some((p.pid, self.allocators.layout(p.pid)?)))
             .flat_map(|(pid, l)| layouts::held_per_device(pid, l))
             .collect();
-        layouts::share_gpus(
+        // The map at the OOM is `layout --at oom`'s: one account of who held the GPU.
+        let oom = (label == "oom").then_some(&self.oom);
+        layouts::share_at(
             &mut processes,
-            &held,
+            held,
             &self.placements,
-            |pid, device| self.readings.last(pid, device, at_ns),
+            &self.readings,
+            at_ns,
+            oom,
             true,
         );
         self.snapshots.push(SegmentMaps {

@@ -14,7 +14,7 @@ use serde::Serialize;
 use tracer_common::{Library, Op, OpClass, Space};
 
 use crate::{
-    analysis::oom::{free_said, pytorch_tried},
+    analysis::oom::{free_said, pytorch_tried, snapshot_free_said},
     exit::user_error,
     model::{
         attempts::OUT_OF_MEMORY,
@@ -511,7 +511,11 @@ fn finish_run(
         .reserved_at_refusals
         .iter()
         .zip(&ooms)
-        .filter_map(|(&reserved, m)| free_said(&m.text).map(|free| reserved + free))
+        .filter_map(|(&reserved, m)| {
+            snapshot_free_said(&m.text)
+                .or_else(|| free_said(&m.text))
+                .map(|free| reserved + free)
+        })
         .min();
     if let Some(capacity) = said {
         run.capacity = Some(capacity);

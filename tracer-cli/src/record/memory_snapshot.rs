@@ -528,9 +528,11 @@ impl Plan {
             tid: SNAPSHOT_TID,
             op: Op::TorchOom,
             text: format!(
-                "CUDA out of memory. Tried to allocate {}. GPU {device} has {} free (PyTorch's memory snapshot: the allocator's trace entry of the failure).",
+                "CUDA out of memory. Tried to allocate {}. GPU {device} has {} free {}{} bytes free).",
                 pytorch_size(e.size),
-                pytorch_size(e.addr)
+                pytorch_size(e.addr),
+                crate::analysis::oom::SNAPSHOT_OOM_SAYS,
+                e.addr
             ),
             truncated: false,
         });

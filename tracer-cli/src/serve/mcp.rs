@@ -819,6 +819,10 @@ pub struct DevLayoutOut {
     pub figures: String,
     /// device memory outside the allocator's segments
     pub outside: u64,
+    /// the physical GPU, and the bytes in use then that no traced process held and no process
+    /// PyTorch's message named (as explain's `who`)
+    pub gpu: String,
+    pub unattributed: Option<u64>,
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
@@ -921,6 +925,8 @@ pub fn layout(db: &Path, args: &LayoutArgs) -> Result<LayoutOut> {
                             format_bytes(d.total.largest_free)
                         ),
                         outside: d.outside,
+                        gpu: d.gpu.clone(),
+                        unattributed: d.gpu_share.unattributed,
                     })
                     .collect(),
                 segments: segs,
@@ -1119,7 +1125,7 @@ impl TracerMcp {
 
     #[tool(
         name = "layout",
-        description = "The allocator's segments and blocks at a moment (at = \"oom\", \"end\" or Unix seconds), summarised per process: view (blocks when PyTorch's probes were seen), devs (per device: allocated, reserved, free_blocks, largest_free bytes, h = the same in human units, outside = device bytes outside the allocator), segs (the 12 largest segments: a = address, d = device, pool, size, alloc_blocks, free_blocks, largest_free), seg_count; procs_omitted (at most 32 processes are returned). Fragmentation shows as reserved far above allocated with a small largest_free.",
+        description = "The allocator's segments and blocks at a moment (at = \"oom\", \"end\" or Unix seconds), summarised per process: view (blocks when PyTorch's probes were seen), devs (per device: allocated, reserved, free_blocks, largest_free bytes, h = the same in human units, outside = device bytes outside the allocator, gpu = the physical GPU, unattributed = bytes in use then held by no traced process and no process PyTorch's message names), segs (the 12 largest segments: a = address, d = device, pool, size, alloc_blocks, free_blocks, largest_free), seg_count; procs_omitted (at most 32 processes are returned). Fragmentation shows as reserved far above allocated with a small largest_free.",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn layout(

@@ -209,6 +209,16 @@ fn an_imported_snapshots_oom_entry_gives_the_free_bytes() {
         free_said("CUDA out of memory. Tried to allocate 100.00 MiB."),
         None
     );
+    // The import's message carries the entry's bytes exactly; PyTorch's own message does not.
+    let imported = format!(
+        "CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has 57.56 MiB free {SNAPSHOT_OOM_SAYS}60358656 bytes free)."
+    );
+    assert_eq!(snapshot_free_said(&imported), Some(60_358_656));
+    assert_eq!(free_said(&imported), Some(60_356_034));
+    assert_eq!(
+        snapshot_free_said("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 139.81 GiB of which 10.50 MiB is free."),
+        None
+    );
 }
 
 /// Memory held by no one traced or named that covers the shortfall: not capacity.

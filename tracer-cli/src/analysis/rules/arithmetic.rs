@@ -61,8 +61,13 @@ pub fn of_failure(f: &Failure<'_, '_>) -> Arithmetic {
         page,
         given_back: forensics.map_or(0, |x| x.pages_unmapped),
         after_free,
-        message_free: f.message.and_then(oom::free_said),
-        snapshot_free: None,
+        // An imported snapshot's message carries its oom entry's bytes; PyTorch's own, two
+        // decimals of them.
+        message_free: f
+            .message
+            .filter(|m| oom::snapshot_free_said(m).is_none())
+            .and_then(oom::free_said),
+        snapshot_free: f.message.and_then(oom::snapshot_free_said),
         nvml_free: f.nvml.map(|s| s.total.saturating_sub(s.used)),
         estimate,
         split: f.judged.and_then(|j| j.split),

@@ -164,10 +164,16 @@ pub fn name_in_oom(
             .find(|&&(q, _)| q == p.pid)
             .map(|&(_, b)| b)
     });
+    // PyTorch's figure (and NVML's) is read after the failure, as the device reading is: the
+    // traced bytes to set beside it are those of that instant (a refused request has given back
+    // the pages it made by then).
+    let held_then = reading
+        .filter(|r| r.ts_ns > at_ns)
+        .map_or(held, |r| held_on(p, &gpu, r.ts_ns, who));
     let untraced = message
         .and_then(this_process_said)
         .or(nvml_self)
-        .map(|said| said.saturating_sub(held))
+        .map(|said| said.saturating_sub(held_then))
         .filter(|&b| b > MESSAGE_ROUNDING);
     let unseen = reading.map(|r| held_by_no_one_traced(p, &gpu, r, everyone, who));
     // What no traced call held but the message or NVML names: processes tracer did not see
@@ -259,8 +265,7 @@ fn old_verdict(
     }
 }
 
-/// PyTorch's figures have two decimals: a difference this small is the rounding.
-const MESSAGE_ROUNDING: u64 = 8 << 20;
+use crate::analysis::oom::MESSAGE_ROUNDING;
 
 /// The figures, said in the chain; the verdict said in its effect and fixes.
 fn say_in_chain(

@@ -580,7 +580,10 @@ fn every_command_tells_one_story() {
         );
         let at = first["at_ns"].as_i64().unwrap();
         for p in layout.as_array().unwrap() {
-            assert_eq!(p["at_ns"], at, "{name}: every process at the OOM: {layout:#}");
+            assert_eq!(
+                p["at_ns"], at,
+                "{name}: every process at the OOM: {layout:#}"
+            );
         }
         // At the end the process may hold nothing; what it holds is on a device CUDA named.
         let end = tracer_json(&r.db, &["layout", "--pid", &pid, "--json"]);
@@ -635,7 +638,10 @@ fn every_command_tells_one_story() {
         assert_eq!(who["untraced"], h["untraced"], "{name}: {who:#}");
         assert_eq!(who["unattributed"], h["unattributed"], "{name}: {who:#}");
         assert_eq!(who["free"], h["device_free"], "{name}: {who:#}");
-        assert_eq!(who["short"], h["arithmetic"]["shortfall"], "{name}: {who:#}");
+        assert_eq!(
+            who["short"], h["arithmetic"]["shortfall"],
+            "{name}: {who:#}"
+        );
         let seen = &mcp["layout_oom"]["structured"]["procs"][0];
         assert_eq!(seen["pid"], h["pid"], "{name}: {seen:#}");
         let d = &seen["devs"][0];
@@ -650,7 +656,9 @@ fn every_command_tells_one_story() {
         let pickle = r.db.with_extension("pickle");
         export_snapshot(&r.db, &pickle, &["--at", "oom", "--pid", &pid]);
         let figures = python_json(&[
-            workspace().join("tests/python/snapshot_compare.py").as_os_str(),
+            workspace()
+                .join("tests/python/snapshot_compare.py")
+                .as_os_str(),
             "--figures".as_ref(),
             pickle.as_os_str(),
         ]);

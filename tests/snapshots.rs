@@ -489,7 +489,7 @@ fn every_gzipped_snapshot_from_a_real_gpu_rebuilds_exactly() {
     assert_eq!(files.len(), 13, "{files:?}");
     files.extend(h200_gpt2_snapshot());
     let dir = tempfile::tempdir().unwrap();
-    let mut before = 0;
+    let (mut before, mut pooled) = (0, 0);
     for (i, file) in files.iter().enumerate() {
         let db = dir.path().join(format!("{i}.db"));
         let r = import(&db, file);
@@ -519,9 +519,18 @@ fn every_gzipped_snapshot_from_a_real_gpu_rebuilds_exactly() {
             file.display()
         );
         before += r["import"]["blocks_before_trace"].as_u64().unwrap();
+        // Exported back: every segment (with its private pool's `segment_pool_id`), block and
+        // live block's request as PyTorch held them.
+        let out = dir.path().join(format!("{i}.pickle"));
+        export_snapshot(&db, &out, &[]);
+        let parts =
+            assert_snapshots_equal_in(file, &out, &["segments", "blocks", "active_requested"]);
+        pooled += parts["private_pool_segments"].as_u64().unwrap();
     }
     // The ring-wrapped ones began mid-run.
     assert!(before > 1000, "{before}");
+    // Graphs' and MemPools' segments: the captures, torch.compile's trees, the engine's.
+    assert!(pooled >= 40, "{pooled}");
 }
 
 /// whatif on a snapshot dumped in PyTorch's out-of-memory observer (the GPU check's ring-wrapped

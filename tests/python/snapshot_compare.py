@@ -167,6 +167,8 @@ def main():
             py = lambda e: [f for f in frames_of(e) if f[0].endswith(".py")]
             parts["entry_frames_python"].check(f"device {device} entry {i} frames", py(a), py(b))
     out = {k: v.out() for k, v in parts.items()}
+    out["private_pool_segments"] = sum(1 for s in original["segments"]
+                                       if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
     out["exported_faults"] = {"compared": 1, "equal": int(not parts_faults),
                               "first_difference": parts_faults[0] if parts_faults else None}
     print(json.dumps(out))

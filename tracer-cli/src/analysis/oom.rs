@@ -437,7 +437,8 @@ pub fn snapshot_free_said(message: &str) -> Option<u64> {
 }
 
 /// Where the import's message of a snapshot's `oom` entry says the exact free bytes.
-pub const SNAPSHOT_OOM_SAYS: &str = "(PyTorch's memory snapshot: the allocator's trace entry of the failure, ";
+pub const SNAPSHOT_OOM_SAYS: &str =
+    "(PyTorch's memory snapshot: the allocator's trace entry of the failure, ";
 
 /// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.
 pub fn pytorch_cached(message: &str) -> Option<u64> {

@@ -53,6 +53,9 @@ pub struct SegmentState {
     /// segment_type "small".
     pub small: bool,
     pub expandable: bool,
+    /// `segment_pool_id`: the private pool it belongs to (a CUDA graph's, a MemPool's); (0, 0)
+    /// or absent for the default pools.
+    pub pool_id: (u64, u64),
     pub blocks: Vec<BlockState>,
 }
 
@@ -293,8 +296,25 @@ impl Reader<'_> {
                 .field(s, "is_expandable")
                 .and_then(|v| self.p.bool(v))
                 .unwrap_or(false),
+            pool_id: self.pool_id(s)?,
             blocks,
         })
+    }
+
+    /// A segment's `segment_pool_id`, a pair of counters (older snapshots lack it).
+    fn pool_id(&self, s: ValueId) -> Result<(u64, u64)> {
+        let Some(v) = self.p.field(s, "segment_pool_id") else {
+            return Ok((0, 0));
+        };
+        let half = |i: usize| {
+            self.p
+                .items(v)
+                .get(i)
+                .and_then(|&x| self.p.int(x))
+                .and_then(|x| u64::try_from(x).ok())
+                .ok_or_else(|| anyhow!("'segment_pool_id' is not a pair of counters"))
+        };
+        Ok((half(0)?, half(1)?))
     }
 
     fn entry(&mut self, e: ValueId) -> Result<Option<TraceEntry>> {

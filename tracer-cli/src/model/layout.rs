@@ -154,6 +154,9 @@ pub struct SegmentMap {
     pub size: u64,
     pub device: i32,
     pub pool: Option<Pool>,
+    /// The private pool it belongs to (a CUDA graph's, a MemPool), where tracer knows it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool_id: Option<super::pools::PoolId>,
     pub expandable: bool,
     pub runs: Vec<Run>,
 }
@@ -254,6 +257,10 @@ pub struct Layout {
     /// Kept in keyframes after the state (format 3).
     #[serde(skip)]
     pub(crate) sight: Sight,
+    /// Each segment's private pool, where tracer knows it (model/pools.rs). Kept in keyframes
+    /// after the state (format 4).
+    #[serde(skip)]
+    pub(crate) private: super::pools::PrivatePools,
 }
 
 /// Whether a process's block events are seen (`--allocator auto` arms PyTorch's probes only
@@ -395,15 +402,21 @@ impl Layout {
             }
             (OpClass::EventWait, _) if e.ret == 0 => self.event_complete(e.ptr),
             (OpClass::Alloc, Space::Device) if e.ret == 0 && e.ptr != 0 && is_segment_op(e.op) => {
+                self.private.made(e.ptr, e.aux1);
                 self.segment_alloc(e.ptr, e.size, e.device, None, e.ts_ns)
             }
             (OpClass::Free, Space::Device) if e.ret == 0 && is_segment_op(e.op) => {
+                self.private.released(e.ptr);
                 self.segment_free(e.ptr)
             }
             (OpClass::Alloc, Space::AddressRange) if e.ret == 0 && e.ptr != 0 => {
+                self.private.made(e.ptr, e.aux1);
                 self.segment_alloc(e.ptr, e.size, e.device, Some(BTreeMap::new()), e.ts_ns)
             }
-            (OpClass::Free, Space::AddressRange) if e.ret == 0 => self.segment_free(e.ptr),
+            (OpClass::Free, Space::AddressRange) if e.ret == 0 => {
+                self.private.released(e.ptr);
+                self.segment_free(e.ptr)
+            }
             (OpClass::Alloc, Space::Mapping) if e.ret == 0 => self.map(e.ptr, e.size, true),
             (OpClass::Free, Space::Mapping) if e.ret == 0 => self.map(e.ptr, e.size, false),
             _ => {}
@@ -417,8 +430,13 @@ impl Layout {
 
     /// Memory held on no known device: a keyframe stored before devices were learned.
     pub fn has_unknown_device(&self) -> bool {
-        self.totals.keys().any(|(d, _)| *d == crate::model::NO_DEVICE)
-            || self.outside.get(&crate::model::NO_DEVICE).is_some_and(|&b| b > 0)
+        self.totals
+            .keys()
+            .any(|(d, _)| *d == crate::model::NO_DEVICE)
+            || self
+                .outside
+                .get(&crate::model::NO_DEVICE)
+                .is_some_and(|&b| b > 0)
     }
 
     /// All pools of all devices together.
@@ -481,6 +499,7 @@ impl Layout {
                 size: s.size,
                 device: s.device,
                 pool: s.pool,
+                pool_id: self.private.of(addr),
                 expandable: s.mapped.is_some(),
                 runs: runs_of(addr, s, &self.pending.blocks),
             })

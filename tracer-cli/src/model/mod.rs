@@ -9,6 +9,7 @@ pub mod figures;
 pub mod layout;
 pub mod live;
 pub mod policy;
+pub mod pools;
 pub mod pressure;
 mod process;
 pub mod run_series;

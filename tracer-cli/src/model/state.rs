@@ -11,6 +11,7 @@ use tracer_common::{Op, OpClass, Space};
 use super::{
     layout::{Layout, PendingFrees, Sight},
     moves_memory,
+    pools::PrivatePools,
     pressure::{Alarm, Pressure},
     Event,
 };
@@ -18,8 +19,8 @@ use super::{
 /// How a keyframe's `data` is encoded: postcard of [`ProcessState`] followed (since format 2)
 /// by its layout's blocks kept for other streams ([`PendingFrees`]). Format 1 is still read.
 /// Format 3 adds what the layout knows of the blocks after them ([`Sight`]: `--allocator
-/// auto`).
-pub const KEYFRAME_FORMAT: i64 = 3;
+/// auto`), format 4 each segment's private pool ([`PrivatePools`]).
+pub const KEYFRAME_FORMAT: i64 = 4;
 /// The oldest format this tracer reads.
 pub const KEYFRAME_FORMAT_OLDEST: i64 = 1;
 
@@ -174,25 +175,29 @@ impl ProcessState {
 
     /// In [`KEYFRAME_FORMAT`].
     pub fn encode(&self) -> anyhow::Result<Vec<u8>> {
-        postcard::to_stdvec(&(self, &self.layout.pending, &self.layout.sight))
+        let l = &self.layout;
+        postcard::to_stdvec(&(self, &l.pending, &l.sight, &l.private))
             .map_err(|e| anyhow::anyhow!("encode the state of pid {}: {e}", self.pid))
     }
 
     /// From `format` (1: without the blocks kept for other streams, which format 1 did not
     /// know of).
     pub fn decode(bytes: &[u8], format: i64) -> anyhow::Result<ProcessState> {
+        let none = PrivatePools::default;
         let decoded = match format {
-            1 => {
-                postcard::from_bytes(bytes).map(|s| (s, PendingFrees::default(), Sight::default()))
-            }
+            1 => postcard::from_bytes(bytes)
+                .map(|s| (s, PendingFrees::default(), Sight::default(), none())),
             2 => postcard::from_bytes::<(ProcessState, PendingFrees)>(bytes)
-                .map(|(s, p)| (s, p, Sight::default())),
-            _ => postcard::from_bytes::<(ProcessState, PendingFrees, Sight)>(bytes),
+                .map(|(s, p)| (s, p, Sight::default(), none())),
+            3 => postcard::from_bytes::<(ProcessState, PendingFrees, Sight)>(bytes)
+                .map(|(s, p, g)| (s, p, g, none())),
+            _ => postcard::from_bytes::<(ProcessState, PendingFrees, Sight, PrivatePools)>(bytes),
         };
-        let (mut state, pending, sight) =
+        let (mut state, pending, sight, private) =
             decoded.map_err(|e| anyhow::anyhow!("decode a keyframe's process state: {e}"))?;
         state.layout.pending = pending;
         state.layout.sight = sight;
+        state.layout.private = private;
         Ok(state)
     }
 }
@@ -224,5 +229,25 @@ mod tests {
         let back = ProcessState::decode(&old, 1).unwrap();
         assert_eq!(back.layout.pending(None), (0, 0));
         assert_eq!(back.layout.total().allocated, 4 << 20);
+    }
+
+    /// A segment's private pool survives a keyframe; format 3 (before pools) still decodes.
+    #[test]
+    fn a_segments_private_pool_survives_a_keyframe() {
+        let mut l = Layout::default();
+        let mut made = ev(Op::CudaMalloc, 0x7000_0000, 2 << 20, 10);
+        made.aux1 = crate::model::pools::pool_id_to_aux1((0, 3));
+        l.apply(&made);
+        let state = ProcessState {
+            pid: 1,
+            layout: l,
+            ..Default::default()
+        };
+        let back = ProcessState::decode(&state.encode().unwrap(), KEYFRAME_FORMAT).unwrap();
+        assert_eq!(back.layout.private.of(0x7000_0000), Some((0, 3)));
+        let l = &state.layout;
+        let three = postcard::to_stdvec(&(&state, &l.pending, &l.sight)).unwrap();
+        let back = ProcessState::decode(&three, 3).unwrap();
+        assert!(back.layout.private.is_empty());
     }
 }

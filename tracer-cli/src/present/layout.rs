@@ -106,6 +106,20 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
             for (pool, s) in &d.pools {
                 writeln!(out, "    {:?} pool: {}", pool, figures(s))?;
             }
+            for pool in &d.private_pools {
+                writeln!(
+                    out,
+                    "    private pool ({}, {}) (a CUDA graph's or a MemPool's, counted in the figures above): {} reserved in {} segments, {} allocated, {} free in {} blocks (largest {}) that only requests routed to this pool may use",
+                    pool.id.0,
+                    pool.id.1,
+                    b(pool.reserved),
+                    pool.segments,
+                    b(pool.allocated),
+                    b(pool.free),
+                    pool.free_blocks,
+                    b(pool.largest_free)
+                )?;
+            }
             if d.outside > 0 {
                 writeln!(out, "    outside the allocator: {}", b(d.outside))?;
             }

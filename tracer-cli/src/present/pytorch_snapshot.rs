@@ -55,7 +55,7 @@ fn segment(s: &Segment, framed: &impl Fn(Option<usize>) -> PyValue) -> PyValue {
         ),
         (
             "segment_pool_id",
-            PyValue::Tuple(vec![PyValue::int(0), PyValue::int(0)]),
+            PyValue::Tuple(vec![PyValue::int(s.pool_id.0), PyValue::int(s.pool_id.1)]),
         ),
         ("is_expandable", PyValue::Bool(s.expandable)),
         ("frames", PyValue::List(Vec::new())),

@@ -73,6 +73,9 @@ pub struct DeviceLayout {
     pub outside: u64,
     /// Blocks freed but kept for other streams' work (`record_stream`): (blocks, bytes).
     pub pending: (u64, u64),
+    /// The private pools (CUDA graphs', MemPools') among the figures above, where tracer knows
+    /// them: their free bytes serve only requests routed to them.
+    pub private_pools: Vec<crate::model::pools::PrivatePool>,
     /// Who else held the same physical GPU then, and what the device said of itself.
     pub gpu_share: GpuShare,
 }
@@ -227,11 +230,8 @@ pub(crate) fn share_at(
             }
         }
     }
-    let place = |pid: u32, device: i32| {
-        crate::model::Placement::of(placements, pid)
-            .gpu(device)
-            .key
-    };
+    let place =
+        |pid: u32, device: i32| crate::model::Placement::of(placements, pid).gpu(device).key;
     share_gpus(
         out,
         &held,
@@ -369,6 +369,11 @@ pub(crate) fn process_layout(
     devices.sort_unstable();
     devices.dedup();
     devices.retain(|d| device.is_none_or(|want| want == *d));
+    let private = if l.private.is_empty() {
+        Vec::new()
+    } else {
+        crate::model::pools::private_pools(&l.segments())
+    };
     ProcessLayout {
         pid,
         comm,
@@ -392,6 +397,7 @@ pub(crate) fn process_layout(
                     .collect(),
                 outside: l.outside(d),
                 pending: l.pending(Some(d)),
+                private_pools: private.iter().filter(|p| p.device == d).copied().collect(),
                 gpu_share: GpuShare::default(),
             })
             .collect(),

@@ -54,6 +54,8 @@ pub struct Segment {
     pub stream: u64,
     pub small: bool,
     pub expandable: bool,
+    /// `segment_pool_id`: its private pool, (0, 0) for the default pools.
+    pub pool_id: (u64, u64),
     pub blocks: Vec<Block>,
 }
 
@@ -193,9 +195,16 @@ fn raised_unsaid(
 ) -> Result<Vec<OomSeen>> {
     use crate::model::attempts;
     use tracer_common::OpClass;
-    let calls =
-        events::calls_of_classes(conn, session, &[OpClass::Alloc, OpClass::MemInfo], Some(pid))?;
-    let allocs: Vec<&Event> = calls.iter().filter(|c| c.class() == OpClass::Alloc).collect();
+    let calls = events::calls_of_classes(
+        conn,
+        session,
+        &[OpClass::Alloc, OpClass::MemInfo],
+        Some(pid),
+    )?;
+    let allocs: Vec<&Event> = calls
+        .iter()
+        .filter(|c| c.class() == OpClass::Alloc)
+        .collect();
     let raised = attempts::raised(&attempts::attempts(allocs.iter().copied()));
     Ok(raised
         .iter()
@@ -651,6 +660,7 @@ impl Replay {
                     stream: self.layout.segment_stream(s.addr).unwrap_or(0),
                     small: s.pool.map_or(s.size == 2 << 20, |p| p == Pool::Small),
                     expandable: s.expandable,
+                    pool_id: s.pool_id.unwrap_or((0, 0)),
                     blocks,
                 });
             }

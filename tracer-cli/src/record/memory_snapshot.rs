@@ -10,7 +10,10 @@
 //! that moment (highest address first, so that each block's split is decided beside the block
 //! that followed it).
 
-use std::{collections::HashMap, path::Path};
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::Path,
+};
 
 use anyhow::{Context as _, Result};
 use serde::Serialize;
@@ -136,6 +139,7 @@ pub fn import_snapshot(file: &Path, snap: &MemorySnapshot, db: &Path) -> Result<
         plan.device(snap, trace.device, &trace.entries);
     }
     plan.calls.sort_by_key(|c| c.ts_mono_ns);
+    plan.stamp_pools(snap);
     let session = store.begin_session(&SessionStart {
         started_ns: plan.calls.first().map_or(0, |c| c.ts_mono_ns as i64),
         source: if plan.synthesized {
@@ -353,6 +357,30 @@ impl Plan {
             trace_begins_ns: None,
             free_requested: HashMap::new(),
             inconsistent: 0,
+        }
+    }
+
+    /// Each final segment's private pool, on the call that made it (the last one at its
+    /// address): model/pools.rs reads it there. Segments freed before the end carry none: the
+    /// snapshot does not say theirs.
+    fn stamp_pools(&mut self, snap: &MemorySnapshot) {
+        let mut pools: BTreeMap<(i32, u64), (u64, u64)> = snap
+            .segments
+            .iter()
+            .filter(|s| s.pool_id != (0, 0))
+            .map(|s| ((s.device, s.address), s.pool_id))
+            .collect();
+        for c in self.calls.iter_mut().rev() {
+            if pools.is_empty() {
+                break;
+            }
+            if !matches!(c.op, Op::CudaMalloc | Op::CuMemAddressReserve) {
+                continue;
+            }
+            let key = (c.device.unwrap_or(0), c.ptr.unwrap_or(0));
+            if let Some(id) = pools.remove(&key) {
+                c.aux1 = crate::model::pools::pool_id_to_aux1(id);
+            }
         }
     }
 

@@ -648,3 +648,96 @@ fn the_gzipped_h200_snapshot_exports_back() {
     let entries = &parts["entries"];
     assert!(entries["equal"].as_u64().unwrap() >= 29_996, "{parts:#}");
 }
+
+/// Writes, with Python's own pickle, a snapshot of a CUDA graph's private pool beside the default
+/// pool: a 20 MiB default segment full, a 32 MiB segment captured into pool (1, 0) whose second
+/// half was freed inside the capture, then an eager 24 MiB request the device refuses with 10
+/// MiB free. The graph pool's 16 MiB free block may not serve it.
+fn graph_pool_snapshot(path: &std::path::Path) {
+    const SCRIPT: &str = r#"
+import pickle, sys
+MIB = 1 << 20
+A, B = 0x7f0000000000, 0x7f0002000000
+fr = [{'name': 'forward', 'filename': 'serve.py', 'line': 7}]
+def e(action, addr, size, t):
+    return {'action': action, 'addr': addr, 'size': size, 'stream': 0, 'time_us': 1000 + t, 'frames': fr}
+trace = [
+    e('segment_alloc', A, 20 * MIB, 1),
+    e('alloc', A, 20 * MIB, 2),
+    e('segment_alloc', B, 32 * MIB, 3),
+    e('alloc', B, 16 * MIB, 4),
+    e('alloc', B + 16 * MIB, 16 * MIB, 5),
+    e('free_requested', B + 16 * MIB, 16 * MIB, 6),
+    e('free_completed', B + 16 * MIB, 16 * MIB, 6),
+    {'action': 'oom', 'device_free': 10 * MIB, 'size': 24 * MIB, 'stream': 0, 'time_us': 1009, 'frames': fr},
+]
+def seg(addr, size, allocated, pool, blocks):
+    return {'device': 0, 'address': addr, 'total_size': size, 'allocated_size': allocated,
+            'active_size': allocated, 'requested_size': allocated, 'stream': 0, 'segment_type': 'large',
+            'segment_pool_id': pool, 'is_expandable': False, 'frames': [], 'blocks': blocks}
+default = seg(A, 20 * MIB, 20 * MIB, (0, 0),
+              [{'address': A, 'size': 20 * MIB, 'requested_size': 20 * MIB, 'state': 'active_allocated'}])
+graph = seg(B, 32 * MIB, 16 * MIB, (1, 0),
+            [{'address': B, 'size': 16 * MIB, 'requested_size': 16 * MIB, 'state': 'active_allocated'},
+             {'address': B + 16 * MIB, 'size': 16 * MIB, 'requested_size': 16 * MIB, 'state': 'inactive'}])
+settings = {'PYTORCH_CUDA_ALLOC_CONF': '', 'max_split_size': -1, 'garbage_collection_threshold': 0.0,
+            'expandable_segments': False}
+pickle.dump({'segments': [default, graph], 'device_traces': [trace], 'allocator_settings': settings},
+            open(sys.argv[1], 'wb'))
+"#;
+    let status = std::process::Command::new("python3")
+        .args(["-c", SCRIPT])
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// An OOM beside a CUDA graph's private pool: the pool's free block is the pool's, not the
+/// cache's. The layout shows the pool apart, the OOM chain gives PyTorch's own figures ("with
+/// 16.00 MiB allocated in private pools", 0 bytes reserved but unallocated) and says capacity
+/// (nothing split in the default pool), not fragmentation; the export writes the pool back.
+#[test]
+fn a_graph_pools_free_block_is_not_the_caches() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("graph.pickle");
+    graph_pool_snapshot(&file);
+    let db = dir.path().join("t.db");
+    let r = import(&db, &file);
+    assert_eq!(r["check"]["first_difference"], Value::Null, "{r:#}");
+    let layout = tracer_json(&db, &["layout", "--json"]);
+    let pools = &layout[0]["devices"][0]["private_pools"];
+    assert_eq!(pools.as_array().unwrap().len(), 1, "{layout:#}");
+    let p = &pools[0];
+    assert_eq!(p["id"], serde_json::json!([1, 0]));
+    assert_eq!(
+        (&p["reserved"], &p["allocated"], &p["free"]),
+        (
+            &Value::from(32u64 << 20),
+            &Value::from(16u64 << 20),
+            &Value::from(16u64 << 20)
+        ),
+        "{p:#}"
+    );
+    let report = tracer_json(&db, &["explain", "--json"]);
+    let oom = chain(&report, "oom");
+    let effect = oom["effect"].as_str().unwrap();
+    for said in [
+        // PyTorch adds the private pools' free bytes to what it calls allocated: 36 + 16.
+        "52.00 MiB is allocated by PyTorch, with 16.00 MiB allocated in private pools",
+        "and 0 bytes is reserved by PyTorch but unallocated",
+        "16.00 MiB free inside private pools",
+        "short by 14.00 MiB",
+        "capacity: it does not fit",
+    ] {
+        assert!(effect.contains(said), "{said} not in {effect}");
+    }
+    assert!(!effect.contains("fragmentation decided"), "{effect}");
+    let h = &report["holders"][0];
+    assert_eq!(h["arithmetic"]["split"], 0, "{h:#}");
+    assert_eq!(h["arithmetic"]["private"], 16u64 << 20, "{h:#}");
+    let out = dir.path().join("exported.pickle");
+    export_snapshot(&db, &out, &[]);
+    let parts = assert_snapshots_equal(&file, &out);
+    assert_eq!(parts["private_pool_segments"], 1, "{parts:#}");
+}

@@ -46,8 +46,12 @@ pub struct Forensics {
     pub unseen: u64,
     /// The device's free memory (cudaMemGetInfo, kept current), when known.
     pub device_free: Option<u64>,
-    /// The device's pools at the failure.
+    /// The device's default pools at the failure (a private pool's segments left out: the
+    /// request may not use their free blocks).
     pub pools: Vec<(Pool, PoolStats)>,
+    /// Free bytes inside private pools (CUDA graphs', MemPools'): PyTorch's message counts them
+    /// "allocated in private pools".
+    pub private_free: u64,
     /// The failed call asked for a whole segment (cudaMalloc), whose size bounds the request;
     /// not a chunk of an expandable segment (cuMemCreate), which says nothing of it.
     pub whole_segment: bool,
@@ -627,11 +631,13 @@ fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics
         outside: layout.outside(e.device),
         unseen: layout.unseen_contents(Some(e.device)).1,
         device_free: free.map(|d| d.free.max(0) as u64),
-        pools: layout
-            .stats()
-            .range((e.device, Pool::Small)..=(e.device, Pool::Large))
-            .map(|(&(_, pool), s)| (pool, *s))
-            .collect(),
+        pools: layout.default_pools(e.device),
+        private_free: layout
+            .private_pools()
+            .iter()
+            .filter(|p| p.device == e.device)
+            .map(|p| p.free)
+            .sum(),
         whole_segment: e.op.spec().space == Space::Device,
     }
 }

@@ -54,6 +54,9 @@ pub struct Inputs {
     /// Free bytes in blocks inside live segments after the flush (PyTorch's "reserved but
     /// unallocated" after its flush, or tracer's layout at the retry).
     pub split: Option<u64>,
+    /// Free bytes inside private pools (CUDA graphs', MemPools'): no default-pool request may
+    /// use them, and PyTorch's message counts them "allocated in private pools".
+    pub private: Option<u64>,
     /// Bytes other processes held on the device.
     pub others: u64,
     /// This process's memory outside the allocator (libraries that call the driver directly).
@@ -120,6 +123,9 @@ pub struct Arithmetic {
     pub not_taken: Option<u64>,
     pub shortfall: Option<u64>,
     pub split: Option<u64>,
+    /// Free bytes inside private pools (CUDA graphs', MemPools'): no default-pool request may
+    /// use them, and PyTorch's message counts them "allocated in private pools".
+    pub private: Option<u64>,
     pub others: u64,
     pub outside: u64,
     pub untraced: Option<u64>,
@@ -174,6 +180,7 @@ pub fn arithmetic(i: &Inputs) -> Arithmetic {
         not_taken,
         shortfall,
         split: i.split,
+        private: i.private,
         others: i.others,
         outside: i.outside,
         untraced: i.untraced,
@@ -285,6 +292,12 @@ impl Arithmetic {
             way.push(format!(
                 "{} free in split blocks inside live segments (no cache flush returns them)",
                 pb(split)
+            ));
+        }
+        if let Some(p) = self.private.filter(|&p| p > 0) {
+            way.push(format!(
+                "{} free inside private pools (CUDA graphs', MemPools'), which only requests routed to those pools may use",
+                pb(p)
             ));
         }
         if self.others > 0 {
@@ -439,6 +452,16 @@ pub fn snapshot_free_said(message: &str) -> Option<u64> {
 /// Where the import's message of a snapshot's `oom` entry says the exact free bytes.
 pub const SNAPSHOT_OOM_SAYS: &str =
     "(PyTorch's memory snapshot: the allocator's trace entry of the failure, ";
+
+/// "... with 22.00 MiB allocated in private pools (e.g., CUDA Graphs)": the free blocks inside
+/// private pools, which PyTorch counts as allocated.
+pub fn pytorch_private(message: &str) -> Option<u64> {
+    let before = message
+        .split(" allocated in private pools")
+        .next()
+        .filter(|b| b.len() < message.len())?;
+    pytorch_size(before.rsplit(", with ").next()?)
+}
 
 /// "... and 55.66 MiB is reserved by PyTorch but unallocated": the allocator's own cached bytes.
 pub fn pytorch_cached(message: &str) -> Option<u64> {

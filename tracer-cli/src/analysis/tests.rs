@@ -979,6 +979,7 @@ fn failure(requested: u64, whole_segment: bool, large: PoolStats) -> allocator::
         unseen: 0,
         device_free: None,
         pools: vec![(Pool::Large, large)],
+        private_free: 0,
         whole_segment,
     }
 }

@@ -428,6 +428,59 @@ impl Layout {
         &self.totals
     }
 
+    /// The device's small and large default pools: the layout's totals, less the segments of
+    /// private pools where it knows any (counted from their runs: at failures only).
+    pub fn default_pools(&self, device: i32) -> Vec<(Pool, PoolStats)> {
+        let layout = self;
+        let all = layout
+            .stats()
+            .range((device, Pool::Small)..=(device, Pool::Large))
+            .map(|(&(_, pool), s)| (pool, *s));
+        if layout.private_pools().is_empty() {
+            return all.collect();
+        }
+        let mut pools: Vec<(Pool, PoolStats)> = all.collect();
+        for (pool, stats) in &mut pools {
+            for seg in layout.segments() {
+                if seg.device != device || seg.pool != Some(*pool) || seg.pool_id.is_none() {
+                    continue;
+                }
+                for r in &seg.runs {
+                    match r.kind {
+                        RunKind::Free => {
+                            stats.reserved = stats.reserved.saturating_sub(r.size);
+                            stats.free_blocks = stats.free_blocks.saturating_sub(1);
+                        }
+                        RunKind::Allocated | RunKind::Pending => {
+                            stats.reserved = stats.reserved.saturating_sub(r.size);
+                            stats.allocated = stats.allocated.saturating_sub(r.size);
+                        }
+                        RunKind::Unmapped => {}
+                    }
+                }
+            }
+            // The largest free block of the default segments only.
+            stats.largest_free = layout
+                .segments()
+                .iter()
+                .filter(|s| s.device == device && s.pool == Some(*pool) && s.pool_id.is_none())
+                .flat_map(|s| s.runs.iter())
+                .filter(|r| r.kind == RunKind::Free)
+                .map(|r| r.size)
+                .max()
+                .unwrap_or(0);
+        }
+        pools
+    }
+
+    /// The private pools (CUDA graphs', MemPools') where tracer knows a segment's pool.
+    pub fn private_pools(&self) -> Vec<super::pools::PrivatePool> {
+        if self.private.is_empty() {
+            return Vec::new();
+        }
+        private_pools_of(&self.segments())
+    }
+
     /// Memory held on no known device: a keyframe stored before devices were learned.
     pub fn has_unknown_device(&self) -> bool {
         self.totals
@@ -1348,6 +1401,40 @@ fn free_end(addr: u64, seg: &Segment, ptr: u64) -> Option<u64> {
         end = end.min(next);
     }
     Some(end)
+}
+
+/// The private pools of `maps` (segments with a pool id), by device and id.
+fn private_pools_of(maps: &[SegmentMap]) -> Vec<super::pools::PrivatePool> {
+    let mut pools: BTreeMap<(i32, super::pools::PoolId), super::pools::PrivatePool> =
+        BTreeMap::new();
+    for m in maps {
+        let Some(id) = m.pool_id else { continue };
+        let p = pools
+            .entry((m.device, id))
+            .or_insert(super::pools::PrivatePool {
+                id,
+                device: m.device,
+                ..super::pools::PrivatePool::default()
+            });
+        p.segments += 1;
+        for r in &m.runs {
+            match r.kind {
+                // A block kept for other streams' work is not free yet.
+                RunKind::Allocated | RunKind::Pending => {
+                    p.reserved += r.size;
+                    p.allocated += r.size;
+                }
+                RunKind::Free => {
+                    p.reserved += r.size;
+                    p.free += r.size;
+                    p.free_blocks += 1;
+                    p.largest_free = p.largest_free.max(r.size);
+                }
+                _ => {}
+            }
+        }
+    }
+    pools.into_values().collect()
 }
 
 /// The segment's runs in address order.

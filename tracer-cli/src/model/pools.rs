@@ -12,8 +12,6 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::layout::{RunKind, SegmentMap};
-
 /// PyTorch's `MempoolId_t`: (captures' own ids, user-made ids); (0, 0) is the default pool.
 pub type PoolId = (u64, u64);
 
@@ -76,37 +74,6 @@ pub struct PrivatePool {
     pub free: u64,
     pub free_blocks: u64,
     pub largest_free: u64,
-}
-
-/// The private pools of `maps` (segments with a pool id), by device and id.
-pub fn private_pools(maps: &[SegmentMap]) -> Vec<PrivatePool> {
-    let mut pools: BTreeMap<(i32, PoolId), PrivatePool> = BTreeMap::new();
-    for m in maps {
-        let Some(id) = m.pool_id else { continue };
-        let p = pools.entry((m.device, id)).or_insert(PrivatePool {
-            id,
-            device: m.device,
-            ..PrivatePool::default()
-        });
-        p.segments += 1;
-        for r in &m.runs {
-            match r.kind {
-                // A block kept for other streams' work is not free yet.
-                RunKind::Allocated | RunKind::Pending => {
-                    p.reserved += r.size;
-                    p.allocated += r.size;
-                }
-                RunKind::Free => {
-                    p.reserved += r.size;
-                    p.free += r.size;
-                    p.free_blocks += 1;
-                    p.largest_free = p.largest_free.max(r.size);
-                }
-                _ => {}
-            }
-        }
-    }
-    pools.into_values().collect()
 }
 
 #[cfg(test)]

@@ -369,11 +369,7 @@ pub(crate) fn process_layout(
     devices.sort_unstable();
     devices.dedup();
     devices.retain(|d| device.is_none_or(|want| want == *d));
-    let private = if l.private.is_empty() {
-        Vec::new()
-    } else {
-        crate::model::pools::private_pools(&l.segments())
-    };
+    let private = l.private_pools();
     ProcessLayout {
         pid,
         comm,

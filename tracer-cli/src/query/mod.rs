@@ -13,6 +13,7 @@ pub mod perfetto;
 pub mod pytorch_snapshot;
 pub mod report;
 pub mod snapshot_check;
+pub mod snapshot_ooms;
 pub mod snapshot_tenants;
 pub mod whatif;
 

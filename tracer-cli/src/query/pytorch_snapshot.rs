@@ -11,6 +11,7 @@ use anyhow::Result;
 use tracer_common::Op;
 
 use super::layout::At;
+use super::snapshot_ooms::{self, OomSeen};
 use super::snapshot_tenants::{Tenant, Tenants};
 pub use crate::decode::memory_snapshot::{Action, BlockKind as BlockState};
 use crate::exit::user_error;
@@ -140,19 +141,7 @@ pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
         .filter(|g| g.pid == pid && g.kind == "before_trace")
         .map(|g| g.to_ns)
         .max();
-    let mut ooms: Vec<OomSeen> = events::messages(conn, info.id)?
-        .into_iter()
-        .filter(|m| m.pid == pid && m.op == Op::TorchOom.name() && m.ts_ns <= at_ns)
-        .map(|m| OomSeen {
-            ts_ns: m.ts_ns,
-            text: Some(m.text),
-            size: None,
-            device_free: None,
-        })
-        .collect();
-    if ooms.is_empty() {
-        ooms = raised_unsaid(conn, info.id, pid, at_ns)?;
-    }
+    let ooms = snapshot_ooms::of(conn, info.id, pid, at_ns)?;
     // The walk starts where the entries do (the first call kept, or the keyframe before
     // --since), not at the instant: the trace leads up to it.
     let from_ns = q.since_ns.map_or(i64::MIN, |s| at_ns.saturating_sub(s));
@@ -174,58 +163,6 @@ pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
     out.pid = pid;
     out.frames = frames(conn, &mut out)?;
     Ok(out)
-}
-
-/// An out-of-memory to write as an `oom` entry: PyTorch's message, or where none was recorded
-/// the refusal its allocator raised for (no retry followed), with the free bytes of the
-/// cudaMemGetInfo right after it (PyTorch's own reading for its message).
-struct OomSeen {
-    ts_ns: i64,
-    text: Option<String>,
-    size: Option<u64>,
-    device_free: Option<u64>,
-}
-
-/// The process's raised refusals up to `at_ns`, for a recording without PyTorch's messages.
-fn raised_unsaid(
-    conn: &rusqlite::Connection,
-    session: i64,
-    pid: u32,
-    at_ns: i64,
-) -> Result<Vec<OomSeen>> {
-    use crate::model::attempts;
-    use tracer_common::OpClass;
-    let calls = events::calls_of_classes(
-        conn,
-        session,
-        &[OpClass::Alloc, OpClass::MemInfo],
-        Some(pid),
-    )?;
-    let allocs: Vec<&Event> = calls
-        .iter()
-        .filter(|c| c.class() == OpClass::Alloc)
-        .collect();
-    let raised = attempts::raised(&attempts::attempts(allocs.iter().copied()));
-    Ok(raised
-        .iter()
-        .filter(|a| a.event.ts_ns <= at_ns)
-        .map(|a| {
-            let f = &a.event;
-            // The thread's next calls after the failure, up to its next allocation.
-            let reading = calls
-                .iter()
-                .filter(|c| c.tid == f.tid && c.ts_ns > f.ts_ns)
-                .take_while(|c| c.class() != OpClass::Alloc)
-                .find(|c| c.class() == OpClass::MemInfo && c.ret == 0);
-            OomSeen {
-                // Just after the failed call, so that the entry follows it.
-                ts_ns: f.ts_ns + 1,
-                text: None,
-                size: Some(f.size),
-                device_free: reading.map(|r| r.aux0),
-            }
-        })
-        .collect())
 }
 
 /// The one process with PyTorch's block events, else a message naming them.

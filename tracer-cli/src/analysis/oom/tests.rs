@@ -234,3 +234,30 @@ fn unattributed_memory_that_covers_the_shortfall_is_not_capacity() {
     };
     assert!(matches!(arithmetic(&i).cause, Cause::Unknown { .. }));
 }
+
+/// PyTorch's message with CUDA graphs: the private pools' free blocks are "allocated in private
+/// pools", apart from what is reserved but unallocated (a real message from a vLLM job).
+#[test]
+fn private_pools_are_read_apart_from_the_cache() {
+    let m = "CUDA out of memory. Tried to allocate 304.00 MiB. GPU 0 has a total capacity of 94.97 GiB of which 218.81 MiB is free. Including non-PyTorch memory, this process has 93.84 GiB memory in use. Of the allocated memory 91.19 GiB is allocated by PyTorch, with 118.00 MiB allocated in private pools (e.g., CUDA Graphs), and 744.36 MiB is reserved by PyTorch but unallocated.";
+    assert_eq!(pytorch_private(m), Some(118 * MIB));
+    assert_eq!(pytorch_cached(m), pytorch_size("744.36 MiB"));
+    assert_eq!(pytorch_private("Of the allocated memory 5.61 GiB is allocated by PyTorch, and 124.14 MiB is reserved by PyTorch but unallocated."), None);
+    // Split bytes short of the shortfall, private bytes beside them: still capacity, and the
+    // private pools said in the way.
+    let i = Inputs {
+        request: Some(304 * MIB),
+        refused: Some(304 * MIB),
+        after_free: Some(218 * MIB),
+        split: Some(60 * MIB),
+        private: Some(118 * MIB),
+        ..Inputs::default()
+    };
+    let a = arithmetic(&i);
+    assert_eq!(a.cause, Cause::Capacity);
+    assert!(
+        a.figures().contains("118.00 MiB free inside private pools"),
+        "{}",
+        a.figures()
+    );
+}

@@ -71,6 +71,10 @@ pub fn of_failure(f: &Failure<'_, '_>) -> Arithmetic {
         nvml_free: f.nvml.map(|s| s.total.saturating_sub(s.used)),
         estimate,
         split: f.judged.and_then(|j| j.split),
+        private: forensics
+            .map(|x| x.private_free)
+            .filter(|&p| p > 0)
+            .or_else(|| f.message.and_then(oom::pytorch_private)),
         others: f.others,
         outside: f.outside,
         untraced: f.untraced,
@@ -162,6 +166,7 @@ pub fn from_message(pid: u32, m: &crate::model::MessageRow) -> Chain {
         request: oom::pytorch_tried(text),
         message_free: oom::free_said(text),
         split: oom::pytorch_cached(text),
+        private: oom::pytorch_private(text),
         allowed: oom::allowed_said(text),
         ..oom::Inputs::default()
     });

@@ -413,18 +413,35 @@ pub fn oom_forensics(f: &Findings, fatal_ns: i64, message: Option<&str>) -> Opti
     } else {
         " in the segments tracer saw".to_owned()
     };
+    // PyTorch's own figures: a private pool's free blocks are "allocated in private pools",
+    // not "reserved but unallocated" (the request may not use them).
+    let private = if x.private_free > 0 {
+        format!(
+            ", with {} allocated in private pools (e.g., CUDA Graphs: free blocks inside CUDA graphs' and MemPools' pools, for requests routed there only)",
+            pb(x.private_free)
+        )
+    } else {
+        String::new()
+    };
+    let default_free = x.pools.iter().map(|(_, s)| s.free_blocks).sum::<u64>();
+    let default_largest = x
+        .pools
+        .iter()
+        .map(|(_, s)| s.largest_free)
+        .max()
+        .unwrap_or(0);
     let mut text = format!(
-        "{asked}{seen}: {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated ({} free blocks, largest {}); {} outside PyTorch's allocator",
-        pb(x.total.allocated),
-        pb(x.total.cached()),
-        x.total.free_blocks,
-        pb(x.total.largest_free),
+        "{asked}{seen}: {} is allocated by PyTorch{private}, and {} is reserved by PyTorch but unallocated ({} free blocks, largest {}); {} outside PyTorch's allocator",
+        pb(x.total.allocated + x.private_free),
+        pb(x.total.cached().saturating_sub(x.private_free)),
+        default_free,
+        pb(default_largest),
         pb(x.outside)
     );
     // The layout at the raised failure is after the flush: exact where tracer saw it whole,
     // else PyTorch's message (two decimals).
     let split = if f.unknown.exact() && x.unseen == 0 {
-        Some(x.total.cached())
+        Some(x.total.cached().saturating_sub(x.private_free))
     } else {
         message.and_then(pytorch_cached)
     };

@@ -674,6 +674,85 @@ fn every_command_tells_one_story() {
     }
 }
 
+/// The GPU check's cases that ran without an OOM (CUDA graphs, torch.compile, a MemPool, an
+/// engine's start-up): explain, `layout`, the report's last map and mcp's layout put each
+/// process on the same devices and GPUs.
+#[test]
+fn every_command_names_the_same_devices_without_an_oom() {
+    let tracer = std::path::Path::new(TRACER).as_os_str().to_owned();
+    for name in ["graphs", "graph-reset", "compiled", "mempool", "engine"] {
+        let (r, _) = case(name);
+        let report = explain(&r);
+        let devices = |pid: &Value| -> Vec<(Value, Value)> {
+            let mut d: Vec<(Value, Value)> = report["devices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|d| &d["pid"] == pid)
+                .map(|d| (d["device"].clone(), d["gpu"].clone()))
+                .collect();
+            d.sort_by_key(|x| x.0.as_i64());
+            d
+        };
+        let layout = tracer_json(&r.db, &["layout", "--json"]);
+        let html = r.db.with_extension("html");
+        let out = Command::new(TRACER)
+            .args(["report", "-o"])
+            .arg(&html)
+            .arg("--db")
+            .arg(&r.db)
+            .output()
+            .unwrap();
+        assert_ok(&out);
+        let data = embedded_data(&std::fs::read_to_string(&html).unwrap());
+        let end = data["snapshots"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap()
+            .clone();
+        let db = r.db.as_os_str().to_owned();
+        let mcp = python_json(&[
+            workspace().join("tests/python/mcp_client.py").as_os_str(),
+            &tracer,
+            &db,
+            "devices".as_ref(),
+        ]);
+        let seen = &mcp["layout_end"]["structured"]["procs"];
+        for p in layout.as_array().unwrap() {
+            let laid: Vec<(Value, Value)> = p["devices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| (d["device"].clone(), d["gpu"].clone()))
+                .collect();
+            assert!(!laid.is_empty(), "{name}: {p:#}");
+            assert_eq!(laid, devices(&p["pid"]), "{name}: {p:#}");
+            let mapped = end["processes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|q| q["pid"] == p["pid"])
+                .unwrap_or_else(|| panic!("{name}: {} not in the report's map", p["pid"]));
+            assert_eq!(mapped["devices"], p["devices"], "{name}");
+            let m = seen
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|q| q["pid"] == p["pid"])
+                .unwrap_or_else(|| panic!("{name}: {} not in mcp's layout", p["pid"]));
+            for (a, b) in m["devs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .zip(p["devices"].as_array().unwrap())
+            {
+                assert_eq!((&a["d"], &a["gpu"]), (&b["device"], &b["gpu"]), "{name}");
+            }
+        }
+    }
+}
+
 /// No fix is offered that its own replay disproves: on `tracer demo incident`'s recording and on
 /// every H200 recording, a setting whose replay still runs out of memory is said as no fix,
 /// after those that help, never cited as one.

@@ -1,10 +1,11 @@
 """A real MCP client (PyPI mcp) driving `tracer mcp` over stdio; prints what it saw as JSON.
 
-usage: mcp_client.py TRACER DB live|full|story [QUERY_TIME]
+usage: mcp_client.py TRACER DB live|full|story|devices [QUERY_TIME]
        mcp_client.py TRACER DB export DIR
   live: the database a running trace is writing: sessions and one query.
   full: every tool and the prompt, and the refusals, with how long each refusal took.
   story: explain and the layout at the OOM, as an assistant would ask them.
+  devices: the layout at the end.
   export: `tracer mcp --export-dir DIR`: export_snapshot at the OOM twice, and a bad bound.
 """
 import asyncio
@@ -46,6 +47,10 @@ async def main(tracer, db, mode, query_time):
             if mode == "live":
                 out["sessions"] = await call(session, "sessions", {})
                 out["count"] = await call(session, "query", {"sql": "SELECT count(*) AS n FROM events"})
+                print(json.dumps(out))
+                return
+            if mode == "devices":
+                out["layout_end"] = await call(session, "layout", {})
                 print(json.dumps(out))
                 return
             if mode == "story":

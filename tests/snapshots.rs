@@ -741,3 +741,43 @@ fn a_graph_pools_free_block_is_not_the_caches() {
     let parts = assert_snapshots_equal(&file, &out);
     assert_eq!(parts["private_pool_segments"], 1, "{parts:#}");
 }
+
+/// whatif's replay of the GPU check's snapshots with private pools (six captures into one shared
+/// pool and make_graphed_callables, a MemPool beside a use_on_oom pool, an engine's captures,
+/// an OOM during capture): each request routed to the pool its block lay in, the replay as run
+/// holds (every block placed where PyTorch placed it) and its peak reserved is PyTorch's own.
+#[test]
+fn whatif_replays_private_pools_as_pytorch_ran_them() {
+    let data = workspace().join("tests/data/gpu-h200/cases");
+    let dir = tempfile::tempdir().unwrap();
+    for (snapshot, case) in [
+        ("graphs-snapshot-captured", "graphs"),
+        ("mempool-snapshot-pools", "mempool"),
+        ("engine-snapshot", "engine"),
+        ("engine-oom-snapshot", "engine-oom"),
+    ] {
+        let db = dir.path().join(format!("{snapshot}.db"));
+        import(&db, &data.join(format!("{snapshot}.pickle.gz")));
+        let w = tracer_json(&db, &["whatif", "--json", "--no-search"]);
+        assert_eq!(
+            w["fidelity"]["holds"], true,
+            "{snapshot}: {:#}",
+            w["fidelity"]
+        );
+        let stats: Value = serde_json::from_slice(
+            &std::fs::read(data.join(format!("{case}-stats.json"))).unwrap(),
+        )
+        .unwrap();
+        let peak = stats["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["peak_reserved"].as_u64().unwrap())
+            .max();
+        assert_eq!(
+            w["rows"][0]["peak_reserved"].as_u64(),
+            peak,
+            "{snapshot}: {w:#}"
+        );
+    }
+}

@@ -48,6 +48,21 @@ pub enum Request {
     EmptyCache,
 }
 
+/// Marks the stream of a request routed to a private pool (a CUDA graph's, a MemPool's): such a
+/// request's blocks match only those of the same pool and stream, as PyTorch's pools keep them
+/// apart, and a flush releases none of the pool's segments (a pool still in use is not
+/// freeable).
+pub const PRIVATE_POOL_STREAM: u64 = 1 << 63;
+
+/// The stream a request routed to `pool` is simulated on.
+pub fn private_stream(pool: super::pools::PoolId, stream: u64) -> u64 {
+    // Streams are user-space addresses (below 2^47) or 0; a pool's counters are small.
+    PRIVATE_POOL_STREAM
+        | ((pool.0 & 0x7f) << 56)
+        | ((pool.1 & 0xff) << 48)
+        | (stream & ((1 << 48) - 1))
+}
+
 /// A segment live before the first request, and its allocated blocks (address, size).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SeedSegment {
@@ -449,6 +464,11 @@ impl Simulator {
         blk.prev == NONE && blk.next == NONE && self.segment_of(b).page.is_none()
     }
 
+    /// A whole free segment a flush returns: not one of a private pool still in use.
+    fn flushable(&self, b: u32) -> bool {
+        self.whole_segment(b) && self.segment_of(b).stream & PRIVATE_POOL_STREAM == 0
+    }
+
     /// release_available_cached_blocks: with max_split_size set, the smallest oversize cached
     /// block that covers the request, else oversize blocks from the largest down until they do.
     fn release_available(&mut self, pool: Pool, stream: u64, rounded: u64) -> bool {
@@ -492,7 +512,7 @@ impl Simulator {
         for p in [1, 0] {
             let cached: Vec<u32> = self.free[p].values().copied().collect();
             for b in cached {
-                if self.whole_segment(b) {
+                if self.flushable(b) {
                     self.release_segment(b);
                 } else if self.segment_of(b).page.is_some() {
                     self.unmap(b);
@@ -518,7 +538,7 @@ impl Simulator {
         let candidates: Vec<u32> = self.free[p]
             .values()
             .copied()
-            .filter(|&b| self.whole_segment(b))
+            .filter(|&b| self.flushable(b))
             .collect();
         let (mut total_age, mut n) = (
             candidates.iter().map(|&b| age(self, b)).sum::<u64>(),
@@ -838,6 +858,37 @@ mod tests {
         assert_eq!(o.retries, 2);
         assert_eq!(o.oom, Some((4, 30 * MIB)));
         assert_eq!(o.peak_reserved, 50 * MIB);
+    }
+
+    /// A graph's private pool: its free block serves no default-pool request, and the retry's
+    /// flush does not return its segment (the pool is in use): the eager request fails where
+    /// the same bytes in the default pool would have served it.
+    #[test]
+    fn a_private_pools_free_block_serves_only_its_pool() {
+        let graph = private_stream((1, 0), 0);
+        let requests = [
+            Request::Malloc {
+                size: 20 * MIB,
+                stream: graph,
+            },
+            free(0),
+            malloc(20 * MIB),
+        ];
+        let (o, _, sizes) = run(settings("", false), 30 * MIB, &requests);
+        assert_eq!(sizes, vec![20 * MIB]);
+        assert_eq!(o.device_frees, 0);
+        assert_eq!(o.oom, Some((2, 20 * MIB)));
+        // Routed to the pool, the same request reuses the block.
+        let again = [
+            requests[0].clone(),
+            free(0),
+            Request::Malloc {
+                size: 20 * MIB,
+                stream: graph,
+            },
+        ];
+        let (o, placed, _) = run(settings("", false), 30 * MIB, &again);
+        assert_eq!((o.oom, placed[0]), (None, placed[1]));
     }
 
     /// max_split_size: an oversize cached block serves only oversize requests within 20 MiB of

@@ -19,7 +19,7 @@ use crate::{
     model::{
         attempts::OUT_OF_MEMORY,
         layout::{AllocConf, Layout, Pool, RunKind, SMALL_SEGMENT},
-        simulator::{Outcome, Request, SeedSegment, Settings, Simulator},
+        simulator::{private_stream, Outcome, Request, SeedSegment, Settings, Simulator},
         Event,
     },
     store::{events, series, Access, Store},
@@ -113,6 +113,9 @@ struct Builder {
     /// Physical pages made and not yet mapped (expandable segments map a request's pages once
     /// it has them all).
     unmapped: u64,
+    /// Segments of private pools (an imported snapshot's `segment_pool_id`): address -> (size,
+    /// pool). A block placed in one was routed to that pool.
+    private: std::collections::BTreeMap<u64, (u64, crate::model::pools::PoolId)>,
 }
 
 impl Builder {
@@ -139,17 +142,29 @@ impl Builder {
                 self.live.insert(addr, self.handles);
                 self.handles += 1;
             }
+            let stream = layout.segment_stream(s.addr).unwrap_or(0);
+            if let Some(id) = s.pool_id {
+                self.private.insert(s.addr, (s.size, id));
+            }
             self.run.seed.push(SeedSegment {
                 addr: s.addr,
                 size: s.size,
                 pool,
-                stream: layout.segment_stream(s.addr).unwrap_or(0),
+                stream: s.pool_id.map_or(stream, |id| private_stream(id, stream)),
                 blocks,
             });
             self.reserved += s.size;
             self.segment_sizes.insert(s.addr, s.size);
         }
         self.run.recorded_peak_reserved = self.reserved;
+    }
+
+    /// The stream a block at `ptr` was simulated on: its own, or its private pool's.
+    fn routed(&self, ptr: u64, stream: u64) -> u64 {
+        match self.private.range(..=ptr).next_back() {
+            Some((&addr, &(size, id))) if ptr < addr + size => private_stream(id, stream),
+            _ => stream,
+        }
     }
 
     /// A failed device allocation no retry made good: PyTorch refused the request.
@@ -188,7 +203,7 @@ impl Builder {
                 self.handles += 1;
                 self.run.requests.push(Request::Malloc {
                     size: e.size,
-                    stream: e.aux0,
+                    stream: self.routed(e.ptr, e.aux0),
                 });
                 self.run.placed.push(e.ptr);
                 self.failed_since_malloc = false;
@@ -220,6 +235,9 @@ impl Builder {
             }
             (OpClass::Alloc, Space::Device) => {
                 self.refusal = None;
+                if let Some(id) = crate::model::pools::pool_id_in_aux1(e.aux1) {
+                    self.private.insert(e.ptr, (e.size, id));
+                }
                 self.run.device_allocs.push((e.ptr, e.size));
                 self.segment_sizes.insert(e.ptr, e.size);
                 self.grew(e.size);
@@ -236,6 +254,7 @@ impl Builder {
             }
             (OpClass::Alloc, Space::AddressRange) if e.ret == 0 => self.run.reserves.push(e.ptr),
             (OpClass::Free, Space::Device) if e.ret == 0 => {
+                self.private.remove(&e.ptr);
                 self.reserved = self
                     .reserved
                     .saturating_sub(self.segment_sizes.remove(&e.ptr).unwrap_or(0));

@@ -880,7 +880,7 @@ mod tests {
         assert_eq!(o.oom, Some((2, 20 * MIB)));
         // Routed to the pool, the same request reuses the block.
         let again = [
-            requests[0].clone(),
+            requests[0],
             free(0),
             Request::Malloc {
                 size: 20 * MIB,

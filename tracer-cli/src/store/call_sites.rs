@@ -75,27 +75,45 @@ pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<S
     let mut labels = SiteLabels::new();
     // Per stack: the chosen Python frame, else the first native one outside the runtime.
     let mut best: HashMap<i64, (u8, String)> = HashMap::new();
+    // Whether a file is PyTorch's or the interpreter's, once per file (a session repeats few).
+    let mut library_file: HashMap<String, bool> = HashMap::new();
     while let Some(r) = rows.next().context("read stack_frames")? {
-        let (id, kind): (i64, String) = (r.get(0)?, r.get(1)?);
+        let id: i64 = r.get(0)?;
+        let current = best.get(&id).map_or(u8::MAX, |(rank, _)| *rank);
+        if current == 0 {
+            // The stack's user frame is found: its outer frames cannot rank higher.
+            continue;
+        }
+        let kind = r.get_ref(1)?.as_str().unwrap_or_default() == "python";
         let function: Option<String> = r.get(2)?;
         let file: Option<String> = r.get(3)?;
         let line: Option<i64> = r.get(4)?;
-        let module: Option<String> = r.get(5)?;
-        let current = best.get(&id).map_or(u8::MAX, |(rank, _)| *rank);
         let where_ = |file: &str| match line {
             Some(l) => format!("{}:{l}", short_path(file)),
             None => short_path(file),
         };
-        let candidate = if kind == "python" {
+        let candidate = if kind {
             let file = file.unwrap_or_default();
-            let library =
-                pytorch_or_interpreter(&file) || skip.iter().any(|p| file.contains(p.as_str()));
-            let label = format!("{} ({})", where_(&file), function.unwrap_or_default());
+            let library = match library_file.get(&file) {
+                Some(&known) => known,
+                None => {
+                    let known = pytorch_or_interpreter(&file)
+                        || skip.iter().any(|p| file.contains(p.as_str()));
+                    library_file.insert(file.clone(), known);
+                    known
+                }
+            };
             // Rank 0: the innermost frame outside PyTorch and the interpreter (a framework
             // installed as a package included); 2: any Python frame.
-            Some((if library { 2 } else { 0 }, label))
-        } else {
-            let module = module.unwrap_or_default();
+            let rank = if library { 2 } else { 0 };
+            (rank < current).then(|| {
+                (
+                    rank,
+                    format!("{} ({})", where_(&file), function.unwrap_or_default()),
+                )
+            })
+        } else if current > 1 {
+            let module: String = r.get::<_, Option<String>>(5)?.unwrap_or_default();
             match function {
                 Some(f) if !runtime_module(&module) => Some((
                     1,
@@ -107,6 +125,8 @@ pub fn site_labels(conn: &Connection, session: i64, skip: &[String]) -> Result<S
                 )),
                 _ => None,
             }
+        } else {
+            None
         };
         if let Some((rank, label)) = candidate {
             if rank < current {

@@ -520,6 +520,20 @@ fn an_oom_during_graph_capture_is_told_with_pytorchs_figures() {
     assert!(effect.contains("capacity: it does not fit"), "{effect}");
 }
 
+/// The data `tracer report` embeds in its page for `db` (written beside it).
+fn report_data(db: &Path) -> Value {
+    let html = db.with_extension("html");
+    let out = Command::new(TRACER)
+        .args(["report", "-o"])
+        .arg(&html)
+        .arg("--db")
+        .arg(db)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    embedded_data(&std::fs::read_to_string(&html).unwrap())
+}
+
 /// Every recording in tests/data with an out-of-memory: tracer's own GPU recordings, the GPU
 /// check's cases that ran out, and `tracer demo incident`'s.
 fn recordings_with_an_oom() -> Vec<Recording> {
@@ -593,16 +607,7 @@ fn every_command_tells_one_story() {
         }
 
         // The report: explain's answer, and its map at the OOM is the layout's.
-        let html = r.db.with_extension("html");
-        let out = Command::new(TRACER)
-            .args(["report", "-o"])
-            .arg(&html)
-            .arg("--db")
-            .arg(&r.db)
-            .output()
-            .unwrap();
-        assert_ok(&out);
-        let data = embedded_data(&std::fs::read_to_string(&html).unwrap());
+        let data = report_data(&r.db);
         assert_eq!(data["explain"]["holders"], report["holders"], "{name}");
         let map = data["snapshots"]
             .as_array()
@@ -695,16 +700,7 @@ fn every_command_names_the_same_devices_without_an_oom() {
             d
         };
         let layout = tracer_json(&r.db, &["layout", "--json"]);
-        let html = r.db.with_extension("html");
-        let out = Command::new(TRACER)
-            .args(["report", "-o"])
-            .arg(&html)
-            .arg("--db")
-            .arg(&r.db)
-            .output()
-            .unwrap();
-        assert_ok(&out);
-        let data = embedded_data(&std::fs::read_to_string(&html).unwrap());
+        let data = report_data(&r.db);
         let end = data["snapshots"]
             .as_array()
             .unwrap()

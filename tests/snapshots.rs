@@ -345,6 +345,16 @@ fn a_file_that_is_not_a_snapshot_exits_2_naming_it() {
     assert!(!db.exists(), "nothing stored for a bad file");
 }
 
+/// Runs `script` (Python writing a snapshot with its own pickle) with `path` as its argument.
+fn write_with_python(script: &str, path: &std::path::Path) {
+    let status = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
 /// Writes, with Python's own pickle, a snapshot of PyTorch's expandable segments from an empty
 /// allocator: one reserved range whose 20 MiB pages are mapped as it grows (and one unmapped
 /// when the cache is released), blocks split in it, then a request of 100 MiB the device
@@ -385,12 +395,7 @@ settings = {'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True', 'max_split_si
             'garbage_collection_threshold': 0.0, 'expandable_segments': True}
 pickle.dump({'segments': [seg], 'device_traces': [trace], 'allocator_settings': settings}, open(sys.argv[1], 'wb'))
 "#;
-    let status = std::process::Command::new("python3")
-        .args(["-c", SCRIPT])
-        .arg(path)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    write_with_python(SCRIPT, path);
 }
 
 #[test]
@@ -685,12 +690,7 @@ settings = {'PYTORCH_CUDA_ALLOC_CONF': '', 'max_split_size': -1, 'garbage_collec
 pickle.dump({'segments': [default, graph], 'device_traces': [trace], 'allocator_settings': settings},
             open(sys.argv[1], 'wb'))
 "#;
-    let status = std::process::Command::new("python3")
-        .args(["-c", SCRIPT])
-        .arg(path)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    write_with_python(SCRIPT, path);
 }
 
 /// An OOM beside a CUDA graph's private pool: the pool's free block is the pool's, not the

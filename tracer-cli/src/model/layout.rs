@@ -431,40 +431,37 @@ impl Layout {
     /// The device's small and large default pools: the layout's totals, less the segments of
     /// private pools where it knows any (counted from their runs: at failures only).
     pub fn default_pools(&self, device: i32) -> Vec<(Pool, PoolStats)> {
-        let layout = self;
-        let all = layout
+        let mut pools: Vec<(Pool, PoolStats)> = self
             .stats()
             .range((device, Pool::Small)..=(device, Pool::Large))
-            .map(|(&(_, pool), s)| (pool, *s));
-        if layout.private_pools().is_empty() {
-            return all.collect();
+            .map(|(&(_, pool), s)| (pool, *s))
+            .collect();
+        if self.private.is_empty() {
+            return pools;
         }
-        let mut pools: Vec<(Pool, PoolStats)> = all.collect();
+        let segments = self.segments();
         for (pool, stats) in &mut pools {
-            for seg in layout.segments() {
-                if seg.device != device || seg.pool != Some(*pool) || seg.pool_id.is_none() {
-                    continue;
-                }
-                for r in &seg.runs {
-                    match r.kind {
-                        RunKind::Free => {
-                            stats.reserved = stats.reserved.saturating_sub(r.size);
-                            stats.free_blocks = stats.free_blocks.saturating_sub(1);
-                        }
-                        RunKind::Allocated | RunKind::Pending => {
-                            stats.reserved = stats.reserved.saturating_sub(r.size);
-                            stats.allocated = stats.allocated.saturating_sub(r.size);
-                        }
-                        RunKind::Unmapped => {}
+            let of_pool = segments
+                .iter()
+                .filter(|s| s.device == device && s.pool == Some(*pool));
+            for r in of_pool
+                .clone()
+                .filter(|s| s.pool_id.is_some())
+                .flat_map(|s| &s.runs)
+            {
+                match r.kind {
+                    RunKind::Free => stats.free_blocks = stats.free_blocks.saturating_sub(1),
+                    RunKind::Allocated | RunKind::Pending => {
+                        stats.allocated = stats.allocated.saturating_sub(r.size)
                     }
+                    RunKind::Unmapped => continue,
                 }
+                stats.reserved = stats.reserved.saturating_sub(r.size);
             }
             // The largest free block of the default segments only.
-            stats.largest_free = layout
-                .segments()
-                .iter()
-                .filter(|s| s.device == device && s.pool == Some(*pool) && s.pool_id.is_none())
-                .flat_map(|s| s.runs.iter())
+            stats.largest_free = of_pool
+                .filter(|s| s.pool_id.is_none())
+                .flat_map(|s| &s.runs)
                 .filter(|r| r.kind == RunKind::Free)
                 .map(|r| r.size)
                 .max()

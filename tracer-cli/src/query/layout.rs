@@ -6,6 +6,7 @@ use std::path::Path;
 use anyhow::Result;
 
 use crate::{
+    analysis::oom::MESSAGE_ROUNDING,
     exit::user_error,
     model::state::ProcessState,
     store::{events, Access, Store},
@@ -265,8 +266,6 @@ fn oom_named(oom: &OomAt, held: &[(u32, i32, u64)]) -> (Option<u32>, Vec<Held>) 
         .collect();
     (Some(m.pid), extra)
 }
-
-use crate::analysis::oom::MESSAGE_ROUNDING;
 
 /// What a process holds on each device through its traced calls (segments and outside):
 /// (pid, device, bytes), for [`share_gpus`].

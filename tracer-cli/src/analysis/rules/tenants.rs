@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 pub use super::holders::{HeldBy, Holders, Judged, LibraryHeld, Tenant};
 use super::{holders::said, Chain, Proc};
-use crate::analysis::oom::{processes_named, this_process_said};
+use crate::analysis::oom::{processes_named, this_process_said, MESSAGE_ROUNDING};
 use crate::{
     analysis::replay,
     model::{Gpu, Placement},
@@ -264,8 +264,6 @@ fn old_verdict(
         None => HeldBy::Unknown,
     }
 }
-
-use crate::analysis::oom::MESSAGE_ROUNDING;
 
 /// The figures, said in the chain; the verdict said in its effect and fixes.
 fn say_in_chain(

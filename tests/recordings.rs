@@ -520,6 +520,16 @@ fn an_oom_during_graph_capture_is_told_with_pytorchs_figures() {
     assert!(effect.contains("capacity: it does not fit"), "{effect}");
 }
 
+/// What tests/python/mcp_client.py (a real MCP client) saw of `tracer mcp` over `db` in `mode`.
+fn mcp_client(db: &Path, mode: &str) -> Value {
+    python_json(&[
+        workspace().join("tests/python/mcp_client.py").as_os_str(),
+        Path::new(TRACER).as_os_str(),
+        db.as_os_str(),
+        mode.as_ref(),
+    ])
+}
+
 /// The data `tracer report` embeds in its page for `db` (written beside it).
 fn report_data(db: &Path) -> Value {
     let html = db.with_extension("html");
@@ -568,7 +578,6 @@ fn recordings_with_an_oom() -> Vec<Recording> {
 /// message names counted in all) and the device's free bytes at the failure.
 #[test]
 fn every_command_tells_one_story() {
-    let tracer = std::path::Path::new(TRACER).as_os_str().to_owned();
     for r in recordings_with_an_oom() {
         let name = r.db.file_name().unwrap().to_string_lossy().into_owned();
         let report = explain(&r);
@@ -629,13 +638,7 @@ fn every_command_tells_one_story() {
         );
 
         // mcp, as an assistant asks it.
-        let db = r.db.as_os_str().to_owned();
-        let mcp = python_json(&[
-            workspace().join("tests/python/mcp_client.py").as_os_str(),
-            &tracer,
-            &db,
-            "story".as_ref(),
-        ]);
+        let mcp = mcp_client(&r.db, "story");
         let who = &mcp["explain"]["structured"]["who"][0];
         assert_eq!(who["pid"], h["pid"], "{name}: {who:#}");
         assert_eq!(who["d"], h["device"], "{name}: {who:#}");
@@ -684,7 +687,6 @@ fn every_command_tells_one_story() {
 /// process on the same devices and GPUs.
 #[test]
 fn every_command_names_the_same_devices_without_an_oom() {
-    let tracer = std::path::Path::new(TRACER).as_os_str().to_owned();
     for name in ["graphs", "graph-reset", "compiled", "mempool", "engine"] {
         let (r, _) = case(name);
         let report = explain(&r);
@@ -707,13 +709,7 @@ fn every_command_names_the_same_devices_without_an_oom() {
             .last()
             .unwrap()
             .clone();
-        let db = r.db.as_os_str().to_owned();
-        let mcp = python_json(&[
-            workspace().join("tests/python/mcp_client.py").as_os_str(),
-            &tracer,
-            &db,
-            "devices".as_ref(),
-        ]);
+        let mcp = mcp_client(&r.db, "devices");
         let seen = &mcp["layout_end"]["structured"]["procs"];
         for p in layout.as_array().unwrap() {
             let laid: Vec<(Value, Value)> = p["devices"]

@@ -114,8 +114,10 @@ API cudaError_t cudaStreamSynchronize_ptsz(cudaStream_t s) { return stream_sync(
 typedef void *cudaEvent_t;
 #define cudaErrorNotReady 600
 
-struct sim_stream { uint64_t busy_until; };
-struct sim_event { uint64_t complete_at; int recorded; };
+/* A stream under capture carries its capture's id (0: none); an event recorded on it carries
+ * it too, and a stream that waits on such an event joins that capture (as CUDA does). */
+struct sim_stream { uint64_t busy_until; uint64_t capture; };
+struct sim_event { uint64_t complete_at; int recorded; uint64_t capture; };
 
 static struct sim_stream default_stream;
 /* The latest end of any stream's work, for cudaDeviceSynchronize. */
@@ -216,6 +218,7 @@ static cudaError_t event_record(cudaEvent_t ev, cudaStream_t s, void *caller) {
     struct sim_event *e = ev;
     e->complete_at = __atomic_load_n(&stream_of(s)->busy_until, __ATOMIC_ACQUIRE);
     e->recorded = 1;
+    e->capture = __atomic_load_n(&stream_of(s)->capture, __ATOMIC_ACQUIRE);
     return RECORD(cudaSuccess, SIM_NONE, (uint64_t)(uintptr_t)ev, (uint64_t)(uintptr_t)s, who);
 }
 
@@ -244,3 +247,110 @@ API cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
 
 static void wait_device(void) { wait_until(__atomic_load_n(&device_busy_until, __ATOMIC_ACQUIRE)); }
 static void wait_stream(cudaStream_t s) { wait_until(__atomic_load_n(&stream_of(s)->busy_until, __ATOMIC_ACQUIRE)); }
+
+/* CUDA graphs. A capture runs on a stream this runtime made (capturing the legacy default
+ * stream is an error, as on a GPU); cudaStreamEndCapture ends it on every stream joined to it
+ * and hands out the graph. Instantiating, launching and destroying graphs move no memory. */
+typedef void *cudaGraph_t;
+typedef void *cudaGraphExec_t;
+#define cudaErrorStreamCaptureUnsupported 900
+#define cudaErrorIllegalState 401
+static uint64_t next_capture = 1;
+struct sim_graph { uint64_t capture; };
+
+static cudaError_t begin_capture(cudaStream_t s, int mode) {
+    BEGIN("cudaStreamBeginCapture");
+    struct sim_stream *st = stream_of(s);
+    uint64_t none = 0;
+    uint64_t id = __atomic_fetch_add(&next_capture, 1, __ATOMIC_ACQ_REL);
+    cudaError_t r = st == &default_stream ? cudaErrorStreamCaptureUnsupported
+                    : __atomic_compare_exchange_n(&st->capture, &none, id, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
+                        ? cudaSuccess : cudaErrorIllegalState;
+    return RECORD(r, SIM_NONE, SIM_NONE, (uint64_t)(uintptr_t)s, (uint64_t)mode);
+}
+API cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) { return begin_capture(s, mode); }
+API cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) { return begin_capture(s, mode); }
+
+static cudaError_t end_capture(cudaStream_t s, cudaGraph_t *graph) {
+    BEGIN("cudaStreamEndCapture");
+    struct sim_stream *st = stream_of(s);
+    uint64_t id = __atomic_load_n(&st->capture, __ATOMIC_ACQUIRE);
+    if (!graph || id == 0 || st == &default_stream)
+        return RECORD(id == 0 ? cudaErrorIllegalState : cudaErrorInvalidValue, SIM_NONE, SIM_NONE,
+                      (uint64_t)(uintptr_t)s, SIM_NONE);
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        struct sim_stream *other = __atomic_load_n(&streams[i], __ATOMIC_ACQUIRE);
+        uint64_t mine = id;
+        if (other) __atomic_compare_exchange_n(&other->capture, &mine, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    }
+    struct sim_graph *g = calloc(1, sizeof *g);
+    if (!g) return RECORD(cudaErrorMemoryAllocation, SIM_NONE, SIM_NONE, (uint64_t)(uintptr_t)s, SIM_NONE);
+    g->capture = id;
+    *graph = g;
+    return RECORD(cudaSuccess, SIM_NONE, (uint64_t)(uintptr_t)g, (uint64_t)(uintptr_t)s, SIM_NONE);
+}
+API cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph) { return end_capture(s, graph); }
+API cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, cudaGraph_t *graph) { return end_capture(s, graph); }
+
+static cudaError_t stream_wait_event(cudaStream_t s, cudaEvent_t ev) {
+    BEGIN("cudaStreamWaitEvent");
+    if (!ev) return RECORD(cudaErrorInvalidValue, SIM_NONE, 0, (uint64_t)(uintptr_t)s, SIM_NONE);
+    struct sim_event *e = ev;
+    struct sim_stream *st = stream_of(s);
+    if (e->capture && st != &default_stream) __atomic_store_n(&st->capture, e->capture, __ATOMIC_RELEASE);
+    return RECORD(cudaSuccess, SIM_NONE, (uint64_t)(uintptr_t)ev, (uint64_t)(uintptr_t)s, SIM_NONE);
+}
+API cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t ev, unsigned flags) {
+    (void)flags;
+    return stream_wait_event(s, ev);
+}
+API cudaError_t cudaStreamWaitEvent_ptsz(cudaStream_t s, cudaEvent_t ev, unsigned flags) {
+    (void)flags;
+    return stream_wait_event(s, ev);
+}
+
+static __thread int capture_mode;
+API cudaError_t cudaThreadExchangeStreamCaptureMode(int *mode) {
+    BEGIN("cudaThreadExchangeStreamCaptureMode");
+    if (!mode) return RECORD(cudaErrorInvalidValue, SIM_NONE, SIM_NONE, SIM_NONE, SIM_NONE);
+    int old = capture_mode;
+    capture_mode = *mode;
+    *mode = old;
+    return RECORD(cudaSuccess, SIM_NONE, SIM_NONE, SIM_NONE, SIM_NONE);
+}
+
+static cudaError_t instantiate(const char *op, cudaGraphExec_t *exec, cudaGraph_t graph) {
+    BEGIN(op);
+    if (!exec || !graph) return RECORD(cudaErrorInvalidValue, SIM_NONE, SIM_NONE, (uint64_t)(uintptr_t)graph, SIM_NONE);
+    struct sim_graph *e = calloc(1, sizeof *e);
+    if (!e) return RECORD(cudaErrorMemoryAllocation, SIM_NONE, SIM_NONE, (uint64_t)(uintptr_t)graph, SIM_NONE);
+    e->capture = ((struct sim_graph *)graph)->capture;
+    *exec = e;
+    return RECORD(cudaSuccess, SIM_NONE, (uint64_t)(uintptr_t)e, (uint64_t)(uintptr_t)graph, SIM_NONE);
+}
+API cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long flags) {
+    (void)flags;
+    return instantiate("cudaGraphInstantiate", exec, graph);
+}
+API cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long flags) {
+    (void)flags;
+    return instantiate("cudaGraphInstantiateWithFlags", exec, graph);
+}
+
+static cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t s) {
+    BEGIN("cudaGraphLaunch");
+    cudaError_t r = exec ? cudaSuccess : cudaErrorInvalidValue;
+    return RECORD(r, SIM_NONE, (uint64_t)(uintptr_t)exec, (uint64_t)(uintptr_t)s, SIM_NONE);
+}
+API cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) { return graph_launch(exec, s); }
+API cudaError_t cudaGraphLaunch_ptsz(cudaGraphExec_t exec, cudaStream_t s) { return graph_launch(exec, s); }
+
+static cudaError_t graph_destroy(const char *op, void *graph) {
+    BEGIN(op);
+    if (!graph) return RECORD(cudaErrorInvalidValue, SIM_NONE, SIM_NONE, SIM_NONE, SIM_NONE);
+    uint64_t handle = (uint64_t)(uintptr_t)graph;
+    free(graph);
+    return RECORD(cudaSuccess, SIM_NONE, handle, SIM_NONE, SIM_NONE);
+}
+API cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) { return graph_destroy("cudaGraphExecDestroy", exec); }
+API cudaError_t cudaGraphDestroy(cudaGraph_t graph) { return graph_destroy("cudaGraphDestroy", graph); }

@@ -70,3 +70,33 @@ int cudaEventRecord(void *event, void *stream);
 API __attribute__((noinline)) int simtorch_record_event(void *event, void *stream) {
     return cudaEventRecord(event, stream);
 }
+
+/* PyTorch's CUDAGraph (libtorch_cuda.so), by its exported names: what tracer probes to learn
+ * each capture's private pool. The simulated allocator calls them in PyTorch's order (in
+ * capture_begin: the pool chosen, requests routed to it, then cudaStreamBeginCapture; in
+ * capture_end: cudaStreamEndCapture, routing ended, the graph instantiated; reset: the pool
+ * released); the work itself is the allocator's. */
+static volatile uint64_t graph_calls;
+
+API __attribute__((noinline)) void graph_capture_begin(void *self, uint64_t pool_first, uint64_t pool_second, int mode)
+    __asm__("_ZN2at4cuda9CUDAGraph13capture_beginESt4pairIyyE21cudaStreamCaptureMode");
+void graph_capture_begin(void *self, uint64_t pool_first, uint64_t pool_second, int mode) {
+    (void)mode;
+    graph_calls++;
+    sim_record("pytorch:capture_begin", sim_realtime_ns(), sim_mono_ns(), 0, SIM_NONE,
+               (uint64_t)(uintptr_t)self, pool_first, pool_second);
+}
+
+API __attribute__((noinline)) void graph_capture_end(void *self) __asm__("_ZN2at4cuda9CUDAGraph11capture_endEv");
+void graph_capture_end(void *self) {
+    graph_calls++;
+    sim_record("pytorch:capture_end", sim_realtime_ns(), sim_mono_ns(), 0, SIM_NONE, (uint64_t)(uintptr_t)self,
+               SIM_NONE, SIM_NONE);
+}
+
+API __attribute__((noinline)) void graph_reset(void *self) __asm__("_ZN2at4cuda9CUDAGraph5resetEv");
+void graph_reset(void *self) {
+    graph_calls++;
+    sim_record("pytorch:graph_reset", sim_realtime_ns(), sim_mono_ns(), 0, SIM_NONE, (uint64_t)(uintptr_t)self,
+               SIM_NONE, SIM_NONE);
+}

@@ -17,6 +17,18 @@ one reserved address range per pool (cuMemAddressReserve), mapped and unmapped i
 stats() reports the allocator's own truth (allocated, reserved, blocks, largest free block) for
 tests, memory_stats() the counters torch.cuda.memory_stats() has, under the same keys.
 
+CUDA graphs as PyTorch captures them (c10/cuda/CUDACachingAllocator.cpp, CUDAGraph.cpp):
+capture_begin(graph, stream, pool) routes every request on the capturing stream, and on streams
+joined to it (wait_stream during the capture), to the capture's private pool: a new one numbered
+(1, 0), (2, 0), ... unless a pool is given (graph_pool_handle() makes (0, 1), (0, 2), ... for
+graphs that share one). A private pool's segments serve only requests routed to it. No cache
+flush (and so no retry) runs while any capture is underway. capture_end ends the routing and
+instantiates the graph; reset() lets go of the pool, which becomes freeable once no graph uses
+it: its segments with no live block go back at the next flush. The out-of-memory message counts
+the private pools' free blocks as allocated ("with X allocated in private pools"). PyTorch's
+CUDAGraph::capture_begin / capture_end / reset are called (libsimtorch.so exports them under
+their mangled names) where PyTorch's would run, and the runtime's capture calls inside them.
+
 As PyTorch's allocator, it fires the USDT probes `pytorch:malloc(ptr, device, size, stream)` and
 `pytorch:free(ptr)` and constructs c10::OutOfMemoryError with its message: through
 libsimtorch.so (demos/simcuda/torchprobes.c, beside the runtime), whose probe sites are C built
@@ -63,14 +75,37 @@ class Block:
         return self.segment.ptr + self.offset
 
 
-class Segment:
-    __slots__ = ("ptr", "size", "small", "blocks", "chunk", "handles", "stream")
+DEFAULT_POOL = (0, 0)
 
-    def __init__(self, ptr, size, small, chunk=None, stream=0):
+CAPTURE_BEGIN = "_ZN2at4cuda9CUDAGraph13capture_beginESt4pairIyyE21cudaStreamCaptureMode"
+CAPTURE_END = "_ZN2at4cuda9CUDAGraph11capture_endEv"
+GRAPH_RESET = "_ZN2at4cuda9CUDAGraph5resetEv"
+
+
+class Graph:
+    """A torch.cuda.CUDAGraph: its object's address (what PyTorch's methods get as `this`), its
+    pool, the stream it was captured on and the executable graph."""
+
+    def __init__(self):
+        self.this = ctypes.create_string_buffer(64)
+        self.pool = None
+        self.stream = None
+        self.exec = None
+
+    @property
+    def address(self):
+        return ctypes.addressof(self.this)
+
+
+class Segment:
+    __slots__ = ("ptr", "size", "small", "blocks", "chunk", "handles", "stream", "pool")
+
+    def __init__(self, ptr, size, small, chunk=None, stream=0, pool=DEFAULT_POOL):
         self.ptr = ptr
         self.size = size
         self.small = small
         self.stream = stream
+        self.pool = pool
         # Expandable segments: the mapping granularity, and the physical handle of each chunk.
         self.chunk = chunk
         self.handles = {}
@@ -151,8 +186,16 @@ class CachingAllocator:
             ("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
             ("cudaEventQuery", [ctypes.c_void_p]),
             ("cudaEventSynchronize", [ctypes.c_void_p]),
+            ("cudaStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
         ):
             getattr(self.rt, name).argtypes = args
+        # CUDA graphs: streams capturing now -> their pool; graphs using each private pool;
+        # pools no graph uses any more; PyTorch's two id counters.
+        self.captures = {}
+        self.pool_use = {}
+        self.freeable = set()
+        self.next_graph_pool = 1
+        self.next_user_pool = 1
         # Per stream, (event, block) in the order recorded; events to reuse (PyTorch's pool).
         self.cuda_events = {}
         self.event_pool = []
@@ -188,13 +231,13 @@ class CachingAllocator:
         ret = self.rt.cudaMalloc(ctypes.byref(ptr), size)
         return ptr.value if ret == 0 else None
 
-    def _best_fit(self, size, small, stream):
+    def _best_fit(self, size, small, stream, pool=DEFAULT_POOL):
         """As PyTorch's get_free_block: the smallest free block of the pool and stream that
         fits, the lowest address among equals; in an expandable segment, a block that cannot
         grow is taken before a larger-growing one (the next in that order while its size with
         the unmapped space after it is smaller)."""
         fits = sorted(
-            (block for seg in self.segments if seg.small == small and seg.stream == stream
+            (block for seg in self.segments if seg.small == small and seg.stream == stream and seg.pool == pool
              for block in seg.blocks if block.free and block.mapped and block.size >= size),
             key=lambda b: (b.size, b.ptr),
         )
@@ -229,33 +272,41 @@ class CachingAllocator:
         self.synchronize()
         if self.expandable:
             for seg in self.segments:
-                self._unmap_free_chunks(seg)
+                if self._releasable_pool(seg.pool):
+                    self._unmap_free_chunks(seg)
             return True
         kept = []
         for seg in self.segments:
-            if len(seg.blocks) == 1 and seg.blocks[0].free:
+            if len(seg.blocks) == 1 and seg.blocks[0].free and self._releasable_pool(seg.pool):
                 self.check(self.rt.cudaFree(ctypes.c_void_p(seg.ptr)), "cudaFree")
                 self._reserved_changed(-seg.size)
             else:
                 kept.append(seg)
         self.segments = kept
+        # A freeable pool left with no segment is gone.
+        self.freeable = {p for p in self.freeable if any(seg.pool == p for seg in self.segments)}
         return True
 
-    def _new_segment(self, size, small, stream):
+    def _releasable_pool(self, pool):
+        """A flush gives back the default pools' free segments and those of private pools no
+        graph uses any more."""
+        return pool == DEFAULT_POOL or pool in self.freeable
+
+    def _new_segment(self, size, small, stream, pool=DEFAULT_POOL):
         """A new cudaMalloc'ed segment for `size`, or None when the device has no room."""
         seg_size = segment_size(size)
         ptr = self._cuda_malloc(seg_size)
         if ptr is None:
             return None
         self._reserved_changed(seg_size)
-        seg = Segment(ptr, seg_size, small, stream=stream)
+        seg = Segment(ptr, seg_size, small, stream=stream, pool=pool)
         self.segments.append(seg)
         return seg.blocks[0]
 
-    def _grow(self, size, small, stream):
+    def _grow(self, size, small, stream, pool=DEFAULT_POOL):
         if self.expandable:
-            return self._grow_expandable(size, small, stream)
-        return self._new_segment(size, small, stream)
+            return self._grow_expandable(size, small, stream, pool)
+        return self._new_segment(size, small, stream, pool)
 
     def malloc(self, size, stream=0):
         return self._malloc(size, stream, probes=True)
@@ -270,14 +321,16 @@ class CachingAllocator:
             requested = size
             size = round_size(size)
             small = size <= SMALL_SIZE
-            block = self._best_fit(size, small, stream)
+            pool = self.captures.get(stream, DEFAULT_POOL)
+            block = self._best_fit(size, small, stream, pool)
             if block is None:
-                block = self._grow(size, small, stream)
-            if block is None:
-                # As PyTorch: release the cache, then one retry, counted whether or not it helps.
+                block = self._grow(size, small, stream, pool)
+            if block is None and not self.captures:
+                # As PyTorch: release the cache, then one retry, counted whether or not it
+                # helps; never while a capture is underway.
                 self._release_cached()
                 self.num_alloc_retries += 1
-                block = self._grow(size, small, stream)
+                block = self._grow(size, small, stream, pool)
             if block is None:
                 self.num_ooms += 1
                 message = self._oom_message(size)
@@ -296,11 +349,16 @@ class CachingAllocator:
         """The message current PyTorch raises, with this allocator's figures."""
         free, total = self.mem_get_info()
         s = self.stats()
+        # PyTorch counts the private pools' free blocks as allocated.
+        private = sum(b.size for seg in self.segments if seg.pool != DEFAULT_POOL
+                      for b in seg.blocks if b.free and b.mapped)
+        in_private = f"with {format_size(private)} allocated in private pools (e.g., CUDA Graphs), " if private else ""
         return (
             f"CUDA out of memory. Tried to allocate {format_size(size)}. GPU {self.device} has a total capacity "
             f"of {format_size(total)} of which {format_size(free)} is free. {self._processes_said(total - free)}"
             "Of the allocated memory "
-            f"{format_size(s['allocated'])} is allocated by PyTorch, and {format_size(s['reserved'] - s['allocated'])} "
+            f"{format_size(s['allocated'] + private)} is allocated by PyTorch, {in_private}"
+            f"and {format_size(s['reserved'] - s['allocated'] - private)} "
             "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
             "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
@@ -341,7 +399,7 @@ class CachingAllocator:
         s = self.stats()
         pools = {}
         for name, small in (("small", True), ("large", False)):
-            segs = [seg for seg in self.segments if seg.small == small]
+            segs = [seg for seg in self.segments if seg.small == small and seg.pool == DEFAULT_POOL]
             free = [b.size for seg in segs for b in seg.blocks if b.free and b.mapped]
             pools[name] = {
                 "allocated": sum(b.size for seg in segs for b in seg.blocks if not b.free and not b.event_count),
@@ -353,13 +411,30 @@ class CachingAllocator:
             "op": op, "ptr": ptr, "requested": requested, "allocated": s["allocated"],
             "reserved": s["reserved"], "free_blocks": len([1 for seg in self.segments for b in seg.blocks if b.free and b.mapped]),
             "largest_free": s["largest_free_block"], "pools": pools, "pending": self.pending()[1],
+            "private_pools": self.private_pools(),
         }) + "\n")
+
+    def private_pools(self):
+        """Each private pool's figures, as tracer's layout gives them: id, segments, reserved,
+        allocated, free, free blocks, largest free block."""
+        out = []
+        for pool in sorted({seg.pool for seg in self.segments} - {DEFAULT_POOL}):
+            segs = [seg for seg in self.segments if seg.pool == pool]
+            free = [b.size for seg in segs for b in seg.blocks if b.free and b.mapped]
+            out.append({
+                "id": list(pool), "segments": len(segs),
+                "reserved": sum(seg.mapped_bytes() for seg in segs),
+                "allocated": sum(b.size for seg in segs for b in seg.blocks if not b.free and b.mapped),
+                "free": sum(free), "free_blocks": len(free), "largest_free": max(free, default=0),
+                "segment_ptrs": sorted(seg.ptr for seg in segs),
+            })
+        return out
 
     # Expandable segments -------------------------------------------------------------------
 
-    def _expandable_segment(self, small, stream):
+    def _expandable_segment(self, small, stream, pool=DEFAULT_POOL):
         for seg in self.segments:
-            if seg.small == small and seg.stream == stream:
+            if seg.small == small and seg.stream == stream and seg.pool == pool:
                 return seg
         chunk = SMALL_SEGMENT if small else LARGE_SEGMENT
         _free, total = self.mem_get_info()
@@ -367,7 +442,7 @@ class CachingAllocator:
         size = round_up(total + total // 8, chunk)
         ptr = ctypes.c_uint64()
         self.check(self.drv.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
-        seg = Segment(ptr.value, size, small, chunk, stream)
+        seg = Segment(ptr.value, size, small, chunk, stream, pool)
         self.segments.append(seg)
         return seg
 
@@ -389,12 +464,12 @@ class CachingAllocator:
         self._reserved_changed(end - start)
         return True
 
-    def _grow_expandable(self, size, small, stream):
+    def _grow_expandable(self, size, small, stream, pool=DEFAULT_POOL):
         """As PyTorch's find_expandable_block and try_allocate_expandable_block: the lowest
         unmapped range (with the free block just before it) that, with the free and unmapped
         blocks after it, holds `size`, mapped chunk by chunk until its free block does. None
         when the device is full."""
-        seg = self._expandable_segment(small, stream)
+        seg = self._expandable_segment(small, stream, pool)
         blocks = seg.blocks
         start = None
         for i, b in enumerate(blocks):
@@ -575,7 +650,90 @@ class CachingAllocator:
 
     def empty_cache(self):
         with self.lock:
-            return self._release_cached()
+            # As PyTorch: no flush while a capture is underway.
+            return False if self.captures else self._release_cached()
+
+    # CUDA graphs ---------------------------------------------------------------------------
+
+    def graph_pool_handle(self):
+        """As torch.cuda.graph_pool_handle(): a pool id graphs captured with it share."""
+        with self.lock:
+            pool = (0, self.next_user_pool)
+            self.next_user_pool += 1
+            return pool
+
+    def _graph_call(self, symbol, *args):
+        if self.probes:
+            f = getattr(self.probes, symbol)
+            f.restype = None
+            f(*args)
+
+    def capture_begin(self, graph, stream, pool=None):
+        """As CUDAGraph::capture_begin on `stream` (a side stream, as torch.cuda.graph uses):
+        the pool chosen, requests on the stream routed to it, the stream's capture begun."""
+        given = pool or DEFAULT_POOL
+        self._graph_call(CAPTURE_BEGIN, ctypes.c_void_p(graph.address), ctypes.c_uint64(given[0]),
+                         ctypes.c_uint64(given[1]), ctypes.c_int(0))
+        with self.lock:
+            if given == DEFAULT_POOL:
+                given = (self.next_graph_pool, 0)
+                self.next_graph_pool += 1
+            self.pool_use[given] = self.pool_use.get(given, 0) + 1
+            self.freeable.discard(given)
+            self.captures[stream] = given
+        graph.pool, graph.stream = given, stream
+        self.rt.cudaStreamBeginCapture.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.check(self.rt.cudaStreamBeginCapture(ctypes.c_void_p(stream), 0), "cudaStreamBeginCapture")
+
+    def wait_stream(self, waiter, stream):
+        """As Stream.wait_stream: an event recorded on `stream`, waited on by `waiter`; a
+        capturing stream's event joins the waiter to its capture."""
+        e = ctypes.c_void_p()
+        self.check(self.rt.cudaEventCreateWithFlags(ctypes.byref(e), 2), "cudaEventCreateWithFlags")
+        self.check(self.rt.cudaEventRecord(e, ctypes.c_void_p(stream)), "cudaEventRecord")
+        self.check(self.rt.cudaStreamWaitEvent(ctypes.c_void_p(waiter), e, 0), "cudaStreamWaitEvent")
+        with self.lock:
+            if stream in self.captures:
+                self.captures[waiter] = self.captures[stream]
+
+    def capture_end(self, graph, keep_graph=False):
+        """As CUDAGraph::capture_end: the stream's capture ended (and every stream joined to
+        it), routing to the pool ended, the graph instantiated; without keep_graph the
+        cudaGraph is destroyed at once, the pool stays."""
+        self._graph_call(CAPTURE_END, ctypes.c_void_p(graph.address))
+        g = ctypes.c_void_p()
+        self.rt.cudaStreamEndCapture.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+        self.check(self.rt.cudaStreamEndCapture(ctypes.c_void_p(graph.stream), ctypes.byref(g)), "cudaStreamEndCapture")
+        with self.lock:
+            self.captures = {s: p for s, p in self.captures.items() if p != graph.pool}
+        exe = ctypes.c_void_p()
+        self.rt.cudaGraphInstantiateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_ulonglong]
+        self.check(self.rt.cudaGraphInstantiateWithFlags(ctypes.byref(exe), g, 0), "cudaGraphInstantiateWithFlags")
+        graph.exec = exe.value
+        if not keep_graph:
+            self.rt.cudaGraphDestroy.argtypes = [ctypes.c_void_p]
+            self.check(self.rt.cudaGraphDestroy(g), "cudaGraphDestroy")
+
+    def replay(self, graph):
+        """As CUDAGraph::replay: the executable graph launched; nothing is allocated."""
+        self.rt.cudaGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.check(self.rt.cudaGraphLaunch(ctypes.c_void_p(graph.exec), ctypes.c_void_p(graph.stream)), "cudaGraphLaunch")
+
+    def reset(self, graph):
+        """As CUDAGraph::reset (and its destructor): the executable graph destroyed, the pool
+        let go of; freeable once no graph uses it."""
+        self._graph_call(GRAPH_RESET, ctypes.c_void_p(graph.address))
+        if graph.exec:
+            self.rt.cudaGraphExecDestroy.argtypes = [ctypes.c_void_p]
+            self.check(self.rt.cudaGraphExecDestroy(ctypes.c_void_p(graph.exec)), "cudaGraphExecDestroy")
+            graph.exec = None
+        with self.lock:
+            if graph.pool is not None:
+                self.pool_use[graph.pool] -= 1
+                if self.pool_use[graph.pool] == 0:
+                    del self.pool_use[graph.pool]
+                    self.freeable.add(graph.pool)
+            graph.pool = None
 
     def memory_stats(self):
         """The counters of torch.cuda.memory_stats(), under its keys."""
@@ -608,7 +766,8 @@ class CachingAllocator:
             "largest_free_block": max(free_blocks, default=0),
             # What a cache flush would give back: segments (or chunks) with nothing allocated.
             "releasable": sum(
-                s.mapped_bytes() for s in self.segments if all(b.free for b in s.blocks) and not s.chunk
+                s.mapped_bytes() for s in self.segments
+                if all(b.free for b in s.blocks) and not s.chunk and self._releasable_pool(s.pool)
             ),
             "inactive_split": sum(free_blocks),
             "num_alloc_retries": self.num_alloc_retries,

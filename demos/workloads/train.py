@@ -2,7 +2,7 @@
 
     python3 train.py SCENARIO [--duration 20] [--speed 1.0] [--cudart PATH] [--seed 1] [--steps N] [--final-request BYTES]
 
-Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu, co-tenant. Each prints
+Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu, co-tenant, graphs. Each prints
 one JSON line of the allocator's own statistics at the end ("result"), and exits 1 with PyTorch's
 message on OOM. multi-gpu launches its ranks as torchrun does (one process per device, RANK,
 LOCAL_RANK and WORLD_SIZE in their environment) and ends them all when one fails. co-tenant starts
@@ -21,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from caching_allocator import MIB, CachingAllocator, OutOfMemoryError  # noqa: E402
+from caching_allocator import MIB, CachingAllocator, Graph, OutOfMemoryError  # noqa: E402
 
 
 def dataloader_worker(stop_at):
@@ -264,6 +264,45 @@ def co_tenant(alloc, args, rng):
         co_tenant_trainer(alloc, args, rng)
 
 
+def graphs(alloc, args, rng):
+    """A model served with CUDA graphs, as serving engines run it: weights loaded, then one
+    graph captured per batch size (largest first) into one shared pool on a side stream, each
+    capture's activations freed inside it (they stay in the pool for the next capture), its
+    output kept; replays allocate nothing. Then an eager request on the default stream (a
+    prefill larger than any captured shape) that the device cannot hold: the pool's free blocks
+    are for its graphs' requests only, and no flush gives them back while the graphs live."""
+    _free, total = alloc.mem_get_info()
+    unit = 2 * MIB
+
+    def share(fraction):
+        return max(unit, int(total * fraction) // unit * unit)
+
+    weights = alloc.malloc(share(0.55))
+    side = alloc.new_stream()
+    alloc.wait_stream(side, 0)
+    pool = alloc.graph_pool_handle()
+    graphs, outputs = [], []
+    for batch in (8, 4, 2, 1):
+        g = Graph()
+        alloc.capture_begin(g, side, pool)
+        first = alloc.malloc(share(0.0125 * batch), side)
+        second = alloc.malloc(share(0.0125 * batch), side)
+        outputs.append(alloc.malloc(share(0.0025 * batch), side))
+        alloc.free(first)
+        alloc.free(second)
+        alloc.capture_end(g)
+        graphs.append(g)
+        step_pause(args, 0.05)
+    for _ in range(args.steps or 5):
+        for g in graphs:
+            alloc.replay(g)
+        step_pause(args, 0.05)
+    alloc.final_request = share(0.25)
+    prefill = alloc.malloc(alloc.final_request)
+    alloc.free(prefill)
+    del weights
+
+
 SCENARIOS = {
     "incident": incident,
     "periodic-spike": periodic_spike,
@@ -272,6 +311,7 @@ SCENARIOS = {
     "cpu-contention": cpu_contention,
     "multi-gpu": multi_gpu,
     "co-tenant": co_tenant,
+    "graphs": graphs,
 }
 
 

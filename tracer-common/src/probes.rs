@@ -83,6 +83,32 @@ pub enum OpClass {
     /// tracer armed or disarmed PyTorch's allocator probes in a process (no call of the
     /// program): from then on its block events are seen, or no longer.
     Probes = 13,
+    /// A stream began capturing work into a CUDA graph (cudaStreamBeginCapture): the stream in
+    /// aux0, the capture mode in aux1.
+    CaptureBegin = 14,
+    /// A stream's capture ended (cudaStreamEndCapture): the stream in aux0, the graph made is
+    /// the pointer. Every stream joined to the capture leaves it too.
+    CaptureEnd = 15,
+    /// A stream waits on an event (cudaStreamWaitEvent): the stream in aux0, the event the
+    /// pointer. An event recorded on a capturing stream joins the waiting stream to that capture.
+    StreamWait = 16,
+    /// A thread's capture mode exchanged (cudaThreadExchangeStreamCaptureMode): PyTorch relaxes
+    /// it around each cudaMalloc it makes during a capture.
+    CaptureMode = 17,
+    /// A CUDA graph made executable, replayed or destroyed (cudaGraphInstantiate, Launch,
+    /// Destroy): the graph or executable graph is the pointer. No memory of the caching
+    /// allocator moves: a replay allocates nothing.
+    Graph = 18,
+    /// PyTorch began a capture into a private pool (at::cuda::CUDAGraph::capture_begin): the
+    /// CUDAGraph object is the pointer, the pool id it was given in aux0 and aux1 ((0, 0): a new
+    /// pool, which PyTorch numbers itself).
+    PoolCapture = 19,
+    /// PyTorch's capture ended (CUDAGraph::capture_end): the CUDAGraph object is the pointer.
+    PoolCaptured = 20,
+    /// A CUDA graph let go of its private pool (CUDAGraph::reset, also run by its destructor):
+    /// the CUDAGraph object is the pointer. The pool's free segments go back at the next flush
+    /// once no graph uses it.
+    PoolReset = 21,
 }
 
 /// The meaning of one argument.
@@ -115,6 +141,11 @@ pub enum ArgRole {
     Handle,
     /// A `const CUmemAllocationProp *`: the device is read from its `location.id`.
     AllocProp,
+    /// The first half of PyTorch's `MempoolId_t` (a pair of u64 passed in two registers):
+    /// stored in aux0.
+    PoolFirst,
+    /// Its second half: stored in aux1.
+    PoolSecond,
     /// Not an argument: the call's return address (who called it), read from the stack at
     /// entry into this position and stored in aux1. Listed after the real arguments.
     Caller,
@@ -197,9 +228,29 @@ ops! {
     AllocatorArmed = 35,
     AllocatorDisarmed = 36,
     AllocatorArming = 37,
+    CudaStreamBeginCapture = 38,
+    CudaStreamEndCapture = 39,
+    CudaStreamWaitEvent = 40,
+    CudaThreadExchangeStreamCaptureMode = 41,
+    CudaGraphInstantiate = 42,
+    CudaGraphInstantiateWithFlags = 43,
+    CudaGraphLaunch = 44,
+    CudaGraphExecDestroy = 45,
+    CudaGraphDestroy = 46,
+    CuStreamBeginCapture = 47,
+    CuStreamEndCapture = 48,
+    CuStreamWaitEvent = 49,
+    CuThreadExchangeStreamCaptureMode = 50,
+    CuGraphInstantiate = 51,
+    CuGraphLaunch = 52,
+    CuGraphExecDestroy = 53,
+    CuGraphDestroy = 54,
+    TorchCaptureBegin = 55,
+    TorchCaptureEnd = 56,
+    TorchGraphReset = 57,
 }
 
-pub const OP_COUNT: usize = 38;
+pub const OP_COUNT: usize = 58;
 
 use ArgRole::*;
 use Library::{Driver, Runtime, Torch};
@@ -258,6 +309,35 @@ const fn tracer_mark(op: Op, name: &'static str) -> ProbeSpec {
 /// std::string, passed by reference) is the second register argument.
 pub const TORCH_OOM_SYMBOL: &str =
     "_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE";
+
+/// `at::cuda::CUDAGraph::capture_begin(MempoolId_t, cudaStreamCaptureMode)` (libtorch_cuda.so):
+/// `this`, then the pool id's two halves in registers (a trivially copyable pair), then the mode.
+pub const TORCH_CAPTURE_BEGIN_SYMBOL: &str =
+    "_ZN2at4cuda9CUDAGraph13capture_beginESt4pairIyyE21cudaStreamCaptureMode";
+/// `at::cuda::CUDAGraph::capture_end()`.
+pub const TORCH_CAPTURE_END_SYMBOL: &str = "_ZN2at4cuda9CUDAGraph11capture_endEv";
+/// `at::cuda::CUDAGraph::reset()`.
+pub const TORCH_GRAPH_RESET_SYMBOL: &str = "_ZN2at4cuda9CUDAGraph5resetEv";
+
+/// A member function of PyTorch's CUDAGraph: found by its mangled symbol, stored by `name`.
+/// It returns nothing: the return program's `ret` is whatever rax held (read as 0).
+const fn torch_graph(
+    op: Op,
+    name: &'static str,
+    symbol: &'static str,
+    class: OpClass,
+    args: &'static [ArgRole],
+) -> ProbeSpec {
+    ProbeSpec {
+        op,
+        name,
+        symbol,
+        library: Torch,
+        class,
+        space: Space::None,
+        args,
+    }
+}
 
 /// The table. Indexed by `Op as usize` (checked at compile time below).
 pub const PROBES: [ProbeSpec; OP_COUNT] = [
@@ -542,6 +622,166 @@ pub const PROBES: [ProbeSpec; OP_COUNT] = [
     tracer_mark(Op::AllocatorArmed, "tracer:allocator_armed"),
     tracer_mark(Op::AllocatorDisarmed, "tracer:allocator_disarmed"),
     tracer_mark(Op::AllocatorArming, "tracer:allocator_arming"),
+    // CUDA graphs: captures route the caching allocator's requests to private pools. The
+    // runtime's calls (any framework), then the driver's, then PyTorch's own.
+    probe(
+        Op::CudaStreamBeginCapture,
+        "cudaStreamBeginCapture",
+        Runtime,
+        OpClass::CaptureBegin,
+        Space::None,
+        &[Stream, Flags],
+    ),
+    probe(
+        Op::CudaStreamEndCapture,
+        "cudaStreamEndCapture",
+        Runtime,
+        OpClass::CaptureEnd,
+        Space::None,
+        &[Stream, PtrOut],
+    ),
+    probe(
+        Op::CudaStreamWaitEvent,
+        "cudaStreamWaitEvent",
+        Runtime,
+        OpClass::StreamWait,
+        Space::None,
+        &[Stream, Ptr],
+    ),
+    // The mode is an in-out int: its pointer is not read (what matters is that it happened).
+    probe(
+        Op::CudaThreadExchangeStreamCaptureMode,
+        "cudaThreadExchangeStreamCaptureMode",
+        Runtime,
+        OpClass::CaptureMode,
+        Space::None,
+        &[],
+    ),
+    probe(
+        Op::CudaGraphInstantiate,
+        "cudaGraphInstantiate",
+        Runtime,
+        OpClass::Graph,
+        Space::None,
+        &[PtrOut, Handle],
+    ),
+    probe(
+        Op::CudaGraphInstantiateWithFlags,
+        "cudaGraphInstantiateWithFlags",
+        Runtime,
+        OpClass::Graph,
+        Space::None,
+        &[PtrOut, Handle, Flags],
+    ),
+    probe(
+        Op::CudaGraphLaunch,
+        "cudaGraphLaunch",
+        Runtime,
+        OpClass::Graph,
+        Space::None,
+        &[Ptr, Stream],
+    ),
+    probe(
+        Op::CudaGraphExecDestroy,
+        "cudaGraphExecDestroy",
+        Runtime,
+        OpClass::Graph,
+        Space::None,
+        &[Ptr],
+    ),
+    probe(
+        Op::CudaGraphDestroy,
+        "cudaGraphDestroy",
+        Runtime,
+        OpClass::Graph,
+        Space::None,
+        &[Ptr],
+    ),
+    probe(
+        Op::CuStreamBeginCapture,
+        "cuStreamBeginCapture_v2",
+        Driver,
+        OpClass::CaptureBegin,
+        Space::None,
+        &[Stream, Flags],
+    ),
+    probe(
+        Op::CuStreamEndCapture,
+        "cuStreamEndCapture",
+        Driver,
+        OpClass::CaptureEnd,
+        Space::None,
+        &[Stream, PtrOut],
+    ),
+    probe(
+        Op::CuStreamWaitEvent,
+        "cuStreamWaitEvent",
+        Driver,
+        OpClass::StreamWait,
+        Space::None,
+        &[Stream, Ptr],
+    ),
+    probe(
+        Op::CuThreadExchangeStreamCaptureMode,
+        "cuThreadExchangeStreamCaptureMode",
+        Driver,
+        OpClass::CaptureMode,
+        Space::None,
+        &[],
+    ),
+    probe(
+        Op::CuGraphInstantiate,
+        "cuGraphInstantiateWithFlags",
+        Driver,
+        OpClass::Graph,
+        Space::None,
+        &[PtrOut, Handle, Flags],
+    ),
+    probe(
+        Op::CuGraphLaunch,
+        "cuGraphLaunch",
+        Driver,
+        OpClass::Graph,
+        Space::None,
+        &[Ptr, Stream],
+    ),
+    probe(
+        Op::CuGraphExecDestroy,
+        "cuGraphExecDestroy",
+        Driver,
+        OpClass::Graph,
+        Space::None,
+        &[Ptr],
+    ),
+    probe(
+        Op::CuGraphDestroy,
+        "cuGraphDestroy",
+        Driver,
+        OpClass::Graph,
+        Space::None,
+        &[Ptr],
+    ),
+    torch_graph(
+        Op::TorchCaptureBegin,
+        "pytorch:capture_begin",
+        TORCH_CAPTURE_BEGIN_SYMBOL,
+        OpClass::PoolCapture,
+        &[Ptr, PoolFirst, PoolSecond],
+    ),
+    torch_graph(
+        Op::TorchCaptureEnd,
+        "pytorch:capture_end",
+        TORCH_CAPTURE_END_SYMBOL,
+        OpClass::PoolCaptured,
+        &[Ptr],
+    ),
+    torch_graph(
+        Op::TorchGraphReset,
+        "pytorch:graph_reset",
+        TORCH_GRAPH_RESET_SYMBOL,
+        OpClass::PoolReset,
+        &[Ptr],
+    ),
 ];
 
 const _: () = {
@@ -557,6 +797,15 @@ const _: () = {
 impl Op {
     pub const fn spec(self) -> &'static ProbeSpec {
         &PROBES[self as usize]
+    }
+
+    /// Whether the function returns a status (a cudaError_t, a CUresult): PyTorch's CUDAGraph
+    /// methods return nothing.
+    pub const fn returns_status(self) -> bool {
+        !matches!(
+            self.spec().class,
+            OpClass::PoolCapture | OpClass::PoolCaptured | OpClass::PoolReset
+        )
     }
 
     /// The name stored in the database and shown to users: the base symbol, or the USDT
@@ -623,8 +872,8 @@ const fn plan(spec: &ProbeSpec) -> OpPlan {
             PtrOut => p.ptr_out_arg = idx,
             Ptr => p.ptr_arg = idx,
             Device => p.device_arg = idx,
-            Stream | Alignment | Handle => p.aux0_arg = idx,
-            Flags | Width => p.aux1_arg = idx,
+            Stream | Alignment | Handle | PoolFirst => p.aux0_arg = idx,
+            Flags | Width | PoolSecond => p.aux1_arg = idx,
             FreeOut => p.free_out_arg = idx,
             TotalOut => p.total_out_arg = idx,
             PitchOut => p.pitch_out_arg = idx,

@@ -53,7 +53,8 @@ impl Call {
             tid: raw.header.tid,
             op,
             device: (raw.device != DEVICE_UNKNOWN).then_some(raw.device),
-            ret: raw.ret,
+            // A function returning nothing leaves whatever rax held.
+            ret: if op.returns_status() { raw.ret } else { 0 },
             duration_ns: raw.duration_ns,
             size: (raw.flags & flags::SIZE_KNOWN != 0).then_some(raw.size),
             ptr: (raw.flags & flags::PTR_KNOWN != 0).then_some(raw.ptr),

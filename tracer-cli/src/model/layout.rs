@@ -261,6 +261,10 @@ pub struct Layout {
     /// after the state (format 4).
     #[serde(skip)]
     pub(crate) private: super::pools::PrivatePools,
+    /// What the process's CUDA graph captures route where (model/pools.rs). Kept in keyframes
+    /// after the pools (format 5).
+    #[serde(skip)]
+    pub(crate) captures: super::pools::Captures,
 }
 
 /// Whether a process's block events are seen (`--allocator auto` arms PyTorch's probes only
@@ -398,9 +402,21 @@ impl Layout {
             (OpClass::BlockAlloc, _) if e.ptr != 0 => self.block_alloc(e),
             (OpClass::BlockFree, _) if e.ptr != 0 => self.block_free(e),
             (OpClass::EventRecord, _) if e.ret == 0 && e.aux1 == EVENT_FROM_ALLOCATOR => {
+                self.captures.recorded(e.ptr, e.aux0);
                 self.event_recorded(e)
             }
             (OpClass::EventWait, _) if e.ret == 0 => self.event_complete(e.ptr),
+            (OpClass::EventRecord, _) if e.ret == 0 => self.captures.recorded(e.ptr, e.aux0),
+            (OpClass::PoolCapture, _) => {
+                self.captures
+                    .announce(e.tid, e.ptr, (e.aux0, e.aux1), e.ts_ns)
+            }
+            (OpClass::CaptureBegin, _) if e.ret == 0 => self.captures.begin(e.tid, e.aux0, e.ts_ns),
+            (OpClass::StreamWait, _) if e.ret == 0 => self.captures.waited(e.aux0, e.ptr),
+            // A failed end capture still ends it (the capture is invalidated).
+            (OpClass::CaptureEnd, _) => self.captures.end(e.aux0),
+            (OpClass::PoolCaptured, _) => self.captures.captured(e.ptr),
+            (OpClass::PoolReset, _) => self.captures.reset(e.ptr),
             (OpClass::Alloc, Space::Device) if e.ret == 0 && e.ptr != 0 && is_segment_op(e.op) => {
                 self.private.made(e.ptr, e.aux1);
                 self.segment_alloc(e.ptr, e.size, e.device, None, e.ts_ns)
@@ -475,7 +491,11 @@ impl Layout {
         if self.private.is_empty() {
             return Vec::new();
         }
-        private_pools_of(&self.segments())
+        let mut pools = private_pools_of(&self.segments());
+        for p in &mut pools {
+            p.captures = self.captures.pool(p.id);
+        }
+        pools
     }
 
     /// Memory held on no known device: a keyframe stored before devices were learned.
@@ -764,6 +784,16 @@ impl Layout {
             let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
             self.totals.entry(key).or_default().reserved += reserved_of(seg);
             self.regap(addr, &[]);
+        }
+        let first_block = self
+            .segments
+            .get(&addr)
+            .is_some_and(|s| s.blocks.is_empty());
+        if first_block && self.private.of(addr).is_none() {
+            // A segment serves one pool for life: a capture routes its first block.
+            if let Some(id) = self.captures.route(e.aux0) {
+                self.private.routed(addr, id);
+            }
         }
         if fresh {
             self.new_segment_for(addr, e, rounded);
@@ -1248,10 +1278,12 @@ impl Layout {
         let conf = self.conf;
         // PyTorch's get_free_block: an oversize block serves only requests near its size.
         let serves = |gap: u64| serves(key.1, conf, rounded, gap);
+        let private = self.private.of(addr);
         let unseen = self.segments.iter().any(|(&a, s)| {
             a != addr
                 && s.mapped.is_none()
                 && (s.device, s.pool) == (key.0, Some(key.1))
+                && self.private.of(a) == private
                 && self.pending.segment_streams.get(&a) == Some(&stream)
                 && free_gaps(a, s).into_iter().any(serves)
         });

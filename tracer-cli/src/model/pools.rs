@@ -48,6 +48,11 @@ impl PrivatePools {
         }
     }
 
+    /// A capture routed the first block of the segment at `addr` to pool `id`.
+    pub fn routed(&mut self, addr: u64, id: PoolId) {
+        self.of_segment.insert(addr, id);
+    }
+
     pub fn released(&mut self, addr: u64) {
         self.of_segment.remove(&addr);
     }
@@ -59,6 +64,152 @@ impl PrivatePools {
 
     pub fn is_empty(&self) -> bool {
         self.of_segment.is_empty()
+    }
+}
+
+/// What the process's CUDA graph captures route where, learned from the capture calls in the
+/// order they were made (PyTorch's rules, c10/cuda/CUDACachingAllocator.cpp and
+/// aten/src/ATen/cuda/CUDAGraph.cpp): while a stream captures, the allocator's requests on it
+/// and on every stream joined to the capture (by waiting on an event recorded on a capturing
+/// stream) go to the capture's private pool. PyTorch's `CUDAGraph::capture_begin` names the
+/// pool where graphs share one; a new pool gets the next id PyTorch's own counter gives
+/// ((1, 0), (2, 0), ...), which tracer counts from the captures it saw. Kept in keyframes after
+/// the pools (model/state.rs, format 5).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Captures {
+    /// Streams capturing now -> the pool their requests go to.
+    streams: BTreeMap<u64, PoolId>,
+    /// Per thread, the CUDAGraph and pool its `capture_begin` chose, until its stream begins
+    /// capturing (inside that same call).
+    announced: BTreeMap<u32, (u64, PoolId)>,
+    /// Each CUDAGraph object (its address) -> its pool, from capture_begin to reset.
+    graphs: BTreeMap<u64, PoolId>,
+    /// Pools captures were made into: how many, and how many graphs still use each.
+    pools: BTreeMap<PoolId, PoolUse>,
+    /// Events recorded on a capturing stream -> that capture's pool.
+    events: BTreeMap<u64, PoolId>,
+    /// The last graph-pool id handed out (PyTorch's counter starts at 1).
+    last_numbered: u64,
+}
+
+/// What tracer saw of one private pool's captures.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PoolUse {
+    pub captures: u32,
+    /// Graphs holding the pool (PyTorch's use_count): at 0 the pool is freeable, and its
+    /// segments with no live block go back at the next cache flush.
+    pub graphs: u32,
+    /// Its id was counted by tracer (a new pool PyTorch numbered itself): right when tracer saw
+    /// every capture of the process, else tracer's own numbering.
+    pub numbered: bool,
+    /// Wall ns of its first capture.
+    pub first_ns: i64,
+}
+
+impl Captures {
+    /// PyTorch's `CUDAGraph::capture_begin(pool)` on a thread: (0, 0) asks for a new pool.
+    pub fn announce(&mut self, tid: u32, graph: u64, pool: PoolId, ts_ns: i64) {
+        let id = if pool == (0, 0) { self.next_id() } else { pool };
+        let numbered = pool == (0, 0);
+        let entry = self.pools.entry(id).or_insert(PoolUse {
+            numbered,
+            first_ns: ts_ns,
+            ..PoolUse::default()
+        });
+        entry.captures += 1;
+        entry.graphs += 1;
+        if let Some(old) = self.graphs.insert(graph, id) {
+            // Captured again without a reset: the old capture's hold ends.
+            self.release(old);
+        }
+        self.announced.insert(tid, (graph, id));
+    }
+
+    fn next_id(&mut self) -> PoolId {
+        self.last_numbered += 1;
+        (self.last_numbered, 0)
+    }
+
+    /// A stream began capturing on thread `tid`: into the pool its capture_begin announced, or
+    /// where no PyTorch probe said (another framework, libtorch_cuda not probed) a new one.
+    pub fn begin(&mut self, tid: u32, stream: u64, ts_ns: i64) {
+        let id = match self.announced.remove(&tid) {
+            Some((_, id)) => id,
+            None => {
+                let id = self.next_id();
+                let entry = self.pools.entry(id).or_insert(PoolUse {
+                    numbered: true,
+                    first_ns: ts_ns,
+                    ..PoolUse::default()
+                });
+                entry.captures += 1;
+                id
+            }
+        };
+        self.streams.insert(stream, id);
+    }
+
+    /// An event recorded on `stream`: a stream waiting on it later joins the capture.
+    pub fn recorded(&mut self, event: u64, stream: u64) {
+        match self.streams.get(&stream) {
+            Some(&id) => {
+                self.events.insert(event, id);
+            }
+            None => {
+                self.events.remove(&event);
+            }
+        }
+    }
+
+    /// `stream` waits on `event`: joined to the capture the event was recorded in.
+    pub fn waited(&mut self, stream: u64, event: u64) {
+        if let Some(&id) = self.events.get(&event) {
+            self.streams.insert(stream, id);
+        }
+    }
+
+    /// The capture on `stream` ended: it and every stream joined to it stop routing.
+    pub fn end(&mut self, stream: u64) {
+        if let Some(id) = self.streams.remove(&stream) {
+            self.streams.retain(|_, p| *p != id);
+            self.events.retain(|_, p| *p != id);
+        }
+    }
+
+    /// PyTorch's capture_end for `graph`: routing to its pool ends (the stream's own end
+    /// capture came just before, inside it).
+    pub fn captured(&mut self, graph: u64) {
+        if let Some(&id) = self.graphs.get(&graph) {
+            self.streams.retain(|_, p| *p != id);
+        }
+    }
+
+    /// CUDAGraph::reset: the graph lets go of its pool.
+    pub fn reset(&mut self, graph: u64) {
+        if let Some(id) = self.graphs.remove(&graph) {
+            self.release(id);
+        }
+    }
+
+    fn release(&mut self, id: PoolId) {
+        if let Some(p) = self.pools.get_mut(&id) {
+            p.graphs = p.graphs.saturating_sub(1);
+        }
+    }
+
+    /// The pool a request on `stream` goes to now, when a capture routes it.
+    pub fn route(&self, stream: u64) -> Option<PoolId> {
+        self.streams.get(&stream).copied()
+    }
+
+    /// Whether a capture is underway (PyTorch runs no cache flush then).
+    pub fn underway(&self) -> bool {
+        !self.streams.is_empty()
+    }
+
+    /// What tracer saw of pool `id`'s captures, if any.
+    pub fn pool(&self, id: PoolId) -> Option<PoolUse> {
+        self.pools.get(&id).copied()
     }
 }
 
@@ -74,6 +225,9 @@ pub struct PrivatePool {
     pub free: u64,
     pub free_blocks: u64,
     pub largest_free: u64,
+    /// What tracer saw of its captures (none: known from a snapshot's segment_pool_id only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub captures: Option<PoolUse>,
 }
 
 #[cfg(test)]

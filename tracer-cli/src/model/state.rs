@@ -11,7 +11,7 @@ use tracer_common::{Op, OpClass, Space};
 use super::{
     layout::{Layout, PendingFrees, Sight},
     moves_memory,
-    pools::PrivatePools,
+    pools::{Captures, PrivatePools},
     pressure::{Alarm, Pressure},
     Event,
 };
@@ -19,8 +19,9 @@ use super::{
 /// How a keyframe's `data` is encoded: postcard of [`ProcessState`] followed (since format 2)
 /// by its layout's blocks kept for other streams ([`PendingFrees`]). Format 1 is still read.
 /// Format 3 adds what the layout knows of the blocks after them ([`Sight`]: `--allocator
-/// auto`), format 4 each segment's private pool ([`PrivatePools`]).
-pub const KEYFRAME_FORMAT: i64 = 4;
+/// auto`), format 4 each segment's private pool ([`PrivatePools`]), format 5 what the captures
+/// route where ([`Captures`]).
+pub const KEYFRAME_FORMAT: i64 = 5;
 /// The oldest format this tracer reads.
 pub const KEYFRAME_FORMAT_OLDEST: i64 = 1;
 
@@ -97,7 +98,15 @@ impl ProcessState {
         let class = e.class();
         if matches!(
             class,
-            OpClass::EventRecord | OpClass::EventWait | OpClass::Probes
+            OpClass::EventRecord
+                | OpClass::EventWait
+                | OpClass::Probes
+                | OpClass::PoolCapture
+                | OpClass::CaptureBegin
+                | OpClass::StreamWait
+                | OpClass::CaptureEnd
+                | OpClass::PoolCaptured
+                | OpClass::PoolReset
         ) {
             // The allocator's events keep blocks used on other streams from their pool.
             self.layout.apply(e);
@@ -176,7 +185,7 @@ impl ProcessState {
     /// In [`KEYFRAME_FORMAT`].
     pub fn encode(&self) -> anyhow::Result<Vec<u8>> {
         let l = &self.layout;
-        postcard::to_stdvec(&(self, &l.pending, &l.sight, &l.private))
+        postcard::to_stdvec(&(self, &l.pending, &l.sight, &l.private, &l.captures))
             .map_err(|e| anyhow::anyhow!("encode the state of pid {}: {e}", self.pid))
     }
 
@@ -185,19 +194,33 @@ impl ProcessState {
     pub fn decode(bytes: &[u8], format: i64) -> anyhow::Result<ProcessState> {
         let none = PrivatePools::default;
         let decoded = match format {
-            1 => postcard::from_bytes(bytes)
-                .map(|s| (s, PendingFrees::default(), Sight::default(), none())),
+            1 => postcard::from_bytes(bytes).map(|s| {
+                (
+                    s,
+                    PendingFrees::default(),
+                    Sight::default(),
+                    none(),
+                    Captures::default(),
+                )
+            }),
             2 => postcard::from_bytes::<(ProcessState, PendingFrees)>(bytes)
-                .map(|(s, p)| (s, p, Sight::default(), none())),
+                .map(|(s, p)| (s, p, Sight::default(), none(), Captures::default())),
             3 => postcard::from_bytes::<(ProcessState, PendingFrees, Sight)>(bytes)
-                .map(|(s, p, g)| (s, p, g, none())),
-            _ => postcard::from_bytes::<(ProcessState, PendingFrees, Sight, PrivatePools)>(bytes),
+                .map(|(s, p, g)| (s, p, g, none(), Captures::default())),
+            4 => postcard::from_bytes::<(ProcessState, PendingFrees, Sight, PrivatePools)>(bytes)
+                .map(|(s, p, g, pools)| (s, p, g, pools, Captures::default())),
+            _ => {
+                postcard::from_bytes::<(ProcessState, PendingFrees, Sight, PrivatePools, Captures)>(
+                    bytes,
+                )
+            }
         };
-        let (mut state, pending, sight, private) =
+        let (mut state, pending, sight, private, captures) =
             decoded.map_err(|e| anyhow::anyhow!("decode a keyframe's process state: {e}"))?;
         state.layout.pending = pending;
         state.layout.sight = sight;
         state.layout.private = private;
+        state.layout.captures = captures;
         Ok(state)
     }
 }

@@ -86,6 +86,14 @@ pub fn class_name(class: OpClass) -> &'static str {
         OpClass::SetContext => "setcontext",
         OpClass::Context => "context",
         OpClass::Probes => "probes",
+        OpClass::CaptureBegin => "capture_begin",
+        OpClass::CaptureEnd => "capture_end",
+        OpClass::StreamWait => "stream_wait",
+        OpClass::CaptureMode => "capture_mode",
+        OpClass::Graph => "graph",
+        OpClass::PoolCapture => "pool_capture",
+        OpClass::PoolCaptured => "pool_captured",
+        OpClass::PoolReset => "pool_reset",
     }
 }
 

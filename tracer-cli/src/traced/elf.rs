@@ -150,9 +150,12 @@ fn torch_probes_in<'a, R: ReadRef<'a>>(data: R) -> bool {
         .and_then(|s| s.data().ok())
         .is_some_and(|d| d.windows(8).any(|w| w == b"pytorch\0"));
     notes_name_pytorch
-        || obj
-            .dynamic_symbols()
-            .any(|s| s.is_definition() && s.name() == Ok(tracer_common::probes::TORCH_OOM_SYMBOL))
+        || obj.dynamic_symbols().any(|s| {
+            s.is_definition()
+                && s.name().is_ok_and(|name| {
+                    op_for_symbol(name).is_some_and(|op| op.spec().library == Library::Torch)
+                })
+        })
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ mod common;
 mod e2e;
 mod fleet;
 mod flight;
+mod graphs;
 mod lifecycle;
 mod otlp;
 mod recordings;

@@ -113,6 +113,7 @@ def figures(path):
         "entries": sum(len(t) for t in snap["device_traces"]),
         "overflowed": snap["allocator_settings"].get("trace_alloc_overflowed"),
         "segment_devices": sorted({s["device"] for s in snap["segments"]}),
+        "segment_pools": [[s["address"], list(s.get("segment_pool_id", (0, 0)))] for s in snap["segments"]],
         "ooms": [[d, e.get("device_free")] for d, t in enumerate(snap["device_traces"]) for e in t
                  if e["action"] == "oom"],
         "faults": faults(snap)[:5],

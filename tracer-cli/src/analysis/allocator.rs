@@ -52,6 +52,8 @@ pub struct Forensics {
     /// Free bytes inside private pools (CUDA graphs', MemPools'): PyTorch's message counts them
     /// "allocated in private pools".
     pub private_free: u64,
+    /// Of those, the bytes in private-pool segments holding no live block.
+    pub private_idle: u64,
     /// The failed call asked for a whole segment (cudaMalloc), whose size bounds the request;
     /// not a chunk of an expandable segment (cuMemCreate), which says nothing of it.
     pub whole_segment: bool,
@@ -637,6 +639,24 @@ fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics
             .iter()
             .filter(|p| p.device == e.device)
             .map(|p| p.free)
+            .sum(),
+        private_idle: layout
+            .segments()
+            .iter()
+            .filter(|s| s.device == e.device && s.pool_id.is_some())
+            .filter(|s| {
+                s.runs.iter().all(|r| {
+                    r.kind != crate::model::layout::RunKind::Allocated
+                        && r.kind != crate::model::layout::RunKind::Pending
+                })
+            })
+            .map(|s| {
+                s.runs
+                    .iter()
+                    .filter(|r| r.kind == crate::model::layout::RunKind::Free)
+                    .map(|r| r.size)
+                    .sum::<u64>()
+            })
             .sum(),
         whole_segment: e.op.spec().space == Space::Device,
     }

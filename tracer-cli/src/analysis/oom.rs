@@ -57,6 +57,9 @@ pub struct Inputs {
     /// Free bytes inside private pools (CUDA graphs', MemPools'): no default-pool request may
     /// use them, and PyTorch's message counts them "allocated in private pools".
     pub private: Option<u64>,
+    /// Of those, the bytes in private-pool segments holding no live block: what a cache flush
+    /// returns once no graph holds their pool (every graph captured into it reset).
+    pub private_idle: Option<u64>,
     /// Bytes other processes held on the device.
     pub others: u64,
     /// This process's memory outside the allocator (libraries that call the driver directly).
@@ -82,6 +85,11 @@ pub enum Cause {
     /// Both stood in the way: each alone exceeds the shortfall (`each_enough`), or only the
     /// two together do.
     Both { each_enough: bool },
+    /// Free blocks inside private pools (CUDA graphs', MemPools') alone exceed the shortfall:
+    /// the request, routed to the default pools, could not use them; neither the split bytes
+    /// nor other processes' cover it. `idle_enough`: the pools' segments holding no live block
+    /// alone cover it (a flush returns those once no graph holds their pool).
+    PrivatePools { idle_enough: bool },
     /// The allocator refused before asking the device: the request would pass the process's
     /// memory fraction (`torch.cuda.set_per_process_memory_fraction`).
     FractionLimit { allowed: u64 },
@@ -97,6 +105,7 @@ impl Cause {
             Cause::Fragmentation => "fragmentation",
             Cause::OtherProcesses => "other_processes",
             Cause::Both { .. } => "fragmentation_and_other_processes",
+            Cause::PrivatePools { .. } => "private_pools",
             Cause::FractionLimit { .. } => "memory_fraction",
             Cause::Unknown { .. } => "unknown",
         }
@@ -126,6 +135,7 @@ pub struct Arithmetic {
     /// Free bytes inside private pools (CUDA graphs', MemPools'): no default-pool request may
     /// use them, and PyTorch's message counts them "allocated in private pools".
     pub private: Option<u64>,
+    pub private_idle: Option<u64>,
     pub others: u64,
     pub outside: u64,
     pub untraced: Option<u64>,
@@ -181,6 +191,7 @@ pub fn arithmetic(i: &Inputs) -> Arithmetic {
         shortfall,
         split: i.split,
         private: i.private,
+        private_idle: i.private_idle,
         others: i.others,
         outside: i.outside,
         untraced: i.untraced,
@@ -231,6 +242,9 @@ fn cause(i: &Inputs, asked: Option<u64>, shortfall: Option<u64>, source: FreeSou
         (false, false) if split > 0 && i.others > 0 && split + i.others >= need => {
             Cause::Both { each_enough: false }
         }
+        (false, false) if i.private.is_some_and(|p| p >= need) => Cause::PrivatePools {
+            idle_enough: i.private_idle.is_some_and(|p| p >= need),
+        },
         // Memory no one traced or named would have covered the rest: not capacity, and who
         // held it is not known.
         (false, false) if split + i.others + i.unattributed.unwrap_or(0) >= need => Cause::Unknown {
@@ -383,6 +397,24 @@ impl Arithmetic {
                 "fragmentation decided it: {} lay free in split blocks, more than the {} it was short, in no block that fit",
                 pb(split),
                 short
+            ),
+            Cause::PrivatePools { idle_enough } => format!(
+                "private pools decided it: {} lay free inside CUDA graphs' (or MemPools') private pools, more than the {} it was short, which this request (routed to the default pools) may not use; the split bytes ({}) and other processes ({}) were not enough{}",
+                pb(self.private.unwrap_or(0)),
+                short,
+                pb(split),
+                pb(self.others),
+                match (idle_enough, self.private_idle) {
+                    (true, Some(idle)) => format!(
+                        "; {} of it lay in pool segments holding no live block, which a cache flush returns once no graph holds their pool",
+                        pb(idle)
+                    ),
+                    (false, Some(idle)) => format!(
+                        "; only {} of it lay in pool segments holding no live block (what a flush could return once no graph holds their pool): the rest sits beside blocks the graphs keep",
+                        pb(idle)
+                    ),
+                    (_, None) => String::new(),
+                }
             ),
             Cause::OtherProcesses => format!(
                 "other processes decided it: held by other processes on {on} ({}), more than the {} it was short{}",

@@ -980,6 +980,7 @@ fn failure(requested: u64, whole_segment: bool, large: PoolStats) -> allocator::
         device_free: None,
         pools: vec![(Pool::Large, large)],
         private_free: 0,
+        private_idle: 0,
         whole_segment,
     }
 }

@@ -402,21 +402,14 @@ impl Layout {
             (OpClass::BlockAlloc, _) if e.ptr != 0 => self.block_alloc(e),
             (OpClass::BlockFree, _) if e.ptr != 0 => self.block_free(e),
             (OpClass::EventRecord, _) if e.ret == 0 && e.aux1 == EVENT_FROM_ALLOCATOR => {
-                self.captures.recorded(e.ptr, e.aux0);
+                self.captures.apply(e);
                 self.event_recorded(e)
             }
             (OpClass::EventWait, _) if e.ret == 0 => self.event_complete(e.ptr),
-            (OpClass::EventRecord, _) if e.ret == 0 => self.captures.recorded(e.ptr, e.aux0),
-            (OpClass::PoolCapture, _) => {
-                self.captures
-                    .announce(e.tid, e.ptr, (e.aux0, e.aux1), e.ts_ns)
+            (OpClass::EventRecord, _) => {
+                self.captures.apply(e);
             }
-            (OpClass::CaptureBegin, _) if e.ret == 0 => self.captures.begin(e.tid, e.aux0, e.ts_ns),
-            (OpClass::StreamWait, _) if e.ret == 0 => self.captures.waited(e.aux0, e.ptr),
-            // A failed end capture still ends it (the capture is invalidated).
-            (OpClass::CaptureEnd, _) => self.captures.end(e.aux0),
-            (OpClass::PoolCaptured, _) => self.captures.captured(e.ptr),
-            (OpClass::PoolReset, _) => self.captures.reset(e.ptr),
+            _ if self.captures.apply(e) => {}
             (OpClass::Alloc, Space::Device) if e.ret == 0 && e.ptr != 0 && is_segment_op(e.op) => {
                 self.private.made(e.ptr, e.aux1);
                 self.segment_alloc(e.ptr, e.size, e.device, None, e.ts_ns)
@@ -445,7 +438,7 @@ impl Layout {
     }
 
     /// The device's small and large default pools: the layout's totals, less the segments of
-    /// private pools where it knows any (counted from their runs: at failures only).
+    /// private pools where it knows any (counted from their runs).
     pub fn default_pools(&self, device: i32) -> Vec<(Pool, PoolStats)> {
         let mut pools: Vec<(Pool, PoolStats)> = self
             .stats()

@@ -107,6 +107,23 @@ pub struct PoolUse {
 }
 
 impl Captures {
+    /// Applies one of the process's calls (in time order); false where it is no capture call.
+    pub fn apply(&mut self, e: &super::Event) -> bool {
+        use tracer_common::OpClass;
+        match e.class() {
+            OpClass::PoolCapture => self.announce(e.tid, e.ptr, (e.aux0, e.aux1), e.ts_ns),
+            OpClass::CaptureBegin if e.ret == 0 => self.begin(e.tid, e.aux0, e.ts_ns),
+            OpClass::EventRecord if e.ret == 0 => self.recorded(e.ptr, e.aux0),
+            OpClass::StreamWait if e.ret == 0 => self.waited(e.aux0, e.ptr),
+            // A failed end capture still ends it (the capture is invalidated).
+            OpClass::CaptureEnd => self.end(e.aux0),
+            OpClass::PoolCaptured => self.captured(e.ptr),
+            OpClass::PoolReset => self.reset(e.ptr),
+            _ => return false,
+        }
+        true
+    }
+
     /// PyTorch's `CUDAGraph::capture_begin(pool)` on a thread: (0, 0) asks for a new pool.
     pub fn announce(&mut self, tid: u32, graph: u64, pool: PoolId, ts_ns: i64) {
         let id = if pool == (0, 0) { self.next_id() } else { pool };
@@ -214,7 +231,7 @@ impl Captures {
 }
 
 /// One private pool on one device at a moment.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PrivatePool {
     pub id: PoolId,
     pub device: i32,
@@ -228,11 +245,94 @@ pub struct PrivatePool {
     /// What tracer saw of its captures (none: known from a snapshot's segment_pool_id only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub captures: Option<PoolUse>,
+    /// Where its first capture was made ("serve.py:88 (capture)"), where `--stack` recorded it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub captured_at: Option<String>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MAIN: u32 = 10;
+    const SIDE_STREAM: u64 = 0x5000;
+    const JOINED_STREAM: u64 = 0x6000;
+    const GRAPH: u64 = 0x9000;
+
+    #[test]
+    fn a_capture_routes_its_stream_and_the_streams_joined_to_it_until_it_ends() {
+        let mut c = Captures::default();
+        // PyTorch's capture_begin with no pool given: PyTorch numbers a new one (1, 0).
+        c.announce(MAIN, GRAPH, (0, 0), 100);
+        assert_eq!(
+            c.route(SIDE_STREAM),
+            None,
+            "routing begins with the stream's capture"
+        );
+        c.begin(MAIN, SIDE_STREAM, 101);
+        assert_eq!(c.route(SIDE_STREAM), Some((1, 0)));
+        assert!(c.underway());
+        // An event recorded on the capturing stream, waited on by another: joined.
+        c.recorded(0xe1, SIDE_STREAM);
+        c.recorded(0xe2, 0);
+        c.waited(JOINED_STREAM, 0xe2);
+        assert_eq!(
+            c.route(JOINED_STREAM),
+            None,
+            "an event of an eager stream joins nothing"
+        );
+        c.waited(JOINED_STREAM, 0xe1);
+        assert_eq!(c.route(JOINED_STREAM), Some((1, 0)));
+        c.end(SIDE_STREAM);
+        assert_eq!((c.route(SIDE_STREAM), c.route(JOINED_STREAM)), (None, None));
+        assert!(!c.underway());
+        let used = c.pool((1, 0)).unwrap();
+        assert_eq!((used.captures, used.graphs, used.numbered), (1, 1, true));
+    }
+
+    #[test]
+    fn graphs_share_a_given_pool_and_release_it_at_reset() {
+        let mut c = Captures::default();
+        for (i, graph) in [GRAPH, GRAPH + 64].into_iter().enumerate() {
+            c.announce(MAIN, graph, (0, 1), 100 + i as i64);
+            c.begin(MAIN, SIDE_STREAM, 101 + i as i64);
+            assert_eq!(c.route(SIDE_STREAM), Some((0, 1)));
+            c.end(SIDE_STREAM);
+            c.captured(graph);
+        }
+        let used = c.pool((0, 1)).unwrap();
+        assert_eq!((used.captures, used.graphs, used.numbered), (2, 2, false));
+        c.reset(GRAPH);
+        assert_eq!(
+            c.pool((0, 1)).unwrap().graphs,
+            1,
+            "the other graph still holds it"
+        );
+        c.reset(GRAPH + 64);
+        c.reset(GRAPH + 64);
+        assert_eq!(
+            c.pool((0, 1)).unwrap().graphs,
+            0,
+            "freeable: no graph holds it"
+        );
+        // A new capture of its own after a shared one gets PyTorch's next graph-pool number.
+        c.announce(MAIN, GRAPH, (0, 0), 200);
+        c.begin(MAIN, SIDE_STREAM, 201);
+        assert_eq!(c.route(SIDE_STREAM), Some((1, 0)));
+    }
+
+    #[test]
+    fn a_capture_no_pytorch_probe_announced_gets_the_next_new_pool() {
+        let mut c = Captures::default();
+        c.begin(MAIN, SIDE_STREAM, 1);
+        c.end(SIDE_STREAM);
+        c.begin(MAIN + 1, JOINED_STREAM, 2);
+        assert_eq!(c.route(JOINED_STREAM), Some((2, 0)));
+        assert!(c.pool((1, 0)).unwrap().numbered);
+        // A failed end capture still ends it.
+        c.end(JOINED_STREAM);
+        assert!(!c.underway());
+    }
 
     #[test]
     fn a_pool_id_survives_aux1_and_no_probe_word_reads_as_one() {

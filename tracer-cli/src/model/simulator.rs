@@ -464,9 +464,14 @@ impl Simulator {
         blk.prev == NONE && blk.next == NONE && self.segment_of(b).page.is_none()
     }
 
+    /// Block `b` lies in a private pool's segment (a CUDA graph's, a MemPool's).
+    fn private(&self, b: u32) -> bool {
+        self.segment_of(b).stream & PRIVATE_POOL_STREAM != 0
+    }
+
     /// A whole free segment a flush returns: not one of a private pool still in use.
     fn flushable(&self, b: u32) -> bool {
-        self.whole_segment(b) && self.segment_of(b).stream & PRIVATE_POOL_STREAM == 0
+        self.whole_segment(b) && !self.private(b)
     }
 
     /// release_available_cached_blocks: with max_split_size set, the smallest oversize cached
@@ -514,7 +519,8 @@ impl Simulator {
             for b in cached {
                 if self.flushable(b) {
                     self.release_segment(b);
-                } else if self.segment_of(b).page.is_some() {
+                } else if self.segment_of(b).page.is_some() && !self.private(b) {
+                    // A private pool still in use gives back none of its pages either.
                     self.unmap(b);
                 }
             }

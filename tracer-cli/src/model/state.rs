@@ -273,4 +273,35 @@ mod tests {
         let back = ProcessState::decode(&three, 3).unwrap();
         assert!(back.layout.private.is_empty());
     }
+
+    /// A capture underway survives a keyframe (its stream still routes to its pool after it);
+    /// format 4 (before captures) still decodes.
+    #[test]
+    fn a_capture_underway_survives_a_keyframe() {
+        let mut l = Layout::default();
+        let mut announce = ev(Op::TorchCaptureBegin, 0x9000, 0, 10);
+        (announce.aux0, announce.aux1, announce.tid) = (0, 2, 7);
+        l.apply(&announce);
+        let mut begin = ev(Op::CudaStreamBeginCapture, 0, 0, 11);
+        (begin.aux0, begin.tid) = (0x5000, 7);
+        l.apply(&begin);
+        let state = ProcessState {
+            pid: 1,
+            layout: l,
+            ..Default::default()
+        };
+        let mut back = ProcessState::decode(&state.encode().unwrap(), KEYFRAME_FORMAT).unwrap();
+        assert_eq!(back.layout.captures.route(0x5000), Some((0, 2)));
+        // The capture's segment, made after the keyframe, is the pool's.
+        back.layout
+            .apply(&ev(Op::CudaMalloc, 0x7000_0000, 20 << 20, 12));
+        let mut block = ev(Op::TorchMalloc, 0x7000_0000, 4 << 20, 13);
+        block.aux0 = 0x5000;
+        back.layout.apply(&block);
+        assert_eq!(back.layout.private.of(0x7000_0000), Some((0, 2)));
+        let l = &state.layout;
+        let four = postcard::to_stdvec(&(&state, &l.pending, &l.sight, &l.private)).unwrap();
+        let back = ProcessState::decode(&four, 4).unwrap();
+        assert_eq!(back.layout.captures.route(0x5000), None);
+    }
 }

@@ -85,6 +85,46 @@ fn bar(seg: &SegmentMap) -> String {
         .collect()
 }
 
+/// One private pool: whose it is (what tracer saw of its captures), then its figures.
+fn private_pool(out: &mut impl Write, pool: &crate::model::pools::PrivatePool) -> Result<()> {
+    let whose = match pool.captures {
+        Some(c) => {
+            let mut said = format!(
+                "CUDA graphs': {} capture(s), first at {}",
+                c.captures,
+                format_utc(c.first_ns)
+            );
+            if let Some(at) = &pool.captured_at {
+                said.push_str(&format!(" from {at}"));
+            }
+            said.push_str(&match c.graphs {
+                0 => "; no graph holds it any more: its segments with no live block go back at the next cache flush".to_owned(),
+                n => format!("; held by {n} graph(s) until their reset()"),
+            });
+            if c.numbered {
+                said.push_str(
+                    "; id as PyTorch numbers new pools, counted from the captures tracer saw",
+                );
+            }
+            said
+        }
+        None => "a CUDA graph's or a MemPool's, from a snapshot's segment_pool_id".to_owned(),
+    };
+    writeln!(
+        out,
+        "    private pool ({}, {}) ({whose}): {} reserved in {} segments, {} allocated, {} free in {} blocks (largest {}) that only requests routed to this pool may use",
+        pool.id.0,
+        pool.id.1,
+        b(pool.reserved),
+        pool.segments,
+        b(pool.allocated),
+        b(pool.free),
+        pool.free_blocks,
+        b(pool.largest_free)
+    )?;
+    Ok(())
+}
+
 pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Result<()> {
     for p in layouts {
         writeln!(
@@ -107,18 +147,7 @@ pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Re
                 writeln!(out, "    {:?} pool: {}", pool, figures(s))?;
             }
             for pool in &d.private_pools {
-                writeln!(
-                    out,
-                    "    private pool ({}, {}) (a CUDA graph's or a MemPool's, counted in the figures above): {} reserved in {} segments, {} allocated, {} free in {} blocks (largest {}) that only requests routed to this pool may use",
-                    pool.id.0,
-                    pool.id.1,
-                    b(pool.reserved),
-                    pool.segments,
-                    b(pool.allocated),
-                    b(pool.free),
-                    pool.free_blocks,
-                    b(pool.largest_free)
-                )?;
+                private_pool(out, pool)?;
             }
             if d.outside > 0 {
                 writeln!(out, "    outside the allocator: {}", b(d.outside))?;

@@ -154,6 +154,7 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
             process_layout(pid, comms.get(&pid).cloned(), l, moment(last), q.device)
         })
         .collect();
+    label_captures(conn, info.id, &mut out)?;
     let readings = Readings::read(conn, info.id)?;
     let held: Vec<(u32, i32, u64)> = states
         .iter()
@@ -177,6 +178,31 @@ pub fn layout(db: &Path, q: &LayoutQuery) -> Result<(i64, Vec<ProcessLayout>)> {
         q.pid.is_none() && q.device.is_none(),
     );
     Ok((info.id, out))
+}
+
+/// Where each private pool's first capture was made, where `--stack` recorded it (its call,
+/// found by process and time: the live recording's keyframes carry no call-site ids).
+fn label_captures(
+    conn: &rusqlite::Connection,
+    session: i64,
+    out: &mut [ProcessLayout],
+) -> Result<()> {
+    let mut labels = None;
+    for p in out.iter_mut() {
+        for pool in p.devices.iter_mut().flat_map(|d| &mut d.private_pools) {
+            let Some(first_ns) = pool.captures.map(|c| c.first_ns) else {
+                continue;
+            };
+            let Some(stack) = events::capture_site(conn, session, p.pid, first_ns)? else {
+                continue;
+            };
+            if labels.is_none() {
+                labels = Some(events::site_labels(conn, session, &[])?);
+            }
+            pool.captured_at = labels.as_ref().and_then(|l| l.get(&stack).cloned());
+        }
+    }
+    Ok(())
 }
 
 /// A process laid out: it held device memory or PyTorch's probes showed its blocks.
@@ -384,15 +410,10 @@ pub(crate) fn process_layout(
                 device: d,
                 gpu: format!("GPU {d}"),
                 total: l.device_total(d),
-                pools: l
-                    .stats()
-                    .iter()
-                    .filter(|((dev, _), _)| *dev == d)
-                    .map(|((_, pool), s)| (*pool, *s))
-                    .collect(),
+                pools: l.default_pools(d),
                 outside: l.outside(d),
                 pending: l.pending(Some(d)),
-                private_pools: private.iter().filter(|p| p.device == d).copied().collect(),
+                private_pools: private.iter().filter(|p| p.device == d).cloned().collect(),
                 gpu_share: GpuShare::default(),
             })
             .collect(),
@@ -462,7 +483,10 @@ pub struct LayoutPoint {
     pub op: &'static str,
     pub ptr: u64,
     pub total: crate::model::layout::PoolStats,
+    /// The default pools (private pools' segments left out).
     pub pools: std::collections::BTreeMap<String, crate::model::layout::PoolStats>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub private_pools: Vec<crate::model::pools::PrivatePool>,
 }
 
 /// The layout's figures after every block event of the session (one process, or all), from
@@ -553,8 +577,11 @@ fn point_of(
 ) -> LayoutPoint {
     use crate::model::layout::{Pool, PoolStats};
     let mut pools = std::collections::BTreeMap::new();
-    for ((_, pool), s) in l.stats() {
-        let name = if *pool == Pool::Small {
+    let mut devices: Vec<i32> = l.stats().keys().map(|(d, _)| *d).collect();
+    devices.dedup();
+    let default_pools = devices.into_iter().flat_map(|d| l.default_pools(d));
+    for (pool, s) in default_pools {
+        let name = if pool == Pool::Small {
             "small"
         } else {
             "large"
@@ -572,5 +599,6 @@ fn point_of(
         ptr,
         total: l.total(),
         pools,
+        private_pools: l.private_pools(),
     }
 }

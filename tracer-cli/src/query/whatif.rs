@@ -181,7 +181,8 @@ impl Builder {
         }
     }
 
-    fn call(&mut self, e: &Event) {
+    /// `routed`: the private pool a capture routes the call's stream to now.
+    fn call(&mut self, e: &Event, routed: Option<crate::model::pools::PoolId>) {
         let spec = e.op.spec();
         if spec.space == Space::Device && spec.library == Library::Driver {
             // The allocator's segments come from the runtime (cudaMalloc); a driver call of
@@ -201,9 +202,13 @@ impl Builder {
                 self.last_stream = e.aux0;
                 self.live.insert(e.ptr, self.handles);
                 self.handles += 1;
+                let stream = match routed {
+                    Some(id) => private_stream(id, e.aux0),
+                    None => self.routed(e.ptr, e.aux0),
+                };
                 self.run.requests.push(Request::Malloc {
                     size: e.size,
-                    stream: self.routed(e.ptr, e.aux0),
+                    stream,
                 });
                 self.run.placed.push(e.ptr);
                 self.failed_since_malloc = false;
@@ -380,6 +385,9 @@ struct RunRecording {
     past: Layout,
     begins_ns: Option<i64>,
     builders: HashMap<i32, Builder>,
+    /// What the process's captures route where (the builders are per device; a capture's
+    /// calls may name none).
+    captures: crate::model::pools::Captures,
     seeded: bool,
     snapshot: bool,
 }
@@ -426,6 +434,11 @@ impl Recordings {
                     .unwrap_or_else(|| Layout::new(settings.conf)),
                 begins_ns,
                 builders: HashMap::new(),
+                captures: self
+                    .starts
+                    .get(&e.pid)
+                    .map(|l| l.captures.clone())
+                    .unwrap_or_default(),
                 seeded: begins_ns.is_none() && !self.keyframe,
                 snapshot: self.snapshot,
             }
@@ -471,8 +484,11 @@ impl RunRecording {
                     .or_default()
                     .seed_from(&self.past, d, self.snapshot);
             }
+            self.captures = self.past.captures.clone();
         }
-        self.builders.entry(e.device).or_default().call(e);
+        self.captures.apply(e);
+        let routed = self.captures.route(e.aux0);
+        self.builders.entry(e.device).or_default().call(e, routed);
     }
 }
 

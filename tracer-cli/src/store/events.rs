@@ -195,6 +195,39 @@ pub fn calls_of_classes(
     Ok(out)
 }
 
+/// The call site of `pid`'s capture that began at `ts_ns` (PyTorch's capture_begin, else the
+/// stream's own begin capture), where `--stack` recorded one.
+pub fn capture_site(
+    conn: &Connection,
+    session: i64,
+    pid: u32,
+    ts_ns: i64,
+) -> Result<Option<crate::model::StackId>> {
+    let ops: Vec<String> = Op::ALL
+        .iter()
+        .filter(|op| {
+            matches!(
+                op.spec().class,
+                OpClass::PoolCapture | OpClass::CaptureBegin
+            )
+        })
+        .map(|op| (*op as u32).to_string())
+        .collect();
+    let id: Option<i64> = conn
+        .query_row(
+            &format!(
+                "SELECT stack_id FROM calls WHERE session_id = ?1 AND pid = ?2 AND ts_ns = ?3
+                 AND op_id IN ({}) AND stack_id IS NOT NULL LIMIT 1",
+                ops.join(",")
+            ),
+            params![session, pid, ts_ns],
+            |r| r.get(0),
+        )
+        .optional()
+        .context("read a capture's call site")?;
+    Ok(id.and_then(stack_id))
+}
+
 /// The threads of `session` (of `pid`, or all) with CUDA calls stored without a device: those
 /// whose device the read side must learn (model/devices.rs).
 pub fn threads_without_device(

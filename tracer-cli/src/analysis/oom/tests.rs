@@ -243,8 +243,8 @@ fn private_pools_are_read_apart_from_the_cache() {
     assert_eq!(pytorch_private(m), Some(118 * MIB));
     assert_eq!(pytorch_cached(m), pytorch_size("744.36 MiB"));
     assert_eq!(pytorch_private("Of the allocated memory 5.61 GiB is allocated by PyTorch, and 124.14 MiB is reserved by PyTorch but unallocated."), None);
-    // Split bytes short of the shortfall, private bytes beside them: still capacity, and the
-    // private pools said in the way.
+    // Split bytes short of the 86 MiB shortfall, the private pools' 118 MiB beyond it: the
+    // pools decided it; how much of it a flush could return is not known from the message.
     let i = Inputs {
         request: Some(304 * MIB),
         refused: Some(304 * MIB),
@@ -254,10 +254,30 @@ fn private_pools_are_read_apart_from_the_cache() {
         ..Inputs::default()
     };
     let a = arithmetic(&i);
-    assert_eq!(a.cause, Cause::Capacity);
+    assert_eq!(a.cause, Cause::PrivatePools { idle_enough: false });
     assert!(
         a.figures().contains("118.00 MiB free inside private pools"),
         "{}",
         a.figures()
     );
+    assert!(
+        a.verdict()
+            .starts_with("private pools decided it: 118.00 MiB"),
+        "{}",
+        a.verdict()
+    );
+    // Pool segments with no live block that cover the shortfall: a flush returns them once the
+    // pool is released.
+    let a = arithmetic(&Inputs {
+        private_idle: Some(100 * MIB),
+        ..i.clone()
+    });
+    assert_eq!(a.cause, Cause::PrivatePools { idle_enough: true });
+    // Private bytes short of the shortfall too: capacity, the pools said in the way.
+    let a = arithmetic(&Inputs {
+        private: Some(80 * MIB),
+        ..i
+    });
+    assert_eq!(a.cause, Cause::Capacity);
+    assert!(a.figures().contains("80.00 MiB free inside private pools"));
 }

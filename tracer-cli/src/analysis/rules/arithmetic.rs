@@ -75,6 +75,9 @@ pub fn of_failure(f: &Failure<'_, '_>) -> Arithmetic {
             .map(|x| x.private_free)
             .filter(|&p| p > 0)
             .or_else(|| f.message.and_then(oom::pytorch_private)),
+        private_idle: forensics
+            .map(|x| x.private_idle)
+            .filter(|_| forensics.is_some_and(|x| x.private_free > 0)),
         others: f.others,
         outside: f.outside,
         untraced: f.untraced,
@@ -90,6 +93,7 @@ pub fn held_by(a: &Arithmetic, otherwise: impl FnOnce() -> HeldBy) -> HeldBy {
         Cause::Fragmentation => HeldBy::Fragmentation,
         Cause::OtherProcesses => HeldBy::OtherProcesses,
         Cause::Both { .. } => HeldBy::FragmentationAndOtherProcesses,
+        Cause::PrivatePools { .. } => HeldBy::PrivatePools,
         Cause::FractionLimit { .. } => HeldBy::MemoryFraction,
         Cause::Capacity => match otherwise() {
             HeldBy::BeyondDevice => HeldBy::BeyondDevice,
@@ -153,6 +157,7 @@ fn fixes(h: &Holders, judged: Option<&Judged<'_>>) -> Option<Vec<Fix>> {
         HeldBy::FragmentationAndOtherProcesses => vec![run_alone(), FIX_EXPANDABLE, FIX_MAX_SPLIT],
         HeldBy::ThisProcess | HeldBy::BeyondDevice => measured::fixes_for_capacity(),
         HeldBy::MemoryFraction => vec![FIX_FRACTION],
+        HeldBy::PrivatePools => measured::fixes_for_private_pools(&h.arithmetic),
         HeldBy::Unknown => return judged.map(|j| j.fixes.clone()),
     })
 }

@@ -101,6 +101,9 @@ pub enum HeldBy {
     FragmentationAndOtherProcesses,
     /// ...not the device's: the process's memory fraction refused it before any cudaMalloc.
     MemoryFraction,
+    /// ...free inside CUDA graphs' (or MemPools') private pools, which the request could not
+    /// use.
+    PrivatePools,
 }
 
 impl HeldBy {
@@ -114,6 +117,7 @@ impl HeldBy {
             HeldBy::Unknown => "unknown",
             HeldBy::FragmentationAndOtherProcesses => "fragmentation_and_other_processes",
             HeldBy::MemoryFraction => "memory_fraction",
+            HeldBy::PrivatePools => "private_pools",
         }
     }
 
@@ -133,6 +137,9 @@ impl HeldBy {
             }
             HeldBy::MemoryFraction => {
                 "refused by the process's memory fraction before the device was asked"
+            }
+            HeldBy::PrivatePools => {
+                "free inside CUDA graphs' private pools, which this request could not use"
             }
         }
     }

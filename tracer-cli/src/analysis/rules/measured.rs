@@ -512,6 +512,31 @@ pub fn oom_forensics(f: &Findings, fatal_ns: i64, message: Option<&str>) -> Opti
 }
 
 /// What to do when the request does not fit the device even with the cache given back.
+/// Where private pools' free blocks decided an OOM: releasing the pools is offered only where
+/// the flush rule, applied to the layout at the failure, returns enough (their segments holding
+/// no live block cover the shortfall); capturing fewer shapes always stands, without a figure
+/// (the eager requests a graph replaces were never made: no replay can say what they take).
+pub fn fixes_for_private_pools(a: &crate::analysis::oom::Arithmetic) -> Vec<Fix> {
+    let mut fixes: Vec<Fix> = Vec::new();
+    if let (crate::analysis::oom::Cause::PrivatePools { idle_enough: true }, Some(idle)) =
+        (&a.cause, a.private_idle)
+    {
+        fixes.push(
+            format!(
+                "release the graphs no longer replayed (reset() them, or drop them) and call torch.cuda.empty_cache(): once no graph holds their pool, a flush returns its {} of segments holding no live block, more than the {} short",
+                pb(idle),
+                a.shortfall.map_or("request".into(), pb)
+            )
+            .into(),
+        );
+    }
+    fixes.push(
+        "capture fewer shapes (batch sizes), and have the graphs share one pool (torch.cuda.graph_pool_handle()) where they do not yet, so that the graphs hold less apart from eager requests; leave room for the largest eager request beside the graphs (serving engines: lower the graph memory budget or the KV-cache fraction)"
+            .into(),
+    );
+    fixes
+}
+
 pub fn fixes_for_capacity() -> Vec<Fix> {
     vec![
         "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),

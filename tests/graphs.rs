@@ -1,0 +1,218 @@
+//! CUDA graphs' private pools seen from outside: the simulated allocator captures as PyTorch
+//! does (demos/workloads/train.py `graphs`: a step captured at four batch sizes into one shared
+//! pool, then an eager request the device cannot hold while the pool holds free blocks), and
+//! tracer follows each capture from the runtime's calls and PyTorch's CUDAGraph methods.
+
+use std::process::Command;
+
+use crate::common::*;
+use serde_json::Value;
+
+/// The graphs workload on a 1 GiB simulated device, its allocator writing its own layout after
+/// every block event; (its stderr, its truth lines).
+fn run_graphs(fx: &Fixture, truth: &std::path::Path, conf: Option<&str>) -> (String, Vec<Value>) {
+    let mut cmd = Command::new("python3");
+    cmd.arg(workspace().join("demos/workloads/train.py"))
+        .args(["graphs", "--speed", "100", "--cudart"])
+        .arg(fx.sim.join("libcudart.so.12"))
+        .env("SIMCUDA_MEM", "1GiB")
+        .env("SIMTORCH_TRUTH", truth);
+    if let Some(conf) = conf {
+        cmd.env("PYTORCH_CUDA_ALLOC_CONF", conf);
+    }
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let lines = std::fs::read_to_string(truth)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (stderr, lines)
+}
+
+/// A private pool's figures as the allocator and tracer's layout both give them.
+fn pool_figures(p: &Value) -> Vec<i64> {
+    [
+        "segments",
+        "reserved",
+        "allocated",
+        "free",
+        "free_blocks",
+        "largest_free",
+    ]
+    .iter()
+    .map(|k| p[k].as_i64().unwrap())
+    .chain(
+        p["id"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_i64().unwrap()),
+    )
+    .collect()
+}
+
+fn default_pool_figures(v: &Value) -> [i64; 4] {
+    ["allocated", "reserved", "free_blocks", "largest_free"].map(|k| v[k].as_i64().unwrap_or(0))
+}
+
+#[test]
+fn each_capture_puts_its_segments_in_its_pool_as_the_allocator_did() {
+    let Some(fx) = Fixture::new() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let truth_file = dir.path().join("truth.jsonl");
+    let trace = fx.trace(
+        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
+        &["--allocator", "always", "--stack"],
+    );
+    let (stderr, truth) = run_graphs(&fx, &truth_file, None);
+    assert!(
+        stderr.contains("with 188.00 MiB allocated in private pools"),
+        "{stderr}"
+    );
+    let stopped = trace.stop(SIGINT);
+    assert_eq!(stopped.counter("dropped_ring_full"), 0);
+
+    // At every block event, each private pool and the default pools as the allocator had them.
+    let timeline = Command::new(TRACER)
+        .args(["layout", "--timeline", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert_ok(&timeline);
+    let rebuilt: Vec<Value> = String::from_utf8_lossy(&timeline.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rebuilt.len(), truth.len(), "one point per block event");
+    let mut pooled = 0;
+    for (i, (r, t)) in rebuilt.iter().zip(&truth).enumerate() {
+        let theirs: Vec<Vec<i64>> = t["private_pools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(pool_figures)
+            .collect();
+        let ours: Vec<Vec<i64>> = r["private_pools"]
+            .as_array()
+            .map_or(Vec::new(), |a| a.iter().map(pool_figures).collect());
+        assert_eq!(ours, theirs, "event {i} ({}): {r} vs {t}", t["op"]);
+        pooled += theirs.len();
+        for pool in ["small", "large"] {
+            assert_eq!(
+                r["pools"].get(pool).map_or([0; 4], default_pool_figures),
+                default_pool_figures(&t["pools"][pool]),
+                "event {i}, {pool} default pool"
+            );
+        }
+    }
+    assert!(pooled > 10, "{pooled} points with a private pool");
+    let end = truth.last().unwrap();
+
+    // The layout names the pool's captures and where the first was made.
+    let layouts = tracer_json(&fx.db, &["layout", "--json"]);
+    let pool = &layouts[0]["devices"][0]["private_pools"][0];
+    assert_eq!(pool["id"], serde_json::json!([0, 1]), "{pool}");
+    assert_eq!(pool["captures"]["captures"], 4, "{pool}");
+    assert_eq!(pool["captures"]["graphs"], 4, "{pool}");
+    assert_eq!(pool["captures"]["numbered"], false, "{pool}");
+    let at = pool["captured_at"].as_str().unwrap_or_default();
+    assert!(at.contains(".py:"), "{pool}");
+
+    // explain: the pool's free blocks decided it, not fragmentation, with PyTorch's figures.
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    let holder = &report["holders"][0];
+    let a = &holder["arithmetic"];
+    assert_eq!(holder["verdict"], "private_pools", "{holder}");
+    assert_eq!(a["cause"]["kind"], "private_pools", "{a}");
+    assert_eq!(a["private"], end["private_pools"][0]["free"], "{a}");
+    assert_eq!(a["split"], 0, "{a}");
+    // The segment with no live block is what a flush returns once the pool is released.
+    assert_eq!(
+        a["private_idle"], end["private_pools"][0]["largest_free"],
+        "{a}"
+    );
+    assert_eq!(a["cause"]["idle_enough"], true, "{a}");
+    let chain = report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == "oom")
+        .unwrap();
+    let fixes: Vec<&str> = chain["fix"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    assert!(fixes[0].contains("reset()"), "{fixes:?}");
+    assert!(
+        !fixes.iter().any(|f| f.contains("expandable_segments")),
+        "{fixes:?}"
+    );
+
+    // whatif replays the captures as run: the same decisions and the OOM at the same request.
+    let w = tracer_json(&fx.db, &["whatif", "--json"]);
+    assert_eq!(w["fidelity"]["holds"], true, "{w}");
+    assert_eq!(
+        w["rows"][0]["oom_request"],
+        w["fidelity"]["refused_recorded"][0]
+    );
+    let expandable = w["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["conf"] == "expandable_segments:True")
+        .unwrap()
+        .clone();
+
+    // The export writes each segment's pool as the allocator had it; the import reads it back.
+    let file = fx.db.with_extension("pickle");
+    export_snapshot(&fx.db, &file, &[]);
+    let figures = snapshot_figures(&file);
+    let mut exported: Vec<(u64, Value)> = figures["segment_pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s[0].as_u64().unwrap(), s[1].clone()))
+        .filter(|(_, id)| id != &serde_json::json!([0, 0]))
+        .collect();
+    exported.sort_by_key(|(a, _)| *a);
+    let expected: Vec<(u64, Value)> = end["private_pools"][0]["segment_ptrs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p.as_u64().unwrap(), serde_json::json!([0, 1])))
+        .collect();
+    assert_eq!(exported, expected);
+    let imported = dir.path().join("imported.db");
+    let out = Command::new(TRACER)
+        .args(["import", "--snapshot"])
+        .arg(&file)
+        .arg("--db")
+        .arg(&imported)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let back = tracer_json(&imported, &["layout", "--json"]);
+    let back_pool = &back[0]["devices"][0]["private_pools"][0];
+    assert_eq!(
+        pool_figures(back_pool),
+        pool_figures(&end["private_pools"][0])
+    );
+
+    // With expandable segments the allocator runs out too, at whatif's peak: a private pool
+    // keeps its pages at a flush.
+    let (_, expandable_truth) = run_graphs(
+        &fx,
+        &dir.path().join("expandable.jsonl"),
+        Some("expandable_segments:True"),
+    );
+    let reserved_then = expandable_truth.last().unwrap()["reserved"].clone();
+    assert_eq!(
+        expandable["oom_request"], w["rows"][0]["oom_request"],
+        "{expandable}"
+    );
+    assert_eq!(expandable["peak_reserved"], reserved_then, "{expandable}");
+}

@@ -216,3 +216,65 @@ fn each_capture_puts_its_segments_in_its_pool_as_the_allocator_did() {
     );
     assert_eq!(expandable["peak_reserved"], reserved_then, "{expandable}");
 }
+
+/// A request during a capture that the device cannot hold while the cache holds a whole free
+/// segment: PyTorch flushes nothing during a capture, so it raises at once (no retry). explain
+/// says so, not fragmentation, and offers the flush before capturing with its figure; whatif
+/// replays the run with the same no-flush rule.
+#[test]
+fn an_oom_during_a_capture_is_the_unflushed_cache_not_fragmentation() {
+    let Some(fx) = Fixture::new() else { return };
+    let trace = fx.trace(
+        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
+        &["--allocator", "always"],
+    );
+    // 600 MiB of weights, a 300 MiB segment freed whole, then inside a capture 60 MiB and a
+    // 200 MiB request: 64 MiB free on the device, 300 MiB cached and never flushed.
+    let script = format!(
+        "import sys\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, Graph, MIB, OutOfMemoryError\na = CachingAllocator({cudart:?})\nw = a.malloc(600 * MIB)\nt = a.malloc(300 * MIB)\na.free(t)\nside = a.new_stream()\ng = Graph()\na.capture_begin(g, side)\nx = a.malloc(60 * MIB, side)\ntry:\n    a.malloc(200 * MIB, side)\nexcept OutOfMemoryError:\n    print(a.memory_stats()['num_alloc_retries'])\n    sys.exit(1)\n",
+        dir = workspace().join("demos/workloads").to_str().unwrap(),
+        cudart = fx.lib("libcudart.so.12"),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .env("SIMCUDA_MEM", "1GiB")
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "0",
+        "no retry during a capture"
+    );
+    trace.stop(SIGINT);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    let a = &report["holders"][0]["arithmetic"];
+    assert_eq!(a["cause"]["kind"], "capture_underway", "{a}");
+    assert_eq!(a["cause"]["idle_enough"], true, "{a}");
+    assert_eq!(a["capture_idle"], 300 << 20, "{a}");
+    assert_eq!(a["shortfall"], 136 << 20, "{a}");
+    let rules = rule_names(&report);
+    assert!(
+        !rules.iter().any(|r| r.starts_with("fragmentation")),
+        "{rules:?}"
+    );
+    let chain = report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == "oom")
+        .unwrap();
+    let fix = chain["fix"][0].as_str().unwrap();
+    assert!(
+        fix.starts_with("call torch.cuda.empty_cache() before capturing"),
+        "{fix}"
+    );
+    let w = tracer_json(&fx.db, &["whatif", "--json"]);
+    assert_eq!(w["fidelity"]["holds"], true, "{w}");
+    assert_eq!(w["rows"][0]["retries"], 0, "{w}");
+}

@@ -67,6 +67,14 @@ const SCENARIOS: &[Scenario] = &[
         ],
     },
     Scenario {
+        name: "graphs",
+        about: "a model served with CUDA graphs: four batch sizes captured into one pool, then an eager request the device cannot hold while the graphs' pool holds free blocks it may not use",
+        env: &[
+            ("SIMCUDA_MEM", "1GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,default=2us"),
+        ],
+    },
+    Scenario {
         name: "periodic-spike",
         about: "a checkpoint every 25 steps empties the cache and allocates a large buffer",
         env: &[

@@ -54,6 +54,10 @@ pub struct Forensics {
     pub private_free: u64,
     /// Of those, the bytes in private-pool segments holding no live block.
     pub private_idle: u64,
+    /// A CUDA graph capture was underway in the process: PyTorch runs no cache flush then.
+    pub capture_underway: bool,
+    /// Bytes of the default pools' segments holding no live block: what a flush returns.
+    pub default_idle: u64,
     /// The failed call asked for a whole segment (cudaMalloc), whose size bounds the request;
     /// not a chunk of an expandable segment (cuMemCreate), which says nothing of it.
     pub whole_segment: bool,
@@ -216,11 +220,20 @@ fn frag_kinds(
     pool: Pool,
     stream: u64,
     new_segment: u64,
-) -> (FragKinds, u64) {
+) -> (FragKinds, u64, u64) {
     let mut k = FragKinds::default();
-    let mut usable = 0;
+    let (mut usable, mut pool_free) = (0, 0);
+    // A private pool's free blocks serve only its own requests, and the default pools' never
+    // serve a private pool's.
+    let private = layout
+        .segment_of(new_segment)
+        .and_then(|addr| layout.private.of(addr));
     for s in layout.segment_maps(false) {
-        if s.device != device || s.pool != Some(pool) || new_segment.wrapping_sub(s.addr) < s.size {
+        if s.device != device
+            || s.pool != Some(pool)
+            || s.pool_id != private
+            || new_segment.wrapping_sub(s.addr) < s.size
+        {
             continue;
         }
         let live = s
@@ -239,9 +252,12 @@ fn frag_kinds(
             if r.kind == RunKind::Free && same_stream {
                 usable = usable.max(r.size);
             }
+            if r.kind == RunKind::Free {
+                pool_free += r.size;
+            }
         }
     }
-    (k, usable)
+    (k, usable, pool_free)
 }
 
 /// Everything the replay found for one process.
@@ -468,8 +484,11 @@ impl<'a> LayoutMeasure<'a> {
             // segment is fragmentation's cost (kinds: where the free bytes lay).
             let forced = (s.cached() >= rounded && window.contains(ts))
                 .then(|| frag_kinds(layout, e.device, key.1, e.aux0, e.ptr))
-                .filter(|(_, usable)| *usable < rounded);
-            if let Some((kinds, _)) = forced {
+                .filter(|(_, usable, pool_free)| {
+                    // Where private pools are known, only the request's own pool's bytes count.
+                    *usable < rounded && (layout.private.is_empty() || *pool_free >= rounded)
+                });
+            if let Some((kinds, _, _)) = forced {
                 f.forced.add(ts, size, kinds);
                 f.forced_by_pool
                     .entry(key)
@@ -640,26 +659,29 @@ fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics
             .filter(|p| p.device == e.device)
             .map(|p| p.free)
             .sum(),
-        private_idle: layout
-            .segments()
-            .iter()
-            .filter(|s| s.device == e.device && s.pool_id.is_some())
-            .filter(|s| {
-                s.runs.iter().all(|r| {
-                    r.kind != crate::model::layout::RunKind::Allocated
-                        && r.kind != crate::model::layout::RunKind::Pending
-                })
-            })
-            .map(|s| {
-                s.runs
-                    .iter()
-                    .filter(|r| r.kind == crate::model::layout::RunKind::Free)
-                    .map(|r| r.size)
-                    .sum::<u64>()
-            })
-            .sum(),
+        capture_underway: layout.captures.underway(),
+        default_idle: idle_bytes(layout, e.device, false),
+        private_idle: idle_bytes(layout, e.device, true),
         whole_segment: e.op.spec().space == Space::Device,
     }
+}
+
+/// Bytes of the device's segments (of private pools, or of the default pools) holding no live
+/// block: what a cache flush returns (a private pool's only once no graph holds it).
+fn idle_bytes(layout: &Layout, device: i32, private: bool) -> u64 {
+    layout
+        .segments()
+        .iter()
+        .filter(|s| s.device == device && s.pool_id.is_some() == private)
+        .filter(|s| {
+            s.runs
+                .iter()
+                .all(|r| !matches!(r.kind, RunKind::Allocated | RunKind::Pending))
+        })
+        .flat_map(|s| &s.runs)
+        .filter(|r| r.kind == RunKind::Free)
+        .map(|r| r.size)
+        .sum()
 }
 
 /// The call sites of the allocated blocks in the pool's segments that have free space.

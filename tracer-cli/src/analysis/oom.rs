@@ -60,6 +60,9 @@ pub struct Inputs {
     /// Of those, the bytes in private-pool segments holding no live block: what a cache flush
     /// returns once no graph holds their pool (every graph captured into it reset).
     pub private_idle: Option<u64>,
+    /// A CUDA graph capture was underway, so PyTorch flushed nothing: the bytes of the default
+    /// pools' segments holding no live block (what a flush would have returned).
+    pub capture_idle: Option<u64>,
     /// Bytes other processes held on the device.
     pub others: u64,
     /// This process's memory outside the allocator (libraries that call the driver directly).
@@ -90,6 +93,10 @@ pub enum Cause {
     /// nor other processes' cover it. `idle_enough`: the pools' segments holding no live block
     /// alone cover it (a flush returns those once no graph holds their pool).
     PrivatePools { idle_enough: bool },
+    /// A CUDA graph capture was underway, so PyTorch ran no cache flush, and the cache's free
+    /// bytes exceed the shortfall: the request could not use them. `idle_enough`: the cache's
+    /// segments holding no live block alone cover it (a flush before the capture returns them).
+    CaptureUnderway { idle_enough: bool },
     /// The allocator refused before asking the device: the request would pass the process's
     /// memory fraction (`torch.cuda.set_per_process_memory_fraction`).
     FractionLimit { allowed: u64 },
@@ -106,6 +113,7 @@ impl Cause {
             Cause::OtherProcesses => "other_processes",
             Cause::Both { .. } => "fragmentation_and_other_processes",
             Cause::PrivatePools { .. } => "private_pools",
+            Cause::CaptureUnderway { .. } => "capture_underway",
             Cause::FractionLimit { .. } => "memory_fraction",
             Cause::Unknown { .. } => "unknown",
         }
@@ -136,6 +144,7 @@ pub struct Arithmetic {
     /// use them, and PyTorch's message counts them "allocated in private pools".
     pub private: Option<u64>,
     pub private_idle: Option<u64>,
+    pub capture_idle: Option<u64>,
     pub others: u64,
     pub outside: u64,
     pub untraced: Option<u64>,
@@ -192,6 +201,7 @@ pub fn arithmetic(i: &Inputs) -> Arithmetic {
         split: i.split,
         private: i.private,
         private_idle: i.private_idle,
+        capture_idle: i.capture_idle,
         others: i.others,
         outside: i.outside,
         untraced: i.untraced,
@@ -235,6 +245,12 @@ fn cause(i: &Inputs, asked: Option<u64>, shortfall: Option<u64>, source: FreeSou
             }
         };
     };
+    if let Some(idle) = i.capture_idle.filter(|_| split >= need) {
+        // Not split blocks a flush could not return: no flush ran.
+        return Cause::CaptureUnderway {
+            idle_enough: idle >= need,
+        };
+    }
     match (split >= need, i.others >= need) {
         (true, true) => Cause::Both { each_enough: true },
         (true, false) => Cause::Fragmentation,
@@ -302,11 +318,17 @@ impl Arithmetic {
             });
         }
         let mut way = Vec::new();
-        if let Some(split) = self.split {
-            way.push(format!(
+        match (self.split, self.capture_idle) {
+            (Some(cached), Some(idle)) => way.push(format!(
+                "{} free in the cache, not flushed: a CUDA graph capture was underway, and PyTorch runs no cache flush during one ({} of it in segments holding no live block, which a flush returns)",
+                pb(cached),
+                pb(idle)
+            )),
+            (Some(split), None) => way.push(format!(
                 "{} free in split blocks inside live segments (no cache flush returns them)",
                 pb(split)
-            ));
+            )),
+            (None, _) => {}
         }
         if let Some(p) = self.private.filter(|&p| p > 0) {
             way.push(format!(
@@ -343,6 +365,10 @@ impl Arithmetic {
             return "what the device could give is not known".into();
         };
         let mut said = match self.source {
+            FreeSource::AfterFailure if self.capture_idle.is_some() => format!(
+                "the device had {} free (cudaMemGetInfo right after the failure, with no cache flush before it: a capture was underway)",
+                pb(free)
+            ),
             FreeSource::AfterFailure => format!(
                 "the device had {} free (cudaMemGetInfo right after the failure, after the cache flush: the reading PyTorch's message is made from)",
                 pb(free)
@@ -397,6 +423,22 @@ impl Arithmetic {
                 "fragmentation decided it: {} lay free in split blocks, more than the {} it was short, in no block that fit",
                 pb(split),
                 short
+            ),
+            Cause::CaptureUnderway { idle_enough } => format!(
+                "a capture in progress decided it: {} lay free in this process's cache, more than the {} it was short, and PyTorch flushes no cache while a CUDA graph capture is underway{}",
+                pb(split),
+                short,
+                match (idle_enough, self.capture_idle) {
+                    (true, Some(idle)) => format!(
+                        "; {} of it lay in segments holding no live block, which a flush before the capture returns",
+                        pb(idle)
+                    ),
+                    (false, Some(idle)) => format!(
+                        "; only {} of it lay in segments holding no live block: the rest is split blocks beside live ones",
+                        pb(idle)
+                    ),
+                    (_, None) => String::new(),
+                }
             ),
             Cause::PrivatePools { idle_enough } => format!(
                 "private pools decided it: {} lay free inside CUDA graphs' (or MemPools') private pools, more than the {} it was short, which this request (routed to the default pools) may not use; the split bytes ({}) and other processes ({}) were not enough{}",

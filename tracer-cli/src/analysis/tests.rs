@@ -981,6 +981,8 @@ fn failure(requested: u64, whole_segment: bool, large: PoolStats) -> allocator::
         pools: vec![(Pool::Large, large)],
         private_free: 0,
         private_idle: 0,
+        capture_underway: false,
+        default_idle: 0,
         whole_segment,
     }
 }

@@ -36,6 +36,10 @@ pub struct PoolStats {
 }
 
 impl PoolStats {
+    pub fn is_empty(&self) -> bool {
+        *self == PoolStats::default()
+    }
+
     /// Reserved but not allocated: the allocator's cache.
     pub fn cached(&self) -> u64 {
         self.reserved.saturating_sub(self.allocated)
@@ -529,6 +533,20 @@ impl Layout {
         self.totals
             .range((device, Pool::Small)..=(device, Pool::Large))
             .filter(|((_, pool), s)| s.cached() >= SMALL_SEGMENT && scatters(*pool, s))
+            .map(|(_, s)| s.fragmentation())
+            .fold(0.0, f64::max)
+    }
+
+    /// [`Layout::worst_fragmentation`] of the default pools alone: a private pool's free blocks
+    /// serve only its own requests (counted from the segments where private pools are known,
+    /// so for views, not for every event).
+    pub fn default_fragmentation(&self, device: i32) -> f64 {
+        if self.private.is_empty() {
+            return self.worst_fragmentation(device);
+        }
+        self.default_pools(device)
+            .iter()
+            .filter(|(pool, s)| s.cached() >= SMALL_SEGMENT && scatters(*pool, s))
             .map(|(_, s)| s.fragmentation())
             .fold(0.0, f64::max)
     }

@@ -25,9 +25,16 @@ pub struct AllocatorRow {
     pub view: &'static str,
     /// Allocated, reserved, free blocks and the largest free block (blocks view); in the
     /// segments view only `reserved`, the device bytes held.
+    /// (The largest free block is the default pools': a private pool's serve only requests
+    /// routed to it.)
     #[serde(flatten)]
     pub stats: PoolStats,
-    /// 1 - largest free block / cached bytes, in the device's worst pool (blocks view).
+    /// Of `stats`, the private pools' (CUDA graphs', MemPools'), where tracer knows them: their
+    /// reserved and allocated bytes, free blocks and largest free block.
+    #[serde(skip_serializing_if = "PoolStats::is_empty")]
+    pub private: PoolStats,
+    /// 1 - largest free block / cached bytes, in the device's worst default pool (blocks
+    /// view): private pools' free blocks serve only their own requests.
     pub fragmentation: f64,
     /// Device bytes held outside the allocator's segments.
     pub outside: u64,
@@ -212,6 +219,21 @@ impl Process {
         let blocks = layout.blocks_seen > 0 && !disarmed;
         let mut stats = layout.device_total(device);
         let outside = layout.outside(device);
+        let mut private = PoolStats::default();
+        for p in layout.private_pools().iter().filter(|p| p.device == device) {
+            private.reserved += p.reserved;
+            private.allocated += p.allocated;
+            private.free_blocks += p.free_blocks;
+            private.largest_free = private.largest_free.max(p.largest_free);
+        }
+        if private.reserved > 0 {
+            stats.largest_free = layout
+                .default_pools(device)
+                .iter()
+                .map(|(_, s)| s.largest_free)
+                .max()
+                .unwrap_or(0);
+        }
         if !blocks {
             stats = PoolStats {
                 reserved: stats.reserved + outside + layout.unseen_contents(Some(device)).1,
@@ -223,8 +245,13 @@ impl Process {
             device,
             rank: self.rank.clone(),
             view: if blocks { "blocks" } else { "segments" },
-            fragmentation: layout.worst_fragmentation(device),
+            fragmentation: layout.default_fragmentation(device),
             stats,
+            private: if blocks {
+                private
+            } else {
+                PoolStats::default()
+            },
             outside: if blocks { outside } else { 0 },
             unseen: if blocks {
                 layout.unseen_contents(Some(device)).1

@@ -46,6 +46,9 @@ pub enum Request {
     Free { handle: u32 },
     /// torch.cuda.empty_cache(), where the recorded run released its cache by itself.
     EmptyCache,
+    /// A CUDA graph capture began (true) or every capture ended (false): PyTorch runs no cache
+    /// flush while one is underway, so a request that does not fit then is refused at once.
+    CapturesUnderway(bool),
 }
 
 /// Marks the stream of a request routed to a private pool (a CUDA graph's, a MemPool's): such a
@@ -147,6 +150,8 @@ pub struct Simulator {
     gc_calls: [u64; 2],
     reserved: u64,
     allocated: u64,
+    /// A CUDA graph capture is underway: no flush, no retry.
+    capturing: bool,
     /// Addresses the device gave the recorded run, in order: the simulated run takes them.
     addresses: std::vec::IntoIter<u64>,
     next_address: u64,
@@ -172,6 +177,7 @@ impl Simulator {
             gc_calls: [0; 2],
             reserved: 0,
             allocated: 0,
+            capturing: false,
             addresses: addresses.into_iter(),
             next_address: FIRST_ADDRESS,
             placements: None,
@@ -248,7 +254,10 @@ impl Simulator {
                     }
                 }
                 Request::Free { handle } => self.free_handle(handle),
+                // empty_cache() is a no-op while a capture is underway.
+                Request::EmptyCache if self.capturing => {}
                 Request::EmptyCache => self.release_cached(),
+                Request::CapturesUnderway(underway) => self.capturing = underway,
             }
             self.peaks();
         }
@@ -344,7 +353,7 @@ impl Simulator {
         if b == NONE && self.release_available(pool, stream, rounded) {
             b = self.alloc_block(pool, stream, rounded, alloc_size);
         }
-        if b == NONE {
+        if b == NONE && !self.capturing {
             self.release_cached();
             self.outcome.retries += 1;
             b = self.alloc_block(pool, stream, rounded, alloc_size);
@@ -895,6 +904,34 @@ mod tests {
         ];
         let (o, placed, _) = run(settings("", false), 30 * MIB, &again);
         assert_eq!((o.oom, placed[0]), (None, placed[1]));
+    }
+
+    /// While a capture is underway a request that does not fit is refused at once: no flush
+    /// (nor empty_cache()) returns the cache's free segment; after the capture the retry does.
+    #[test]
+    fn no_flush_while_a_capture_is_underway() {
+        let graph = private_stream((1, 0), 0x5000);
+        let requests = [
+            malloc(20 * MIB),
+            free(0),
+            Request::CapturesUnderway(true),
+            Request::EmptyCache,
+            Request::Malloc {
+                size: 20 * MIB,
+                stream: graph,
+            },
+            Request::CapturesUnderway(false),
+            Request::Malloc {
+                size: 20 * MIB,
+                stream: graph,
+            },
+        ];
+        let (o, placed, _) = run(settings("", false), 30 * MIB, &requests);
+        assert_eq!(o.oom, Some((4, 20 * MIB)));
+        assert_eq!(o.retries, 1, "the retry after the capture only");
+        assert_eq!(o.device_frees, 1);
+        assert_eq!(placed[1], 0, "refused");
+        assert_ne!(placed[2], 0, "served once the cache went back");
     }
 
     /// max_split_size: an oversize cached block serves only oversize requests within 20 MiB of

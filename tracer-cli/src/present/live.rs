@@ -48,8 +48,16 @@ pub fn headline(s: &Status<'_>) -> String {
 /// The per-op table: calls, rate, p50, p99, max, bytes, errors.
 pub fn op_table(stats: &LiveStats, elapsed: Duration) -> Vec<String> {
     let secs = elapsed.as_secs_f64().max(1e-9);
+    // As wide as the longest name shown (cudaThreadExchangeStreamCaptureMode is 35).
+    let w = stats
+        .ops
+        .keys()
+        .map(|op| op.name().len())
+        .max()
+        .unwrap_or(0)
+        .max(26);
     let mut lines = vec![format!(
-        "{:<26} {:>12} {:>9} {:>9} {:>9} {:>9} {:>11} {:>8}",
+        "{:<w$} {:>12} {:>9} {:>9} {:>9} {:>9} {:>11} {:>8}",
         "OP", "CALLS", "RATE/s", "P50", "P99", "MAX", "BYTES", "ERRORS"
     )];
     for (op, s) in &stats.ops {
@@ -60,7 +68,7 @@ pub fn op_table(stats: &LiveStats, elapsed: Duration) -> Vec<String> {
         );
         let time = |ns: u64| if timed { format_ns(ns) } else { "-".to_owned() };
         lines.push(format!(
-            "{:<26} {:>12} {:>9.0} {:>9} {:>9} {:>9} {:>11} {:>8}",
+            "{:<w$} {:>12} {:>9.0} {:>9} {:>9} {:>9} {:>11} {:>8}",
             op.name(),
             thousands(s.calls),
             s.calls as f64 / secs,

@@ -433,7 +433,7 @@ fn allocator_families(
     );
     f.gauge(
         "tracer_allocator_largest_free_block_bytes",
-        "The largest free block in the allocator's segments: the largest request served without a new segment.",
+        "The largest free block in the allocator's default pools: the largest request served without a new segment.",
         &l,
         s.largest_free as f64,
     );
@@ -442,6 +442,18 @@ fn allocator_families(
         "1 - largest free block / cached bytes, in the device's worst pool (0: one free piece; near 1: scattered).",
         &l,
         row.fragmentation,
+    );
+    f.gauge(
+        "tracer_allocator_private_pool_reserved_bytes",
+        "Of the reserved bytes, those in private pools (CUDA graphs', MemPools'), whose free blocks serve only requests routed to their pool.",
+        &l,
+        row.private.reserved as f64,
+    );
+    f.gauge(
+        "tracer_allocator_private_pool_free_bytes",
+        "Free bytes inside private pools: PyTorch's out-of-memory message counts them \"allocated in private pools\"; no eager request may use them.",
+        &l,
+        row.private.cached() as f64,
     );
     f.gauge(
         "tracer_allocator_largest_request_bytes",
@@ -647,6 +659,7 @@ mod tests {
                 largest_free: 1,
             },
             fragmentation: 0.25,
+            private: PoolStats::default(),
             outside: 0,
             unseen: 0,
             largest_request: 0,

@@ -486,7 +486,16 @@ impl RunRecording {
             }
             self.captures = self.past.captures.clone();
         }
+        let was = self.captures.underway();
         self.captures.apply(e);
+        if self.captures.underway() != was {
+            // Every device's replay: PyTorch's no-flush rule holds for the whole process.
+            let underway = self.captures.underway();
+            self.builders.entry(e.device).or_default();
+            for b in self.builders.values_mut() {
+                b.run.requests.push(Request::CapturesUnderway(underway));
+            }
+        }
         let routed = self.captures.route(e.aux0);
         self.builders.entry(e.device).or_default().call(e, routed);
     }

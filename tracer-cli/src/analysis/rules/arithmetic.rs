@@ -78,6 +78,9 @@ pub fn of_failure(f: &Failure<'_, '_>) -> Arithmetic {
         private_idle: forensics
             .map(|x| x.private_idle)
             .filter(|_| forensics.is_some_and(|x| x.private_free > 0)),
+        capture_idle: forensics
+            .filter(|x| x.capture_underway)
+            .map(|x| x.default_idle),
         others: f.others,
         outside: f.outside,
         untraced: f.untraced,
@@ -94,6 +97,7 @@ pub fn held_by(a: &Arithmetic, otherwise: impl FnOnce() -> HeldBy) -> HeldBy {
         Cause::OtherProcesses => HeldBy::OtherProcesses,
         Cause::Both { .. } => HeldBy::FragmentationAndOtherProcesses,
         Cause::PrivatePools { .. } => HeldBy::PrivatePools,
+        Cause::CaptureUnderway { .. } => HeldBy::CacheDuringCapture,
         Cause::FractionLimit { .. } => HeldBy::MemoryFraction,
         Cause::Capacity => match otherwise() {
             HeldBy::BeyondDevice => HeldBy::BeyondDevice,
@@ -158,6 +162,7 @@ fn fixes(h: &Holders, judged: Option<&Judged<'_>>) -> Option<Vec<Fix>> {
         HeldBy::ThisProcess | HeldBy::BeyondDevice => measured::fixes_for_capacity(),
         HeldBy::MemoryFraction => vec![FIX_FRACTION],
         HeldBy::PrivatePools => measured::fixes_for_private_pools(&h.arithmetic),
+        HeldBy::CacheDuringCapture => measured::fixes_for_capture(&h.arithmetic),
         HeldBy::Unknown => return judged.map(|j| j.fixes.clone()),
     })
 }

@@ -104,6 +104,9 @@ pub enum HeldBy {
     /// ...free inside CUDA graphs' (or MemPools') private pools, which the request could not
     /// use.
     PrivatePools,
+    /// ...in this process's cache, which PyTorch does not flush while a CUDA graph capture is
+    /// underway.
+    CacheDuringCapture,
 }
 
 impl HeldBy {
@@ -118,6 +121,7 @@ impl HeldBy {
             HeldBy::FragmentationAndOtherProcesses => "fragmentation_and_other_processes",
             HeldBy::MemoryFraction => "memory_fraction",
             HeldBy::PrivatePools => "private_pools",
+            HeldBy::CacheDuringCapture => "cache_during_capture",
         }
     }
 
@@ -140,6 +144,9 @@ impl HeldBy {
             }
             HeldBy::PrivatePools => {
                 "free inside CUDA graphs' private pools, which this request could not use"
+            }
+            HeldBy::CacheDuringCapture => {
+                "free in this process's cache, not flushed: a CUDA graph capture was underway"
             }
         }
     }

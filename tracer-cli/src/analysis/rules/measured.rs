@@ -537,6 +537,30 @@ pub fn fixes_for_private_pools(a: &crate::analysis::oom::Arithmetic) -> Vec<Fix>
     fixes
 }
 
+/// Where a capture in progress kept the cache from being flushed: a flush before the capture is
+/// offered only where the flush rule, applied to the layout at the failure, returns enough (the
+/// cache's segments holding no live block cover the shortfall).
+pub fn fixes_for_capture(a: &crate::analysis::oom::Arithmetic) -> Vec<Fix> {
+    let mut fixes: Vec<Fix> = Vec::new();
+    if let (crate::analysis::oom::Cause::CaptureUnderway { idle_enough: true }, Some(idle)) =
+        (&a.cause, a.capture_idle)
+    {
+        fixes.push(
+            format!(
+                "call torch.cuda.empty_cache() before capturing: its {} of segments holding no live block go back to the device, more than the {} short (no flush runs during the capture)",
+                pb(idle),
+                a.shortfall.map_or("request".into(), pb)
+            )
+            .into(),
+        );
+    }
+    fixes.push(
+        "capture with less memory left to the eager pass: warm up and capture before the cache grows, or leave the capture more room (serving engines: a lower KV-cache fraction or graph memory budget)"
+            .into(),
+    );
+    fixes
+}
+
 pub fn fixes_for_capacity() -> Vec<Fix> {
     vec![
         "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),

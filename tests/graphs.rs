@@ -278,3 +278,113 @@ fn an_oom_during_a_capture_is_the_unflushed_cache_not_fragmentation() {
     assert_eq!(w["fidelity"]["holds"], true, "{w}");
     assert_eq!(w["rows"][0]["retries"], 0, "{w}");
 }
+
+/// The engine-shaped start-up (train.py `engine`, in vLLM's order: weights, a profiling pass and
+/// empty_cache(), the KV cache from --gpu-memory-utilization less the profiled peak, then four
+/// captures into one pool after warm-up runs) on a 4 GiB simulated device, at `utilization`;
+/// (its exit code, its `phase` lines).
+fn run_engine(fx: &Fixture, utilization: &str) -> (Option<i32>, Vec<Value>) {
+    let out = Command::new("python3")
+        .arg(workspace().join("demos/workloads/train.py"))
+        .args([
+            "engine",
+            "--speed",
+            "100",
+            "--gpu-memory-utilization",
+            utilization,
+        ])
+        .arg("--cudart")
+        .arg(fx.sim.join("libcudart.so.12"))
+        .env("SIMCUDA_MEM", "4GiB")
+        .output()
+        .unwrap();
+    let phases = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["phase"].is_string())
+        .collect();
+    (out.status.code(), phases)
+}
+
+fn phase<'a>(phases: &'a [Value], name: &str) -> &'a Value {
+    phases.iter().rfind(|p| p["phase"] == name).unwrap()
+}
+
+/// The start-up ledger equals the engine's own account phase by phase; where the KV cache
+/// leaves the captures too little, it says by how much to lower the budget, and the engine run
+/// again at that budget starts.
+#[test]
+fn the_start_up_ledger_is_the_engines_own_account_and_its_budget_move_works() {
+    let Some(fx) = Fixture::new() else { return };
+    let trace = fx.trace(
+        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
+        &["--allocator", "always"],
+    );
+    let (code, phases) = run_engine(&fx, "0.9");
+    assert_eq!(code, Some(0), "{phases:?}");
+    trace.stop(SIGINT);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    let s = &report["startups"][0];
+    let last = phase(&phases, "capture");
+    assert_eq!(s["resident"], phase(&phases, "profile")["reserved"], "{s}");
+    assert_eq!(
+        s["peak_before_flush"],
+        phase(&phases, "profile")["profiled_peak"],
+        "{s}"
+    );
+    let kv = phase(&phases, "kv cache");
+    let kv_made = s["allocated_before_captures"].as_u64().unwrap()
+        - s["resident_allocated"].as_u64().unwrap();
+    assert_eq!(Value::from(kv_made), kv["kv_bytes"], "{s}");
+    assert_eq!(
+        s["resident_allocated"],
+        phase(&phases, "profile")["allocated"],
+        "{s}"
+    );
+    // The first warm-up run's freed block stays cached beside the KV cache.
+    assert!(
+        s["before_captures"].as_u64() > kv["reserved"].as_u64(),
+        "{s}"
+    );
+    assert_eq!(s["pools"], last["private_reserved"], "{s}");
+    assert_eq!(s["after"], last["reserved"], "{s}");
+    assert_eq!(s["captures"].as_array().unwrap().len(), 4, "{s}");
+    assert_eq!(s["budget"]["option"], "--gpu-memory-utilization", "{s}");
+    assert_eq!(s["budget"]["fraction"], 0.9, "{s}");
+    assert!(s["failed_in_capture"].is_null(), "{s}");
+    assert!(rule_names(&report).contains(&"startup_ledger"));
+
+    // At 0.95 the KV cache leaves the captures too little.
+    std::fs::remove_file(&fx.db).unwrap();
+    let trace = fx.trace(
+        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
+        &["--allocator", "always"],
+    );
+    let (code, phases) = run_engine(&fx, "0.95");
+    assert_eq!(code, Some(1), "{phases:?}");
+    trace.stop(SIGINT);
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    let s = &report["startups"][0];
+    assert_eq!(s["resident"], phase(&phases, "profile")["reserved"], "{s}");
+    // The capture's request the device refused, with what it had free then (PyTorch's message:
+    // "Tried to allocate 162.00 MiB ... of which 42.00 MiB is free").
+    assert_eq!(s["failed_in_capture"], 162 << 20, "{s}");
+    assert_eq!(s["device_free"], 42 << 20, "{s}");
+    let chain = report["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == "startup_ledger")
+        .unwrap();
+    assert_eq!(chain["severity"], "HIGH", "{chain}");
+    let fix = chain["fix"][0].as_str().unwrap();
+    let lowered = fix
+        .split("--gpu-memory-utilization ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{fix}"));
+    assert!(lowered.parse::<f64>().unwrap() < 0.95, "{fix}");
+    // The move, run: the engine starts.
+    let (code, phases) = run_engine(&fx, lowered);
+    assert_eq!(code, Some(0), "at {lowered}: {phases:?}");
+}

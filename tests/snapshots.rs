@@ -695,8 +695,9 @@ pickle.dump({'segments': [default, graph], 'device_traces': [trace], 'allocator_
 
 /// An OOM beside a CUDA graph's private pool: the pool's free block is the pool's, not the
 /// cache's. The layout shows the pool apart, the OOM chain gives PyTorch's own figures ("with
-/// 16.00 MiB allocated in private pools", 0 bytes reserved but unallocated) and says capacity
-/// (nothing split in the default pool), not fragmentation; the export writes the pool back.
+/// 16.00 MiB allocated in private pools", 0 bytes reserved but unallocated) and says the pool
+/// decided it (its 16 MiB free beyond the 14 MiB short, nothing split in the default pool, the
+/// free block beside one the graph keeps), not fragmentation; the export writes the pool back.
 #[test]
 fn a_graph_pools_free_block_is_not_the_caches() {
     let dir = tempfile::tempdir().unwrap();
@@ -728,11 +729,15 @@ fn a_graph_pools_free_block_is_not_the_caches() {
         "and 0 bytes is reserved by PyTorch but unallocated",
         "16.00 MiB free inside private pools",
         "short by 14.00 MiB",
-        "capacity: it does not fit",
+        "private pools decided it: 16.00 MiB lay free inside",
+        "only 0 bytes of it lay in pool segments holding no live block",
     ] {
         assert!(effect.contains(said), "{said} not in {effect}");
     }
     assert!(!effect.contains("fragmentation decided"), "{effect}");
+    // No release is offered: a flush would return none of the pool's free bytes.
+    let fixes = oom["fix"].to_string();
+    assert!(!fixes.contains("reset()"), "{fixes}");
     let h = &report["holders"][0];
     assert_eq!(h["arithmetic"]["split"], 0, "{h:#}");
     assert_eq!(h["arithmetic"]["private"], 16u64 << 20, "{h:#}");

@@ -2,7 +2,7 @@
 
     python3 train.py SCENARIO [--duration 20] [--speed 1.0] [--cudart PATH] [--seed 1] [--steps N] [--final-request BYTES]
 
-Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu, co-tenant, graphs. Each prints
+Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu, co-tenant, graphs, engine. Each prints
 one JSON line of the allocator's own statistics at the end ("result"), and exits 1 with PyTorch's
 message on OOM. multi-gpu launches its ranks as torchrun does (one process per device, RANK,
 LOCAL_RANK and WORLD_SIZE in their environment) and ends them all when one fails. co-tenant starts
@@ -303,6 +303,58 @@ def graphs(alloc, args, rng):
     del weights
 
 
+def engine(alloc, args, rng):
+    """A serving engine's start-up in vLLM's order: weights; a profiling pass at the largest
+    batch (activations made and freed), the cache emptied; the KV cache sized from
+    --gpu-memory-utilization less the profiled peak; then one graph per batch size captured
+    (largest first, after a warm-up run) into one shared pool on a side stream. At a high
+    utilization the KV cache leaves the captures too little and one runs out of memory. Prints
+    a `phase` JSON line at each step with the allocator's own figures."""
+    _free, total = alloc.mem_get_info()
+    unit = 2 * MIB
+    time.sleep(0.3)  # reading the model's files
+
+    def share(fraction):
+        return max(unit, int(total * fraction) // unit * unit)
+
+    def phase(name, **extra):
+        s = alloc.stats()
+        private = sum(p["reserved"] for p in alloc.private_pools())
+        print(json.dumps({"phase": name, "reserved": s["reserved"], "allocated": s["allocated"],
+                          "private_reserved": private, "peak_reserved": alloc.reserved_peak, **extra}), flush=True)
+
+    weights = [alloc.malloc(share(0.02)) for _ in range(10)]
+    phase("weights")
+    activations = [alloc.malloc(share(0.03)) for _ in range(4)]
+    for a in activations:
+        alloc.free(a)
+    peak = alloc.reserved_peak
+    alloc.empty_cache()
+    phase("profile", profiled_peak=peak)
+    free, total = alloc.mem_get_info()
+    budget = int(total * args.gpu_memory_utilization) - peak
+    kv = alloc.malloc(max(budget, unit) // unit * unit)
+    phase("kv cache", kv_bytes=kv.size, budget=budget)
+    side = alloc.new_stream()
+    pool = alloc.graph_pool_handle()
+    graphs = []
+    for batch in (8, 4, 2, 1):
+        warm = alloc.malloc(share(0.01 * batch), side)
+        alloc.free(warm)
+        g = Graph()
+        alloc.capture_begin(g, side, pool)
+        x = alloc.malloc(share(0.01 * batch), side)
+        y = alloc.malloc(share(0.005 * batch), side)
+        alloc.free(x)
+        alloc.capture_end(g)
+        graphs.append((g, y))
+        phase("capture", batch=batch)
+        step_pause(args, 0.02)
+    for _ in range(3):
+        for g, _y in graphs:
+            alloc.replay(g)
+
+
 SCENARIOS = {
     "incident": incident,
     "periodic-spike": periodic_spike,
@@ -312,6 +364,7 @@ SCENARIOS = {
     "multi-gpu": multi_gpu,
     "co-tenant": co_tenant,
     "graphs": graphs,
+    "engine": engine,
 }
 
 
@@ -323,6 +376,7 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=0, help="incident: this many steps, not a duration")
     parser.add_argument("--final-request", type=int, default=0, help="incident: the last request's bytes")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="engine: the KV cache's budget")
     parser.add_argument("--cudart", default=os.environ.get("SIMCUDA_CUDART", "libcudart.so.12"))
     args = parser.parse_args()
     if args.scenario == "multi-gpu" and "RANK" not in os.environ:

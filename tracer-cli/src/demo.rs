@@ -36,6 +36,8 @@ struct Scenario {
     about: &'static str,
     /// The simulated device: capacity and latencies.
     env: &'static [(&'static str, &'static str)],
+    /// The workload's own options beyond the duration and speed.
+    args: &'static [&'static str],
 }
 
 const SCENARIOS: &[Scenario] = &[
@@ -47,6 +49,7 @@ const SCENARIOS: &[Scenario] = &[
             ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
             ("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000"),
         ],
+        args: &[],
     },
     Scenario {
         name: "multi-gpu",
@@ -57,6 +60,7 @@ const SCENARIOS: &[Scenario] = &[
             ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
             ("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000"),
         ],
+        args: &[],
     },
     Scenario {
         name: "co-tenant",
@@ -65,6 +69,7 @@ const SCENARIOS: &[Scenario] = &[
             ("SIMCUDA_MEM", "3GiB"),
             ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
         ],
+        args: &[],
     },
     Scenario {
         name: "graphs",
@@ -73,6 +78,16 @@ const SCENARIOS: &[Scenario] = &[
             ("SIMCUDA_MEM", "1GiB"),
             ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,default=2us"),
         ],
+        args: &[],
+    },
+    Scenario {
+        name: "engine",
+        about: "a serving engine's start-up (weights, a profiling pass, the KV cache from --gpu-memory-utilization 0.95, a graph capture per batch size) whose KV cache leaves the captures too little",
+        env: &[
+            ("SIMCUDA_MEM", "4GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,default=2us"),
+        ],
+        args: &["--gpu-memory-utilization", "0.95"],
     },
     Scenario {
         name: "periodic-spike",
@@ -82,16 +97,19 @@ const SCENARIOS: &[Scenario] = &[
             ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,default=2us"),
             ("SIMCUDA_LATENCY_PER_MIB_NS", "5000"),
         ],
+        args: &[],
     },
     Scenario {
         name: "leak",
         about: "losses kept on the GPU across steps",
         env: &[("SIMCUDA_MEM", "8GiB"), ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,default=2us")],
+        args: &[],
     },
     Scenario {
         name: "oom",
         about: "the batch grows every step until the device is full",
         env: &[("SIMCUDA_MEM", "2GiB"), ("SIMCUDA_LATENCY", "cudaMalloc=80us,cudaFree=10us,default=2us")],
+        args: &[],
     },
     Scenario {
         name: "cpu-contention",
@@ -100,6 +118,7 @@ const SCENARIOS: &[Scenario] = &[
             ("SIMCUDA_MEM", "8GiB"),
             ("SIMCUDA_LATENCY", "cudaMalloc=50us,cudaFree=10us,cudaStreamSynchronize=3ms,default=2us"),
         ],
+        args: &[],
     },
 ];
 
@@ -244,6 +263,7 @@ fn workload(
             "--speed",
             &opts.speed.to_string(),
         ])
+        .args(scenario.args)
         .arg("--cudart")
         .arg(sim.join("libcudart.so.12"))
         .envs(scenario.env.iter().copied())

@@ -387,6 +387,13 @@ impl Samples {
     pub(crate) fn get(&self) -> (f64, f64) {
         stats(self.0.clone())
     }
+
+    /// (least, greatest).
+    pub(crate) fn spread(&self) -> (f64, f64) {
+        let least = self.0.iter().copied().fold(f64::INFINITY, f64::min);
+        let most = self.0.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (least, most)
+    }
 }
 
 pub(crate) fn row(name: &str, s: &Samples, note: &str) {

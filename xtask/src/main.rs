@@ -3,6 +3,7 @@
 mod bench;
 mod explain_bench;
 mod flight_bench;
+mod graph_bench;
 mod prologue;
 mod step_bench;
 mod step_modes;
@@ -32,6 +33,8 @@ enum Task {
     BenchWhatif(whatif_bench::WhatIfBenchArgs),
     /// Only `bench`'s training-shaped steps: what tracer costs a step, whole and part by part.
     BenchStep(step_bench::StepBenchArgs),
+    /// A serving loop replaying a captured CUDA graph every step, untraced and traced.
+    BenchGraphs(graph_bench::GraphBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -42,5 +45,6 @@ fn main() -> anyhow::Result<()> {
         Task::BenchFlight(args) => flight_bench::run(args),
         Task::BenchWhatif(args) => whatif_bench::run(args),
         Task::BenchStep(args) => step_bench::run(args),
+        Task::BenchGraphs(args) => graph_bench::run(args),
     }
 }

@@ -7,13 +7,14 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use tracer_common::{OpClass, Space};
 
-use super::{Event, FastMap, SiteLabels, Window};
+pub use super::forensics::Forensics;
+use super::{forensics::forensics, Event, FastMap, SiteLabels, Window};
 use crate::{
     model::{
         attempts::{self, is_device_alloc, Attempt, Attempts, OUT_OF_MEMORY},
         layout::{scatters, AllocConf, Layout, Pool, PoolStats, RunKind, Unknown, SMALL_SEGMENT},
         policy::requests_for_segment,
-        pressure::{pool_of, Alarm, DeviceFree, Pressure},
+        pressure::{pool_of, Alarm, Pressure},
         state::ProcessState,
     },
     units::format_bytes as b,
@@ -21,47 +22,6 @@ use crate::{
 
 /// Samples of the figures over the window, for the fragmentation chain's timeline.
 const SAMPLES: i64 = 8;
-
-/// The layout when an allocation failed.
-#[derive(Clone, Debug, Serialize)]
-pub struct Forensics {
-    pub ts_ns: i64,
-    pub tid: u32,
-    /// The allocator's retry of a failed attempt (after releasing its cache).
-    pub retry: bool,
-    /// No retry followed: the allocator raised out-of-memory (model/attempts.rs).
-    pub raised: bool,
-    /// When cudaMemGetInfo last said what [`Forensics::device_free`] was kept current from.
-    pub device_free_reported_ns: Option<i64>,
-    /// A refused page of an expandable segment: the pages the same request had made before it
-    /// (held at the failure, given back as it fails).
-    pub pages_unmapped: u64,
-    pub device: i32,
-    /// What the failed call asked the device for.
-    pub requested: u64,
-    pub total: PoolStats,
-    pub outside: u64,
-    /// Bytes of segments whose contents tracer did not see (`--allocator auto` armed after
-    /// they were made): not in `total` nor `pools`.
-    pub unseen: u64,
-    /// The device's free memory (cudaMemGetInfo, kept current), when known.
-    pub device_free: Option<u64>,
-    /// The device's default pools at the failure (a private pool's segments left out: the
-    /// request may not use their free blocks).
-    pub pools: Vec<(Pool, PoolStats)>,
-    /// Free bytes inside private pools (CUDA graphs', MemPools'): PyTorch's message counts them
-    /// "allocated in private pools".
-    pub private_free: u64,
-    /// Of those, the bytes in private-pool segments holding no live block.
-    pub private_idle: u64,
-    /// A CUDA graph capture was underway in the process: PyTorch runs no cache flush then.
-    pub capture_underway: bool,
-    /// Bytes of the default pools' segments holding no live block: what a flush returns.
-    pub default_idle: u64,
-    /// The failed call asked for a whole segment (cudaMalloc), whose size bounds the request;
-    /// not a chunk of an expandable segment (cuMemCreate), which says nothing of it.
-    pub whole_segment: bool,
-}
 
 /// What an out-of-memory was, from the evidence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -299,6 +259,8 @@ pub struct Findings {
     pub expandable: Vec<(u64, u64)>,
     /// The window's failures, retries and OOMs raised, as PyTorch counts them.
     pub attempts: attempts::Counts,
+    /// A serving engine's start-up, where the process captured CUDA graphs.
+    pub startup: Option<super::startup::Ledger>,
 }
 
 /// What one process did on one device in the window, for comparing ranks and devices.
@@ -366,6 +328,9 @@ pub struct LayoutMeasure<'a> {
     /// Per thread: physical pages made (cuMemCreate) since its last mapping, which an
     /// expandable segment's request maps once it has them all and gives back when one fails.
     unmapped: FastMap<u32, u64>,
+    /// A serving engine's start-up, phase by phase (where the process captured graphs).
+    startup: super::startup::StartupWatch,
+    budget: Option<super::startup::Budget>,
 }
 
 impl<'a> LayoutMeasure<'a> {
@@ -398,7 +363,15 @@ impl<'a> LayoutMeasure<'a> {
             attempts: Vec::new(),
             candidates: Vec::new(),
             unmapped: FastMap::default(),
+            startup: Default::default(),
+            budget: None,
         }
+    }
+
+    /// The engine's memory budget its command line gives, for the start-up ledger.
+    pub fn with_budget(mut self, budget: Option<super::startup::Budget>) -> Self {
+        self.budget = budget;
+        self
     }
 
     fn sample_at(&self, i: i64) -> i64 {
@@ -455,6 +428,7 @@ impl<'a> LayoutMeasure<'a> {
                 .extend(layout.expandable_segments().filter(|r| r.0 == e.ptr));
         }
         layout.apply(e);
+        self.startup.feed(e, layout, &self.pressure);
         let holding = matches!(
             class,
             OpClass::Alloc | OpClass::Free | OpClass::BlockAlloc | OpClass::BlockFree
@@ -564,6 +538,7 @@ impl<'a> LayoutMeasure<'a> {
             self.next_sample += 1;
         }
         let mut f = self.f;
+        f.startup = self.startup.finish(self.budget);
         // Counted since the process's first block, through the keyframe the replay began at.
         f.block_events = self.layout.blocks_seen;
         f.end = self.layout.stats().clone();
@@ -635,53 +610,6 @@ fn held_by_site(layout: &Layout, window: Window, sites: &SiteLabels) -> Vec<(Str
     out.sort_by_key(|(_, _, bytes)| std::cmp::Reverse(*bytes));
     out.truncate(5);
     out
-}
-
-fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics {
-    let total = layout.device_total(e.device);
-    Forensics {
-        ts_ns: e.ts_ns,
-        tid: e.tid,
-        retry: false,
-        raised: false,
-        device_free_reported_ns: free.map(|d| d.reported_ns),
-        pages_unmapped: 0,
-        device: e.device,
-        requested: e.size,
-        total,
-        outside: layout.outside(e.device),
-        unseen: layout.unseen_contents(Some(e.device)).1,
-        device_free: free.map(|d| d.free.max(0) as u64),
-        pools: layout.default_pools(e.device),
-        private_free: layout
-            .private_pools()
-            .iter()
-            .filter(|p| p.device == e.device)
-            .map(|p| p.free)
-            .sum(),
-        capture_underway: layout.captures.underway(),
-        default_idle: idle_bytes(layout, e.device, false),
-        private_idle: idle_bytes(layout, e.device, true),
-        whole_segment: e.op.spec().space == Space::Device,
-    }
-}
-
-/// Bytes of the device's segments (of private pools, or of the default pools) holding no live
-/// block: what a cache flush returns (a private pool's only once no graph holds it).
-fn idle_bytes(layout: &Layout, device: i32, private: bool) -> u64 {
-    layout
-        .segments()
-        .iter()
-        .filter(|s| s.device == device && s.pool_id.is_some() == private)
-        .filter(|s| {
-            s.runs
-                .iter()
-                .all(|r| !matches!(r.kind, RunKind::Allocated | RunKind::Pending))
-        })
-        .flat_map(|s| &s.runs)
-        .filter(|r| r.kind == RunKind::Free)
-        .map(|r| r.size)
-        .sum()
 }
 
 /// The call sites of the allocated blocks in the pool's segments that have free space.

@@ -322,4 +322,8 @@ pub struct Explanation {
     /// (`--allocator auto`), in time order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub arming: Vec<crate::model::arming::ArmingRow>,
+    /// Each process that captured CUDA graphs: its start-up, phase by phase
+    /// (analysis/startup.rs).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub startups: Vec<super::startup::Startup>,
 }

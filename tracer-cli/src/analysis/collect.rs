@@ -60,6 +60,7 @@ pub struct Collected {
 pub struct Collector<'a> {
     window: Window,
     confs: &'a HashMap<u32, AllocConf>,
+    budgets: &'a HashMap<u32, super::startup::Budget>,
     sites: &'a SiteLabels,
     calls: Vec<Event>,
     processes: BTreeMap<u32, (allocator::LayoutMeasure<'a>, BlockTally)>,
@@ -82,6 +83,7 @@ impl<'a> Collector<'a> {
         Collector {
             window,
             confs: inputs.confs,
+            budgets: inputs.budgets,
             sites: inputs.sites,
             calls,
             processes: BTreeMap::new(),
@@ -96,7 +98,8 @@ impl<'a> Collector<'a> {
             let conf = self.confs.get(&e.pid).copied().unwrap_or_default();
             let start = self.starts.get(&e.pid);
             (
-                allocator::LayoutMeasure::new(start, window, conf, sites),
+                allocator::LayoutMeasure::new(start, window, conf, sites)
+                    .with_budget(self.budgets.get(&e.pid).cloned()),
                 BlockTally::default(),
             )
         });

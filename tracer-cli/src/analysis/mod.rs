@@ -6,12 +6,14 @@
 pub mod allocator;
 mod answer;
 mod collect;
+mod forensics;
 mod host;
 pub mod oom;
 pub mod ranks;
 mod replay;
 mod rules;
 mod scan;
+pub mod startup;
 
 use std::{
     borrow::Cow,
@@ -429,6 +431,8 @@ pub struct Inputs<'a> {
     pub expandable: &'a std::collections::HashSet<u32>,
     /// The session's times give only the order of its calls.
     pub untimed: bool,
+    /// Each process's memory budget, where its command line gives one (a serving engine's).
+    pub budgets: &'a HashMap<u32, startup::Budget>,
 }
 
 impl<'a> Inputs<'a> {
@@ -442,6 +446,8 @@ impl<'a> Inputs<'a> {
             std::sync::OnceLock::new();
         static NO_EXPANDABLE: std::sync::OnceLock<std::collections::HashSet<u32>> =
             std::sync::OnceLock::new();
+        static NO_BUDGETS: std::sync::OnceLock<HashMap<u32, startup::Budget>> =
+            std::sync::OnceLock::new();
         Inputs {
             comms,
             sites,
@@ -453,6 +459,7 @@ impl<'a> Inputs<'a> {
             gpu_samples: &[],
             expandable: NO_EXPANDABLE.get_or_init(Default::default),
             untimed: false,
+            budgets: NO_BUDGETS.get_or_init(HashMap::new),
         }
     }
 }
@@ -622,6 +629,16 @@ pub fn analyze_collected(
         },
         untimed: inputs.untimed,
         arming: Vec::new(),
+        startups: active
+            .iter()
+            .zip(&layouts)
+            .filter_map(|(p, f)| {
+                Some(startup::Startup {
+                    pid: p.pid,
+                    ledger: f.startup.clone()?,
+                })
+            })
+            .collect(),
     }
 }
 

@@ -61,6 +61,7 @@ pub struct Known {
     pub messages: Vec<MessageRow>,
     pub expandable: std::collections::HashSet<u32>,
     pub untimed: bool,
+    pub budgets: HashMap<u32, crate::analysis::startup::Budget>,
 }
 
 impl Known {
@@ -87,6 +88,12 @@ impl Known {
             messages: events::messages(conn, session)?,
             expandable,
             untimed: events::source(conn, session)? == crate::store::SNAPSHOT_UNTIMED,
+            budgets: events::cmdlines(conn, session)?
+                .into_iter()
+                .filter_map(|(pid, c)| {
+                    crate::analysis::startup::Budget::from_cmdline(&c).map(|b| (pid, b))
+                })
+                .collect(),
         })
     }
 
@@ -102,6 +109,7 @@ impl Known {
             gpu_samples: &self.gpu_samples,
             expandable: &self.expandable,
             untimed: self.untimed,
+            budgets: &self.budgets,
         }
     }
 }

@@ -398,6 +398,18 @@ pub fn comms(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {
         .context("read processes")
 }
 
+/// Each process's command line, as recorded (arguments joined by spaces).
+pub fn cmdlines(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {
+    let mut stmt = conn.prepare(
+        "SELECT pid, cmdline FROM processes WHERE session_id = ?1 AND cmdline IS NOT NULL",
+    )?;
+    let rows = stmt.query_map([session], |r| {
+        Ok((r.get::<_, u32>(0)?, r.get::<_, String>(1)?))
+    })?;
+    rows.collect::<rusqlite::Result<_>>()
+        .context("read processes")
+}
+
 /// Each process's allocator settings (PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF), as
 /// recorded from its environment.
 pub fn alloc_confs(conn: &Connection, session: i64) -> Result<HashMap<u32, String>> {

@@ -17,6 +17,7 @@ mod ranks;
 mod rule;
 mod runs;
 mod stalls;
+mod startup;
 mod tenants;
 
 use latency::AllocTimes;

@@ -24,6 +24,7 @@ pub enum Rule {
     CpuContention,
     RankOutlier,
     UnknownState,
+    StartupLedger,
 }
 
 /// What is known of a rule.
@@ -44,7 +45,7 @@ pub struct RuleSpec {
 }
 
 /// Every rule, in the order chains of one process are listed.
-pub const RULES: [RuleSpec; 14] = [
+pub const RULES: [RuleSpec; 15] = [
     spec(
         Rule::LatencyGrowth,
         "latency_growth",
@@ -157,6 +158,14 @@ pub const RULES: [RuleSpec; 14] = [
         "what tracer did not see of the allocator, and what would settle it",
         Runs::Layout(runs::unknown_state),
     ),
+    spec(
+        Rule::StartupLedger,
+        "startup_ledger",
+        false,
+        false,
+        "a serving engine's start-up: what the weights, a profiling pass, the KV cache and each graph capture took, against its budget",
+        Runs::Layout(runs::startup_ledger),
+    ),
 ];
 
 #[allow(clippy::too_many_arguments)] // reason: one row of the table, named by its fields
@@ -242,9 +251,10 @@ mod tests {
             Rule::CpuContention => 11,
             Rule::RankOutlier => 12,
             Rule::UnknownState => 13,
+            Rule::StartupLedger => 14,
         }
     }
-    const VARIANTS: usize = 14;
+    const VARIANTS: usize = 15;
 
     #[test]
     fn the_table_covers_every_rule_once_with_a_name_of_its_own() {

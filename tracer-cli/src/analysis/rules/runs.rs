@@ -167,6 +167,10 @@ pub(super) fn unknown_state(l: &Laid<'_>) -> Option<Chain> {
     measured::unknown_chain(l.pid, l.findings)
 }
 
+pub(super) fn startup_ledger(l: &Laid<'_>) -> Option<Chain> {
+    super::startup::startup_chain(l.pid, l.findings.startup.as_ref()?)
+}
+
 pub(super) fn empty_cache_churn(f: &mut Scanning<'_, '_>) -> Option<Chain> {
     churn::empty_cache_churn(f.p.pid, f.p.window, f.scan.device_frees_ok)
 }

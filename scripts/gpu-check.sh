@@ -303,12 +303,18 @@ recorded_case() { # NAME CASE CONF(default|expandable) HOLD(0|1) [args]
   "$tracer" explain --db "$dir/trace.db" >"$dir/explain.txt" 2>&1 || true
   sed -n '1,60p' "$dir/explain.txt" | sed 's/^/    | /'
   "$tracer" layout --db "$dir/trace.db" --at oom >"$dir/layout-oom.txt" 2>&1 || true
+  # Each segment's pool as tracer saw the captures, and the start-up ledger, to compare with
+  # PyTorch's snapshot (segment_pool_id) and its phases (stats.json) on this machine later.
+  "$tracer" layout --db "$dir/trace.db" --json >"$dir/layout-end.json" 2>/dev/null || true
+  "$tracer" explain --db "$dir/trace.db" --json >"$dir/explain.json" 2>/dev/null || true
   gzip -9 -f "$dir/trace.db"
   cp "$dir"/stats.json "$out/cases/$name-stats.json" 2>/dev/null || true
   cp "$dir"/holder.json "$out/cases/$name-holder.json" 2>/dev/null || true
   cp "$dir"/trace.db.gz "$out/cases/$name-trace.db.gz" 2>/dev/null || true
   cp "$dir"/explain.txt "$out/cases/$name-explain.txt" 2>/dev/null || true
   cp "$dir"/layout-oom.txt "$out/cases/$name-layout-oom.txt" 2>/dev/null || true
+  cp "$dir"/layout-end.json "$out/cases/$name-layout-end.json" 2>/dev/null || true
+  cp "$dir"/explain.json "$out/cases/$name-explain.json" 2>/dev/null || true
   cp "$dir"/workload.log "$out/cases/$name-workload.log" 2>/dev/null || true
   for s in "$dir"/snapshot*.pickle.gz; do [ -f "$s" ] && cp "$s" "$out/cases/$name-$(basename "$s")"; done
   return 0

@@ -388,3 +388,42 @@ fn the_start_up_ledger_is_the_engines_own_account_and_its_budget_move_works() {
     let (code, phases) = run_engine(&fx, lowered);
     assert_eq!(code, Some(0), "at {lowered}: {phases:?}");
 }
+
+/// A graph reset lets go of its pool; the next empty_cache() gives the pool's segments back, as
+/// PyTorch does. The layout then holds no private pool, and whatif replays the release: a
+/// 1000 MiB request after it fits the 1 GiB device only because the pool's 40 MiB went back.
+#[test]
+fn a_pool_goes_back_at_the_flush_after_its_graph_resets() {
+    let Some(fx) = Fixture::new() else { return };
+    let trace = fx.trace(
+        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
+        &["--allocator", "always"],
+    );
+    let script = format!(
+        "import sys\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, Graph, MIB\na = CachingAllocator({cudart:?})\na.mem_get_info()\nside = a.new_stream()\ng = Graph()\na.capture_begin(g, side)\nx = a.malloc(40 * MIB, side)\na.free(x)\na.capture_end(g)\na.empty_cache()\nheld = a.stats()['reserved']\na.reset(g)\na.empty_cache()\nprint(held, a.stats()['reserved'], a.memory_stats()['num_device_free'])\ny = a.malloc(1000 * MIB)\n",
+        dir = workspace().join("demos/workloads").to_str().unwrap(),
+        cudart = fx.lib("libcudart.so.12"),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .env("SIMCUDA_MEM", "1GiB")
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        said.trim(),
+        format!("{} 0 1", 40u64 << 20),
+        "held by the graph, then freed"
+    );
+    trace.stop(SIGINT);
+    let layouts = tracer_json(&fx.db, &["layout", "--json"]);
+    let pools = layouts[0]["devices"]
+        .get(0)
+        .map_or(Value::Null, |d| d["private_pools"].clone());
+    assert!(pools.as_array().is_none_or(|p| p.is_empty()), "{layouts}");
+    let w = tracer_json(&fx.db, &["whatif", "--json"]);
+    assert_eq!(w["fidelity"]["holds"], true, "{w}");
+    assert_eq!(w["rows"][0]["device_allocs"], 2, "{w}");
+    assert!(w["rows"][0]["oom_request"].is_null(), "{w}");
+}

@@ -214,6 +214,11 @@ impl Captures {
         }
     }
 
+    /// The pool CUDAGraph object `graph` holds.
+    pub fn pool_of_graph(&self, graph: u64) -> Option<PoolId> {
+        self.graphs.get(&graph).copied()
+    }
+
     /// The pool a request on `stream` goes to now, when a capture routes it.
     pub fn route(&self, stream: u64) -> Option<PoolId> {
         self.streams.get(&stream).copied()

@@ -49,6 +49,10 @@ pub enum Request {
     /// A CUDA graph capture began (true) or every capture ended (false): PyTorch runs no cache
     /// flush while one is underway, so a request that does not fit then is refused at once.
     CapturesUnderway(bool),
+    /// A private pool no graph holds any more (every graph captured into it reset) is freeable
+    /// (true): a flush returns its segments with no live block; a new capture into it holds it
+    /// again (false). The pool as [`private_stream`] marks it (any stream).
+    PoolFreeable(u64, bool),
 }
 
 /// Marks the stream of a request routed to a private pool (a CUDA graph's, a MemPool's): such a
@@ -56,6 +60,9 @@ pub enum Request {
 /// apart, and a flush releases none of the pool's segments (a pool still in use is not
 /// freeable).
 pub const PRIVATE_POOL_STREAM: u64 = 1 << 63;
+
+/// The bits of a private stream that name its pool.
+const POOL_BITS: u64 = 0x7fff << 48;
 
 /// The stream a request routed to `pool` is simulated on.
 pub fn private_stream(pool: super::pools::PoolId, stream: u64) -> u64 {
@@ -152,6 +159,8 @@ pub struct Simulator {
     allocated: u64,
     /// A CUDA graph capture is underway: no flush, no retry.
     capturing: bool,
+    /// Private pools no graph holds ([`POOL_BITS`] of their streams).
+    freeable: std::collections::HashSet<u64>,
     /// Addresses the device gave the recorded run, in order: the simulated run takes them.
     addresses: std::vec::IntoIter<u64>,
     next_address: u64,
@@ -178,6 +187,7 @@ impl Simulator {
             reserved: 0,
             allocated: 0,
             capturing: false,
+            freeable: Default::default(),
             addresses: addresses.into_iter(),
             next_address: FIRST_ADDRESS,
             placements: None,
@@ -258,6 +268,12 @@ impl Simulator {
                 Request::EmptyCache if self.capturing => {}
                 Request::EmptyCache => self.release_cached(),
                 Request::CapturesUnderway(underway) => self.capturing = underway,
+                Request::PoolFreeable(pool, true) => {
+                    self.freeable.insert(pool & POOL_BITS);
+                }
+                Request::PoolFreeable(pool, false) => {
+                    self.freeable.remove(&(pool & POOL_BITS));
+                }
             }
             self.peaks();
         }
@@ -475,7 +491,8 @@ impl Simulator {
 
     /// Block `b` lies in a private pool's segment (a CUDA graph's, a MemPool's).
     fn private(&self, b: u32) -> bool {
-        self.segment_of(b).stream & PRIVATE_POOL_STREAM != 0
+        let stream = self.segment_of(b).stream;
+        stream & PRIVATE_POOL_STREAM != 0 && !self.freeable.contains(&(stream & POOL_BITS))
     }
 
     /// A whole free segment a flush returns: not one of a private pool still in use.
@@ -932,6 +949,38 @@ mod tests {
         assert_eq!(o.device_frees, 1);
         assert_eq!(placed[1], 0, "refused");
         assert_ne!(placed[2], 0, "served once the cache went back");
+    }
+
+    /// A private pool's free segment stays at a flush while a graph holds the pool; once every
+    /// graph captured into it is reset, the next flush returns it; a new capture holds it again.
+    #[test]
+    fn a_pool_is_released_at_the_flush_after_its_graphs_reset() {
+        let graph = private_stream((1, 0), 0x5000);
+        let pooled = Request::Malloc {
+            size: 20 * MIB,
+            stream: graph,
+        };
+        let held = [pooled, free(0), Request::EmptyCache];
+        let (o, _, _) = run(settings("", false), 30 * MIB, &held);
+        assert_eq!(o.device_frees, 0, "the pool is held");
+        let released = [
+            pooled,
+            free(0),
+            Request::PoolFreeable(graph, true),
+            Request::EmptyCache,
+            malloc(20 * MIB),
+        ];
+        let (o, _, _) = run(settings("", false), 30 * MIB, &released);
+        assert_eq!((o.device_frees, o.oom), (1, None), "freed at the flush");
+        let held_again = [
+            pooled,
+            free(0),
+            Request::PoolFreeable(graph, true),
+            Request::PoolFreeable(private_stream((1, 0), 0), false),
+            Request::EmptyCache,
+        ];
+        let (o, _, _) = run(settings("", false), 30 * MIB, &held_again);
+        assert_eq!(o.device_frees, 0, "held again by a new capture");
     }
 
     /// max_split_size: an oversize cached block serves only oversize requests within 20 MiB of

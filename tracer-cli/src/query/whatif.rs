@@ -487,7 +487,30 @@ impl RunRecording {
             self.captures = self.past.captures.clone();
         }
         let was = self.captures.underway();
+        // The pool a reset may free, or a capture hold again.
+        let pool = match e.class() {
+            OpClass::PoolReset => self.captures.pool_of_graph(e.ptr),
+            _ => None,
+        };
         self.captures.apply(e);
+        let announced = match e.class() {
+            OpClass::PoolCapture => self.captures.pool_of_graph(e.ptr),
+            OpClass::CaptureBegin => self.captures.route(e.aux0),
+            _ => None,
+        };
+        for (id, freeable) in pool
+            .filter(|&id| self.captures.pool(id).is_some_and(|p| p.graphs == 0))
+            .map(|id| (id, true))
+            .into_iter()
+            .chain(announced.map(|id| (id, false)))
+        {
+            self.builders.entry(e.device).or_default();
+            for b in self.builders.values_mut() {
+                b.run
+                    .requests
+                    .push(Request::PoolFreeable(private_stream(id, 0), freeable));
+            }
+        }
         if self.captures.underway() != was {
             // Every device's replay: PyTorch's no-flush rule holds for the whole process.
             let underway = self.captures.underway();

@@ -8,6 +8,32 @@ use std::process::Command;
 use crate::common::*;
 use serde_json::Value;
 
+/// `tracer trace` of the simulated runtime, driver and PyTorch probes, with every block event
+/// (and `extra`).
+fn trace_sim(fx: &Fixture, extra: &[&str]) -> Trace {
+    let mut args = vec!["--allocator", "always"];
+    args.extend_from_slice(extra);
+    fx.trace(
+        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
+        &args,
+    )
+}
+
+/// Runs `body` as Python with `a`, the simulated caching allocator on a 1 GiB device, and its
+/// names (Graph, MIB, OutOfMemoryError) at hand.
+fn run_allocator(fx: &Fixture, body: &str) -> std::process::Output {
+    let script = format!(
+        "import sys\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, Graph, MIB, OutOfMemoryError\na = CachingAllocator({cudart:?})\n{body}",
+        dir = workspace().join("demos/workloads").to_str().unwrap(),
+        cudart = fx.lib("libcudart.so.12"),
+    );
+    Command::new("python3")
+        .args(["-c", &script])
+        .env("SIMCUDA_MEM", "1GiB")
+        .output()
+        .unwrap()
+}
+
 /// The graphs workload on a 1 GiB simulated device, its allocator writing its own layout after
 /// every block event; (its stderr, its truth lines).
 fn run_graphs(fx: &Fixture, truth: &std::path::Path, conf: Option<&str>) -> (String, Vec<Value>) {
@@ -62,10 +88,7 @@ fn each_capture_puts_its_segments_in_its_pool_as_the_allocator_did() {
     let Some(fx) = Fixture::new() else { return };
     let dir = tempfile::tempdir().unwrap();
     let truth_file = dir.path().join("truth.jsonl");
-    let trace = fx.trace(
-        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
-        &["--allocator", "always", "--stack"],
-    );
+    let trace = trace_sim(&fx, &["--stack"]);
     let (stderr, truth) = run_graphs(&fx, &truth_file, None);
     assert!(
         stderr.contains("with 188.00 MiB allocated in private pools"),
@@ -224,22 +247,13 @@ fn each_capture_puts_its_segments_in_its_pool_as_the_allocator_did() {
 #[test]
 fn an_oom_during_a_capture_is_the_unflushed_cache_not_fragmentation() {
     let Some(fx) = Fixture::new() else { return };
-    let trace = fx.trace(
-        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
-        &["--allocator", "always"],
-    );
+    let trace = trace_sim(&fx, &[]);
     // 600 MiB of weights, a 300 MiB segment freed whole, then inside a capture 60 MiB and a
     // 200 MiB request: 64 MiB free on the device, 300 MiB cached and never flushed.
-    let script = format!(
-        "import sys\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, Graph, MIB, OutOfMemoryError\na = CachingAllocator({cudart:?})\nw = a.malloc(600 * MIB)\nt = a.malloc(300 * MIB)\na.free(t)\nside = a.new_stream()\ng = Graph()\na.capture_begin(g, side)\nx = a.malloc(60 * MIB, side)\ntry:\n    a.malloc(200 * MIB, side)\nexcept OutOfMemoryError:\n    print(a.memory_stats()['num_alloc_retries'])\n    sys.exit(1)\n",
-        dir = workspace().join("demos/workloads").to_str().unwrap(),
-        cudart = fx.lib("libcudart.so.12"),
+    let out = run_allocator(
+        &fx,
+        "w = a.malloc(600 * MIB)\nt = a.malloc(300 * MIB)\na.free(t)\nside = a.new_stream()\ng = Graph()\na.capture_begin(g, side)\nx = a.malloc(60 * MIB, side)\ntry:\n    a.malloc(200 * MIB, side)\nexcept OutOfMemoryError:\n    print(a.memory_stats()['num_alloc_retries'])\n    sys.exit(1)\n",
     );
-    let out = Command::new("python3")
-        .args(["-c", &script])
-        .env("SIMCUDA_MEM", "1GiB")
-        .output()
-        .unwrap();
     assert_eq!(
         out.status.code(),
         Some(1),
@@ -316,10 +330,7 @@ fn phase<'a>(phases: &'a [Value], name: &str) -> &'a Value {
 #[test]
 fn the_start_up_ledger_is_the_engines_own_account_and_its_budget_move_works() {
     let Some(fx) = Fixture::new() else { return };
-    let trace = fx.trace(
-        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
-        &["--allocator", "always"],
-    );
+    let trace = trace_sim(&fx, &[]);
     let (code, phases) = run_engine(&fx, "0.9");
     assert_eq!(code, Some(0), "{phases:?}");
     trace.stop(SIGINT);
@@ -356,10 +367,7 @@ fn the_start_up_ledger_is_the_engines_own_account_and_its_budget_move_works() {
 
     // At 0.95 the KV cache leaves the captures too little.
     std::fs::remove_file(&fx.db).unwrap();
-    let trace = fx.trace(
-        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
-        &["--allocator", "always"],
-    );
+    let trace = trace_sim(&fx, &[]);
     let (code, phases) = run_engine(&fx, "0.95");
     assert_eq!(code, Some(1), "{phases:?}");
     trace.stop(SIGINT);
@@ -395,20 +403,11 @@ fn the_start_up_ledger_is_the_engines_own_account_and_its_budget_move_works() {
 #[test]
 fn a_pool_goes_back_at_the_flush_after_its_graph_resets() {
     let Some(fx) = Fixture::new() else { return };
-    let trace = fx.trace(
-        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
-        &["--allocator", "always"],
+    let trace = trace_sim(&fx, &[]);
+    let out = run_allocator(
+        &fx,
+        "a.mem_get_info()\nside = a.new_stream()\ng = Graph()\na.capture_begin(g, side)\nx = a.malloc(40 * MIB, side)\na.free(x)\na.capture_end(g)\na.empty_cache()\nheld = a.stats()['reserved']\na.reset(g)\na.empty_cache()\nprint(held, a.stats()['reserved'], a.memory_stats()['num_device_free'])\ny = a.malloc(1000 * MIB)\n",
     );
-    let script = format!(
-        "import sys\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, Graph, MIB\na = CachingAllocator({cudart:?})\na.mem_get_info()\nside = a.new_stream()\ng = Graph()\na.capture_begin(g, side)\nx = a.malloc(40 * MIB, side)\na.free(x)\na.capture_end(g)\na.empty_cache()\nheld = a.stats()['reserved']\na.reset(g)\na.empty_cache()\nprint(held, a.stats()['reserved'], a.memory_stats()['num_device_free'])\ny = a.malloc(1000 * MIB)\n",
-        dir = workspace().join("demos/workloads").to_str().unwrap(),
-        cudart = fx.lib("libcudart.so.12"),
-    );
-    let out = Command::new("python3")
-        .args(["-c", &script])
-        .env("SIMCUDA_MEM", "1GiB")
-        .output()
-        .unwrap();
     assert_ok(&out);
     let said = String::from_utf8_lossy(&out.stdout);
     assert_eq!(

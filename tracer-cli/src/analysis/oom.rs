@@ -282,6 +282,29 @@ fn cause(i: &Inputs, asked: Option<u64>, shortfall: Option<u64>, source: FreeSou
     }
 }
 
+/// Of free bytes beside a verdict, those in `segments` holding no live block (`idle`): what a
+/// flush returns (`returned`), enough to cover the shortfall or not (`rest`: where the others
+/// lie).
+fn idle_said(
+    enough: bool,
+    idle: Option<u64>,
+    segments: &str,
+    returned: &str,
+    rest: &str,
+) -> String {
+    match (enough, idle) {
+        (true, Some(idle)) => format!(
+            "; {} of it lay in {segments} holding no live block, which {returned}",
+            pb(idle)
+        ),
+        (false, Some(idle)) => format!(
+            "; only {} of it lay in {segments} holding no live block: {rest}",
+            pb(idle)
+        ),
+        (_, None) => String::new(),
+    }
+}
+
 impl Arithmetic {
     /// The figures in one sentence: asked, could give, short by, in the way.
     pub fn figures(&self) -> String {
@@ -428,17 +451,13 @@ impl Arithmetic {
                 "a capture in progress decided it: {} lay free in this process's cache, more than the {} it was short, and PyTorch flushes no cache while a CUDA graph capture is underway{}",
                 pb(split),
                 short,
-                match (idle_enough, self.capture_idle) {
-                    (true, Some(idle)) => format!(
-                        "; {} of it lay in segments holding no live block, which a flush before the capture returns",
-                        pb(idle)
-                    ),
-                    (false, Some(idle)) => format!(
-                        "; only {} of it lay in segments holding no live block: the rest is split blocks beside live ones",
-                        pb(idle)
-                    ),
-                    (_, None) => String::new(),
-                }
+                idle_said(
+                    *idle_enough,
+                    self.capture_idle,
+                    "segments",
+                    "a flush before the capture returns",
+                    "the rest is split blocks beside live ones"
+                )
             ),
             Cause::PrivatePools { idle_enough } => format!(
                 "private pools decided it: {} lay free inside CUDA graphs' (or MemPools') private pools, more than the {} it was short, which this request (routed to the default pools) may not use; the split bytes ({}) and other processes ({}) were not enough{}",
@@ -446,17 +465,13 @@ impl Arithmetic {
                 short,
                 pb(split),
                 pb(self.others),
-                match (idle_enough, self.private_idle) {
-                    (true, Some(idle)) => format!(
-                        "; {} of it lay in pool segments holding no live block, which a cache flush returns once no graph holds their pool",
-                        pb(idle)
-                    ),
-                    (false, Some(idle)) => format!(
-                        "; only {} of it lay in pool segments holding no live block (what a flush could return once no graph holds their pool): the rest sits beside blocks the graphs keep",
-                        pb(idle)
-                    ),
-                    (_, None) => String::new(),
-                }
+                idle_said(
+                    *idle_enough,
+                    self.private_idle,
+                    "pool segments",
+                    "a cache flush returns once no graph holds their pool",
+                    "the rest sits beside blocks the graphs keep"
+                )
             ),
             Cause::OtherProcesses => format!(
                 "other processes decided it: held by other processes on {on} ({}), more than the {} it was short{}",

@@ -182,6 +182,14 @@ fn each_capture_puts_its_segments_in_its_pool_as_the_allocator_did() {
         w["rows"][0]["oom_request"],
         w["fidelity"]["refused_recorded"][0]
     );
+    // Without the graphs (an estimate, said so): the weights and the prefill alone, no OOM.
+    let without = &w["without_graphs"];
+    assert!(without["oom_request"].is_null(), "{without}");
+    assert_eq!(
+        without["peak_reserved"].as_u64().unwrap(),
+        truth[0]["reserved"].as_u64().unwrap() + (256 << 20),
+        "{without}"
+    );
     let expandable = w["rows"]
         .as_array()
         .unwrap()

@@ -53,6 +53,8 @@ pub enum Request {
     /// (true): a flush returns its segments with no live block; a new capture into it holds it
     /// again (false). The pool as [`private_stream`] marks it (any stream).
     PoolFreeable(u64, bool),
+    /// A request left out (an estimate without it): it takes its handle, holds nothing.
+    Skipped,
 }
 
 /// Marks the stream of a request routed to a private pool (a CUDA graph's, a MemPool's): such a
@@ -264,6 +266,7 @@ impl Simulator {
                     }
                 }
                 Request::Free { handle } => self.free_handle(handle),
+                Request::Skipped => self.handles.push(NONE),
                 // empty_cache() is a no-op while a capture is underway.
                 Request::EmptyCache if self.capturing => {}
                 Request::EmptyCache => self.release_cached(),

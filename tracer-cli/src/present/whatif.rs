@@ -70,6 +70,15 @@ pub fn text(out: &mut impl Write, w: &WhatIf) -> Result<()> {
             r.least_memory.map_or("-".to_owned(), size)
         )?;
     }
+    if let Some(r) = &w.without_graphs {
+        writeln!(
+            out,
+            "Without CUDA graphs, as run otherwise (an estimate: the eager requests the graphs' replays stand in for were never made, so they are not in it): OOM {}, peak reserved {}, peak cached {}.",
+            r.oom_request.map_or("none".to_owned(), |i| format!("at request {i}")),
+            size(r.peak_reserved),
+            size(r.peak_cached)
+        )?;
+    }
     Ok(())
 }
 

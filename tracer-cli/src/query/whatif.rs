@@ -796,6 +796,36 @@ pub struct WhatIfRow {
     pub least_memory: Option<u64>,
 }
 
+/// The run without the requests CUDA graphs' captures made (their pools never taken), under
+/// the recorded settings: an estimate, since the eager requests each graph's replays stand in
+/// for were never made and are not in it. Pools a snapshot's trace began with stay.
+pub fn without_graphs(run: &RecordedRun, capacity: u64) -> Option<WhatIfRow> {
+    let private = |stream: u64| stream & crate::model::simulator::PRIVATE_POOL_STREAM != 0;
+    if !run
+        .requests
+        .iter()
+        .any(|r| matches!(r, Request::Malloc { stream, .. } if private(*stream)))
+    {
+        return None;
+    }
+    let requests: Vec<Request> = run
+        .requests
+        .iter()
+        .filter(|r| !matches!(r, Request::CapturesUnderway(_) | Request::PoolFreeable(..)))
+        .map(|r| match r {
+            Request::Malloc { stream, .. } if private(*stream) => Request::Skipped,
+            other => *other,
+        })
+        .collect();
+    let estimate = RecordedRun {
+        requests,
+        ..run.clone()
+    };
+    let mut row = row(&estimate, &run.conf_text, false, capacity, false);
+    row.recorded_settings = true;
+    Some(row)
+}
+
 /// The answer: the recorded run, whether the simulator reproduces it, and each setting.
 #[derive(Clone, Debug, Serialize)]
 pub struct WhatIf {
@@ -812,6 +842,10 @@ pub struct WhatIf {
     pub recorded_ooms: u64,
     pub recorded_peak_reserved: u64,
     pub fidelity: Fidelity,
+    /// The recorded settings without the captures' requests (an estimate, said so), where the
+    /// run captured CUDA graphs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub without_graphs: Option<WhatIfRow>,
     pub rows: Vec<WhatIfRow>,
 }
 
@@ -856,6 +890,7 @@ pub fn whatif(db: &Path, q: &WhatIfQuery) -> Result<WhatIf> {
         capacity_source: run.capacity_source,
         recorded_ooms: run.recorded_ooms,
         recorded_peak_reserved: run.recorded_peak_reserved,
+        without_graphs: without_graphs(&run, capacity),
         fidelity,
         rows,
     })

@@ -143,6 +143,49 @@ fn each_capture_puts_its_segments_in_its_pool_as_the_allocator_did() {
     let at = pool["captured_at"].as_str().unwrap_or_default();
     assert!(at.contains(".py:"), "{pool}");
 
+    // The report's map draws the pool apart: its line, and each of its segments labelled.
+    let html = dir.path().join("report.html");
+    let out = Command::new(TRACER)
+        .args(["report", "--db"])
+        .arg(&fx.db)
+        .arg("-o")
+        .arg(&html)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let profile = tempfile::tempdir().unwrap();
+    let (browser, png) = (
+        workspace().join("tests/python/report_browser.py"),
+        dir.path().join("report.png"),
+    );
+    let seen = python_json(&[
+        browser.as_os_str(),
+        html.as_os_str(),
+        png.as_os_str(),
+        profile.path().as_os_str(),
+    ]);
+    assert_eq!(seen["console"], serde_json::json!([]), "{seen:#}");
+    let notes: Vec<&str> = seen["segmap_notes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        notes.iter().any(
+            |n| n.starts_with("private pool (0, 1) (CUDA graphs', 4 capture(s)")
+                && n.contains("188 MiB free in 4 blocks")
+        ),
+        "{notes:?}"
+    );
+    let pooled = seen["segment_labels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l.as_str().unwrap_or("").contains("pool (0, 1)"))
+        .count();
+    assert_eq!(pooled, 3, "{seen:#}");
+
     // explain: the pool's free blocks decided it, not fragmentation, with PyTorch's figures.
     let report = tracer_json(&fx.db, &["explain", "--json"]);
     let holder = &report["holders"][0];

@@ -79,6 +79,8 @@ try:
         "losses": losses,
         "segments": len(driver.find_elements(By.CSS_SELECTOR, "#segmap .seg")),
         "export_commands": cells("#segmap .export code"),
+        "segmap_notes": cells("#segmap p.note"),
+        "segment_labels": cells("#segmap .seg .label"),
         "whatif_rows": [[td.text for td in tr.find_elements(By.CSS_SELECTOR, "td")]
                         for tr in driver.find_elements(By.CSS_SELECTOR, "#whatif table tr")[1:]],
         "runs": len(driver.find_elements(By.CSS_SELECTOR, "#segmap .run")),

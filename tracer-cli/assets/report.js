@@ -181,6 +181,13 @@
       for (const d of p.devices) {
         mapBox.append(el("p", { class: "note", text: "device " + d.device + ": allocated " + bytes(d.total.allocated) + ", reserved " + bytes(d.total.reserved) +
           ", " + count(d.total.free_blocks) + " free blocks, largest " + bytes(d.total.largest_free) + ", outside the allocator " + bytes(d.outside) }));
+        for (const pool of d.private_pools || []) {
+          const whose = pool.captures ? "CUDA graphs', " + count(pool.captures.captures) + " capture(s), held by " + count(pool.captures.graphs) + " graph(s)" +
+            (pool.captured_at ? ", first from " + pool.captured_at : "") : "a CUDA graph's or a MemPool's";
+          mapBox.append(el("p", { class: "note", text: "private pool (" + pool.id[0] + ", " + pool.id[1] + ") (" + whose + "): reserved " + bytes(pool.reserved) +
+            ", allocated " + bytes(pool.allocated) + ", " + bytes(pool.free) + " free in " + count(pool.free_blocks) + " blocks (largest " + bytes(pool.largest_free) +
+            ") that only requests routed to this pool may use" }));
+        }
       }
       if (p.view === "segments") {
         mapBox.append(el("p", { class: "note", text: "Only the device allocations are visible for this process (no PyTorch allocator probes were seen: another framework, an older PyTorch, or the cudaMallocAsync backend), so there are no blocks to map." }));
@@ -208,7 +215,8 @@
           run.addEventListener("mouseleave", hideTip);
           bar.append(run);
         }
-        const label = el("div", { class: "label", text: "dev " + seg.device + " " + (seg.pool || "?") + " " + bytes(seg.size) + (seg.expandable ? " expandable" : "") + " 0x" + BigInt(seg.addr).toString(16) });
+        const pool = seg.pool_id ? " pool (" + seg.pool_id[0] + ", " + seg.pool_id[1] + ")" : "";
+        const label = el("div", { class: "label", text: "dev " + seg.device + " " + (seg.pool || "?") + pool + " " + bytes(seg.size) + (seg.expandable ? " expandable" : "") + " 0x" + BigInt(seg.addr).toString(16) });
         mapBox.append(el("div", { class: "seg" }, label, bar));
       }
     }

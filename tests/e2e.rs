@@ -1649,6 +1649,8 @@ fn demo_list_and_bad_scenario() {
         "oom",
         "cpu-contention",
         "co-tenant",
+        "graphs",
+        "engine",
     ] {
         assert!(list.contains(s), "{list}");
     }

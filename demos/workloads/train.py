@@ -307,7 +307,9 @@ def engine(alloc, args, rng):
     """A serving engine's start-up in vLLM's order: weights; a profiling pass at the largest
     batch (activations made and freed), the cache emptied; the KV cache sized from
     --gpu-memory-utilization less the profiled peak; then one graph per batch size captured
-    (largest first, after a warm-up run) into one shared pool on a side stream. At a high
+    (largest first, after a warm-up run) into one shared pool on a side stream, with
+    CUDAGraph.capture_begin directly (torch.cuda.graph would also empty the cache before each
+    capture, returning the warm-up's cached segment). At a high
     utilization the KV cache leaves the captures too little and one runs out of memory. Prints
     a `phase` JSON line at each step with the allocator's own figures."""
     _free, total = alloc.mem_get_info()

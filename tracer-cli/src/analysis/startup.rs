@@ -2,7 +2,9 @@
 //! alone (not from any engine's names). An engine loads its weights, may run a profiling pass
 //! and empty the cache (vLLM), takes its KV cache, then captures a CUDA graph per batch size
 //! (vLLM, SGLang, TensorRT-LLM's PyTorch flow). The phases are told apart by what the calls
-//! show: the last cache flush before the first capture (the end of a profiling pass), the
+//! show: the cache flush before the first capture that the most kept memory followed (the end
+//! of a profiling pass: torch.cuda.graph flushes right before each capture too, and nothing is
+//! made between that flush and its capture), the
 //! first capture, and the last capture seen. Bytes are the allocator's reserved bytes (its
 //! segments: seen with or without PyTorch's block probes).
 
@@ -81,8 +83,8 @@ pub struct CaptureStep {
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Ledger {
     pub device: i32,
-    /// Reserved after the last cache flush before the first capture: the weights and what
-    /// stays (None: no flush before the captures).
+    /// Reserved after the cache flush before the first capture that the most kept memory
+    /// followed: the weights and what stays (None: no such flush before the captures).
     pub resident: Option<u64>,
     /// The most reserved before that flush: resident plus the profiling pass's peak.
     pub peak_before_flush: Option<u64>,
@@ -116,12 +118,18 @@ pub struct Startup {
     pub ledger: Ledger,
 }
 
+/// Flushes before the first capture kept to choose the profiling pass's from.
+const FLUSHES_KEPT: usize = 64;
+
 /// Follows one process's calls (with its layout after each) into a [`Ledger`].
 #[derive(Clone, Debug, Default)]
 pub struct StartupWatch {
     peak: u64,
-    /// At the last flush: (the most reserved before it, reserved and allocated after it).
-    flush: Option<(u64, u64, u64)>,
+    /// The flushes before the first capture, the latest last (at most [`FLUSHES_KEPT`]): (the
+    /// most reserved before it, reserved and allocated after it).
+    flushes: Vec<(u64, u64, u64)>,
+    /// The last call was a segment given back in a flush: the next one belongs to it too.
+    in_flush: bool,
     failed_since_block: bool,
     ledger: Option<Ledger>,
     /// The private pools' and default pools' reserved bytes when the open capture began.
@@ -176,26 +184,45 @@ impl StartupWatch {
         let class = e.class();
         let total = layout.device_total(e.device);
         let reserved = total.reserved;
+        if matches!(class, OpClass::Alloc | OpClass::BlockAlloc) {
+            self.in_flush = false;
+        }
         match class {
             OpClass::BlockAlloc => self.failed_since_block = false,
             OpClass::Alloc if e.ret != 0 => self.failed_since_block = true,
-            // A segment given back not on a retry: the cache flushed (empty_cache()).
+            // A segment given back not on a retry: the cache flushed (empty_cache()); its
+            // figures are those after the whole burst of frees.
             OpClass::Free
                 if e.ret == 0
                     && !self.failed_since_block
                     && matches!(e.space(), Space::Device | Space::Mapping) =>
             {
-                self.flush = Some((self.peak, reserved, total.allocated));
+                let flush = (self.peak, reserved, total.allocated);
+                match self.flushes.last_mut() {
+                    Some(last) if self.in_flush => *last = (last.0, reserved, total.allocated),
+                    _ => {
+                        if self.flushes.len() == FLUSHES_KEPT {
+                            self.flushes.remove(0);
+                        }
+                        self.flushes.push(flush);
+                    }
+                }
+                self.in_flush = true;
             }
             _ => {}
         }
         self.peak = self.peak.max(reserved);
-        if let Some((peak, _, _)) = self.flush {
-            // A flush's figures are those after the whole burst of frees.
-            if class == OpClass::Free {
-                self.flush = Some((peak, reserved, total.allocated));
-            }
-        }
+    }
+
+    /// The flush the most kept memory followed up to now (`allocated`, `reserved`: now), where
+    /// any did: the end of a profiling pass, before the KV cache.
+    fn profiling_flush(&self, allocated: Option<u64>, reserved: u64) -> Option<(u64, u64, u64)> {
+        let grew = |f: &(u64, u64, u64)| match allocated {
+            Some(now) => now.saturating_sub(f.2),
+            None => reserved.saturating_sub(f.1),
+        };
+        let best = self.flushes.iter().max_by_key(|f| grew(f))?;
+        (grew(best) > 0).then_some(*best)
     }
 
     fn private_reserved(layout: &Layout, device: i32) -> u64 {
@@ -211,12 +238,13 @@ impl StartupWatch {
         let total = layout.device_total(e.device);
         let reserved = total.reserved;
         let blocks = layout.blocks_seen > 0;
+        let flush = self.profiling_flush(blocks.then_some(total.allocated), reserved);
         let ledger = self.ledger.get_or_insert_with(|| Ledger {
             device: e.device,
-            resident: self.flush.map(|(_, r, _)| r),
-            peak_before_flush: self.flush.map(|(p, _, _)| p),
+            resident: flush.map(|(_, r, _)| r),
+            peak_before_flush: flush.map(|(p, _, _)| p),
             before_captures: reserved,
-            resident_allocated: self.flush.map(|(_, _, a)| a).filter(|_| blocks),
+            resident_allocated: flush.map(|(_, _, a)| a).filter(|_| blocks),
             allocated_before_captures: blocks.then_some(total.allocated),
             ..Ledger::default()
         });
@@ -269,6 +297,35 @@ impl StartupWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// vLLM's order through torch.cuda.graph: the profiling pass's flush, the KV cache, then
+    /// the flush torch.cuda.graph makes right before the capture. The profiling flush is the one
+    /// the KV cache followed; a flush nothing kept followed says nothing.
+    #[test]
+    fn the_profiling_flush_is_the_one_the_kept_memory_followed() {
+        let gib = 1u64 << 30;
+        let watch = StartupWatch {
+            // (peak before, reserved after, allocated after): the profiling flush leaves the
+            // 2 GiB of weights; the graph context's flush leaves weights and a 10 GiB KV cache.
+            flushes: vec![(3 * gib, 2 * gib, 2 * gib), (13 * gib, 12 * gib, 12 * gib)],
+            ..StartupWatch::default()
+        };
+        assert_eq!(
+            watch.profiling_flush(Some(12 * gib), 12 * gib),
+            Some((3 * gib, 2 * gib, 2 * gib))
+        );
+        // Segments only (no block probes): by reserved bytes.
+        assert_eq!(
+            watch.profiling_flush(None, 12 * gib),
+            Some((3 * gib, 2 * gib, 2 * gib))
+        );
+        // SGLang's order: only the graph context's flush, nothing kept after it.
+        let sglang = StartupWatch {
+            flushes: vec![(13 * gib, 12 * gib, 12 * gib)],
+            ..StartupWatch::default()
+        };
+        assert_eq!(sglang.profiling_flush(Some(12 * gib), 12 * gib), None);
+    }
 
     #[test]
     fn budgets_are_read_from_the_engines_options() {

@@ -200,12 +200,7 @@ fn each_capture_puts_its_segments_in_its_pool_as_the_allocator_did() {
         "{a}"
     );
     assert_eq!(a["cause"]["idle_enough"], true, "{a}");
-    let chain = report["chains"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["rule"] == "oom")
-        .unwrap();
+    let chain = chain(&report, "oom");
     let fixes: Vec<&str> = chain["fix"]
         .as_array()
         .unwrap()
@@ -328,12 +323,7 @@ fn an_oom_during_a_capture_is_the_unflushed_cache_not_fragmentation() {
         !rules.iter().any(|r| r.starts_with("fragmentation")),
         "{rules:?}"
     );
-    let chain = report["chains"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["rule"] == "oom")
-        .unwrap();
+    let chain = chain(&report, "oom");
     let fix = chain["fix"][0].as_str().unwrap();
     assert!(
         fix.starts_with("call torch.cuda.empty_cache() before capturing"),
@@ -429,12 +419,7 @@ fn the_start_up_ledger_is_the_engines_own_account_and_its_budget_move_works() {
     // "Tried to allocate 162.00 MiB ... of which 42.00 MiB is free").
     assert_eq!(s["failed_in_capture"], 162 << 20, "{s}");
     assert_eq!(s["device_free"], 42 << 20, "{s}");
-    let chain = report["chains"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["rule"] == "startup_ledger")
-        .unwrap();
+    let chain = chain(&report, "startup_ledger");
     assert_eq!(chain["severity"], "HIGH", "{chain}");
     let fix = chain["fix"][0].as_str().unwrap();
     let lowered = fix

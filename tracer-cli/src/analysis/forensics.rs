@@ -6,7 +6,7 @@ use serde::Serialize;
 use tracer_common::Space;
 
 use crate::model::{
-    layout::{Layout, Pool, PoolStats, RunKind},
+    layout::{Layout, Pool, PoolStats, RunKind, SegmentMap},
     pressure::DeviceFree,
     Event,
 };
@@ -54,6 +54,8 @@ pub struct Forensics {
 
 pub(super) fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics {
     let total = layout.device_total(e.device);
+    // Walked once for both pools' idle segments (an OOM-time cost, not an event's).
+    let maps = layout.segments();
     Forensics {
         ts_ns: e.ts_ns,
         tid: e.tid,
@@ -75,18 +77,16 @@ pub(super) fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -
             .map(|p| p.free)
             .sum(),
         capture_underway: layout.captures.underway(),
-        default_idle: idle_bytes(layout, e.device, false),
-        private_idle: idle_bytes(layout, e.device, true),
+        default_idle: idle_bytes(&maps, e.device, false),
+        private_idle: idle_bytes(&maps, e.device, true),
         whole_segment: e.op.spec().space == Space::Device,
     }
 }
 
 /// Bytes of the device's segments (of private pools, or of the default pools) holding no live
 /// block: what a cache flush returns (a private pool's only once no graph holds it).
-fn idle_bytes(layout: &Layout, device: i32, private: bool) -> u64 {
-    layout
-        .segments()
-        .iter()
+fn idle_bytes(maps: &[SegmentMap], device: i32, private: bool) -> u64 {
+    maps.iter()
         .filter(|s| s.device == device && s.pool_id.is_some() == private)
         .filter(|s| {
             s.runs

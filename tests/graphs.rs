@@ -462,3 +462,181 @@ fn a_pool_goes_back_at_the_flush_after_its_graph_resets() {
     assert_eq!(w["rows"][0]["device_allocs"], 2, "{w}");
     assert!(w["rows"][0]["oom_request"].is_null(), "{w}");
 }
+
+/// torch.cuda.MemPool as PyTorch runs it (train.py `mempool`): a pool filled under
+/// use_mem_pool, its largest block freed, an eager request beside it; a use_on_oom pool that
+/// serves a request the device could not; then an OOM while the first pool holds more free
+/// bytes than the request was short. tracer follows the allocator's own pool calls
+/// (NativeCachingAllocator's, local symbols found in the library's symbol table): every pool
+/// as the allocator had it at every block event, each pool's kind and its line, the OOM
+/// explained by the pool's share with PyTorch's figures, and whatif's replay as run.
+#[test]
+fn mem_pools_route_by_thread_and_use_on_oom_serves_before_the_oom() {
+    let Some(fx) = Fixture::new() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let truth_file = dir.path().join("truth.jsonl");
+    let trace = trace_sim(&fx, &["--stack"]);
+    let out = Command::new("python3")
+        .arg(workspace().join("demos/workloads/train.py"))
+        .args(["mempool", "--speed", "100", "--cudart"])
+        .arg(fx.sim.join("libcudart.so.12"))
+        .env("SIMCUDA_MEM", "1GiB")
+        .env("SIMTORCH_TRUTH", &truth_file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("with 174.00 MiB allocated in private pools"),
+        "{stderr}"
+    );
+    let stopped = trace.stop(SIGINT);
+    assert_eq!(stopped.counter("dropped_ring_full"), 0);
+    let truth: Vec<Value> = std::fs::read_to_string(&truth_file)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+
+    // Every block event: each pool and the default pools as the allocator had them.
+    let timeline = Command::new(TRACER)
+        .args(["layout", "--timeline", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert_ok(&timeline);
+    let rebuilt: Vec<Value> = String::from_utf8_lossy(&timeline.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rebuilt.len(), truth.len(), "one point per block event");
+    for (i, (r, t)) in rebuilt.iter().zip(&truth).enumerate() {
+        let theirs: Vec<Vec<i64>> = t["private_pools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(pool_figures)
+            .collect();
+        let ours: Vec<Vec<i64>> = r["private_pools"]
+            .as_array()
+            .map_or(Vec::new(), |a| a.iter().map(pool_figures).collect());
+        assert_eq!(ours, theirs, "event {i} ({}): {r} vs {t}", t["op"]);
+        for pool in ["small", "large"] {
+            assert_eq!(
+                r["pools"].get(pool).map_or([0; 4], default_pool_figures),
+                default_pool_figures(&t["pools"][pool]),
+                "event {i}, {pool} default pool"
+            );
+        }
+    }
+    let end = truth.last().unwrap();
+    assert_eq!(end["private_pools"].as_array().unwrap().len(), 2, "{end}");
+
+    // Each pool's kind, its making and its line.
+    let layouts = tracer_json(&fx.db, &["layout", "--json"]);
+    let pools = layouts[0]["devices"][0]["private_pools"]
+        .as_array()
+        .unwrap();
+    let user = &pools[0];
+    assert_eq!(user["id"], serde_json::json!([0, 1]), "{user}");
+    let u = &user["captures"];
+    assert_eq!(
+        (
+            &u["made"],
+            &u["routed"],
+            &u["uses"],
+            &u["use_on_oom"],
+            &u["captures"]
+        ),
+        (
+            &Value::Bool(true),
+            &1.into(),
+            &1.into(),
+            &Value::Bool(false),
+            &0.into()
+        ),
+        "{user}"
+    );
+    // (The simulated allocator's own file is the innermost Python frame, where PyTorch's
+    // torch/cuda/memory.py, skipped as a library frame, would be.)
+    assert!(
+        user["captured_at"].as_str().unwrap_or("").contains(".py:"),
+        "{user}"
+    );
+    let on_oom = &pools[1];
+    assert_eq!(on_oom["id"], serde_json::json!([0, 2]), "{on_oom}");
+    assert_eq!(on_oom["captures"]["use_on_oom"], true, "{on_oom}");
+    let text = tracer_text(&fx.db, &["layout"]);
+    assert!(
+        text.contains("private pool (0, 1) (a MemPool's, made at"),
+        "{text}"
+    );
+    assert!(text.contains("use_on_oom"), "{text}");
+
+    // One OOM (the request the use_on_oom pool served is none), explained by the pool's share.
+    let report = tracer_json(&fx.db, &["explain", "--json"]);
+    let holders = report["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{report:#}");
+    let a = &holders[0]["arithmetic"];
+    assert_eq!(holders[0]["verdict"], "private_pools", "{:#}", holders[0]);
+    assert_eq!(
+        a["private"],
+        end["private_pools"][0]["free"].as_u64().unwrap()
+            + end["private_pools"][1]["free"].as_u64().unwrap(),
+        "{a}"
+    );
+    assert_eq!(a["asked"], 122u64 << 20, "{a}");
+
+    // whatif replays the pools as run: the rescue from the use_on_oom pool, then the OOM.
+    let w = tracer_json(&fx.db, &["whatif", "--json"]);
+    assert_eq!(w["fidelity"]["holds"], true, "{:#}", w["fidelity"]);
+    assert_eq!(
+        w["rows"][0]["oom_request"],
+        w["fidelity"]["refused_recorded"][0]
+    );
+    assert_eq!(
+        w["rows"][0]["peak_reserved"], end["reserved"],
+        "{:#}",
+        w["rows"][0]
+    );
+}
+
+/// On the real wheels (the 2.11 the GPU check ran and the newest), the allocator's pool methods
+/// are local symbols of libc10_cuda.so: tracer finds every one in the library's symbol table
+/// and attaches to it beside PyTorch's USDT sites.
+#[test]
+fn the_real_libc10_cudas_pool_methods_are_probed() {
+    let Some(fx) = Fixture::new() else { return };
+    for version in ["2.11.0", "2.15.0"] {
+        let _ = std::fs::remove_file(&fx.db);
+        let lib = torch_lib(version, "libc10_cuda.so");
+        let trace = Trace::start(&fx.db, &["--lib", lib.to_str().unwrap()]);
+        let stopped = trace.stop(SIGINT);
+        let probed = &stopped.summary["libraries"][0];
+        assert_eq!(probed["path"], lib.to_str().unwrap(), "{version}");
+        let symbols: Vec<&str> = probed["symbols"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        for name in [
+            "pytorch:pool_begin",
+            "pytorch:pool_end",
+            "pytorch:pool_release",
+            "pytorch:pool_create",
+            "pytorch:pool_use_on_oom",
+        ] {
+            assert!(symbols.contains(&name), "{version}: {name} in {probed}");
+        }
+        assert!(
+            symbols.iter().any(|s| s.starts_with("pytorch:malloc")),
+            "{version}: {probed}"
+        );
+        assert_eq!(
+            probed["failed"],
+            serde_json::json!([]),
+            "{version}: {probed}"
+        );
+    }
+}

@@ -100,3 +100,67 @@ void graph_reset(void *self) {
     sim_record("pytorch:graph_reset", sim_realtime_ns(), sim_mono_ns(), 0, SIM_NONE, (uint64_t)(uintptr_t)self,
                SIM_NONE, SIM_NONE);
 }
+
+/* PyTorch's caching allocator's pool methods (c10::cuda::CUDACachingAllocator::Native::
+ * NativeCachingAllocator in libc10_cuda.so), by their mangled names: local symbols there, found
+ * only through the library's own symbol table, and hidden here too (not exported), so that
+ * tracer finds them as it must on the real wheels. PyTorch calls them through the allocator's
+ * vtable; the simulated allocator through the exported simtorch_pool_* below. Arguments as
+ * PyTorch's: `this`, the device (a signed byte), the pool id's halves, then the method's own. */
+static char native_allocator[64];
+static volatile uint64_t pool_calls;
+
+__attribute__((noinline, used)) void native_pool_begin(void *self, int8_t device, uint64_t first, uint64_t second,
+                                                       void *filter)
+    __asm__("_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator19beginAllocateToPoolEaSt4pairIyyESt8functionIFbP11CUstream_stEE");
+void native_pool_begin(void *self, int8_t device, uint64_t first, uint64_t second, void *filter) {
+    (void)self; (void)device; (void)filter;
+    pool_calls++;
+    sim_record("pytorch:pool_begin", sim_realtime_ns(), sim_mono_ns(), 0, SIM_NONE, SIM_NONE, first, second);
+}
+
+__attribute__((noinline, used)) void native_pool_end(void *self, int8_t device, uint64_t first, uint64_t second)
+    __asm__("_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator17endAllocateToPoolEaSt4pairIyyE");
+void native_pool_end(void *self, int8_t device, uint64_t first, uint64_t second) {
+    (void)self; (void)device;
+    pool_calls++;
+    sim_record("pytorch:pool_end", sim_realtime_ns(), sim_mono_ns(), 0, SIM_NONE, SIM_NONE, first, second);
+}
+
+__attribute__((noinline, used)) void native_pool_release(void *self, int8_t device, uint64_t first, uint64_t second)
+    __asm__("_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator11releasePoolEaSt4pairIyyE");
+void native_pool_release(void *self, int8_t device, uint64_t first, uint64_t second) {
+    (void)self; (void)device;
+    pool_calls++;
+    sim_record("pytorch:pool_release", sim_realtime_ns(), sim_mono_ns(), 0, SIM_NONE, SIM_NONE, first, second);
+}
+
+__attribute__((noinline, used)) void native_pool_create(void *self, int8_t device, uint64_t first, uint64_t second,
+                                                        void *allocator)
+    __asm__("_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator18createOrIncrefPoolEaSt4pairIyyESt10shared_ptrINS1_13CUDAAllocatorEE");
+void native_pool_create(void *self, int8_t device, uint64_t first, uint64_t second, void *allocator) {
+    (void)self; (void)device; (void)allocator;
+    pool_calls++;
+    sim_record("pytorch:pool_create", sim_realtime_ns(), sim_mono_ns(), 0, SIM_NONE, SIM_NONE, first, second);
+}
+
+__attribute__((noinline, used)) void native_pool_on_oom(void *self, int8_t device, uint64_t first, uint64_t second,
+                                                        _Bool use)
+    __asm__("_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator11setUseOnOOMEaSt4pairIyyEb");
+void native_pool_on_oom(void *self, int8_t device, uint64_t first, uint64_t second, _Bool use) {
+    (void)self; (void)device;
+    pool_calls++;
+    sim_record("pytorch:pool_use_on_oom", sim_realtime_ns(), sim_mono_ns(), 0, use, SIM_NONE, first, second);
+}
+
+/* kind: 0 begin, 1 end, 2 release, 3 create, 4 use_on_oom (flag). */
+API void simtorch_pool(int kind, int8_t device, uint64_t first, uint64_t second, int flag) {
+    void *self = native_allocator;
+    switch (kind) {
+    case 0: native_pool_begin(self, device, first, second, 0); break;
+    case 1: native_pool_end(self, device, first, second); break;
+    case 2: native_pool_release(self, device, first, second); break;
+    case 3: native_pool_create(self, device, first, second, 0); break;
+    default: native_pool_on_oom(self, device, first, second, flag != 0); break;
+    }
+}

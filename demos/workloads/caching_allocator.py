@@ -192,6 +192,10 @@ class CachingAllocator:
         # CUDA graphs: streams capturing now -> their pool; graphs using each private pool;
         # pools no graph uses any more; PyTorch's two id counters.
         self.captures = {}
+        # Threads whose requests use_mem_pool routes to a pool; pools a request may fall back
+        # on before an OOM (use_on_oom).
+        self.thread_routes = {}
+        self.use_on_oom = set()
         self.pool_use = {}
         self.freeable = set()
         self.next_graph_pool = 1
@@ -321,16 +325,24 @@ class CachingAllocator:
             requested = size
             size = round_size(size)
             small = size <= SMALL_SIZE
-            pool = self.captures.get(stream, DEFAULT_POOL)
+            pool = self._pool_of(stream)
             block = self._best_fit(size, small, stream, pool)
             if block is None:
                 block = self._grow(size, small, stream, pool)
-            if block is None and not self.captures:
+            if block is None and not self._routing():
                 # As PyTorch: release the cache, then one retry, counted whether or not it
-                # helps; never while a capture is underway.
+                # helps; never while a capture (or any routing to a pool) is underway.
                 self._release_cached()
                 self.num_alloc_retries += 1
                 block = self._grow(size, small, stream, pool)
+            if block is None and pool == DEFAULT_POOL:
+                # As PyTorch, a last resort before the OOM: a free block of a use_on_oom pool
+                # (PyTorch routes to it with the device allocator's own beginAllocateToPool, not
+                # the probed one, and its use count ends where it began).
+                for oom_pool in sorted(self.use_on_oom):
+                    block = self._best_fit(size, small, stream, oom_pool)
+                    if block is not None:
+                        break
             if block is None:
                 self.num_ooms += 1
                 message = self._oom_message(size)
@@ -648,10 +660,83 @@ class CachingAllocator:
             del blocks[i]
         self._record_truth(op, ptr, 0)
 
+    def _pool_of(self, stream):
+        """The pool a request on `stream` from this thread goes to (PyTorch's get_pool: a
+        capture routes by stream, use_mem_pool by thread)."""
+        if stream in self.captures:
+            return self.captures[stream]
+        return self.thread_routes.get(threading.get_ident(), DEFAULT_POOL)
+
+    def _routing(self):
+        return bool(self.captures or self.thread_routes)
+
     def empty_cache(self):
         with self.lock:
             # As PyTorch: no flush while a capture is underway.
             return False if self.captures else self._release_cached()
+
+    # Memory pools (torch.cuda.MemPool) ------------------------------------------------------
+
+    def _pool_call(self, kind, pool, flag=0):
+        """PyTorch's allocator's pool method `kind` (0 begin, 1 end, 2 release, 3 create, 4
+        use_on_oom) for `pool`, through libsimtorch's copies of NativeCachingAllocator's, with
+        the use count as PyTorch keeps it."""
+        if self.probes:
+            f = self.probes.simtorch_pool
+            f.argtypes = [ctypes.c_int, ctypes.c_int8, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
+            f.restype = None
+            f(kind, self.device, pool[0], pool[1], flag)
+        if kind in (0, 3):
+            self.pool_use[pool] = self.pool_use.get(pool, 0) + 1
+            self.freeable.discard(pool)
+        elif kind == 2:
+            self.pool_use[pool] -= 1
+            if self.pool_use[pool] == 0:
+                del self.pool_use[pool]
+                self.freeable.add(pool)
+
+    def mem_pool(self, use_on_oom=False):
+        """As torch.cuda.MemPool(use_on_oom=...): a user pool (0, n), made with its use count
+        at 1 (createOrIncrefPool), marked use_on_oom where asked."""
+        with self.lock:
+            pool = (0, self.next_user_pool)
+            self.next_user_pool += 1
+            self._pool_call(3, pool)
+            if use_on_oom:
+                self._pool_call(4, pool, 1)
+                self.use_on_oom.add(pool)
+        return pool
+
+    def use_mem_pool(self, pool):
+        """As torch.cuda.use_mem_pool(pool): this thread's requests go to `pool` until the
+        returned context ends (beginAllocateToPool .. endAllocateToPool, releasePool)."""
+        allocator = self
+
+        class Routed:
+            def __enter__(self):
+                with allocator.lock:
+                    allocator._pool_call(0, pool)
+                    allocator.thread_routes[threading.get_ident()] = pool
+
+            def __exit__(self, *exc):
+                with allocator.lock:
+                    allocator._pool_call(1, pool)
+                    allocator.thread_routes = {t: p for t, p in allocator.thread_routes.items() if p != pool}
+                    allocator._pool_call(2, pool)
+                return False
+
+        return Routed()
+
+    def drop_mem_pool(self, pool):
+        """As ~MemPool: unmarked use_on_oom, released, then emptyCache for the pool: its
+        segments with no live block go back if nothing else holds it."""
+        with self.lock:
+            if pool in self.use_on_oom:
+                self._pool_call(4, pool, 0)
+                self.use_on_oom.discard(pool)
+            self._pool_call(2, pool)
+            if not self._routing():
+                self._release_cached()
 
     # CUDA graphs ---------------------------------------------------------------------------
 
@@ -678,8 +763,7 @@ class CachingAllocator:
             if given == DEFAULT_POOL:
                 given = (self.next_graph_pool, 0)
                 self.next_graph_pool += 1
-            self.pool_use[given] = self.pool_use.get(given, 0) + 1
-            self.freeable.discard(given)
+            self._pool_call(0, given)
             self.captures[stream] = given
         graph.pool, graph.stream = given, stream
         self.rt.cudaStreamBeginCapture.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -705,6 +789,7 @@ class CachingAllocator:
         self.rt.cudaStreamEndCapture.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
         self.check(self.rt.cudaStreamEndCapture(ctypes.c_void_p(graph.stream), ctypes.byref(g)), "cudaStreamEndCapture")
         with self.lock:
+            self._pool_call(1, graph.pool)
             self.captures = {s: p for s, p in self.captures.items() if p != graph.pool}
         exe = ctypes.c_void_p()
         self.rt.cudaGraphInstantiateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_ulonglong]
@@ -729,10 +814,7 @@ class CachingAllocator:
             graph.exec = None
         with self.lock:
             if graph.pool is not None:
-                self.pool_use[graph.pool] -= 1
-                if self.pool_use[graph.pool] == 0:
-                    del self.pool_use[graph.pool]
-                    self.freeable.add(graph.pool)
+                self._pool_call(2, graph.pool)
             graph.pool = None
 
     def memory_stats(self):

@@ -357,6 +357,48 @@ def engine(alloc, args, rng):
             alloc.replay(g)
 
 
+def mempool(alloc, args, rng):
+    """torch.cuda.MemPool as PyTorch runs it: a pool filled under use_mem_pool (this thread's
+    requests routed to it), its largest block freed (free inside the pool: default-pool
+    requests may not use it), an eager request beside it (a new default segment); a second
+    pool made with use_on_oom, filled and emptied; a request the device cannot hold, served
+    from the use_on_oom pool as a last resort; then one nothing can serve: an OOM while the
+    first pool holds more free bytes than the request was short. Prints a `phase` JSON line at
+    each step with the allocator's own figures."""
+    _free, total = alloc.mem_get_info()
+    unit = 2 * MIB
+
+    def share(fraction):
+        return max(unit, int(total * fraction) // unit * unit)
+
+    def phase(name, **extra):
+        s = alloc.stats()
+        print(json.dumps({"phase": name, "reserved": s["reserved"], "allocated": s["allocated"],
+                          "private_pools": alloc.private_pools(), **extra}), flush=True)
+
+    weights = alloc.malloc(share(0.5))
+    pool = alloc.mem_pool()
+    with alloc.use_mem_pool(pool):
+        held = [alloc.malloc(share(f)) for f in (0.01, 0.05, 0.02, 0.15, 0.01)]
+    phase("pool filled", pool=list(pool))
+    alloc.free(held[3])
+    eager = alloc.malloc(share(0.1))
+    phase("default request beside the pool's free block")
+    oom_pool = alloc.mem_pool(use_on_oom=True)
+    with alloc.use_mem_pool(oom_pool):
+        spare = alloc.malloc(share(0.1))
+    alloc.free(spare)
+    phase("use_on_oom pool made", pool=list(oom_pool))
+    step_pause(args, 0.05)
+    rescued = alloc.malloc(share(0.08))
+    phase("served from the use_on_oom pool", ptr=rescued.ptr)
+    step_pause(args, 0.05)
+    alloc.final_request = share(0.12)
+    last = alloc.malloc(alloc.final_request)
+    alloc.free(last)
+    del weights, held, eager
+
+
 SCENARIOS = {
     "incident": incident,
     "periodic-spike": periodic_spike,
@@ -367,6 +409,7 @@ SCENARIOS = {
     "co-tenant": co_tenant,
     "graphs": graphs,
     "engine": engine,
+    "mempool": mempool,
 }
 
 

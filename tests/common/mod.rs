@@ -393,6 +393,18 @@ pub fn explain_text(db: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `tracer ARGS --db DB`'s text; it must succeed.
+pub fn tracer_text(db: &Path, args: &[&str]) -> String {
+    let out = Command::new(TRACER)
+        .args(args)
+        .arg("--db")
+        .arg(db)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// `tracer ARGS --db DB` as JSON (ARGS asks for it: `--json`); it must succeed.
 pub fn tracer_json(db: &Path, args: &[&str]) -> Value {
     let out = Command::new(TRACER)

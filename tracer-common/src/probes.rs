@@ -1,7 +1,7 @@
 //! The probe table: every traced API is one line here, read by both the eBPF programs (through
 //! [`PLANS`]) and the `tracer` binary (symbols to attach, names to store).
 //!
-//! Over 700 lines because the table is one entry per traced API (58 of them), each a few lines
+//! Over 700 lines because the table is one entry per traced API (63 of them), each a few lines
 //! as rustfmt lays it out: split, a reader would look in several files for one table.
 
 /// Arguments the probes look at (x86-64 passes up to six in registers).
@@ -112,6 +112,23 @@ pub enum OpClass {
     /// the CUDAGraph object is the pointer. The pool's free segments go back at the next flush
     /// once no graph uses it.
     PoolReset = 21,
+    /// PyTorch's allocator began routing requests to a pool (NativeCachingAllocator::
+    /// beginAllocateToPool): a capture's, `use_mem_pool`'s (the calling thread's requests), or
+    /// torch.compile's graph trees' warm-up (the current stream's). The pool id in aux0 and
+    /// aux1; the pool's use count grows by one.
+    PoolRoute = 22,
+    /// Routing to a pool ended (endAllocateToPool): the pool id in aux0 and aux1.
+    PoolUnroute = 23,
+    /// A pool's use count fell by one (releasePool): at 0 it is freeable, and its segments with
+    /// no live block go back at the next flush. The pool id in aux0 and aux1.
+    PoolRelease = 24,
+    /// A pool made or its use count raised (createOrIncrefPool: a `torch.cuda.MemPool` made).
+    /// The pool id in aux0 and aux1.
+    PoolCreate = 25,
+    /// A pool marked, or unmarked, as one an out-of-memory request may use as a last resort
+    /// (setUseOnOOM: `MemPool(use_on_oom=True)`): the pool id in aux0 and aux1, the mark in
+    /// size (1 or 0).
+    PoolOnOom = 26,
 }
 
 /// The meaning of one argument.
@@ -251,9 +268,14 @@ ops! {
     TorchCaptureBegin = 55,
     TorchCaptureEnd = 56,
     TorchGraphReset = 57,
+    TorchPoolRoute = 58,
+    TorchPoolUnroute = 59,
+    TorchPoolRelease = 60,
+    TorchPoolCreate = 61,
+    TorchPoolOnOom = 62,
 }
 
-pub const OP_COUNT: usize = 58;
+pub const OP_COUNT: usize = 63;
 
 use ArgRole::*;
 use Library::{Driver, Runtime, Torch};
@@ -322,8 +344,25 @@ pub const TORCH_CAPTURE_END_SYMBOL: &str = "_ZN2at4cuda9CUDAGraph11capture_endEv
 /// `at::cuda::CUDAGraph::reset()`.
 pub const TORCH_GRAPH_RESET_SYMBOL: &str = "_ZN2at4cuda9CUDAGraph5resetEv";
 
-/// A member function of PyTorch's CUDAGraph: found by its mangled symbol, stored by `name`.
-/// It returns nothing: the return program's `ret` is whatever rax held (read as 0).
+/// PyTorch's caching allocator's pool methods (c10::cuda::CUDACachingAllocator::Native::
+/// NativeCachingAllocator, libc10_cuda.so): local symbols, found in the library's own symbol
+/// table (the wheels keep it), called through the allocator's vtable. `this`, the device (a
+/// signed byte), the pool id's two halves in registers.
+pub const TORCH_POOL_ROUTE_SYMBOL: &str = "_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator19beginAllocateToPoolEaSt4pairIyyESt8functionIFbP11CUstream_stEE";
+/// `endAllocateToPool(DeviceIndex, MempoolId_t)`.
+pub const TORCH_POOL_UNROUTE_SYMBOL: &str =
+    "_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator17endAllocateToPoolEaSt4pairIyyE";
+/// `releasePool(DeviceIndex, MempoolId_t)`.
+pub const TORCH_POOL_RELEASE_SYMBOL: &str =
+    "_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator11releasePoolEaSt4pairIyyE";
+/// `createOrIncrefPool(DeviceIndex, MempoolId_t, std::shared_ptr<CUDAAllocator>)`.
+pub const TORCH_POOL_CREATE_SYMBOL: &str = "_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator18createOrIncrefPoolEaSt4pairIyyESt10shared_ptrINS1_13CUDAAllocatorEE";
+/// `setUseOnOOM(DeviceIndex, MempoolId_t, bool)`.
+pub const TORCH_POOL_ON_OOM_SYMBOL: &str =
+    "_ZN3c104cuda20CUDACachingAllocator6Native22NativeCachingAllocator11setUseOnOOMEaSt4pairIyyEb";
+
+/// A member function of PyTorch's (CUDAGraph's, the caching allocator's): found by its mangled
+/// symbol, stored by `name`. It returns nothing: the return program's `ret` is whatever rax held (read as 0).
 const fn torch_graph(
     op: Op,
     name: &'static str,
@@ -785,6 +824,42 @@ pub const PROBES: [ProbeSpec; OP_COUNT] = [
         OpClass::PoolReset,
         &[Ptr],
     ),
+    // PyTorch's allocator's pools: which requests go where, and when a pool may be freed.
+    torch_graph(
+        Op::TorchPoolRoute,
+        "pytorch:pool_begin",
+        TORCH_POOL_ROUTE_SYMBOL,
+        OpClass::PoolRoute,
+        &[Ignored, Device, PoolFirst, PoolSecond],
+    ),
+    torch_graph(
+        Op::TorchPoolUnroute,
+        "pytorch:pool_end",
+        TORCH_POOL_UNROUTE_SYMBOL,
+        OpClass::PoolUnroute,
+        &[Ignored, Device, PoolFirst, PoolSecond],
+    ),
+    torch_graph(
+        Op::TorchPoolRelease,
+        "pytorch:pool_release",
+        TORCH_POOL_RELEASE_SYMBOL,
+        OpClass::PoolRelease,
+        &[Ignored, Device, PoolFirst, PoolSecond],
+    ),
+    torch_graph(
+        Op::TorchPoolCreate,
+        "pytorch:pool_create",
+        TORCH_POOL_CREATE_SYMBOL,
+        OpClass::PoolCreate,
+        &[Ignored, Device, PoolFirst, PoolSecond],
+    ),
+    torch_graph(
+        Op::TorchPoolOnOom,
+        "pytorch:pool_use_on_oom",
+        TORCH_POOL_ON_OOM_SYMBOL,
+        OpClass::PoolOnOom,
+        &[Ignored, Device, PoolFirst, PoolSecond, Size],
+    ),
 ];
 
 const _: () = {
@@ -807,7 +882,14 @@ impl Op {
     pub const fn returns_status(self) -> bool {
         !matches!(
             self.spec().class,
-            OpClass::PoolCapture | OpClass::PoolCaptured | OpClass::PoolReset
+            OpClass::PoolCapture
+                | OpClass::PoolCaptured
+                | OpClass::PoolReset
+                | OpClass::PoolRoute
+                | OpClass::PoolUnroute
+                | OpClass::PoolRelease
+                | OpClass::PoolCreate
+                | OpClass::PoolOnOom
         )
     }
 

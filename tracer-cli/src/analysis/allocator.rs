@@ -259,6 +259,9 @@ pub struct Findings {
     pub expandable: Vec<(u64, u64)>,
     /// The window's failures, retries and OOMs raised, as PyTorch counts them.
     pub attempts: attempts::Counts,
+    /// Requests served right after their failed attempt (a use_on_oom pool's block): seen only
+    /// with PyTorch's block events, which the scanning rules do not read.
+    pub rescued: Vec<Attempt>,
     /// A serving engine's start-up, where the process captured CUDA graphs.
     pub startup: Option<super::startup::Ledger>,
 }
@@ -529,6 +532,7 @@ impl<'a> LayoutMeasure<'a> {
             peak.counts = attempts::counts(&on);
         }
         f.attempts = attempts::counts(attempts);
+        f.rescued = attempts.iter().filter(|a| a.rescued).copied().collect();
         while self.next_sample <= SAMPLES {
             let at = self.sample_at(self.next_sample);
             // Not while the allocator's probes were disarmed: its figures were not seen then.

@@ -43,7 +43,8 @@ pub struct Forensics {
     pub private_free: u64,
     /// Of those, the bytes in private-pool segments holding no live block.
     pub private_idle: u64,
-    /// A CUDA graph capture was underway in the process: PyTorch runs no cache flush then.
+    /// A CUDA graph capture, or another routing to a private pool (`use_mem_pool`), was underway
+    /// in the process: PyTorch runs no cache flush then.
     pub capture_underway: bool,
     /// Bytes of the default pools' segments holding no live block: what a flush returns.
     pub default_idle: u64,

@@ -448,7 +448,7 @@ impl Arithmetic {
                 short
             ),
             Cause::CaptureUnderway { idle_enough } => format!(
-                "a capture in progress decided it: {} lay free in this process's cache, more than the {} it was short, and PyTorch flushes no cache while a CUDA graph capture is underway{}",
+                "a capture in progress decided it: {} lay free in this process's cache, more than the {} it was short, and PyTorch flushes no cache while a CUDA graph capture (or any routing to a private pool: use_mem_pool) is underway{}",
                 pb(split),
                 short,
                 idle_said(

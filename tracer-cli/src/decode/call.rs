@@ -2,7 +2,7 @@
 
 use tracer_common::{
     call::{flags, DEVICE_UNKNOWN},
-    CallEvent, Op,
+    ArgRole, CallEvent, Library, Op,
 };
 
 use super::DecodeError;
@@ -36,7 +36,13 @@ impl Call {
             field: "op",
             value: raw.op.into(),
         })?;
-        if raw.device < DEVICE_UNKNOWN {
+        // PyTorch's allocator methods take the device as a signed byte (c10::DeviceIndex) and
+        // flags as a bool: the rest of their registers is whatever was there.
+        let spec = op.spec();
+        let byte_args = spec.library == Library::Torch
+            && !op.returns_status()
+            && spec.args.contains(&ArgRole::Device);
+        if raw.device < DEVICE_UNKNOWN && !byte_args {
             return Err(DecodeError::BadField {
                 field: "device",
                 value: raw.device as u64,
@@ -47,16 +53,26 @@ impl Call {
             .iter()
             .position(|&b| b == 0)
             .unwrap_or(raw.comm.len());
+        let device = match raw.device {
+            d if byte_args => Some(i32::from(d as i8)),
+            DEVICE_UNKNOWN => None,
+            d => Some(d),
+        };
+        let size = (raw.flags & flags::SIZE_KNOWN != 0).then_some(raw.size);
         Ok(Call {
             ts_mono_ns: raw.header.ts_ns,
             pid: raw.header.pid,
             tid: raw.header.tid,
             op,
-            device: (raw.device != DEVICE_UNKNOWN).then_some(raw.device),
+            device,
             // A function returning nothing leaves whatever rax held.
             ret: if op.returns_status() { raw.ret } else { 0 },
             duration_ns: raw.duration_ns,
-            size: (raw.flags & flags::SIZE_KNOWN != 0).then_some(raw.size),
+            size: if byte_args {
+                size.map(|s| s & 0xff)
+            } else {
+                size
+            },
             ptr: (raw.flags & flags::PTR_KNOWN != 0).then_some(raw.ptr),
             aux0: raw.aux0,
             aux1: raw.aux1,

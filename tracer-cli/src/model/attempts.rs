@@ -48,7 +48,15 @@ pub struct Attempt {
     /// It repeats the thread's failed attempt just before (same op and size): the allocator's
     /// retry after releasing its cache.
     pub retry: bool,
+    /// Not a device call: a block PyTorch handed out on the thread right after its failed
+    /// attempt, which it fits in: the allocator served the request from elsewhere (a
+    /// `use_on_oom` pool's free block, PyTorch's last resort) and raised nothing.
+    pub rescued: bool,
 }
+
+/// A block handed out this soon after the thread's failed attempt is that request served by
+/// the allocator's last resort (PyTorch looks in the use_on_oom pools at once, in microseconds).
+pub const RESCUED_WITHIN_NS: i64 = 50_000_000;
 
 /// The memory calls a runtime call may make a driver call of (allocations, frees, memory
 /// information).
@@ -164,9 +172,38 @@ impl Outermost {
 #[derive(Clone, Debug, Default)]
 struct Failures {
     last: FastMap<(u32, u32), Event>,
+    /// Each thread's latest failed attempt, until its next attempt, block or OOM message.
+    unraised: FastMap<(u32, u32), Event>,
 }
 
 impl Failures {
+    /// A call that is no attempt: PyTorch's block handed out after a failed attempt (the
+    /// request served without the device), or its OOM message (raised).
+    fn after_failure(&mut self, e: &Event, out: &mut impl FnMut(Attempt)) {
+        if self.unraised.is_empty() {
+            return;
+        }
+        let class = e.op.spec().class;
+        if !matches!(class, OpClass::BlockAlloc | OpClass::Oom) {
+            return;
+        }
+        let Some(f) = self.unraised.remove(&(e.pid, e.tid)) else {
+            return;
+        };
+        if class == OpClass::BlockAlloc
+            && e.size <= f.size
+            && e.ts_ns - f.ts_ns <= RESCUED_WITHIN_NS
+        {
+            self.last.remove(&(e.pid, e.tid));
+            out(Attempt {
+                event: *e,
+                failed: false,
+                retry: false,
+                rescued: true,
+            });
+        }
+    }
+
     fn decide(&mut self, e: Event, out: &mut impl FnMut(Attempt)) {
         if !is_device_alloc(e.op) || (e.ret != 0 && e.ret != OUT_OF_MEMORY) {
             // Not an allocation, or refused for another reason (an invalid value, a handle
@@ -187,10 +224,16 @@ impl Failures {
         if failed && !retry {
             self.last.insert(thread, e);
         }
+        if failed {
+            self.unraised.insert(thread, e);
+        } else if !self.unraised.is_empty() {
+            self.unraised.remove(&thread);
+        }
         out(Attempt {
             event: e,
             failed,
             retry,
+            rescued: false,
         });
     }
 }
@@ -208,6 +251,7 @@ impl Attempts {
     pub fn push(&mut self, e: &Event, out: &mut impl FnMut(Attempt)) {
         let failures = &mut self.failures;
         self.outermost.push(e, &mut |x| failures.decide(x, out));
+        self.failures.after_failure(e, out);
     }
 
     /// Decides the driver allocations still held (the end of the calls).
@@ -222,6 +266,7 @@ impl Attempts {
         self.outermost
             .finish_process(pid, &mut |x| failures.decide(x, out));
         self.failures.last.retain(|k, _| k.0 != pid);
+        self.failures.unraised.retain(|k, _| k.0 != pid);
     }
 }
 
@@ -230,7 +275,7 @@ impl Attempt {
     /// attempts only decide them (a retry is always the next attempt of its thread after the
     /// failure it repeats, so keeping these alone keeps [`raised`] and [`counts`] exact).
     pub fn notable(&self) -> bool {
-        self.failed || self.retry
+        self.failed || self.retry || self.rescued
     }
 }
 
@@ -272,7 +317,7 @@ pub fn raised(attempts: &[Attempt]) -> Vec<Attempt> {
                 let next = attempts[i + 1..]
                     .iter()
                     .find(|b| b.event.pid == a.event.pid && b.event.tid == a.event.tid);
-                !next.is_some_and(|b| b.retry)
+                !next.is_some_and(|b| b.retry || b.rescued)
             }
         })
         .map(|(_, a)| *a)
@@ -352,6 +397,36 @@ mod tests {
                 "the retry's failure raised"
             );
         }
+    }
+
+    #[test]
+    fn a_block_handed_out_right_after_the_failure_was_served_not_raised() {
+        // The failure and its retry, then PyTorch's block of that request (from a use_on_oom
+        // pool): no OOM. The same block after the OOM's message, or much later: raised.
+        let block = |ts| call(Op::TorchMalloc, 1, ts, 0, 1 << 29, 0);
+        let mut rescued = default_oom();
+        rescued.push(block(400));
+        let a = attempts(rescued.iter());
+        assert_eq!(
+            counts(&a),
+            Counts {
+                failures: 2,
+                retries: 1,
+                ooms: 0
+            },
+            "{a:?}"
+        );
+        assert!(a.last().unwrap().rescued);
+        let mut raised_first = default_oom();
+        raised_first.push(call(Op::TorchOom, 1, 350, 0, 0, 0));
+        raised_first.push(block(400));
+        assert_eq!(counts(&attempts(raised_first.iter())).ooms, 1);
+        let mut later = default_oom();
+        later.push(block(300 + RESCUED_WITHIN_NS + 1));
+        assert_eq!(counts(&attempts(later.iter())).ooms, 1);
+        let mut other_thread = default_oom();
+        other_thread.push(call(Op::TorchMalloc, 2, 400, 0, 1 << 29, 0));
+        assert_eq!(counts(&attempts(other_thread.iter())).ooms, 1);
     }
 
     #[test]

@@ -90,6 +90,10 @@ pub struct Captures {
     events: BTreeMap<u64, PoolId>,
     /// The last graph-pool id handed out (PyTorch's counter starts at 1).
     last_numbered: u64,
+    /// Threads whose requests a routing outside any capture sends to a pool (`use_mem_pool`,
+    /// torch.compile's graph trees' warm-up), from the allocator's beginAllocateToPool.
+    #[serde(default)]
+    threads: BTreeMap<u32, PoolId>,
 }
 
 /// What tracer saw of one private pool's captures.
@@ -102,8 +106,44 @@ pub struct PoolUse {
     /// Its id was counted by tracer (a new pool PyTorch numbered itself): right when tracer saw
     /// every capture of the process, else tracer's own numbering.
     pub numbered: bool,
-    /// Wall ns of its first capture.
+    /// Wall ns of its first capture, or of its making (a MemPool) where no capture came first.
     pub first_ns: i64,
+    /// PyTorch's allocator's own pool calls were seen (libc10_cuda's pool methods probed):
+    /// `uses` is then the pool's use count, else only `graphs` is known.
+    #[serde(default)]
+    pub probed: bool,
+    /// The pool's use count as the allocator keeps it: made or routed to +1, released -1.
+    #[serde(default)]
+    pub uses: u32,
+    /// Made by `torch.cuda.MemPool` (createOrIncrefPool seen) rather than by a capture.
+    #[serde(default)]
+    pub made: bool,
+    /// Times requests were routed to it outside a capture (`use_mem_pool`, a warm-up).
+    #[serde(default)]
+    pub routed: u32,
+    /// Marked `use_on_oom`: a request the default pool cannot serve may take its free blocks
+    /// as a last resort, before the OOM.
+    #[serde(default)]
+    pub use_on_oom: bool,
+}
+
+impl PoolUse {
+    /// Nothing holds the pool any more: its segments with no live block go back at the next
+    /// flush.
+    pub fn freeable(&self) -> bool {
+        match (self.probed, self.made || self.captures > 0) {
+            (false, _) => self.graphs == 0,
+            (true, true) => self.uses == 0,
+            // Only routed to: made before tracer saw it, so its count is not known.
+            (true, false) => false,
+        }
+    }
+
+    /// Made by the user (torch.cuda.MemPool, or graph_pool_handle for graphs that share):
+    /// PyTorch numbers those (0, n).
+    pub fn user_made(id: PoolId) -> bool {
+        id.0 == 0 && id.1 != 0
+    }
 }
 
 impl Captures {
@@ -119,6 +159,11 @@ impl Captures {
             OpClass::CaptureEnd => self.end(e.aux0),
             OpClass::PoolCaptured => self.captured(e.ptr),
             OpClass::PoolReset => self.reset(e.ptr),
+            OpClass::PoolRoute => self.route_begin(e.tid, (e.aux0, e.aux1), e.ts_ns),
+            OpClass::PoolUnroute => self.route_end((e.aux0, e.aux1)),
+            OpClass::PoolRelease => self.pool_released((e.aux0, e.aux1)),
+            OpClass::PoolCreate => self.pool_made((e.aux0, e.aux1), e.ts_ns),
+            OpClass::PoolOnOom => self.entry((e.aux0, e.aux1), e.ts_ns).use_on_oom = e.size != 0,
             _ => return false,
         }
         true
@@ -140,6 +185,78 @@ impl Captures {
             self.release(old);
         }
         self.announced.insert(tid, (graph, id));
+    }
+
+    fn entry(&mut self, id: PoolId, ts_ns: i64) -> &mut PoolUse {
+        self.pools.entry(id).or_insert(PoolUse {
+            first_ns: ts_ns,
+            ..PoolUse::default()
+        })
+    }
+
+    /// The allocator's beginAllocateToPool on thread `tid`: inside a capture_begin, the
+    /// capture's pool (its real id, where tracer had counted one); else the thread's requests
+    /// go to the pool until its endAllocateToPool.
+    pub fn route_begin(&mut self, tid: u32, id: PoolId, ts_ns: i64) {
+        if let Some(&(graph, counted)) = self.announced.get(&tid) {
+            if counted != id {
+                self.renumber(counted, id);
+                self.announced.insert(tid, (graph, id));
+            }
+            let p = self.entry(id, ts_ns);
+            p.numbered = false;
+            p.probed = true;
+            p.uses += 1;
+            return;
+        }
+        let p = self.entry(id, ts_ns);
+        p.probed = true;
+        p.uses += 1;
+        p.routed += 1;
+        self.threads.insert(tid, id);
+    }
+
+    /// A pool tracer had numbered itself turns out to be `real` (the allocator said).
+    fn renumber(&mut self, counted: PoolId, real: PoolId) {
+        if let Some(mut p) = self.pools.remove(&counted) {
+            p.numbered = false;
+            let into = self.pools.entry(real).or_insert(PoolUse {
+                first_ns: p.first_ns,
+                ..PoolUse::default()
+            });
+            into.captures += p.captures;
+            into.graphs += p.graphs;
+            into.first_ns = into.first_ns.min(p.first_ns);
+        }
+        for v in self.graphs.values_mut().chain(self.streams.values_mut()) {
+            if *v == counted {
+                *v = real;
+            }
+        }
+        if counted.1 == 0 && counted.0 == self.last_numbered && real.1 == 0 {
+            self.last_numbered = real.0;
+        }
+    }
+
+    /// endAllocateToPool: every routing to the pool ends (a capture's, a thread's).
+    pub fn route_end(&mut self, id: PoolId) {
+        self.threads.retain(|_, p| *p != id);
+    }
+
+    /// releasePool: the pool's use count falls by one.
+    pub fn pool_released(&mut self, id: PoolId) {
+        if let Some(p) = self.pools.get_mut(&id) {
+            p.probed = true;
+            p.uses = p.uses.saturating_sub(1);
+        }
+    }
+
+    /// createOrIncrefPool: a MemPool made (or its count raised).
+    pub fn pool_made(&mut self, id: PoolId, ts_ns: i64) {
+        let p = self.entry(id, ts_ns);
+        p.probed = true;
+        p.made = true;
+        p.uses += 1;
     }
 
     fn next_id(&mut self) -> PoolId {
@@ -219,14 +336,35 @@ impl Captures {
         self.graphs.get(&graph).copied()
     }
 
-    /// The pool a request on `stream` goes to now, when a capture routes it.
-    pub fn route(&self, stream: u64) -> Option<PoolId> {
-        self.streams.get(&stream).copied()
+    /// The pool a request on `stream` from thread `tid` goes to now: a capture's (by stream),
+    /// else a routing of the thread's (`use_mem_pool`). A graph trees' warm-up routes the
+    /// current stream's requests, which tracer cannot read: it routes by the thread that
+    /// began it, the same requests where one thread drives the stream.
+    pub fn route(&self, tid: u32, stream: u64) -> Option<PoolId> {
+        self.streams
+            .get(&stream)
+            .or_else(|| self.threads.get(&tid))
+            .copied()
     }
 
-    /// Whether a capture is underway (PyTorch runs no cache flush then).
-    pub fn underway(&self) -> bool {
+    /// Whether a capture is underway.
+    pub fn capturing(&self) -> bool {
         !self.streams.is_empty()
+    }
+
+    /// Whether any routing to a pool is underway (a capture, `use_mem_pool`): PyTorch's
+    /// allocator runs no cache flush, and so no retry, while its list of them is not empty.
+    pub fn underway(&self) -> bool {
+        !self.streams.is_empty() || !self.threads.is_empty()
+    }
+
+    /// Pools marked use_on_oom that nothing released yet: an OOM tried their free blocks.
+    pub fn use_on_oom(&self) -> Vec<PoolId> {
+        self.pools
+            .iter()
+            .filter(|(_, p)| p.use_on_oom && !(p.probed && p.uses == 0))
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// What tracer saw of pool `id`'s captures, if any.
@@ -270,26 +408,29 @@ mod tests {
         // PyTorch's capture_begin with no pool given: PyTorch numbers a new one (1, 0).
         c.announce(MAIN, GRAPH, (0, 0), 100);
         assert_eq!(
-            c.route(SIDE_STREAM),
+            c.route(0, SIDE_STREAM),
             None,
             "routing begins with the stream's capture"
         );
         c.begin(MAIN, SIDE_STREAM, 101);
-        assert_eq!(c.route(SIDE_STREAM), Some((1, 0)));
+        assert_eq!(c.route(0, SIDE_STREAM), Some((1, 0)));
         assert!(c.underway());
         // An event recorded on the capturing stream, waited on by another: joined.
         c.recorded(0xe1, SIDE_STREAM);
         c.recorded(0xe2, 0);
         c.waited(JOINED_STREAM, 0xe2);
         assert_eq!(
-            c.route(JOINED_STREAM),
+            c.route(0, JOINED_STREAM),
             None,
             "an event of an eager stream joins nothing"
         );
         c.waited(JOINED_STREAM, 0xe1);
-        assert_eq!(c.route(JOINED_STREAM), Some((1, 0)));
+        assert_eq!(c.route(0, JOINED_STREAM), Some((1, 0)));
         c.end(SIDE_STREAM);
-        assert_eq!((c.route(SIDE_STREAM), c.route(JOINED_STREAM)), (None, None));
+        assert_eq!(
+            (c.route(0, SIDE_STREAM), c.route(0, JOINED_STREAM)),
+            (None, None)
+        );
         assert!(!c.underway());
         let used = c.pool((1, 0)).unwrap();
         assert_eq!((used.captures, used.graphs, used.numbered), (1, 1, true));
@@ -301,7 +442,7 @@ mod tests {
         for (i, graph) in [GRAPH, GRAPH + 64].into_iter().enumerate() {
             c.announce(MAIN, graph, (0, 1), 100 + i as i64);
             c.begin(MAIN, SIDE_STREAM, 101 + i as i64);
-            assert_eq!(c.route(SIDE_STREAM), Some((0, 1)));
+            assert_eq!(c.route(0, SIDE_STREAM), Some((0, 1)));
             c.end(SIDE_STREAM);
             c.captured(graph);
         }
@@ -323,7 +464,7 @@ mod tests {
         // A new capture of its own after a shared one gets PyTorch's next graph-pool number.
         c.announce(MAIN, GRAPH, (0, 0), 200);
         c.begin(MAIN, SIDE_STREAM, 201);
-        assert_eq!(c.route(SIDE_STREAM), Some((1, 0)));
+        assert_eq!(c.route(0, SIDE_STREAM), Some((1, 0)));
     }
 
     #[test]
@@ -332,11 +473,89 @@ mod tests {
         c.begin(MAIN, SIDE_STREAM, 1);
         c.end(SIDE_STREAM);
         c.begin(MAIN + 1, JOINED_STREAM, 2);
-        assert_eq!(c.route(JOINED_STREAM), Some((2, 0)));
+        assert_eq!(c.route(0, JOINED_STREAM), Some((2, 0)));
         assert!(c.pool((1, 0)).unwrap().numbered);
         // A failed end capture still ends it.
         c.end(JOINED_STREAM);
         assert!(!c.underway());
+    }
+
+    #[test]
+    fn the_allocators_own_call_gives_a_new_capture_pool_its_real_id() {
+        let mut c = Captures::default();
+        // capture_begin((0, 0)): tracer counts (1, 0); PyTorch had numbered others before the
+        // trace, and beginAllocateToPool says (4, 0).
+        c.announce(MAIN, GRAPH, (0, 0), 100);
+        c.route_begin(MAIN, (4, 0), 100);
+        c.begin(MAIN, SIDE_STREAM, 101);
+        assert_eq!(c.route(MAIN, SIDE_STREAM), Some((4, 0)));
+        assert_eq!(
+            c.route(MAIN, 0),
+            None,
+            "a capture routes by stream, not thread"
+        );
+        c.end(SIDE_STREAM);
+        c.route_end((4, 0));
+        c.captured(GRAPH);
+        assert_eq!(c.pool((1, 0)), None, "the counted id is gone");
+        let p = c.pool((4, 0)).unwrap();
+        assert_eq!((p.captures, p.graphs, p.uses, p.numbered), (1, 1, 1, false));
+        assert_eq!(c.pool_of_graph(GRAPH), Some((4, 0)));
+        // The next new pool follows PyTorch's own counter.
+        c.announce(MAIN, GRAPH + 64, (0, 0), 200);
+        c.begin(MAIN, SIDE_STREAM, 201);
+        assert_eq!(c.route(MAIN, SIDE_STREAM), Some((5, 0)));
+        c.end(SIDE_STREAM);
+        // reset, then releasePool: freeable at use count 0.
+        c.reset(GRAPH);
+        assert!(
+            !c.pool((4, 0)).unwrap().freeable(),
+            "the allocator's count says held"
+        );
+        c.pool_released((4, 0));
+        assert!(c.pool((4, 0)).unwrap().freeable());
+    }
+
+    #[test]
+    fn use_mem_pool_routes_its_thread_until_it_ends_and_the_pool_frees_at_use_count_0() {
+        let mut c = Captures::default();
+        let other = MAIN + 1;
+        // torch.cuda.MemPool(): createOrIncrefPool; use_mem_pool: begin .. end, release.
+        c.pool_made((0, 1), 50);
+        c.route_begin(MAIN, (0, 1), 60);
+        assert_eq!(c.route(MAIN, 0), Some((0, 1)), "any stream of the thread");
+        assert_eq!(c.route(MAIN, SIDE_STREAM), Some((0, 1)));
+        assert_eq!(
+            c.route(other, 0),
+            None,
+            "another thread's requests stay default"
+        );
+        assert!(c.underway() && !c.capturing(), "no flush while it routes");
+        c.route_end((0, 1));
+        c.pool_released((0, 1));
+        assert_eq!(c.route(MAIN, 0), None);
+        assert!(!c.underway());
+        let p = c.pool((0, 1)).unwrap();
+        assert!(
+            p.made && p.probed && !p.freeable(),
+            "the MemPool object holds it"
+        );
+        assert_eq!((p.uses, p.routed, p.first_ns), (1, 1, 50));
+        assert!(PoolUse::user_made((0, 1)) && !PoolUse::user_made((1, 0)));
+        // ~MemPool: released; its segments go at the next flush.
+        c.pool_released((0, 1));
+        assert!(c.pool((0, 1)).unwrap().freeable());
+    }
+
+    #[test]
+    fn use_on_oom_pools_are_listed_until_unmarked_or_released() {
+        let mut c = Captures::default();
+        c.pool_made((0, 2), 10);
+        c.entry((0, 2), 11).use_on_oom = true;
+        c.pool_made((0, 3), 12);
+        assert_eq!(c.use_on_oom(), vec![(0, 2)]);
+        c.pool_released((0, 2));
+        assert!(c.use_on_oom().is_empty(), "a freed pool serves no OOM");
     }
 
     #[test]

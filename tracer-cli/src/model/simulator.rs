@@ -53,6 +53,10 @@ pub enum Request {
     /// (true): a flush returns its segments with no live block; a new capture into it holds it
     /// again (false). The pool as [`private_stream`] marks it (any stream).
     PoolFreeable(u64, bool),
+    /// A MemPool marked use_on_oom (true) or no longer (false): a default-pool request the
+    /// device refuses, after the retry, takes a free block of such a pool before the OOM
+    /// (PyTorch's last resort). The pool as [`private_stream`] marks it.
+    PoolUseOnOom(u64, bool),
     /// A request left out (an estimate without it): it takes its handle, holds nothing.
     Skipped,
 }
@@ -163,6 +167,8 @@ pub struct Simulator {
     capturing: bool,
     /// Private pools no graph holds ([`POOL_BITS`] of their streams).
     freeable: std::collections::HashSet<u64>,
+    /// Pools marked use_on_oom (their pool bits), in PyTorch's order of looking.
+    use_on_oom: std::collections::BTreeSet<u64>,
     /// Addresses the device gave the recorded run, in order: the simulated run takes them.
     addresses: std::vec::IntoIter<u64>,
     next_address: u64,
@@ -190,6 +196,7 @@ impl Simulator {
             allocated: 0,
             capturing: false,
             freeable: Default::default(),
+            use_on_oom: Default::default(),
             addresses: addresses.into_iter(),
             next_address: FIRST_ADDRESS,
             placements: None,
@@ -276,6 +283,12 @@ impl Simulator {
                 }
                 Request::PoolFreeable(pool, false) => {
                     self.freeable.remove(&(pool & POOL_BITS));
+                }
+                Request::PoolUseOnOom(pool, true) => {
+                    self.use_on_oom.insert(pool & POOL_BITS);
+                }
+                Request::PoolUseOnOom(pool, false) => {
+                    self.use_on_oom.remove(&(pool & POOL_BITS));
                 }
             }
             self.peaks();
@@ -377,6 +390,9 @@ impl Simulator {
             self.outcome.retries += 1;
             b = self.alloc_block(pool, stream, rounded, alloc_size);
         }
+        if b == NONE && stream & PRIVATE_POOL_STREAM == 0 {
+            b = self.use_on_oom_block(pool, stream, rounded);
+        }
         if b == NONE {
             return NONE;
         }
@@ -384,6 +400,20 @@ impl Simulator {
         self.blocks[b as usize].state = State::Allocated;
         self.allocated += self.blocks[b as usize].size;
         b
+    }
+
+    /// PyTorch's last resort for a default-pool request: a free block of a use_on_oom pool
+    /// (the request's stream in that pool), no new segment.
+    fn use_on_oom_block(&mut self, pool: Pool, stream: u64, rounded: u64) -> u32 {
+        let pools: Vec<u64> = self.use_on_oom.iter().copied().collect();
+        for bits in pools {
+            let routed = PRIVATE_POOL_STREAM | bits | (stream & ((1 << 48) - 1));
+            let b = self.get_free_block(pool, routed, rounded);
+            if b != NONE {
+                return b;
+            }
+        }
+        NONE
     }
 
     /// The allocation is the front of the block; a remainder PyTorch splits off stays cached.

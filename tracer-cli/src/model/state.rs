@@ -107,6 +107,11 @@ impl ProcessState {
                 | OpClass::CaptureEnd
                 | OpClass::PoolCaptured
                 | OpClass::PoolReset
+                | OpClass::PoolRoute
+                | OpClass::PoolUnroute
+                | OpClass::PoolRelease
+                | OpClass::PoolCreate
+                | OpClass::PoolOnOom
         ) {
             // The allocator's events keep blocks used on other streams from their pool.
             self.layout.apply(e);
@@ -291,7 +296,7 @@ mod tests {
             ..Default::default()
         };
         let mut back = ProcessState::decode(&state.encode().unwrap(), KEYFRAME_FORMAT).unwrap();
-        assert_eq!(back.layout.captures.route(0x5000), Some((0, 2)));
+        assert_eq!(back.layout.captures.route(0, 0x5000), Some((0, 2)));
         // The capture's segment, made after the keyframe, is the pool's.
         back.layout
             .apply(&ev(Op::CudaMalloc, 0x7000_0000, 20 << 20, 12));
@@ -302,6 +307,6 @@ mod tests {
         let l = &state.layout;
         let four = postcard::to_stdvec(&(&state, &l.pending, &l.sight, &l.private)).unwrap();
         let back = ProcessState::decode(&four, 4).unwrap();
-        assert_eq!(back.layout.captures.route(0x5000), None);
+        assert_eq!(back.layout.captures.route(0, 0x5000), None);
     }
 }

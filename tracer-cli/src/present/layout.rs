@@ -7,7 +7,10 @@ use std::io::Write;
 use anyhow::Result;
 
 use crate::{
-    model::layout::{PoolStats, RunKind, SegmentMap},
+    model::{
+        layout::{PoolStats, RunKind, SegmentMap},
+        pools::{PoolUse, PrivatePool},
+    },
     query::layout::{GpuShare, ProcessLayout},
     units::{format_bytes as b, format_utc},
 };
@@ -86,28 +89,10 @@ fn bar(seg: &SegmentMap) -> String {
 }
 
 /// One private pool: whose it is (what tracer saw of its captures), then its figures.
-fn private_pool(out: &mut impl Write, pool: &crate::model::pools::PrivatePool) -> Result<()> {
+fn private_pool(out: &mut impl Write, pool: &PrivatePool) -> Result<()> {
     let whose = match pool.captures {
-        Some(c) => {
-            let mut said = format!(
-                "CUDA graphs': {} capture(s), first at {}",
-                c.captures,
-                format_utc(c.first_ns)
-            );
-            if let Some(at) = &pool.captured_at {
-                said.push_str(&format!(" from {at}"));
-            }
-            said.push_str(&match c.graphs {
-                0 => "; no graph holds it any more: its segments with no live block go back at the next cache flush".to_owned(),
-                n => format!("; held by {n} graph(s) until their reset()"),
-            });
-            if c.numbered {
-                said.push_str(
-                    "; id as PyTorch numbers new pools, counted from the captures tracer saw",
-                );
-            }
-            said
-        }
+        Some(c) if c.made || (c.captures == 0 && c.routed > 0) => mem_pool_said(pool, &c),
+        Some(c) => graph_pool_said(pool, &c),
         None => "a CUDA graph's or a MemPool's, from a snapshot's segment_pool_id".to_owned(),
     };
     writeln!(
@@ -123,6 +108,54 @@ fn private_pool(out: &mut impl Write, pool: &crate::model::pools::PrivatePool) -
         b(pool.largest_free)
     )?;
     Ok(())
+}
+
+fn graph_pool_said(pool: &PrivatePool, c: &PoolUse) -> String {
+    let mut said = format!(
+        "CUDA graphs': {} capture(s), first at {}",
+        c.captures,
+        format_utc(c.first_ns)
+    );
+    if let Some(at) = &pool.captured_at {
+        said.push_str(&format!(" from {at}"));
+    }
+    said.push_str(&match (c.freeable(), c.graphs) {
+        (true, _) => "; no graph holds it any more: its segments with no live block go back at the next cache flush".to_owned(),
+        (false, 0) => "; no graph holds it, but its use count is not 0 (a MemPool or a routing still holds it)".to_owned(),
+        (false, n) => format!("; held by {n} graph(s) until their reset()"),
+    });
+    if c.numbered {
+        said.push_str("; id as PyTorch numbers new pools, counted from the captures tracer saw");
+    }
+    said
+}
+
+/// A pool torch.cuda.MemPool made (or that requests were routed to outside any capture).
+fn mem_pool_said(pool: &PrivatePool, c: &PoolUse) -> String {
+    let mut said = if c.made {
+        format!("a MemPool's, made at {}", format_utc(c.first_ns))
+    } else {
+        format!(
+            "routed to outside a capture from {} (made before tracer saw it)",
+            format_utc(c.first_ns)
+        )
+    };
+    if let Some(at) = &pool.captured_at {
+        said.push_str(&format!(" from {at}"));
+    }
+    said.push_str(&format!("; requests routed to it {} time(s)", c.routed));
+    if c.captures > 0 {
+        said.push_str(&format!(", {} capture(s) into it", c.captures));
+    }
+    if c.use_on_oom {
+        said.push_str("; use_on_oom: a request the default pools cannot serve takes its free blocks before an OOM");
+    }
+    said.push_str(&match (c.made, c.uses) {
+        (false, _) => "; its use count is not known (made before tracer saw it)".to_owned(),
+        (true, 0) => "; released (use count 0): its segments with no live block go back at the next cache flush".to_owned(),
+        (true, n) => format!("; use count {n}"),
+    });
+    said
 }
 
 pub fn text(out: &mut impl Write, session: i64, layouts: &[ProcessLayout]) -> Result<()> {

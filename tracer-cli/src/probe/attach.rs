@@ -571,8 +571,9 @@ impl Probes {
                 }
             }
             if ok {
-                // The OOM constructor's mangled name says less than the probe's.
-                attached.push(if target.op == Op::TorchOom {
+                // A C++ method's mangled name (the OOM constructor, PyTorch's CUDAGraph and
+                // allocator methods) says less than the probe's.
+                attached.push(if target.symbol.starts_with("_Z") {
                     target.op.name().to_owned()
                 } else {
                     target.symbol.clone()

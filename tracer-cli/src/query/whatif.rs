@@ -388,6 +388,8 @@ struct RunRecording {
     /// What the process's captures route where (the builders are per device; a capture's
     /// calls may name none).
     captures: crate::model::pools::Captures,
+    /// The pools marked use_on_oom the replays were last told of.
+    on_oom: Vec<crate::model::pools::PoolId>,
     seeded: bool,
     snapshot: bool,
 }
@@ -439,6 +441,7 @@ impl Recordings {
                     .get(&e.pid)
                     .map(|l| l.captures.clone())
                     .unwrap_or_default(),
+                on_oom: Vec::new(),
                 seeded: begins_ns.is_none() && !self.keyframe,
                 snapshot: self.snapshot,
             }
@@ -465,6 +468,28 @@ impl Recordings {
 }
 
 impl RunRecording {
+    /// Tells every device's replay which pools an OOM may now fall back on.
+    fn use_on_oom_changed(&mut self, device: i32) {
+        let now = self.captures.use_on_oom();
+        if now == self.on_oom {
+            return;
+        }
+        self.builders.entry(device).or_default();
+        for b in self.builders.values_mut() {
+            for id in self.on_oom.iter().filter(|id| !now.contains(id)) {
+                b.run
+                    .requests
+                    .push(Request::PoolUseOnOom(private_stream(*id, 0), false));
+            }
+            for id in now.iter().filter(|id| !self.on_oom.contains(id)) {
+                b.run
+                    .requests
+                    .push(Request::PoolUseOnOom(private_stream(*id, 0), true));
+            }
+        }
+        self.on_oom = now;
+    }
+
     fn call(&mut self, e: &Event) {
         if !self.seeded {
             if self.begins_ns.is_some_and(|t| e.ts_ns < t) {
@@ -485,21 +510,24 @@ impl RunRecording {
                     .seed_from(&self.past, d, self.snapshot);
             }
             self.captures = self.past.captures.clone();
+            // Pools marked use_on_oom before the requests begin still serve a refused one.
+            self.use_on_oom_changed(e.device);
         }
         let was = self.captures.underway();
         // The pool a reset may free, or a capture hold again.
         let pool = match e.class() {
             OpClass::PoolReset => self.captures.pool_of_graph(e.ptr),
+            OpClass::PoolRelease => Some((e.aux0, e.aux1)),
             _ => None,
         };
         self.captures.apply(e);
         let announced = match e.class() {
             OpClass::PoolCapture => self.captures.pool_of_graph(e.ptr),
-            OpClass::CaptureBegin => self.captures.route(e.aux0),
+            OpClass::CaptureBegin | OpClass::PoolRoute => self.captures.route(e.tid, e.aux0),
             _ => None,
         };
         for (id, freeable) in pool
-            .filter(|&id| self.captures.pool(id).is_some_and(|p| p.graphs == 0))
+            .filter(|&id| self.captures.pool(id).is_some_and(|p| p.freeable()))
             .map(|id| (id, true))
             .into_iter()
             .chain(announced.map(|id| (id, false)))
@@ -511,6 +539,9 @@ impl RunRecording {
                     .push(Request::PoolFreeable(private_stream(id, 0), freeable));
             }
         }
+        if e.class() == OpClass::PoolOnOom || e.class() == OpClass::PoolRelease {
+            self.use_on_oom_changed(e.device);
+        }
         if self.captures.underway() != was {
             // Every device's replay: PyTorch's no-flush rule holds for the whole process.
             let underway = self.captures.underway();
@@ -519,7 +550,7 @@ impl RunRecording {
                 b.run.requests.push(Request::CapturesUnderway(underway));
             }
         }
-        let routed = self.captures.route(e.aux0);
+        let routed = self.captures.route(e.tid, e.aux0);
         self.builders.entry(e.device).or_default().call(e, routed);
     }
 }
@@ -811,7 +842,14 @@ pub fn without_graphs(run: &RecordedRun, capacity: u64) -> Option<WhatIfRow> {
     let requests: Vec<Request> = run
         .requests
         .iter()
-        .filter(|r| !matches!(r, Request::CapturesUnderway(_) | Request::PoolFreeable(..)))
+        .filter(|r| {
+            !matches!(
+                r,
+                Request::CapturesUnderway(_)
+                    | Request::PoolFreeable(..)
+                    | Request::PoolUseOnOom(..)
+            )
+        })
         .map(|r| match r {
             Request::Malloc { stream, .. } if private(*stream) => Request::Skipped,
             other => *other,

@@ -208,7 +208,10 @@ pub fn capture_site(
         .filter(|op| {
             matches!(
                 op.spec().class,
-                OpClass::PoolCapture | OpClass::CaptureBegin
+                OpClass::PoolCapture
+                    | OpClass::CaptureBegin
+                    | OpClass::PoolCreate
+                    | OpClass::PoolRoute
             )
         })
         .map(|op| (*op as u32).to_string())

@@ -94,6 +94,11 @@ pub fn class_name(class: OpClass) -> &'static str {
         OpClass::PoolCapture => "pool_capture",
         OpClass::PoolCaptured => "pool_captured",
         OpClass::PoolReset => "pool_reset",
+        OpClass::PoolRoute => "pool_route",
+        OpClass::PoolUnroute => "pool_unroute",
+        OpClass::PoolRelease => "pool_release",
+        OpClass::PoolCreate => "pool_create",
+        OpClass::PoolOnOom => "pool_on_oom",
     }
 }
 

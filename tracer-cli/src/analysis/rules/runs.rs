@@ -85,6 +85,16 @@ pub(super) fn churn(f: &mut Replaying<'_, '_>) -> Option<Chain> {
     churn::churn(f.p.pid, cycles, f.window, f.measured.is_some()).map(|(c, _)| c)
 }
 
+/// `attempts` with the rescues among them, in time order.
+fn with_rescued(
+    attempts: &[crate::model::attempts::Attempt],
+    rescued: &[crate::model::attempts::Attempt],
+) -> Vec<crate::model::attempts::Attempt> {
+    let mut all: Vec<_> = attempts.iter().chain(rescued).copied().collect();
+    all.sort_by_key(|a| a.event.ts_ns);
+    all
+}
+
 pub(super) fn allocator_retry(f: &mut Scanning<'_, '_>) -> Option<Chain> {
     failure::allocator_retry(f.p.pid, f.p.window, &f.scan.attempts)
 }
@@ -92,7 +102,17 @@ pub(super) fn allocator_retry(f: &mut Scanning<'_, '_>) -> Option<Chain> {
 /// The out-of-memory, told from the allocator's layout at the failure where it was measured
 /// (its figures and PyTorch's message), with who else held the GPU then.
 pub(super) fn oom(f: &mut Scanning<'_, '_>) -> Option<Chain> {
-    let Some(mut chain) = failure::oom(f.p, f.everyone, &f.scan.attempts, f.sites) else {
+    // The scan reads no block events: the requests served after their failure (use_on_oom)
+    // come from the layout's measure.
+    let merged: Vec<_>;
+    let attempts = match f.measured.filter(|m| !m.rescued.is_empty()) {
+        Some(m) => {
+            merged = with_rescued(&f.scan.attempts, &m.rescued);
+            &merged
+        }
+        None => &f.scan.attempts,
+    };
+    let Some(mut chain) = failure::oom(f.p, f.everyone, attempts, f.sites) else {
         // PyTorch raised with no failed device call: its message alone tells the failure, when
         // it lies in the window and the trace saw the process's calls up to it (a window whose
         // calls were evicted draws nothing).

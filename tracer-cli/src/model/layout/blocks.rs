@@ -174,7 +174,7 @@ impl Layout {
             .is_some_and(|s| s.blocks.is_empty());
         if first_block && self.private.of(addr).is_none() {
             // A segment serves one pool for life: a capture routes its first block.
-            if let Some(id) = self.captures.route(e.aux0) {
+            if let Some(id) = self.captures.route(e.tid, e.aux0) {
                 self.private.routed(addr, id);
             }
         }

@@ -1651,6 +1651,7 @@ fn demo_list_and_bad_scenario() {
         "co-tenant",
         "graphs",
         "engine",
+        "mempool",
     ] {
         assert!(list.contains(s), "{list}");
     }

@@ -586,6 +586,30 @@ fn mem_pools_route_by_thread_and_use_on_oom_serves_before_the_oom() {
         "{a}"
     );
     assert_eq!(a["asked"], 122u64 << 20, "{a}");
+    let oom = chain(&report, "oom");
+    let fixes: Vec<&str> = oom["fix"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    // A MemPool's advice, not a graph's: drop it (its idle segments cover the shortfall), and
+    // use_on_oom, whose 152 MiB free block fits the 122 MiB request.
+    assert!(
+        fixes[0].starts_with("free the MemPool's tensors"),
+        "{fixes:?}"
+    );
+    assert!(
+        fixes.iter().any(|f| f.contains("use_on_oom=True")
+            && f.contains("152.00 MiB free block fits this 122.00 MiB")),
+        "{fixes:?}"
+    );
+    assert!(!fixes.iter().any(|f| f.contains("reset()")), "{fixes:?}");
+    let said = oom["effect"].to_string();
+    assert!(
+        said.contains("the use_on_oom pools' were tried as a last resort, and none fit"),
+        "{said}"
+    );
 
     // whatif replays the pools as run: the rescue from the use_on_oom pool, then the OOM.
     let w = tracer_json(&fx.db, &["whatif", "--json"]);

@@ -81,6 +81,15 @@ const SCENARIOS: &[Scenario] = &[
         args: &[],
     },
     Scenario {
+        name: "mempool",
+        about: "torch.cuda.MemPool: a pool filled under use_mem_pool, a use_on_oom pool that serves a request the device refused, then an OOM while the first pool holds free blocks the request may not use",
+        env: &[
+            ("SIMCUDA_MEM", "1GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,default=2us"),
+        ],
+        args: &[],
+    },
+    Scenario {
         name: "engine",
         about: "a serving engine's start-up (weights, a profiling pass, the KV cache from --gpu-memory-utilization 0.95, a graph capture per batch size) whose KV cache leaves the captures too little",
         env: &[

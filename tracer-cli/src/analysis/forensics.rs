@@ -46,6 +46,13 @@ pub struct Forensics {
     /// A CUDA graph capture, or another routing to a private pool (`use_mem_pool`), was underway
     /// in the process: PyTorch runs no cache flush then.
     pub capture_underway: bool,
+    /// MemPools marked use_on_oom were in use: PyTorch looked in their free blocks for the
+    /// request, as a last resort, before it raised.
+    pub use_on_oom: bool,
+    /// Of `private_free`, the bytes inside MemPools (not CUDA graphs' pools), and the largest
+    /// free block of a MemPool not marked use_on_oom (what marking it would have offered).
+    pub mem_pool_free: u64,
+    pub mem_pool_largest: u64,
     /// Bytes of the default pools' segments holding no live block: what a flush returns.
     pub default_idle: u64,
     /// The failed call asked for a whole segment (cudaMalloc), whose size bounds the request;
@@ -57,6 +64,16 @@ pub(super) fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -
     let total = layout.device_total(e.device);
     // Walked once for both pools' idle segments (an OOM-time cost, not an event's).
     let maps = layout.segments();
+    let private: Vec<_> = layout
+        .private_pools()
+        .into_iter()
+        .filter(|p| p.device == e.device)
+        .collect();
+    let mem_pools = || {
+        private
+            .iter()
+            .filter(|p| p.captures.is_some_and(|c| c.mem_pool()))
+    };
     Forensics {
         ts_ns: e.ts_ns,
         tid: e.tid,
@@ -71,13 +88,15 @@ pub(super) fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -
         unseen: layout.unseen_contents(Some(e.device)).1,
         device_free: free.map(|d| d.free.max(0) as u64),
         pools: layout.default_pools(e.device),
-        private_free: layout
-            .private_pools()
-            .iter()
-            .filter(|p| p.device == e.device)
-            .map(|p| p.free)
-            .sum(),
+        private_free: private.iter().map(|p| p.free).sum(),
+        mem_pool_free: mem_pools().map(|p| p.free).sum(),
+        mem_pool_largest: mem_pools()
+            .filter(|p| !p.captures.is_some_and(|c| c.use_on_oom))
+            .map(|p| p.largest_free)
+            .max()
+            .unwrap_or(0),
         capture_underway: layout.captures.underway(),
+        use_on_oom: !layout.captures.use_on_oom().is_empty(),
         default_idle: idle_bytes(&maps, e.device, false),
         private_idle: idle_bytes(&maps, e.device, true),
         whole_segment: e.op.spec().space == Space::Device,

@@ -982,6 +982,9 @@ fn failure(requested: u64, whole_segment: bool, large: PoolStats) -> allocator::
         private_free: 0,
         private_idle: 0,
         capture_underway: false,
+        use_on_oom: false,
+        mem_pool_free: 0,
+        mem_pool_largest: 0,
         default_idle: 0,
         whole_segment,
     }

@@ -139,6 +139,12 @@ impl PoolUse {
         }
     }
 
+    /// A torch.cuda.MemPool's (made by createOrIncrefPool, or routed to with no capture),
+    /// not a CUDA graph's.
+    pub fn mem_pool(&self) -> bool {
+        self.made || (self.captures == 0 && self.routed > 0)
+    }
+
     /// Made by the user (torch.cuda.MemPool, or graph_pool_handle for graphs that share):
     /// PyTorch numbers those (0, n).
     pub fn user_made(id: PoolId) -> bool {
@@ -545,6 +551,31 @@ mod tests {
         // ~MemPool: released; its segments go at the next flush.
         c.pool_released((0, 1));
         assert!(c.pool((0, 1)).unwrap().freeable());
+    }
+
+    #[test]
+    fn a_graph_trees_warm_up_routes_to_the_graphs_pool_outside_capture() {
+        // torch.compile's graph trees: a capture makes pool (1, 0); a later warm-up run routes
+        // its requests there with no capture (beginAllocateCurrentStreamToPool), so its blocks
+        // land in the graphs' pool; then the next capture into it shares it.
+        let mut c = Captures::default();
+        c.announce(MAIN, GRAPH, (0, 0), 100);
+        c.route_begin(MAIN, (1, 0), 100);
+        c.begin(MAIN, SIDE_STREAM, 101);
+        c.end(SIDE_STREAM);
+        c.route_end((1, 0));
+        c.captured(GRAPH);
+        assert_eq!(c.route(MAIN, 0), None, "eager between the runs");
+        c.route_begin(MAIN, (1, 0), 200);
+        assert_eq!(c.route(MAIN, 0), Some((1, 0)), "the warm-up's requests");
+        assert!(!c.capturing() && c.underway());
+        c.route_end((1, 0));
+        c.pool_released((1, 0));
+        assert_eq!(c.route(MAIN, 0), None);
+        let p = c.pool((1, 0)).unwrap();
+        assert!(!p.mem_pool(), "a graphs' pool, routed to once for a warm-up");
+        assert_eq!((p.captures, p.routed, p.uses, p.graphs), (1, 1, 1, 1));
+        assert!(!p.freeable(), "the graph still holds it");
     }
 
     #[test]

@@ -161,7 +161,9 @@ fn fixes(h: &Holders, judged: Option<&Judged<'_>>) -> Option<Vec<Fix>> {
         HeldBy::FragmentationAndOtherProcesses => vec![run_alone(), FIX_EXPANDABLE, FIX_MAX_SPLIT],
         HeldBy::ThisProcess | HeldBy::BeyondDevice => measured::fixes_for_capacity(),
         HeldBy::MemoryFraction => vec![FIX_FRACTION],
-        HeldBy::PrivatePools => measured::fixes_for_private_pools(&h.arithmetic),
+        HeldBy::PrivatePools => {
+            measured::fixes_for_private_pools(&h.arithmetic, judged.map(|j| j.failure))
+        }
         HeldBy::CacheDuringCapture => measured::fixes_for_capture(&h.arithmetic),
         HeldBy::Unknown => return judged.map(|j| j.fixes.clone()),
     })

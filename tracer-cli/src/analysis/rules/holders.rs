@@ -143,7 +143,7 @@ impl HeldBy {
                 "refused by the process's memory fraction before the device was asked"
             }
             HeldBy::PrivatePools => {
-                "free inside CUDA graphs' private pools, which this request could not use"
+                "free inside private pools (CUDA graphs', MemPools'), which this request could not use"
             }
             HeldBy::CacheDuringCapture => {
                 "free in this process's cache, not flushed: a CUDA graph capture was underway"

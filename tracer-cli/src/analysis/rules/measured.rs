@@ -417,8 +417,13 @@ pub fn oom_forensics(f: &Findings, fatal_ns: i64, message: Option<&str>) -> Opti
     // not "reserved but unallocated" (the request may not use them).
     let private = if x.private_free > 0 {
         format!(
-            ", with {} allocated in private pools (e.g., CUDA Graphs: free blocks inside CUDA graphs' and MemPools' pools, for requests routed there only)",
-            pb(x.private_free)
+            ", with {} allocated in private pools (e.g., CUDA Graphs: free blocks inside CUDA graphs' and MemPools' pools, for requests routed there only{})",
+            pb(x.private_free),
+            if x.use_on_oom {
+                "; the use_on_oom pools' were tried as a last resort, and none fit"
+            } else {
+                ""
+            }
         )
     } else {
         String::new()
@@ -511,29 +516,61 @@ pub fn oom_forensics(f: &Findings, fatal_ns: i64, message: Option<&str>) -> Opti
     })
 }
 
-/// What to do when the request does not fit the device even with the cache given back.
 /// Where private pools' free blocks decided an OOM: releasing the pools is offered only where
 /// the flush rule, applied to the layout at the failure, returns enough (their segments holding
-/// no live block cover the shortfall); capturing fewer shapes always stands, without a figure
-/// (the eager requests a graph replaces were never made: no replay can say what they take).
-pub fn fixes_for_private_pools(a: &crate::analysis::oom::Arithmetic) -> Vec<Fix> {
+/// no live block cover the shortfall); use_on_oom only where a MemPool's free block fits the
+/// request at the failure (PyTorch's last resort would have served it); capturing fewer shapes
+/// stands where graphs' pools held some, without a figure (the eager requests a graph replaces
+/// were never made: no replay can say what they take).
+pub fn fixes_for_private_pools(
+    a: &crate::analysis::oom::Arithmetic,
+    x: Option<&crate::analysis::allocator::Forensics>,
+) -> Vec<Fix> {
     let mut fixes: Vec<Fix> = Vec::new();
+    let mem_free = x.map_or(0, |x| x.mem_pool_free);
+    // Every private free byte lay in MemPools: no graph's advice applies.
+    let all_mem = x.is_some_and(|x| mem_free > 0 && mem_free >= x.private_free);
+    let short = a.shortfall.map_or("request".into(), pb);
     if let (crate::analysis::oom::Cause::PrivatePools { idle_enough: true }, Some(idle)) =
         (&a.cause, a.private_idle)
     {
-        fixes.push(
+        fixes.push(if all_mem {
             format!(
-                "release the graphs no longer replayed (reset() them, or drop them) and call torch.cuda.empty_cache(): once no graph holds their pool, a flush returns its {} of segments holding no live block, more than the {} short",
-                pb(idle),
-                a.shortfall.map_or("request".into(), pb)
+                "free the MemPool's tensors and drop the pool (its destructor releases it and empties its cache): its {} of segments holding no live block go back, more than the {short} short",
+                pb(idle)
             )
-            .into(),
+            .into()
+        } else {
+            format!(
+                "release the graphs no longer replayed (reset() them, or drop them) and call torch.cuda.empty_cache(): once no graph holds their pool, a flush returns its {} of segments holding no live block, more than the {short} short",
+                pb(idle)
+            )
+            .into()
+        });
+    }
+    if let Some(x) = x.filter(|x| x.mem_pool_free > 0) {
+        let asked = a.asked.unwrap_or(x.requested);
+        if x.mem_pool_largest >= asked {
+            fixes.push(
+                format!(
+                    "make the MemPool with use_on_oom=True: after the retry PyTorch looks in such pools' free blocks before it raises, and its {} free block fits this {} request (on the same stream)",
+                    pb(x.mem_pool_largest),
+                    pb(asked)
+                )
+                .into(),
+            );
+        }
+        fixes.push(
+            "make the request inside `with torch.cuda.use_mem_pool(pool):` where it may share the pool's free blocks, or free and drop the MemPools no longer used"
+                .into(),
         );
     }
-    fixes.push(
-        "capture fewer shapes (batch sizes), and have the graphs share one pool (torch.cuda.graph_pool_handle()) where they do not yet, so that the graphs hold less apart from eager requests; leave room for the largest eager request beside the graphs (serving engines: lower the graph memory budget or the KV-cache fraction)"
-            .into(),
-    );
+    if !all_mem {
+        fixes.push(
+            "capture fewer shapes (batch sizes), and have the graphs share one pool (torch.cuda.graph_pool_handle()) where they do not yet, so that the graphs hold less apart from eager requests; leave room for the largest eager request beside the graphs (serving engines: lower the graph memory budget or the KV-cache fraction)"
+                .into(),
+        );
+    }
     fixes
 }
 
@@ -561,6 +598,7 @@ pub fn fixes_for_capture(a: &crate::analysis::oom::Arithmetic) -> Vec<Fix> {
     fixes
 }
 
+/// What to do when the request does not fit the device even with the cache given back.
 pub fn fixes_for_capacity() -> Vec<Fix> {
     vec![
         "reduce peak memory: a smaller batch or sequence length, activation checkpointing, mixed precision".into(),

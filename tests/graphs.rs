@@ -664,3 +664,96 @@ fn the_real_libc10_cudas_pool_methods_are_probed() {
         );
     }
 }
+
+/// A MemPool whose segments come from NCCL's ncclMemAlloc (PyTorch's NCCL MemPool for
+/// symmetric memory: the driver's virtual memory calls from libnccl, no cudaMalloc): the blocks
+/// PyTorch's probes place land in those segments, the pool is the allocator's at every block
+/// event, `layout` says where its segments came from, and they are gone when the pool is
+/// dropped (ncclMemFree).
+#[test]
+fn an_nccl_mem_pools_segments_hold_its_blocks() {
+    let Some(fx) = Fixture::new() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let truth_file = dir.path().join("truth.jsonl");
+    let trace = trace_sim(&fx, &[]);
+    let script = format!(
+        "import sys\nsys.path.insert(0, {dir:?})\nfrom caching_allocator import CachingAllocator, MIB\n\
+         a = CachingAllocator({cudart:?})\nw = a.malloc(100 * MIB)\npool = a.mem_pool(nccl=True)\n\
+         with a.use_mem_pool(pool):\n    xs = [a.malloc(n * MIB) for n in (30, 3, 50)]\n\
+         a.free(xs[2])\neager = a.malloc(40 * MIB)\nimport json, os\n\
+         print(json.dumps({{'pid': os.getpid(), 'pools': a.private_pools()}}), flush=True)\n\
+         import time\ntime.sleep(0.2)\na.free(xs[0])\na.free(xs[1])\na.drop_mem_pool(pool)\n",
+        dir = workspace().join("demos/workloads").to_str().unwrap(),
+        cudart = fx.lib("libcudart.so.12"),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .env("SIMCUDA_MEM", "1GiB")
+        .env("SIMTORCH_TRUTH", &truth_file)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let said: Value = serde_json::from_slice(&out.stdout).unwrap();
+    trace.stop(SIGINT);
+    let truth: Vec<Value> = std::fs::read_to_string(&truth_file)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let timeline = Command::new(TRACER)
+        .args(["layout", "--timeline", "--db"])
+        .arg(&fx.db)
+        .output()
+        .unwrap();
+    assert_ok(&timeline);
+    let rebuilt: Vec<Value> = String::from_utf8_lossy(&timeline.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rebuilt.len(), truth.len(), "one point per block event");
+    for (i, (r, t)) in rebuilt.iter().zip(&truth).enumerate() {
+        let theirs: Vec<Vec<i64>> = t["private_pools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(pool_figures)
+            .collect();
+        let ours: Vec<Vec<i64>> = r["private_pools"]
+            .as_array()
+            .map_or(Vec::new(), |a| a.iter().map(pool_figures).collect());
+        assert_eq!(ours, theirs, "event {i} ({}): {r} vs {t}", t["op"]);
+    }
+    // No cudaMalloc made the pool's segments: the driver's calls from libsimnccl.so did.
+    let made = query(
+        &fx.db,
+        &format!(
+            "SELECT op, count(*) AS n FROM events WHERE pid = {} AND op IN ('cudaMalloc', 'cuMemAddressReserve') AND ret = 0 GROUP BY op ORDER BY op",
+            said["pid"]
+        ),
+    );
+    assert_eq!(made.len(), 2, "{made:?}");
+    assert_eq!(
+        (&made[0]["op"], &made[0]["n"]),
+        (&"cuMemAddressReserve".into(), &3.into())
+    );
+    // At the eager request (the 6th block event): the pool, its three mapped segments, said so.
+    let at = rebuilt[5]["ts_ns"].as_i64().unwrap().to_string();
+    let text = tracer_text(&fx.db, &["layout", "--at", &at]);
+    assert!(
+        text.contains("3 of its segments mapped with the driver's virtual memory calls"),
+        "{text}"
+    );
+    let pool_then = &said["pools"][0];
+    assert!(
+        text.contains("private pool (0, 1) (a MemPool's, made at"),
+        "{text}"
+    );
+    assert_eq!(pool_then["segments"], 3, "{pool_then}");
+    // Dropped: ncclMemFree gave every segment back.
+    let end = tracer_json(&fx.db, &["layout", "--json"]);
+    assert_eq!(
+        end[0]["devices"][0]["private_pools"],
+        serde_json::json!([]),
+        "{end:#}"
+    );
+}

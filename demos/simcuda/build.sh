@@ -17,8 +17,10 @@ cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libcudart.so.12" -Wl,-son
 cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libsimtorch.so" "$src/torchprobes.c" \
   -L"$out" -l:libcudart.so.12 -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
 # Libraries that take device memory past the runtime (cuBLAS's workspaces, NCCL's buffers).
-for lib in simcublas:simcublasWorkspace simnccl:simncclBuffer; do
-  cc "${cflags[@]}" -shared -fvisibility=hidden -DENTRY="${lib#*:}" -o "$out/lib${lib%%:*}.so" "$src/extlib.c" \
+# libsimnccl.so also has NCCL's ncclMemAlloc / ncclMemFree (an NCCL MemPool's segments).
+for lib in simcublas:simcublasWorkspace: simnccl:simncclBuffer:-DNCCL_MEM; do
+  IFS=: read -r name entry extra <<<"$lib"
+  cc "${cflags[@]}" -shared -fvisibility=hidden -DENTRY="$entry" ${extra:+"$extra"} -o "$out/lib$name.so" "$src/extlib.c" \
     -L"$out" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
 done
 # The management library PyTorch's out-of-memory message asks which processes use the device.

@@ -145,6 +145,7 @@ def segment_size(size):
 class CachingAllocator:
     def __init__(self, cudart_path, device=0, expandable=False, driver_path=None):
         self.rt = ctypes.CDLL(cudart_path)
+        self.cudart_path = cudart_path
         self.rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         self.rt.cudaFree.argtypes = [ctypes.c_void_p]
         self.rt.cudaMemGetInfo.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
@@ -196,6 +197,8 @@ class CachingAllocator:
         # on before an OOM (use_on_oom).
         self.thread_routes = {}
         self.use_on_oom = set()
+        # Pools whose segments come from another allocator (NCCL's ncclMemAlloc): pool -> library.
+        self.pool_allocators = {}
         self.pool_use = {}
         self.freeable = set()
         self.next_graph_pool = 1
@@ -276,13 +279,16 @@ class CachingAllocator:
         self.synchronize()
         if self.expandable:
             for seg in self.segments:
-                if self._releasable_pool(seg.pool):
+                if self._releasable_pool(seg.pool) and seg.chunk:
                     self._unmap_free_chunks(seg)
-            return True
+            if not self.pool_allocators:
+                return True
+        # (Under expandable segments, only the whole segments of pools with their own allocator.)
         kept = []
         for seg in self.segments:
-            if len(seg.blocks) == 1 and seg.blocks[0].free and self._releasable_pool(seg.pool):
-                self.check(self.rt.cudaFree(ctypes.c_void_p(seg.ptr)), "cudaFree")
+            whole = seg.chunk is None and len(seg.blocks) == 1 and seg.blocks[0].free
+            if whole and self._releasable_pool(seg.pool):
+                self._free_segment(seg)
                 self._reserved_changed(-seg.size)
             else:
                 kept.append(seg)
@@ -297,9 +303,10 @@ class CachingAllocator:
         return pool == DEFAULT_POOL or pool in self.freeable
 
     def _new_segment(self, size, small, stream, pool=DEFAULT_POOL):
-        """A new cudaMalloc'ed segment for `size`, or None when the device has no room."""
+        """A new cudaMalloc'ed segment for `size` (from the pool's own allocator where it has
+        one: NCCL's ncclMemAlloc), or None when the device has no room."""
         seg_size = segment_size(size)
-        ptr = self._cuda_malloc(seg_size)
+        ptr = self._pool_malloc(pool, seg_size) if pool in self.pool_allocators else self._cuda_malloc(seg_size)
         if ptr is None:
             return None
         self._reserved_changed(seg_size)
@@ -307,8 +314,20 @@ class CachingAllocator:
         self.segments.append(seg)
         return seg.blocks[0]
 
+    def _pool_malloc(self, pool, size):
+        """A segment from the pool's pluggable allocator (ncclMemAlloc), as PyTorch's raw_alloc."""
+        ptr = ctypes.c_void_p()
+        ret = self.pool_allocators[pool].ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(size))
+        return ptr.value if ret == 0 else None
+
+    def _free_segment(self, seg):
+        if seg.pool in self.pool_allocators:
+            self.check(self.pool_allocators[seg.pool].ncclMemFree(ctypes.c_void_p(seg.ptr)), "ncclMemFree")
+        else:
+            self.check(self.rt.cudaFree(ctypes.c_void_p(seg.ptr)), "cudaFree")
+
     def _grow(self, size, small, stream, pool=DEFAULT_POOL):
-        if self.expandable:
+        if self.expandable and pool not in self.pool_allocators:
             return self._grow_expandable(size, small, stream, pool)
         return self._new_segment(size, small, stream, pool)
 
@@ -695,12 +714,19 @@ class CachingAllocator:
                 del self.pool_use[pool]
                 self.freeable.add(pool)
 
-    def mem_pool(self, use_on_oom=False):
+    def mem_pool(self, use_on_oom=False, nccl=False):
         """As torch.cuda.MemPool(use_on_oom=...): a user pool (0, n), made with its use count
-        at 1 (createOrIncrefPool), marked use_on_oom where asked."""
+        at 1 (createOrIncrefPool), marked use_on_oom where asked. With nccl=True, as
+        torch.cuda.MemPool(backend.mem_allocator) for NCCL's symmetric memory: its segments come
+        from ncclMemAlloc (libsimnccl.so beside the runtime), not cudaMalloc."""
         with self.lock:
             pool = (0, self.next_user_pool)
             self.next_user_pool += 1
+            if nccl:
+                lib = ctypes.CDLL(os.path.join(os.path.dirname(os.path.abspath(self.cudart_path)), "libsimnccl.so"))
+                lib.ncclMemAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+                lib.ncclMemFree.argtypes = [ctypes.c_void_p]
+                self.pool_allocators[pool] = lib
             self._pool_call(3, pool)
             if use_on_oom:
                 self._pool_call(4, pool, 1)

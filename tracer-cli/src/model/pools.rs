@@ -391,12 +391,21 @@ pub struct PrivatePool {
     pub free: u64,
     pub free_blocks: u64,
     pub largest_free: u64,
+    /// Its segments mapped with the driver's virtual memory calls (cuMemCreate, cuMemMap)
+    /// rather than cudaMalloc'd: another allocator's (NCCL's ncclMemAlloc), or expandable
+    /// segments.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub mapped_segments: u64,
     /// What tracer saw of its captures (none: known from a snapshot's segment_pool_id only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub captures: Option<PoolUse>,
     /// Where its first capture was made ("serve.py:88 (capture)"), where `--stack` recorded it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub captured_at: Option<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[cfg(test)]
@@ -573,7 +582,10 @@ mod tests {
         c.pool_released((1, 0));
         assert_eq!(c.route(MAIN, 0), None);
         let p = c.pool((1, 0)).unwrap();
-        assert!(!p.mem_pool(), "a graphs' pool, routed to once for a warm-up");
+        assert!(
+            !p.mem_pool(),
+            "a graphs' pool, routed to once for a warm-up"
+        );
         assert_eq!((p.captures, p.routed, p.uses, p.graphs), (1, 1, 1, 1));
         assert!(!p.freeable(), "the graph still holds it");
     }

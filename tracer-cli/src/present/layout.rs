@@ -150,6 +150,12 @@ fn mem_pool_said(pool: &PrivatePool, c: &PoolUse) -> String {
     if c.use_on_oom {
         said.push_str("; use_on_oom: a request the default pools cannot serve takes its free blocks before an OOM");
     }
+    if pool.mapped_segments > 0 {
+        said.push_str(&format!(
+            "; {} of its segments mapped with the driver's virtual memory calls, not cudaMalloc'd: from the pool's own allocator (NCCL's ncclMemAlloc, for symmetric memory) unless expandable segments made them",
+            pool.mapped_segments
+        ));
+    }
     said.push_str(&match (c.made, c.uses) {
         (false, _) => "; its use count is not known (made before tracer saw it)".to_owned(),
         (true, 0) => "; released (use count 0): its segments with no live block go back at the next cache flush".to_owned(),

@@ -237,6 +237,7 @@ pub(super) fn private_pools_of(maps: &[SegmentMap]) -> Vec<crate::model::pools::
                 ..crate::model::pools::PrivatePool::default()
             });
         p.segments += 1;
+        p.mapped_segments += u64::from(m.expandable);
         for r in &m.runs {
             match r.kind {
                 // A block kept for other streams' work is not free yet.

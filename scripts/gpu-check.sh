@@ -307,6 +307,10 @@ recorded_case() { # NAME CASE CONF(default|expandable) HOLD(0|1) [args]
   # PyTorch's snapshot (segment_pool_id) and its phases (stats.json) on this machine later.
   "$tracer" layout --db "$dir/trace.db" --json >"$dir/layout-end.json" 2>/dev/null || true
   "$tracer" explain --db "$dir/trace.db" --json >"$dir/explain.json" 2>/dev/null || true
+  # tracer's pools (each segment's, from the captures and the allocator's pool calls it saw)
+  # against PyTorch's own snapshot at every phase.
+  "$python" "$here/gpu_check/pools.py" "$tracer" "$dir/trace.db" "$dir/stats.json" >"$dir/pools.txt" 2>&1 || true
+  grep -E 'DIFFERS|rows differ' "$dir/pools.txt" | tail -12 | sed 's/^/    pools: /'
   gzip -9 -f "$dir/trace.db"
   cp "$dir"/stats.json "$out/cases/$name-stats.json" 2>/dev/null || true
   cp "$dir"/holder.json "$out/cases/$name-holder.json" 2>/dev/null || true
@@ -315,12 +319,13 @@ recorded_case() { # NAME CASE CONF(default|expandable) HOLD(0|1) [args]
   cp "$dir"/layout-oom.txt "$out/cases/$name-layout-oom.txt" 2>/dev/null || true
   cp "$dir"/layout-end.json "$out/cases/$name-layout-end.json" 2>/dev/null || true
   cp "$dir"/explain.json "$out/cases/$name-explain.json" 2>/dev/null || true
+  cp "$dir"/pools.txt "$out/cases/$name-pools.txt" 2>/dev/null || true
   cp "$dir"/workload.log "$out/cases/$name-workload.log" 2>/dev/null || true
   for s in "$dir"/snapshot*.pickle.gz; do [ -f "$s" ] && cp "$s" "$out/cases/$name-$(basename "$s")"; done
   return 0
 }
 if [ "$simulated" = 0 ]; then
-  for c in ${GPU_CHECK_CASES:-graphs engine engine-oom fraction ring-oom-default ring-oom-expandable compiled}; do
+  for c in ${GPU_CHECK_CASES:-graphs mempool engine engine-oom fraction ring-oom-default ring-oom-expandable compiled}; do
     say "recording case $c"
     case $c in
       graphs) recorded_case graphs graphs default 0 ;;

@@ -318,3 +318,151 @@ fn a_snapshot_is_read_as_the_user_who_asked() {
     assert!(out.status.success(), "{out:?}");
     scene.assert_untouched();
 }
+
+/// `--dump-on-oom DIR`: a job of nobody's runs out of memory; within seconds its evidence is in
+/// DIR/65534/<job>/<time>-rank3-pid<P>/, every folder nobody's and 0700, the job's name made
+/// safe from its own hostile run id, the snapshot read by PyTorch's own `_memory_viz.py` and
+/// equal to `tracer export`'s at the OOM, the layout and explain there; `--dump-max` holds;
+/// a DIR reached through a link, or one others may write without the sticky bit, is refused
+/// before anything is traced.
+#[test]
+fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
+    use std::os::unix::process::CommandExt as _;
+    let Some(fx) = Fixture::new() else { return };
+    let top = tempfile::tempdir().unwrap();
+    let dumps = top.path().join("dumps");
+    std::fs::create_dir(&dumps).unwrap();
+    std::fs::set_permissions(&dumps, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    // nobody reaches the simulated runtime.
+    for d in [fx.sim.parent().unwrap(), fx.sim.as_path()] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let libs = ["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"];
+    let dir_arg = dumps.to_str().unwrap();
+    let trace = fx.trace(&libs, &["--dump-on-oom", dir_arg, "--dump-max", "1"]);
+    let job = |run_id: &str| {
+        Command::new("/usr/bin/python3")
+            .arg(workspace().join("demos/workloads/train.py"))
+            .args(["oom", "--speed", "5", "--duration", "20", "--cudart"])
+            .arg(fx.sim.join("libcudart.so.12"))
+            .env_clear()
+            .env("SIMCUDA_MEM", "1GiB")
+            .env("RANK", "3")
+            .env("TORCHELASTIC_RUN_ID", run_id)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap()
+    };
+    let out = job("../../etc/\x1b[31mjob");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ran_out = std::time::Instant::now();
+    // The run id's slashes, escape and bracket made plain: one folder, inside the user's.
+    let job_dir = dumps.join("65534").join("run-_._.._etc___31mjob");
+    let found = loop {
+        let done = std::fs::read_dir(&job_dir).ok().and_then(|mut d| {
+            d.find_map(|e| {
+                let p = e.ok()?.path();
+                p.join("explain.json").exists().then_some(p)
+            })
+        });
+        if let Some(p) = done {
+            break p;
+        }
+        assert!(
+            ran_out.elapsed() < Duration::from_secs(5),
+            "no dump within 5 s under {}",
+            dumps.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let name = found.file_name().unwrap().to_str().unwrap().to_owned();
+    assert!(name.contains("-rank3-pid"), "{name}");
+    for d in [dumps.join("65534"), job_dir.clone(), found.clone()] {
+        let meta = std::fs::symlink_metadata(&d).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+            (65534, 65534, 0o700),
+            "{}",
+            d.display()
+        );
+    }
+    // A second OOM of the same user: --dump-max 1 keeps the newest only.
+    let out = job("../../etc/\x1b[31mjob");
+    assert_eq!(out.status.code(), Some(1));
+    std::thread::sleep(Duration::from_secs(3));
+    let stopped = trace.stop(SIGINT);
+    let summary = &stopped.summary["dumps"];
+    assert_eq!(summary["written"].as_array().unwrap().len(), 2, "{summary}");
+    assert_eq!(summary["removed"], 1, "{summary}");
+    assert_eq!(summary["failed"], serde_json::json!([]), "{summary}");
+    let kept: Vec<_> = std::fs::read_dir(&job_dir).unwrap().collect();
+    assert_eq!(kept.len(), 1);
+    let newest = PathBuf::from(summary["written"][1].as_str().unwrap());
+    let pid: u32 = newest
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .rsplit("pid")
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    // The snapshot: PyTorch's tool reads it, and it is tracer's export at the OOM.
+    let snapshot = newest.join("snapshot.pickle");
+    for action in ["stats", "trace"] {
+        assert!(
+            !memory_viz("2.11.0", action, &snapshot).is_empty(),
+            "{action}"
+        );
+    }
+    let exported = top.path().join("exported.pickle");
+    export_snapshot(
+        &fx.db,
+        &exported,
+        &["--pid", &pid.to_string(), "--at", "oom"],
+    );
+    let (ours, theirs) = (snapshot_figures(&snapshot), snapshot_figures(&exported));
+    for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
+        assert_eq!(ours[key], theirs[key], "{key}: {ours:#} {theirs:#}");
+    }
+    use serde_json::Value;
+    let layout: Value =
+        serde_json::from_slice(&std::fs::read(newest.join("layout.json")).unwrap()).unwrap();
+    assert_eq!(layout[0]["pid"], pid, "{layout:#}");
+    let explained: Value =
+        serde_json::from_slice(&std::fs::read(newest.join("explain.json")).unwrap()).unwrap();
+    assert!(
+        explained["chains"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["rule"] == "oom"),
+        "{explained:#}"
+    );
+
+    // Refused before anything is traced: a link, and a folder anyone may swap things in.
+    let link = top.path().join("link");
+    std::os::unix::fs::symlink(&dumps, &link).unwrap();
+    let open = top.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    for bad in [&link, &open] {
+        let out = Command::new(TRACER)
+            .args(["trace", "--duration", "1s", "--db"])
+            .arg(top.path().join("refused.db"))
+            .arg("--dump-on-oom")
+            .arg(bad)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("--dump-on-oom"), "{stderr}");
+    }
+}

@@ -10,7 +10,10 @@ use tracer_cli::{
     exit::user_error,
     paths,
     present::{self, live},
-    record::{on_warning::OnWarning, signals, RecordOptions, Recording, RecordingStatus, Stop},
+    record::{
+        dump::DumpOnOom, on_warning::OnWarning, signals, RecordOptions, Recording, RecordingStatus,
+        Stop,
+    },
     serve::{
         metrics::{self as endpoint, MetricsServer},
         otlp::{OtlpConfig, OtlpPusher},
@@ -71,6 +74,17 @@ pub struct TraceArgs {
     /// Kill a run still going after this long.
     #[arg(long, value_parser = parse_duration, default_value = "30s", requires = "on_warning")]
     pub on_warning_timeout: Duration,
+    /// At each out-of-memory PyTorch raises in a traced process, write its evidence in
+    /// DIR/<uid>/<job>/<time>-rank<R>-pid<P>/: PyTorch's memory snapshot at the OOM
+    /// (snapshot.pickle, read by PyTorch's _memory_viz.py and memory_viz), the layout then
+    /// (layout.json) and explain's answer (explain.json). Folders are made as the process's
+    /// user, mode 0700, never through a link; DIR must be no link, owned by root or you, and
+    /// sticky where others may write in it (as /tmp is).
+    #[arg(long, value_name = "DIR")]
+    pub dump_on_oom: Option<PathBuf>,
+    /// Keep at most this many --dump-on-oom folders per user (the oldest removed first).
+    #[arg(long, value_name = "N", default_value_t = 50, requires = "dump_on_oom")]
+    pub dump_max: usize,
     /// NVIDIA's management library, asked at the start and at each out-of-memory which
     /// processes hold each GPU (those that allocated before the trace too): `off`, or a file
     /// (then required). Default: the system's libnvidia-ml.so.1 where the loader finds it.
@@ -236,6 +250,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
         arming: arming_settings(&args),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
+        dump_on_oom: args.dump_on_oom.as_ref().map(|dir| DumpOnOom {
+            dir: dir.clone(),
+            max: args.dump_max,
+            render: |out, export| tracer_cli::present::pytorch_snapshot::write(out, export),
+        }),
         figures_grace: if exporter.is_some() {
             // Zero means "no figures kept at all"; exported, the least is "gone at once".
             args.metrics_grace.max(Duration::from_nanos(1))

@@ -18,6 +18,9 @@ pub struct ProcessInfo {
     pub env: Option<String>,
     /// The GPUs its root shows it (JSON of [`VisibleGpus`]).
     pub gpus: Option<String>,
+    /// Its user and group (real ids), read with the rest: whose files its OOM evidence is
+    /// (`--dump-on-oom`). Not stored.
+    pub owner: Option<(u32, u32)>,
 }
 
 /// The environment variables [`ProcessInfo::env`] keeps.

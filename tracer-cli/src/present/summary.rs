@@ -146,6 +146,7 @@ mod tests {
             programs: Vec::new(),
             allocators: Vec::new(),
             on_warning: Vec::new(),
+            dumps: None,
             kernel_maps: Default::default(),
             keyframes: Default::default(),
             allocator: Default::default(),

@@ -170,6 +170,7 @@ impl SimlogImporter {
                         cgroup: None,
                         env: None,
                         gpus: None,
+                        owner: None,
                     }
                 });
             }

@@ -252,6 +252,7 @@ fn store_plan(
             .as_ref()
             .map(|c| serde_json::json!({ "PYTORCH_CUDA_ALLOC_CONF": c }).to_string()),
         gpus: None,
+        owner: None,
     };
     let threads = [(SNAPSHOT_PID, SNAPSHOT_TID, "snapshot".to_owned())];
     let mut messages = std::mem::take(&mut plan.messages);

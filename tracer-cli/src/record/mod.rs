@@ -8,6 +8,7 @@
 
 mod arming;
 mod callers;
+pub mod dump;
 pub mod import;
 pub mod join;
 pub mod memory_snapshot;

@@ -83,6 +83,8 @@ pub struct RecordOptions {
     pub allocator: crate::model::arming::Mode,
     /// When `auto` arms and disarms.
     pub arming: crate::model::arming::Settings,
+    /// Write each OOM's evidence into a folder (--dump-on-oom).
+    pub dump_on_oom: Option<super::dump::DumpOnOom>,
 }
 
 /// The recording, once its probes are attached and its session begun.
@@ -193,6 +195,9 @@ pub struct Summary {
     /// --on-warning's runs.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub on_warning: Vec<HookRun>,
+    /// --dump-on-oom's folders, and what could not be written.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dumps: Option<super::dump::DumpSummary>,
     /// Entries left in the per-thread kernel maps at the end (they go as threads exit).
     pub kernel_maps: std::collections::BTreeMap<String, u64>,
     pub keyframes: KeyframeCost,
@@ -255,6 +260,8 @@ pub struct Recording {
     program_stats: Option<std::os::fd::OwnedFd>,
     /// --on-warning's runs, reported when the recording ends.
     on_warning: Option<HookOutcome>,
+    /// --dump-on-oom's thread: it ends once the writer (its only sender) has.
+    dumps: Option<JoinHandle<super::dump::DumpSummary>>,
     figures_grace: Duration,
     /// `--allocator auto`: this thread arms and disarms.
     arms: bool,
@@ -267,6 +274,12 @@ impl Recording {
     pub fn start(opts: RecordOptions) -> Result<Recording> {
         check_options(&opts)?;
         let explicit = discover::explicit_libraries(&opts.libs)?;
+        // Checked before anything begins: a folder that could redirect root's writes stops it.
+        let dump_root = opts
+            .dump_on_oom
+            .as_ref()
+            .map(|cfg| super::dump::DumpRoot::open(cfg, paths::invoker().owner))
+            .transpose()?;
         // Before the session begins: a library named that cannot be loaded stops nothing begun.
         let nvml = open_nvml(&opts)?;
         let who = paths::invoker();
@@ -364,6 +377,7 @@ impl Recording {
                 taken,
                 gaps,
                 nvml,
+                dump_root,
             },
         )?;
         let program_stats = if opts.program_stats {
@@ -393,6 +407,7 @@ impl Recording {
             gone: HashSet::new(),
             program_stats,
             on_warning: threads.on_warning,
+            dumps: threads.dumps,
             figures_grace: opts.figures_grace,
             arms: opts.allocator == crate::model::arming::Mode::Auto,
             allocator: opts.allocator,
@@ -561,6 +576,28 @@ impl Recording {
         store.append_note(session, &format!("stopped: {reason}"))?;
         let on_warning =
             record_on_warning(self.on_warning.as_ref(), &self.shared, &store, session)?;
+        let dumps = self.dumps.take().map(|h| {
+            let mut summary = h.join().unwrap_or_default();
+            summary.skipped += self.shared.dumps_skipped.load(Ordering::SeqCst);
+            summary
+        });
+        if let Some(d) = &dumps {
+            for path in &d.written {
+                eprintln!("tracer: OOM evidence written to {}", path.display());
+            }
+            for f in &d.failed {
+                eprintln!("tracer: warning: an OOM's evidence could not be written: {f}");
+                store.append_note(session, &format!("dump-on-oom: {f}"))?;
+            }
+            if d.removed > 0 || d.skipped > 0 {
+                let said = format!(
+                    "dump-on-oom: {} older folder(s) removed to keep --dump-max, {} OOM(s) not dumped (the queue was full)",
+                    d.removed, d.skipped
+                );
+                eprintln!("tracer: {said}");
+                store.append_note(session, &said)?;
+            }
+        }
         for p in &problems {
             store.append_note(session, &format!("{p:#}"))?;
         }
@@ -597,6 +634,7 @@ impl Recording {
                 programs,
                 allocators,
                 on_warning,
+                dumps,
                 kernel_maps: kernel_maps
                     .into_iter()
                     .map(|(name, n)| (name.to_owned(), n))
@@ -689,6 +727,7 @@ struct Begun {
     /// What the processes taken up did unseen, until this session's probes were attached.
     gaps: Vec<crate::model::run_series::GapRow>,
     nvml: Option<super::registry::NvmlWatch>,
+    dump_root: Option<super::dump::DumpRoot>,
 }
 
 /// The recording's three threads.
@@ -697,6 +736,7 @@ struct Threads {
     registry: JoinHandle<Result<()>>,
     writer: JoinHandle<(Store, Result<()>)>,
     on_warning: Option<HookOutcome>,
+    dumps: Option<JoinHandle<super::dump::DumpSummary>>,
 }
 
 /// NVML, as the options ask: the system's where it is found, or the file named (required).
@@ -730,6 +770,7 @@ fn spawn_pipeline(
         taken,
         gaps,
         nvml,
+        dump_root,
     } = begun;
     let source = reader::Source {
         ring: probes.take_ring()?,
@@ -805,17 +846,27 @@ fn spawn_pipeline(
         max_db: opts.max_db,
         owner: paths::invoker().owner,
     };
+    let (dump_tx, dumps) = match dump_root {
+        Some(root) => {
+            let (tx, handle) = root.spawn(opts.db.clone(), session)?;
+            (Some(tx), Some(handle))
+        }
+        None => (None, None),
+    };
     let writer = {
         let shared = shared.clone();
         thread::Builder::new()
             .name("tracer-writer".into())
-            .spawn(move || writer::write_loop(store, deliveries_rx, &shared, writer_opts))?
+            .spawn(move || {
+                writer::write_loop(store, deliveries_rx, &shared, writer_opts, dump_tx)
+            })?
     };
     Ok(Threads {
         reader,
         registry,
         writer,
         on_warning,
+        dumps,
     })
 }
 

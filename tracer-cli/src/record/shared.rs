@@ -56,6 +56,8 @@ pub struct Shared {
     pub keyframe_cpu_ns: AtomicU64,
     pub events_read: AtomicU64,
     pub events_stored: AtomicU64,
+    /// OOMs --dump-on-oom's queue had no room for.
+    pub dumps_skipped: AtomicU64,
     pub decode_errors: AtomicU64,
     /// Events read after events made later than them had been handed over.
     pub events_late: AtomicU64,

@@ -113,6 +113,7 @@ pub fn write_loop(
     rx: Receiver<Delivery>,
     shared: &Shared,
     opts: WriterOptions,
+    dumps: Option<std::sync::mpsc::SyncSender<super::dump::OomStored>>,
 ) -> (Store, Result<()>) {
     // This thread only writes the database: all of it as the invoking user (files SQLite
     // creates later, such as a new -wal, are theirs and only where they could create them).
@@ -130,6 +131,7 @@ pub fn write_loop(
         let mut last_housekeeping = Instant::now();
         let mut ended: Vec<u32> = Vec::new();
         let mut keyframes_seen = 0;
+        let mut oom_watch = super::dump::OomWatch::default();
         loop {
             let disconnected = match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(first) => {
@@ -148,6 +150,9 @@ pub fn write_loop(
                 || pending.calls.len() >= COMMIT_ROWS
                 || last_commit.elapsed() >= COMMIT_EVERY;
             if due && pending.has_rows() {
+                if dumps.is_some() {
+                    oom_watch.note(&pending.processes);
+                }
                 let threads = new_threads(&pending.calls, &mut threads_seen);
                 store.write_batch(&Batch {
                     session: opts.session,
@@ -165,6 +170,10 @@ pub fn write_loop(
                     (pending.calls.len() + pending.messages.len()) as u64,
                     Ordering::SeqCst,
                 );
+                // Stored: the OOMs' evidence may be read now.
+                if let Some(tx) = &dumps {
+                    oom_watch.stored(&pending.messages, opts.wall_offset_ns, tx, shared);
+                }
                 // Right after the calls it includes: the keyframe covers exactly the blocks
                 // stored so far.
                 ended.append(&mut pending.exited);

@@ -46,7 +46,26 @@ pub fn read(
         cgroup,
         env: kept_env(&dir),
         gpus: serde_json::to_string(&visible_gpus(&dir)).ok(),
+        owner: owner(&dir),
     }
+}
+
+/// The real user and group ids of process `pid`, while it runs.
+pub fn owner_of(pid: u32) -> Option<(u32, u32)> {
+    owner(&Path::new("/proc").join(pid.to_string()))
+}
+
+/// The process's real user and group ids (/proc/PID/status).
+fn owner(dir: &Path) -> Option<(u32, u32)> {
+    let status = std::fs::read_to_string(dir.join("status")).ok()?;
+    let real = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|v| v.parse::<u32>().ok())
+    };
+    Some((real("Uid:")?, real("Gid:")?))
 }
 
 /// The NVIDIA GPUs the process's root shows it: character devices of major 195 under its

@@ -1,0 +1,477 @@
+//! `tracer trace --dump-on-oom DIR`: at each out-of-memory PyTorch raises in a traced process,
+//! one folder of evidence, written on its own thread once the writer has stored the message
+//! (so the recording never waits for it): `DIR/<uid>/<job>/<time>-rank<R>-pid<P>/` holding
+//! PyTorch's memory snapshot at the OOM (`snapshot.pickle`, the process's recorded window, the
+//! format PyTorch's `_memory_viz.py` reads), the layout then (`layout.json`) and, written last so
+//! that a slow explain never delays the rest, explain's answer for the process
+//! (`explain.json`).
+//!
+//! As root in folders users can reach: every folder below DIR is made with the traced process's
+//! own file-system ids (never root's, never chowned later), each component opened through the
+//! one above it without following a link and the dump's own folder created exclusively, mode
+//! 0700; names made from the process's strings keep letters, digits, '.', '-' and '_' only,
+//! bounded. DIR itself is refused when a link, or a folder another user could swap (writable
+//! by others without the sticky bit, or owned by someone other than root or the invoker).
+//! `--dump-max` keeps the newest folders of each user, removing the oldest first (said).
+
+use std::{
+    collections::HashMap,
+    io::Write as _,
+    os::fd::{AsFd, OwnedFd},
+    path::{Path, PathBuf},
+    sync::mpsc::{Receiver, SyncSender, TrySendError},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Context as _, Result};
+use nix::{
+    fcntl::{openat, OFlag},
+    sys::stat::{fstat, mkdirat, Mode},
+};
+use serde::Serialize;
+
+use crate::{
+    paths::act_as,
+    query::{
+        explain::{explain, ExplainQuery},
+        layout::{layout, At, LayoutQuery},
+        pytorch_snapshot::{self, SnapshotQuery, DEFAULT_MAX_ENTRIES},
+    },
+};
+
+/// What `--dump-on-oom` asked for.
+#[derive(Clone, Debug)]
+pub struct DumpOnOom {
+    pub dir: PathBuf,
+    /// The most dump folders kept per user.
+    pub max: usize,
+    /// Writes PyTorch's snapshot pickle (the presentation room's, handed down by the command).
+    pub render: RenderSnapshot,
+}
+
+/// Writes an export as PyTorch's memory snapshot pickle.
+pub type RenderSnapshot = fn(&mut Vec<u8>, &pytorch_snapshot::Export) -> std::io::Result<()>;
+
+/// An out-of-memory the writer has stored: the process, its message's time, whose it is.
+#[derive(Clone, Debug)]
+pub struct OomStored {
+    pub pid: u32,
+    pub ts_ns: i64,
+    pub owner: Option<(u32, u32)>,
+    /// The process's kept environment (JSON): its job and rank.
+    pub env: Option<String>,
+}
+
+/// What the dumps came to, for the session's summary.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DumpSummary {
+    pub written: Vec<PathBuf>,
+    pub failed: Vec<String>,
+    /// Older folders removed to keep `--dump-max`.
+    pub removed: u64,
+    /// OOMs that found the queue full (the recording never waits for a dump).
+    pub skipped: u64,
+}
+
+/// Bounded: OOMs come seldom; a burst beyond this is counted, not waited for.
+const QUEUE: usize = 64;
+/// How long a dump waits for the process's calls to be stored up to its OOM.
+const STORED_WITHIN: Duration = Duration::from_secs(5);
+
+/// The dump folder's root, checked and opened at the start (as root, before any traced process
+/// could have a say).
+pub struct DumpRoot {
+    dir: OwnedFd,
+    path: PathBuf,
+    max: usize,
+    render: RenderSnapshot,
+}
+
+impl DumpRoot {
+    pub fn open(cfg: &DumpOnOom, invoker: Option<(u32, u32)>) -> Result<DumpRoot> {
+        let refuse = |why: String| {
+            crate::exit::user_error(format!(
+                "--dump-on-oom {}: {why}: give a folder that is no link, owned by root or you, and not writable by others unless sticky (as /tmp is)",
+                cfg.dir.display()
+            ))
+        };
+        let dir = nix::fcntl::open(
+            &cfg.dir,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| refuse(format!("cannot open it ({e})")))?;
+        let st = fstat(&dir).map_err(|e| refuse(format!("cannot read it ({e})")))?;
+        let owner_ok = st.st_uid == 0 || invoker.is_some_and(|(uid, _)| uid == st.st_uid);
+        if !owner_ok {
+            return Err(refuse(format!("it belongs to uid {}", st.st_uid)));
+        }
+        let others_write = st.st_mode & 0o002 != 0;
+        let sticky = st.st_mode & 0o1000 != 0;
+        if others_write && !sticky {
+            return Err(refuse("others may write in it and it is not sticky".into()));
+        }
+        Ok(DumpRoot {
+            dir,
+            path: cfg.dir.clone(),
+            max: cfg.max.max(1),
+            render: cfg.render,
+        })
+    }
+
+    /// Starts the dump thread: it reads the database at `db` (session `session`) for each OOM
+    /// sent to it.
+    pub fn spawn(
+        self,
+        db: PathBuf,
+        session: i64,
+    ) -> Result<(SyncSender<OomStored>, JoinHandle<DumpSummary>)> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
+        let handle = std::thread::Builder::new()
+            .name("tracer-dump".into())
+            .spawn(move || self.run(rx, &db, session))
+            .context("start the --dump-on-oom thread")?;
+        Ok((tx, handle))
+    }
+
+    fn run(self, rx: Receiver<OomStored>, db: &Path, session: i64) -> DumpSummary {
+        let mut summary = DumpSummary::default();
+        for oom in rx {
+            match self.dump(&oom, db, session, &mut summary) {
+                Ok(path) => summary.written.push(path),
+                Err(e) => summary.failed.push(format!("pid {}: {e:#}", oom.pid)),
+            }
+        }
+        summary
+    }
+
+    fn dump(
+        &self,
+        oom: &OomStored,
+        db: &Path,
+        session: i64,
+        summary: &mut DumpSummary,
+    ) -> Result<PathBuf> {
+        // Read at its first call; else now, while PyTorch's exception unwinds.
+        let (uid, gid) = oom
+            .owner
+            .or_else(|| crate::traced::procinfo::owner_of(oom.pid))
+            .ok_or_else(|| anyhow!("its user is not known (it ended before tracer read it)"))?;
+        wait_stored(db, session, oom)?;
+        let snapshot = snapshot_bytes(db, session, oom, self.render)?;
+        let layout = layout_json(db, session, oom)?;
+        let env = parse_env(oom.env.as_deref());
+        let job = job_name(&env);
+        let rank = env.get("RANK").map_or("-".to_owned(), |r| clean(r, 8));
+        let name = format!(
+            "{}-rank{rank}-pid{}",
+            crate::units::format_utc(oom.ts_ns)
+                .replace([' ', ':'], "-")
+                .replace("-UTC", "Z"),
+            oom.pid
+        );
+        // Everything below DIR as the process's user (the database is read as tracer's own).
+        let dump_dir = {
+            let _as_user = act_as(Some((uid, gid)));
+            let user_dir = subdir(self.dir.as_fd(), &uid.to_string(), uid, false)?;
+            let job_dir = subdir(user_dir.as_fd(), &job, uid, false)?;
+            let dump_dir = subdir(job_dir.as_fd(), &clean(&name, 96), uid, true)?;
+            write_new(dump_dir.as_fd(), "snapshot.pickle", &snapshot)?;
+            write_new(dump_dir.as_fd(), "layout.json", &layout)?;
+            dump_dir
+        };
+        let explained = explain_json(db, session, oom)?;
+        let _as_user = act_as(Some((uid, gid)));
+        write_new(dump_dir.as_fd(), "explain.json", &explained)?;
+        let path = self
+            .path
+            .join(uid.to_string())
+            .join(&job)
+            .join(clean(&name, 96));
+        summary.removed += self.keep_newest(uid);
+        Ok(path)
+    }
+
+    /// Removes the user's oldest dump folders beyond `--dump-max` (as that user).
+    fn keep_newest(&self, uid: u32) -> u64 {
+        let root = self.path.join(uid.to_string());
+        let mut dumps: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(&root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|j| j.file_type().is_ok_and(|t| t.is_dir()))
+            .flat_map(|j| std::fs::read_dir(j.path()).into_iter().flatten().flatten())
+            .filter(|d| d.file_type().is_ok_and(|t| t.is_dir()))
+            .filter_map(|d| Some((d.metadata().ok()?.modified().ok()?, d.path())))
+            .collect();
+        if dumps.len() <= self.max {
+            return 0;
+        }
+        dumps.sort();
+        let excess = dumps.len() - self.max;
+        dumps
+            .iter()
+            .take(excess)
+            .filter(|(_, p)| std::fs::remove_dir_all(p).is_ok())
+            .count() as u64
+    }
+}
+
+/// The writer's side: each process's user and kept environment as it was read, and the OOM
+/// messages the writer has just stored, handed to the dump thread without waiting (a full
+/// queue is counted).
+#[derive(Default)]
+pub struct OomWatch {
+    owners: HashMap<u32, Whose>,
+}
+
+/// A process's user and group, and its kept environment (JSON).
+type Whose = (Option<(u32, u32)>, Option<String>);
+
+impl OomWatch {
+    pub fn note(&mut self, processes: &[crate::model::ProcessInfo]) {
+        for p in processes {
+            self.owners.insert(p.pid, (p.owner, p.env.clone()));
+        }
+    }
+
+    pub fn stored(
+        &self,
+        messages: &[crate::decode::Message],
+        wall_offset_ns: i64,
+        tx: &SyncSender<OomStored>,
+        shared: &super::shared::Shared,
+    ) {
+        for m in messages
+            .iter()
+            .filter(|m| m.op == tracer_common::Op::TorchOom)
+        {
+            let (owner, env) = self.owners.get(&m.pid).cloned().unwrap_or_default();
+            let oom = OomStored {
+                pid: m.pid,
+                ts_ns: m.ts_mono_ns as i64 + wall_offset_ns,
+                owner,
+                env,
+            };
+            if let Err(TrySendError::Full(_)) = tx.try_send(oom) {
+                shared
+                    .dumps_skipped
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// Waits (a few seconds at most) until the message at the OOM is in the database: the calls
+/// before it were stored with it or earlier.
+fn wait_stored(db: &Path, session: i64, oom: &OomStored) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        let conn = rusqlite::Connection::open_with_flags(
+            db,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .with_context(|| format!("open {} to dump an OOM", db.display()))?;
+        let stored: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM messages WHERE session_id = ?1 AND pid = ?2 AND ts_ns >= ?3",
+                rusqlite::params![session, oom.pid, oom.ts_ns],
+                |r| r.get(0),
+            )
+            .unwrap_or(0);
+        if stored > 0 {
+            return Ok(());
+        }
+        if started.elapsed() > STORED_WITHIN {
+            return Err(anyhow!(
+                "its OOM message was not stored within {STORED_WITHIN:?}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn snapshot_bytes(
+    db: &Path,
+    session: i64,
+    oom: &OomStored,
+    render: RenderSnapshot,
+) -> Result<Vec<u8>> {
+    let export = pytorch_snapshot::export(
+        db,
+        &SnapshotQuery {
+            session: Some(session),
+            pid: Some(oom.pid),
+            at: At::Time(oom.ts_ns),
+            since_ns: None,
+            max_entries: DEFAULT_MAX_ENTRIES,
+        },
+    )
+    .context("build the memory snapshot at the OOM")?;
+    let mut out = Vec::new();
+    render(&mut out, &export).context("write the memory snapshot")?;
+    Ok(out)
+}
+
+fn layout_json(db: &Path, session: i64, oom: &OomStored) -> Result<Vec<u8>> {
+    let (_, layouts) = layout(
+        db,
+        &LayoutQuery {
+            session: Some(session),
+            pid: Some(oom.pid),
+            device: None,
+            at: At::Time(oom.ts_ns),
+        },
+    )
+    .context("lay out the allocator at the OOM")?;
+    Ok(serde_json::to_vec_pretty(&layouts)?)
+}
+
+fn explain_json(db: &Path, session: i64, oom: &OomStored) -> Result<Vec<u8>> {
+    let explained = explain(
+        db,
+        &ExplainQuery {
+            session: Some(session),
+            since: None,
+            from: None,
+            to: Some(oom.ts_ns + 1_000_000_000),
+            pid: Some(oom.pid),
+            skip_frames: Vec::new(),
+        },
+    )
+    .context("explain the OOM")?;
+    Ok(serde_json::to_vec_pretty(&explained.report)?)
+}
+
+fn parse_env(env: Option<&str>) -> HashMap<String, String> {
+    env.and_then(|e| serde_json::from_str(e).ok())
+        .unwrap_or_default()
+}
+
+/// The job's name from its environment: torchrun's run id (unless its default "none"), the
+/// rendezvous address where it is not loopback, else "no-job".
+fn job_name(env: &HashMap<String, String>) -> String {
+    if let Some(id) = env.get("TORCHELASTIC_RUN_ID").filter(|id| *id != "none") {
+        return format!("run-{}", clean(id, 64));
+    }
+    let loopback = |a: &str| a.starts_with("127.") || a == "localhost" || a == "::1";
+    match (env.get("MASTER_ADDR"), env.get("MASTER_PORT")) {
+        (Some(addr), Some(port)) if !loopback(addr) => {
+            format!("master-{}-{}", clean(addr, 48), clean(port, 8))
+        }
+        _ => "no-job".into(),
+    }
+}
+
+/// A name from a traced process's own string: letters, digits, '.', '-' and '_' (anything else
+/// '_'), no leading '.', at most `max` bytes; never empty.
+pub fn clean(s: &str, max: usize) -> String {
+    let mut out: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(max)
+        .collect();
+    if out.starts_with('.') {
+        out.replace_range(..1, "_");
+    }
+    if out.is_empty() {
+        out.push('_');
+    }
+    out
+}
+
+/// The folder `name` in `parent`, made (0700) or, unless `fresh`, opened where it is, never
+/// through a link, and refused unless it is `uid`'s.
+fn subdir(
+    parent: std::os::fd::BorrowedFd<'_>,
+    name: &str,
+    uid: u32,
+    fresh: bool,
+) -> Result<OwnedFd> {
+    match mkdirat(parent, name, Mode::from_bits_truncate(0o700)) {
+        Ok(()) => {}
+        Err(nix::errno::Errno::EEXIST) if !fresh => {}
+        Err(e) => return Err(anyhow!("make the folder {name}: {e}")),
+    }
+    let fd = openat(
+        parent,
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| anyhow!("open the folder {name} (no link followed): {e}"))?;
+    let st = fstat(&fd).map_err(|e| anyhow!("read the folder {name}: {e}"))?;
+    if st.st_uid != uid {
+        return Err(anyhow!(
+            "the folder {name} belongs to uid {}, not the process's user {uid}",
+            st.st_uid
+        ));
+    }
+    Ok(fd)
+}
+
+/// A new file `name` in `dir` (0600, exclusive, no link followed) holding `bytes`.
+fn write_new(dir: std::os::fd::BorrowedFd<'_>, name: &str, bytes: &[u8]) -> Result<()> {
+    let fd = openat(
+        dir,
+        name,
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::from_bits_truncate(0o600),
+    )
+    .map_err(|e| anyhow!("create {name}: {e}"))?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("write {name}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_from_a_process_cannot_climb_or_hide() {
+        assert_eq!(clean("../../etc", 64), "_._.._etc");
+        assert_eq!(clean(".hidden", 64), "_hidden");
+        assert_eq!(clean("job\n\x1b[31mred", 64), "job___31mred");
+        assert_eq!(clean("", 8), "_");
+        assert_eq!(clean(&"x".repeat(200), 64).len(), 64);
+    }
+
+    #[test]
+    fn a_job_is_torchruns_run_id_else_a_rendezvous_off_loopback() {
+        let env = |pairs: &[(&str, &str)]| -> HashMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        assert_eq!(
+            job_name(&env(&[("TORCHELASTIC_RUN_ID", "abc/1")])),
+            "run-abc_1"
+        );
+        // torchrun's defaults name every single-node job alike: no job.
+        assert_eq!(
+            job_name(&env(&[
+                ("TORCHELASTIC_RUN_ID", "none"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500")
+            ])),
+            "no-job"
+        );
+        assert_eq!(
+            job_name(&env(&[
+                ("MASTER_ADDR", "10.0.0.7"),
+                ("MASTER_PORT", "29500")
+            ])),
+            "master-10.0.0.7-29500"
+        );
+    }
+}

@@ -327,6 +327,7 @@ fn a_snapshot_is_read_as_the_user_who_asked() {
 /// before anything is traced.
 #[test]
 fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
+    use serde_json::Value;
     use std::os::unix::process::CommandExt as _;
     let Some(fx) = Fixture::new() else { return };
     let top = tempfile::tempdir().unwrap();
@@ -337,24 +338,49 @@ fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
     for d in [fx.sim.parent().unwrap(), fx.sim.as_path()] {
         std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
+    let said = top.path().join("said");
+    std::fs::create_dir(&said).unwrap();
+    std::fs::set_permissions(&said, std::fs::Permissions::from_mode(0o1777)).unwrap();
     let libs = ["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"];
     let dir_arg = dumps.to_str().unwrap();
-    let trace = fx.trace(&libs, &["--dump-on-oom", dir_arg, "--dump-max", "1"]);
-    let job = |run_id: &str| {
-        Command::new("/usr/bin/python3")
-            .arg(workspace().join("demos/workloads/train.py"))
-            .args(["oom", "--speed", "5", "--duration", "20", "--cudart"])
+    let on_oom = format!(
+        "echo \"$TRACER_DUMP_DIR $TRACER_RANK $TRACER_JOB $(id -u)\" >> {}/runs",
+        said.display()
+    );
+    let trace = fx.trace(
+        &libs,
+        &[
+            "--dump-on-oom",
+            dir_arg,
+            "--dump-max",
+            "2",
+            "--on-oom",
+            &on_oom,
+            "--on-oom-user",
+            "nobody",
+        ],
+    );
+    let run_id = "../../etc/\x1b[31mjob";
+    let rank = |scenario: &str, rank: &str| {
+        let mut cmd = Command::new("/usr/bin/python3");
+        cmd.arg(workspace().join("demos/workloads/train.py"))
+            .args([scenario, "--speed", "5", "--duration", "20", "--cudart"])
             .arg(fx.sim.join("libcudart.so.12"))
             .env_clear()
             .env("SIMCUDA_MEM", "1GiB")
-            .env("RANK", "3")
+            .env("RANK", rank)
             .env("TORCHELASTIC_RUN_ID", run_id)
             .uid(65534)
             .gid(65534)
-            .output()
-            .unwrap()
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        cmd
     };
-    let out = job("../../etc/\x1b[31mjob");
+    // Rank 2 of the same job runs beside: its snapshot at each OOM is the baseline.
+    let mut peer = rank("leak", "2").spawn().unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let job = || rank("oom", "3").output().unwrap();
+    let out = job();
     assert_eq!(
         out.status.code(),
         Some(1),
@@ -393,17 +419,68 @@ fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
         );
     }
     // A second OOM of the same user: --dump-max 1 keeps the newest only.
-    let out = job("../../etc/\x1b[31mjob");
+    let out = job();
     assert_eq!(out.status.code(), Some(1));
-    std::thread::sleep(Duration::from_secs(3));
+    std::thread::sleep(Duration::from_secs(4));
     let stopped = trace.stop(SIGINT);
+    let _ = peer.kill();
+    let _ = peer.wait();
+    // Each OOM: its folder and its peer's (rank 2); --dump-max 2 kept the second pair.
     let summary = &stopped.summary["dumps"];
-    assert_eq!(summary["written"].as_array().unwrap().len(), 2, "{summary}");
-    assert_eq!(summary["removed"], 1, "{summary}");
+    let written: Vec<PathBuf> = summary["written"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| PathBuf::from(p.as_str().unwrap()))
+        .collect();
+    assert_eq!(written.len(), 4, "{summary}");
+    assert_eq!(summary["removed"], 2, "{summary}");
     assert_eq!(summary["failed"], serde_json::json!([]), "{summary}");
-    let kept: Vec<_> = std::fs::read_dir(&job_dir).unwrap().collect();
-    assert_eq!(kept.len(), 1);
-    let newest = PathBuf::from(summary["written"][1].as_str().unwrap());
+    let mut kept: Vec<PathBuf> = std::fs::read_dir(&job_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    kept.sort();
+    let mut newest_pair = written[2..].to_vec();
+    newest_pair.sort();
+    assert_eq!(kept, newest_pair);
+    let about = |p: &Path| -> Value {
+        serde_json::from_slice(&std::fs::read(p.join("dump.json")).unwrap()).unwrap()
+    };
+    let newest = written
+        .iter()
+        .rev()
+        .find(|p| about(p)["role"] == "oom")
+        .unwrap()
+        .clone();
+    let peer_dir = written
+        .iter()
+        .rev()
+        .find(|p| about(p)["role"] == "peer")
+        .unwrap();
+    let peer_about = about(peer_dir);
+    assert_eq!(
+        (
+            &peer_about["rank"],
+            &peer_about["pid"],
+            &peer_about["oom_ts_ns"]
+        ),
+        (&"2".into(), &peer.id().into(), &about(&newest)["oom_ts_ns"]),
+        "{peer_about:#}"
+    );
+    assert!(
+        !memory_viz("2.11.0", "stats", &peer_dir.join("snapshot.pickle")).is_empty(),
+        "the peer's snapshot"
+    );
+    // --on-oom ran as nobody once per OOM, with the OOM's folder (not its peer's).
+    let runs = std::fs::read_to_string(said.join("runs")).unwrap();
+    let lines: Vec<&str> = runs.lines().collect();
+    assert_eq!(lines.len(), 2, "{runs}");
+    assert_eq!(
+        lines[1],
+        format!("{} 3 run-_._.._etc___31mjob 65534", newest.display()),
+        "{runs}"
+    );
     let pid: u32 = newest
         .file_name()
         .unwrap()
@@ -432,7 +509,6 @@ fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
     for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
         assert_eq!(ours[key], theirs[key], "{key}: {ours:#} {theirs:#}");
     }
-    use serde_json::Value;
     let layout: Value =
         serde_json::from_slice(&std::fs::read(newest.join("layout.json")).unwrap()).unwrap();
     assert_eq!(layout[0]["pid"], pid, "{layout:#}");

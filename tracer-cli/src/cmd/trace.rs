@@ -11,8 +11,9 @@ use tracer_cli::{
     paths,
     present::{self, live},
     record::{
-        dump::DumpOnOom, on_warning::OnWarning, signals, RecordOptions, Recording, RecordingStatus,
-        Stop,
+        dump::{DumpOnOom, OnOom},
+        on_warning::OnWarning,
+        signals, RecordOptions, Recording, RecordingStatus, Stop,
     },
     serve::{
         metrics::{self as endpoint, MetricsServer},
@@ -85,6 +86,17 @@ pub struct TraceArgs {
     /// Keep at most this many --dump-on-oom folders per user (the oldest removed first).
     #[arg(long, value_name = "N", default_value_t = 50, requires = "dump_on_oom")]
     pub dump_max: usize,
+    /// Run this shell command once each --dump-on-oom folder is complete (upload it, page
+    /// someone), as --on-warning's runs (the user who ran sudo, or --on-oom-user; never root),
+    /// with TRACER_DUMP_DIR, TRACER_PID, TRACER_JOB, TRACER_RANK in its environment.
+    #[arg(long, value_name = "CMD", requires = "dump_on_oom")]
+    pub on_oom: Option<String>,
+    /// The user --on-oom's command runs as (default: the one who ran sudo).
+    #[arg(long, value_name = "USER", requires = "on_oom")]
+    pub on_oom_user: Option<String>,
+    /// Kill an --on-oom run still going after this long.
+    #[arg(long, value_parser = parse_duration, default_value = "60s", requires = "on_oom")]
+    pub on_oom_timeout: Duration,
     /// NVIDIA's management library, asked at the start and at each out-of-memory which
     /// processes hold each GPU (those that allocated before the trace too): `off`, or a file
     /// (then required). Default: the system's libnvidia-ml.so.1 where the loader finds it.
@@ -250,11 +262,15 @@ pub fn run(args: TraceArgs) -> Result<()> {
         arming: arming_settings(&args),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
-        dump_on_oom: args.dump_on_oom.as_ref().map(|dir| DumpOnOom {
-            dir: dir.clone(),
-            max: args.dump_max,
-            render: |out, export| tracer_cli::present::pytorch_snapshot::write(out, export),
-        }),
+        dump_on_oom: match &args.dump_on_oom {
+            Some(dir) => Some(DumpOnOom {
+                dir: dir.clone(),
+                max: args.dump_max,
+                render: |out, export| tracer_cli::present::pytorch_snapshot::write(out, export),
+                on_oom: on_oom(&args, &who)?,
+            }),
+            None => None,
+        },
         figures_grace: if exporter.is_some() {
             // Zero means "no figures kept at all"; exported, the least is "gone at once".
             args.metrics_grace.max(Duration::from_nanos(1))
@@ -475,4 +491,18 @@ impl Exporter {
             }
         }
     }
+}
+
+/// `--on-oom`'s command and whom it runs as (the rule `--on-warning` follows).
+fn on_oom(args: &TraceArgs, who: &tracer_cli::paths::Invoker) -> Result<Option<OnOom>> {
+    let Some(command) = &args.on_oom else {
+        return Ok(None);
+    };
+    let user = OnWarning::resolve_user(args.on_oom_user.as_deref(), who.owner)
+        .map_err(|e| user_error(format!("{e:#}").replace("--on-warning", "--on-oom")))?;
+    Ok(Some(OnOom {
+        command: command.clone(),
+        user,
+        timeout: args.on_oom_timeout,
+    }))
 }

@@ -48,6 +48,18 @@ pub struct DumpOnOom {
     pub max: usize,
     /// Writes PyTorch's snapshot pickle (the presentation room's, handed down by the command).
     pub render: RenderSnapshot,
+    /// `--on-oom CMD`: run once each folder is complete, as `--on-warning`'s command runs (the
+    /// user who ran sudo or the one named, never root), with the folder in TRACER_DUMP_DIR.
+    pub on_oom: Option<OnOom>,
+}
+
+/// `--on-oom`'s command and whom it runs as.
+#[derive(Clone, Debug)]
+pub struct OnOom {
+    pub command: String,
+    /// (uid, gid, home); never uid 0.
+    pub user: (u32, u32, String),
+    pub timeout: Duration,
 }
 
 /// Writes an export as PyTorch's memory snapshot pickle.
@@ -61,6 +73,9 @@ pub struct OomStored {
     pub owner: Option<(u32, u32)>,
     /// The process's kept environment (JSON): its job and rank.
     pub env: Option<String>,
+    /// The other processes of its job (same job name, not "no-job") tracer saw on this node:
+    /// their snapshots at the same instant are the baseline (and they are about to die).
+    pub peers: Vec<(u32, Whose)>,
 }
 
 /// What the dumps came to, for the session's summary.
@@ -72,6 +87,9 @@ pub struct DumpSummary {
     pub removed: u64,
     /// OOMs that found the queue full (the recording never waits for a dump).
     pub skipped: u64,
+    /// `--on-oom`'s runs.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub on_oom: Vec<super::on_warning::HookRun>,
 }
 
 /// Bounded: OOMs come seldom; a burst beyond this is counted, not waited for.
@@ -86,6 +104,7 @@ pub struct DumpRoot {
     path: PathBuf,
     max: usize,
     render: RenderSnapshot,
+    on_oom: Option<OnOom>,
 }
 
 impl DumpRoot {
@@ -117,6 +136,7 @@ impl DumpRoot {
             path: cfg.dir.clone(),
             max: cfg.max.max(1),
             render: cfg.render,
+            on_oom: cfg.on_oom.clone(),
         })
     }
 
@@ -139,7 +159,12 @@ impl DumpRoot {
         let mut summary = DumpSummary::default();
         for oom in rx {
             match self.dump(&oom, db, session, &mut summary) {
-                Ok(path) => summary.written.push(path),
+                Ok(path) => {
+                    if let Some(on) = &self.on_oom {
+                        summary.on_oom.push(run_on_oom(on, &path, &oom, session));
+                    }
+                    summary.written.push(path);
+                }
                 Err(e) => summary.failed.push(format!("pid {}: {e:#}", oom.pid)),
             }
         }
@@ -159,38 +184,80 @@ impl DumpRoot {
             .or_else(|| crate::traced::procinfo::owner_of(oom.pid))
             .ok_or_else(|| anyhow!("its user is not known (it ended before tracer read it)"))?;
         wait_stored(db, session, oom)?;
-        let snapshot = snapshot_bytes(db, session, oom, self.render)?;
-        let layout = layout_json(db, session, oom)?;
-        let env = parse_env(oom.env.as_deref());
-        let job = job_name(&env);
-        let rank = env.get("RANK").map_or("-".to_owned(), |r| clean(r, 8));
-        let name = format!(
-            "{}-rank{rank}-pid{}",
-            crate::units::format_utc(oom.ts_ns)
-                .replace([' ', ':'], "-")
-                .replace("-UTC", "Z"),
-            oom.pid
-        );
-        // Everything below DIR as the process's user (the database is read as tracer's own).
-        let dump_dir = {
-            let _as_user = act_as(Some((uid, gid)));
-            let user_dir = subdir(self.dir.as_fd(), &uid.to_string(), uid, false)?;
-            let job_dir = subdir(user_dir.as_fd(), &job, uid, false)?;
-            let dump_dir = subdir(job_dir.as_fd(), &clean(&name, 96), uid, true)?;
-            write_new(dump_dir.as_fd(), "snapshot.pickle", &snapshot)?;
-            write_new(dump_dir.as_fd(), "layout.json", &layout)?;
-            dump_dir
-        };
+        let (dump_dir, path) = self.folder(db, session, oom.pid, (uid, gid), oom, None)?;
         let explained = explain_json(db, session, oom)?;
-        let _as_user = act_as(Some((uid, gid)));
-        write_new(dump_dir.as_fd(), "explain.json", &explained)?;
-        let path = self
-            .path
-            .join(uid.to_string())
-            .join(&job)
-            .join(clean(&name, 96));
+        {
+            let _as_user = act_as(Some((uid, gid)));
+            write_new(dump_dir.as_fd(), "explain.json", &explained)?;
+        }
+        // The other ranks of its job on this node, at the same instant.
+        for (peer, (owner, env)) in &oom.peers {
+            let Some(owner) = owner.or_else(|| crate::traced::procinfo::owner_of(*peer)) else {
+                continue;
+            };
+            let of_peer = OomStored {
+                pid: *peer,
+                env: env.clone(),
+                ..oom.clone()
+            };
+            match self.folder(db, session, *peer, owner, &of_peer, Some(oom)) {
+                Ok((_, p)) => summary.written.push(p),
+                Err(e) => summary
+                    .failed
+                    .push(format!("pid {peer} (a peer of pid {}): {e:#}", oom.pid)),
+            }
+            summary.removed += self.keep_newest(owner.0);
+        }
         summary.removed += self.keep_newest(uid);
         Ok(path)
+    }
+
+    /// The folder of process `pid` at the OOM (`peer_of`: the OOM of another rank of its job):
+    /// its snapshot, layout and what it is, written as `owner`.
+    fn folder(
+        &self,
+        db: &Path,
+        session: i64,
+        pid: u32,
+        (uid, gid): (u32, u32),
+        at: &OomStored,
+        peer_of: Option<&OomStored>,
+    ) -> Result<(OwnedFd, PathBuf)> {
+        let snapshot = snapshot_bytes(db, session, at, self.render)?;
+        let layout = layout_json(db, session, at)?;
+        let env = parse_env(at.env.as_deref());
+        let job = job_name(&env);
+        let rank = env.get("RANK").map(|r| clean(r, 8));
+        let name = clean(
+            &format!(
+                "{}-rank{}-pid{pid}",
+                crate::units::format_utc(at.ts_ns)
+                    .replace([' ', ':'], "-")
+                    .replace("-UTC", "Z"),
+                rank.as_deref().unwrap_or("-"),
+            ),
+            96,
+        );
+        let about = serde_json::to_vec_pretty(&serde_json::json!({
+            "pid": pid,
+            "rank": rank,
+            "job": job,
+            "node": nix::unistd::gethostname().ok().map(|h| h.to_string_lossy().into_owned()),
+            "session": session,
+            "oom_ts_ns": at.ts_ns,
+            "role": if peer_of.is_some() { "peer" } else { "oom" },
+            "oom_pid": peer_of.map_or(pid, |o| o.pid),
+        }))?;
+        // Everything below DIR as the process's user (the database is read as tracer's own).
+        let _as_user = act_as(Some((uid, gid)));
+        let user_dir = subdir(self.dir.as_fd(), &uid.to_string(), uid, false)?;
+        let job_dir = subdir(user_dir.as_fd(), &job, uid, false)?;
+        let dump_dir = subdir(job_dir.as_fd(), &name, uid, true)?;
+        write_new(dump_dir.as_fd(), "dump.json", &about)?;
+        write_new(dump_dir.as_fd(), "snapshot.pickle", &snapshot)?;
+        write_new(dump_dir.as_fd(), "layout.json", &layout)?;
+        let path = self.path.join(uid.to_string()).join(&job).join(&name);
+        Ok((dump_dir, path))
     }
 
     /// Removes the user's oldest dump folders beyond `--dump-max` (as that user).
@@ -248,11 +315,26 @@ impl OomWatch {
             .filter(|m| m.op == tracer_common::Op::TorchOom)
         {
             let (owner, env) = self.owners.get(&m.pid).cloned().unwrap_or_default();
+            let job = job_name(&parse_env(env.as_deref()));
+            let peers = if job == NO_JOB {
+                Vec::new()
+            } else {
+                self.owners
+                    .iter()
+                    .filter(|(pid, (_, e))| {
+                        **pid != m.pid
+                            && job_name(&parse_env(e.as_deref())) == job
+                            && Path::new("/proc").join(pid.to_string()).exists()
+                    })
+                    .map(|(pid, w)| (*pid, w.clone()))
+                    .collect()
+            };
             let oom = OomStored {
                 pid: m.pid,
                 ts_ns: m.ts_mono_ns as i64 + wall_offset_ns,
                 owner,
                 env,
+                peers,
             };
             if let Err(TrySendError::Full(_)) = tx.try_send(oom) {
                 shared
@@ -261,6 +343,43 @@ impl OomWatch {
             }
         }
     }
+}
+
+/// `--on-oom`'s command for the folder at `path`: /bin/sh -c CMD as its user, in their home,
+/// with only the dump's facts and a plain PATH; killed at its timeout.
+fn run_on_oom(
+    on: &OnOom,
+    path: &Path,
+    oom: &OomStored,
+    session: i64,
+) -> super::on_warning::HookRun {
+    use std::os::unix::process::CommandExt as _;
+    let (uid, gid, home) = &on.user;
+    let env = parse_env(oom.env.as_deref());
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg(&on.command)
+        .env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .env("HOME", home)
+        .env("TRACER_SESSION", session.to_string())
+        .env("TRACER_PID", oom.pid.to_string())
+        .env("TRACER_DUMP_DIR", path)
+        .env("TRACER_JOB", job_name(&env))
+        .env("TRACER_RANK", env.get("RANK").map_or("", String::as_str))
+        .current_dir(if Path::new(home).is_dir() {
+            home.as_str()
+        } else {
+            "/"
+        })
+        .stdin(std::process::Stdio::null())
+        // Its output goes to tracer's stderr: stdout is tracer's data (--json).
+        .stdout(super::on_warning::stderr_handle())
+        .stderr(std::process::Stdio::inherit())
+        .process_group(0)
+        .uid(*uid)
+        .gid(*gid);
+    super::on_warning::run_bounded(cmd, on.timeout, oom.pid, -1, oom.ts_ns)
 }
 
 /// Waits (a few seconds at most) until the message at the OOM is in the database: the calls
@@ -360,9 +479,12 @@ fn job_name(env: &HashMap<String, String>) -> String {
         (Some(addr), Some(port)) if !loopback(addr) => {
             format!("master-{}-{}", clean(addr, 48), clean(port, 8))
         }
-        _ => "no-job".into(),
+        _ => NO_JOB.into(),
     }
 }
+
+/// The job of a process no run id or rendezvous names: its folder, never a peer of another's.
+const NO_JOB: &str = "no-job";
 
 /// A name from a traced process's own string: letters, digits, '.', '-' and '_' (anything else
 /// '_'), no leading '.', at most `max` bytes; never empty.

@@ -236,7 +236,7 @@ impl WarningHook {
     }
 }
 
-fn stderr_handle() -> Stdio {
+pub(super) fn stderr_handle() -> Stdio {
     use std::os::fd::AsFd as _;
     std::io::stderr()
         .as_fd()
@@ -245,7 +245,13 @@ fn stderr_handle() -> Stdio {
 }
 
 /// Runs `cmd`, killing its process group at `timeout`.
-fn run_bounded(mut cmd: Command, timeout: Duration, pid: u32, device: i32, ts_ns: i64) -> HookRun {
+pub(super) fn run_bounded(
+    mut cmd: Command,
+    timeout: Duration,
+    pid: u32,
+    device: i32,
+    ts_ns: i64,
+) -> HookRun {
     let started = Instant::now();
     let mut run = HookRun {
         pid,

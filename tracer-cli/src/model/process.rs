@@ -13,7 +13,7 @@ pub struct ProcessInfo {
     pub cgroup: Option<String>,
     /// The few environment variables tracer reads (JSON object): the allocator's settings
     /// (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF), the job's rank (RANK, LOCAL_RANK,
-    /// WORLD_SIZE) and rendezvous (MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), the GPUs it
+    /// WORLD_SIZE) and rendezvous (MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, SLURM_JOB_ID), the GPUs it
     /// may use (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES). Nothing else is kept.
     pub env: Option<String>,
     /// The GPUs its root shows it (JSON of [`VisibleGpus`]).
@@ -24,7 +24,7 @@ pub struct ProcessInfo {
 }
 
 /// The environment variables [`ProcessInfo::env`] keeps.
-pub const KEPT_ENV: [&str; 10] = [
+pub const KEPT_ENV: [&str; 11] = [
     "PYTORCH_CUDA_ALLOC_CONF",
     "PYTORCH_ALLOC_CONF",
     "RANK",
@@ -33,6 +33,7 @@ pub const KEPT_ENV: [&str; 10] = [
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
     "CUDA_VISIBLE_DEVICES",
     "NVIDIA_VISIBLE_DEVICES",
 ];

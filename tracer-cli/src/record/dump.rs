@@ -76,6 +76,8 @@ pub struct OomStored {
     /// The other processes of its job (same job name, not "no-job") tracer saw on this node:
     /// their snapshots at the same instant are the baseline (and they are about to die).
     pub peers: Vec<(u32, Whose)>,
+    /// The processes tracer saw of the same user: the only ones a dump may name.
+    pub same_user: Vec<u32>,
 }
 
 /// What the dumps came to, for the session's summary.
@@ -185,7 +187,7 @@ impl DumpRoot {
             .ok_or_else(|| anyhow!("its user is not known (it ended before tracer read it)"))?;
         wait_stored(db, session, oom)?;
         let (dump_dir, path) = self.folder(db, session, oom.pid, (uid, gid), oom, None)?;
-        let explained = explain_json(db, session, oom)?;
+        let explained = explain_json(db, session, oom, uid)?;
         {
             let _as_user = act_as(Some((uid, gid)));
             write_new(dump_dir.as_fd(), "explain.json", &explained)?;
@@ -198,6 +200,12 @@ impl DumpRoot {
             let of_peer = OomStored {
                 pid: *peer,
                 env: env.clone(),
+                // Another user's rank (a shared account aside) is told nothing of this one's.
+                same_user: if owner.0 == uid {
+                    oom.same_user.clone()
+                } else {
+                    Vec::new()
+                },
                 ..oom.clone()
             };
             match self.folder(db, session, *peer, owner, &of_peer, Some(oom)) {
@@ -224,7 +232,7 @@ impl DumpRoot {
         peer_of: Option<&OomStored>,
     ) -> Result<(OwnedFd, PathBuf)> {
         let snapshot = snapshot_bytes(db, session, at, self.render)?;
-        let layout = layout_json(db, session, at)?;
+        let layout = layout_json(db, session, at, uid)?;
         let env = parse_env(at.env.as_deref());
         let job = job_name(&env);
         let rank = env.get("RANK").map(|r| clean(r, 8));
@@ -329,12 +337,19 @@ impl OomWatch {
                     .map(|(pid, w)| (*pid, w.clone()))
                     .collect()
             };
+            let same_user = self
+                .owners
+                .iter()
+                .filter(|(_, (o, _))| o.is_some() && o.map(|x| x.0) == owner.map(|x| x.0))
+                .map(|(pid, _)| *pid)
+                .collect();
             let oom = OomStored {
                 pid: m.pid,
                 ts_ns: m.ts_mono_ns as i64 + wall_offset_ns,
                 owner,
                 env,
                 peers,
+                same_user,
             };
             if let Err(TrySendError::Full(_)) = tx.try_send(oom) {
                 shared
@@ -433,7 +448,7 @@ fn snapshot_bytes(
     Ok(out)
 }
 
-fn layout_json(db: &Path, session: i64, oom: &OomStored) -> Result<Vec<u8>> {
+fn layout_json(db: &Path, session: i64, oom: &OomStored, uid: u32) -> Result<Vec<u8>> {
     let (_, layouts) = layout(
         db,
         &LayoutQuery {
@@ -444,10 +459,13 @@ fn layout_json(db: &Path, session: i64, oom: &OomStored) -> Result<Vec<u8>> {
         },
     )
     .context("lay out the allocator at the OOM")?;
-    Ok(serde_json::to_vec_pretty(&layouts)?)
+    let mut value = serde_json::to_value(&layouts)?;
+    let mine = |pid: u32| pid == oom.pid || (uid != 0 && oom.same_user.contains(&pid));
+    redact_others(&mut value, &mine);
+    Ok(serde_json::to_vec_pretty(&value)?)
 }
 
-fn explain_json(db: &Path, session: i64, oom: &OomStored) -> Result<Vec<u8>> {
+fn explain_json(db: &Path, session: i64, oom: &OomStored, uid: u32) -> Result<Vec<u8>> {
     let explained = explain(
         db,
         &ExplainQuery {
@@ -460,7 +478,63 @@ fn explain_json(db: &Path, session: i64, oom: &OomStored) -> Result<Vec<u8>> {
         },
     )
     .context("explain the OOM")?;
-    Ok(serde_json::to_vec_pretty(&explained.report)?)
+    let mut report = serde_json::to_value(&explained.report)?;
+    let mine = |pid: u32| pid == oom.pid || (uid != 0 && oom.same_user.contains(&pid));
+    redact_others(&mut report, &mine);
+    Ok(serde_json::to_vec_pretty(&report)?)
+}
+
+/// Another user's process is named in a user's folder by its bytes only: every object of the
+/// report or layout naming a process (a `pid` beside a `comm`) that is not the user's loses
+/// both, and every text that named it says "another process" instead.
+fn redact_others(report: &mut serde_json::Value, mine: &impl Fn(u32) -> bool) {
+    let mut named: Vec<(u32, Option<String>)> = Vec::new();
+    unname(report, mine, &mut named);
+    if !named.is_empty() {
+        scrub(report, &named);
+    }
+}
+
+fn unname(
+    v: &mut serde_json::Value,
+    mine: &impl Fn(u32) -> bool,
+    named: &mut Vec<(u32, Option<String>)>,
+) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            let pid = map.get("pid").and_then(Value::as_u64);
+            if let (Some(pid), true) = (pid, map.contains_key("comm")) {
+                if !mine(pid as u32) {
+                    let comm = map.get("comm").and_then(Value::as_str).map(str::to_owned);
+                    named.push((pid as u32, comm));
+                    map.insert("pid".into(), Value::Null);
+                    map.insert("comm".into(), Value::Null);
+                }
+            }
+            map.values_mut().for_each(|x| unname(x, mine, named));
+        }
+        Value::Array(items) => items.iter_mut().for_each(|x| unname(x, mine, named)),
+        _ => {}
+    }
+}
+
+fn scrub(v: &mut serde_json::Value, named: &[(u32, Option<String>)]) {
+    use serde_json::Value;
+    match v {
+        Value::String(text) => {
+            for (pid, comm) in named {
+                if let Some(c) = comm {
+                    *text = text.replace(&format!("pid {pid} ({c})"), "another process");
+                    *text = text.replace(&format!("{c} (pid {pid})"), "another process");
+                }
+                *text = text.replace(&format!("pid {pid}"), "another process");
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|x| scrub(x, named)),
+        Value::Object(map) => map.values_mut().for_each(|x| scrub(x, named)),
+        _ => {}
+    }
 }
 
 fn parse_env(env: Option<&str>) -> HashMap<String, String> {
@@ -468,11 +542,15 @@ fn parse_env(env: Option<&str>) -> HashMap<String, String> {
         .unwrap_or_default()
 }
 
-/// The job's name from its environment: torchrun's run id (unless its default "none"), the
-/// rendezvous address where it is not loopback, else "no-job".
+/// The job's name from its environment: torchrun's run id (unless its default "none"), Slurm's
+/// job id, the rendezvous address where it is not loopback, else "no-job" (torchrun's defaults,
+/// run id "none" at 127.0.0.1:29500, would make every single-node job on the node one).
 fn job_name(env: &HashMap<String, String>) -> String {
     if let Some(id) = env.get("TORCHELASTIC_RUN_ID").filter(|id| *id != "none") {
         return format!("run-{}", clean(id, 64));
+    }
+    if let Some(id) = env.get("SLURM_JOB_ID") {
+        return format!("slurm-{}", clean(id, 32));
     }
     let loopback = |a: &str| a.starts_with("127.") || a == "localhost" || a == "::1";
     match (env.get("MASTER_ADDR"), env.get("MASTER_PORT")) {
@@ -565,6 +643,29 @@ mod tests {
         assert_eq!(clean("job\n\x1b[31mred", 64), "job___31mred");
         assert_eq!(clean("", 8), "_");
         assert_eq!(clean(&"x".repeat(200), 64).len(), 64);
+    }
+
+    #[test]
+    fn another_users_process_is_told_by_its_bytes_only() {
+        let mut report = serde_json::json!({
+            "holders": [{"pid": 10, "others": [
+                {"pid": 77, "comm": "secret-model", "bytes": 5},
+                {"pid": 11, "comm": "rank1", "bytes": 6}
+            ]}],
+            "chains": [{"compounding": ["pid 77 (secret-model) held 5 B", "pid 11 (rank1) held 6 B"]}]
+        });
+        redact_others(&mut report, &|pid| pid == 10 || pid == 11);
+        let others = &report["holders"][0]["others"];
+        assert_eq!(
+            others[0],
+            serde_json::json!({"pid": null, "comm": null, "bytes": 5})
+        );
+        assert_eq!(others[1]["comm"], "rank1");
+        assert_eq!(
+            report["chains"][0]["compounding"],
+            serde_json::json!(["another process held 5 B", "pid 11 (rank1) held 6 B"])
+        );
+        assert!(!report.to_string().contains("secret-model"));
     }
 
     #[test]

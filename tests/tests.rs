@@ -9,6 +9,7 @@ mod e2e;
 mod fleet;
 mod flight;
 mod graphs;
+mod jobs;
 mod lifecycle;
 mod otlp;
 mod recordings;

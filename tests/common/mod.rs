@@ -270,11 +270,35 @@ impl Trace {
 
     /// [`Trace::start`] with these variables in tracer's environment.
     pub fn start_with_env(db: &Path, args: &[&str], env: &[(&str, &str)]) -> Trace {
-        let mut child = Command::new(TRACER)
-            .args(["trace", "--json", "--db"])
+        let mut cmd = Command::new(TRACER);
+        cmd.args(["trace", "--json", "--db"])
             .arg(db)
             .args(args)
-            .envs(env.iter().copied())
+            .envs(env.iter().copied());
+        Trace::start_command(cmd)
+    }
+
+    /// [`Trace::start`] as on another node: in a UTS namespace of its own whose host name is
+    /// `node` (what tracer records as the node).
+    pub fn start_on_node(db: &Path, args: &[&str], node: &str) -> Trace {
+        let mut cmd = Command::new("unshare");
+        cmd.args([
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            "hostname \"$0\" && exec \"$@\"",
+            node,
+            TRACER,
+        ])
+        .args(["trace", "--json", "--db"])
+        .arg(db)
+        .args(args);
+        Trace::start_command(cmd)
+    }
+
+    fn start_command(mut cmd: Command) -> Trace {
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

@@ -23,6 +23,11 @@ pub struct ExplainArgs {
     /// Everything as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// One answer for a job across its ranks and nodes, from the `--dump-on-oom` folders
+    /// gathered under DIR (every node's): which rank ran out first, whether they died at the
+    /// same request or one stood out, a row for every rank. The database is not read.
+    #[arg(long, value_name = "DIR")]
+    pub dumps: Option<std::path::PathBuf>,
 }
 
 /// Which part of which session: explain's and report's window options.
@@ -65,6 +70,9 @@ impl WindowArgs {
 }
 
 pub fn run(args: ExplainArgs) -> Result<()> {
+    if let Some(dir) = &args.dumps {
+        return job_answer(dir, args.json);
+    }
     let db = args.db.path()?;
     let explained = explain::explain(&db, &args.window.query())?;
     if std::env::var_os("TRACER_TIMING").is_some() {
@@ -81,6 +89,18 @@ pub fn run(args: ExplainArgs) -> Result<()> {
     }
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     present::explain::text(&mut out, &explained, args.per_process)?;
+    out.flush()?;
+    Ok(())
+}
+
+/// `--dumps DIR`: each job's answer from its ranks' folders.
+fn job_answer(dir: &std::path::Path, json: bool) -> Result<()> {
+    let jobs = tracer_cli::query::job::answer(tracer_cli::query::job::read_dumps(dir)?);
+    if json {
+        return present::json::document(&jobs);
+    }
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    present::job::text(&mut out, &jobs)?;
     out.flush()?;
     Ok(())
 }

@@ -4,6 +4,7 @@
 pub mod check;
 pub mod diff;
 pub mod explain;
+pub mod job;
 pub mod json;
 pub mod layout;
 pub mod live;

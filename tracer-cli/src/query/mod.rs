@@ -8,6 +8,7 @@
 
 pub mod diff;
 pub mod explain;
+pub mod job;
 pub mod layout;
 pub mod perfetto;
 pub mod pytorch_snapshot;

@@ -1,0 +1,222 @@
+//! One answer for a job across nodes: `tracer explain --dumps DIR` reads the `--dump-on-oom`
+//! folders gathered from every node (a shared filesystem, `kubectl cp`), matches the ranks of
+//! each job by the job's name, and says which rank ran out first and when the others followed,
+//! whether they died at the same request (the job's shape) or one stood out, with a row for
+//! every rank.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result};
+use serde::Serialize;
+use serde_json::Value;
+
+/// Folders below DIR searched for a dump (DIR/<uid>/<job>/<dump>/ as tracer writes them, one
+/// level more for a node's folder gathered beside the others').
+const DEPTH: usize = 4;
+/// Two requests PyTorch asked for are "the same" within its 2 MiB rounding of large segments.
+const SAME_REQUEST: u64 = 2 << 20;
+
+/// One rank's folder, as its dump.json, layout.json and explain.json say.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankDump {
+    pub path: PathBuf,
+    pub job: String,
+    pub rank: Option<String>,
+    pub node: Option<String>,
+    pub pid: u32,
+    /// "oom": this rank ran out; "peer": dumped at another rank's OOM.
+    pub role: String,
+    pub ts_ns: i64,
+    /// The OOM's verdict and figures (the OOM's folder only).
+    pub verdict: Option<String>,
+    pub asked: Option<u64>,
+    pub shortfall: Option<u64>,
+    /// Bytes its allocator reserved then, over its devices.
+    pub reserved: Option<u64>,
+}
+
+/// What the ranks of one job add up to.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobAnswer {
+    pub job: String,
+    pub nodes: Vec<String>,
+    pub ranks: Vec<RankDump>,
+    /// The rank whose OOM came first, and each later OOM's delay after it (ns).
+    pub first: Option<usize>,
+    pub followed: Vec<(usize, i64)>,
+    pub shape: Shape,
+}
+
+#[derive(Clone, Debug, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Shape {
+    /// Every rank that ran out asked for the same request: the job's size, not one rank's.
+    SameRequest { ranks: usize, asked: u64 },
+    /// One rank ran out while the others did not, or asked for more than the others did.
+    Outlier {
+        rank: usize,
+        asked: Option<u64>,
+        reserved: Option<u64>,
+        others_median_reserved: Option<u64>,
+    },
+    /// The ranks that ran out asked different sizes, none standing out alone.
+    Different,
+    /// One rank's dumps only, no other rank's to compare with.
+    Alone,
+    /// No rank ran out in these folders.
+    NoOom,
+}
+
+/// Every dump folder below `dir` (no link followed), by its dump.json.
+pub fn read_dumps(dir: &Path) -> Result<Vec<RankDump>> {
+    let mut found = Vec::new();
+    walk(dir, DEPTH, &mut found)
+        .with_context(|| format!("read the dump folders under {}", dir.display()))?;
+    let mut dumps: Vec<RankDump> = found.iter().filter_map(|p| read_one(p)).collect();
+    dumps.sort_by(|a, b| (&a.job, a.ts_ns, &a.rank).cmp(&(&b.job, b.ts_ns, &b.rank)));
+    Ok(dumps)
+}
+
+fn walk(dir: &Path, depth: usize, found: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    if dir.join("dump.json").is_file() {
+        found.push(dir.to_owned());
+        return Ok(());
+    }
+    if depth == 0 {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        // A link is not followed: a folder gathered from elsewhere is read where it lies.
+        if entry.file_type()?.is_dir() {
+            walk(&entry.path(), depth - 1, found)?;
+        }
+    }
+    Ok(())
+}
+
+fn json(path: &Path) -> Option<Value> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+fn read_one(dir: &Path) -> Option<RankDump> {
+    let about = json(&dir.join("dump.json"))?;
+    let explained = json(&dir.join("explain.json"));
+    let holder = explained
+        .as_ref()
+        .and_then(|e| e["holders"].as_array()?.first().cloned());
+    let reserved = json(&dir.join("layout.json")).and_then(|l| {
+        let devices = l.as_array()?.first()?["devices"].as_array()?.clone();
+        Some(
+            devices
+                .iter()
+                .filter_map(|d| d["total"]["reserved"].as_u64())
+                .sum(),
+        )
+    });
+    Some(RankDump {
+        path: dir.to_owned(),
+        job: about["job"].as_str()?.to_owned(),
+        rank: about["rank"].as_str().map(str::to_owned),
+        node: about["node"].as_str().map(str::to_owned),
+        pid: about["pid"].as_u64()? as u32,
+        role: about["role"].as_str()?.to_owned(),
+        ts_ns: about["oom_ts_ns"].as_i64()?,
+        verdict: holder
+            .as_ref()
+            .and_then(|h| h["verdict"].as_str().map(str::to_owned)),
+        asked: holder
+            .as_ref()
+            .and_then(|h| h["arithmetic"]["asked"].as_u64()),
+        shortfall: holder
+            .as_ref()
+            .and_then(|h| h["arithmetic"]["shortfall"].as_u64()),
+        reserved,
+    })
+}
+
+/// The answer for each job among `dumps`.
+pub fn answer(dumps: Vec<RankDump>) -> Vec<JobAnswer> {
+    let mut jobs: Vec<JobAnswer> = Vec::new();
+    for d in dumps {
+        match jobs.iter_mut().find(|j| j.job == d.job) {
+            Some(j) => j.ranks.push(d),
+            None => jobs.push(JobAnswer {
+                job: d.job.clone(),
+                nodes: Vec::new(),
+                ranks: vec![d],
+                first: None,
+                followed: Vec::new(),
+                shape: Shape::NoOom,
+            }),
+        }
+    }
+    for j in &mut jobs {
+        settle(j);
+    }
+    jobs
+}
+
+fn settle(j: &mut JobAnswer) {
+    j.ranks.sort_by_key(|r| (r.ts_ns, rank_number(r)));
+    let mut nodes: Vec<String> = j.ranks.iter().filter_map(|r| r.node.clone()).collect();
+    nodes.sort();
+    nodes.dedup();
+    j.nodes = nodes;
+    let ooms: Vec<usize> = (0..j.ranks.len())
+        .filter(|&i| j.ranks[i].role == "oom")
+        .collect();
+    j.first = ooms.first().copied();
+    if let Some(first) = j.first {
+        let t0 = j.ranks[first].ts_ns;
+        j.followed = ooms[1..]
+            .iter()
+            .map(|&i| (i, j.ranks[i].ts_ns - t0))
+            .collect();
+    }
+    j.shape = shape(&j.ranks, &ooms);
+}
+
+fn rank_number(r: &RankDump) -> i64 {
+    r.rank
+        .as_deref()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(i64::MAX)
+}
+
+fn shape(ranks: &[RankDump], ooms: &[usize]) -> Shape {
+    let Some(&first) = ooms.first() else {
+        return Shape::NoOom;
+    };
+    let peers: Vec<&RankDump> = ranks.iter().filter(|r| r.role == "peer").collect();
+    let asked: Vec<u64> = ooms.iter().filter_map(|&i| ranks[i].asked).collect();
+    let same =
+        asked.len() == ooms.len() && asked.iter().all(|&a| a.abs_diff(asked[0]) < SAME_REQUEST);
+    // Ranks are told apart by rank (a restarted rank's second OOM is the same rank).
+    let distinct = |idx: &[usize]| {
+        let mut r: Vec<i64> = idx.iter().map(|&i| rank_number(&ranks[i])).collect();
+        r.sort();
+        r.dedup();
+        r.len()
+    };
+    if same && distinct(ooms) > 1 {
+        return Shape::SameRequest {
+            ranks: distinct(ooms),
+            asked: asked[0],
+        };
+    }
+    if distinct(ooms) == 1 && peers.is_empty() {
+        return Shape::Alone;
+    }
+    if distinct(ooms) == 1 {
+        let mut theirs: Vec<u64> = peers.iter().filter_map(|p| p.reserved).collect();
+        theirs.sort();
+        return Shape::Outlier {
+            rank: first,
+            asked: ranks[first].asked,
+            reserved: ranks[first].reserved,
+            others_median_reserved: theirs.get(theirs.len() / 2).copied(),
+        };
+    }
+    Shape::Different
+}

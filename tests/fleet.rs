@@ -287,7 +287,7 @@ fn promtool_checks_and_unit_tests_the_rules() {
         "{}",
         String::from_utf8_lossy(&check.stdout)
     );
-    assert!(String::from_utf8_lossy(&check.stdout).contains("SUCCESS: 10 rules found"));
+    assert!(String::from_utf8_lossy(&check.stdout).contains("SUCCESS: 11 rules found"));
     let test = Command::new("promtool")
         .args(["test", "rules"])
         .arg(deploy("prometheus/tracer-rules.test.yaml"))

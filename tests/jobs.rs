@@ -24,6 +24,10 @@ fn node_sim(fx: &Fixture, node: &str) -> PathBuf {
 }
 
 fn trace_node(sim: &Path, db: &Path, dumps: &Path, node: &str) -> Trace {
+    trace_node_with(sim, db, dumps, node, &[])
+}
+
+fn trace_node_with(sim: &Path, db: &Path, dumps: &Path, node: &str, extra: &[&str]) -> Trace {
     let libs: Vec<String> = ["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"]
         .iter()
         .map(|f| sim.join(f).to_str().unwrap().to_owned())
@@ -32,6 +36,7 @@ fn trace_node(sim: &Path, db: &Path, dumps: &Path, node: &str) -> Trace {
     for l in &libs {
         args.extend(["--lib", l.as_str()]);
     }
+    args.extend_from_slice(extra);
     Trace::start_on_node(db, &args, node)
 }
 
@@ -75,7 +80,14 @@ fn a_job_across_two_nodes_is_answered_as_one() {
     for d in [&dumps_a, &dumps_b] {
         std::fs::create_dir(d).unwrap();
     }
-    let a = trace_node(&sim_a, &top.path().join("a.db"), &dumps_a, "node-a");
+    let a = trace_node_with(
+        &sim_a,
+        &top.path().join("a.db"),
+        &dumps_a,
+        "node-a",
+        &["--metrics", "127.0.0.1:0"],
+    );
+    let metrics: std::net::SocketAddr = a.started["metrics"].as_str().unwrap().parse().unwrap();
     let b = trace_node(&sim_b, &top.path().join("b.db"), &dumps_b, "node-b");
 
     // Job "same": ranks 0 and 1 on node-a, 2 and 3 on node-b, every one growing its batch
@@ -105,6 +117,29 @@ fn a_job_across_two_nodes_is_answered_as_one() {
         let _ = c.kill();
         let _ = c.wait();
     }
+    // Each OOM's verdict on node-a's metrics page, beside tracer_oom_total.
+    let verdict_lines = || -> Vec<String> {
+        get(metrics, "/metrics")
+            .map(|(_, page)| {
+                page.lines()
+                    .filter(|l| l.starts_with("tracer_oom_verdicts_total{"))
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "three verdicts on the page",
+        || verdict_lines().len() == 3,
+    );
+    let verdicts = verdict_lines();
+    assert!(
+        verdicts
+            .iter()
+            .all(|l| l.contains("verdict=\"") && l.ends_with(" 1")),
+        "{verdicts:?}"
+    );
     let (sa, sb) = (a.stop(SIGINT), b.stop(SIGINT));
     for s in [&sa, &sb] {
         assert_eq!(

@@ -61,6 +61,8 @@ pub struct DeviceFigures {
     pub retries: u64,
     /// Early warnings: the allocator reached the state in which its next request fails.
     pub warnings: u64,
+    /// OOMs explained (by --dump-on-oom's explain), per verdict.
+    pub verdicts: BTreeMap<String, u64>,
 }
 
 /// Where a process runs in Kubernetes, from its cgroup.
@@ -170,6 +172,21 @@ impl Figures {
             ..ProcessFigures::default()
         });
         p.devices.entry(device).or_default().ooms += 1;
+    }
+
+    /// explain's verdict on a process's OOM on `device` (--dump-on-oom).
+    pub fn oom_verdict(&mut self, pid: u32, device: i32, verdict: &str) {
+        if self.disabled {
+            return;
+        }
+        if let Some(p) = self.processes.get_mut(&pid) {
+            *p.devices
+                .entry(device)
+                .or_default()
+                .verdicts
+                .entry(verdict.to_owned())
+                .or_default() += 1;
+        }
     }
 
     /// An early warning fired for a process's device.

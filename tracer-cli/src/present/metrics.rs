@@ -249,6 +249,16 @@ fn process_families(
                 &l,
                 d.ooms,
             );
+            for (verdict, n) in &d.verdicts {
+                let mut l = l.clone();
+                l.push(("verdict", verdict.clone()));
+                f.counter(
+                    "tracer_oom_verdicts_total",
+                    "OOMs explain judged (with --dump-on-oom), by its verdict: what held the memory the request needed (fragmentation, other_processes, private_pools, this_process, ...).",
+                    &l,
+                    *n,
+                );
+            }
             f.counter(
                 "tracer_allocation_failures_total",
                 "Device allocations refused for want of memory, each attempt once (cudaMalloc and the cuMemAlloc_v2 inside it are one).",

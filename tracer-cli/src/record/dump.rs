@@ -148,19 +148,26 @@ impl DumpRoot {
         self,
         db: PathBuf,
         session: i64,
+        shared: std::sync::Arc<super::shared::Shared>,
     ) -> Result<(SyncSender<OomStored>, JoinHandle<DumpSummary>)> {
         let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
         let handle = std::thread::Builder::new()
             .name("tracer-dump".into())
-            .spawn(move || self.run(rx, &db, session))
+            .spawn(move || self.run(rx, &db, session, &shared))
             .context("start the --dump-on-oom thread")?;
         Ok((tx, handle))
     }
 
-    fn run(self, rx: Receiver<OomStored>, db: &Path, session: i64) -> DumpSummary {
+    fn run(
+        self,
+        rx: Receiver<OomStored>,
+        db: &Path,
+        session: i64,
+        shared: &super::shared::Shared,
+    ) -> DumpSummary {
         let mut summary = DumpSummary::default();
         for oom in rx {
-            match self.dump(&oom, db, session, &mut summary) {
+            match self.dump(&oom, db, session, &mut summary, shared) {
                 Ok(path) => {
                     if let Some(on) = &self.on_oom {
                         summary.on_oom.push(run_on_oom(on, &path, &oom, session));
@@ -179,6 +186,7 @@ impl DumpRoot {
         db: &Path,
         session: i64,
         summary: &mut DumpSummary,
+        shared: &super::shared::Shared,
     ) -> Result<PathBuf> {
         // Read at its first call; else now, while PyTorch's exception unwinds.
         let (uid, gid) = oom
@@ -187,7 +195,10 @@ impl DumpRoot {
             .ok_or_else(|| anyhow!("its user is not known (it ended before tracer read it)"))?;
         wait_stored(db, session, oom)?;
         let (dump_dir, path) = self.folder(db, session, oom.pid, (uid, gid), oom, None)?;
-        let explained = explain_json(db, session, oom, uid)?;
+        let (explained, verdict) = explain_json(db, session, oom, uid)?;
+        if let (Some((device, verdict)), Ok(mut figures)) = (verdict, shared.lock_figures()) {
+            figures.oom_verdict(oom.pid, device, &verdict);
+        }
         {
             let _as_user = act_as(Some((uid, gid)));
             write_new(dump_dir.as_fd(), "explain.json", &explained)?;
@@ -465,7 +476,17 @@ fn layout_json(db: &Path, session: i64, oom: &OomStored, uid: u32) -> Result<Vec
     Ok(serde_json::to_vec_pretty(&value)?)
 }
 
-fn explain_json(db: &Path, session: i64, oom: &OomStored, uid: u32) -> Result<Vec<u8>> {
+/// An OOM's device and explain's verdict on it.
+type Verdict = (i32, String);
+
+/// Explain's report for the process (as written in its folder), and its OOM's device and
+/// verdict.
+fn explain_json(
+    db: &Path,
+    session: i64,
+    oom: &OomStored,
+    uid: u32,
+) -> Result<(Vec<u8>, Option<Verdict>)> {
     let explained = explain(
         db,
         &ExplainQuery {
@@ -479,9 +500,16 @@ fn explain_json(db: &Path, session: i64, oom: &OomStored, uid: u32) -> Result<Ve
     )
     .context("explain the OOM")?;
     let mut report = serde_json::to_value(&explained.report)?;
+    let verdict = report["holders"].as_array().and_then(|h| {
+        let h = h.iter().find(|h| h["pid"] == oom.pid)?;
+        Some((
+            h["device"].as_i64()? as i32,
+            h["verdict"].as_str()?.to_owned(),
+        ))
+    });
     let mine = |pid: u32| pid == oom.pid || (uid != 0 && oom.same_user.contains(&pid));
     redact_others(&mut report, &mine);
-    Ok(serde_json::to_vec_pretty(&report)?)
+    Ok((serde_json::to_vec_pretty(&report)?, verdict))
 }
 
 /// Another user's process is named in a user's folder by its bytes only: every object of the

@@ -848,7 +848,7 @@ fn spawn_pipeline(
     };
     let (dump_tx, dumps) = match dump_root {
         Some(root) => {
-            let (tx, handle) = root.spawn(opts.db.clone(), session)?;
+            let (tx, handle) = root.spawn(opts.db.clone(), session, shared.clone())?;
             (Some(tx), Some(handle))
         }
         None => (None, None),

@@ -490,3 +490,78 @@ fn otlp_over_https_trusts_the_certificate_it_is_given() {
     assert!(!receiver.batches().is_empty());
     assert_eq!(receiver.batches()[0]["resource"]["service.name"], "tracer");
 }
+
+/// With `--dump-on-oom`, the collector hears of each OOM as one log record on OTLP's logs path,
+/// beside the metrics: severity ERROR, event `tracer.oom`, the job, rank, node, pid, device,
+/// verdict, the bytes asked and short, and the dump's folder.
+#[test]
+fn each_oom_reaches_the_collector_as_one_log_record() {
+    let Some(fx) = Fixture::new() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start(dir.path(), 0, None);
+    let dumps = dir.path().join("dumps");
+    std::fs::create_dir(&dumps).unwrap();
+    let endpoint = format!("http://127.0.0.1:{}", receiver.port);
+    let trace = fx.trace(
+        &["libcudart.so.12", "libcuda.so.1", "libsimtorch.so"],
+        &[
+            "--otlp-endpoint",
+            &endpoint,
+            "--dump-on-oom",
+            dumps.to_str().unwrap(),
+            "--quiet",
+        ],
+    );
+    let out = Command::new("python3")
+        .arg(workspace().join("demos/workloads/train.py"))
+        .args(["oom", "--speed", "5", "--duration", "20", "--cudart"])
+        .arg(fx.sim.join("libcudart.so.12"))
+        .env("SIMCUDA_MEM", "1GiB")
+        .env("RANK", "5")
+        .env("TORCHELASTIC_RUN_ID", "otlpjob")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let pid = workload_result(&out.stdout)["pid"].as_u64().unwrap();
+    let logs = || -> Vec<Value> {
+        receiver
+            .batches()
+            .into_iter()
+            .filter_map(|b| b.get("logs").cloned())
+            .flat_map(|l| l.as_array().cloned().unwrap_or_default())
+            .collect()
+    };
+    wait_until(Duration::from_secs(10), "the OOM's log record", || {
+        !logs().is_empty()
+    });
+    let stopped = trace.stop(SIGINT);
+    let records = logs();
+    assert_eq!(records.len(), 1, "{records:#?}");
+    let r = &records[0];
+    assert_eq!(
+        (&r["severity_number"], &r["severity_text"], &r["event_name"]),
+        (&17.into(), &"ERROR".into(), &"tracer.oom".into()),
+        "{r:#}"
+    );
+    let a = &r["attributes"];
+    assert_eq!(
+        (&a["job"], &a["rank"], &a["pid"]),
+        (&"run-otlpjob".into(), &"5".into(), &pid.into()),
+        "{r:#}"
+    );
+    let written = &stopped.summary["dumps"]["written"][0];
+    assert_eq!(&a["dump"], written, "{r:#}");
+    assert!(PathBuf::from(a["dump"].as_str().unwrap())
+        .join("explain.json")
+        .exists());
+    // The verdict and figures are explain's, in the folder.
+    let explained: Value = serde_json::from_slice(
+        &std::fs::read(PathBuf::from(a["dump"].as_str().unwrap()).join("explain.json")).unwrap(),
+    )
+    .unwrap();
+    let holder = &explained["holders"][0];
+    assert_eq!(a["verdict"], holder["verdict"], "{r:#}");
+    assert_eq!(a["asked_bytes"], holder["arithmetic"]["asked"], "{r:#}");
+    assert_eq!(a["device"], holder["device"], "{r:#}");
+    assert!(a["node"].as_str().is_some_and(|n| !n.is_empty()), "{r:#}");
+}

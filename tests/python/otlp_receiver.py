@@ -1,4 +1,4 @@
-"""An OTLP/HTTP metrics receiver for the tests, as a collector's otlphttp receiver takes them:
+"""An OTLP/HTTP metrics (and logs) receiver for the tests, as a collector's otlphttp receiver takes them:
 POST /v1/metrics with a protobuf ExportMetricsServiceRequest, decoded with OpenTelemetry's own
 classes (opentelemetry-proto from PyPI). Each request is appended to OUT as one JSON line:
 its resource attributes and every metric (name, unit, kind, temporality, monotonic, and each
@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 
 
@@ -72,6 +73,8 @@ def main():
                     time.sleep(float(open(args.delay_file).read().strip() or "0"))
                 except ValueError:
                     pass
+            if self.path == "/v1/logs" and self.headers.get("Content-Type") == "application/x-protobuf":
+                return self.logs(body)
             if self.path != "/v1/metrics" or self.headers.get("Content-Type") != "application/x-protobuf":
                 self.send_response(404)
                 self.send_header("Content-Length", "0")
@@ -97,6 +100,31 @@ def main():
                 self.wfile.write(reply)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the sender gave up waiting: what a slow collector sees
+
+        def logs(self, body):
+            req = logs_service_pb2.ExportLogsServiceRequest()
+            req.ParseFromString(body)
+            for rl in req.resource_logs:
+                line = {
+                    "received_ns": time.time_ns(),
+                    "resource": attrs(rl.resource.attributes),
+                    "logs": [{
+                        "time_unix_nano": r.time_unix_nano,
+                        "severity_number": r.severity_number,
+                        "severity_text": r.severity_text,
+                        "event_name": r.event_name,
+                        "body": value_of(r.body),
+                        "attributes": attrs(r.attributes),
+                    } for sl in rl.scope_logs for r in sl.log_records],
+                }
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+            reply = logs_service_pb2.ExportLogsServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
 
         def log_message(self, *a):
             pass

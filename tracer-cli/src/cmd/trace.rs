@@ -1,7 +1,7 @@
 //! `tracer trace`: record every call into the database, show a live table, and flush
 //! everything on Ctrl-C, SIGTERM, --duration, or when the traced processes are gone.
 
-use std::{io::IsTerminal as _, net::SocketAddr, path::PathBuf, time::Duration};
+use std::{io::IsTerminal as _, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Result;
 use clap::Args;
@@ -11,7 +11,7 @@ use tracer_cli::{
     paths,
     present::{self, live},
     record::{
-        dump::{DumpOnOom, OnOom},
+        dump::{DumpOnOom, OnOom, OomReport, OomSink},
         on_warning::OnWarning,
         signals, RecordOptions, Recording, RecordingStatus, Stop,
     },
@@ -232,6 +232,13 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let otlp = OtlpConfig::read(args.otlp_endpoint.as_deref(), args.otlp_interval, &|name| {
         std::env::var(name).ok()
     })?;
+    // Each OOM also as a log record, to the same collector (with --dump-on-oom).
+    let oom_logs = match (&otlp, &args.dump_on_oom) {
+        (Some(config), Some(_)) => Some(Arc::new(OtlpPusher::start(
+            config.for_logs(&|name| std::env::var(name).ok())?,
+        )?)),
+        _ => None,
+    };
     let exporter = if args.metrics.is_some() || otlp.is_some() {
         Some(Exporter::start(args.metrics, otlp, &args)?)
     } else {
@@ -268,6 +275,13 @@ pub fn run(args: TraceArgs) -> Result<()> {
                 max: args.dump_max,
                 render: |out, export| tracer_cli::present::pytorch_snapshot::write(out, export),
                 on_oom: on_oom(&args, &who)?,
+                sink: oom_logs.clone().map(|logs| {
+                    OomSink(Arc::new(move |report: &OomReport| {
+                        use prost::Message as _;
+                        let body = present::otlp::oom_log_request(report, logs.resource());
+                        logs.push(body.encode_to_vec());
+                    }))
+                }),
             }),
             None => None,
         },
@@ -317,6 +331,15 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let finished = recording.finish(outcome)?;
     if let Some(exporter) = exporter {
         exporter.finish();
+    }
+    // The dump thread, the only other holder, has ended with the recording.
+    if let Some(logs) = oom_logs.and_then(|l| Arc::try_unwrap(l).ok()) {
+        let endpoint = logs.endpoint().to_owned();
+        let c = logs.finish();
+        eprintln!(
+            "tracer: OTLP: {} OOM log record(s) sent to {endpoint}, {} dropped, {} failed attempt(s)",
+            c.sent, c.dropped, c.failed
+        );
     }
     let printed = if args.json {
         present::json::line(&present::summary::json(&finished.summary))

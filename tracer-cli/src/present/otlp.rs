@@ -171,6 +171,96 @@ fn histogram_point(
     }
 }
 
+/// One OOM as an OTLP log record (`tracer trace --dump-on-oom` with an OTLP endpoint): severity
+/// ERROR, the event's name `tracer.oom`, its body a sentence, and as attributes the job, rank,
+/// node, pod, pid, device, verdict, the bytes asked and short, and the dump's folder.
+pub fn oom_log_request(
+    r: &crate::record::dump::OomReport,
+    resource: &[(String, String)],
+) -> opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest {
+    use opentelemetry_proto::tonic::{
+        collector::logs::v1::ExportLogsServiceRequest,
+        logs::v1::{LogRecord, ResourceLogs, ScopeLogs, SeverityNumber},
+    };
+    let text = |k: &str, v: &str| KeyValue {
+        key: k.to_owned(),
+        value: Some(AnyValue {
+            value: Some(any_value::Value::StringValue(v.to_owned())),
+        }),
+    };
+    let int = |k: &str, v: i64| KeyValue {
+        key: k.to_owned(),
+        value: Some(AnyValue {
+            value: Some(any_value::Value::IntValue(v)),
+        }),
+    };
+    let mut attributes = vec![
+        text("event.name", "tracer.oom"),
+        text("job", &r.job),
+        int("pid", i64::from(r.pid)),
+        text("dump", &r.dump.display().to_string()),
+    ];
+    let optional = [
+        ("rank", r.rank.clone()),
+        ("node", r.node.clone()),
+        ("pod_uid", r.pod_uid.clone()),
+        ("verdict", r.verdict.clone()),
+    ];
+    attributes.extend(
+        optional
+            .iter()
+            .filter_map(|(k, v)| Some(text(k, v.as_deref()?))),
+    );
+    let numbers = [
+        ("device", r.device.map(i64::from)),
+        ("asked_bytes", r.asked.map(|b| b as i64)),
+        ("shortfall_bytes", r.shortfall.map(|b| b as i64)),
+    ];
+    attributes.extend(numbers.iter().filter_map(|(k, v)| Some(int(k, (*v)?))));
+    let body = format!(
+        "CUDA out of memory in pid {} ({}{}): {}; evidence in {}",
+        r.pid,
+        r.job,
+        r.rank
+            .as_deref()
+            .map_or(String::new(), |k| format!(", rank {k}")),
+        r.verdict.as_deref().unwrap_or("verdict unknown"),
+        r.dump.display()
+    );
+    let record = LogRecord {
+        time_unix_nano: r.ts_ns.max(0) as u64,
+        observed_time_unix_nano: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+        severity_number: SeverityNumber::Error as i32,
+        severity_text: "ERROR".into(),
+        body: Some(AnyValue {
+            value: Some(any_value::Value::StringValue(body)),
+        }),
+        attributes,
+        event_name: "tracer.oom".into(),
+        ..LogRecord::default()
+    };
+    ExportLogsServiceRequest {
+        resource_logs: vec![ResourceLogs {
+            resource: Some(Resource {
+                attributes: resource.iter().map(|(k, v)| text(k, v)).collect(),
+                ..Resource::default()
+            }),
+            scope_logs: vec![ScopeLogs {
+                scope: Some(InstrumentationScope {
+                    name: "tracer".into(),
+                    version: env!("CARGO_PKG_VERSION").into(),
+                    ..InstrumentationScope::default()
+                }),
+                log_records: vec![record],
+                ..ScopeLogs::default()
+            }],
+            ..ResourceLogs::default()
+        }],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

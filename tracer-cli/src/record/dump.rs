@@ -51,6 +51,35 @@ pub struct DumpOnOom {
     /// `--on-oom CMD`: run once each folder is complete, as `--on-warning`'s command runs (the
     /// user who ran sudo or the one named, never root), with the folder in TRACER_DUMP_DIR.
     pub on_oom: Option<OnOom>,
+    /// Where each explained OOM is told beside (the fleet's log records), if anywhere.
+    pub sink: Option<OomSink>,
+}
+
+/// One OOM as the fleet hears of it: who, where, the verdict and its figures, the folder.
+#[derive(Clone, Debug, Serialize)]
+pub struct OomReport {
+    pub pid: u32,
+    pub ts_ns: i64,
+    pub job: String,
+    pub rank: Option<String>,
+    pub node: Option<String>,
+    /// The process's Kubernetes pod (its uid, from its cgroup), where it runs in one.
+    pub pod_uid: Option<String>,
+    pub device: Option<i32>,
+    pub verdict: Option<String>,
+    pub asked: Option<u64>,
+    pub shortfall: Option<u64>,
+    pub dump: PathBuf,
+}
+
+/// Hands each explained OOM on (the command wires it to the OTLP log exporter).
+#[derive(Clone)]
+pub struct OomSink(pub std::sync::Arc<dyn Fn(&OomReport) + Send + Sync>);
+
+impl std::fmt::Debug for OomSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OomSink")
+    }
 }
 
 /// `--on-oom`'s command and whom it runs as.
@@ -78,6 +107,8 @@ pub struct OomStored {
     pub peers: Vec<(u32, Whose)>,
     /// The processes tracer saw of the same user: the only ones a dump may name.
     pub same_user: Vec<u32>,
+    /// Its Kubernetes pod's uid, from its cgroup.
+    pub pod_uid: Option<String>,
 }
 
 /// What the dumps came to, for the session's summary.
@@ -107,6 +138,7 @@ pub struct DumpRoot {
     max: usize,
     render: RenderSnapshot,
     on_oom: Option<OnOom>,
+    sink: Option<OomSink>,
 }
 
 impl DumpRoot {
@@ -139,6 +171,7 @@ impl DumpRoot {
             max: cfg.max.max(1),
             render: cfg.render,
             on_oom: cfg.on_oom.clone(),
+            sink: cfg.sink.clone(),
         })
     }
 
@@ -196,12 +229,15 @@ impl DumpRoot {
         wait_stored(db, session, oom)?;
         let (dump_dir, path) = self.folder(db, session, oom.pid, (uid, gid), oom, None)?;
         let (explained, verdict) = explain_json(db, session, oom, uid)?;
-        if let (Some((device, verdict)), Ok(mut figures)) = (verdict, shared.lock_figures()) {
-            figures.oom_verdict(oom.pid, device, &verdict);
+        if let (Some(v), Ok(mut figures)) = (&verdict, shared.lock_figures()) {
+            figures.oom_verdict(oom.pid, v.device, &v.verdict);
         }
         {
             let _as_user = act_as(Some((uid, gid)));
             write_new(dump_dir.as_fd(), "explain.json", &explained)?;
+        }
+        if let Some(sink) = &self.sink {
+            (sink.0)(&report_of(oom, verdict, &path));
         }
         // The other ranks of its job on this node, at the same instant.
         for (peer, (owner, env)) in &oom.peers {
@@ -310,6 +346,8 @@ impl DumpRoot {
 #[derive(Default)]
 pub struct OomWatch {
     owners: HashMap<u32, Whose>,
+    /// Each process's Kubernetes pod uid, where its cgroup names one.
+    pods: HashMap<u32, String>,
 }
 
 /// A process's user and group, and its kept environment (JSON).
@@ -319,6 +357,9 @@ impl OomWatch {
     pub fn note(&mut self, processes: &[crate::model::ProcessInfo]) {
         for p in processes {
             self.owners.insert(p.pid, (p.owner, p.env.clone()));
+            if let Some(pod) = p.cgroup.as_deref().and_then(crate::traced::pods::pod_of) {
+                self.pods.insert(p.pid, pod.pod_uid);
+            }
         }
     }
 
@@ -361,6 +402,7 @@ impl OomWatch {
                 env,
                 peers,
                 same_user,
+                pod_uid: self.pods.get(&m.pid).cloned(),
             };
             if let Err(TrySendError::Full(_)) = tx.try_send(oom) {
                 shared
@@ -476,8 +518,32 @@ fn layout_json(db: &Path, session: i64, oom: &OomStored, uid: u32) -> Result<Vec
     Ok(serde_json::to_vec_pretty(&value)?)
 }
 
-/// An OOM's device and explain's verdict on it.
-type Verdict = (i32, String);
+/// An OOM's device, explain's verdict on it and its figures.
+struct Verdict {
+    device: i32,
+    verdict: String,
+    asked: Option<u64>,
+    shortfall: Option<u64>,
+}
+
+fn report_of(oom: &OomStored, v: Option<Verdict>, path: &Path) -> OomReport {
+    let env = parse_env(oom.env.as_deref());
+    OomReport {
+        pid: oom.pid,
+        ts_ns: oom.ts_ns,
+        job: job_name(&env),
+        rank: env.get("RANK").cloned(),
+        node: nix::unistd::gethostname()
+            .ok()
+            .map(|h| h.to_string_lossy().into_owned()),
+        pod_uid: oom.pod_uid.clone(),
+        device: v.as_ref().map(|v| v.device),
+        verdict: v.as_ref().map(|v| v.verdict.clone()),
+        asked: v.as_ref().and_then(|v| v.asked),
+        shortfall: v.as_ref().and_then(|v| v.shortfall),
+        dump: path.to_owned(),
+    }
+}
 
 /// Explain's report for the process (as written in its folder), and its OOM's device and
 /// verdict.
@@ -502,10 +568,12 @@ fn explain_json(
     let mut report = serde_json::to_value(&explained.report)?;
     let verdict = report["holders"].as_array().and_then(|h| {
         let h = h.iter().find(|h| h["pid"] == oom.pid)?;
-        Some((
-            h["device"].as_i64()? as i32,
-            h["verdict"].as_str()?.to_owned(),
-        ))
+        Some(Verdict {
+            device: h["device"].as_i64()? as i32,
+            verdict: h["verdict"].as_str()?.to_owned(),
+            asked: h["arithmetic"]["asked"].as_u64(),
+            shortfall: h["arithmetic"]["shortfall"].as_u64(),
+        })
     });
     let mine = |pid: u32| pid == oom.pid || (uid != 0 && oom.same_user.contains(&pid));
     redact_others(&mut report, &mine);

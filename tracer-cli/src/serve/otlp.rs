@@ -301,7 +301,7 @@ fn next(queue: &Queue) -> Option<Bytes> {
 }
 
 async fn send_loop(queue: Arc<Queue>, client: Client, config: OtlpConfig) {
-    let url = config.endpoint.to_string();
+    let (url, signal) = (config.endpoint.to_string(), config.signal);
     let mut failing: Option<(Instant, u64)> = None;
     let mut backoff = BACKOFF_FIRST;
     // The condvar wait blocks this thread: it has nothing else to run meanwhile.
@@ -312,7 +312,7 @@ async fn send_loop(queue: Arc<Queue>, client: Client, config: OtlpConfig) {
                 queue.failing.store(false, Relaxed);
                 if let Some((since, attempts)) = failing.take() {
                     eprintln!(
-                        "tracer: OTLP: the collector at {url} takes metrics again ({attempts} failed attempt(s) over {:.0} s; {} batch(es) dropped so far)",
+                        "tracer: OTLP: the collector at {url} takes {signal} again ({attempts} failed attempt(s) over {:.0} s; {} batch(es) dropped so far)",
                         since.elapsed().as_secs_f64(),
                         queue.dropped.load(Relaxed)
                     );
@@ -324,7 +324,7 @@ async fn send_loop(queue: Arc<Queue>, client: Client, config: OtlpConfig) {
                 queue.dropped.fetch_add(1, Relaxed);
                 if failing.is_none() {
                     eprintln!(
-                        "tracer: OTLP: the collector at {url} refused a batch of metrics ({why}): dropped (counted in tracer_otlp_batches_dropped_total); said once until it takes one"
+                        "tracer: OTLP: the collector at {url} refused a batch of {signal} ({why}): dropped (counted in tracer_otlp_batches_dropped_total); said once until it takes one"
                     );
                     failing = Some((Instant::now(), 0));
                 }
@@ -337,7 +337,7 @@ async fn send_loop(queue: Arc<Queue>, client: Client, config: OtlpConfig) {
                 queue.failing.store(true, Relaxed);
                 if failing.is_none() {
                     eprintln!(
-                        "tracer: OTLP: cannot export metrics to {url} ({why}): retrying with backoff ({} s to {} s); the recording goes on, and past {QUEUE_BATCHES} waiting batches the oldest are dropped (counted in tracer_otlp_batches_dropped_total); said once until it recovers",
+                        "tracer: OTLP: cannot export {signal} to {url} ({why}): retrying with backoff ({} s to {} s); the recording goes on, and past {QUEUE_BATCHES} waiting batches the oldest are dropped (counted in tracer_otlp_batches_dropped_total); said once until it recovers",
                         BACKOFF_FIRST.as_secs(),
                         BACKOFF_MOST.as_secs()
                     );

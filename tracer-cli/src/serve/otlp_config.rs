@@ -28,6 +28,8 @@ pub struct OtlpConfig {
     pub certificate: Option<PathBuf>,
     /// Who sends: service, host, node, pod.
     pub resource: Vec<(String, String)>,
+    /// What it carries ("metrics", "logs"): said in its diagnostics.
+    pub signal: &'static str,
 }
 
 /// The standard variable for metrics, else the general one.
@@ -88,9 +90,38 @@ impl OtlpConfig {
             interval,
             certificate: otel_var(env, "CERTIFICATE").map(|(_, path)| PathBuf::from(path)),
             resource: resource(env),
+            signal: "metrics",
         }))
     }
+
+    /// The same collector for log records (each OOM, with --dump-on-oom): the signal's own
+    /// OTEL_EXPORTER_OTLP_LOGS_ENDPOINT as it is, else the metrics endpoint with `/v1/logs`
+    /// for its `/v1/metrics` (or at its root when it has a path of its own).
+    pub fn for_logs(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<OtlpConfig> {
+        let endpoint = match env("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT").filter(|v| !v.is_empty()) {
+            Some(url) => parse_url(&url, "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")?,
+            None => {
+                let metrics = self.endpoint.to_string();
+                let base = match metrics.strip_suffix(METRICS_PATH) {
+                    Some(base) => base.to_owned(),
+                    None => format!(
+                        "{}://{}",
+                        self.endpoint.scheme_str().unwrap_or("http"),
+                        self.endpoint.authority().map_or("", |a| a.as_str())
+                    ),
+                };
+                parse_url(&format!("{base}{LOGS_PATH}"), "the OTLP endpoint")?
+            }
+        };
+        Ok(OtlpConfig {
+            endpoint,
+            signal: "logs",
+            ..self.clone()
+        })
+    }
 }
+
+const LOGS_PATH: &str = "/v1/logs";
 
 fn parse_url(url: &str, from: &str) -> Result<hyper::Uri> {
     let uri: hyper::Uri = url.parse().map_err(|e| {
@@ -223,6 +254,29 @@ mod tests {
                 .find(|(k, _)| *k == name)
                 .map(|(_, v)| v.to_string())
         }
+    }
+
+    #[test]
+    fn the_logs_go_to_the_logs_path_of_the_same_collector_unless_their_own_is_set() {
+        let none = env_of(&[]);
+        let c = OtlpConfig::read(Some("http://collector:4318"), None, &none)
+            .unwrap()
+            .unwrap();
+        let logs = c.for_logs(&none).unwrap();
+        assert_eq!(logs.endpoint.to_string(), "http://collector:4318/v1/logs");
+        assert_eq!((logs.signal, c.signal), ("logs", "metrics"));
+        let own = OtlpConfig::read(Some("http://collector:4318/custom"), None, &none)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            own.for_logs(&none).unwrap().endpoint.to_string(),
+            "http://collector:4318/v1/logs"
+        );
+        let vars = [("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", "http://logs:9000/in")];
+        assert_eq!(
+            c.for_logs(&env_of(&vars)).unwrap().endpoint.to_string(),
+            "http://logs:9000/in"
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `tracer trace`: record every call into the database, show a live table, and flush
 //! everything on Ctrl-C, SIGTERM, --duration, or when the traced processes are gone.
 
-use std::{io::IsTerminal as _, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+use std::{io::IsTerminal as _, net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Result;
 use clap::Args;
@@ -16,162 +16,26 @@ use tracer_cli::{
         signals, RecordOptions, Recording, RecordingStatus, Stop,
     },
     serve::{
-        metrics::{self as endpoint, MetricsServer},
+        metrics::MetricsServer,
         otlp::{OtlpConfig, OtlpPusher},
     },
     traced::pods::{KubeSource, PodDirectory},
-    units::{parse_duration, parse_size},
 };
-use tracer_common::maps::DEFAULT_RING_BYTES;
+
+mod args;
+pub use args::{ArmingArgs, EvidenceArgs, RecordingArgs, ServingArgs};
 
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("exported").multiple(true).args(["metrics", "otlp_endpoint"])))]
 pub struct TraceArgs {
-    /// Trace only this process (repeatable). Default: every process using a CUDA library.
-    #[arg(long = "pid", value_name = "PID")]
-    pub pids: Vec<u32>,
-    /// Probe this library or executable (repeatable); replaces discovery.
-    #[arg(long = "lib", value_name = "PATH")]
-    pub libs: Vec<PathBuf>,
-    /// Stop after this long (e.g. 300s, 5m). Default: until Ctrl-C or SIGTERM.
-    #[arg(long, value_parser = parse_duration)]
-    pub duration: Option<Duration>,
     #[command(flatten)]
-    pub db: super::db::DbArgs,
-    /// Bound the database size (e.g. 2GiB): the oldest sessions are deleted first.
-    #[arg(long, value_parser = parse_size)]
-    pub max_db: Option<u64>,
-    /// Ring buffer size (a power of two, at least 4KiB).
-    #[arg(long, value_parser = parse_size, default_value_t = DEFAULT_RING_BYTES as u64)]
-    pub ring_size: u64,
-    /// No live table on stderr (the summary is still printed).
-    #[arg(long)]
-    pub quiet: bool,
-    /// Record each call's call site: the native user stack and, in CPython 3.10-3.13
-    /// processes, the Python frames of the calling thread (see `tracer stacks`).
-    #[arg(long)]
-    pub stack: bool,
-    /// Machine-readable stdout: one JSON line when recording starts (`"event":"started"`, with
-    /// the session id) and one at the end (`"event":"summary"`) instead of the text summary.
-    #[arg(long)]
-    pub json: bool,
-    /// Also measure tracer's own programs (kernel BPF statistics, a few tens of ns a call more
-    /// while on): their runs and run time go into the summary.
-    #[arg(long)]
-    pub program_stats: bool,
-    /// Run this shell command when a traced process's allocator reaches the state in which its
-    /// next request fails (the early warning), e.g. to checkpoint. It runs as the user who ran
-    /// sudo (never as root), with TRACER_PID, TRACER_DEVICE, TRACER_REQUEST_BYTES,
-    /// TRACER_LARGEST_FREE_BYTES, TRACER_DEVICE_FREE_BYTES, ... in its environment; its exit
-    /// status goes into the session's notes.
-    #[arg(long, value_name = "CMD")]
-    pub on_warning: Option<String>,
-    /// The user --on-warning's command runs as (default: the one who ran sudo).
-    #[arg(long, value_name = "USER", requires = "on_warning")]
-    pub on_warning_user: Option<String>,
-    /// At most one run per process in this long.
-    #[arg(long, value_parser = parse_duration, default_value = "60s", requires = "on_warning")]
-    pub on_warning_interval: Duration,
-    /// Kill a run still going after this long.
-    #[arg(long, value_parser = parse_duration, default_value = "30s", requires = "on_warning")]
-    pub on_warning_timeout: Duration,
-    /// At each out-of-memory PyTorch raises in a traced process, write its evidence in
-    /// DIR/<uid>/<job>/<time>-rank<R>-pid<P>/: PyTorch's memory snapshot at the OOM
-    /// (snapshot.pickle, read by PyTorch's _memory_viz.py and memory_viz), the layout then
-    /// (layout.json) and explain's answer (explain.json). Folders are made as the process's
-    /// user, mode 0700, never through a link; DIR must be no link, owned by root or you, and
-    /// sticky where others may write in it (as /tmp is).
-    #[arg(long, value_name = "DIR")]
-    pub dump_on_oom: Option<PathBuf>,
-    /// Keep at most this many --dump-on-oom folders per user (the oldest removed first).
-    #[arg(long, value_name = "N", default_value_t = 50, requires = "dump_on_oom")]
-    pub dump_max: usize,
-    /// Run this shell command once each --dump-on-oom folder is complete (upload it, page
-    /// someone), as --on-warning's runs (the user who ran sudo, or --on-oom-user; never root),
-    /// with TRACER_DUMP_DIR, TRACER_PID, TRACER_JOB, TRACER_RANK in its environment.
-    #[arg(long, value_name = "CMD", requires = "dump_on_oom")]
-    pub on_oom: Option<String>,
-    /// The user --on-oom's command runs as (default: the one who ran sudo).
-    #[arg(long, value_name = "USER", requires = "on_oom")]
-    pub on_oom_user: Option<String>,
-    /// Kill an --on-oom run still going after this long.
-    #[arg(long, value_parser = parse_duration, default_value = "60s", requires = "on_oom")]
-    pub on_oom_timeout: Duration,
-    /// NVIDIA's management library, asked at the start and at each out-of-memory which
-    /// processes hold each GPU (those that allocated before the trace too): `off`, or a file
-    /// (then required). Default: the system's libnvidia-ml.so.1 where the loader finds it.
-    #[arg(long, value_name = "PATH|off")]
-    pub nvml: Option<String>,
-    /// Serve Prometheus metrics on this address: PORT (127.0.0.1:PORT), IP:PORT or
-    /// [IPv6]:PORT. Read-only, no authentication: anything but loopback needs a firewall or a
-    /// NetworkPolicy. Paths: /metrics, /healthz, /readyz.
-    #[arg(long, value_name = "ADDR", value_parser = endpoint::parse_addr)]
-    pub metrics: Option<SocketAddr>,
-    /// Push the same metrics to an OpenTelemetry collector over OTLP/HTTP (protobuf), e.g.
-    /// http://otel-collector:4318 (`/v1/metrics` is added to a URL without a path); https
-    /// with the system's CA certificates. Default: the standard OTEL_EXPORTER_OTLP_ENDPOINT or
-    /// OTEL_EXPORTER_OTLP_METRICS_ENDPOINT when set (`off`: not even then); their HEADERS,
-    /// TIMEOUT, PROTOCOL and CERTIFICATE variables and OTEL_RESOURCE_ATTRIBUTES apply.
-    #[arg(long, value_name = "URL|off")]
-    pub otlp_endpoint: Option<String>,
-    /// How often metrics are pushed over OTLP (default: OTEL_METRIC_EXPORT_INTERVAL, else 60s).
-    #[arg(long, value_parser = parse_duration)]
-    pub otlp_interval: Option<Duration>,
-    /// Connections the metrics endpoint serves at once; more are closed at once, unread.
-    #[arg(long, value_name = "N", default_value_t = endpoint::DEFAULT_MAX_CONNECTIONS, requires = "metrics")]
-    pub metrics_max_connections: usize,
-    /// How long an ended process's series stay (so its last figures are scraped or pushed).
-    #[arg(long, value_parser = parse_duration, default_value = "5m", requires = "exported")]
-    pub metrics_grace: Duration,
-    /// Pod names for the series: `auto` (from the Kubernetes API with the pod's service
-    /// account, when running in a cluster), `off`, or a kubeconfig file's path.
-    #[arg(
-        long,
-        value_name = "auto|off|KUBECONFIG",
-        default_value = "auto",
-        requires = "exported"
-    )]
-    pub kubernetes: String,
-    /// If tracing cannot start (no BPF, no uprobes), keep serving --metrics, unready, saying
-    /// why, until stopped, instead of exiting (a DaemonSet's pod then stays up, not
-    /// crash-looping). The exit status is still the error's.
-    #[arg(long, requires = "metrics")]
-    pub keep_serving: bool,
-    /// PyTorch's allocator probes (a trap at each tensor allocation and free): `always`, in
-    /// every process from the start; `auto`, armed per process while memory is tight (its
-    /// device memory past --arm-share of the GPU, a device allocation after --arm-warmup, a
-    /// failed allocation, PyTorch's out-of-memory error, or SIGUSR1 to tracer) and disarmed
-    /// after --arm-quiet without one (SIGUSR2 ends SIGUSR1's asking); `off`, never. The CUDA
-    /// calls and PyTorch's out-of-memory message are traced in every mode.
-    #[arg(long, value_enum, default_value = "always")]
-    pub allocator: AllocatorMode,
-    /// `--allocator auto`: arm when a process holds this share of a GPU (0-1); the pressure
-    /// lasts until it holds 0.1 less.
-    #[arg(long, value_name = "SHARE", default_value_t = 0.85, value_parser = parse_share)]
-    pub arm_share: f64,
-    /// `--allocator auto`: device allocations this long after a process's first are cache
-    /// misses, which arm.
-    #[arg(long, value_parser = parse_duration, default_value = "60s")]
-    pub arm_warmup: Duration,
-    /// `--allocator auto`: disarm after this long without a trigger...
-    #[arg(long, value_parser = parse_duration, default_value = "60s")]
-    pub arm_quiet: Duration,
-    /// ...and never before this long armed.
-    #[arg(long, value_parser = parse_duration, default_value = "30s")]
-    pub arm_min: Duration,
-    /// Benchmark floor: the same probes with empty programs; counts calls, stores nothing.
-    #[arg(long, hide = true)]
-    pub floor: bool,
-    /// Benchmark floor that also reads the clock at entry and return, as timing a call needs.
-    #[arg(long, hide = true, conflicts_with = "floor")]
-    pub floor_clock: bool,
-    /// Benchmark: no keyframes (what they cost is measured against this; --max-db then cannot
-    /// evict the current session's calls).
-    #[arg(long, hide = true, conflicts_with = "max_db")]
-    pub no_keyframes: bool,
-    /// Benchmark: no scheduler programs (what host context costs is measured against this).
-    #[arg(long, hide = true)]
-    pub no_host_context: bool,
+    pub recording: RecordingArgs,
+    #[command(flatten, next_help_heading = "Serving (metrics, OTLP, pods)")]
+    pub serving: ServingArgs,
+    #[command(flatten, next_help_heading = "PyTorch's allocator probes")]
+    pub arming: ArmingArgs,
+    #[command(flatten, next_help_heading = "Early warnings and OOM evidence")]
+    pub evidence: EvidenceArgs,
 }
 
 /// `--allocator`'s values.
@@ -205,11 +69,11 @@ fn parse_share(text: &str) -> Result<f64, String> {
 fn arming_settings(args: &TraceArgs) -> Settings {
     let ns = |d: Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
     Settings {
-        arm_share: args.arm_share,
-        hold_share: (args.arm_share - 0.1).max(0.0),
-        warmup_ns: ns(args.arm_warmup),
-        quiet_ns: ns(args.arm_quiet),
-        min_armed_ns: ns(args.arm_min),
+        arm_share: args.arming.arm_share,
+        hold_share: (args.arming.arm_share - 0.1).max(0.0),
+        warmup_ns: ns(args.arming.arm_warmup),
+        quiet_ns: ns(args.arming.arm_quiet),
+        min_armed_ns: ns(args.arming.arm_min),
     }
 }
 
@@ -218,61 +82,63 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let (stop_tx, stops) = std::sync::mpsc::channel();
     signals::stop_on_signals(stop_tx)?;
     let who = paths::invoker();
-    let db = args.db.path_for(&who)?;
-    let on_warning = match &args.on_warning {
+    let db = args.recording.db.path_for(&who)?;
+    let on_warning = match &args.evidence.on_warning {
         Some(command) => Some(OnWarning {
             command: command.clone(),
-            user: OnWarning::resolve_user(args.on_warning_user.as_deref(), who.owner)
+            user: OnWarning::resolve_user(args.evidence.on_warning_user.as_deref(), who.owner)
                 .map_err(|e| user_error(format!("{e:#}")))?,
-            interval: args.on_warning_interval,
-            timeout: args.on_warning_timeout,
+            interval: args.evidence.on_warning_interval,
+            timeout: args.evidence.on_warning_timeout,
         }),
         None => None,
     };
-    let otlp = OtlpConfig::read(args.otlp_endpoint.as_deref(), args.otlp_interval, &|name| {
-        std::env::var(name).ok()
-    })?;
+    let otlp = OtlpConfig::read(
+        args.serving.otlp_endpoint.as_deref(),
+        args.serving.otlp_interval,
+        &|name| std::env::var(name).ok(),
+    )?;
     // Each OOM also as a log record, to the same collector (with --dump-on-oom).
-    let oom_logs = match (&otlp, &args.dump_on_oom) {
+    let oom_logs = match (&otlp, &args.evidence.dump_on_oom) {
         (Some(config), Some(_)) => Some(Arc::new(OtlpPusher::start(
             config.for_logs(&|name| std::env::var(name).ok())?,
         )?)),
         _ => None,
     };
-    let exporter = if args.metrics.is_some() || otlp.is_some() {
-        Some(Exporter::start(args.metrics, otlp, &args)?)
+    let exporter = if args.serving.metrics.is_some() || otlp.is_some() {
+        Some(Exporter::start(args.serving.metrics, otlp, &args)?)
     } else {
         None
     };
     let started = Recording::start(RecordOptions {
-        pids: args.pids.clone(),
-        libs: args.libs.clone(),
+        pids: args.recording.pids.clone(),
+        libs: args.recording.libs.clone(),
         db,
-        max_db: args.max_db,
-        ring_bytes: args.ring_size,
-        stack: args.stack,
-        floor: if args.floor_clock {
+        max_db: args.recording.max_db,
+        ring_bytes: args.recording.ring_size,
+        stack: args.recording.stack,
+        floor: if args.recording.floor_clock {
             2
         } else {
-            u32::from(args.floor)
+            u32::from(args.recording.floor)
         },
-        program_stats: args.program_stats,
-        no_keyframes: args.no_keyframes,
-        no_host_context: args.no_host_context,
-        nvml: match args.nvml.as_deref() {
+        program_stats: args.recording.program_stats,
+        no_keyframes: args.recording.no_keyframes,
+        no_host_context: args.recording.no_host_context,
+        nvml: match args.recording.nvml.as_deref() {
             Some("off") => None,
             Some(path) => Some(path.to_owned()),
             None => Some("libnvidia-ml.so.1".to_owned()),
         },
-        nvml_required: args.nvml.as_deref().is_some_and(|p| p != "off"),
-        allocator: args.allocator.into(),
+        nvml_required: args.recording.nvml.as_deref().is_some_and(|p| p != "off"),
+        allocator: args.arming.allocator.into(),
         arming: arming_settings(&args),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         on_warning,
-        dump_on_oom: match &args.dump_on_oom {
+        dump_on_oom: match &args.evidence.dump_on_oom {
             Some(dir) => Some(DumpOnOom {
                 dir: dir.clone(),
-                max: args.dump_max,
+                max: args.evidence.dump_max,
                 render: |out, export| tracer_cli::present::pytorch_snapshot::write(out, export),
                 on_oom: on_oom(&args, &who)?,
                 sink: oom_logs.clone().map(|logs| {
@@ -287,19 +153,19 @@ pub fn run(args: TraceArgs) -> Result<()> {
         },
         figures_grace: if exporter.is_some() {
             // Zero means "no figures kept at all"; exported, the least is "gone at once".
-            args.metrics_grace.max(Duration::from_nanos(1))
+            args.serving.metrics_grace.max(Duration::from_nanos(1))
         } else {
             Duration::ZERO
         },
     });
     let mut recording = match (started, &exporter) {
         (Ok(recording), _) => recording,
-        (Err(e), Some(exporter)) if args.keep_serving => {
+        (Err(e), Some(exporter)) if args.serving.keep_serving => {
             return Err(exporter.not_tracing(e, &stops));
         }
         (Err(e), _) => return Err(e),
     };
-    if args.json {
+    if args.recording.json {
         let mut started = serde_json::to_value(recording.started())?;
         started["event"] = "started".into();
         if let Some(server) = exporter.as_ref().and_then(|e| e.server.as_ref()) {
@@ -313,11 +179,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
     }
     let mut view = live::LiveView::new(std::io::stderr().is_terminal());
     let session = recording.started().session;
-    let outcome = recording.run(&stops, args.duration, |snapshot| {
+    let outcome = recording.run(&stops, args.recording.duration, |snapshot| {
         if let Some(exporter) = &exporter {
             exporter.publish(snapshot, session);
         }
-        if !args.quiet {
+        if !args.recording.quiet {
             view.draw(&live::Status {
                 elapsed: snapshot.elapsed,
                 libraries: snapshot.libraries,
@@ -341,7 +207,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
             c.sent, c.dropped, c.failed
         );
     }
-    let printed = if args.json {
+    let printed = if args.recording.json {
         present::json::line(&present::summary::json(&finished.summary))
     } else {
         present::summary::text(&mut std::io::stdout().lock(), &finished.summary)
@@ -384,12 +250,12 @@ impl Exporter {
     ) -> Result<Exporter> {
         let server = match addr {
             Some(addr) => {
-                let server = MetricsServer::start(addr, args.metrics_max_connections)
+                let server = MetricsServer::start(addr, args.serving.metrics_max_connections)
                     .map_err(|e| user_error(format!("{e:#}: pick another --metrics address")))?;
                 eprintln!(
                     "tracer: metrics on http://{}/metrics (no authentication; at most {} connections)",
                     server.local_addr(),
-                    args.metrics_max_connections
+                    args.serving.metrics_max_connections
                 );
                 Some(server)
             }
@@ -407,7 +273,7 @@ impl Exporter {
             }
             None => None,
         };
-        let source = match args.kubernetes.as_str() {
+        let source = match args.serving.kubernetes.as_str() {
             "auto" => KubeSource::InCluster,
             "off" => KubeSource::Off,
             path => KubeSource::Kubeconfig(path.into()),
@@ -518,14 +384,14 @@ impl Exporter {
 
 /// `--on-oom`'s command and whom it runs as (the rule `--on-warning` follows).
 fn on_oom(args: &TraceArgs, who: &tracer_cli::paths::Invoker) -> Result<Option<OnOom>> {
-    let Some(command) = &args.on_oom else {
+    let Some(command) = &args.evidence.on_oom else {
         return Ok(None);
     };
-    let user = OnWarning::resolve_user(args.on_oom_user.as_deref(), who.owner)
+    let user = OnWarning::resolve_user(args.evidence.on_oom_user.as_deref(), who.owner)
         .map_err(|e| user_error(format!("{e:#}").replace("--on-warning", "--on-oom")))?;
     Ok(Some(OnOom {
         command: command.clone(),
         user,
-        timeout: args.on_oom_timeout,
+        timeout: args.evidence.on_oom_timeout,
     }))
 }

@@ -493,11 +493,13 @@ fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
         .unwrap();
     // The snapshot: PyTorch's tool reads it, and it is tracer's export at the OOM.
     let snapshot = newest.join("snapshot.pickle");
-    for action in ["stats", "trace"] {
-        assert!(
-            !memory_viz("2.11.0", action, &snapshot).is_empty(),
-            "{action}"
-        );
+    for version in ["2.11.0", "2.15.0"] {
+        for action in ["stats", "trace"] {
+            assert!(
+                !memory_viz(version, action, &snapshot).is_empty(),
+                "{version} {action}"
+            );
+        }
     }
     let exported = top.path().join("exported.pickle");
     export_snapshot(
@@ -512,6 +514,27 @@ fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
     let layout: Value =
         serde_json::from_slice(&std::fs::read(newest.join("layout.json")).unwrap()).unwrap();
     assert_eq!(layout[0]["pid"], pid, "{layout:#}");
+    // Imported back, the snapshot is the layout the folder holds.
+    let back = top.path().join("back.db");
+    let imported = Command::new(TRACER)
+        .args(["import", "--snapshot"])
+        .arg(&snapshot)
+        .arg("--db")
+        .arg(&back)
+        .output()
+        .unwrap();
+    assert!(
+        imported.status.success(),
+        "{}",
+        String::from_utf8_lossy(&imported.stderr)
+    );
+    let relaid = tracer_json(&back, &["layout", "--json"]);
+    for key in ["allocated", "reserved", "free_blocks", "largest_free"] {
+        assert_eq!(
+            relaid[0]["devices"][0]["total"][key], layout[0]["devices"][0]["total"][key],
+            "{key}"
+        );
+    }
     let explained: Value =
         serde_json::from_slice(&std::fs::read(newest.join("explain.json")).unwrap()).unwrap();
     assert!(

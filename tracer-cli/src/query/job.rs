@@ -135,10 +135,26 @@ fn read_one(dir: &Path) -> Option<RankDump> {
     })
 }
 
+/// The job of a process no run id or rendezvous named (torchrun's defaults): a job of its
+/// own, never matched with another node's.
+const NO_JOB: &str = "no-job";
+
+/// What ties a folder to its job: the job's name, or for "no-job" the process itself.
+fn job_key(d: &RankDump) -> String {
+    if d.job == NO_JOB {
+        let node = d.node.as_deref().unwrap_or("?");
+        // A peer is never dumped for "no-job": the OOM's own pid names it.
+        format!("{NO_JOB} (pid {} on {node})", d.pid)
+    } else {
+        d.job.clone()
+    }
+}
+
 /// The answer for each job among `dumps`.
 pub fn answer(dumps: Vec<RankDump>) -> Vec<JobAnswer> {
     let mut jobs: Vec<JobAnswer> = Vec::new();
-    for d in dumps {
+    for mut d in dumps {
+        d.job = job_key(&d);
         match jobs.iter_mut().find(|j| j.job == d.job) {
             Some(j) => j.ranks.push(d),
             None => jobs.push(JobAnswer {
@@ -219,4 +235,53 @@ fn shape(ranks: &[RankDump], ooms: &[usize]) -> Shape {
         };
     }
     Shape::Different
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dump(job: &str, rank: &str, node: &str, pid: u32, ts_ns: i64, asked: u64) -> RankDump {
+        RankDump {
+            path: PathBuf::from(format!("/d/{pid}")),
+            job: job.into(),
+            rank: Some(rank.into()),
+            node: Some(node.into()),
+            pid,
+            role: "oom".into(),
+            ts_ns,
+            verdict: Some("this_process".into()),
+            asked: Some(asked),
+            shortfall: Some(1),
+            reserved: Some(asked * 4),
+        }
+    }
+
+    #[test]
+    fn two_single_node_jobs_with_torchruns_defaults_are_two_jobs() {
+        // Both ran with run id "none" at 127.0.0.1:29500: each is "no-job" on its node.
+        let jobs = answer(vec![
+            dump(NO_JOB, "0", "node-a", 10, 1, 64 << 20),
+            dump(NO_JOB, "0", "node-b", 10, 2, 64 << 20),
+        ]);
+        assert_eq!(jobs.len(), 2, "{jobs:#?}");
+        assert!(jobs.iter().all(|j| matches!(j.shape, Shape::Alone)));
+        assert_ne!(jobs[0].job, jobs[1].job);
+    }
+
+    #[test]
+    fn ranks_that_died_at_the_same_request_are_the_jobs_shape() {
+        let jobs = answer(vec![
+            dump("run-x", "1", "node-b", 20, 5, 96 << 20),
+            dump("run-x", "0", "node-a", 10, 3, 96 << 20),
+        ]);
+        let j = &jobs[0];
+        assert!(
+            matches!(j.shape, Shape::SameRequest { ranks: 2, .. }),
+            "{j:#?}"
+        );
+        assert_eq!(j.ranks[j.first.unwrap()].rank.as_deref(), Some("0"));
+        assert_eq!(j.followed, vec![(1, 2)]);
+        assert_eq!(j.nodes, ["node-a", "node-b"]);
+    }
 }

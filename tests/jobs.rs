@@ -220,3 +220,46 @@ fn a_job_across_two_nodes_is_answered_as_one() {
     assert!(text.contains("rank 0 on node-a stood out"), "{text}");
     assert!(text.contains("clocks' offset"), "{text}");
 }
+
+/// Per-rank PyTorch snapshots gathered as torchtitan writes them
+/// (`iteration_N_exit/rankK_memory_snapshot.pickle`): two ranks that ran out at the same request
+/// (the H200's real OOM snapshot) and one that did not, answered as one job.
+#[test]
+fn per_rank_pytorch_snapshots_are_answered_as_one_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let exit = dir.path().join("iteration_40_exit");
+    std::fs::create_dir(&exit).unwrap();
+    let shared = workspace().join("../shared/snapshots");
+    let oom = shared.join("h200-torch2.11-gpt2-expandable-oom.pickle.gz");
+    for r in ["0", "1"] {
+        std::fs::copy(
+            &oom,
+            exit.join(format!("rank{r}_memory_snapshot.pickle.gz")),
+        )
+        .unwrap();
+    }
+    std::fs::copy(
+        shared.join("kkaitlyn111-cs336-a2-systems-c1272e18-memory_ctx128_fullstep_.pickle"),
+        exit.join("rank2_memory_snapshot.pickle"),
+    )
+    .unwrap();
+    let jobs = tracer_json(
+        &dir.path().join("unused.db"),
+        &["explain", "--json", "--dumps", dir.path().to_str().unwrap()],
+    );
+    let job = &jobs[0];
+    assert_eq!(job["job"], "snapshots-iteration_40_exit", "{job:#}");
+    assert_eq!(job["ranks"].as_array().unwrap().len(), 3, "{job:#}");
+    assert_eq!(job["shape"]["kind"], "same_request", "{job:#}");
+    assert_eq!(job["shape"]["ranks"], 2, "{job:#}");
+    // The request the snapshot's own oom entry names (1.51 GiB, the same in both ranks).
+    assert_eq!(job["shape"]["asked"], 1_621_350_154u64, "{job:#}");
+    let peer = job["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["rank"] == "2")
+        .unwrap();
+    assert_eq!(peer["role"], "peer", "{job:#}");
+    assert!(peer["ts_ns"].as_i64().unwrap() > 0, "{job:#}");
+}

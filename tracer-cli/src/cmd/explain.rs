@@ -95,7 +95,12 @@ pub fn run(args: ExplainArgs) -> Result<()> {
 
 /// `--dumps DIR`: each job's answer from its ranks' folders.
 fn job_answer(dir: &std::path::Path, json: bool) -> Result<()> {
-    let jobs = tracer_cli::query::job::answer(tracer_cli::query::job::read_dumps(dir)?);
+    use tracer_cli::query::job;
+    let mut dumps = job::read_dumps(dir)?;
+    for (file, rank) in job::rank_snapshots(dir)? {
+        dumps.push(snapshot_rank(&file, rank)?);
+    }
+    let jobs = job::answer(dumps);
     if json {
         return present::json::document(&jobs);
     }
@@ -103,4 +108,46 @@ fn job_answer(dir: &std::path::Path, json: bool) -> Result<()> {
     present::job::text(&mut out, &jobs)?;
     out.flush()?;
     Ok(())
+}
+
+/// A rank's own PyTorch snapshot (torchtitan's, any `_dump_snapshot()`), imported into a
+/// scratch database and explained there: its row beside the dump folders'.
+fn snapshot_rank(file: &std::path::Path, rank: String) -> Result<tracer_cli::query::job::RankDump> {
+    use anyhow::Context as _;
+    use tracer_cli::record::memory_snapshot;
+    let scratch = tempfile::tempdir().context("make a scratch folder for a rank's snapshot")?;
+    let db = scratch.path().join("rank.db");
+    let snap = memory_snapshot::read_snapshot(file)?;
+    memory_snapshot::import_snapshot(file, &snap, &db)?;
+    let explained = explain::explain(
+        &db,
+        &ExplainQuery {
+            session: None,
+            since: None,
+            from: None,
+            to: None,
+            pid: None,
+            skip_frames: Vec::new(),
+        },
+    )?;
+    let report = serde_json::to_value(&explained.report)?;
+    let (_, layouts) = tracer_cli::query::layout::layout(
+        &db,
+        &tracer_cli::query::layout::LayoutQuery {
+            session: None,
+            pid: None,
+            device: None,
+            at: tracer_cli::query::layout::At::End,
+        },
+    )?;
+    let layout = serde_json::to_value(&layouts)?;
+    let last_ns = report["window"]["to_ns"].as_i64().unwrap_or(0);
+    Ok(tracer_cli::query::job::snapshot_rank(
+        file,
+        rank,
+        memory_snapshot::SNAPSHOT_PID,
+        &report,
+        &layout,
+        last_ns,
+    ))
 }

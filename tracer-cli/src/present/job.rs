@@ -30,13 +30,15 @@ fn rank_of(r: &RankDump) -> String {
 
 fn job(out: &mut impl Write, j: &JobAnswer) -> Result<()> {
     let ooms = j.ranks.iter().filter(|r| r.role == "oom").count();
+    let nodes = match j.nodes.len() {
+        0 => "no node named (PyTorch's snapshots name none)".to_owned(),
+        n => format!("{n} node(s) ({})", j.nodes.join(", ")),
+    };
     writeln!(
         out,
-        "Job {}: {} folder(s) from {} node(s) ({}), {ooms} out-of-memory",
+        "Job {}: {} folder(s) from {nodes}, {ooms} out-of-memory",
         j.job,
         j.ranks.len(),
-        j.nodes.len(),
-        j.nodes.join(", ")
     )?;
     if let Some(first) = j.first {
         let r = &j.ranks[first];

@@ -95,6 +95,103 @@ fn walk(dir: &Path, depth: usize, found: &mut Vec<PathBuf>) -> std::io::Result<(
     Ok(())
 }
 
+/// Per-rank PyTorch memory snapshots below `dir` (torchtitan's `rankK_memory_snapshot.pickle`,
+/// any `_dump_snapshot()` output whose name says `rank<K>`), with their rank; dump folders' own
+/// snapshots are theirs, not listed.
+pub fn rank_snapshots(dir: &Path) -> Result<Vec<(PathBuf, String)>> {
+    let mut found = Vec::new();
+    snapshots_in(dir, DEPTH, &mut found)
+        .with_context(|| format!("look for rank snapshots under {}", dir.display()))?;
+    found.sort();
+    Ok(found)
+}
+
+fn snapshots_in(
+    dir: &Path,
+    depth: usize,
+    found: &mut Vec<(PathBuf, String)>,
+) -> std::io::Result<()> {
+    if dir.join("dump.json").is_file() {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let kind = entry.file_type()?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if kind.is_dir() && depth > 0 {
+            snapshots_in(&entry.path(), depth - 1, found)?;
+        } else if kind.is_file() && (name.ends_with(".pickle") || name.ends_with(".pickle.gz")) {
+            if let Some(rank) = rank_in(&name) {
+                found.push((entry.path(), rank));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The rank a file's name says: the digits after "rank".
+fn rank_in(name: &str) -> Option<String> {
+    let at = name.find("rank")? + 4;
+    let digits: String = name[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    (!digits.is_empty()).then_some(digits)
+}
+
+/// A rank's snapshot as a row: imported and explained (by the caller) into `explained` and
+/// `layout`; its job is the folder it lies in (torchtitan's `iteration_N_exit`).
+pub fn snapshot_rank(
+    file: &Path,
+    rank: String,
+    pid: u32,
+    explained: &Value,
+    layout: &Value,
+    last_ns: i64,
+) -> RankDump {
+    let holder = explained["holders"]
+        .as_array()
+        .and_then(|h| h.first())
+        .cloned();
+    let reserved = layout.as_array().and_then(|l| {
+        let devices = l.first()?["devices"].as_array()?.clone();
+        Some(
+            devices
+                .iter()
+                .filter_map(|d| d["total"]["reserved"].as_u64())
+                .sum(),
+        )
+    });
+    let job = file
+        .parent()
+        .and_then(|p| p.file_name())
+        .map_or("snapshots".into(), |n| {
+            format!("snapshots-{}", n.to_string_lossy())
+        });
+    RankDump {
+        path: file.to_owned(),
+        job,
+        rank: Some(rank),
+        node: None,
+        pid,
+        role: if holder.is_some() { "oom" } else { "peer" }.into(),
+        ts_ns: holder
+            .as_ref()
+            .and_then(|h| h["at_ns"].as_i64())
+            .unwrap_or(last_ns),
+        verdict: holder
+            .as_ref()
+            .and_then(|h| h["verdict"].as_str().map(str::to_owned)),
+        asked: holder
+            .as_ref()
+            .and_then(|h| h["arithmetic"]["asked"].as_u64()),
+        shortfall: holder
+            .as_ref()
+            .and_then(|h| h["arithmetic"]["shortfall"].as_u64()),
+        reserved,
+    }
+}
+
 fn json(path: &Path) -> Option<Value> {
     serde_json::from_slice(&std::fs::read(path).ok()?).ok()
 }
@@ -255,6 +352,17 @@ mod tests {
             shortfall: Some(1),
             reserved: Some(asked * 4),
         }
+    }
+
+    #[test]
+    fn a_snapshots_rank_is_in_its_name() {
+        assert_eq!(
+            rank_in("rank13_memory_snapshot.pickle").as_deref(),
+            Some("13")
+        );
+        assert_eq!(rank_in("snap-rank2.pickle.gz").as_deref(), Some("2"));
+        assert_eq!(rank_in("memory_snapshot.pickle"), None);
+        assert_eq!(rank_in("ranking.pickle"), None);
     }
 
     #[test]

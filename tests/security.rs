@@ -552,7 +552,11 @@ fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
     let open = top.path().join("open");
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-    for bad in [&link, &open] {
+    // A link above DIR redirects it as well as one at it.
+    let above = top.path().join("above");
+    std::os::unix::fs::symlink(top.path(), &above).unwrap();
+    let through = above.join("dumps");
+    for bad in [&link, &open, &through] {
         let out = Command::new(TRACER)
             .args(["trace", "--duration", "1s", "--db"])
             .arg(top.path().join("refused.db"))

@@ -151,25 +151,53 @@ impl DumpRoot {
     pub fn open(cfg: &DumpOnOom, invoker: Option<(u32, u32)>) -> Result<DumpRoot> {
         let refuse = |why: String| {
             crate::exit::user_error(format!(
-                "--dump-on-oom {}: {why}: give a folder that is no link, owned by root or you, and not writable by others unless sticky (as /tmp is)",
+                "--dump-on-oom {}: {why}: give a folder reached through no link, it and every folder above it owned by root or you and not writable by others unless sticky (as /tmp is)",
                 cfg.dir.display()
             ))
         };
-        let dir = nix::fcntl::open(
-            &cfg.dir,
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        let absolute = std::path::absolute(&cfg.dir)
+            .map_err(|e| refuse(format!("cannot make it absolute ({e})")))?;
+        // Every component from / opened through the one above without following a link, and
+        // each one such that no other user could have swapped what lies below it.
+        let mut dir = nix::fcntl::open(
+            "/",
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
             Mode::empty(),
         )
-        .map_err(|e| refuse(format!("cannot open it ({e})")))?;
-        let st = fstat(&dir).map_err(|e| refuse(format!("cannot read it ({e})")))?;
-        let owner_ok = st.st_uid == 0 || invoker.is_some_and(|(uid, _)| uid == st.st_uid);
-        if !owner_ok {
-            return Err(refuse(format!("it belongs to uid {}", st.st_uid)));
-        }
-        let others_write = st.st_mode & 0o002 != 0;
-        let sticky = st.st_mode & 0o1000 != 0;
-        if others_write && !sticky {
-            return Err(refuse("others may write in it and it is not sticky".into()));
+        .map_err(|e| refuse(format!("cannot open / ({e})")))?;
+        for part in absolute.components().skip(1) {
+            let std::path::Component::Normal(name) = part else {
+                return Err(refuse(format!("{part:?} in it (give it without . or ..)")));
+            };
+            dir = nix::fcntl::openat(
+                &dir,
+                name,
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| {
+                refuse(format!(
+                    "cannot open {} in it without following a link ({e})",
+                    name.to_string_lossy()
+                ))
+            })?;
+            let st = fstat(&dir).map_err(|e| refuse(format!("cannot read it ({e})")))?;
+            let owner_ok = st.st_uid == 0 || invoker.is_some_and(|(uid, _)| uid == st.st_uid);
+            if !owner_ok {
+                return Err(refuse(format!(
+                    "{} belongs to uid {}",
+                    name.to_string_lossy(),
+                    st.st_uid
+                )));
+            }
+            let others_write = st.st_mode & 0o022 != 0;
+            let sticky = st.st_mode & 0o1000 != 0;
+            if others_write && !sticky {
+                return Err(refuse(format!(
+                    "others may write in {} and it is not sticky",
+                    name.to_string_lossy()
+                )));
+            }
         }
         Ok(DumpRoot {
             dir,

@@ -156,8 +156,9 @@ pub struct EvidenceArgs {
     /// DIR/<uid>/<job>/<time>-rank<R>-pid<P>/: PyTorch's memory snapshot at the OOM
     /// (snapshot.pickle, read by PyTorch's _memory_viz.py and memory_viz), the layout then
     /// (layout.json) and explain's answer (explain.json). Folders are made as the process's
-    /// user, mode 0700, never through a link; DIR must be no link, owned by root or you, and
-    /// sticky where others may write in it (as /tmp is).
+    /// user, mode 0700, never through a link; DIR must be reached through no link, and it and
+    /// every folder above it owned by root or you and sticky where others may write in it (as
+    /// /tmp is).
     #[arg(long, value_name = "DIR")]
     pub dump_on_oom: Option<PathBuf>,
     /// Keep at most this many --dump-on-oom folders per user (the oldest removed first).

@@ -83,6 +83,42 @@ fn default_pool_figures(v: &Value) -> [i64; 4] {
     ["allocated", "reserved", "free_blocks", "largest_free"].map(|k| v[k].as_i64().unwrap_or(0))
 }
 
+/// `layout --timeline` of the recording: one point per block event, each private pool and the
+/// default pools as the simulated allocator had them then (its `truth` lines); the points.
+fn pools_as_the_allocator_had_them(db: &std::path::Path, truth: &[Value]) -> Vec<Value> {
+    let timeline = Command::new(TRACER)
+        .args(["layout", "--timeline", "--db"])
+        .arg(db)
+        .output()
+        .unwrap();
+    assert_ok(&timeline);
+    let rebuilt: Vec<Value> = String::from_utf8_lossy(&timeline.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rebuilt.len(), truth.len(), "one point per block event");
+    for (i, (r, t)) in rebuilt.iter().zip(truth).enumerate() {
+        let theirs: Vec<Vec<i64>> = t["private_pools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(pool_figures)
+            .collect();
+        let ours: Vec<Vec<i64>> = r["private_pools"]
+            .as_array()
+            .map_or(Vec::new(), |a| a.iter().map(pool_figures).collect());
+        assert_eq!(ours, theirs, "event {i} ({}): {r} vs {t}", t["op"]);
+        for pool in ["small", "large"] {
+            assert_eq!(
+                r["pools"].get(pool).map_or([0; 4], default_pool_figures),
+                default_pool_figures(&t["pools"][pool]),
+                "event {i}, {pool} default pool"
+            );
+        }
+    }
+    rebuilt
+}
+
 #[test]
 fn each_capture_puts_its_segments_in_its_pool_as_the_allocator_did() {
     let Some(fx) = Fixture::new() else { return };
@@ -499,36 +535,7 @@ fn mem_pools_route_by_thread_and_use_on_oom_serves_before_the_oom() {
         .collect();
 
     // Every block event: each pool and the default pools as the allocator had them.
-    let timeline = Command::new(TRACER)
-        .args(["layout", "--timeline", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    assert_ok(&timeline);
-    let rebuilt: Vec<Value> = String::from_utf8_lossy(&timeline.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rebuilt.len(), truth.len(), "one point per block event");
-    for (i, (r, t)) in rebuilt.iter().zip(&truth).enumerate() {
-        let theirs: Vec<Vec<i64>> = t["private_pools"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(pool_figures)
-            .collect();
-        let ours: Vec<Vec<i64>> = r["private_pools"]
-            .as_array()
-            .map_or(Vec::new(), |a| a.iter().map(pool_figures).collect());
-        assert_eq!(ours, theirs, "event {i} ({}): {r} vs {t}", t["op"]);
-        for pool in ["small", "large"] {
-            assert_eq!(
-                r["pools"].get(pool).map_or([0; 4], default_pool_figures),
-                default_pool_figures(&t["pools"][pool]),
-                "event {i}, {pool} default pool"
-            );
-        }
-    }
+    pools_as_the_allocator_had_them(&fx.db, &truth);
     let end = truth.last().unwrap();
     assert_eq!(end["private_pools"].as_array().unwrap().len(), 2, "{end}");
 
@@ -700,29 +707,7 @@ fn an_nccl_mem_pools_segments_hold_its_blocks() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let timeline = Command::new(TRACER)
-        .args(["layout", "--timeline", "--db"])
-        .arg(&fx.db)
-        .output()
-        .unwrap();
-    assert_ok(&timeline);
-    let rebuilt: Vec<Value> = String::from_utf8_lossy(&timeline.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rebuilt.len(), truth.len(), "one point per block event");
-    for (i, (r, t)) in rebuilt.iter().zip(&truth).enumerate() {
-        let theirs: Vec<Vec<i64>> = t["private_pools"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(pool_figures)
-            .collect();
-        let ours: Vec<Vec<i64>> = r["private_pools"]
-            .as_array()
-            .map_or(Vec::new(), |a| a.iter().map(pool_figures).collect());
-        assert_eq!(ours, theirs, "event {i} ({}): {r} vs {t}", t["op"]);
-    }
+    let rebuilt = pools_as_the_allocator_had_them(&fx.db, &truth);
     // No cudaMalloc made the pool's segments: the driver's calls from libsimnccl.so did.
     let made = query(
         &fx.db,

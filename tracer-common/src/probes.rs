@@ -131,6 +131,24 @@ pub enum OpClass {
     PoolOnOom = 26,
 }
 
+impl OpClass {
+    /// PyTorch's own calls about private pools (CUDAGraph's and the caching allocator's
+    /// methods): they move no memory, they say where requests go.
+    pub const fn is_pool_call(self) -> bool {
+        matches!(
+            self,
+            OpClass::PoolCapture
+                | OpClass::PoolCaptured
+                | OpClass::PoolReset
+                | OpClass::PoolRoute
+                | OpClass::PoolUnroute
+                | OpClass::PoolRelease
+                | OpClass::PoolCreate
+                | OpClass::PoolOnOom
+        )
+    }
+}
+
 /// The meaning of one argument.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ArgRole {
@@ -878,19 +896,9 @@ impl Op {
     }
 
     /// Whether the function returns a status (a cudaError_t, a CUresult): PyTorch's CUDAGraph
-    /// methods return nothing.
+    /// and pool methods return nothing.
     pub const fn returns_status(self) -> bool {
-        !matches!(
-            self.spec().class,
-            OpClass::PoolCapture
-                | OpClass::PoolCaptured
-                | OpClass::PoolReset
-                | OpClass::PoolRoute
-                | OpClass::PoolUnroute
-                | OpClass::PoolRelease
-                | OpClass::PoolCreate
-                | OpClass::PoolOnOom
-        )
+        !self.spec().class.is_pool_call()
     }
 
     /// The name stored in the database and shown to users: the base symbol, or the USDT

@@ -96,23 +96,17 @@ impl ProcessState {
         self.events += 1;
         self.last_ns = self.last_ns.max(e.ts_ns);
         let class = e.class();
-        if matches!(
-            class,
-            OpClass::EventRecord
-                | OpClass::EventWait
-                | OpClass::Probes
-                | OpClass::PoolCapture
-                | OpClass::CaptureBegin
-                | OpClass::StreamWait
-                | OpClass::CaptureEnd
-                | OpClass::PoolCaptured
-                | OpClass::PoolReset
-                | OpClass::PoolRoute
-                | OpClass::PoolUnroute
-                | OpClass::PoolRelease
-                | OpClass::PoolCreate
-                | OpClass::PoolOnOom
-        ) {
+        if class.is_pool_call()
+            || matches!(
+                class,
+                OpClass::EventRecord
+                    | OpClass::EventWait
+                    | OpClass::Probes
+                    | OpClass::CaptureBegin
+                    | OpClass::StreamWait
+                    | OpClass::CaptureEnd
+            )
+        {
             // The allocator's events keep blocks used on other streams from their pool.
             self.layout.apply(e);
             return None;

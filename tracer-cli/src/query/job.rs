@@ -153,21 +153,14 @@ pub fn snapshot_rank(
         .as_array()
         .and_then(|h| h.first())
         .cloned();
-    let reserved = layout.as_array().and_then(|l| {
-        let devices = l.first()?["devices"].as_array()?.clone();
-        Some(
-            devices
-                .iter()
-                .filter_map(|d| d["total"]["reserved"].as_u64())
-                .sum(),
-        )
-    });
+    let reserved = reserved_of(layout);
     let job = file
         .parent()
         .and_then(|p| p.file_name())
         .map_or("snapshots".into(), |n| {
             format!("snapshots-{}", n.to_string_lossy())
         });
+    let (verdict, asked, shortfall) = judged(holder.as_ref());
     RankDump {
         path: file.to_owned(),
         job,
@@ -179,17 +172,34 @@ pub fn snapshot_rank(
             .as_ref()
             .and_then(|h| h["at_ns"].as_i64())
             .unwrap_or(last_ns),
-        verdict: holder
-            .as_ref()
-            .and_then(|h| h["verdict"].as_str().map(str::to_owned)),
-        asked: holder
-            .as_ref()
-            .and_then(|h| h["arithmetic"]["asked"].as_u64()),
-        shortfall: holder
-            .as_ref()
-            .and_then(|h| h["arithmetic"]["shortfall"].as_u64()),
+        verdict,
+        asked,
+        shortfall,
         reserved,
     }
+}
+
+/// explain's verdict on an OOM, the bytes asked and the bytes short (its `holders` entry).
+fn judged(holder: Option<&Value>) -> (Option<String>, Option<u64>, Option<u64>) {
+    let Some(h) = holder else {
+        return (None, None, None);
+    };
+    (
+        h["verdict"].as_str().map(str::to_owned),
+        h["arithmetic"]["asked"].as_u64(),
+        h["arithmetic"]["shortfall"].as_u64(),
+    )
+}
+
+/// What a process's allocator reserved over its devices, from `layout --json`'s output.
+fn reserved_of(layout: &Value) -> Option<u64> {
+    let devices = layout.as_array()?.first()?["devices"].as_array()?;
+    Some(
+        devices
+            .iter()
+            .filter_map(|d| d["total"]["reserved"].as_u64())
+            .sum(),
+    )
 }
 
 fn json(path: &Path) -> Option<Value> {
@@ -202,15 +212,8 @@ fn read_one(dir: &Path) -> Option<RankDump> {
     let holder = explained
         .as_ref()
         .and_then(|e| e["holders"].as_array()?.first().cloned());
-    let reserved = json(&dir.join("layout.json")).and_then(|l| {
-        let devices = l.as_array()?.first()?["devices"].as_array()?.clone();
-        Some(
-            devices
-                .iter()
-                .filter_map(|d| d["total"]["reserved"].as_u64())
-                .sum(),
-        )
-    });
+    let reserved = json(&dir.join("layout.json")).and_then(|l| reserved_of(&l));
+    let (verdict, asked, shortfall) = judged(holder.as_ref());
     Some(RankDump {
         path: dir.to_owned(),
         job: about["job"].as_str()?.to_owned(),
@@ -219,15 +222,9 @@ fn read_one(dir: &Path) -> Option<RankDump> {
         pid: about["pid"].as_u64()? as u32,
         role: about["role"].as_str()?.to_owned(),
         ts_ns: about["oom_ts_ns"].as_i64()?,
-        verdict: holder
-            .as_ref()
-            .and_then(|h| h["verdict"].as_str().map(str::to_owned)),
-        asked: holder
-            .as_ref()
-            .and_then(|h| h["arithmetic"]["asked"].as_u64()),
-        shortfall: holder
-            .as_ref()
-            .and_then(|h| h["arithmetic"]["shortfall"].as_u64()),
+        verdict,
+        asked,
+        shortfall,
         reserved,
     })
 }

@@ -209,6 +209,13 @@ fn a_job_across_two_nodes_is_answered_as_one() {
             > one["shape"]["others_median_reserved"].as_u64().unwrap(),
         "{one:#}"
     );
+    let missing = Command::new(TRACER)
+        .args(["explain", "--dumps"])
+        .arg(top.path().join("nowhere"))
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("nowhere: no such folder"));
     let text = tracer_text(
         &top.path().join("a.db"),
         &["explain", "--dumps", top.path().to_str().unwrap()],

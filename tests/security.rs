@@ -568,4 +568,19 @@ fn an_oom_leaves_its_evidence_in_its_users_own_folder() {
         assert_eq!(out.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains("--dump-on-oom"), "{stderr}");
     }
+    // --on-oom never runs as root: with no user to run as, refused before anything begins.
+    let out = Command::new(TRACER)
+        .args(["trace", "--duration", "1s", "--db"])
+        .arg(top.path().join("refused.db"))
+        .arg("--dump-on-oom")
+        .arg(&dumps)
+        .args(["--on-oom", "true"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--on-oom never runs its command as root"),
+        "{stderr}"
+    );
 }

@@ -69,6 +69,12 @@ pub enum Shape {
 
 /// Every dump folder below `dir` (no link followed), by its dump.json.
 pub fn read_dumps(dir: &Path) -> Result<Vec<RankDump>> {
+    if !dir.is_dir() {
+        return Err(crate::exit::user_error(format!(
+            "--dumps {}: no such folder: give the folder --dump-on-oom wrote, or where every node's were gathered",
+            dir.display()
+        )));
+    }
     let mut found = Vec::new();
     walk(dir, DEPTH, &mut found)
         .with_context(|| format!("read the dump folders under {}", dir.display()))?;

@@ -232,6 +232,13 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
             }
             b'{' => skip_to(&mut i, b'}'),
             b'[' => skip_to(&mut i, b']'),
+            // A number or a duration (`offset 10m`): no name.
+            c if c.is_ascii_digit() => {
+                while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'.') {
+                    i += 1;
+                }
+                continue;
+            }
             c if c.is_ascii_alphabetic() || c == b'_' => {
                 let start = i;
                 while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_' || b[i] == b':')
@@ -266,6 +273,10 @@ fn metric_names_are_found_in_expressions() {
             "tracer_call_duration_seconds_bucket".to_owned(),
             "up".to_owned()
         ])
+    );
+    assert_eq!(
+        metric_names("x unless x offset 10m or y > 1e3"),
+        BTreeSet::from(["x".to_owned(), "y".to_owned()])
     );
     assert_eq!(
         metric_names("max_over_time(a_b[5m]) > c and c > 0"),
@@ -451,9 +462,17 @@ fn the_operator_objects_hold_the_rules_and_scrape_what_the_daemonset_serves() {
 #[test]
 fn a_real_prometheus_scrapes_a_live_trace_and_agrees_with_the_session() {
     let Some(fx) = Fixture::new() else { return };
+    // With --dump-on-oom, so that the OOM's verdict is on the page too.
+    let dumps = tempfile::tempdir().unwrap();
     let trace = fx.trace(
         &["libcudart.so.12", "libsimtorch.so"],
-        &["--metrics", "127.0.0.1:0", "--quiet"],
+        &[
+            "--metrics",
+            "127.0.0.1:0",
+            "--quiet",
+            "--dump-on-oom",
+            dumps.path().to_str().unwrap(),
+        ],
     );
     let metrics = metrics_addr(&trace);
     assert!(metrics.ip().is_loopback());
@@ -567,7 +586,13 @@ fn a_real_prometheus_scrapes_a_live_trace_and_agrees_with_the_session() {
     assert_eq!(one("tracer_lost_total{counter=\"dropped_ring_full\"}"), 0.0);
     assert_eq!(one("up{job=\"tracer\"}"), 1.0);
 
-    // The page itself passes promtool's lint; its names are what the rules and dashboard use.
+    // The page itself passes promtool's lint; its names are what the rules and dashboard use
+    // (the OOM's verdict once its dump's explain is done).
+    wait_until(
+        Duration::from_secs(10),
+        "the OOM's verdict on the page",
+        || get(metrics, "/metrics").is_some_and(|(_, p)| p.contains("tracer_oom_verdicts_total{")),
+    );
     let (code, page) = get(metrics, "/metrics").unwrap();
     assert_eq!(code, 200);
     let mut lint = Command::new("promtool")

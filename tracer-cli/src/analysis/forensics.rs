@@ -62,10 +62,10 @@ pub struct Forensics {
 
 pub(super) fn forensics(e: &Event, layout: &Layout, free: Option<&DeviceFree>) -> Forensics {
     let total = layout.device_total(e.device);
-    // Walked once for both pools' idle segments (an OOM-time cost, not an event's).
+    // Walked once for the private pools and both kinds of idle segments (an OOM-time cost).
     let maps = layout.segments();
     let private: Vec<_> = layout
-        .private_pools()
+        .private_pools_in(&maps)
         .into_iter()
         .filter(|p| p.device == e.device)
         .collect();

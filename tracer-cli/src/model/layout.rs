@@ -253,7 +253,12 @@ impl Layout {
         if self.private.is_empty() {
             return Vec::new();
         }
-        let mut pools = private_pools_of(&self.segments());
+        self.private_pools_in(&self.segments())
+    }
+
+    /// [`Layout::private_pools`] from segment maps already walked ([`Layout::segments`]).
+    pub fn private_pools_in(&self, maps: &[SegmentMap]) -> Vec<super::pools::PrivatePool> {
+        let mut pools = private_pools_of(maps);
         for p in &mut pools {
             p.captures = self.captures.pool(p.id);
         }

@@ -4,6 +4,7 @@
 //! --dumps` over the folders gathered from both.
 
 use std::{
+    os::unix::fs::{MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
@@ -40,20 +41,61 @@ fn trace_node_with(sim: &Path, db: &Path, dumps: &Path, node: &str, extra: &[&st
     Trace::start_on_node(db, &args, node)
 }
 
-/// Rank `rank` of job `job` running `scenario` on the node whose runtime is `sim`.
+/// Rank `rank` of job `job` running `scenario` on the node whose runtime is `sim`, as nobody.
 fn rank(sim: &Path, job: &str, rank: &str, scenario: &str) -> Child {
-    Command::new("python3")
+    rank_with(sim, rank, scenario, &[("TORCHELASTIC_RUN_ID", job)])
+}
+
+fn rank_with(sim: &Path, rank: &str, scenario: &str, env: &[(&str, &str)]) -> Child {
+    use std::os::unix::process::CommandExt as _;
+    Command::new("/usr/bin/python3")
         .arg(workspace().join("demos/workloads/train.py"))
         .args([scenario, "--speed", "5", "--duration", "20", "--cudart"])
         .arg(sim.join("libcudart.so.12"))
+        .env_clear()
         .env("SIMCUDA_MEM", "1GiB")
         .env("RANK", rank)
         .env("WORLD_SIZE", "4")
-        .env("TORCHELASTIC_RUN_ID", job)
+        .envs(env.iter().copied())
+        .uid(NOBODY)
+        .gid(NOBODY)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap()
+}
+
+const NOBODY: u32 = 65534;
+
+/// Every folder from `dir` down to each dump's is nobody's, mode 0700.
+fn owned_by_nobody(dir: &Path) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let meta = std::fs::symlink_metadata(e.path()).unwrap();
+        if meta.is_dir() {
+            assert_eq!(
+                (meta.uid(), meta.mode() & 0o7777),
+                (NOBODY, 0o700),
+                "{}",
+                e.path().display()
+            );
+            owned_by_nobody(&e.path());
+        }
+    }
+}
+
+/// The snapshots under `dir`.
+fn snapshots(dir: &Path) -> usize {
+    if dir.join("snapshot.pickle").is_file() {
+        return 1;
+    }
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.path().is_dir())
+                .map(|e| snapshots(&e.path()))
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 /// The dump folders under `dir` (each has its dump.json).
@@ -77,8 +119,13 @@ fn a_job_across_two_nodes_is_answered_as_one() {
     let top = tempfile::tempdir().unwrap();
     let (sim_a, sim_b) = (node_sim(&fx, "node-a"), node_sim(&fx, "node-b"));
     let (dumps_a, dumps_b) = (top.path().join("a"), top.path().join("b"));
+    // The job runs as nobody: it reaches the runtime; the dumps' root is sticky, as /tmp.
+    for d in [fx.sim.parent().unwrap(), fx.sim.as_path()] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
     for d in [&dumps_a, &dumps_b] {
         std::fs::create_dir(d).unwrap();
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o1777)).unwrap();
     }
     let a = trace_node_with(
         &sim_a,
@@ -91,16 +138,33 @@ fn a_job_across_two_nodes_is_answered_as_one() {
     let b = trace_node(&sim_b, &top.path().join("b.db"), &dumps_b, "node-b");
 
     // Job "same": ranks 0 and 1 on node-a, 2 and 3 on node-b, every one growing its batch
-    // until the device is full: all four run out at the same request.
+    // until the device is full: all four run out at the same request. Beside it, one
+    // single-node job on each node with torchrun's defaults (run id "none", 127.0.0.1:29500).
+    let defaults = [
+        ("TORCHELASTIC_RUN_ID", "none"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let began = std::time::Instant::now();
     let mut same: Vec<Child> = vec![
         rank(&sim_a, "same", "0", "oom"),
         rank(&sim_a, "same", "1", "oom"),
         rank(&sim_b, "same", "2", "oom"),
         rank(&sim_b, "same", "3", "oom"),
+        rank_with(&sim_a, "0", "oom", &defaults),
+        rank_with(&sim_b, "0", "oom", &defaults),
     ];
     for c in &mut same {
         assert_eq!(c.wait().unwrap().code(), Some(1));
     }
+    // Each OOM's snapshot within 5 s of the last rank's end.
+    wait_until(Duration::from_secs(5), "the first six snapshots", || {
+        snapshots(&dumps_a) + snapshots(&dumps_b) >= 6
+    });
+    eprintln!(
+        "six OOMs dumped {:?} after the ranks began",
+        began.elapsed()
+    );
     // Job "one": rank 0 on node-a runs out; ranks 1 (node-a), 2 and 3 (node-b) train on.
     let mut steady = vec![
         rank(&sim_a, "one", "1", "leak"),
@@ -110,8 +174,10 @@ fn a_job_across_two_nodes_is_answered_as_one() {
     std::thread::sleep(Duration::from_secs(2));
     let mut out = rank(&sim_a, "one", "0", "oom");
     assert_eq!(out.wait().unwrap().code(), Some(1));
-    wait_until(Duration::from_secs(10), "the dumps", || {
-        folders(&dumps_a) + folders(&dumps_b) >= 6
+    // Its OOM's folder and rank 1's (node-a's other rank of the job) at it.
+    let one_on_a = dumps_a.join(NOBODY.to_string()).join("run-one");
+    wait_until(Duration::from_secs(10), "job one's dumps", || {
+        folders(&one_on_a) >= 2
     });
     for c in &mut steady {
         let _ = c.kill();
@@ -128,11 +194,9 @@ fn a_job_across_two_nodes_is_answered_as_one() {
             })
             .unwrap_or_default()
     };
-    wait_until(
-        Duration::from_secs(10),
-        "three verdicts on the page",
-        || verdict_lines().len() == 3,
-    );
+    wait_until(Duration::from_secs(10), "four verdicts on the page", || {
+        verdict_lines().len() == 4
+    });
     let verdicts = verdict_lines();
     assert!(
         verdicts
@@ -168,26 +232,72 @@ fn a_job_across_two_nodes_is_answered_as_one() {
     };
     assert_eq!(
         ranks_in(&top.path().join("a.db")),
-        ["one:0", "one:1", "same:0", "same:1"]
+        ["none:0", "one:0", "one:1", "same:0", "same:1"]
     );
     assert_eq!(
         ranks_in(&top.path().join("b.db")),
-        ["one:2", "one:3", "same:2", "same:3"]
+        ["none:0", "one:2", "one:3", "same:2", "same:3"]
     );
 
-    // Gathered from both nodes: one answer per job.
+    owned_by_nobody(&dumps_a);
+    owned_by_nobody(&dumps_b);
+    // Gathered from both nodes, as folders or as databases: one answer per job.
     let jobs = tracer_json(
         &top.path().join("a.db"),
         &["explain", "--json", "--dumps", top.path().to_str().unwrap()],
     );
+    let (db_a, db_b) = (top.path().join("a.db"), top.path().join("b.db"));
+    // (The helper gives node-b's --db after node-a's; node-a's twice is read once.)
+    let from_dbs = tracer_json(
+        &db_b,
+        &[
+            "explain",
+            "--json",
+            "--db",
+            db_a.to_str().unwrap(),
+            "--db",
+            db_a.to_str().unwrap(),
+        ],
+    );
+    for jobs in [&jobs, &from_dbs] {
+        answered_as_one(jobs);
+    }
+    let text = tracer_text(
+        &top.path().join("a.db"),
+        &["explain", "--dumps", top.path().to_str().unwrap()],
+    );
+    assert!(
+        text.contains("Every rank that ran out (4) asked for"),
+        "{text}"
+    );
+    assert!(text.contains("rank 0 on node-a stood out"), "{text}");
+    assert!(text.contains("clocks' offset"), "{text}");
+    assert!(text.contains("All 4 ranks of WORLD_SIZE 4 seen"), "{text}");
+    let missing = Command::new(TRACER)
+        .args(["explain", "--dumps"])
+        .arg(top.path().join("nowhere"))
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("nowhere: no such folder"));
+}
+
+/// The answers both ways of gathering give: job "same" died at one request on both nodes, job
+/// "one"'s rank 0 stood out, and the two torchrun-default jobs are one on each node.
+fn answered_as_one(jobs: &Value) {
     let job = |name: &str| -> &Value {
         jobs.as_array()
             .unwrap()
             .iter()
-            .find(|j| j["job"] == format!("run-{name}"))
+            .find(|j| j["job"] == name)
             .unwrap_or_else(|| panic!("no job {name} in {jobs:#}"))
     };
-    let same_job = job("same");
+    for node in ["node-a", "node-b"] {
+        let local = job(&format!("local-29500 on {node}"));
+        assert_eq!(local["nodes"], serde_json::json!([node]), "{local:#}");
+        assert_eq!(local["shape"]["kind"], "alone", "{local:#}");
+    }
+    let same_job = job("run-same");
     assert_eq!(
         same_job["nodes"],
         serde_json::json!(["node-a", "node-b"]),
@@ -195,8 +305,14 @@ fn a_job_across_two_nodes_is_answered_as_one() {
     );
     assert_eq!(same_job["shape"]["kind"], "same_request", "{same_job:#}");
     assert_eq!(same_job["shape"]["ranks"], 4, "{same_job:#}");
-    assert_eq!(same_job["followed"].as_array().unwrap().len(), 3);
-    let one = job("one");
+    assert_eq!(
+        same_job["followed"].as_array().unwrap().len(),
+        3,
+        "{same_job:#}"
+    );
+    assert_eq!(same_job["agreement"]["world_sizes"], serde_json::json!([4]));
+    assert_eq!(same_job["agreement"]["ranks_seen"], 4);
+    let one = job("run-one");
     assert_eq!(one["shape"]["kind"], "outlier", "{one:#}");
     let outlier = &one["ranks"][one["shape"]["rank"].as_u64().unwrap() as usize];
     assert_eq!(
@@ -209,23 +325,6 @@ fn a_job_across_two_nodes_is_answered_as_one() {
             > one["shape"]["others_median_reserved"].as_u64().unwrap(),
         "{one:#}"
     );
-    let missing = Command::new(TRACER)
-        .args(["explain", "--dumps"])
-        .arg(top.path().join("nowhere"))
-        .output()
-        .unwrap();
-    assert_eq!(missing.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&missing.stderr).contains("nowhere: no such folder"));
-    let text = tracer_text(
-        &top.path().join("a.db"),
-        &["explain", "--dumps", top.path().to_str().unwrap()],
-    );
-    assert!(
-        text.contains("Every rank that ran out (4) asked for"),
-        "{text}"
-    );
-    assert!(text.contains("rank 0 on node-a stood out"), "{text}");
-    assert!(text.contains("clocks' offset"), "{text}");
 }
 
 /// Per-rank PyTorch snapshots gathered as torchtitan writes them
@@ -269,4 +368,122 @@ fn per_rank_pytorch_snapshots_are_answered_as_one_job() {
         .unwrap();
     assert_eq!(peer["role"], "peer", "{job:#}");
     assert!(peer["ts_ns"].as_i64().unwrap() > 0, "{job:#}");
+}
+
+/// PyTorch's probes not attached (only the CUDA libraries traced): no OOM message comes, and
+/// the OOM is the failed device allocation its retry did not mend. It is dumped all the same,
+/// said so, with explain's verdict on that failure and what NVML's absence leaves unknown.
+#[test]
+fn an_oom_without_pytorchs_message_is_dumped_from_its_failed_attempt() {
+    let Some(fx) = Fixture::new() else { return };
+    let dumps = tempfile::tempdir().unwrap();
+    let trace = fx.trace(
+        &["libcudart.so.12", "libcuda.so.1"],
+        &["--dump-on-oom", dumps.path().to_str().unwrap()],
+    );
+    let out = Command::new("python3")
+        .arg(workspace().join("demos/workloads/train.py"))
+        .args(["oom", "--speed", "5", "--duration", "20", "--cudart"])
+        .arg(fx.sim.join("libcudart.so.12"))
+        .env("SIMCUDA_MEM", "1GiB")
+        .env("RANK", "5")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    // Dumped once PyTorch's retry time (2 s) has passed with no allocation after the failure.
+    wait_until(Duration::from_secs(8), "the failed attempt's dump", || {
+        folders(dumps.path()) == 1
+    });
+    let stopped = trace.stop(SIGINT);
+    assert_eq!(stopped.summary["dumps"]["failed"], serde_json::json!([]));
+    let written = stopped.summary["dumps"]["written"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(written.len(), 1, "{}", stopped.summary);
+    let dir = PathBuf::from(written[0].as_str().unwrap());
+    let read = |name: &str| -> Value {
+        serde_json::from_slice(&std::fs::read(dir.join(name)).unwrap()).unwrap()
+    };
+    let about = read("dump.json");
+    assert_eq!(about["seen"], "failed_attempt", "{about:#}");
+    assert_eq!(about["rank"], "5", "{about:#}");
+    assert_eq!(about["job"], "no-job", "{about:#}");
+    // The verdict is on that failure: the dump's instant is the failed call's.
+    let explained = read("explain.json");
+    let holder = &explained["holders"][0];
+    assert_eq!(holder["pid"], about["pid"], "{explained:#}");
+    assert!(
+        holder["at_ns"].as_i64().unwrap() <= about["oom_ts_ns"].as_i64().unwrap(),
+        "{holder:#} {about:#}"
+    );
+    assert!(holder["arithmetic"]["asked"].as_u64().unwrap() > 0);
+    assert!(dir.join("snapshot.pickle").is_file());
+    let gpu = read("gpu.json");
+    assert!(
+        gpu["gpus"].as_array().unwrap().is_empty()
+            && gpu["said"].as_str().unwrap().contains("NVML was not read"),
+        "{gpu:#}"
+    );
+}
+
+/// `tracer demo multi-node`: two simulated nodes, each its own database (its session's host the
+/// node), ranks 0-1 on node-a and 2-3 on node-b; rank 2's fragmented cache ends the job. The
+/// answer across both databases names rank 2 on node-b the first to die and the outlier, and
+/// `tracer explain --db A --db B` gives the same answer.
+#[test]
+fn the_multi_node_demo_answers_the_job_across_both_databases() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    let out = Command::new(TRACER)
+        .args([
+            "demo",
+            "multi-node",
+            "--duration",
+            "20s",
+            "--speed",
+            "2",
+            "--db",
+        ])
+        .arg(&db)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("First: rank 2 on node-b")
+            && stdout.contains("rank 2 on node-b stood out")
+            && stdout.contains("All 4 ranks of WORLD_SIZE 4 seen"),
+        "{stdout}"
+    );
+    let (a, b) = (
+        dir.path().join("demo-node-a.db"),
+        dir.path().join("demo-node-b.db"),
+    );
+    for (node_db, node) in [(&a, "node-a"), (&b, "node-b")] {
+        let host = query(node_db, "SELECT host FROM sessions");
+        assert_eq!(host[0]["host"], node, "{host:?}");
+    }
+    let jobs = tracer_json(&a, &["explain", "--json", "--db", b.to_str().unwrap()]);
+    let job = &jobs[0];
+    assert_eq!(jobs.as_array().unwrap().len(), 1, "{jobs:#}");
+    assert_eq!(job["nodes"], serde_json::json!(["node-a", "node-b"]));
+    assert_eq!(job["shape"]["kind"], "outlier", "{job:#}");
+    let first = &job["ranks"][job["first"].as_u64().unwrap() as usize];
+    assert_eq!(
+        (&first["rank"], &first["node"]),
+        (&"2".into(), &"node-b".into())
+    );
+    assert_eq!(first["verdict"], "fragmentation", "{job:#}");
+    let peers = job["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["role"] == "peer")
+        .count();
+    assert_eq!(peers, 3, "{job:#}");
 }

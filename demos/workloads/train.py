@@ -2,7 +2,8 @@
 
     python3 train.py SCENARIO [--duration 20] [--speed 1.0] [--cudart PATH] [--seed 1] [--steps N] [--final-request BYTES]
 
-Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu, co-tenant, graphs, engine. Each prints
+Scenarios: incident, periodic-spike, leak, oom, cpu-contention, multi-gpu, multi-node, co-tenant, graphs, engine,
+mempool. Each prints
 one JSON line of the allocator's own statistics at the end ("result"), and exits 1 with PyTorch's
 message on OOM. multi-gpu launches its ranks as torchrun does (one process per device, RANK,
 LOCAL_RANK and WORLD_SIZE in their environment) and ends them all when one fails. co-tenant starts
@@ -160,13 +161,20 @@ FRAGMENTING_RANK = 2
 
 def launch_ranks(args):
     """As torchrun: one process per rank and device; when one fails, the others are ended and
-    the job fails with it."""
+    the job fails with it. multi-node: two nodes of two ranks each (SIMCUDA_NODE_EVENTS names
+    each node's runtime log, "A,B": each node's tracer reads its own), the rendezvous on the
+    first node's address."""
     ranks = []
     # torchrun's rendezvous names the job: the same for every rank, another for another job.
     run_id = f"demo-{os.getpid()}"
+    nodes = os.environ.get("SIMCUDA_NODE_EVENTS", "").split(",") if args.scenario == "multi-node" else []
+    per_node = WORLD_SIZE // max(len(nodes), 1)
     for rank in range(WORLD_SIZE):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", TORCHELASTIC_RUN_ID=run_id)
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(WORLD_SIZE),
+                   MASTER_ADDR="10.0.0.1" if nodes else "127.0.0.1", MASTER_PORT="29500",
+                   TORCHELASTIC_RUN_ID=run_id)
+        if nodes:
+            env["SIMCUDA_EVENTS"] = nodes[rank // per_node]
         command = [sys.executable, os.path.abspath(__file__), "multi-gpu", "--duration", str(args.duration),
                    "--speed", str(args.speed), "--seed", str(args.seed + rank), "--cudart", args.cudart]
         ranks.append(subprocess.Popen(command, env=env))
@@ -406,6 +414,7 @@ SCENARIOS = {
     "oom": oom,
     "cpu-contention": cpu_contention,
     "multi-gpu": multi_gpu,
+    "multi-node": multi_gpu,
     "co-tenant": co_tenant,
     "graphs": graphs,
     "engine": engine,
@@ -424,7 +433,7 @@ def main():
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="engine: the KV cache's budget")
     parser.add_argument("--cudart", default=os.environ.get("SIMCUDA_CUDART", "libcudart.so.12"))
     args = parser.parse_args()
-    if args.scenario == "multi-gpu" and "RANK" not in os.environ:
+    if args.scenario in ("multi-gpu", "multi-node") and "RANK" not in os.environ:
         return launch_ranks(args)
     if args.scenario == "co-tenant" and "CO_TENANT_ROLE" not in os.environ:
         return launch_co_tenants(args)

@@ -15,6 +15,8 @@ use std::{
 use anyhow::{anyhow, Context as _, Result};
 use tracer_common::maps::DEFAULT_RING_BYTES;
 
+mod multi_node;
+
 use crate::{
     exit::user_error,
     model::{
@@ -56,6 +58,17 @@ const SCENARIOS: &[Scenario] = &[
         about: "four ranks on four devices; one rank's uneven sequence lengths fragment its cache and its OOM ends the job (background/001)",
         env: &[
             ("SIMCUDA_DEVICES", "4"),
+            ("SIMCUDA_MEM", "3GiB"),
+            ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
+            ("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000"),
+        ],
+        args: &[],
+    },
+    Scenario {
+        name: "multi-node",
+        about: "the multi-GPU job on two simulated nodes, two ranks each, each node its own tracer and database; the job answered across both: the rank that stood out and the first that died",
+        env: &[
+            ("SIMCUDA_DEVICES", "2"),
             ("SIMCUDA_MEM", "3GiB"),
             ("SIMCUDA_LATENCY", "cudaMalloc=60us,cudaFree=15us,cudaStreamSynchronize=2ms,default=2us"),
             ("SIMCUDA_LATENCY_PER_FRAGMENT_NS", "20000"),
@@ -311,6 +324,9 @@ pub fn run(opts: &DemoOptions) -> Result<()> {
     let who = paths::invoker();
     let runtime = simulated_runtime(&demos, who.owner)?;
     let sim = runtime.dir.clone();
+    if scenario.name == "multi-node" {
+        return multi_node::run(&sim, &demos, scenario, opts, who.owner);
+    }
     let live = !opts.simulated && privileges::can_trace().is_ok();
     let started = Instant::now();
     let (session, outcome, announced) = if live {

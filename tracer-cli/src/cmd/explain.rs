@@ -6,15 +6,18 @@ use std::{io::Write as _, time::Duration};
 use anyhow::Result;
 use clap::Args;
 use tracer_cli::{
-    present,
+    paths, present,
     query::explain::{self, ExplainQuery},
     units::{parse_duration, parse_time},
 };
 
 #[derive(Debug, Args)]
 pub struct ExplainArgs {
-    #[command(flatten)]
-    pub db: super::db::DbArgs,
+    /// The database (default: the invoking user's ~/.local/share/tracer/tracer.db, or
+    /// TRACER_DB). Given more than once (every node's): one answer for each job across them,
+    /// as --dumps gives.
+    #[arg(long, env = paths::DB_ENV)]
+    pub db: Vec<std::path::PathBuf>,
     #[command(flatten)]
     pub window: WindowArgs,
     /// Per-process tables: calls, latency, bytes, outstanding allocations, warnings.
@@ -25,7 +28,8 @@ pub struct ExplainArgs {
     pub json: bool,
     /// One answer for a job across its ranks and nodes, from the `--dump-on-oom` folders
     /// gathered under DIR (every node's): which rank ran out first, whether they died at the
-    /// same request or one stood out, a row for every rank. The database is not read.
+    /// same request or one stood out, a row for every rank. With one --db or none, no database
+    /// is read.
     #[arg(long, value_name = "DIR")]
     pub dumps: Option<std::path::PathBuf>,
 }
@@ -70,10 +74,14 @@ impl WindowArgs {
 }
 
 pub fn run(args: ExplainArgs) -> Result<()> {
-    if let Some(dir) = &args.dumps {
-        return job_answer(dir, args.json);
+    if args.dumps.is_some() || args.db.len() > 1 {
+        let dbs = if args.db.len() > 1 { &args.db[..] } else { &[] };
+        return job_answer(args.dumps.as_deref(), dbs, args.window.session, args.json);
     }
-    let db = args.db.path()?;
+    let db = super::db::DbArgs {
+        db: args.db.first().cloned(),
+    }
+    .path()?;
     let explained = explain::explain(&db, &args.window.query())?;
     if std::env::var_os("TRACER_TIMING").is_some() {
         eprintln!(
@@ -93,13 +101,42 @@ pub fn run(args: ExplainArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--dumps DIR`: each job's answer from its ranks' folders.
-fn job_answer(dir: &std::path::Path, json: bool) -> Result<()> {
+/// `--dumps DIR` and `--db` more than once: each job's answer from its ranks' folders, the
+/// rank snapshots beside them, and every database's OOMs and peers.
+fn job_answer(
+    dir: Option<&std::path::Path>,
+    dbs: &[std::path::PathBuf],
+    session: Option<i64>,
+    json: bool,
+) -> Result<()> {
     use tracer_cli::query::job;
-    let mut dumps = job::read_dumps(dir)?;
-    for (file, rank) in job::rank_snapshots(dir)? {
-        dumps.push(snapshot_rank(&file, rank)?);
+    let mut dumps = Vec::new();
+    if let Some(dir) = dir {
+        dumps = job::read_dumps(dir)?;
+        for (file, rank) in job::rank_snapshots(dir)? {
+            dumps.push(snapshot_rank(&file, rank)?);
+        }
     }
+    let mut peers = Vec::new();
+    let mut read = Vec::new();
+    for db in dbs {
+        let Ok(real) = db.canonicalize() else {
+            return Err(tracer_cli::exit::user_error(format!(
+                "--db {}: no such database: give each node's tracer.db (copied from it)",
+                db.display()
+            )));
+        };
+        // The same database twice is read once.
+        if read.contains(&real) {
+            continue;
+        }
+        read.push(real);
+        let (ooms, theirs) = job::from_db(db, session)?;
+        dumps.extend(ooms);
+        peers.extend(theirs);
+    }
+    let measured = job::measure_peers(peers, &dumps)?;
+    dumps.extend(measured);
     let jobs = job::answer(dumps);
     if json {
         return present::json::document(&jobs);

@@ -11,7 +11,7 @@ use tracer_cli::{
     paths,
     present::{self, live},
     record::{
-        dump::{DumpOnOom, OnOom, OomReport, OomSink},
+        dump::{DumpOnOom, OnOom, OomReport, OomSink, PodJob},
         on_warning::OnWarning,
         signals, RecordOptions, Recording, RecordingStatus, Stop,
     },
@@ -148,6 +148,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
                         logs.push(body.encode_to_vec());
                     }))
                 }),
+                // The pods' owners, where the metrics' pod lookups run (the DaemonSet).
+                pod_job: exporter.as_ref().map(|e| {
+                    let pods = Arc::clone(&e.pods);
+                    PodJob(Arc::new(move |uid: &str| pods.name(uid)?.job))
+                }),
             }),
             None => None,
         },
@@ -229,7 +234,7 @@ fn unless_broken_pipe(result: Result<()>) -> Result<()> {
 struct Exporter {
     server: Option<MetricsServer>,
     otlp: Option<OtlpPusher>,
-    pods: PodDirectory,
+    pods: Arc<PodDirectory>,
     /// When the exported counters began (OTLP's start time of cumulative series).
     started_ns: u64,
     /// The latest export request, pushed once more when tracer stops.
@@ -281,7 +286,7 @@ impl Exporter {
         let exporter = Exporter {
             server,
             otlp,
-            pods: PodDirectory::start(source),
+            pods: Arc::new(PodDirectory::start(source)),
             started_ns: now_ns(),
             last: std::sync::Mutex::new(None),
         };

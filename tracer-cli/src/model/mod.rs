@@ -6,6 +6,7 @@ pub mod attempts;
 pub mod devices;
 mod event;
 pub mod figures;
+pub mod job;
 pub mod layout;
 pub mod live;
 pub mod policy;

@@ -5,13 +5,16 @@ use std::io::Write;
 use anyhow::Result;
 
 use crate::{
-    query::job::{JobAnswer, RankDump, Shape},
+    query::job::{Agreement, JobAnswer, RankDump, Shape},
     units::{format_bytes as b, format_utc},
 };
 
 pub fn text(out: &mut impl Write, jobs: &[JobAnswer]) -> Result<()> {
     if jobs.is_empty() {
-        writeln!(out, "No --dump-on-oom folder (dump.json) found.")?;
+        writeln!(
+            out,
+            "No job found: no --dump-on-oom folder (dump.json), rank snapshot or database OOM."
+        )?;
     }
     for j in jobs {
         job(out, j)?;
@@ -36,7 +39,7 @@ fn job(out: &mut impl Write, j: &JobAnswer) -> Result<()> {
     };
     writeln!(
         out,
-        "Job {}: {} folder(s) from {nodes}, {ooms} out-of-memory",
+        "Job {}: {} process(es) from {nodes}, {ooms} out-of-memory",
         j.job,
         j.ranks.len(),
     )?;
@@ -59,6 +62,9 @@ fn job(out: &mut impl Write, j: &JobAnswer) -> Result<()> {
         }
     }
     writeln!(out, "  {}", shape_said(j))?;
+    if let Some(said) = agreement_said(&j.agreement) {
+        writeln!(out, "  {said}")?;
+    }
     writeln!(
         out,
         "  {:<8} {:<16} {:>8} {:<5} {:<27} {:<16} {:>12} {:>12}",
@@ -81,21 +87,62 @@ fn job(out: &mut impl Write, j: &JobAnswer) -> Result<()> {
     Ok(())
 }
 
+/// What the ranks' own figures say of the job: one run, every rank, one WORLD_SIZE; or what
+/// disagrees.
+fn agreement_said(a: &Agreement) -> Option<String> {
+    let mut said = Vec::new();
+    match a.world_sizes.as_slice() {
+        [] => {}
+        [w] if *w as usize == a.ranks_seen => said.push(format!("all {w} ranks of WORLD_SIZE {w} seen")),
+        [w] => said.push(format!("{} of WORLD_SIZE {w} ranks seen (gather the other nodes' to see every one)", a.ranks_seen)),
+        many => said.push(format!(
+            "the ranks disagree on WORLD_SIZE ({}): two jobs under one name, or a resized elastic job",
+            many.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+        )),
+    }
+    if let Some(spread) = a.start_spread_ns {
+        said.push(format!(
+            "started within {:.2} s of each other",
+            spread as f64 / 1e9
+        ));
+    }
+    if !a.restarted.is_empty() {
+        said.push(format!(
+            "rank(s) {} seen in more than one process (restarted): each process's OOM is its own row",
+            a.restarted.join(", ")
+        ));
+    }
+    if a.runs > 1 {
+        said.push(format!(
+            "run {} of {} under this name, told apart by start times more than 2 minutes apart",
+            a.run, a.runs
+        ));
+    }
+    (!said.is_empty()).then(|| {
+        let mut s = said.join("; ");
+        s[..1].make_ascii_uppercase();
+        s + "."
+    })
+}
+
 fn shape_said(j: &JobAnswer) -> String {
     match &j.shape {
-        Shape::SameRequest { ranks, asked } => format!(
-            "Every rank that ran out ({ranks}) asked for {}: the job's shape (its size for the device), not one rank's; a fix must shrink every rank's step",
-            b(*asked)
+        Shape::SameRequest { ranks, asked, site } => format!(
+            "Every rank that ran out ({ranks}) asked for {}{}: the job's shape (its size for the device), not one rank's; a fix must shrink every rank's step",
+            b(*asked),
+            site.as_ref().map_or(String::new(), |s| format!(" at {s}"))
         ),
         Shape::Outlier {
             rank,
             asked,
             reserved,
             others_median_reserved,
+            site,
         } => format!(
-            "{} stood out: it ran out{} holding {} reserved, while the other ranks, dumped at that instant, held {} (their median) and did not",
+            "{} stood out: it ran out{}{} holding {} reserved, while the other ranks, taken at that instant, held {} (their median) and did not",
             rank_of(&j.ranks[*rank]),
             asked.map_or(String::new(), |a| format!(" asking for {}", b(a))),
+            site.as_ref().map_or(String::new(), |s| format!(" at {s}")),
             reserved.map_or("an unknown amount".into(), b),
             others_median_reserved.map_or("an unknown amount".into(), b)
         ),

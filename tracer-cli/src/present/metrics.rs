@@ -747,6 +747,7 @@ mod tests {
                 namespace: "ml".into(),
                 name: "trainer-0".into(),
                 containers: [("c1".to_owned(), "trainer".to_owned())].into(),
+                job: None,
             })
         };
         let health = Health {

@@ -1,14 +1,21 @@
 //! One answer for a job across nodes: `tracer explain --dumps DIR` reads the `--dump-on-oom`
-//! folders gathered from every node (a shared filesystem, `kubectl cp`), matches the ranks of
-//! each job by the job's name, and says which rank ran out first and when the others followed,
-//! whether they died at the same request (the job's shape) or one stood out, with a row for
-//! every rank.
+//! folders gathered from every node (a shared filesystem, `kubectl cp`), `--db` given more than
+//! once reads every node's database (job/from_db.rs), and per-rank PyTorch snapshots are
+//! imported beside them. The ranks of each job are matched by the job's name (model/job.rs),
+//! split into runs where their start times say the name was used again, checked for agreement
+//! (WORLD_SIZE); then: which rank ran out first and when the others followed, whether they died
+//! at the same request (the job's shape) or one stood out, with a row for every rank.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
 use serde::Serialize;
 use serde_json::Value;
+
+use crate::model::job::job_key;
+
+mod from_db;
+pub use from_db::{from_db, measure_peers, DbPeer};
 
 /// Folders below DIR searched for a dump (DIR/<uid>/<job>/<dump>/ as tracer writes them, one
 /// level more for a node's folder gathered beside the others').
@@ -33,6 +40,11 @@ pub struct RankDump {
     pub shortfall: Option<u64>,
     /// Bytes its allocator reserved then, over its devices.
     pub reserved: Option<u64>,
+    /// The failed call's site (`--stack`): the line that asked.
+    pub site: Option<String>,
+    /// WORLD_SIZE as the rank's environment said, and when the process started (wall ns).
+    pub world_size: Option<u32>,
+    pub started_ns: Option<i64>,
 }
 
 /// What the ranks of one job add up to.
@@ -45,19 +57,42 @@ pub struct JobAnswer {
     pub first: Option<usize>,
     pub followed: Vec<(usize, i64)>,
     pub shape: Shape,
+    pub agreement: Agreement,
+}
+
+/// Whether the ranks gathered under one name are one run of one job.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Agreement {
+    /// Every WORLD_SIZE the ranks' environments gave (more than one: they disagree).
+    pub world_sizes: Vec<u32>,
+    /// Distinct ranks seen, against WORLD_SIZE where one was given.
+    pub ranks_seen: usize,
+    /// The latest rank's start after the earliest's (ns), where every start is known.
+    pub start_spread_ns: Option<i64>,
+    /// Ranks seen with more than one process: restarted (torchelastic, a rescheduled pod).
+    pub restarted: Vec<String>,
+    /// This is run `run` of `runs` under the job's name, told apart by start time.
+    pub run: usize,
+    pub runs: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Shape {
     /// Every rank that ran out asked for the same request: the job's size, not one rank's.
-    SameRequest { ranks: usize, asked: u64 },
+    SameRequest {
+        ranks: usize,
+        asked: u64,
+        /// The line every one of them asked from, where `--stack` recorded the same one.
+        site: Option<String>,
+    },
     /// One rank ran out while the others did not, or asked for more than the others did.
     Outlier {
         rank: usize,
         asked: Option<u64>,
         reserved: Option<u64>,
         others_median_reserved: Option<u64>,
+        site: Option<String>,
     },
     /// The ranks that ran out asked different sizes, none standing out alone.
     Different,
@@ -182,6 +217,11 @@ pub fn snapshot_rank(
         asked,
         shortfall,
         reserved,
+        site: holder
+            .as_ref()
+            .and_then(|h| h["site"].as_str().map(str::to_owned)),
+        world_size: None,
+        started_ns: None,
     }
 }
 
@@ -232,29 +272,23 @@ fn read_one(dir: &Path) -> Option<RankDump> {
         asked,
         shortfall,
         reserved,
+        site: holder
+            .as_ref()
+            .and_then(|h| h["site"].as_str().map(str::to_owned)),
+        world_size: about["world_size"].as_u64().map(|w| w as u32),
+        started_ns: about["started_ns"].as_i64(),
     })
 }
 
-/// The job of a process no run id or rendezvous named (torchrun's defaults): a job of its
-/// own, never matched with another node's.
-const NO_JOB: &str = "no-job";
-
-/// What ties a folder to its job: the job's name, or for "no-job" the process itself.
-fn job_key(d: &RankDump) -> String {
-    if d.job == NO_JOB {
-        let node = d.node.as_deref().unwrap_or("?");
-        // A peer is never dumped for "no-job": the OOM's own pid names it.
-        format!("{NO_JOB} (pid {} on {node})", d.pid)
-    } else {
-        d.job.clone()
-    }
-}
+/// Ranks of one name that started this far apart are two runs of it (a job id used again, a
+/// restart of every rank); torchrun starts a run's ranks within seconds of its rendezvous.
+const NEW_RUN_NS: i64 = 120_000_000_000;
 
 /// The answer for each job among `dumps`.
 pub fn answer(dumps: Vec<RankDump>) -> Vec<JobAnswer> {
     let mut jobs: Vec<JobAnswer> = Vec::new();
     for mut d in dumps {
-        d.job = job_key(&d);
+        d.job = job_key(&d.job, d.node.as_deref(), d.pid);
         match jobs.iter_mut().find(|j| j.job == d.job) {
             Some(j) => j.ranks.push(d),
             None => jobs.push(JobAnswer {
@@ -264,13 +298,85 @@ pub fn answer(dumps: Vec<RankDump>) -> Vec<JobAnswer> {
                 first: None,
                 followed: Vec::new(),
                 shape: Shape::NoOom,
+                agreement: Agreement::default(),
             }),
         }
     }
+    let mut jobs: Vec<JobAnswer> = jobs.into_iter().flat_map(split_runs).collect();
     for j in &mut jobs {
         settle(j);
     }
     jobs
+}
+
+/// A job's ranks as runs: where every start is known, sorted by it and cut where the next
+/// started more than [`NEW_RUN_NS`] after the one before.
+fn split_runs(mut j: JobAnswer) -> Vec<JobAnswer> {
+    if j.ranks.iter().any(|r| r.started_ns.is_none()) {
+        return vec![j];
+    }
+    j.ranks.sort_by_key(|r| r.started_ns);
+    let mut runs: Vec<Vec<RankDump>> = Vec::new();
+    let mut last: Option<i64> = None;
+    for r in j.ranks.drain(..) {
+        let start = r.started_ns.unwrap_or_default();
+        if last.is_none_or(|l| start - l > NEW_RUN_NS) {
+            runs.push(Vec::new());
+        }
+        last = Some(start);
+        if let Some(run) = runs.last_mut() {
+            run.push(r);
+        }
+    }
+    let n = runs.len();
+    runs.into_iter()
+        .enumerate()
+        .map(|(i, ranks)| JobAnswer {
+            job: if n > 1 {
+                format!("{} (run {} of {n})", j.job, i + 1)
+            } else {
+                j.job.clone()
+            },
+            ranks,
+            agreement: Agreement {
+                run: i + 1,
+                runs: n,
+                ..Agreement::default()
+            },
+            ..j.clone()
+        })
+        .collect()
+}
+
+/// What the ranks say of themselves: WORLD_SIZE, how many, started how far apart, restarted.
+fn agreement(j: &JobAnswer) -> Agreement {
+    let mut world_sizes: Vec<u32> = j.ranks.iter().filter_map(|r| r.world_size).collect();
+    world_sizes.sort();
+    world_sizes.dedup();
+    let mut by_rank: std::collections::BTreeMap<&str, Vec<u32>> = Default::default();
+    for r in &j.ranks {
+        if let Some(rank) = r.rank.as_deref() {
+            let pids = by_rank.entry(rank).or_default();
+            if !pids.contains(&r.pid) {
+                pids.push(r.pid);
+            }
+        }
+    }
+    let starts: Option<Vec<i64>> = j.ranks.iter().map(|r| r.started_ns).collect();
+    Agreement {
+        world_sizes,
+        ranks_seen: by_rank.len(),
+        start_spread_ns: starts
+            .filter(|s| !s.is_empty())
+            .map(|s| s.iter().max().unwrap_or(&0) - s.iter().min().unwrap_or(&0)),
+        restarted: by_rank
+            .iter()
+            .filter(|(_, pids)| pids.len() > 1)
+            .map(|(r, _)| (*r).to_owned())
+            .collect(),
+        run: j.agreement.run.max(1),
+        runs: j.agreement.runs.max(1),
+    }
 }
 
 fn settle(j: &mut JobAnswer) {
@@ -291,6 +397,7 @@ fn settle(j: &mut JobAnswer) {
             .collect();
     }
     j.shape = shape(&j.ranks, &ooms);
+    j.agreement = agreement(j);
 }
 
 fn rank_number(r: &RankDump) -> i64 {
@@ -316,9 +423,15 @@ fn shape(ranks: &[RankDump], ooms: &[usize]) -> Shape {
         r.len()
     };
     if same && distinct(ooms) > 1 {
+        let sites: Vec<Option<&String>> = ooms.iter().map(|&i| ranks[i].site.as_ref()).collect();
         return Shape::SameRequest {
             ranks: distinct(ooms),
             asked: asked[0],
+            site: sites
+                .iter()
+                .all(|s| s.is_some() && *s == sites[0])
+                .then(|| sites[0].cloned())
+                .flatten(),
         };
     }
     if distinct(ooms) == 1 && peers.is_empty() {
@@ -332,6 +445,7 @@ fn shape(ranks: &[RankDump], ooms: &[usize]) -> Shape {
             asked: ranks[first].asked,
             reserved: ranks[first].reserved,
             others_median_reserved: theirs.get(theirs.len() / 2).copied(),
+            site: ranks[first].site.clone(),
         };
     }
     Shape::Different
@@ -354,6 +468,9 @@ mod tests {
             asked: Some(asked),
             shortfall: Some(1),
             reserved: Some(asked * 4),
+            site: None,
+            world_size: Some(2),
+            started_ns: Some(0),
         }
     }
 
@@ -370,13 +487,15 @@ mod tests {
 
     #[test]
     fn two_single_node_jobs_with_torchruns_defaults_are_two_jobs() {
-        // Both ran with run id "none" at 127.0.0.1:29500: each is "no-job" on its node.
+        // Both ran with run id "none" at 127.0.0.1:29500: each is its node's "local-29500".
         let jobs = answer(vec![
-            dump(NO_JOB, "0", "node-a", 10, 1, 64 << 20),
-            dump(NO_JOB, "0", "node-b", 10, 2, 64 << 20),
+            dump("local-29500", "0", "node-a", 10, 1, 64 << 20),
+            dump("local-29500", "1", "node-a", 11, 1, 64 << 20),
+            dump("local-29500", "0", "node-b", 10, 2, 64 << 20),
         ]);
         assert_eq!(jobs.len(), 2, "{jobs:#?}");
-        assert!(jobs.iter().all(|j| matches!(j.shape, Shape::Alone)));
+        assert_eq!(jobs[0].ranks.len(), 2, "{jobs:#?}");
+        assert!(matches!(jobs[1].shape, Shape::Alone));
         assert_ne!(jobs[0].job, jobs[1].job);
     }
 
@@ -394,5 +513,27 @@ mod tests {
         assert_eq!(j.ranks[j.first.unwrap()].rank.as_deref(), Some("0"));
         assert_eq!(j.followed, vec![(1, 2)]);
         assert_eq!(j.nodes, ["node-a", "node-b"]);
+    }
+
+    #[test]
+    fn a_name_used_again_later_is_another_run_and_disagreement_is_said() {
+        let mut later = dump("run-x", "0", "node-a", 30, 900_000_000_000, 96 << 20);
+        later.started_ns = Some(800_000_000_000);
+        let mut restarted = dump("run-x", "1", "node-a", 12, 6, 96 << 20);
+        restarted.world_size = Some(4);
+        let jobs = answer(vec![
+            dump("run-x", "0", "node-a", 10, 5, 96 << 20),
+            dump("run-x", "1", "node-b", 11, 6, 96 << 20),
+            restarted,
+            later,
+        ]);
+        assert_eq!(jobs.len(), 2, "{jobs:#?}");
+        assert_eq!(jobs[0].job, "run-x (run 1 of 2)");
+        assert_eq!(jobs[0].ranks.len(), 3);
+        assert_eq!(jobs[0].agreement.world_sizes, vec![2, 4]);
+        assert_eq!(jobs[0].agreement.restarted, vec!["1".to_owned()]);
+        assert_eq!(jobs[0].agreement.start_spread_ns, Some(0));
+        assert_eq!((jobs[1].agreement.run, jobs[1].agreement.runs), (2, 2));
+        assert!(matches!(jobs[1].shape, Shape::Alone));
     }
 }

@@ -15,10 +15,9 @@
 //! `--dump-max` keeps the newest folders of each user, removing the oldest first (said).
 
 use std::{
-    collections::HashMap,
     os::fd::{AsFd, OwnedFd},
     path::{Path, PathBuf},
-    sync::mpsc::{Receiver, SyncSender, TrySendError},
+    sync::mpsc::Receiver,
     thread::JoinHandle,
     time::{Duration, Instant},
 };
@@ -32,12 +31,14 @@ use serde::Serialize;
 
 mod files;
 mod names;
+mod watch;
 
 use files::{subdir, write_new};
-pub use names::clean;
-use names::{job_name, parse_env, redact_others, NO_JOB};
+use names::redact_others;
+pub use watch::OomWatch;
 
 use crate::{
+    model::{env_map, job::clean, Rank},
     paths::act_as,
     query::{
         explain::{explain, ExplainQuery},
@@ -59,6 +60,32 @@ pub struct DumpOnOom {
     pub on_oom: Option<OnOom>,
     /// Where each explained OOM is told beside (the fleet's log records), if anywhere.
     pub sink: Option<OomSink>,
+    /// A Kubernetes pod's owner by the pod's uid, where the API was asked (the job of ranks
+    /// nothing in their environment names).
+    pub pod_job: Option<PodJob>,
+}
+
+/// A pod's owner (`model::job::pod_owner`'s name) by its uid, if known yet.
+#[derive(Clone)]
+pub struct PodJob(pub std::sync::Arc<PodOwnerOf>);
+
+/// A pod's uid to its owner's name.
+pub type PodOwnerOf = dyn Fn(&str) -> Option<String> + Send + Sync;
+
+impl std::fmt::Debug for PodJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PodJob")
+    }
+}
+
+/// How tracer knew the process ran out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Seen {
+    /// PyTorch's out-of-memory message.
+    Message,
+    /// A failed device allocation nothing followed (no message was seen).
+    FailedAttempt,
 }
 
 /// One OOM as the fleet hears of it: who, where, the verdict and its figures, the folder.
@@ -105,12 +132,17 @@ pub type RenderSnapshot = fn(&mut Vec<u8>, &pytorch_snapshot::Export) -> std::io
 pub struct OomStored {
     pub pid: u32,
     pub ts_ns: i64,
+    pub seen: Seen,
     pub owner: Option<(u32, u32)>,
     /// The process's kept environment (JSON): its job and rank.
     pub env: Option<String>,
+    /// Its job's name (model/job.rs), its environment's or its pod owner's.
+    pub job: String,
+    /// When it started (wall ns): ranks of one run of a job start together.
+    pub started_ns: Option<i64>,
     /// The other processes of its job (same job name, not "no-job") tracer saw on this node:
     /// their snapshots at the same instant are the baseline (and they are about to die).
-    pub peers: Vec<(u32, Whose)>,
+    pub peers: Vec<Peer>,
     /// The processes tracer saw of the same user: the only ones a dump may name.
     pub same_user: Vec<u32>,
     /// Its Kubernetes pod's uid, from its cgroup.
@@ -145,6 +177,7 @@ pub struct DumpRoot {
     render: RenderSnapshot,
     on_oom: Option<OnOom>,
     sink: Option<OomSink>,
+    pod_job: Option<PodJob>,
 }
 
 impl DumpRoot {
@@ -206,6 +239,7 @@ impl DumpRoot {
             render: cfg.render,
             on_oom: cfg.on_oom.clone(),
             sink: cfg.sink.clone(),
+            pod_job: cfg.pod_job.clone(),
         })
     }
 
@@ -216,13 +250,14 @@ impl DumpRoot {
         db: PathBuf,
         session: i64,
         shared: std::sync::Arc<super::shared::Shared>,
-    ) -> Result<(SyncSender<OomStored>, JoinHandle<DumpSummary>)> {
+    ) -> Result<(OomWatch, JoinHandle<DumpSummary>)> {
         let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
+        let watch = OomWatch::new(tx, self.pod_job.clone());
         let handle = std::thread::Builder::new()
             .name("tracer-dump".into())
             .spawn(move || self.run(rx, &db, session, &shared))
             .context("start the --dump-on-oom thread")?;
-        Ok((tx, handle))
+        Ok((watch, handle))
     }
 
     fn run(
@@ -274,13 +309,19 @@ impl DumpRoot {
             (sink.0)(&report_of(oom, verdict, &path));
         }
         // The other ranks of its job on this node, at the same instant.
-        for (peer, (owner, env)) in &oom.peers {
+        for Peer {
+            pid: peer,
+            whose: (owner, env),
+            started_ns,
+        } in &oom.peers
+        {
             let Some(owner) = owner.or_else(|| crate::traced::procinfo::owner_of(*peer)) else {
                 continue;
             };
             let of_peer = OomStored {
                 pid: *peer,
                 env: env.clone(),
+                started_ns: *started_ns,
                 // Another user's rank (a shared account aside) is told nothing of this one's.
                 same_user: if owner.0 == uid {
                     oom.same_user.clone()
@@ -314,9 +355,11 @@ impl DumpRoot {
     ) -> Result<(OwnedFd, PathBuf)> {
         let snapshot = snapshot_bytes(db, session, at, self.render)?;
         let layout = layout_json(db, session, at, uid)?;
-        let env = parse_env(at.env.as_deref());
-        let job = job_name(&env);
+        let env = env_map(at.env.as_deref());
+        let job = at.job.clone();
         let rank = env.get("RANK").map(|r| clean(r, 8));
+        let world_size =
+            Rank::from_env(|k| env.get(k).map(String::as_str)).and_then(|r| r.world_size);
         let name = clean(
             &format!(
                 "{}-rank{}-pid{pid}",
@@ -336,7 +379,11 @@ impl DumpRoot {
             "oom_ts_ns": at.ts_ns,
             "role": if peer_of.is_some() { "peer" } else { "oom" },
             "oom_pid": peer_of.map_or(pid, |o| o.pid),
+            "seen": peer_of.unwrap_or(at).seen,
+            "world_size": world_size,
+            "started_ns": at.started_ns,
         }))?;
+        let gpu = gpu_json(db, session, at, uid)?;
         // Everything below DIR as the process's user (the database is read as tracer's own).
         let _as_user = act_as(Some((uid, gid)));
         let user_dir = subdir(self.dir.as_fd(), &uid.to_string(), uid, false)?;
@@ -345,6 +392,7 @@ impl DumpRoot {
         write_new(dump_dir.as_fd(), "dump.json", &about)?;
         write_new(dump_dir.as_fd(), "snapshot.pickle", &snapshot)?;
         write_new(dump_dir.as_fd(), "layout.json", &layout)?;
+        write_new(dump_dir.as_fd(), "gpu.json", &gpu)?;
         let path = self.path.join(uid.to_string()).join(&job).join(&name);
         Ok((dump_dir, path))
     }
@@ -374,77 +422,15 @@ impl DumpRoot {
     }
 }
 
-/// The writer's side: each process's user and kept environment as it was read, and the OOM
-/// messages the writer has just stored, handed to the dump thread without waiting (a full
-/// queue is counted).
-#[derive(Default)]
-pub struct OomWatch {
-    owners: HashMap<u32, Whose>,
-    /// Each process's Kubernetes pod uid, where its cgroup names one.
-    pods: HashMap<u32, String>,
-}
-
 /// A process's user and group, and its kept environment (JSON).
 type Whose = (Option<(u32, u32)>, Option<String>);
 
-impl OomWatch {
-    pub fn note(&mut self, processes: &[crate::model::ProcessInfo]) {
-        for p in processes {
-            self.owners.insert(p.pid, (p.owner, p.env.clone()));
-            if let Some(pod) = p.cgroup.as_deref().and_then(crate::traced::pods::pod_of) {
-                self.pods.insert(p.pid, pod.pod_uid);
-            }
-        }
-    }
-
-    pub fn stored(
-        &self,
-        messages: &[crate::decode::Message],
-        wall_offset_ns: i64,
-        tx: &SyncSender<OomStored>,
-        shared: &super::shared::Shared,
-    ) {
-        for m in messages
-            .iter()
-            .filter(|m| m.op == tracer_common::Op::TorchOom)
-        {
-            let (owner, env) = self.owners.get(&m.pid).cloned().unwrap_or_default();
-            let job = job_name(&parse_env(env.as_deref()));
-            let peers = if job == NO_JOB {
-                Vec::new()
-            } else {
-                self.owners
-                    .iter()
-                    .filter(|(pid, (_, e))| {
-                        **pid != m.pid
-                            && job_name(&parse_env(e.as_deref())) == job
-                            && Path::new("/proc").join(pid.to_string()).exists()
-                    })
-                    .map(|(pid, w)| (*pid, w.clone()))
-                    .collect()
-            };
-            let same_user = self
-                .owners
-                .iter()
-                .filter(|(_, (o, _))| o.is_some() && o.map(|x| x.0) == owner.map(|x| x.0))
-                .map(|(pid, _)| *pid)
-                .collect();
-            let oom = OomStored {
-                pid: m.pid,
-                ts_ns: m.ts_mono_ns as i64 + wall_offset_ns,
-                owner,
-                env,
-                peers,
-                same_user,
-                pod_uid: self.pods.get(&m.pid).cloned(),
-            };
-            if let Err(TrySendError::Full(_)) = tx.try_send(oom) {
-                shared
-                    .dumps_skipped
-                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-        }
-    }
+/// Another rank of the OOM's job on this node: its pid, whose it is, when it started.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    pub pid: u32,
+    pub whose: Whose,
+    pub started_ns: Option<i64>,
 }
 
 /// `--on-oom`'s command for the folder at `path`: /bin/sh -c CMD as its user, in their home,
@@ -457,7 +443,7 @@ fn run_on_oom(
 ) -> super::on_warning::HookRun {
     use std::os::unix::process::CommandExt as _;
     let (uid, gid, home) = &on.user;
-    let env = parse_env(oom.env.as_deref());
+    let env = env_map(oom.env.as_deref());
     let mut cmd = std::process::Command::new("/bin/sh");
     cmd.arg("-c")
         .arg(&on.command)
@@ -467,7 +453,7 @@ fn run_on_oom(
         .env("TRACER_SESSION", session.to_string())
         .env("TRACER_PID", oom.pid.to_string())
         .env("TRACER_DUMP_DIR", path)
-        .env("TRACER_JOB", job_name(&env))
+        .env("TRACER_JOB", &oom.job)
         .env("TRACER_RANK", env.get("RANK").map_or("", String::as_str))
         .current_dir(if Path::new(home).is_dir() {
             home.as_str()
@@ -487,6 +473,10 @@ fn run_on_oom(
 /// Waits (a few seconds at most) until the message at the OOM is in the database: the calls
 /// before it were stored with it or earlier.
 fn wait_stored(db: &Path, session: i64, oom: &OomStored) -> Result<()> {
+    if oom.seen == Seen::FailedAttempt {
+        // Its calls were stored before the writer's watch read them.
+        return Ok(());
+    }
     let started = Instant::now();
     loop {
         let conn = rusqlite::Connection::open_with_flags(
@@ -561,11 +551,11 @@ struct Verdict {
 }
 
 fn report_of(oom: &OomStored, v: Option<Verdict>, path: &Path) -> OomReport {
-    let env = parse_env(oom.env.as_deref());
+    let env = env_map(oom.env.as_deref());
     OomReport {
         pid: oom.pid,
         ts_ns: oom.ts_ns,
-        job: job_name(&env),
+        job: oom.job.clone(),
         rank: env.get("RANK").cloned(),
         node: nix::unistd::gethostname()
             .ok()
@@ -612,4 +602,56 @@ fn explain_json(
     let mine = |pid: u32| pid == oom.pid || (uid != 0 && oom.same_user.contains(&pid));
     redact_others(&mut report, &mine);
     Ok((serde_json::to_vec_pretty(&report)?, verdict))
+}
+
+/// What NVML said of each GPU at the OOM (its latest sample then): total and used bytes and
+/// every process on it, named where it is the user's own (a rank of its job said so), else by
+/// its bytes only. Where NVML was not read, said so.
+fn gpu_json(db: &Path, session: i64, oom: &OomStored, uid: u32) -> Result<Vec<u8>> {
+    let conn = rusqlite::Connection::open_with_flags(
+        db,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .with_context(|| format!("open {} to read NVML's samples", db.display()))?;
+    let samples = crate::store::events::gpu_samples(&conn, session)?;
+    let mut latest: Vec<&crate::model::GpuSample> = Vec::new();
+    for s in samples.iter().filter(|s| s.ts_ns <= oom.ts_ns) {
+        match latest.iter_mut().find(|l| l.gpu == s.gpu) {
+            Some(l) => *l = s,
+            None => latest.push(s),
+        }
+    }
+    let mine = |pid: u32| pid == oom.pid || (uid != 0 && oom.same_user.contains(&pid));
+    let gpus: Vec<serde_json::Value> = latest
+        .iter()
+        .map(|s| {
+            let processes: Vec<serde_json::Value> = s
+                .processes
+                .iter()
+                .map(|&(pid, bytes)| {
+                    serde_json::json!({
+                        "pid": mine(pid).then_some(pid),
+                        "bytes": bytes,
+                        "same_job": mine(pid) && (pid == oom.pid || oom.peers.iter().any(|p| p.pid == pid)),
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "gpu": s.gpu,
+                "sampled_ns": s.ts_ns,
+                "total": s.total,
+                "used": s.used,
+                "this_process": s.processes.iter().any(|p| p.0 == oom.pid),
+                "processes": processes,
+            })
+        })
+        .collect();
+    let said = if gpus.is_empty() {
+        "NVML was not read before the OOM (no library, --nvml off, or no sample yet): the device's total and other processes' use are not known"
+    } else {
+        "NVML's latest sample at or before the OOM; other users' processes by their bytes only"
+    };
+    Ok(serde_json::to_vec_pretty(
+        &serde_json::json!({ "said": said, "gpus": gpus }),
+    )?)
 }

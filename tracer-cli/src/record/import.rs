@@ -54,12 +54,18 @@ impl SimlogImporter {
 
     /// Creates the session the log's calls go into (source `simulated`).
     pub fn begin_session(store: &Store) -> Result<i64> {
+        let host = nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        SimlogImporter::begin_session_on(store, &host)
+    }
+
+    /// [`SimlogImporter::begin_session`] for a simulated node named `host`.
+    pub fn begin_session_on(store: &Store, host: &str) -> Result<i64> {
         store.begin_session(&SessionStart {
             started_ns: now_ns(),
             source: "simulated",
-            host: nix::unistd::gethostname()
-                .map(|h| h.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            host: host.to_owned(),
             kernel: String::new(),
             command: std::env::args().collect::<Vec<_>>().join(" "),
             pid_filter: None,

@@ -846,10 +846,10 @@ fn spawn_pipeline(
         max_db: opts.max_db,
         owner: paths::invoker().owner,
     };
-    let (dump_tx, dumps) = match dump_root {
+    let (dump_watch, dumps) = match dump_root {
         Some(root) => {
-            let (tx, handle) = root.spawn(opts.db.clone(), session, shared.clone())?;
-            (Some(tx), Some(handle))
+            let (watch, handle) = root.spawn(opts.db.clone(), session, shared.clone())?;
+            (Some(watch), Some(handle))
         }
         None => (None, None),
     };
@@ -858,7 +858,7 @@ fn spawn_pipeline(
         thread::Builder::new()
             .name("tracer-writer".into())
             .spawn(move || {
-                writer::write_loop(store, deliveries_rx, &shared, writer_opts, dump_tx)
+                writer::write_loop(store, deliveries_rx, &shared, writer_opts, dump_watch)
             })?
     };
     Ok(Threads {

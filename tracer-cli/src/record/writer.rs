@@ -113,7 +113,7 @@ pub fn write_loop(
     rx: Receiver<Delivery>,
     shared: &Shared,
     opts: WriterOptions,
-    dumps: Option<std::sync::mpsc::SyncSender<super::dump::OomStored>>,
+    mut dumps: Option<super::dump::OomWatch>,
 ) -> (Store, Result<()>) {
     // This thread only writes the database: all of it as the invoking user (files SQLite
     // creates later, such as a new -wal, are theirs and only where they could create them).
@@ -131,7 +131,6 @@ pub fn write_loop(
         let mut last_housekeeping = Instant::now();
         let mut ended: Vec<u32> = Vec::new();
         let mut keyframes_seen = 0;
-        let mut oom_watch = super::dump::OomWatch::default();
         loop {
             let disconnected = match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(first) => {
@@ -150,8 +149,8 @@ pub fn write_loop(
                 || pending.calls.len() >= COMMIT_ROWS
                 || last_commit.elapsed() >= COMMIT_EVERY;
             if due && pending.has_rows() {
-                if dumps.is_some() {
-                    oom_watch.note(&pending.processes);
+                if let Some(watch) = dumps.as_mut() {
+                    watch.note(&pending.processes);
                 }
                 let threads = new_threads(&pending.calls, &mut threads_seen);
                 store.write_batch(&Batch {
@@ -171,8 +170,13 @@ pub fn write_loop(
                     Ordering::SeqCst,
                 );
                 // Stored: the OOMs' evidence may be read now.
-                if let Some(tx) = &dumps {
-                    oom_watch.stored(&pending.messages, opts.wall_offset_ns, tx, shared);
+                if let Some(watch) = dumps.as_mut() {
+                    watch.stored(
+                        &pending.calls,
+                        &pending.messages,
+                        opts.wall_offset_ns,
+                        shared,
+                    );
                 }
                 // Right after the calls it includes: the keyframe covers exactly the blocks
                 // stored so far.
@@ -196,6 +200,15 @@ pub fn write_loop(
                 }
                 pending = Delivery::default();
                 last_commit = Instant::now();
+            }
+            if let Some(watch) = dumps.as_mut() {
+                // At the end no retry can follow: every failure left is settled as it stands.
+                let now = if disconnected {
+                    u64::MAX
+                } else {
+                    super::arming::monotonic_ns()
+                };
+                watch.due(now, opts.wall_offset_ns, shared);
             }
             let every = if opts.max_db.is_some() {
                 Duration::from_millis(250)

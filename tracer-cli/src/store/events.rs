@@ -51,6 +51,28 @@ pub fn session(conn: &Connection, id: Option<i64>) -> Result<SessionInfo> {
     Ok(SessionInfo { id, status })
 }
 
+/// The host the session was recorded on (its node), where it was recorded.
+pub fn session_host(conn: &Connection, session: i64) -> Result<Option<String>> {
+    conn.query_row("SELECT host FROM sessions WHERE id = ?1", [session], |r| {
+        r.get(0)
+    })
+    .optional()
+    .map(Option::flatten)
+    .context("read the session's host")
+}
+
+/// Each process's start (wall ns), where /proc said it.
+pub fn start_times(conn: &Connection, session: i64) -> Result<HashMap<u32, i64>> {
+    let mut stmt = conn.prepare(
+        "SELECT pid, start_time_ns FROM processes WHERE session_id = ?1 AND start_time_ns IS NOT NULL",
+    )?;
+    let rows = stmt.query_map([session], |r| {
+        Ok((r.get::<_, u32>(0)?, r.get::<_, i64>(1)?))
+    })?;
+    rows.collect::<rusqlite::Result<_>>()
+        .context("read the processes' start times")
+}
+
 /// Figures no real call has: a crafted or damaged database. Refused (exit 2) before any
 /// analysis sums, multiplies or subtracts them, so no number in a report ever wraps.
 const MAX_PLAUSIBLE_SIZE: u64 = 1 << 52; // 4 PiB

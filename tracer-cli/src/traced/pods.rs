@@ -80,6 +80,9 @@ pub struct PodName {
     pub name: String,
     /// Container ID (without the runtime's `containerd://` scheme) to container name.
     pub containers: HashMap<String, String>,
+    /// The job it is a part of (its JobSet, training job or owning controller:
+    /// `model::job::pod_owner`), where it is one.
+    pub job: Option<String>,
 }
 
 /// Where to find the Kubernetes API.
@@ -263,12 +266,27 @@ async fn list_pods(client: &kube::Client, node: Option<&str>) -> Result<Vec<(Str
                     Some((bare.to_owned(), c.name))
                 })
                 .collect();
+            let namespace = pod.metadata.namespace.unwrap_or_default();
+            let labels: HashMap<String, String> = pod
+                .metadata
+                .labels
+                .unwrap_or_default()
+                .into_iter()
+                .collect();
+            let owners = pod.metadata.owner_references.unwrap_or_default();
+            let controller = owners.iter().find(|o| o.controller == Some(true));
+            let job = crate::model::job::pod_owner(
+                &namespace,
+                &labels,
+                controller.map(|o| (o.kind.as_str(), o.name.as_str())),
+            );
             Some((
                 uid,
                 PodName {
-                    namespace: pod.metadata.namespace.unwrap_or_default(),
+                    namespace,
                     name: pod.metadata.name.unwrap_or_default(),
                     containers,
+                    job,
                 },
             ))
         })

@@ -79,6 +79,9 @@ pub struct Holders {
     pub verdict: HeldBy,
     /// What was asked, what the device could give, the shortfall and what stood in the way.
     pub arithmetic: crate::analysis::oom::Arithmetic,
+    /// The failed call's site (`--stack`): native and Python line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub site: Option<String>,
 }
 
 /// The memory the request needed was...

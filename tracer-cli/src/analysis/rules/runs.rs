@@ -137,9 +137,19 @@ pub(super) fn oom(f: &mut Scanning<'_, '_>) -> Option<Chain> {
         .iter()
         .find(|m| m.pid == f.p.pid && m.op == tracer_common::Op::TorchOom.name())
         .map(|m| m.text.as_str());
-    f.holders.extend(tenants::name_in_oom(
-        &mut chain, f.p, f.everyone, f.who, message, judged,
-    ));
+    let mut holders = tenants::name_in_oom(&mut chain, f.p, f.everyone, f.who, message, judged);
+    if let Some(h) = holders.as_mut() {
+        // The failed call's own site (`--stack`): the line that asked, to set beside other ranks'.
+        h.site =
+            f.p.all
+                .iter()
+                .rev()
+                .find(|e| e.ts_ns == h.at_ns && e.ret != 0)
+                .and_then(|e| e.stack)
+                .and_then(|id| f.sites.get(&id))
+                .cloned();
+    }
+    f.holders.extend(holders);
     Some(chain)
 }
 

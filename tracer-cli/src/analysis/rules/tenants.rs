@@ -231,6 +231,7 @@ pub fn name_in_oom(
         unattributed,
         verdict,
         arithmetic,
+        site: None,
     };
     say_in_chain(chain, &holders, reading, message.is_some());
     super::arithmetic::say(chain, &holders, judged.as_ref());

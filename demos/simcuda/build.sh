@@ -28,6 +28,8 @@ cc "${cflags[@]}" -shared -fvisibility=hidden -o "$out/libnvidia-ml.so.1" -Wl,-s
 cc "${cflags[@]}" -o "$out/simdriver" "$src/simdriver.c" -ldl -lpthread
 # The long training job (demos/workloads/long_job.py in C, for the flight recorder's benchmark).
 cc "${cflags[@]}" -o "$out/simjob" "$src/simjob.c" -ldl
+# A short program that loads the runtime it is given and allocates at once (discovery's tests).
+cc "${cflags[@]}" -o "$out/burst" "$src/burst.c" -ldl
 # The same runtime linked into an executable, as statically linked CUDA programs do.
 cc "${cflags[@]}" -o "$out/staticapp" "$src/staticapp.c" "$src/runtime.c" "$src/model.c" "$src/driver_api.c" -lpthread
 echo "$out"

@@ -6,6 +6,7 @@
 
 pub mod call;
 pub mod event;
+pub mod libwatch;
 pub mod maps;
 pub mod probes;
 pub mod sched;

@@ -1,5 +1,35 @@
 //! Names of the maps, programs and globals the two sides share, and the counter slots.
 
+/// Discovery in the kernel (crate::libwatch): the ring of library opens, the opens under way
+/// (tid -> [`crate::libwatch::LibOpen`]), the paths probed, and the state array's slots.
+pub const LIB_OPENS: &str = "LIB_OPENS";
+pub const LIB_OPENS_BYTES: u32 = 64 * 1024;
+pub const LIB_PENDING: &str = "LIB_PENDING";
+pub const LIB_PENDING_ENTRIES: u32 = 1024;
+pub const LIB_KNOWN: &str = "LIB_KNOWN";
+pub const LIB_KNOWN_ENTRIES: u32 = 4096;
+pub const LIB_STATE: &str = "LIB_STATE";
+pub const LIB_STATE_SLOTS: u32 = 1;
+/// [`LIB_STATE`] slot: processes are stopped only before this CLOCK_MONOTONIC ns.
+pub const LIB_HOLD_UNTIL: u32 = 0;
+/// Per-CPU counters of opens lost: slot [`LIB_LOST_RING`] the ring full,
+/// [`LIB_LOST_PENDING`] the pending map full.
+pub const LIB_LOST: &str = "LIB_LOST";
+pub const LIB_LOST_SLOTS: u32 = 2;
+pub const LIB_LOST_RING: u32 = 0;
+pub const LIB_LOST_PENDING: u32 = 1;
+/// The tracepoint programs at syscalls:sys_enter_openat and sys_exit_openat.
+pub const PROG_LIB_OPEN_ENTER: &str = "lib_open_enter";
+pub const PROG_LIB_OPEN_EXIT: &str = "lib_open_exit";
+/// Globals: the tracepoints' field offsets (tracefs), task_struct's members (BTF).
+pub const GLOBAL_OPENAT_FILENAME_OFF: &str = "OPENAT_FILENAME_OFF";
+pub const GLOBAL_OPENAT_RET_OFF: &str = "OPENAT_RET_OFF";
+pub const GLOBAL_TASK_REAL_PARENT_OFF: &str = "TASK_REAL_PARENT_OFF";
+pub const GLOBAL_TASK_COMM_OFF: &str = "TASK_COMM_OFF";
+pub const GLOBAL_TASK_PTRACE_OFF: &str = "TASK_PTRACE_OFF";
+/// Global: tracer's own process id (its own opens are not watched).
+pub const GLOBAL_SELF_TGID: &str = "SELF_TGID";
+
 /// Ring buffer of records ([`crate::EventHeader`] first).
 pub const EVENTS: &str = "EVENTS";
 /// Per-CPU `u64` counters indexed by [`Counter`].

@@ -5,6 +5,7 @@
 mod call;
 mod counters;
 mod inflight;
+mod libwatch;
 mod maps;
 mod sched;
 mod stack;

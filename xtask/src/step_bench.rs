@@ -46,15 +46,21 @@ enum Setup {
     NoSched,
     Tracer,
     Stack,
+    /// tracer with `--dump-on-oom`: armed, and no OOM happens (its cost should be none).
+    Dump,
 }
 
-const SETUPS: [Setup; 5] = [
+const SETUPS: [Setup; 6] = [
     Setup::Untraced,
     Setup::Floor,
     Setup::NoSched,
     Setup::Tracer,
     Setup::Stack,
+    Setup::Dump,
 ];
+
+/// Where the `--dump-on-oom` setup's dumps would go: root's own folder, mode 0700.
+const DUMP_DIR: &str = "/tmp/tracer-bench-dumps";
 
 impl Setup {
     fn name(self) -> &'static str {
@@ -64,6 +70,7 @@ impl Setup {
             Setup::NoSched => "tracer, no sched",
             Setup::Tracer => "tracer",
             Setup::Stack => "tracer --stack",
+            Setup::Dump => "--dump-on-oom",
         }
     }
 
@@ -74,6 +81,7 @@ impl Setup {
             Setup::NoSched => Some(&["--no-host-context"]),
             Setup::Tracer => Some(&[]),
             Setup::Stack => Some(&["--stack"]),
+            Setup::Dump => Some(&["--dump-on-oom", DUMP_DIR]),
         }
     }
 }
@@ -244,6 +252,7 @@ pub(crate) fn work_for(l: &Loop, step_ms: f64) -> Result<f64> {
 
 pub fn run(args: StepBenchArgs) -> Result<()> {
     let l = setup_loop()?;
+    dump_dir()?;
     ensure!(args.step_rounds >= 1, "--step-rounds must be at least 1");
     if !args.modes_only {
         for (step_ms, target) in STEP_MS {
@@ -251,6 +260,16 @@ pub fn run(args: StepBenchArgs) -> Result<()> {
         }
     }
     crate::step_modes::section(&l, &args)
+}
+
+/// The dump setup's folder, made fresh as root's own with mode 0700 (tracer refuses any other).
+fn dump_dir() -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let _ = std::fs::remove_dir_all(DUMP_DIR);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(DUMP_DIR)
+        .with_context(|| format!("create the dump setup's folder {DUMP_DIR}"))
 }
 
 fn section(l: &Loop, args: &StepBenchArgs, step_ms: f64, target: f64) -> Result<()> {
@@ -341,6 +360,20 @@ fn print_section(
             median(r)
         );
     }
+    // Armed and no OOM: the same run against tracer's, round by round (the issue's "nothing
+    // measurable" is this ratio inside tracer's own rounds' spread).
+    let armed: Vec<f64> = of(Setup::Dump)
+        .iter()
+        .zip(of(Setup::Tracer))
+        .map(|(d, t)| d.step_ms / t.step_ms)
+        .collect();
+    let (lo, hi) = spread(&armed);
+    let (tlo, thi) = spread(&ratio_of(Setup::Tracer));
+    println!(
+        "  --dump-on-oom      {:>9.3}x tracer, rounds {lo:.3}-{hi:.3}   tracer's own rounds span {:.3}",
+        median(armed),
+        thi / tlo
+    );
     // Per event against the floor, round by round: (tracer - untraced) / (floor - untraced).
     let per_round: Vec<f64> = of(Setup::Tracer)
         .iter()

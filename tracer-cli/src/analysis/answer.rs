@@ -158,6 +158,10 @@ pub struct Coverage {
     /// Processes whose allocator state was not (or is not) exactly known in the window.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub states: Vec<StateNote>,
+    /// Processes that opened a CUDA library and ended before tracer had probed it: none of
+    /// their calls was seen (record/discovery.rs).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub never_traced: Vec<crate::model::discovery::DiscoveryRow>,
 }
 
 impl Coverage {
@@ -265,6 +269,16 @@ impl Coverage {
                 format_utc(g.to_ns),
                 g.kind,
                 g.detail
+            ));
+        }
+        for r in &c.never_traced {
+            lines.push(format!(
+                "Never traced: pid {} ({}) opened {} at {} and ended before tracer had probed it: none of its calls was seen{}",
+                r.pid,
+                r.comm.as_deref().unwrap_or("?"),
+                r.library,
+                format_utc(r.opened_ns),
+                r.why.as_deref().map(|w| format!(" ({w})")).unwrap_or_default()
             ));
         }
         lines

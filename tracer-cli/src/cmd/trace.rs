@@ -125,6 +125,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
         program_stats: args.recording.program_stats,
         no_keyframes: args.recording.no_keyframes,
         no_host_context: args.recording.no_host_context,
+        hold: !args.recording.no_hold,
         nvml: match args.recording.nvml.as_deref() {
             Some("off") => None,
             Some(path) => Some(path.to_owned()),

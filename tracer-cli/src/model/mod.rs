@@ -4,6 +4,7 @@
 pub mod arming;
 pub mod attempts;
 pub mod devices;
+pub mod discovery;
 mod event;
 pub mod figures;
 pub mod job;

@@ -74,9 +74,18 @@ pub struct GapRow {
     pub from_ns: Option<i64>,
     pub to_ns: i64,
     /// `before_trace`: the process ran before tracer started; `restart`: between an earlier
-    /// session's last call of it and this session (its state was taken up from a keyframe).
+    /// session's last call of it and this session (its state was taken up from a keyframe);
+    /// `found_late`: it opened a CUDA library before tracer had probed it (record/discovery.rs).
     pub kind: String,
     pub detail: String,
+}
+
+impl GapRow {
+    /// The process ran unseen until `to_ns`: before the trace, or with its library not yet
+    /// probed (found late); its allocator is seen from then, as if the trace began there.
+    pub fn unseen_start(&self) -> bool {
+        self.kind == "before_trace" || self.kind == "found_late"
+    }
 }
 
 /// Blocks --max-db deleted between two kept parts of a session (SCHEMA.md, `holes`): a walk

@@ -103,6 +103,9 @@ pub struct Probes {
     pub host_context: Result<(), String>,
     /// `--allocator auto` with host context: the scheduler follows the processes armed now.
     sched_follow: Option<SchedFollow>,
+    /// Whether task_struct's offsets were read from the kernel's BTF (discovery may then stop
+    /// a process until its library is probed), or why not.
+    pub task_offsets: Result<(), String>,
 }
 
 /// Field offsets in the sched_switch and sched_wakeup records.
@@ -133,7 +136,7 @@ const TRACEFS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
 
 /// The tracefs mount, mounting it at /sys/kernel/tracing when missing (classic tracepoints are
 /// attached by the id their tracefs entry gives).
-fn tracefs() -> Result<&'static str, String> {
+pub(super) fn tracefs() -> Result<&'static str, String> {
     if let Some(dir) = TRACEFS
         .iter()
         .find(|d| Path::new(d).join("events").is_dir())
@@ -367,8 +370,25 @@ impl Probes {
         let sched_armed_only: u32 = (opts.allocator == crate::model::arming::Mode::Auto).into();
         let sched = sched_offsets();
         let offsets = sched.as_ref().map_or(SchedOffsets::default(), |o| *o);
+        let openat = tracefs()
+            .ok()
+            .and_then(|dir| super::libwatch::openat_offsets(dir).ok())
+            .unwrap_or_default();
+        let task = super::btf::task_offsets().map_err(|e| format!("{e:#}"));
+        let task_offsets = task.clone().unwrap_or_default();
+        let me = std::process::id();
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::EVENTS, opts.ring_bytes)
+            .override_global(names::GLOBAL_OPENAT_FILENAME_OFF, &openat.filename, true)
+            .override_global(names::GLOBAL_OPENAT_RET_OFF, &openat.ret, true)
+            .override_global(
+                names::GLOBAL_TASK_REAL_PARENT_OFF,
+                &task_offsets.real_parent,
+                true,
+            )
+            .override_global(names::GLOBAL_TASK_COMM_OFF, &task_offsets.comm, true)
+            .override_global(names::GLOBAL_TASK_PTRACE_OFF, &task_offsets.ptrace, true)
+            .override_global(names::GLOBAL_SELF_TGID, &me, true)
             .override_global(names::GLOBAL_WAKEUP_BYTES, &opts.wakeup_bytes, true)
             .override_global(names::GLOBAL_FLOOR_MODE, &floor, true)
             .override_global(names::GLOBAL_STACK_MODE, &stack, true)
@@ -450,7 +470,15 @@ impl Probes {
             host_context,
             torch_probes,
             sched_follow,
+            task_offsets: task.map(|_| ()),
         })
+    }
+
+    /// Discovery in the kernel: the openat programs attached and their maps (`hold`: stop a
+    /// process that opens a library not yet probed until it is). Holding needs the kernel's
+    /// task offsets ([`Probes::task_offsets`]); without them the programs never stop anyone.
+    pub fn take_libwatch(&mut self, hold: bool) -> Result<super::libwatch::LibWatch> {
+        super::libwatch::LibWatch::start(&mut self.ebpf, hold && self.task_offsets.is_ok())
     }
 
     /// The interpreters the return program walks (--stack).

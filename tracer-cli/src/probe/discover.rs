@@ -30,6 +30,8 @@ pub enum Origin {
     Installed,
     /// An executable with the runtime linked in.
     Static,
+    /// Opened by a process, as the kernel told (probe/libwatch.rs).
+    Opened,
 }
 
 impl Origin {
@@ -39,6 +41,7 @@ impl Origin {
             Origin::Mapped => "mapped",
             Origin::Installed => "installed",
             Origin::Static => "static",
+            Origin::Opened => "opened",
         }
     }
 }
@@ -328,6 +331,12 @@ impl Scanner {
             seen: HashSet::new(),
             ticks: 0,
         }
+    }
+
+    /// Marks a file found elsewhere (a process opening it): no scan returns it again. False
+    /// when a scan already had.
+    pub fn mark_seen(&mut self, id: FileId) -> bool {
+        self.seen.insert(id)
     }
 
     /// Candidates not returned before. With --lib, only those; with --pid, only what those map.

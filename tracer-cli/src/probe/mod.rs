@@ -2,13 +2,16 @@
 //! installed, statically linked) and the libraries holding PyTorch's probes; `usdt` reads their
 //! notes; `attach` loads the eBPF object and attaches its programs (`perf` makes the uprobe
 //! perf events and links the kernel's helpers do not); `privileges` says whether this process
-//! may; `release` removes them without making anyone wait for the kernel; `stage` empties the
+//! may; `libwatch` hears in the kernel of each library a process opens, `btf` reading the
+//! kernel structure offsets it needs; `release` removes them without making anyone wait for the kernel; `stage` empties the
 //! kernel programs' per-CPU stages of call events into the ring; `check` proves that tracing
 //! works on this machine.
 
 pub mod attach;
+mod btf;
 pub mod check;
 pub mod discover;
+pub mod libwatch;
 mod perf;
 pub mod privileges;
 mod release;

@@ -521,7 +521,23 @@ fn coverage(
         holes,
         kept: series::kept(conn, session)?,
         states: Vec::new(),
+        never_traced: never_traced(conn, session, pid)?,
     })
+}
+
+/// The processes that opened a CUDA library and ended before it was probed, once each (the
+/// first library it opened).
+fn never_traced(
+    conn: &Connection,
+    session: i64,
+    pid: Option<u32>,
+) -> Result<Vec<crate::model::discovery::DiscoveryRow>> {
+    let mut seen = std::collections::HashSet::new();
+    Ok(crate::store::discovery::rows(conn, session)?
+        .into_iter()
+        .filter(|r| r.outcome == crate::model::discovery::Outcome::Missed)
+        .filter(|r| pid.is_none_or(|p| p == r.pid) && seen.insert(r.pid))
+        .collect())
 }
 
 /// Per process and device, the whole-run series' figures of the intervals that overlap

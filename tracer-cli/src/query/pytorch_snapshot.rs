@@ -138,7 +138,7 @@ pub fn export(db: &Path, q: &SnapshotQuery) -> Result<Export> {
     let conf = events::alloc_confs(conn, info.id)?.remove(&pid);
     let rebuilt_until = crate::store::series::gaps(conn, info.id)?
         .into_iter()
-        .filter(|g| g.pid == pid && g.kind == "before_trace")
+        .filter(|g| g.pid == pid && g.unseen_start())
         .map(|g| g.to_ns)
         .max();
     let ooms = snapshot_ooms::of(conn, info.id, pid, at_ns)?;

@@ -405,7 +405,7 @@ impl Recordings {
         // rebuilt past, or at the keyframe the walk starts from.
         let mut begins_ns: HashMap<u32, i64> = HashMap::new();
         for g in series::gaps(conn, session)? {
-            if g.kind == "before_trace" {
+            if g.unseen_start() {
                 let t = begins_ns.entry(g.pid).or_insert(g.to_ns);
                 *t = (*t).max(g.to_ns);
             }

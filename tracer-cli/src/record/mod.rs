@@ -3,11 +3,13 @@
 //! buffer and hands over (crate::probe::stage empties the CPUs' stages), the registry learns what is slow
 //! to learn (crate::traced: /proc, interpreters, call sites) beside it and `join` what the
 //! kernel no longer keeps, the writer stores batches, `signals` turns signals into stops and
-//! `on_warning` runs the user's command, `arming` carries out `--allocator auto`'s decisions. `import` records from the simulated runtime's own log
+//! `on_warning` runs the user's command, `arming` carries out `--allocator auto`'s decisions, `discovery` probes each CUDA library a process opens
+//! before it calls into it (the kernel's notice). `import` records from the simulated runtime's own log
 //! instead of the ring, `memory_snapshot` from a PyTorch memory snapshot.
 
 mod arming;
 mod callers;
+mod discovery;
 pub mod dump;
 pub mod import;
 pub mod join;

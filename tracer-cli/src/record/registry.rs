@@ -319,7 +319,7 @@ impl Registry {
                     }
                     continue;
                 }
-                let delivery = self.enrich(records, &mut pids_seen, boot);
+                let delivery = self.enrich(records, &mut pids_seen, boot, shared);
                 shared
                     .allocs_not_tracked
                     .store(self.join.not_tracked, Ordering::SeqCst);
@@ -411,6 +411,38 @@ impl Registry {
         })
     }
 
+    /// A process whose library was probed only after it opened it (record/discovery.rs): a
+    /// `found_late` gap from then to its first call seen (`first_ns`, wall).
+    fn found_late(&mut self, pid: u32, first_ns: i64, shared: &Shared) -> bool {
+        let Some(late) = shared
+            .discovery
+            .lock()
+            .ok()
+            .and_then(|mut f| f.late.remove(&pid))
+        else {
+            return false;
+        };
+        let ago = late
+            .from_ns
+            .map(|from| format!(" {:.1} ms", (first_ns - from).max(0) as f64 / 1e6))
+            .unwrap_or_default();
+        let how = match late.how {
+            "scan" => "mapped (found by the once-a-second scan)",
+            _ => "opened",
+        };
+        self.gaps.push(GapRow {
+            pid,
+            from_ns: late.from_ns,
+            to_ns: first_ns,
+            kind: "found_late".into(),
+            detail: format!(
+                "found late: it {how} {}{ago} before its first call seen, and the library was probed only then: its calls before were not seen",
+                late.library
+            ),
+        });
+        true
+    }
+
     /// Tracer saw every call of the process: it started after the trace began (a thread of
     /// it that set no device is then on device 0, CUDA's default).
     fn seen_from_start(&self, p: &crate::model::ProcessInfo) -> bool {
@@ -447,6 +479,7 @@ impl Registry {
         records: Vec<Record>,
         pids_seen: &mut HashSet<u32>,
         boot: Option<i64>,
+        shared: &Shared,
     ) -> Delivery {
         let mut out = Delivery::default();
         for record in records {
@@ -462,7 +495,8 @@ impl Registry {
                         }
                         let seen = call.ts_mono_ns as i64 + self.wall_offset_ns;
                         let info = procinfo::read(call.pid, seen, &call.comm, boot);
-                        if self.seen_from_start(&info) {
+                        let late = self.found_late(call.pid, seen, shared);
+                        if !late && self.seen_from_start(&info) {
                             self.join.seen_whole(call.pid);
                         }
                         out.processes.push(info);

@@ -85,6 +85,9 @@ pub struct RecordOptions {
     pub arming: crate::model::arming::Settings,
     /// Write each OOM's evidence into a folder (--dump-on-oom).
     pub dump_on_oom: Option<super::dump::DumpOnOom>,
+    /// Stop a process that opens a CUDA library tracer has not probed until it is (off:
+    /// `--no-hold`; such a process may then be found late, and is marked so).
+    pub hold: bool,
 }
 
 /// The recording, once its probes are attached and its session begun.
@@ -198,6 +201,9 @@ pub struct Summary {
     /// --dump-on-oom's folders, and what could not be written.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dumps: Option<super::dump::DumpSummary>,
+    /// Discovery in the kernel: who was stopped, found late or never traced, opens lost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery: Option<super::discovery::DiscoverySummary>,
     /// Entries left in the per-thread kernel maps at the end (they go as threads exit).
     pub kernel_maps: std::collections::BTreeMap<String, u64>,
     pub keyframes: KeyframeCost,
@@ -247,6 +253,9 @@ impl Finished {
 pub struct Recording {
     probes: Probes,
     scanner: Scanner,
+    /// Discovery in the kernel (None with --pid or --lib, or where the kernel refused it).
+    watch: Option<super::discovery::Watch>,
+    session_started_ns: i64,
     pid_filter: Option<Vec<u32>>,
     shared: Arc<Shared>,
     reader: JoinHandle<Result<()>>,
@@ -308,6 +317,10 @@ impl Recording {
             }
         })?;
         let pid_filter = (!opts.pids.is_empty()).then(|| opts.pids.clone());
+        // Started before the first scan: a library opened meanwhile is heard of.
+        let mut watch = (pid_filter.is_none() && explicit.is_empty())
+            .then(|| start_watch(&mut probes, opts.hold))
+            .flatten();
         let mut scanner = Scanner::new(explicit, pid_filter.clone(), &who);
         let shared = Arc::new(Shared::default());
         if opts.figures_grace.is_zero() {
@@ -319,6 +332,9 @@ impl Recording {
         for lib in scanner.scan(true) {
             attach_reporting(&mut probes, &lib, pid_filter.as_deref())?;
             note_probed(&shared, &lib);
+            if let Some(w) = watch.as_mut() {
+                w.probed(lib.id);
+            }
         }
         if probes.probe_count() == 0 {
             eprintln!("tracer: no CUDA library found yet; watching for processes that load one (rescanning every second)");
@@ -396,6 +412,8 @@ impl Recording {
         Ok(Recording {
             probes,
             scanner,
+            watch,
+            session_started_ns,
             pid_filter,
             shared,
             reader: threads.reader,
@@ -440,6 +458,19 @@ impl Recording {
                 }
                 super::arming::carry_out(&mut self.probes, &self.shared);
             }
+            if let Some(w) = self.watch.as_mut() {
+                // Woken at once by a library's open (a process may be stopped for it); the
+                // stops are looked at every WATCH_POLL at least.
+                let fd = w.fd();
+                wait_readable(fd, wake.min(Instant::now() + WATCH_POLL));
+                w.serve(
+                    &mut self.probes,
+                    &mut self.scanner,
+                    &self.shared,
+                    self.pid_filter.as_deref(),
+                );
+                wake = Instant::now();
+            }
             match stops.recv_timeout(wake.saturating_duration_since(Instant::now())) {
                 Ok(stop) => return Ok(stop),
                 Err(RecvTimeoutError::Disconnected) => {
@@ -470,6 +501,13 @@ impl Recording {
         for lib in self.scanner.scan(false) {
             attach_reporting(&mut self.probes, &lib, self.pid_filter.as_deref())?;
             note_probed(&self.shared, &lib);
+            if let Some(w) = self.watch.as_mut() {
+                w.probed(lib.id);
+            }
+            self.found_by_scan(&lib);
+        }
+        if let Some(w) = self.watch.as_mut() {
+            w.renew();
         }
         let kernel = self.probes.counters()?;
         if let Ok(mut k) = self.shared.kernel.lock() {
@@ -489,6 +527,27 @@ impl Recording {
             }
         }
         Ok(None)
+    }
+
+    /// The processes mapping a library the scan found, that began after the session: they
+    /// ran with it unprobed, found late (the registry marks them at their first call).
+    fn found_by_scan(&self, lib: &Candidate) {
+        if lib.origin != Origin::Mapped {
+            return;
+        }
+        let Ok(mut found) = self.shared.discovery.lock() else {
+            return;
+        };
+        for &pid in &lib.pids {
+            let started = procinfo::start_time_ns(pid);
+            if started.is_some_and(|t| t >= self.session_started_ns) {
+                found.late.entry(pid).or_insert(super::discovery::Late {
+                    from_ns: started,
+                    library: lib.shown.clone(),
+                    how: "scan",
+                });
+            }
+        }
     }
 
     pub fn snapshot(&self) -> Result<RecordingStatus> {
@@ -538,6 +597,10 @@ impl Recording {
     /// Stops recording new calls, lets calls in progress return, drains and stores everything
     /// submitted, and ends the session; the probes stay attached until [`Finished::detach`].
     pub fn finish(mut self, outcome: Result<Stop>) -> Result<Finished> {
+        // Nobody is stopped for tracer from now, and whoever is goes on.
+        if let Some(w) = self.watch.as_mut() {
+            w.finish();
+        }
         // The semaphores tracer raised go down with the recording.
         self.probes.disarm_all();
         let paused = self.probes.pause();
@@ -601,6 +664,14 @@ impl Recording {
         for p in &problems {
             store.append_note(session, &format!("{p:#}"))?;
         }
+        let discovery = self.watch.as_ref().map(super::discovery::Watch::summary);
+        if let Some(d) = &discovery {
+            store.set_lib_opens_lost(session, d.lost)?;
+            for said in super::discovery::said(d) {
+                eprintln!("tracer: {said}");
+                store.append_note(session, &said)?;
+            }
+        }
         let libraries = self.probes.libraries();
         let programs = if self.program_stats.is_some() {
             self.probes.program_stats()
@@ -635,6 +706,7 @@ impl Recording {
                 allocators,
                 on_warning,
                 dumps,
+                discovery,
                 kernel_maps: kernel_maps
                     .into_iter()
                     .map(|(name, n)| (name.to_owned(), n))
@@ -968,33 +1040,74 @@ fn begin_session(
         .context("begin the session")
 }
 
-/// Attaches to a library found, saying so on stderr; a discovered library that fails is
-/// skipped, a --lib one is an error.
 /// Remembers a probed library's identity: processes that map it are traced.
-fn note_probed(shared: &Shared, lib: &Candidate) {
+pub(super) fn note_probed(shared: &Shared, lib: &Candidate) {
     if let Ok(mut files) = shared.probed_files.lock() {
         files.insert((lib.id.dev, lib.id.ino));
     }
 }
 
+/// Says on stderr what was attached in a library, and what not.
+pub(super) fn report_attached(att: &AttachedLibrary) {
+    eprintln!(
+        "tracer: probing {} ({}, {} symbols)",
+        att.path,
+        att.origin,
+        att.symbols.len()
+    );
+    if !att.missing.is_empty() {
+        eprintln!(
+            "tracer:   not exported there (not traced): {}",
+            att.missing.join(", ")
+        );
+    }
+    for f in &att.failed {
+        eprintln!("tracer:   failed to attach {f}");
+    }
+}
+
+/// Attaches to a library found, saying so on stderr; a discovered library that fails is
+/// skipped, a --lib one is an error.
+/// How often the main thread looks at the stops while it waits on the library opens.
+const WATCH_POLL: Duration = Duration::from_millis(20);
+
+/// Discovery in the kernel, or a warning saying why the once-a-second scan is all there is.
+fn start_watch(probes: &mut Probes, hold: bool) -> Option<super::discovery::Watch> {
+    match probes.take_libwatch(hold) {
+        Ok(lib) => {
+            if hold {
+                if let Err(why) = &probes.task_offsets {
+                    eprintln!("tracer: warning: {why}: a process that opens a CUDA library not yet probed is not stopped until it is, and may be found late (marked so)");
+                }
+            }
+            Some(super::discovery::Watch::new(lib, Clock::now().offset_ns))
+        }
+        Err(e) => {
+            eprintln!("tracer: warning: {e:#}: CUDA libraries are found by the once-a-second scan only; a short program may go unseen");
+            None
+        }
+    }
+}
+
+/// Waits until `fd` is readable or `until` passes.
+fn wait_readable(fd: std::os::fd::RawFd, until: Instant) {
+    let ms = until
+        .saturating_duration_since(Instant::now())
+        .as_millis()
+        .min(i32::MAX as u128) as i32;
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd we own, for the length given.
+    unsafe { libc::poll(&mut pfd, 1, ms) };
+}
+
 fn attach_reporting(probes: &mut Probes, lib: &Candidate, pids: Option<&[u32]>) -> Result<()> {
     match probes.attach(lib, pids) {
         Ok(att) => {
-            eprintln!(
-                "tracer: probing {} ({}, {} symbols)",
-                att.path,
-                att.origin,
-                att.symbols.len()
-            );
-            if !att.missing.is_empty() {
-                eprintln!(
-                    "tracer:   not exported there (not traced): {}",
-                    att.missing.join(", ")
-                );
-            }
-            for f in &att.failed {
-                eprintln!("tracer:   failed to attach {f}");
-            }
+            report_attached(att);
             Ok(())
         }
         Err(e) if lib.origin == Origin::Explicit => {

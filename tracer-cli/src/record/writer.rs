@@ -210,6 +210,14 @@ pub fn write_loop(
                 };
                 watch.due(now, opts.wall_offset_ns, shared);
             }
+            let found = shared
+                .discovery
+                .lock()
+                .map(|mut f| std::mem::take(&mut f.rows))
+                .unwrap_or_default();
+            if !found.is_empty() {
+                store.write_discovery(opts.session, &found)?;
+            }
             let every = if opts.max_db.is_some() {
                 Duration::from_millis(250)
             } else {

@@ -305,10 +305,11 @@ pub fn learned_devices(conn: &Connection, session: i64) -> Result<HashMap<(u32, 
 }
 
 /// The processes of `session`, each with whether tracer saw it from its start (no
-/// `before_trace` gap); none is said so for a session recorded before schema 9 kept gaps.
+/// `before_trace` or `found_late` gap); none is said so for a session recorded before schema 9
+/// kept gaps.
 pub fn processes_seen_from_start(conn: &Connection, session: i64) -> Result<Vec<(u32, bool)>> {
     let sql = if has_table(conn, "gaps")? {
-        "SELECT pid, pid NOT IN (SELECT pid FROM gaps WHERE session_id = ?1 AND kind = 'before_trace')
+        "SELECT pid, pid NOT IN (SELECT pid FROM gaps WHERE session_id = ?1 AND kind IN ('before_trace', 'found_late'))
          FROM processes WHERE session_id = ?1"
     } else {
         "SELECT pid, 0 FROM processes WHERE session_id = ?1"

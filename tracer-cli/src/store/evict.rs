@@ -178,6 +178,7 @@ impl Store {
             "processes",
             "thread_devices",
             "gpu_samples",
+            "discovery",
         ] {
             tx.execute(&format!("DELETE FROM {table} WHERE session_id = ?1"), [id])?;
         }

@@ -2,12 +2,14 @@
 //! disk), `sessions` (begun, counted, ended), `write` (batched writes), `events` (whole-session
 //! reads for the small readers), `blocks` and `walk` (the compact call blocks explain reads, in
 //! time order), `offcpu_blocks` (the off-CPU intervals, packed), `tensor_events` and
-//! `offcpu_intervals` (both packed kinds as tables to SQL), `keyframes`, `series` (the whole-run
+//! `offcpu_intervals` (both packed kinds as tables to SQL), `discovery` (the processes that
+//! opened a CUDA library, and whether tracer saw them from their first call), `keyframes`, `series` (the whole-run
 //! series and the gaps), `evict` (--max-db), `readonly` (`tracer query`'s SQL) and `schema` (the
 //! versions and their migrations).
 
 pub mod blocks;
 mod call_sites;
+pub mod discovery;
 pub mod events;
 mod evict;
 pub mod keyframes;

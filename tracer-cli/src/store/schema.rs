@@ -3,11 +3,12 @@
 //! has shipped, add another.
 
 /// The schema version this tracer writes. A database with a higher version is refused.
-pub const SCHEMA_VERSION: i64 = 14;
+pub const SCHEMA_VERSION: i64 = 15;
 
 /// The oldest version read as it is, without a migration: the versions after it only added
 /// a table and columns their readers look for (11: `thread_devices`, `sessions.devices_learned`,
-/// `processes.gpus`; 12: `gpu_samples`; 13: `offcpu_blocks`; 14: `sessions.allocator`).
+/// `processes.gpus`; 12: `gpu_samples`; 13: `offcpu_blocks`; 14: `sessions.allocator`; 15:
+/// `discovery`, `sessions.lib_opens_lost`).
 pub const READABLE_FROM: i64 = 10;
 
 /// `MIGRATIONS[n]` takes a database from version n to n + 1.
@@ -306,5 +307,22 @@ CREATE INDEX offcpu_blocks_session ON offcpu_blocks(session_id, min_off_ns);
     // 14: `--allocator`'s mode; its armings are marks in the calls (ops 35 and 36).
     r#"
 ALTER TABLE sessions ADD COLUMN allocator TEXT;
+"#,
+    // 15: each process that opened a CUDA library, and whether tracer saw it from its first
+    // call (record/discovery.rs).
+    r#"
+CREATE TABLE discovery (
+    session_id INTEGER NOT NULL,
+    pid        INTEGER NOT NULL,
+    comm       TEXT,
+    library    TEXT NOT NULL,
+    opened_ns  INTEGER NOT NULL,
+    probed_ns  INTEGER,
+    held_us    INTEGER,
+    outcome    TEXT NOT NULL,
+    why        TEXT
+);
+CREATE INDEX discovery_session ON discovery(session_id, pid);
+ALTER TABLE sessions ADD COLUMN lib_opens_lost INTEGER NOT NULL DEFAULT 0;
 "#,
 ];

@@ -46,6 +46,12 @@ pub struct RecordingArgs {
     /// while on): their runs and run time go into the summary.
     #[arg(long)]
     pub program_stats: bool,
+    /// Never stop a process that opens a CUDA library tracer has not probed yet. By default
+    /// the kernel stops it for the milliseconds attaching takes, so its first call is traced
+    /// (not when its parent is a shell or sudo, or a debugger traces it); without, such a
+    /// process may be found late, and is marked so in the session and in explain.
+    #[arg(long)]
+    pub no_hold: bool,
     /// NVIDIA's management library, asked at the start and at each out-of-memory which
     /// processes hold each GPU (those that allocated before the trace too): `off`, or a file
     /// (then required). Default: the system's libnvidia-ml.so.1 where the loader finds it.

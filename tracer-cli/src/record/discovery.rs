@@ -1,0 +1,472 @@
+//! Discovery as it happens (issue 52). The kernel tells of every open of a file named like a
+//! probed library (probe/libwatch.rs); the main thread, woken by it, probes the file before
+//! the process goes on when the kernel stopped it (a new path), or as soon as it hears when it
+//! did not (the parent a shell, a debugger attached, holding off). Each process that opened
+//! one is recorded with what tracer saw of it (SCHEMA.md, `discovery`); one whose library was
+//! probed only after it opened it is found late: the registry gives it a `found_late` gap from
+//! that open to its first call seen, and explain treats the time before as not seen.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    os::fd::RawFd,
+    path::PathBuf,
+};
+
+use tracer_common::libwatch::{Hold, LibOpen, PATH_LEN};
+
+use super::{session, shared::Shared};
+pub use crate::model::discovery::{DiscoveryRow, Outcome};
+use crate::probe::{
+    attach::Probes,
+    discover::{self, Candidate, FileId, Origin, Scanner},
+    libwatch::LibWatch,
+};
+
+/// A process found late, for the registry to mark at its first call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Late {
+    /// When it opened the library (wall ns), or (found by the periodic scan) when it started.
+    pub from_ns: Option<i64>,
+    pub library: String,
+    /// How tracer found it: "opened" (the kernel told) or "scan" (the once-a-second scan).
+    pub how: &'static str,
+}
+
+/// What the main thread found, for the registry (late processes) and the writer (rows).
+#[derive(Default)]
+pub struct Found {
+    pub late: HashMap<u32, Late>,
+    pub rows: Vec<DiscoveryRow>,
+}
+
+pub struct Watch {
+    lib: LibWatch,
+    /// When each probed file's probes were on (CLOCK_MONOTONIC ns).
+    probed_at: HashMap<FileId, u64>,
+    /// The paths told to the kernel as probed, and their file.
+    known: HashMap<[u8; PATH_LEN], FileId>,
+    wall_offset_ns: i64,
+    /// Processes stopped for tracer and continued, and the time they waited, in all.
+    pub held: u64,
+    pub held_us: u64,
+    held_max_us: u64,
+    /// The processes found late or never traced (the first [`UNSEEN_KEPT`]), and how many.
+    unseen: Vec<DiscoveryRow>,
+    unseen_count: u64,
+    unseen_pids: std::collections::HashSet<u32>,
+}
+
+/// Processes found late or missed named in the summary (all are in the database).
+const UNSEEN_KEPT: usize = 20;
+
+/// What discovery did in a session, for its summary.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct DiscoverySummary {
+    /// Processes stopped until their library was probed, and the longest wait.
+    pub held: u64,
+    pub held_max_us: u64,
+    /// Processes found late or never traced (the first few named).
+    pub unseen: u64,
+    pub unseen_named: Vec<DiscoveryRow>,
+    /// Library opens the kernel could not tell of (its ring or pending map full).
+    pub lost: u64,
+}
+
+impl Watch {
+    pub fn new(lib: LibWatch, wall_offset_ns: i64) -> Watch {
+        Watch {
+            lib,
+            probed_at: HashMap::new(),
+            known: HashMap::new(),
+            wall_offset_ns,
+            held: 0,
+            held_us: 0,
+            held_max_us: 0,
+            unseen: Vec::new(),
+            unseen_count: 0,
+            unseen_pids: Default::default(),
+        }
+    }
+
+    pub fn summary(&self) -> DiscoverySummary {
+        DiscoverySummary {
+            held: self.held,
+            held_max_us: self.held_max_us,
+            unseen: self.unseen_count,
+            unseen_named: self.unseen.clone(),
+            lost: self.lost(),
+        }
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.lib.fd()
+    }
+
+    /// A file's probes are on from now.
+    pub fn probed(&mut self, id: FileId) {
+        self.probed_at
+            .entry(id)
+            .or_insert_with(super::arming::monotonic_ns);
+    }
+
+    /// Keeps the kernel's holding window open while this thread answers.
+    pub fn renew(&mut self) {
+        if let Err(e) = self.lib.renew(super::arming::monotonic_ns()) {
+            log::warn!("{e:#}");
+        }
+    }
+
+    /// Opens the kernel could not send.
+    pub fn lost(&self) -> u64 {
+        self.lib.lost()
+    }
+
+    /// Every open the kernel sent: probes what is new, continues what it stopped.
+    pub fn serve(
+        &mut self,
+        probes: &mut Probes,
+        scanner: &mut Scanner,
+        shared: &Shared,
+        scope: Option<&[u32]>,
+    ) {
+        for open in self.lib.drain() {
+            let held = open.hold == Hold::Held as u32;
+            let row = self.one(&open, probes, scanner, shared, scope);
+            if held {
+                resume(open.pid);
+            }
+            if let Some(mut row) = row {
+                if held {
+                    let waited = super::arming::monotonic_ns().saturating_sub(open.ts_ns) / 1000;
+                    row.held_us = Some(waited);
+                    self.held += 1;
+                    self.held_us += waited;
+                    self.held_max_us = self.held_max_us.max(waited);
+                }
+                if row.outcome.unseen() && self.unseen_pids.insert(row.pid) {
+                    self.unseen_count += 1;
+                    if self.unseen.len() < UNSEEN_KEPT {
+                        self.unseen.push(row.clone());
+                    }
+                }
+                if let Ok(mut found) = shared.discovery.lock() {
+                    found.rows.push(row);
+                }
+            }
+        }
+        self.renew();
+    }
+
+    /// At the end: nobody is stopped any more, and whoever was is continued.
+    pub fn finish(&mut self) {
+        if let Err(e) = self.lib.stop_holding() {
+            log::warn!("{e:#}");
+        }
+        for open in self.lib.drain() {
+            if open.hold == Hold::Held as u32 {
+                resume(open.pid);
+            }
+        }
+    }
+
+    fn wall(&self, mono: u64) -> i64 {
+        mono as i64 + self.wall_offset_ns
+    }
+
+    fn one(
+        &mut self,
+        open: &LibOpen,
+        probes: &mut Probes,
+        scanner: &mut Scanner,
+        shared: &Shared,
+        scope: Option<&[u32]>,
+    ) -> Option<DiscoveryRow> {
+        if scope.is_some_and(|pids| !pids.contains(&open.pid)) {
+            return None;
+        }
+        let hold = Hold::from_u32(open.hold).unwrap_or(Hold::Off);
+        let (open_path, shown) = resolve(open, hold == Hold::Held);
+        if hold == Hold::Known {
+            // The kernel knew the path as probed: traced from its first call, gone or not.
+            if let Some(&at) = self
+                .known
+                .get(&open.path)
+                .and_then(|id| self.probed_at.get(id))
+            {
+                return Some(DiscoveryRow {
+                    pid: open.pid,
+                    comm: comm_of(open),
+                    library: shown,
+                    opened_ns: self.wall(open.ts_ns),
+                    probed_ns: Some(self.wall(at)),
+                    held_us: None,
+                    outcome: Outcome::Probed,
+                    why: None,
+                });
+            }
+        }
+        let mut row = DiscoveryRow {
+            pid: open.pid,
+            comm: comm_of(open),
+            library: shown.clone(),
+            opened_ns: self.wall(open.ts_ns),
+            probed_ns: None,
+            held_us: None,
+            outcome: Outcome::Missed,
+            why: why_not_held(hold),
+        };
+        let Some(id) = discover::file_id(&open_path) else {
+            row.why = Some("the file was gone before tracer could read it".into());
+            return Some(row);
+        };
+        let before = self.probed_at.get(&id).copied();
+        if let Some(at) = before.filter(|&at| at <= open.ts_ns) {
+            row.outcome = Outcome::Probed;
+            row.probed_ns = Some(self.wall(at));
+            self.know(open, id);
+            return Some(row);
+        }
+        if hold != Hold::Held {
+            // Before the probes go on: its first call may reach the registry at once.
+            self.mark_late(shared, open, &shown);
+        }
+        if before.is_none() {
+            let open_path_copy = open_path.clone();
+            if let Err(why) = self.attach(probes, scanner, shared, open, open_path, shown, id) {
+                if let Ok(mut found) = shared.discovery.lock() {
+                    found.late.remove(&open.pid);
+                }
+                row.outcome = if running(open.pid) || discover::file_id(&open_path_copy).is_some() {
+                    Outcome::Unprobeable
+                } else {
+                    Outcome::Missed
+                };
+                row.why = Some(why);
+                self.know(open, id);
+                return Some(row);
+            }
+        }
+        self.know(open, id);
+        row.probed_ns = self.probed_at.get(&id).map(|&at| self.wall(at));
+        row.outcome = if hold == Hold::Held {
+            Outcome::Held
+        } else if running(open.pid) {
+            Outcome::Late
+        } else {
+            if let Ok(mut found) = shared.discovery.lock() {
+                found.late.remove(&open.pid);
+            }
+            Outcome::Missed
+        };
+        Some(row)
+    }
+
+    #[allow(clippy::too_many_arguments)] // reason: the main thread's parts, lent for one attach
+    fn attach(
+        &mut self,
+        probes: &mut Probes,
+        scanner: &mut Scanner,
+        shared: &Shared,
+        open: &LibOpen,
+        open_path: PathBuf,
+        shown: String,
+        id: FileId,
+    ) -> Result<(), String> {
+        let lib = Candidate {
+            open_path,
+            shown,
+            id,
+            origin: Origin::Opened,
+            pids: BTreeSet::from([open.pid]),
+        };
+        scanner.mark_seen(id);
+        match probes.attach(&lib, None) {
+            Ok(att) => {
+                session::report_attached(att);
+                session::note_probed(shared, &lib);
+                self.probed(id);
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("tracer: skipping {}: {e:#}", lib.shown);
+                Err(format!("{e:#}"))
+            }
+        }
+    }
+
+    fn mark_late(&self, shared: &Shared, open: &LibOpen, library: &str) {
+        if let Ok(mut found) = shared.discovery.lock() {
+            found.late.entry(open.pid).or_insert(Late {
+                from_ns: Some(self.wall(open.ts_ns)),
+                library: library.to_owned(),
+                how: "opened",
+            });
+        }
+    }
+
+    /// Later opens of this path go on unstopped.
+    fn know(&mut self, open: &LibOpen, id: FileId) {
+        if self.known.insert(open.path, id).is_none() {
+            if let Err(e) = self.lib.know(&open.path) {
+                log::warn!("{e:#}");
+            }
+        }
+    }
+}
+
+/// What the session says of discovery at its end: processes found late or never traced
+/// (named), library opens lost.
+pub fn said(d: &DiscoverySummary) -> Vec<String> {
+    let mut out = Vec::new();
+    if d.unseen > 0 {
+        let named: Vec<String> = d
+            .unseen_named
+            .iter()
+            .map(|r| {
+                let after = r
+                    .probed_ns
+                    .map(|p| {
+                        format!(
+                            ", probed {:.1} ms after it opened it",
+                            (p - r.opened_ns).max(0) as f64 / 1e6
+                        )
+                    })
+                    .unwrap_or_default();
+                format!(
+                    "pid {} ({}) {} {}{after}",
+                    r.pid,
+                    r.comm.as_deref().unwrap_or("?"),
+                    r.outcome.name(),
+                    r.library
+                )
+            })
+            .collect();
+        out.push(format!(
+            "{} process(es) opened a CUDA library before tracer had probed it (late: calls before the probes not seen; missed: none seen): {}{}",
+            d.unseen,
+            named.join("; "),
+            if d.unseen as usize > named.len() { "; the rest in the discovery table" } else { "" }
+        ));
+    }
+    if d.lost > 0 {
+        out.push(format!(
+            "{} library open(s) were not told by the kernel (its ring or pending map was full): processes that opened a CUDA library then may have been found late, unmarked",
+            d.lost
+        ));
+    }
+    out
+}
+
+/// Why the kernel did not stop the process, said in the row.
+fn why_not_held(hold: Hold) -> Option<String> {
+    match hold {
+        Hold::Known | Hold::Held => None,
+        Hold::ParentShell => {
+            Some("not stopped: its parent is a shell or sudo, which would report the stop".into())
+        }
+        Hold::Ptraced => Some("not stopped: a debugger traces it".into()),
+        Hold::Off => Some("not stopped: holding is off".into()),
+    }
+}
+
+/// The file the process opened, through its descriptor while it is stopped (exactly that
+/// file); else by its path, as is when the process shares tracer's root (so that the file can
+/// still be probed once a short process has ended), through /proc/PID/root when it does not
+/// (a container). And the path as the process named it, made absolute.
+fn resolve(open: &LibOpen, held: bool) -> (PathBuf, String) {
+    let named = String::from_utf8_lossy(open.path_bytes()).into_owned();
+    let pid = open.pid;
+    let shown = if named.starts_with('/') {
+        named.clone()
+    } else {
+        std::fs::read_link(format!("/proc/{pid}/cwd"))
+            .map(|cwd| cwd.join(&named).display().to_string())
+            .unwrap_or_else(|_| named.clone())
+    };
+    if held && open.fd >= 0 {
+        let fd = PathBuf::from(format!("/proc/{pid}/fd/{}", open.fd));
+        if discover::file_id(&fd).is_some() {
+            return (fd, shown);
+        }
+    }
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let same_root = discover::file_id(&root)
+        .is_some_and(|r| discover::file_id(std::path::Path::new("/")) == Some(r));
+    if same_root && shown.starts_with('/') {
+        return (PathBuf::from(&shown), shown);
+    }
+    let path = match shown.strip_prefix('/') {
+        Some(rest) => root.join(rest),
+        None => PathBuf::from(format!("/proc/{pid}/cwd")).join(&named),
+    };
+    (path, shown)
+}
+
+/// The opening thread's name, as the kernel gave it.
+fn comm_of(open: &LibOpen) -> Option<String> {
+    let end = open
+        .comm
+        .iter()
+        .position(|&b| b == 0)
+        .unwrap_or(open.comm.len());
+    (end > 0).then(|| String::from_utf8_lossy(&open.comm[..end]).into_owned())
+}
+
+/// Whether the process still runs (a zombie has made its last call).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let state = s.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some(state != 'Z' && state != 'X')
+        })
+        .unwrap_or(false)
+}
+
+/// Continues a process the kernel stopped for tracer.
+fn resume(pid: u32) {
+    // SAFETY: kill has no memory preconditions. The pid is the one the kernel stopped; were it
+    // killed and its pid reused meanwhile, SIGCONT to a running process changes nothing.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+    if rc != 0 {
+        log::debug!(
+            "continue process {pid}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_zombie_or_a_missing_process_is_not_running() {
+        assert!(running(std::process::id()));
+        assert!(!running(u32::MAX - 1));
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawn true");
+        let pid = child.id();
+        // Not yet reaped: a zombie once it has exited.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while running(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!running(pid), "an exited, unreaped child is a zombie");
+        child.wait().expect("reap");
+    }
+
+    #[test]
+    fn a_relative_path_is_resolved_in_the_processs_directory() {
+        let mut open = LibOpen::zeroed();
+        open.pid = std::process::id();
+        open.fd = -1;
+        open.path[..12].copy_from_slice(b"libcudart.so");
+        let (path, shown) = resolve(&open, false);
+        let cwd = std::env::current_dir().expect("cwd");
+        assert_eq!(shown, cwd.join("libcudart.so").display().to_string());
+        // tracer's own root: the path itself, which outlives the process.
+        assert_eq!(path, cwd.join("libcudart.so"));
+    }
+}

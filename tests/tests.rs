@@ -5,6 +5,7 @@ mod allocator;
 mod architecture;
 mod arming;
 mod common;
+mod discovery;
 mod e2e;
 mod fleet;
 mod flight;

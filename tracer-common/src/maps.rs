@@ -24,6 +24,7 @@ pub const PROG_LIB_OPEN_EXIT: &str = "lib_open_exit";
 /// Globals: the tracepoints' field offsets (tracefs), task_struct's members (BTF).
 pub const GLOBAL_OPENAT_FILENAME_OFF: &str = "OPENAT_FILENAME_OFF";
 pub const GLOBAL_OPENAT_RET_OFF: &str = "OPENAT_RET_OFF";
+pub const GLOBAL_OPENAT_FLAGS_OFF: &str = "OPENAT_FLAGS_OFF";
 pub const GLOBAL_TASK_REAL_PARENT_OFF: &str = "TASK_REAL_PARENT_OFF";
 pub const GLOBAL_TASK_COMM_OFF: &str = "TASK_COMM_OFF";
 pub const GLOBAL_TASK_PTRACE_OFF: &str = "TASK_PTRACE_OFF";

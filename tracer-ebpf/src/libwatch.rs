@@ -54,6 +54,8 @@ static OPENAT_FILENAME_OFF: u32 = 24;
 #[unsafe(no_mangle)]
 static OPENAT_RET_OFF: u32 = 16;
 #[unsafe(no_mangle)]
+static OPENAT_FLAGS_OFF: u32 = 32;
+#[unsafe(no_mangle)]
 static TASK_REAL_PARENT_OFF: u32 = 0;
 #[unsafe(no_mangle)]
 static TASK_COMM_OFF: u32 = 0;
@@ -64,6 +66,9 @@ static TASK_PTRACE_OFF: u32 = 0;
 static SELF_TGID: u32 = 0;
 
 const SIGSTOP: u32 = 19;
+/// open(2)'s access mode bits: a loader opens read-only; an installer or a copy writing the
+/// file is not loading it.
+const O_ACCMODE: u64 = 3;
 
 #[tracepoint]
 pub fn lib_open_enter(ctx: TracePointContext) -> u32 {
@@ -72,7 +77,14 @@ pub fn lib_open_enter(ctx: TracePointContext) -> u32 {
     };
     // SAFETY: the per-CPU slot is this program's alone while it runs.
     let ev = unsafe { &mut *ev };
-    // SAFETY: a read within the tracepoint record, at the offset its format file gives.
+    // SAFETY: reads within the tracepoint record, at the offsets its format file gives.
+    let Ok(flags) = (unsafe { ctx.read_at::<u64>(global(&OPENAT_FLAGS_OFF) as usize) }) else {
+        return 0;
+    };
+    if flags & O_ACCMODE != 0 {
+        return 0;
+    }
+    // SAFETY: as above.
     let Ok(name) = (unsafe { ctx.read_at::<u64>(global(&OPENAT_FILENAME_OFF) as usize) }) else {
         return 0;
     };
@@ -138,7 +150,11 @@ fn send(pending: *const LibOpen, fd: i32) {
     // SAFETY: the reservation was just filled.
     let ev = unsafe { &mut *out };
     ev.fd = fd;
-    let hold = decide(&ev.path);
+    let hold = if libwatch::is_tracer_comm(&ev.comm) {
+        Hold::Tracer
+    } else {
+        decide(&ev.path)
+    };
     ev.hold = hold as u32;
     if hold == Hold::Held {
         // Delivered as the open returns: the process stops before it maps the file.

@@ -1,5 +1,8 @@
 //! What tracer saw of each process that opened a CUDA library (issue 52; SCHEMA.md,
-//! `discovery`): whether its library was probed before its first call, and if not, why.
+//! `discovery`): whether its library was probed before its first call, and if not, why; and
+//! the processes found late, which the registry marks at their first call.
+
+use std::collections::HashMap;
 
 use serde::Serialize;
 
@@ -13,10 +16,13 @@ pub enum Outcome {
     Probed,
     /// Probed after it opened the library, while it ran: calls before were not seen.
     Late,
-    /// It ended before its library was probed: none of its calls was seen.
+    /// It ended before its library was probed: none of its calls was seen (whether it mapped
+    /// the library, or only read it, is then not known).
     Missed,
     /// The file has nothing tracer probes (a stub, another library of the name).
     Unprobeable,
+    /// Opened without being mapped (a copy, an installer): no call can come of it.
+    Read,
 }
 
 impl Outcome {
@@ -27,6 +33,7 @@ impl Outcome {
             Outcome::Late => "late",
             Outcome::Missed => "missed",
             Outcome::Unprobeable => "unprobeable",
+            Outcome::Read => "read",
         }
     }
 }
@@ -56,6 +63,7 @@ impl Outcome {
             Outcome::Late,
             Outcome::Missed,
             Outcome::Unprobeable,
+            Outcome::Read,
         ]
         .into_iter()
         .find(|o| o.name() == s)
@@ -65,4 +73,21 @@ impl Outcome {
     pub fn unseen(self) -> bool {
         matches!(self, Outcome::Late | Outcome::Missed)
     }
+}
+
+/// A process found late, for the registry to mark at its first call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Late {
+    /// When it opened the library (wall ns), or (found by the periodic scan) when it started.
+    pub from_ns: Option<i64>,
+    pub library: String,
+    /// How tracer found it: "opened" (the kernel told) or "scan" (the once-a-second scan).
+    pub how: &'static str,
+}
+
+/// What the main thread found, for the registry (late processes) and the writer (rows).
+#[derive(Default)]
+pub struct Found {
+    pub late: HashMap<u32, Late>,
+    pub rows: Vec<DiscoveryRow>,
 }

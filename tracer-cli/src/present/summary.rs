@@ -92,6 +92,20 @@ pub fn text(out: &mut impl Write, s: &Summary) -> Result<()> {
             s.keyframes.written, s.keyframes.cpu_s
         )?;
     }
+    if let Some(d) = s
+        .discovery
+        .as_ref()
+        .filter(|d| d.held + d.unseen + d.lost > 0)
+    {
+        writeln!(
+            out,
+            "discovery: {} process(es) stopped until their CUDA library was probed (longest {:.1} ms); {} found late or never traced; {} library opens not told",
+            d.held,
+            d.held_max_us as f64 / 1e3,
+            d.unseen,
+            d.lost
+        )?;
+    }
     for p in &s.programs {
         writeln!(
             out,
@@ -147,6 +161,7 @@ mod tests {
             allocators: Vec::new(),
             on_warning: Vec::new(),
             dumps: None,
+            discovery: None,
             kernel_maps: Default::default(),
             keyframes: Default::default(),
             allocator: Default::default(),

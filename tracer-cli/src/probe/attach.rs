@@ -132,55 +132,8 @@ impl Default for SchedOffsets {
     }
 }
 
-const TRACEFS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
-
-/// The tracefs mount, mounting it at /sys/kernel/tracing when missing (classic tracepoints are
-/// attached by the id their tracefs entry gives).
-pub(super) fn tracefs() -> Result<&'static str, String> {
-    if let Some(dir) = TRACEFS
-        .iter()
-        .find(|d| Path::new(d).join("events").is_dir())
-    {
-        return Ok(dir);
-    }
-    let status = std::process::Command::new("mount")
-        .args(["-t", "tracefs", "nodev", TRACEFS[0]])
-        .status()
-        .map_err(|e| format!("mount tracefs: {e}"))?;
-    if status.success() && Path::new(TRACEFS[0]).join("events").is_dir() {
-        eprintln!(
-            "tracer: mounted tracefs at {} (needed by the scheduler tracepoints)",
-            TRACEFS[0]
-        );
-        Ok(TRACEFS[0])
-    } else {
-        Err(format!(
-            "tracefs is not mounted and `mount -t tracefs nodev {}` failed",
-            TRACEFS[0]
-        ))
-    }
-}
-
-/// Offset of `field` in a tracepoint format file ("field:pid_t prev_pid;\toffset:24;...").
-pub fn field_offset(format: &str, field: &str) -> Option<u32> {
-    format.lines().find_map(|line| {
-        let decl = line.trim().strip_prefix("field:")?;
-        let (name_part, rest) = decl.split_once(';')?;
-        let name = name_part.rsplit([' ', '*']).next()?.split('[').next()?;
-        if name != field {
-            return None;
-        }
-        rest.trim()
-            .strip_prefix("offset:")?
-            .split(';')
-            .next()?
-            .parse()
-            .ok()
-    })
-}
-
 fn sched_offsets() -> Result<SchedOffsets, String> {
-    let dir = tracefs()?;
+    let dir = super::tracefs::tracefs()?;
     let read = |event: &str| {
         std::fs::read_to_string(format!("{dir}/events/sched/{event}/format"))
             .map_err(|e| format!("read the {event} format: {e}"))
@@ -191,7 +144,7 @@ fn sched_offsets() -> Result<SchedOffsets, String> {
         read("sched_process_fork")?,
     );
     let get = |format: &str, field: &str| {
-        field_offset(format, field)
+        super::tracefs::field_offset(format, field)
             .ok_or_else(|| format!("no field {field} in the tracepoint format"))
     };
     Ok(SchedOffsets {
@@ -370,7 +323,7 @@ impl Probes {
         let sched_armed_only: u32 = (opts.allocator == crate::model::arming::Mode::Auto).into();
         let sched = sched_offsets();
         let offsets = sched.as_ref().map_or(SchedOffsets::default(), |o| *o);
-        let openat = tracefs()
+        let openat = super::tracefs::tracefs()
             .ok()
             .and_then(|dir| super::libwatch::openat_offsets(dir).ok())
             .unwrap_or_default();
@@ -381,6 +334,7 @@ impl Probes {
             .map_max_entries(names::EVENTS, opts.ring_bytes)
             .override_global(names::GLOBAL_OPENAT_FILENAME_OFF, &openat.filename, true)
             .override_global(names::GLOBAL_OPENAT_RET_OFF, &openat.ret, true)
+            .override_global(names::GLOBAL_OPENAT_FLAGS_OFF, &openat.flags, true)
             .override_global(
                 names::GLOBAL_TASK_REAL_PARENT_OFF,
                 &task_offsets.real_parent,

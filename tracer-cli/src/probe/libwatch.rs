@@ -23,6 +23,7 @@ const HOLD_WINDOW_NS: u64 = 2_000_000_000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OpenatOffsets {
     pub filename: u32,
+    pub flags: u32,
     pub ret: u32,
 }
 
@@ -30,6 +31,7 @@ impl Default for OpenatOffsets {
     fn default() -> Self {
         OpenatOffsets {
             filename: 24,
+            flags: 32,
             ret: 16,
         }
     }
@@ -43,11 +45,12 @@ pub fn openat_offsets(tracefs: &str) -> Result<OpenatOffsets> {
     };
     let (enter, exit) = (read("sys_enter_openat")?, read("sys_exit_openat")?);
     let get = |format: &str, field: &str| {
-        super::attach::field_offset(format, field)
+        super::tracefs::field_offset(format, field)
             .ok_or_else(|| anyhow!("no field {field} in the openat tracepoints' format"))
     };
     Ok(OpenatOffsets {
         filename: get(&enter, "filename")?,
+        flags: get(&enter, "flags")?,
         ret: get(&exit, "ret")?,
     })
 }
@@ -62,7 +65,7 @@ pub struct LibWatch {
 
 impl LibWatch {
     /// Loads and attaches the programs, and takes their maps out of the object.
-    pub(super) fn start(ebpf: &mut Ebpf, hold: bool) -> Result<LibWatch> {
+    pub fn start(ebpf: &mut Ebpf, hold: bool) -> Result<LibWatch> {
         for (name, event) in [
             (names::PROG_LIB_OPEN_ENTER, "sys_enter_openat"),
             (names::PROG_LIB_OPEN_EXIT, "sys_exit_openat"),
@@ -152,5 +155,55 @@ impl LibWatch {
             .filter_map(|&slot| self.lost.get(&slot, 0).ok())
             .map(|per_cpu| per_cpu.iter().sum::<u64>())
             .sum()
+    }
+}
+
+// The kernel program's name matching, shared with tracer-common (which has no tests of its own).
+#[cfg(test)]
+mod tests {
+    use tracer_common::libwatch::*;
+
+    fn watched(s: &str) -> bool {
+        let mut p = [0u8; PATH_LEN];
+        let n = s.len().min(PATH_LEN);
+        p[..n].copy_from_slice(&s.as_bytes()[..n]);
+        is_watched(&p, n)
+    }
+
+    #[test]
+    fn watched_names_are_matched_by_their_last_component() {
+        assert!(watched(
+            "/home/u/.venv/lib/nvidia/cuda_runtime/lib/libcudart.so.12"
+        ));
+        assert!(watched("libcuda.so.1"));
+        assert!(watched("/x/torch/lib/libc10_cuda.so"));
+        assert!(watched("/x/libcudart-abc123.so.11.0"));
+        assert!(!watched("/x/libcudart/libfoo.so"));
+        assert!(!watched("/x/libcudnn.so.9"));
+        assert!(!watched("/usr/lib/libc.so.6"));
+        assert!(!watched("/x/libcudar"));
+        assert!(!watched(""));
+        // A path longer than the bytes kept is judged by what was kept.
+        let long = format!("/{}/libcudart.so.12", "d".repeat(300));
+        assert!(!watched(&long));
+    }
+
+    #[test]
+    fn shells_are_matched_whole() {
+        let comm = |s: &str| {
+            let mut c = [0u8; 16];
+            c[..s.len()].copy_from_slice(s.as_bytes());
+            c
+        };
+        assert!(is_no_hold_parent(&comm("bash")));
+        assert!(is_no_hold_parent(&comm("sh")));
+        assert!(!is_no_hold_parent(&comm("bash2")));
+        assert!(!is_no_hold_parent(&comm("python3")));
+        assert!(!is_no_hold_parent(&comm("shx")));
+        assert!(!is_no_hold_parent(&comm("torchrun")));
+        assert!(is_tracer_comm(&comm("tracer")));
+        assert!(is_tracer_comm(&comm("tracer-mappings")));
+        assert!(!is_tracer_comm(&comm("trace")));
+        assert!(!is_tracer_comm(&comm("python3")));
     }
 }

@@ -3,7 +3,7 @@
 //! notes; `attach` loads the eBPF object and attaches its programs (`perf` makes the uprobe
 //! perf events and links the kernel's helpers do not); `privileges` says whether this process
 //! may; `libwatch` hears in the kernel of each library a process opens, `btf` reading the
-//! kernel structure offsets it needs; `release` removes them without making anyone wait for the kernel; `stage` empties the
+//! kernel structure offsets it needs, `tracefs` the tracepoints' field offsets; `release` removes them without making anyone wait for the kernel; `stage` empties the
 //! kernel programs' per-CPU stages of call events into the ring; `check` proves that tracing
 //! works on this machine.
 
@@ -16,4 +16,5 @@ mod perf;
 pub mod privileges;
 mod release;
 pub mod stage;
+mod tracefs;
 pub mod usdt;

@@ -585,7 +585,7 @@ mod tests {
         store.insert_keyframe(session, 0, &[]).unwrap();
         write(&mut store, session, &varied_calls(5000, 1));
         store.insert_keyframe(session, 0, &[]).unwrap();
-        store.enforce_max_size(session, 163_840).unwrap();
+        store.enforce_max_size(session, 172_032).unwrap();
         let q = super::ExplainQuery {
             session: Some(session),
             since: None,

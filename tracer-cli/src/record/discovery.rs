@@ -14,30 +14,13 @@ use std::{
 
 use tracer_common::libwatch::{Hold, LibOpen, PATH_LEN};
 
-use super::{session, shared::Shared};
-pub use crate::model::discovery::{DiscoveryRow, Outcome};
+use super::shared::Shared;
+pub use crate::model::discovery::{DiscoveryRow, Found, Late, Outcome};
 use crate::probe::{
-    attach::Probes,
+    attach::{AttachedLibrary, Probes},
     discover::{self, Candidate, FileId, Origin, Scanner},
     libwatch::LibWatch,
 };
-
-/// A process found late, for the registry to mark at its first call.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Late {
-    /// When it opened the library (wall ns), or (found by the periodic scan) when it started.
-    pub from_ns: Option<i64>,
-    pub library: String,
-    /// How tracer found it: "opened" (the kernel told) or "scan" (the once-a-second scan).
-    pub how: &'static str,
-}
-
-/// What the main thread found, for the registry (late processes) and the writer (rows).
-#[derive(Default)]
-pub struct Found {
-    pub late: HashMap<u32, Late>,
-    pub rows: Vec<DiscoveryRow>,
-}
 
 pub struct Watch {
     lib: LibWatch,
@@ -73,8 +56,9 @@ pub struct DiscoverySummary {
 }
 
 impl Watch {
+    /// The watch, its holding window open from now (the main thread serves it from here on).
     pub fn new(lib: LibWatch, wall_offset_ns: i64) -> Watch {
-        Watch {
+        let mut w = Watch {
             lib,
             probed_at: HashMap::new(),
             known: HashMap::new(),
@@ -85,7 +69,9 @@ impl Watch {
             unseen: Vec::new(),
             unseen_count: 0,
             unseen_pids: Default::default(),
-        }
+        };
+        w.renew();
+        w
     }
 
     pub fn summary(&self) -> DiscoverySummary {
@@ -251,13 +237,26 @@ impl Watch {
         row.outcome = if hold == Hold::Held {
             Outcome::Held
         } else if running(open.pid) {
-            Outcome::Late
+            // By now a loader has mapped what it opened; a copy has not.
+            if maps_file(open.pid, id) == Some(false) {
+                Outcome::Read
+            } else {
+                Outcome::Late
+            }
         } else {
+            Outcome::Missed
+        };
+        if !matches!(row.outcome, Outcome::Late) {
             if let Ok(mut found) = shared.discovery.lock() {
                 found.late.remove(&open.pid);
             }
-            Outcome::Missed
-        };
+        }
+        if row.outcome == Outcome::Missed {
+            row.why = Some(format!(
+                "it ended before its library was probed ({}); whether it mapped the library or only read it is not known",
+                row.why.as_deref().unwrap_or("not stopped")
+            ));
+        }
         Some(row)
     }
 
@@ -282,8 +281,8 @@ impl Watch {
         scanner.mark_seen(id);
         match probes.attach(&lib, None) {
             Ok(att) => {
-                session::report_attached(att);
-                session::note_probed(shared, &lib);
+                report_attached(att);
+                note_probed(shared, &lib);
                 self.probed(id);
                 Ok(())
             }
@@ -314,6 +313,34 @@ impl Watch {
     }
 }
 
+/// Remembers a probed library's identity: processes that map it are traced.
+pub fn note_probed(shared: &Shared, lib: &Candidate) {
+    if let Ok(mut files) = shared.probed_files.lock() {
+        files.insert((lib.id.dev, lib.id.ino));
+    }
+}
+
+/// Says on stderr what was attached in a library, and what not.
+pub fn report_attached(att: &AttachedLibrary) {
+    eprintln!(
+        "tracer: probing {} ({}, {} symbols)",
+        att.path,
+        att.origin,
+        att.symbols.len()
+    );
+    if !att.missing.is_empty() {
+        eprintln!(
+            "tracer:   not exported there (not traced): {}",
+            att.missing.join(", ")
+        );
+    }
+    for f in &att.failed {
+        eprintln!("tracer:   failed to attach {f}");
+    }
+}
+
+/// Attaches to a library found, saying so on stderr; a discovered library that fails is
+/// skipped, a --lib one is an error.
 /// What the session says of discovery at its end: processes found late or never traced
 /// (named), library opens lost.
 pub fn said(d: &DiscoverySummary) -> Vec<String> {
@@ -366,13 +393,14 @@ fn why_not_held(hold: Hold) -> Option<String> {
         }
         Hold::Ptraced => Some("not stopped: a debugger traces it".into()),
         Hold::Off => Some("not stopped: holding is off".into()),
+        Hold::Tracer => Some("not stopped: it is another tracer".into()),
     }
 }
 
-/// The file the process opened, through its descriptor while it is stopped (exactly that
-/// file); else by its path, as is when the process shares tracer's root (so that the file can
-/// still be probed once a short process has ended), through /proc/PID/root when it does not
-/// (a container). And the path as the process named it, made absolute.
+/// The file the process opened: through its descriptor while it is stopped (exactly that
+/// file); else by its path as is where that reaches the same file as through /proc/PID/root
+/// (or the process is gone), so that it can still be probed once a short process has ended;
+/// else through /proc/PID/root (a container). And the path as the process named it, absolute.
 fn resolve(open: &LibOpen, held: bool) -> (PathBuf, String) {
     let named = String::from_utf8_lossy(open.path_bytes()).into_owned();
     let pid = open.pid;
@@ -389,17 +417,17 @@ fn resolve(open: &LibOpen, held: bool) -> (PathBuf, String) {
             return (fd, shown);
         }
     }
-    let root = PathBuf::from(format!("/proc/{pid}/root"));
-    let same_root = discover::file_id(&root)
-        .is_some_and(|r| discover::file_id(std::path::Path::new("/")) == Some(r));
-    if same_root && shown.starts_with('/') {
-        return (PathBuf::from(&shown), shown);
-    }
-    let path = match shown.strip_prefix('/') {
-        Some(rest) => root.join(rest),
+    let in_process = match shown.strip_prefix('/') {
+        Some(rest) => PathBuf::from(format!("/proc/{pid}/root")).join(rest),
         None => PathBuf::from(format!("/proc/{pid}/cwd")).join(&named),
     };
-    (path, shown)
+    let plain = PathBuf::from(&shown);
+    let there = discover::file_id(&in_process);
+    // The same file by its own path outlives the process (a short one ends before the attach).
+    if plain.is_absolute() && (there.is_none() || discover::file_id(&plain) == there) {
+        return (plain, shown);
+    }
+    (in_process, shown)
 }
 
 /// The opening thread's name, as the kernel gave it.
@@ -410,6 +438,12 @@ fn comm_of(open: &LibOpen) -> Option<String> {
         .position(|&b| b == 0)
         .unwrap_or(open.comm.len());
     (end > 0).then(|| String::from_utf8_lossy(&open.comm[..end]).into_owned())
+}
+
+/// Whether the process maps the file (None: its mappings could not be read).
+fn maps_file(pid: u32, id: FileId) -> Option<bool> {
+    let maps = crate::traced::maps::read(pid).ok()?;
+    Some(maps.iter().any(|m| m.dev == id.dev && m.inode == id.ino))
 }
 
 /// Whether the process still runs (a zombie has made its last call).

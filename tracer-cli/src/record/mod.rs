@@ -9,7 +9,7 @@
 
 mod arming;
 mod callers;
-mod discovery;
+pub mod discovery;
 pub mod dump;
 pub mod import;
 pub mod join;

@@ -21,6 +21,7 @@ use anyhow::{anyhow, Context as _, Result};
 use serde::Serialize;
 
 use super::{
+    discovery::{note_probed, report_attached},
     on_warning::{HookOutcome, HookRun, OnWarning, WarningHook},
     reader,
     registry::{Inbound, KeyframeClock, Python, Registry},
@@ -1040,34 +1041,6 @@ fn begin_session(
         .context("begin the session")
 }
 
-/// Remembers a probed library's identity: processes that map it are traced.
-pub(super) fn note_probed(shared: &Shared, lib: &Candidate) {
-    if let Ok(mut files) = shared.probed_files.lock() {
-        files.insert((lib.id.dev, lib.id.ino));
-    }
-}
-
-/// Says on stderr what was attached in a library, and what not.
-pub(super) fn report_attached(att: &AttachedLibrary) {
-    eprintln!(
-        "tracer: probing {} ({}, {} symbols)",
-        att.path,
-        att.origin,
-        att.symbols.len()
-    );
-    if !att.missing.is_empty() {
-        eprintln!(
-            "tracer:   not exported there (not traced): {}",
-            att.missing.join(", ")
-        );
-    }
-    for f in &att.failed {
-        eprintln!("tracer:   failed to attach {f}");
-    }
-}
-
-/// Attaches to a library found, saying so on stderr; a discovered library that fails is
-/// skipped, a --lib one is an error.
 /// How often the main thread looks at the stops while it waits on the library opens.
 const WATCH_POLL: Duration = Duration::from_millis(20);
 

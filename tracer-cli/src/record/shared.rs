@@ -78,7 +78,7 @@ pub struct Shared {
     /// The kernel counters as last read (for the writer's periodic session updates).
     pub kernel: Mutex<[u64; Counter::COUNT as usize]>,
     /// Discovery's findings: processes found late (for the registry), rows (for the writer).
-    pub discovery: Mutex<super::discovery::Found>,
+    pub discovery: Mutex<crate::model::discovery::Found>,
 }
 
 /// CPU time the calling thread has used (ns): what one stage of the recording costs.

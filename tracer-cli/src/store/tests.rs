@@ -1002,7 +1002,7 @@ fn blocks_written_after_everything_was_evicted_come_after_the_hole() {
         write(&mut store, session, &varied_calls(5000, batch));
     }
     store.insert_keyframe(session, 0, &[]).unwrap();
-    store.enforce_max_size(session, 163_840).unwrap();
+    store.enforce_max_size(session, 172_032).unwrap();
     let (blocks, hole_end): (i64, i64) = store
         .conn()
         .query_row(

@@ -1,0 +1,276 @@
+//! Discovery as it happens (issue 52): tracer started first, no `--lib`, the runtime in a folder
+//! tracer does not scan (a copy of its own, made after tracer started: no scan can have found
+//! it). A process that opens it is stopped in the kernel until its library is probed, so that a
+//! program that runs for a millisecond has every call; where tracer cannot stop it (its parent
+//! a shell) it is found late, and the session, `tracer query` and explain say so.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use crate::common::*;
+use serde_json::Value;
+
+const SIGINT: i32 = 2;
+
+/// A fresh folder holding the runtime and the driver it links (new inodes, new paths).
+fn runtime_in(fx: &Fixture, name: &str) -> PathBuf {
+    let dir = fx.sim.parent().unwrap().join(name).join("lib");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["libcudart.so.12", "libcuda.so.1"] {
+        std::fs::copy(fx.sim.join(f), dir.join(f)).unwrap();
+    }
+    dir.join("libcudart.so.12")
+}
+
+fn burst(fx: &Fixture, runtime: &Path, args: &[&str]) -> Value {
+    let out = Command::new(fx.sim.join("burst"))
+        .arg(runtime)
+        .args(args)
+        .output()
+        .unwrap();
+    report(out)
+}
+
+/// `burst` as a shell's child: `sh -c 'burst ...; true'` keeps the shell its parent (tracer
+/// does not stop it).
+fn burst_under_shell(fx: &Fixture, runtime: &Path, args: &str) -> Value {
+    let script = format!(
+        "{} {} {args}; true",
+        fx.sim.join("burst").display(),
+        runtime.display()
+    );
+    report(Command::new("sh").args(["-c", &script]).output().unwrap())
+}
+
+fn calls(db: &Path, pid: i64, op: &str) -> i64 {
+    scalar(
+        db,
+        &format!("SELECT count(*) FROM events WHERE pid = {pid} AND op = '{op}' AND ret = 0"),
+    )
+}
+
+fn discovery(db: &Path, pid: i64) -> Vec<Value> {
+    query(
+        db,
+        &format!("SELECT library, outcome, held_us, probed_ns, why FROM discovery WHERE pid = {pid} ORDER BY rowid"),
+    )
+}
+
+#[test]
+fn a_program_that_runs_for_a_millisecond_has_every_call_traced() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    // What the program is, untraced: its first call within 1 ms of its start, its end within
+    // 20 ms (300 cudaMalloc/cudaFree pairs).
+    let alone = burst(&fx, &runtime_in(&fx, "untraced"), &["300"]);
+    assert!(alone["first_call_us"].as_f64().unwrap() < 1000.0, "{alone}");
+    assert!(alone["exit_us"].as_f64().unwrap() < 20_000.0, "{alone}");
+
+    let trace = Trace::start(&fx.db, &["--quiet"]);
+    let runtime = runtime_in(&fx, "after-start");
+    let rep = burst(&fx, &runtime, &["300"]);
+    let pid = rep["pid"].as_i64().unwrap();
+    // A second run of the same path is not stopped: the kernel knows it probed.
+    let again = burst(&fx, &runtime, &["300"]);
+    let stopped = trace.stop(SIGINT);
+
+    assert_eq!(calls(&fx.db, pid, "cudaMalloc"), 300, "{}", stopped.stderr);
+    assert_eq!(calls(&fx.db, pid, "cudaFree"), 300);
+    let rows = discovery(&fx.db, pid);
+    let cudart = rows
+        .iter()
+        .find(|r| r["library"] == runtime.display().to_string())
+        .unwrap_or_else(|| panic!("{rows:?}"));
+    assert_eq!(cudart["outcome"], "held", "{rows:?}");
+    assert!(cudart["held_us"].as_i64().unwrap() > 0, "{rows:?}");
+    // The driver the runtime links was opened (and held) too.
+    assert!(
+        rows.iter()
+            .any(|r| r["library"].as_str().unwrap().ends_with("/libcuda.so.1")),
+        "{rows:?}"
+    );
+    let pid2 = again["pid"].as_i64().unwrap();
+    assert_eq!(calls(&fx.db, pid2, "cudaMalloc"), 300);
+    assert!(
+        discovery(&fx.db, pid2)
+            .iter()
+            .all(|r| r["outcome"] == "probed" && r["held_us"].is_null()),
+        "{:?}",
+        discovery(&fx.db, pid2)
+    );
+    assert_eq!(
+        scalar(
+            &fx.db,
+            &format!("SELECT count(*) FROM gaps WHERE pid IN ({pid}, {pid2})")
+        ),
+        0
+    );
+    // The summary counts what the table holds (the test's own copies, reads of the runtime
+    // tracer had not probed, were held too).
+    assert_eq!(
+        stopped.summary["discovery"]["held"].as_i64(),
+        Some(scalar(
+            &fx.db,
+            "SELECT count(*) FROM discovery WHERE outcome = 'held'"
+        ))
+    );
+    assert_eq!(stopped.summary["discovery"]["unseen"].as_i64(), Some(0));
+}
+
+#[test]
+fn a_program_in_a_virtual_environment_made_after_the_trace_began_is_traced_from_its_first_call() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let trace = Trace::start(&fx.db, &["--quiet"]);
+    // As `python -m venv .venv` in a project folder, the runtime where its wheel puts it.
+    let venv = fx.sim.parent().unwrap().join("project/.venv");
+    let out = Command::new("python3")
+        .args(["-m", "venv", "--without-pip"])
+        .arg(&venv)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let site = std::fs::read_dir(venv.join("lib"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path()
+        .join("site-packages/nvidia/cuda_runtime/lib");
+    std::fs::create_dir_all(&site).unwrap();
+    for f in ["libcudart.so.12", "libcuda.so.1"] {
+        std::fs::copy(fx.sim.join(f), site.join(f)).unwrap();
+    }
+    let script = format!(
+        r#"
+import ctypes, json, os
+rt = ctypes.CDLL("{}")
+ptr = ctypes.c_void_p()
+ok = 0
+for i in range(100):
+    if rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(1 << 20)) == 0:
+        ok += 1
+        rt.cudaFree(ptr)
+print(json.dumps({{"pid": os.getpid(), "granted": ok}}))
+"#,
+        site.join("libcudart.so.12").display()
+    );
+    let out = Command::new(venv.join("bin/python"))
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let rep = report(out);
+    let stopped = trace.stop(SIGINT);
+    let pid = rep["pid"].as_i64().unwrap();
+    assert_eq!(rep["granted"], 100);
+    assert_eq!(calls(&fx.db, pid, "cudaMalloc"), 100, "{}", stopped.stderr);
+    assert_eq!(calls(&fx.db, pid, "cudaFree"), 100);
+    let rows = discovery(&fx.db, pid);
+    assert!(
+        rows.iter()
+            .any(|r| r["outcome"] == "held"
+                && r["library"].as_str().unwrap().contains("/.venv/lib/")),
+        "{rows:?}"
+    );
+    assert_eq!(
+        scalar(
+            &fx.db,
+            &format!("SELECT count(*) FROM gaps WHERE pid = {pid}")
+        ),
+        0
+    );
+}
+
+#[test]
+fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_explain() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let trace = Trace::start(&fx.db, &["--quiet"]);
+    // A shell's child is not stopped (the shell would report the stop as the user's): 50
+    // pairs at once, before the probes can be on, then 50 more once tracer says it probes
+    // the library (at least 250 ms later).
+    let runtime = runtime_in(&fx, "late");
+    let go = fx.sim.parent().unwrap().join("go");
+    let script = format!(
+        "{} {} 50 250 {}; true",
+        fx.sim.join("burst").display(),
+        runtime.display(),
+        go.display()
+    );
+    let child = Command::new("sh")
+        .args(["-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    trace.wait_for_stderr(&format!("probing {}", runtime.display()));
+    std::fs::write(&go, b"").unwrap();
+    let late = report(child.wait_with_output().unwrap());
+    // Three pairs and gone, from a path never probed: nothing of it can be seen.
+    let gone = burst_under_shell(&fx, &runtime_in(&fx, "gone"), "3");
+    let stopped = trace.stop(SIGINT);
+    let (pid, pid_gone) = (late["pid"].as_i64().unwrap(), gone["pid"].as_i64().unwrap());
+
+    // Late: what came after the probes is there, what came before is not.
+    let seen = calls(&fx.db, pid, "cudaMalloc");
+    assert!(
+        (50..100).contains(&seen),
+        "{seen} of 100 seen: {}",
+        stopped.stderr
+    );
+    let rows = discovery(&fx.db, pid);
+    assert_eq!(rows[0]["outcome"], "late", "{rows:?}");
+    assert!(
+        rows[0]["why"]
+            .as_str()
+            .unwrap()
+            .contains("parent is a shell"),
+        "{rows:?}"
+    );
+    // In `tracer query`: its gap, from the open to its first call seen.
+    let gap = query(
+        &fx.db,
+        &format!(
+            "SELECT from_ns, to_ns, detail FROM gaps WHERE pid = {pid} AND kind = 'found_late'"
+        ),
+    );
+    assert_eq!(gap.len(), 1, "{gap:?}");
+    let first_seen = scalar(
+        &fx.db,
+        &format!("SELECT min(ts_ns) FROM events WHERE pid = {pid}"),
+    );
+    // The registry and the store make wall time from the same clock offset.
+    assert!(
+        (gap[0]["to_ns"].as_i64().unwrap() - first_seen).abs() < 1_000_000,
+        "{gap:?} vs first call at {first_seen}"
+    );
+    let span_ms =
+        (gap[0]["to_ns"].as_i64().unwrap() - gap[0]["from_ns"].as_i64().unwrap()) / 1_000_000;
+    assert!((250..30_000).contains(&span_ms), "{span_ms} ms");
+
+    // Never traced: counted and named.
+    let rows_gone = discovery(&fx.db, pid_gone);
+    assert_eq!(rows_gone[0]["outcome"], "missed", "{rows_gone:?}");
+    assert_eq!(calls(&fx.db, pid_gone, "cudaMalloc"), 0);
+    assert_eq!(stopped.summary["discovery"]["unseen"].as_i64(), Some(2));
+    assert!(
+        stopped.stderr.contains(&format!("pid {pid} (burst) late")),
+        "{}",
+        stopped.stderr
+    );
+
+    // explain: the late process's gap and the one never traced.
+    let text = explain_text(&fx.db);
+    assert!(
+        text.contains(&format!("Not seen: pid {pid} from")) && text.contains("(found_late)"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("Never traced: pid {pid_gone} (burst)")),
+        "{text}"
+    );
+}

@@ -42,8 +42,6 @@ pub struct BenchArgs {
     /// Seconds of the two-thread throughput run.
     #[arg(long, default_value_t = 10)]
     throughput_secs: u64,
-    #[command(flatten)]
-    step: crate::step_bench::StepBenchArgs,
 }
 
 pub fn root() -> PathBuf {
@@ -171,12 +169,24 @@ impl Tracer {
         lib: &Path,
         extra: &[&str],
     ) -> Result<Tracer> {
+        Tracer::start_args(tracer, db, Some(lib), extra)
+    }
+
+    /// `tracer trace` with no `--lib`: discovery finds what the job loads.
+    pub(crate) fn start_discovering(tracer: &Path, db: &Path, extra: &[&str]) -> Result<Tracer> {
+        Tracer::start_args(tracer, db, None, extra)
+    }
+
+    fn start_args(tracer: &Path, db: &Path, lib: Option<&Path>, extra: &[&str]) -> Result<Tracer> {
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
         }
-        let mut child = Command::new(tracer)
-            .args(["trace", "--quiet", "--json", "--lib"])
-            .arg(lib)
+        let mut cmd = Command::new(tracer);
+        cmd.args(["trace", "--quiet", "--json"]);
+        if let Some(lib) = lib {
+            cmd.arg("--lib").arg(lib);
+        }
+        let mut child = cmd
             .arg("--db")
             .arg(db)
             .args(extra)
@@ -653,7 +663,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     println!("  target: tracer <= 600 ns per pair");
     throughput.print();
-    crate::step_bench::run(args.step)
+    Ok(())
 }
 
 /// Two producer threads at full speed, traced.

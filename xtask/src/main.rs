@@ -20,8 +20,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Measure the cost of tracing side by side: untraced, floor, traced, bpftrace; and throughput.
-    Bench(bench::BenchArgs),
+    /// Measure the cost of tracing side by side: untraced, floor, traced, bpftrace; and throughput;
+    /// then the training-shaped steps (`bench-step`).
+    Bench(AllBenchArgs),
     /// Time `tracer explain` over a session of N synthetic events.
     BenchExplain(explain_bench::ExplainBenchArgs),
     /// Measure tracing PyTorch's allocator probes: cost per tensor allocation, sustained rate.
@@ -37,14 +38,26 @@ enum Task {
     BenchGraphs(graph_bench::GraphBenchArgs),
 }
 
+/// `cargo xtask bench`: its own sections' options and the step bench's.
+#[derive(clap::Args)]
+struct AllBenchArgs {
+    #[command(flatten)]
+    bench: bench::BenchArgs,
+    #[command(flatten)]
+    step: step_bench::StepBenchArgs,
+}
+
 fn main() -> anyhow::Result<()> {
     match Cli::parse().task {
-        Task::Bench(args) => bench::run(args),
+        Task::Bench(args) => {
+            bench::run(args.bench)?;
+            step_modes::run(args.step)
+        }
         Task::BenchExplain(args) => explain_bench::explain(args),
         Task::BenchTensor(args) => tensor_bench::run(args),
         Task::BenchFlight(args) => flight_bench::run(args),
         Task::BenchWhatif(args) => whatif_bench::run(args),
-        Task::BenchStep(args) => step_bench::run(args),
+        Task::BenchStep(args) => step_modes::run(args),
         Task::BenchGraphs(args) => graph_bench::run(args),
     }
 }

@@ -48,15 +48,19 @@ enum Setup {
     Stack,
     /// tracer with `--dump-on-oom`: armed, and no OOM happens (its cost should be none).
     Dump,
+    /// tracer with no `--lib`: the kernel's notice of each library opened finds the job's (the
+    /// openat programs run at every open on the machine; the main thread polls their ring).
+    Discover,
 }
 
-const SETUPS: [Setup; 6] = [
+const SETUPS: [Setup; 7] = [
     Setup::Untraced,
     Setup::Floor,
     Setup::NoSched,
     Setup::Tracer,
     Setup::Stack,
     Setup::Dump,
+    Setup::Discover,
 ];
 
 /// Where the `--dump-on-oom` setup's dumps would go: root's own folder, mode 0700.
@@ -71,6 +75,7 @@ impl Setup {
             Setup::Tracer => "tracer",
             Setup::Stack => "tracer --stack",
             Setup::Dump => "--dump-on-oom",
+            Setup::Discover => "discovering",
         }
     }
 
@@ -82,6 +87,7 @@ impl Setup {
             Setup::Tracer => Some(&[]),
             Setup::Stack => Some(&["--stack"]),
             Setup::Dump => Some(&["--dump-on-oom", DUMP_DIR]),
+            Setup::Discover => Some(&[]),
         }
     }
 }
@@ -133,17 +139,22 @@ impl Loop {
             return Ok((run_of(&rep, steps)?, Value::Null));
         };
         let torch = self.sim.join("libsimtorch.so").display().to_string();
-        let all: Vec<&str> = ["--lib", torch.as_str()]
-            .into_iter()
-            .chain(flags.iter().copied())
-            .chain(extra.iter().copied())
-            .collect();
-        let tracer = Tracer::start_with(
-            &self.tracer,
-            &self.db,
-            &self.sim.join("libcudart.so.12"),
-            &all,
-        )?;
+        let tracer = if setup == Setup::Discover {
+            let all: Vec<&str> = flags.iter().chain(extra).copied().collect();
+            Tracer::start_discovering(&self.tracer, &self.db, &all)?
+        } else {
+            let all: Vec<&str> = ["--lib", torch.as_str()]
+                .into_iter()
+                .chain(flags.iter().copied())
+                .chain(extra.iter().copied())
+                .collect();
+            Tracer::start_with(
+                &self.tracer,
+                &self.db,
+                &self.sim.join("libcudart.so.12"),
+                &all,
+            )?
+        };
         let cpu0 = tracer.cpu_s();
         let rep = self.run_once(work_ms, steps);
         let cpu = tracer.cpu_s() - cpu0;
@@ -250,16 +261,20 @@ pub(crate) fn work_for(l: &Loop, step_ms: f64) -> Result<f64> {
     Ok((w1 + (step_ms - t1) / slope).max(step_ms * 0.1))
 }
 
-pub fn run(args: StepBenchArgs) -> Result<()> {
+/// The loop built and calibrated, and the dump setup's folder made.
+pub(crate) fn prepare(args: &StepBenchArgs) -> Result<Loop> {
+    ensure!(args.step_rounds >= 1, "--step-rounds must be at least 1");
     let l = setup_loop()?;
     dump_dir()?;
-    ensure!(args.step_rounds >= 1, "--step-rounds must be at least 1");
-    if !args.modes_only {
-        for (step_ms, target) in STEP_MS {
-            section(&l, &args, step_ms, target)?;
-        }
+    Ok(l)
+}
+
+/// The setups' sections, one per step length (step_modes.rs runs them, then its own).
+pub(crate) fn sections(l: &Loop, args: &StepBenchArgs) -> Result<()> {
+    for (step_ms, target) in STEP_MS {
+        section(l, args, step_ms, target)?;
     }
-    crate::step_modes::section(&l, &args)
+    Ok(())
 }
 
 /// The dump setup's folder, made fresh as root's own with mode 0700 (tracer refuses any other).
@@ -372,6 +387,18 @@ fn print_section(
     println!(
         "  --dump-on-oom      {:>9.3}x tracer, rounds {lo:.3}-{hi:.3}   tracer's own rounds span {:.3}",
         median(armed),
+        thi / tlo
+    );
+    // Discovery in the kernel against tracer given its libraries (--lib), round by round.
+    let discovering: Vec<f64> = of(Setup::Discover)
+        .iter()
+        .zip(of(Setup::Tracer))
+        .map(|(d, t)| d.step_ms / t.step_ms)
+        .collect();
+    let (lo, hi) = spread(&discovering);
+    println!(
+        "  discovering        {:>9.3}x tracer --lib, rounds {lo:.3}-{hi:.3}   tracer's own rounds span {:.3}",
+        median(discovering),
         thi / tlo
     );
     // Per event against the floor, round by round: (tracer - untraced) / (floor - untraced).

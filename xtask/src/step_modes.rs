@@ -9,8 +9,19 @@ use serde_json::Value;
 
 use crate::{
     bench::{send_signal, Tracer},
-    step_bench::{median, spread, work_for, Loop, StepBenchArgs, WARMUP},
+    step_bench::{self, median, spread, work_for, Loop, StepBenchArgs, WARMUP},
 };
+
+/// `cargo xtask bench-step` (and `bench`'s last part): the setups' sections unless
+/// `--modes-only`, then `--allocator`'s modes. The step files import one way: this one uses
+/// step_bench.rs, which uses bench.rs.
+pub fn run(args: StepBenchArgs) -> Result<()> {
+    let l = step_bench::prepare(&args)?;
+    if !args.modes_only {
+        step_bench::sections(&l, &args)?;
+    }
+    section(&l, &args)
+}
 
 const STEP_MS: f64 = 20.0;
 /// `auto` outside pressure should cost at most this much (issue: always on at fleet scale).

@@ -33,11 +33,13 @@ fn burst(fx: &Fixture, runtime: &Path, args: &[&str]) -> Value {
     report(out)
 }
 
-/// `burst` as a shell's child: `sh -c 'burst ...; true'` keeps the shell its parent (tracer
-/// does not stop it).
-fn burst_under_shell(fx: &Fixture, runtime: &Path, args: &str) -> Value {
+/// `burst` as a shell's job: `sh -c 'setsid burst ...; true'` keeps the shell its parent and
+/// gives it a process group of its own, as a shell with job control does (tracer does not stop
+/// it); without `setsid`, a script's child (`sh -c 'burst ...; true'`), which tracer stops.
+fn burst_under_shell(fx: &Fixture, runtime: &Path, args: &str, job: bool) -> Value {
     let script = format!(
-        "{} {} {args}; true",
+        "{}{} {} {args}; true",
+        if job { "setsid " } else { "" },
         fx.sim.join("burst").display(),
         runtime.display()
     );
@@ -75,6 +77,8 @@ fn a_program_that_runs_for_a_millisecond_has_every_call_traced() {
     let pid = rep["pid"].as_i64().unwrap();
     // A second run of the same path is not stopped: the kernel knows it probed.
     let again = burst(&fx, &runtime, &["300"]);
+    // A script's child (no job control: it stays in the script's process group) is stopped.
+    let scripted = burst_under_shell(&fx, &runtime_in(&fx, "script"), "300", false);
     let stopped = trace.stop(SIGINT);
 
     assert_eq!(calls(&fx.db, pid, "cudaMalloc"), 300, "{}", stopped.stderr);
@@ -118,6 +122,9 @@ fn a_program_that_runs_for_a_millisecond_has_every_call_traced() {
         ))
     );
     assert_eq!(stopped.summary["discovery"]["unseen"].as_i64(), Some(0));
+    let pid3 = scripted["pid"].as_i64().unwrap();
+    assert_eq!(calls(&fx.db, pid3, "cudaMalloc"), 300);
+    assert_eq!(discovery(&fx.db, pid3)[0]["outcome"], "held");
 }
 
 #[test]
@@ -197,7 +204,7 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
     let runtime = runtime_in(&fx, "late");
     let go = fx.sim.parent().unwrap().join("go");
     let script = format!(
-        "{} {} 50 250 {}; true",
+        "setsid {} {} 50 250 {}; true",
         fx.sim.join("burst").display(),
         runtime.display(),
         go.display()
@@ -211,7 +218,7 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
     std::fs::write(&go, b"").unwrap();
     let late = report(child.wait_with_output().unwrap());
     // Three pairs and gone, from a path never probed: nothing of it can be seen.
-    let gone = burst_under_shell(&fx, &runtime_in(&fx, "gone"), "3");
+    let gone = burst_under_shell(&fx, &runtime_in(&fx, "gone"), "3", true);
     let stopped = trace.stop(SIGINT);
     let (pid, pid_gone) = (late["pid"].as_i64().unwrap(), gone["pid"].as_i64().unwrap());
 
@@ -228,7 +235,7 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
         rows[0]["why"]
             .as_str()
             .unwrap()
-            .contains("parent is a shell"),
+            .contains("a job of a shell"),
         "{rows:?}"
     );
     // In `tracer query`: its gap, from the open to its first call seen.

@@ -19,10 +19,11 @@ pub const WATCHED: [&[u8]; 4] = [
     b"libsimtorch",
 ];
 
-/// The parents whose child is never stopped: a shell with job control would report the stop
-/// as the user's (`[1]+ Stopped`) and keep the job in the background after it continues, and
-/// sudo and su pass a child's stop on to their own shell. Matched against the parent's `comm`
-/// (up to its first NUL).
+/// The parents whose child is not stopped when it leads its own process group (a job a shell
+/// started): a shell with job control would report the stop as the user's (`[1]+ Stopped`) and
+/// keep the job in the background after it continues, and sudo and su pass a child's stop on
+/// to their own shell. A script's child (`bash -c`, no job control) stays in the script's group
+/// and is stopped. Matched against the parent's `comm` (up to its first NUL).
 pub const NO_HOLD_PARENTS: [&[u8]; 13] = [
     b"bash", b"zsh", b"fish", b"sh", b"dash", b"ksh", b"mksh", b"tcsh", b"csh", b"sudo", b"su",
     b"doas", b"runuser",
@@ -53,7 +54,7 @@ pub enum Hold {
     Known = 0,
     /// Stopped until userspace has attached and continues it.
     Held = 1,
-    /// Not stopped: its parent is a shell or sudo (see [`NO_HOLD_PARENTS`]).
+    /// Not stopped: a job a shell or sudo started (see [`NO_HOLD_PARENTS`]).
     ParentShell = 2,
     /// Not stopped: a debugger traces it (it would see the stop).
     Ptraced = 3,

@@ -28,6 +28,9 @@ pub const GLOBAL_OPENAT_FLAGS_OFF: &str = "OPENAT_FLAGS_OFF";
 pub const GLOBAL_TASK_REAL_PARENT_OFF: &str = "TASK_REAL_PARENT_OFF";
 pub const GLOBAL_TASK_COMM_OFF: &str = "TASK_COMM_OFF";
 pub const GLOBAL_TASK_PTRACE_OFF: &str = "TASK_PTRACE_OFF";
+pub const GLOBAL_TASK_SIGNAL_OFF: &str = "TASK_SIGNAL_OFF";
+pub const GLOBAL_SIGNAL_PGID_OFF: &str = "SIGNAL_PGID_OFF";
+pub const GLOBAL_PID_NR_OFF: &str = "PID_NR_OFF";
 /// Global: tracer's own process id (its own opens are not watched).
 pub const GLOBAL_SELF_TGID: &str = "SELF_TGID";
 

@@ -61,6 +61,12 @@ static TASK_REAL_PARENT_OFF: u32 = 0;
 static TASK_COMM_OFF: u32 = 0;
 #[unsafe(no_mangle)]
 static TASK_PTRACE_OFF: u32 = 0;
+#[unsafe(no_mangle)]
+static TASK_SIGNAL_OFF: u32 = 0;
+#[unsafe(no_mangle)]
+static SIGNAL_PGID_OFF: u32 = 0;
+#[unsafe(no_mangle)]
+static PID_NR_OFF: u32 = 0;
 /// tracer's own process: its opens (reading a library's symbols) are not watched.
 #[unsafe(no_mangle)]
 static SELF_TGID: u32 = 0;
@@ -205,10 +211,41 @@ fn decide(path: &[u8; PATH_LEN]) -> Hold {
     else {
         return Hold::Off;
     };
-    if libwatch::is_no_hold_parent(&comm) {
+    // A shell's job has a process group of its own, led by its first process: only then
+    // would a shell with job control see the stop (a script's child stays in its group).
+    if libwatch::is_no_hold_parent(&comm) && leads_its_group(task) {
         return Hold::ParentShell;
     }
     Hold::Held
+}
+
+/// Whether the current process leads its process group (true when that cannot be read: the
+/// safe side is not to stop it).
+#[inline(always)]
+fn leads_its_group(task: u64) -> bool {
+    let signal_off = global(&TASK_SIGNAL_OFF);
+    if signal_off == 0 {
+        return true;
+    }
+    // SAFETY: bpf_probe_read_kernel checks each address; a failed read answers true.
+    let Ok(signal) = (unsafe { bpf_probe_read_kernel((task + signal_off as u64) as *const u64) })
+    else {
+        return true;
+    };
+    // SAFETY: as above.
+    let Ok(group) = (unsafe {
+        bpf_probe_read_kernel((signal + global(&SIGNAL_PGID_OFF) as u64) as *const u64)
+    }) else {
+        return true;
+    };
+    // SAFETY: as above.
+    let Ok(pgid) =
+        (unsafe { bpf_probe_read_kernel((group + global(&PID_NR_OFF) as u64) as *const u32) })
+    else {
+        return true;
+    };
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    pgid == tgid
 }
 
 #[inline(always)]

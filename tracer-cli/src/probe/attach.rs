@@ -330,6 +330,10 @@ impl Probes {
         let task = super::btf::task_offsets().map_err(|e| format!("{e:#}"));
         let task_offsets = task.clone().unwrap_or_default();
         let me = std::process::id();
+        // signal_struct's pids[PIDTYPE_PGID] (2: PID, TGID, PGID, SID), a pointer each; the
+        // pid's own number in the machine's namespace: numbers[0].nr.
+        let signal_pgid = task_offsets.signal_pids + 2 * 8;
+        let pid_nr = task_offsets.pid_numbers + task_offsets.upid_nr;
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::EVENTS, opts.ring_bytes)
             .override_global(names::GLOBAL_OPENAT_FILENAME_OFF, &openat.filename, true)
@@ -343,6 +347,9 @@ impl Probes {
             .override_global(names::GLOBAL_TASK_COMM_OFF, &task_offsets.comm, true)
             .override_global(names::GLOBAL_TASK_PTRACE_OFF, &task_offsets.ptrace, true)
             .override_global(names::GLOBAL_SELF_TGID, &me, true)
+            .override_global(names::GLOBAL_TASK_SIGNAL_OFF, &task_offsets.signal, true)
+            .override_global(names::GLOBAL_SIGNAL_PGID_OFF, &signal_pgid, true)
+            .override_global(names::GLOBAL_PID_NR_OFF, &pid_nr, true)
             .override_global(names::GLOBAL_WAKEUP_BYTES, &opts.wakeup_bytes, true)
             .override_global(names::GLOBAL_FLOOR_MODE, &floor, true)
             .override_global(names::GLOBAL_STACK_MODE, &stack, true)

@@ -9,12 +9,18 @@ const BTF_MAGIC: u16 = 0xeb9f;
 const KIND_STRUCT: u32 = 4;
 const KIND_UNION: u32 = 5;
 
-/// task_struct's members discovery reads, as byte offsets.
+/// The members discovery reads, as byte offsets: task_struct's `real_parent`, `comm`,
+/// `ptrace` and `signal`; signal_struct's `pids` (its process group's struct pid is entry
+/// PIDTYPE_PGID); struct pid's `numbers` and struct upid's `nr` (the id as the machine sees it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TaskOffsets {
     pub real_parent: u32,
     pub comm: u32,
     pub ptrace: u32,
+    pub signal: u32,
+    pub signal_pids: u32,
+    pub pid_numbers: u32,
+    pub upid_nr: u32,
 }
 
 /// The running kernel's offsets, or why they are unknown.
@@ -22,17 +28,21 @@ pub fn task_offsets() -> Result<TaskOffsets> {
     let path = "/sys/kernel/btf/vmlinux";
     let data = std::fs::read(path).with_context(|| format!("read {path}"))?;
     let btf = Btf::parse(&data).with_context(|| format!("parse {path}"))?;
-    let task = btf
-        .struct_named("task_struct")
-        .ok_or_else(|| anyhow!("{path} has no struct task_struct"))?;
-    let at = |member: &str| {
-        btf.member_offset(task, member)
-            .ok_or_else(|| anyhow!("struct task_struct in {path} has no member {member}"))
+    let at = |name: &str, member: &str| {
+        let id = btf
+            .struct_named(name)
+            .ok_or_else(|| anyhow!("{path} has no struct {name}"))?;
+        btf.member_offset(id, member)
+            .ok_or_else(|| anyhow!("struct {name} in {path} has no member {member}"))
     };
     Ok(TaskOffsets {
-        real_parent: at("real_parent")?,
-        comm: at("comm")?,
-        ptrace: at("ptrace")?,
+        real_parent: at("task_struct", "real_parent")?,
+        comm: at("task_struct", "comm")?,
+        ptrace: at("task_struct", "ptrace")?,
+        signal: at("task_struct", "signal")?,
+        signal_pids: at("signal_struct", "pids")?,
+        pid_numbers: at("pid", "numbers")?,
+        upid_nr: at("upid", "nr")?,
     })
 }
 
@@ -180,6 +190,12 @@ mod tests {
         let t = task_offsets().expect("BTF of the running kernel");
         // comm is a 16-byte array well inside the struct; the three are distinct.
         assert!(t.comm > 0 && t.real_parent > 0 && t.ptrace > 0, "{t:?}");
+        assert!(
+            t.signal > 0 && t.signal_pids > 0 && t.pid_numbers > 0,
+            "{t:?}"
+        );
+        // upid's nr is its first member.
+        assert_eq!(t.upid_nr, 0, "{t:?}");
         assert_ne!(t.comm, t.real_parent);
         assert_ne!(t.ptrace, t.comm);
     }

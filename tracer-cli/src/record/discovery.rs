@@ -388,9 +388,10 @@ pub fn said(d: &DiscoverySummary) -> Vec<String> {
 fn why_not_held(hold: Hold) -> Option<String> {
     match hold {
         Hold::Known | Hold::Held => None,
-        Hold::ParentShell => {
-            Some("not stopped: its parent is a shell or sudo, which would report the stop".into())
-        }
+        Hold::ParentShell => Some(
+            "not stopped: a job of a shell or sudo, which would report the stop as the user's"
+                .into(),
+        ),
         Hold::Ptraced => Some("not stopped: a debugger traces it".into()),
         Hold::Off => Some("not stopped: holding is off".into()),
         Hold::Tracer => Some("not stopped: it is another tracer".into()),

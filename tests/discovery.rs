@@ -281,3 +281,39 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
         "{text}"
     );
 }
+
+#[test]
+fn two_tracers_discovering_at_once_each_see_every_call_or_say_what_they_missed() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    // A DaemonSet's tracer and a user's on one node: both stop the process; the first to have
+    // probed continues it, perhaps before the other has.
+    let second = fx.db.with_file_name("second.db");
+    let a = Trace::start(&fx.db, &["--quiet"]);
+    let b = Trace::start(&second, &["--quiet"]);
+    let rep = burst(&fx, &runtime_in(&fx, "both"), &["300"]);
+    let pid = rep["pid"].as_i64().unwrap();
+    let (sa, sb) = (a.stop(SIGINT), b.stop(SIGINT));
+    for (db, stderr) in [(&fx.db, &sa.stderr), (&second, &sb.stderr)] {
+        let seen = calls(db, pid, "cudaMalloc");
+        let rows = discovery(db, pid);
+        let gaps = scalar(
+            db,
+            &format!("SELECT count(*) FROM gaps WHERE pid = {pid} AND kind = 'found_late'"),
+        );
+        if seen == 300 {
+            assert_eq!(rows[0]["outcome"], "held", "{rows:?}\n{stderr}");
+            assert_eq!(gaps, 0);
+        } else {
+            // Said, never silent: found late (from its open to its first call seen), or never
+            // traced when it had ended before this tracer came to it.
+            let outcome = rows[0]["outcome"].as_str().unwrap();
+            assert!(
+                outcome == "late" || (outcome == "missed" && seen == 0),
+                "{seen} seen: {rows:?}\n{stderr}"
+            );
+            assert_eq!(gaps, i64::from(seen > 0), "{rows:?}");
+        }
+    }
+}

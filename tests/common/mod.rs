@@ -215,6 +215,24 @@ pub struct Trace {
     pub stderr: Lines,
 }
 
+/// A trace a failed test left running is stopped as Ctrl-C stops it (a tracer killed outright
+/// would leave stopped the processes it had stopped for discovery), so that it does not trace
+/// the next tests' processes.
+impl Drop for Trace {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: kill(2) on our own child, not yet reaped.
+            unsafe { libc_kill(self.child.id() as i32, 2) };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// A pipe's lines, as they come.
 pub type Lines = std::sync::Arc<Mutex<Vec<String>>>;
 

@@ -1,6 +1,7 @@
 //! Project tasks: `cargo xtask bench` (needs root: it runs the tracer and bpftrace).
 
 mod bench;
+mod discovery_bench;
 mod explain_bench;
 mod flight_bench;
 mod graph_bench;
@@ -36,6 +37,8 @@ enum Task {
     BenchStep(step_bench::StepBenchArgs),
     /// A serving loop replaying a captured CUDA graph every step, untraced and traced.
     BenchGraphs(graph_bench::GraphBenchArgs),
+    /// Discovery in the kernel: tracer's CPU while nothing runs, what an open costs others.
+    BenchDiscovery(discovery_bench::DiscoveryBenchArgs),
 }
 
 /// `cargo xtask bench`: its own sections' options and the step bench's.
@@ -59,5 +62,6 @@ fn main() -> anyhow::Result<()> {
         Task::BenchWhatif(args) => whatif_bench::run(args),
         Task::BenchStep(args) => step_modes::run(args),
         Task::BenchGraphs(args) => graph_bench::run(args),
+        Task::BenchDiscovery(args) => discovery_bench::run(args),
     }
 }

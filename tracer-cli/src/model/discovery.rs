@@ -16,8 +16,8 @@ pub enum Outcome {
     Probed,
     /// Probed after it opened the library, while it ran: calls before were not seen.
     Late,
-    /// It ended before its library was probed: none of its calls was seen (whether it mapped
-    /// the library, or only read it, is then not known).
+    /// It had ended when tracer came to probe its library: none of its calls was seen (whether
+    /// it mapped the library, or only read it, is then not known).
     Missed,
     /// The file has nothing tracer probes (a stub, another library of the name).
     Unprobeable,

@@ -55,8 +55,34 @@ pub fn openat_offsets(tracefs: &str) -> Result<OpenatOffsets> {
     })
 }
 
-pub struct LibWatch {
+/// The ring of library opens, read on a thread of its own (record/discovery.rs).
+pub struct OpensRing {
     ring: RingBuf<MapData>,
+}
+
+impl OpensRing {
+    /// The opens the kernel sent since the last call.
+    pub fn drain(&mut self) -> Vec<LibOpen> {
+        let mut out = Vec::new();
+        while let Some(item) = self.ring.next() {
+            if item.len() >= LibOpen::LEN {
+                // SAFETY: the record is at least a LibOpen's size, read unaligned; LibOpen is
+                // plain integers and bytes, valid for any bit pattern.
+                out.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LibOpen>()) });
+            }
+        }
+        out
+    }
+
+    /// The ring's descriptor, readable when an open waits.
+    pub fn fd(&self) -> RawFd {
+        self.ring.as_fd().as_raw_fd()
+    }
+}
+
+/// The programs' maps: the paths probed, the holding window, the opens lost.
+pub struct LibWatch {
+    ring: Option<RingBuf<MapData>>,
     known: HashMap<MapData, [u8; PATH_LEN], u32>,
     state: Array<MapData, u64>,
     lost: PerCpuArray<MapData, u64>,
@@ -95,12 +121,17 @@ impl LibWatch {
         let lost = PerCpuArray::try_from(take(ebpf, names::LIB_LOST)?)
             .context("open the library watch's counters")?;
         Ok(LibWatch {
-            ring,
+            ring: Some(ring),
             known,
             state,
             lost,
             hold,
         })
+    }
+
+    /// The ring, for the thread that reads it (once).
+    pub fn take_ring(&mut self) -> Option<OpensRing> {
+        self.ring.take().map(|ring| OpensRing { ring })
     }
 
     /// Lets the kernel stop processes for the next [`HOLD_WINDOW_NS`] (when holding is on).
@@ -128,24 +159,6 @@ impl LibWatch {
         self.known
             .insert(path, 1, 0)
             .with_context(|| format!("add a path to {}", names::LIB_KNOWN))
-    }
-
-    /// The opens the kernel sent since the last call.
-    pub fn drain(&mut self) -> Vec<LibOpen> {
-        let mut out = Vec::new();
-        while let Some(item) = self.ring.next() {
-            if item.len() >= LibOpen::LEN {
-                // SAFETY: the record is at least a LibOpen's size, read unaligned; LibOpen is
-                // plain integers and bytes, valid for any bit pattern.
-                out.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LibOpen>()) });
-            }
-        }
-        out
-    }
-
-    /// The ring's descriptor, readable when an open waits.
-    pub fn fd(&self) -> RawFd {
-        self.ring.as_fd().as_raw_fd()
     }
 
     /// Opens the kernel could not send (its ring or its pending map full).

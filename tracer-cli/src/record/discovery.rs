@@ -8,9 +8,15 @@
 
 use std::{
     collections::{BTreeSet, HashMap},
-    os::fd::RawFd,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
     path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc,
+    },
 };
+
+use anyhow::{anyhow, Context as _, Result};
 
 use tracer_common::libwatch::{Hold, LibOpen, PATH_LEN};
 
@@ -19,11 +25,75 @@ pub use crate::model::discovery::{DiscoveryRow, Found, Late, Outcome};
 use crate::probe::{
     attach::{AttachedLibrary, Probes},
     discover::{self, Candidate, FileId, Origin, Scanner},
-    libwatch::LibWatch,
+    libwatch::{LibWatch, OpensRing},
 };
+
+/// The longest the main thread may keep a process stopped: past it the opens' thread
+/// continues it (and the main thread, finding it running, marks it found late).
+const HOLD_MAX_NS: u64 = 5_000_000_000;
+
+/// The opens' thread: reads the ring, hands each open to the main thread (waking it through
+/// the eventfd), and continues a process the main thread kept stopped past [`HOLD_MAX_NS`] (a
+/// main thread stuck in a slow attach, or wedged) so that no user's process waits for long.
+/// On `quit`, it hands over what is left and ends.
+fn read_opens(mut ring: OpensRing, tx: &mpsc::Sender<LibOpen>, wake: &OwnedFd, quit: &AtomicBool) {
+    let mut held: HashMap<u32, u64> = HashMap::new();
+    loop {
+        let last = quit.load(Ordering::SeqCst);
+        if !last {
+            wait_readable(ring.fd(), 50);
+        }
+        let opens = ring.drain();
+        for open in &opens {
+            if open.hold == Hold::Held as u32 {
+                held.insert(open.pid, open.ts_ns);
+            }
+        }
+        if !opens.is_empty() {
+            for open in opens {
+                if tx.send(open).is_err() {
+                    return;
+                }
+            }
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes from a buffer of 8 to the eventfd.
+            unsafe { libc::write(wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        }
+        let now = super::arming::monotonic_ns();
+        held.retain(|&pid, &mut since| {
+            if !stopped(pid) {
+                return false;
+            }
+            if now.saturating_sub(since) > HOLD_MAX_NS {
+                resume(pid);
+                return false;
+            }
+            true
+        });
+        if last {
+            return;
+        }
+    }
+}
+
+/// Waits until `fd` is readable, at most `ms`.
+fn wait_readable(fd: RawFd, ms: i32) {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd we own, for the length given.
+    unsafe { libc::poll(&mut pfd, 1, ms) };
+}
 
 pub struct Watch {
     lib: LibWatch,
+    opens: mpsc::Receiver<LibOpen>,
+    /// Readable when the opens' thread handed something over.
+    wake: OwnedFd,
+    quit: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
     /// When each probed file's probes were on (CLOCK_MONOTONIC ns).
     probed_at: HashMap<FileId, u64>,
     /// The paths told to the kernel as probed, and their file.
@@ -56,10 +126,33 @@ pub struct DiscoverySummary {
 }
 
 impl Watch {
-    /// The watch, its holding window open from now (the main thread serves it from here on).
-    pub fn new(lib: LibWatch, wall_offset_ns: i64) -> Watch {
+    /// The watch, its holding window open from now; its ring read on a thread of its own,
+    /// which also continues a process the main thread has kept stopped past [`HOLD_MAX_NS`].
+    pub fn new(mut lib: LibWatch, wall_offset_ns: i64) -> Result<Watch> {
+        let ring = lib
+            .take_ring()
+            .ok_or_else(|| anyhow!("the library opens' ring was taken already"))?;
+        // SAFETY: eventfd has no memory preconditions; the descriptor is owned below.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error()).context("make the opens' eventfd");
+        }
+        // SAFETY: a descriptor just made, owned by nothing else.
+        let wake = unsafe { OwnedFd::from_raw_fd(raw) };
+        let signal = wake.try_clone().context("duplicate the opens' eventfd")?;
+        let (tx, opens) = mpsc::channel();
+        let quit = Arc::new(AtomicBool::new(false));
+        let stop = quit.clone();
+        let thread = std::thread::Builder::new()
+            .name("tracer-opens".into())
+            .spawn(move || read_opens(ring, &tx, &signal, &stop))
+            .context("start the library opens' thread")?;
         let mut w = Watch {
             lib,
+            opens,
+            wake,
+            quit,
+            thread: Some(thread),
             probed_at: HashMap::new(),
             known: HashMap::new(),
             wall_offset_ns,
@@ -71,7 +164,7 @@ impl Watch {
             unseen_pids: Default::default(),
         };
         w.renew();
-        w
+        Ok(w)
     }
 
     pub fn summary(&self) -> DiscoverySummary {
@@ -84,8 +177,9 @@ impl Watch {
         }
     }
 
+    /// Readable when opens wait for the main thread.
     pub fn fd(&self) -> RawFd {
-        self.lib.fd()
+        self.wake.as_raw_fd()
     }
 
     /// A file's probes are on from now.
@@ -115,14 +209,17 @@ impl Watch {
         shared: &Shared,
         scope: Option<&[u32]>,
     ) {
-        for open in self.lib.drain() {
+        let mut count = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a buffer of 8; it only clears the eventfd.
+        unsafe { libc::read(self.wake.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
+        while let Ok(open) = self.opens.try_recv() {
             let held = open.hold == Hold::Held as u32;
             let row = self.one(&open, probes, scanner, shared, scope);
             if held {
                 resume(open.pid);
             }
             if let Some(mut row) = row {
-                if held {
+                if held && row.outcome == Outcome::Held {
                     let waited = super::arming::monotonic_ns().saturating_sub(open.ts_ns) / 1000;
                     row.held_us = Some(waited);
                     self.held += 1;
@@ -148,7 +245,13 @@ impl Watch {
         if let Err(e) = self.lib.stop_holding() {
             log::warn!("{e:#}");
         }
-        for open in self.lib.drain() {
+        self.quit.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                log::warn!("the library opens' thread panicked");
+            }
+        }
+        while let Ok(open) = self.opens.try_recv() {
             if open.hold == Hold::Held as u32 {
                 resume(open.pid);
             }
@@ -170,7 +273,14 @@ impl Watch {
         if scope.is_some_and(|pids| !pids.contains(&open.pid)) {
             return None;
         }
-        let hold = Hold::from_u32(open.hold).unwrap_or(Hold::Off);
+        let mut hold = Hold::from_u32(open.hold).unwrap_or(Hold::Off);
+        let mut continued = false;
+        if hold == Hold::Held && !stopped(open.pid) {
+            // Continued already (another tracer that probed first, or a SIGCONT): it may have
+            // called before this tracer's probes are on.
+            hold = Hold::Off;
+            continued = true;
+        }
         let (open_path, shown) = resolve(open, hold == Hold::Held);
         if hold == Hold::Known {
             // The kernel knew the path as probed: traced from its first call, gone or not.
@@ -216,6 +326,8 @@ impl Watch {
             // Before the probes go on: its first call may reach the registry at once.
             self.mark_late(shared, open, &shown);
         }
+        // Gone before the probes went on: nothing of it can have been seen.
+        let alive_before = running(open.pid);
         if before.is_none() {
             let open_path_copy = open_path.clone();
             if let Err(why) = self.attach(probes, scanner, shared, open, open_path, shown, id) {
@@ -234,17 +346,26 @@ impl Watch {
         }
         self.know(open, id);
         row.probed_ns = self.probed_at.get(&id).map(|&at| self.wall(at));
+        if hold == Hold::Held && !stopped(open.pid) {
+            // Continued while this tracer attached: what it did meanwhile was not seen.
+            self.mark_late(shared, open, &row.library);
+            hold = Hold::Off;
+            continued = true;
+        }
+        if continued {
+            row.why = Some("continued before this tracer had probed its library (another tracer's, or a SIGCONT)".into());
+        }
         row.outcome = if hold == Hold::Held {
             Outcome::Held
-        } else if running(open.pid) {
-            // By now a loader has mapped what it opened; a copy has not.
-            if maps_file(open.pid, id) == Some(false) {
-                Outcome::Read
-            } else {
-                Outcome::Late
-            }
-        } else {
+        } else if !alive_before {
             Outcome::Missed
+        } else if running(open.pid) && maps_file(open.pid, id) == Some(false) {
+            // By now a loader has mapped what it opened; a copy has not.
+            Outcome::Read
+        } else {
+            // Running when the probes went on (ended since, or not): its calls from then on
+            // were seen, those before not.
+            Outcome::Late
         };
         if !matches!(row.outcome, Outcome::Late) {
             if let Ok(mut found) = shared.discovery.lock() {
@@ -449,13 +570,18 @@ fn maps_file(pid: u32, id: FileId) -> Option<bool> {
 
 /// Whether the process still runs (a zombie has made its last call).
 fn running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let state = s.rsplit_once(')')?.1.trim_start().chars().next()?;
-            Some(state != 'Z' && state != 'X')
-        })
-        .unwrap_or(false)
+    state(pid).is_some_and(|s| s != 'Z' && s != 'X')
+}
+
+/// Whether the process is stopped (for tracer, unless something else continued it).
+fn stopped(pid: u32) -> bool {
+    state(pid).is_some_and(|s| s == 'T')
+}
+
+/// The process's state letter in /proc/PID/stat.
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 /// Continues a process the kernel stopped for tracer.

@@ -1053,7 +1053,13 @@ fn start_watch(probes: &mut Probes, hold: bool) -> Option<super::discovery::Watc
                     eprintln!("tracer: warning: {why}: a process that opens a CUDA library not yet probed is not stopped until it is, and may be found late (marked so)");
                 }
             }
-            Some(super::discovery::Watch::new(lib, Clock::now().offset_ns))
+            match super::discovery::Watch::new(lib, Clock::now().offset_ns) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    eprintln!("tracer: warning: {e:#}: CUDA libraries are found by the once-a-second scan only; a short program may go unseen");
+                    None
+                }
+            }
         }
         Err(e) => {
             eprintln!("tracer: warning: {e:#}: CUDA libraries are found by the once-a-second scan only; a short program may go unseen");

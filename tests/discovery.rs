@@ -7,12 +7,32 @@
 use std::{
     path::{Path, PathBuf},
     process::Command,
+    time::Duration,
 };
 
 use crate::common::*;
 use serde_json::Value;
 
 const SIGINT: i32 = 2;
+
+/// A discovering trace, once the kernel has finished removing earlier tests' probes (their
+/// tracers' background removal holds the lock every uprobe's creation takes: an attach would
+/// wait seconds behind it, and a stopped process with it).
+fn discovering(db: &Path, extra: &[&str]) -> Trace {
+    wait_until(
+        Duration::from_secs(180),
+        "earlier tracers' probes to be removed",
+        || {
+            std::fs::read_dir("/proc").unwrap().flatten().all(|e| {
+                std::fs::read_to_string(e.path().join("comm"))
+                    .map_or(true, |c| c.trim_end() != "tracer-detach")
+            })
+        },
+    );
+    let mut args = vec!["--quiet"];
+    args.extend_from_slice(extra);
+    Trace::start(db, &args)
+}
 
 /// A fresh folder holding the runtime and the driver it links (new inodes, new paths).
 fn runtime_in(fx: &Fixture, name: &str) -> PathBuf {
@@ -71,7 +91,7 @@ fn a_program_that_runs_for_a_millisecond_has_every_call_traced() {
     assert!(alone["first_call_us"].as_f64().unwrap() < 1000.0, "{alone}");
     assert!(alone["exit_us"].as_f64().unwrap() < 20_000.0, "{alone}");
 
-    let trace = Trace::start(&fx.db, &["--quiet"]);
+    let trace = discovering(&fx.db, &[]);
     let runtime = runtime_in(&fx, "after-start");
     let rep = burst(&fx, &runtime, &["300"]);
     let pid = rep["pid"].as_i64().unwrap();
@@ -132,7 +152,7 @@ fn a_program_in_a_virtual_environment_made_after_the_trace_began_is_traced_from_
     let Some(fx) = Fixture::new() else {
         return;
     };
-    let trace = Trace::start(&fx.db, &["--quiet"]);
+    let trace = discovering(&fx.db, &[]);
     // As `python -m venv .venv` in a project folder, the runtime where its wheel puts it.
     let venv = fx.sim.parent().unwrap().join("project/.venv");
     let out = Command::new("python3")
@@ -197,7 +217,7 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
     let Some(fx) = Fixture::new() else {
         return;
     };
-    let trace = Trace::start(&fx.db, &["--quiet"]);
+    let trace = discovering(&fx.db, &[]);
     // A shell's child is not stopped (the shell would report the stop as the user's): 50
     // pairs at once, before the probes can be on, then 50 more once tracer says it probes
     // the library (at least 250 ms later).
@@ -226,7 +246,8 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
     let seen = calls(&fx.db, pid, "cudaMalloc");
     assert!(
         (50..100).contains(&seen),
-        "{seen} of 100 seen: {}",
+        "{seen} of 100 seen: {:?}\n{}",
+        discovery(&fx.db, pid),
         stopped.stderr
     );
     let rows = discovery(&fx.db, pid);
@@ -255,15 +276,23 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
         (gap[0]["to_ns"].as_i64().unwrap() - first_seen).abs() < 1_000_000,
         "{gap:?} vs first call at {first_seen}"
     );
+    // From its open (before the probes were on) to its first call seen.
     let span_ms =
         (gap[0]["to_ns"].as_i64().unwrap() - gap[0]["from_ns"].as_i64().unwrap()) / 1_000_000;
-    assert!((250..30_000).contains(&span_ms), "{span_ms} ms");
+    assert!((0..30_000).contains(&span_ms), "{span_ms} ms");
 
-    // Never traced: counted and named.
+    // Never traced: counted and named (ended before the probes were on, or just after they
+    // went on, before any call: late, and no call seen).
     let rows_gone = discovery(&fx.db, pid_gone);
-    assert_eq!(rows_gone[0]["outcome"], "missed", "{rows_gone:?}");
+    let outcome = rows_gone[0]["outcome"].as_str().unwrap();
+    assert!(outcome == "missed" || outcome == "late", "{rows_gone:?}");
     assert_eq!(calls(&fx.db, pid_gone, "cudaMalloc"), 0);
-    assert_eq!(stopped.summary["discovery"]["unseen"].as_i64(), Some(2));
+    assert_eq!(
+        stopped.summary["discovery"]["unseen"].as_i64(),
+        Some(2),
+        "{}",
+        stopped.stderr
+    );
     assert!(
         stopped.stderr.contains(&format!("pid {pid} (burst) late")),
         "{}",
@@ -290,8 +319,8 @@ fn two_tracers_discovering_at_once_each_see_every_call_or_say_what_they_missed()
     // A DaemonSet's tracer and a user's on one node: both stop the process; the first to have
     // probed continues it, perhaps before the other has.
     let second = fx.db.with_file_name("second.db");
-    let a = Trace::start(&fx.db, &["--quiet"]);
-    let b = Trace::start(&second, &["--quiet"]);
+    let a = discovering(&fx.db, &[]);
+    let b = discovering(&second, &[]);
     let rep = burst(&fx, &runtime_in(&fx, "both"), &["300"]);
     let pid = rep["pid"].as_i64().unwrap();
     let (sa, sb) = (a.stop(SIGINT), b.stop(SIGINT));
@@ -302,18 +331,55 @@ fn two_tracers_discovering_at_once_each_see_every_call_or_say_what_they_missed()
             db,
             &format!("SELECT count(*) FROM gaps WHERE pid = {pid} AND kind = 'found_late'"),
         );
+        let unseen = rows
+            .iter()
+            .any(|r| r["outcome"] == "late" || r["outcome"] == "missed");
         if seen == 300 {
+            // The runtime probed while the process waited (the driver it loads next may have
+            // been continued by the other tracer first: then it is said late).
             assert_eq!(rows[0]["outcome"], "held", "{rows:?}\n{stderr}");
-            assert_eq!(gaps, 0);
+            assert_eq!(gaps, i64::from(unseen), "{rows:?}");
         } else {
             // Said, never silent: found late (from its open to its first call seen), or never
             // traced when it had ended before this tracer came to it.
-            let outcome = rows[0]["outcome"].as_str().unwrap();
-            assert!(
-                outcome == "late" || (outcome == "missed" && seen == 0),
-                "{seen} seen: {rows:?}\n{stderr}"
-            );
+            assert!(unseen, "{seen} seen: {rows:?}\n{stderr}");
             assert_eq!(gaps, i64::from(seen > 0), "{rows:?}");
         }
     }
+}
+
+#[test]
+fn a_short_program_in_a_container_is_traced_from_its_first_call() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    // As in a container: the runtime exists only inside the process's own mount namespace (a
+    // tmpfs over an empty host folder); the process is probed through the descriptor it opened.
+    let root = fx.sim.parent().unwrap().join("container");
+    std::fs::create_dir(&root).unwrap();
+    let (r, s) = (root.display(), fx.sim.display());
+    let script = format!(
+        "mount -t tmpfs none {r} && cp {s}/libcudart.so.12 {s}/libcuda.so.1 {s}/burst {r}/ && \
+         exec {r}/burst {r}/libcudart.so.12 300"
+    );
+    let trace = discovering(&fx.db, &[]);
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let stopped = trace.stop(SIGINT);
+    let rep = report(out);
+    let pid = rep["pid"].as_i64().unwrap();
+    assert!(
+        !root.join("libcudart.so.12").exists(),
+        "the host must not see the container's files"
+    );
+    assert_eq!(calls(&fx.db, pid, "cudaMalloc"), 300, "{}", stopped.stderr);
+    assert_eq!(calls(&fx.db, pid, "cudaFree"), 300);
+    let rows = discovery(&fx.db, pid);
+    assert!(
+        rows.iter().any(|r| r["outcome"] == "held"
+            && r["library"] == format!("{r}/libcudart.so.12", r = root.display())),
+        "{rows:?}"
+    );
 }

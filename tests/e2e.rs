@@ -219,7 +219,8 @@ fn a_process_started_after_the_trace_is_found_and_traced() {
         return;
     };
     let (sim, db) = (&fx.sim, &fx.db);
-    let trace = Trace::start(db, &["--quiet"]);
+    // The once-a-second scan alone (tests/discovery.rs has the kernel's notice of the open).
+    let trace = Trace::start(db, &["--quiet", "--no-open-watch"]);
     // The library is new to the tracer: the rescan (every second) must find it while the process
     // waits, its library loaded, before its calls.
     let go = sim.parent().unwrap().join("go");
@@ -325,7 +326,9 @@ fn a_library_inside_another_mount_namespace_is_found_through_proc_root() {
         "mount -t tmpfs none {m} && cp {s}/libcudart.so.12 {s}/libcuda.so.1 {s}/simdriver {m}/ && \
          exec {m}/simdriver --mix pairs --iters 100 --start-when {g}"
     );
-    let trace = Trace::start(db, &["--quiet"]);
+    // The once-a-second scan alone (tests/discovery.rs has a container's open seen as it
+    // happens).
+    let trace = Trace::start(db, &["--quiet", "--no-open-watch"]);
     let process = Command::new("unshare")
         .args(["--mount", "--propagation", "private", "sh", "-c", &script])
         .stdout(Stdio::piped())

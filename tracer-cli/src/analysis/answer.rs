@@ -158,8 +158,8 @@ pub struct Coverage {
     /// Processes whose allocator state was not (or is not) exactly known in the window.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub states: Vec<StateNote>,
-    /// Processes that opened a CUDA library and ended before tracer had probed it: none of
-    /// their calls was seen (record/discovery.rs).
+    /// Processes that opened a CUDA library and ended before any call of theirs reached
+    /// tracer's probes (record/discovery.rs).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub never_traced: Vec<crate::model::discovery::DiscoveryRow>,
 }
@@ -273,7 +273,7 @@ impl Coverage {
         }
         for r in &c.never_traced {
             lines.push(format!(
-                "Never traced: pid {} ({}) opened {} at {} and ended before tracer had probed it: none of its calls was seen{}",
+                "Never traced: pid {} ({}) opened {} at {} and ended before any call of it reached tracer's probes{}",
                 r.pid,
                 r.comm.as_deref().unwrap_or("?"),
                 r.library,

@@ -126,6 +126,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
         no_keyframes: args.recording.no_keyframes,
         no_host_context: args.recording.no_host_context,
         hold: !args.recording.no_hold,
+        open_watch: !args.recording.no_open_watch,
         nvml: match args.recording.nvml.as_deref() {
             Some("off") => None,
             Some(path) => Some(path.to_owned()),

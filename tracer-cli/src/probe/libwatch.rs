@@ -16,8 +16,9 @@ use tracer_common::{
 };
 
 /// How long the kernel may stop processes after the last renewal: a tracer that stops
-/// answering (killed, wedged) stops nobody new after this.
-const HOLD_WINDOW_NS: u64 = 2_000_000_000;
+/// answering (killed, wedged) stops nobody new after this. Longer than a slow attach (seconds
+/// while other tracers' probes are being removed), during which the main thread renews nothing.
+const HOLD_WINDOW_NS: u64 = 20_000_000_000;
 
 /// The openat tracepoints' field offsets (tracefs), the defaults of x86-64 when unreadable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -525,17 +525,26 @@ fn coverage(
     })
 }
 
-/// The processes that opened a CUDA library and ended before it was probed, once each (the
-/// first library it opened).
+/// The processes that opened a CUDA library and ended before it was probed, or were found late
+/// and made no call tracer saw, once each (the first library it opened).
 fn never_traced(
     conn: &Connection,
     session: i64,
     pid: Option<u32>,
 ) -> Result<Vec<crate::model::discovery::DiscoveryRow>> {
+    use crate::model::discovery::Outcome;
+    // Found late but no call of it reached the session: as good as never traced.
+    let traced: std::collections::HashSet<u32> =
+        crate::store::events::processes_seen_from_start(conn, session)?
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect();
     let mut seen = std::collections::HashSet::new();
     Ok(crate::store::discovery::rows(conn, session)?
         .into_iter()
-        .filter(|r| r.outcome == crate::model::discovery::Outcome::Missed)
+        .filter(|r| {
+            r.outcome == Outcome::Missed || (r.outcome == Outcome::Late && !traced.contains(&r.pid))
+        })
         .filter(|r| pid.is_none_or(|p| p == r.pid) && seen.insert(r.pid))
         .collect())
 }

@@ -30,14 +30,14 @@ use crate::probe::{
 
 /// The longest the main thread may keep a process stopped: past it the opens' thread
 /// continues it (and the main thread, finding it running, marks it found late).
-const HOLD_MAX_NS: u64 = 5_000_000_000;
+const HOLD_MAX_NS: u64 = 10_000_000_000;
 
 /// The opens' thread: reads the ring, hands each open to the main thread (waking it through
 /// the eventfd), and continues a process the main thread kept stopped past [`HOLD_MAX_NS`] (a
 /// main thread stuck in a slow attach, or wedged) so that no user's process waits for long.
 /// On `quit`, it hands over what is left and ends.
 fn read_opens(mut ring: OpensRing, tx: &mpsc::Sender<LibOpen>, wake: &OwnedFd, quit: &AtomicBool) {
-    let mut held: HashMap<u32, u64> = HashMap::new();
+    let mut held: HashMap<u32, (u32, u64)> = HashMap::new();
     loop {
         let last = quit.load(Ordering::SeqCst);
         if !last {
@@ -46,7 +46,7 @@ fn read_opens(mut ring: OpensRing, tx: &mpsc::Sender<LibOpen>, wake: &OwnedFd, q
         let opens = ring.drain();
         for open in &opens {
             if open.hold == Hold::Held as u32 {
-                held.insert(open.pid, open.ts_ns);
+                held.insert(open.pid, (open.tid, open.ts_ns));
             }
         }
         if !opens.is_empty() {
@@ -60,8 +60,11 @@ fn read_opens(mut ring: OpensRing, tx: &mpsc::Sender<LibOpen>, wake: &OwnedFd, q
             unsafe { libc::write(wake.as_raw_fd(), one.as_ptr().cast(), 8) };
         }
         let now = super::arming::monotonic_ns();
-        held.retain(|&pid, &mut since| {
-            if !stopped(pid) {
+        held.retain(|&pid, &mut (tid, since)| {
+            // Not stopped yet is not continued: the stop may still be taking effect.
+            if !running(pid)
+                || (now.saturating_sub(since) > STOP_TAKES.as_nanos() as u64 && !stopped(pid, tid))
+            {
                 return false;
             }
             if now.saturating_sub(since) > HOLD_MAX_NS {
@@ -240,7 +243,8 @@ impl Watch {
         self.renew();
     }
 
-    /// At the end: nobody is stopped any more, and whoever was is continued.
+    /// At the end: nobody is stopped from now; the opens' thread hands over what the kernel
+    /// sent and ends (a last [`Watch::serve`] probes and continues those it stopped).
     pub fn finish(&mut self) {
         if let Err(e) = self.lib.stop_holding() {
             log::warn!("{e:#}");
@@ -249,11 +253,6 @@ impl Watch {
         if let Some(thread) = self.thread.take() {
             if thread.join().is_err() {
                 log::warn!("the library opens' thread panicked");
-            }
-        }
-        while let Ok(open) = self.opens.try_recv() {
-            if open.hold == Hold::Held as u32 {
-                resume(open.pid);
             }
         }
     }
@@ -275,7 +274,7 @@ impl Watch {
         }
         let mut hold = Hold::from_u32(open.hold).unwrap_or(Hold::Off);
         let mut continued = false;
-        if hold == Hold::Held && !stopped(open.pid) {
+        if hold == Hold::Held && !comes_to_a_stop(open.pid, open.tid) {
             // Continued already (another tracer that probed first, or a SIGCONT): it may have
             // called before this tracer's probes are on.
             hold = Hold::Off;
@@ -311,10 +310,13 @@ impl Watch {
             outcome: Outcome::Missed,
             why: why_not_held(hold),
         };
-        let Some(id) = discover::file_id(&open_path) else {
+        // tracer's own descriptor of the file: the attach goes through it, whatever the
+        // process does meanwhile (continued, it may close its own or end).
+        let (Some(id), Some(file)) = (discover::file_id(&open_path), open_file(&open_path)) else {
             row.why = Some("the file was gone before tracer could read it".into());
             return Some(row);
         };
+        let open_path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
         let before = self.probed_at.get(&id).copied();
         if let Some(at) = before.filter(|&at| at <= open.ts_ns) {
             row.outcome = Outcome::Probed;
@@ -329,16 +331,11 @@ impl Watch {
         // Gone before the probes went on: nothing of it can have been seen.
         let alive_before = running(open.pid);
         if before.is_none() {
-            let open_path_copy = open_path.clone();
             if let Err(why) = self.attach(probes, scanner, shared, open, open_path, shown, id) {
                 if let Ok(mut found) = shared.discovery.lock() {
                     found.late.remove(&open.pid);
                 }
-                row.outcome = if running(open.pid) || discover::file_id(&open_path_copy).is_some() {
-                    Outcome::Unprobeable
-                } else {
-                    Outcome::Missed
-                };
+                row.outcome = Outcome::Unprobeable;
                 row.why = Some(why);
                 self.know(open, id);
                 return Some(row);
@@ -346,7 +343,7 @@ impl Watch {
         }
         self.know(open, id);
         row.probed_ns = self.probed_at.get(&id).map(|&at| self.wall(at));
-        if hold == Hold::Held && !stopped(open.pid) {
+        if hold == Hold::Held && !stopped(open.pid, open.tid) {
             // Continued while this tracer attached: what it did meanwhile was not seen.
             self.mark_late(shared, open, &row.library);
             hold = Hold::Off;
@@ -359,7 +356,7 @@ impl Watch {
             Outcome::Held
         } else if !alive_before {
             Outcome::Missed
-        } else if running(open.pid) && maps_file(open.pid, id) == Some(false) {
+        } else if !continued && running(open.pid) && maps_file(open.pid, id) == Some(false) {
             // By now a loader has mapped what it opened; a copy has not.
             Outcome::Read
         } else {
@@ -552,6 +549,18 @@ fn resolve(open: &LibOpen, held: bool) -> (PathBuf, String) {
     (in_process, shown)
 }
 
+/// The file, opened without blocking (a FIFO put in its place would never answer) and only if
+/// it is a regular file.
+fn open_file(path: &std::path::Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .ok()?;
+    file.metadata().ok()?.is_file().then_some(file)
+}
+
 /// The opening thread's name, as the kernel gave it.
 fn comm_of(open: &LibOpen) -> Option<String> {
     let end = open
@@ -565,7 +574,8 @@ fn comm_of(open: &LibOpen) -> Option<String> {
 /// Whether the process maps the file (None: its mappings could not be read).
 fn maps_file(pid: u32, id: FileId) -> Option<bool> {
     let maps = crate::traced::maps::read(pid).ok()?;
-    Some(maps.iter().any(|m| m.dev == id.dev && m.inode == id.ino))
+    // An ending process's mappings are gone before it is a zombie: not an answer.
+    (!maps.is_empty()).then(|| maps.iter().any(|m| m.dev == id.dev && m.inode == id.ino))
 }
 
 /// Whether the process still runs (a zombie has made its last call).
@@ -573,14 +583,37 @@ fn running(pid: u32) -> bool {
     state(pid).is_some_and(|s| s != 'Z' && s != 'X')
 }
 
-/// Whether the process is stopped (for tracer, unless something else continued it).
-fn stopped(pid: u32) -> bool {
-    state(pid).is_some_and(|s| s == 'T')
+/// Whether the thread that opened the library is stopped (for tracer, unless something else
+/// continued it).
+fn stopped(pid: u32, tid: u32) -> bool {
+    stat_state(&format!("/proc/{pid}/task/{tid}/stat")).is_some_and(|s| s == 'T')
 }
+
+/// Whether the thread stops: the kernel's signal takes effect as the open returns, which may
+/// be a little after tracer hears of it (a busy CPU).
+fn comes_to_a_stop(pid: u32, tid: u32) -> bool {
+    let deadline = std::time::Instant::now() + STOP_TAKES;
+    loop {
+        if stopped(pid, tid) {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline || !running(pid) {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// The longest a stop is waited for to take effect.
+const STOP_TAKES: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The process's state letter in /proc/PID/stat.
 fn state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_state(&format!("/proc/{pid}/stat"))
+}
+
+fn stat_state(path: &str) -> Option<char> {
+    let stat = std::fs::read_to_string(path).ok()?;
     stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 

@@ -89,6 +89,8 @@ pub struct RecordOptions {
     /// Stop a process that opens a CUDA library tracer has not probed until it is (off:
     /// `--no-hold`; such a process may then be found late, and is marked so).
     pub hold: bool,
+    /// Discovery in the kernel at all (off: the once-a-second scan alone).
+    pub open_watch: bool,
 }
 
 /// The recording, once its probes are attached and its session begun.
@@ -319,7 +321,7 @@ impl Recording {
         })?;
         let pid_filter = (!opts.pids.is_empty()).then(|| opts.pids.clone());
         // Started before the first scan: a library opened meanwhile is heard of.
-        let mut watch = (pid_filter.is_none() && explicit.is_empty())
+        let mut watch = (opts.open_watch && pid_filter.is_none() && explicit.is_empty())
             .then(|| start_watch(&mut probes, opts.hold))
             .flatten();
         let mut scanner = Scanner::new(explicit, pid_filter.clone(), &who);
@@ -598,9 +600,16 @@ impl Recording {
     /// Stops recording new calls, lets calls in progress return, drains and stores everything
     /// submitted, and ends the session; the probes stay attached until [`Finished::detach`].
     pub fn finish(mut self, outcome: Result<Stop>) -> Result<Finished> {
-        // Nobody is stopped for tracer from now, and whoever is goes on.
+        // Nobody is stopped for tracer from now; what the kernel told of before is served (a
+        // row each, the processes it stopped probed and continued).
         if let Some(w) = self.watch.as_mut() {
             w.finish();
+            w.serve(
+                &mut self.probes,
+                &mut self.scanner,
+                &self.shared,
+                self.pid_filter.as_deref(),
+            );
         }
         // The semaphores tracer raised go down with the recording.
         self.probes.disarm_all();

@@ -70,6 +70,10 @@ pub struct RecordingArgs {
     /// Benchmark: no scheduler programs (what host context costs is measured against this).
     #[arg(long, hide = true)]
     pub no_host_context: bool,
+    /// Tests and benchmarks: no discovery in the kernel (the once-a-second scan alone finds
+    /// libraries, as on a kernel without the openat tracepoints).
+    #[arg(long, hide = true)]
+    pub no_open_watch: bool,
 }
 
 /// What is served while recording: Prometheus metrics, the OTLP push, pod names.

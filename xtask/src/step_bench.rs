@@ -375,32 +375,26 @@ fn print_section(
             median(r)
         );
     }
-    // Armed and no OOM: the same run against tracer's, round by round (the issue's "nothing
-    // measurable" is this ratio inside tracer's own rounds' spread).
-    let armed: Vec<f64> = of(Setup::Dump)
-        .iter()
-        .zip(of(Setup::Tracer))
-        .map(|(d, t)| d.step_ms / t.step_ms)
-        .collect();
-    let (lo, hi) = spread(&armed);
+    // Armed and no OOM, and discovery in the kernel, each against tracer given its libraries,
+    // round by round (the issue's "nothing measurable" is this ratio inside tracer's own
+    // rounds' spread).
     let (tlo, thi) = spread(&ratio_of(Setup::Tracer));
-    println!(
-        "  --dump-on-oom      {:>9.3}x tracer, rounds {lo:.3}-{hi:.3}   tracer's own rounds span {:.3}",
-        median(armed),
-        thi / tlo
-    );
-    // Discovery in the kernel against tracer given its libraries (--lib), round by round.
-    let discovering: Vec<f64> = of(Setup::Discover)
-        .iter()
-        .zip(of(Setup::Tracer))
-        .map(|(d, t)| d.step_ms / t.step_ms)
-        .collect();
-    let (lo, hi) = spread(&discovering);
-    println!(
-        "  discovering        {:>9.3}x tracer --lib, rounds {lo:.3}-{hi:.3}   tracer's own rounds span {:.3}",
-        median(discovering),
-        thi / tlo
-    );
+    for (s, name) in [
+        (Setup::Dump, "--dump-on-oom"),
+        (Setup::Discover, "discovering"),
+    ] {
+        let against: Vec<f64> = of(s)
+            .iter()
+            .zip(of(Setup::Tracer))
+            .map(|(d, t)| d.step_ms / t.step_ms)
+            .collect();
+        let (lo, hi) = spread(&against);
+        println!(
+            "  {name:<18} {:>9.3}x tracer --lib, rounds {lo:.3}-{hi:.3}   tracer's own rounds span {:.3}",
+            median(against),
+            thi / tlo
+        );
+    }
     // Per event against the floor, round by round: (tracer - untraced) / (floor - untraced).
     let per_round: Vec<f64> = of(Setup::Tracer)
         .iter()

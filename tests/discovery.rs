@@ -336,9 +336,9 @@ fn two_tracers_discovering_at_once_each_see_every_call_or_say_what_they_missed()
             .any(|r| r["outcome"] == "late" || r["outcome"] == "missed");
         if seen == 300 {
             // The runtime probed while the process waited (the driver it loads next may have
-            // been continued by the other tracer first: then it is said late).
+            // been continued by the other tracer first: its row then says late or missed).
             assert_eq!(rows[0]["outcome"], "held", "{rows:?}\n{stderr}");
-            assert_eq!(gaps, i64::from(unseen), "{rows:?}");
+            assert!(gaps <= i64::from(unseen), "{rows:?}");
         } else {
             // Said, never silent: found late (from its open to its first call seen), or never
             // traced when it had ended before this tracer came to it.

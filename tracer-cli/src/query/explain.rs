@@ -525,8 +525,8 @@ fn coverage(
     })
 }
 
-/// The processes that opened a CUDA library and ended before it was probed, or were found late
-/// and made no call tracer saw, once each (the first library it opened).
+/// The processes that opened a CUDA library before it was probed and made no call tracer saw
+/// (ended first, or right after), once each (the first library it opened).
 fn never_traced(
     conn: &Connection,
     session: i64,
@@ -543,7 +543,7 @@ fn never_traced(
     Ok(crate::store::discovery::rows(conn, session)?
         .into_iter()
         .filter(|r| {
-            r.outcome == Outcome::Missed || (r.outcome == Outcome::Late && !traced.contains(&r.pid))
+            matches!(r.outcome, Outcome::Missed | Outcome::Late) && !traced.contains(&r.pid)
         })
         .filter(|r| pid.is_none_or(|p| p == r.pid) && seen.insert(r.pid))
         .collect())

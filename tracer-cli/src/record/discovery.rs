@@ -41,7 +41,7 @@ fn read_opens(mut ring: OpensRing, tx: &mpsc::Sender<LibOpen>, wake: &OwnedFd, q
     loop {
         let last = quit.load(Ordering::SeqCst);
         if !last {
-            wait_readable(ring.fd(), 50);
+            wait_readable(ring.fd(), 250);
         }
         let opens = ring.drain();
         for open in &opens {
@@ -240,7 +240,6 @@ impl Watch {
                 }
             }
         }
-        self.renew();
     }
 
     /// At the end: nobody is stopped from now; the opens' thread hands over what the kernel

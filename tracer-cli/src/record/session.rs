@@ -1051,7 +1051,7 @@ fn begin_session(
 }
 
 /// How often the main thread looks at the stops while it waits on the library opens.
-const WATCH_POLL: Duration = Duration::from_millis(20);
+const WATCH_POLL: Duration = Duration::from_millis(100);
 
 /// Discovery in the kernel, or a warning saying why the once-a-second scan is all there is.
 fn start_watch(probes: &mut Probes, hold: bool) -> Option<super::discovery::Watch> {

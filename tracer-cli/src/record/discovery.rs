@@ -323,16 +323,19 @@ impl Watch {
             self.know(open, id);
             return Some(row);
         }
+        // Whether this open marked the process late (another of its opens may have already):
+        // only then is the mark taken back when this one turns out not late.
+        let mut marked = false;
         if hold != Hold::Held {
             // Before the probes go on: its first call may reach the registry at once.
-            self.mark_late(shared, open, &shown);
+            marked = self.mark_late(shared, open, &shown);
         }
         // Gone before the probes went on: nothing of it can have been seen.
         let alive_before = running(open.pid);
         if before.is_none() {
             if let Err(why) = self.attach(probes, scanner, shared, open, open_path, shown, id) {
-                if let Ok(mut found) = shared.discovery.lock() {
-                    found.late.remove(&open.pid);
+                if marked {
+                    unmark_late(shared, open.pid);
                 }
                 row.outcome = Outcome::Unprobeable;
                 row.why = Some(why);
@@ -344,7 +347,7 @@ impl Watch {
         row.probed_ns = self.probed_at.get(&id).map(|&at| self.wall(at));
         if hold == Hold::Held && !stopped(open.pid, open.tid) {
             // Continued while this tracer attached: what it did meanwhile was not seen.
-            self.mark_late(shared, open, &row.library);
+            marked |= self.mark_late(shared, open, &row.library);
             hold = Hold::Off;
             continued = true;
         }
@@ -363,10 +366,8 @@ impl Watch {
             // were seen, those before not.
             Outcome::Late
         };
-        if !matches!(row.outcome, Outcome::Late) {
-            if let Ok(mut found) = shared.discovery.lock() {
-                found.late.remove(&open.pid);
-            }
+        if marked && row.outcome != Outcome::Late {
+            unmark_late(shared, open.pid);
         }
         if row.outcome == Outcome::Missed {
             row.why = Some(format!(
@@ -410,14 +411,23 @@ impl Watch {
         }
     }
 
-    fn mark_late(&self, shared: &Shared, open: &LibOpen, library: &str) {
-        if let Ok(mut found) = shared.discovery.lock() {
-            found.late.entry(open.pid).or_insert(Late {
+    /// Marks the process found late for the registry; true if this made the mark.
+    fn mark_late(&self, shared: &Shared, open: &LibOpen, library: &str) -> bool {
+        let Ok(mut found) = shared.discovery.lock() else {
+            return false;
+        };
+        if found.late.contains_key(&open.pid) {
+            return false;
+        }
+        found.late.insert(
+            open.pid,
+            Late {
                 from_ns: Some(self.wall(open.ts_ns)),
                 library: library.to_owned(),
                 how: "opened",
-            });
-        }
+            },
+        );
+        true
     }
 
     /// Later opens of this path go on unstopped.
@@ -458,6 +468,13 @@ pub fn report_attached(att: &AttachedLibrary) {
 
 /// Attaches to a library found, saying so on stderr; a discovered library that fails is
 /// skipped, a --lib one is an error.
+/// Takes back a found-late mark this tracer made for an open that was not late after all.
+fn unmark_late(shared: &Shared, pid: u32) {
+    if let Ok(mut found) = shared.discovery.lock() {
+        found.late.remove(&pid);
+    }
+}
+
 /// What the session says of discovery at its end: processes found late or never traced
 /// (named), library opens lost.
 pub fn said(d: &DiscoverySummary) -> Vec<String> {

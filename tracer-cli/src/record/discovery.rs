@@ -180,9 +180,13 @@ impl Watch {
         }
     }
 
-    /// Readable when opens wait for the main thread.
-    pub fn fd(&self) -> RawFd {
-        self.wake.as_raw_fd()
+    /// Waits until opens wait for the main thread, or `until` passes.
+    pub fn wait(&self, until: std::time::Instant) {
+        let ms = until
+            .saturating_duration_since(std::time::Instant::now())
+            .as_millis()
+            .min(i32::MAX as u128) as i32;
+        wait_readable(self.wake.as_raw_fd(), ms);
     }
 
     /// A file's probes are on from now.

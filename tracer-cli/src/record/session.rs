@@ -464,8 +464,7 @@ impl Recording {
             if let Some(w) = self.watch.as_mut() {
                 // Woken at once by a library's open (a process may be stopped for it); the
                 // stops are looked at every WATCH_POLL at least.
-                let fd = w.fd();
-                wait_readable(fd, wake.min(Instant::now() + WATCH_POLL));
+                w.wait(wake.min(Instant::now() + WATCH_POLL));
                 w.serve(
                     &mut self.probes,
                     &mut self.scanner,
@@ -1075,21 +1074,6 @@ fn start_watch(probes: &mut Probes, hold: bool) -> Option<super::discovery::Watc
             None
         }
     }
-}
-
-/// Waits until `fd` is readable or `until` passes.
-fn wait_readable(fd: std::os::fd::RawFd, until: Instant) {
-    let ms = until
-        .saturating_duration_since(Instant::now())
-        .as_millis()
-        .min(i32::MAX as u128) as i32;
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one pollfd we own, for the length given.
-    unsafe { libc::poll(&mut pfd, 1, ms) };
 }
 
 fn attach_reporting(probes: &mut Probes, lib: &Candidate, pids: Option<&[u32]>) -> Result<()> {

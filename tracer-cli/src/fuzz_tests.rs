@@ -59,7 +59,7 @@ impl Rng {
 }
 
 fn record_seeds() -> Vec<Vec<u8>> {
-    let call = CallEvent {
+    let call_event = CallEvent {
         header: EventHeader {
             kind: 1,
             len: CallEvent::LEN,
@@ -73,9 +73,9 @@ fn record_seeds() -> Vec<Vec<u8>> {
         ptr: 0x7f00_0000,
         ..Default::default()
     };
-    let call = decode::pod_bytes(&call).to_vec();
+    let call = decode::pod_bytes(&call_event).to_vec();
     let mut headers = Vec::new();
-    for kind in 0..7u32 {
+    for kind in 0..8u32 {
         for len in [0u32, 24, 32, 104, 200, 4096] {
             let mut h = vec![0u8; len.max(24) as usize];
             h[..4].copy_from_slice(&kind.to_le_bytes());
@@ -83,6 +83,20 @@ fn record_seeds() -> Vec<Vec<u8>> {
             headers.push(h);
         }
     }
+    // A call with two Python frames, its native stack by id (only the frames read are sent).
+    let mut py = tracer_common::stack::CallPyEvent {
+        call: call_event,
+        py: tracer_common::PyStack {
+            status: tracer_common::stack::py_status::OK,
+            depth: 2,
+            tstate: 0x5000,
+            frames: [tracer_common::PyFrame::default(); tracer_common::stack::MAX_PY_FRAMES],
+        },
+    };
+    py.call.header.kind = tracer_common::EventKind::CallPy as u32;
+    py.call.header.len = tracer_common::stack::CallPyEvent::len_for(2);
+    py.call.stack_id = 3;
+    headers.push(decode::pod_bytes(&py)[..py.call.header.len as usize].to_vec());
     // A stage's events back to back, as the return program writes them.
     headers.push(call.repeat(3));
     headers.push(call);

@@ -41,7 +41,10 @@ pub struct CallEvent {
     pub aux0: u64,
     /// Op-specific: the total bytes of a MemGetInfo, the allocation flags.
     pub aux1: u64,
-    /// Unused in the kernel's records (-1); the call site travels in [`crate::CallStackEvent`].
+    /// Under --stack, the id of the call's native stack in [`crate::maps::NATIVE_STACKS`]
+    /// (>= 0); -1 when it has none there (plain tracing, or the stack travels inline in a
+    /// [`crate::CallStackEvent`]). Python frames, when read, follow in a
+    /// [`crate::stack::CallPyEvent`].
     pub stack_id: i64,
     /// The calling thread's name (task comm), NUL-padded; sent with the first event of each
     /// (thread, op) only (all zero afterwards).

@@ -15,6 +15,9 @@ pub enum EventKind {
     Message = 4,
     /// A followed process ended ([`crate::sched::ExitEvent`]): what was kept for its pid goes.
     Exit = 5,
+    /// A call with its Python frames, its native stack by id ([`crate::stack::CallPyEvent`],
+    /// --stack); only the frames read are sent, so its length varies.
+    CallPy = 6,
 }
 
 impl EventKind {
@@ -25,6 +28,7 @@ impl EventKind {
             3 => Some(Self::CallStack),
             4 => Some(Self::Message),
             5 => Some(Self::Exit),
+            6 => Some(Self::CallPy),
             _ => None,
         }
     }

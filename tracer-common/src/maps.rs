@@ -107,10 +107,23 @@ pub const PY_PROCS_ENTRIES: u32 = 4096;
 /// interpreter's thread list and re-checked on every use.
 pub const PY_THREADS: &str = "PY_THREADS";
 pub const PY_THREADS_ENTRIES: u32 = 1 << 14;
-/// Program array whose slot 0 is [`PROG_CALL_SITE`], tail-called by the return program.
+/// id -> [`crate::stack::NativeStack`]: each distinct native stack once (--stack). Written by
+/// the call-site program, never updated or deleted, so an id names one stack for the whole
+/// session; a stack that finds its id taken by another, or the map full, travels inline.
+pub const NATIVE_STACKS: &str = "NATIVE_STACKS";
+pub const NATIVE_STACKS_ENTRIES: u32 = 1 << 14;
+/// Program array whose slot [`SITE_SLOT_READ`] is [`PROG_CALL_SITE`], tail-called by the
+/// return program, and slot [`SITE_SLOT_SEND`] [`PROG_SITE_SEND`], tail-called by it.
 pub const SITE_PROG: &str = "SITE_PROG";
-/// The return program that sends a call with its call site (--stack).
+pub const SITE_SLOT_READ: u32 = 0;
+pub const SITE_SLOT_SEND: u32 = 1;
+/// The program that reads a call's call site (--stack): its native stack, kept by id, and its
+/// Python frames.
 pub const PROG_CALL_SITE: &str = "call_site";
+/// The program that sends a call with the site [`PROG_CALL_SITE`] read: to the stage, or to
+/// the ring with its frames. Two programs: the verifier checks each path after the frame walk
+/// once instead of once for each way the walk can end.
+pub const PROG_SITE_SEND: &str = "site_send";
 /// Global: non-zero to capture call sites (--stack).
 pub const GLOBAL_STACK_MODE: &str = "STACK_MODE";
 

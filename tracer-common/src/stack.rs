@@ -85,6 +85,80 @@ impl CallStackEvent {
     }
 }
 
+/// A native user stack, kept once in [`crate::maps::NATIVE_STACKS`] under its id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NativeStack {
+    /// Valid entries of `ips`.
+    pub depth: u32,
+    pub _pad: u32,
+    /// User-space return addresses, innermost first.
+    pub ips: [u64; MAX_NATIVE_FRAMES],
+}
+
+impl NativeStack {
+    /// The id the stack is kept under: a 63-bit FNV-1a over its depth and addresses (never
+    /// negative, so -1 stays "none"). Two stacks may share an id; the program compares the
+    /// stored stack before using one, so a shared id never names the wrong stack.
+    #[inline(always)]
+    pub fn id(&self) -> i64 {
+        const PRIME: u64 = 0x100_0000_01b3;
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ self.depth as u64;
+        let mut i = 0;
+        while i < MAX_NATIVE_FRAMES {
+            if i as u32 >= self.depth {
+                break;
+            }
+            h = (h ^ self.ips[i]).wrapping_mul(PRIME);
+            i += 1;
+        }
+        (h >> 1) as i64
+    }
+
+    /// Whether `other` holds the same stack (only the valid entries count).
+    #[inline(always)]
+    pub fn same(&self, other: &NativeStack) -> bool {
+        if self.depth != other.depth {
+            return false;
+        }
+        let mut i = 0;
+        while i < MAX_NATIVE_FRAMES {
+            if i as u32 >= self.depth {
+                break;
+            }
+            if self.ips[i] != other.ips[i] {
+                return false;
+            }
+            i += 1;
+        }
+        true
+    }
+}
+
+/// A call with its Python frames (--stack): `call.stack_id` names its native stack (or -1, when
+/// it had none to keep). Only the first `py.depth` frames are sent:
+/// `call.header.len` is [`CallPyEvent::len_for`] of that depth.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallPyEvent {
+    pub call: CallEvent,
+    pub py: PyStack,
+}
+
+impl CallPyEvent {
+    pub const KIND: EventKind = EventKind::CallPy;
+    /// The record with no frame.
+    pub const BASE_LEN: u32 =
+        (core::mem::size_of::<CallEvent>() + core::mem::offset_of!(PyStack, frames)) as u32;
+    pub const MAX_LEN: u32 = core::mem::size_of::<Self>() as u32;
+
+    /// The record's length with `depth` frames.
+    #[inline(always)]
+    pub const fn len_for(depth: u32) -> u32 {
+        Self::BASE_LEN + depth * core::mem::size_of::<PyFrame>() as u32
+    }
+}
+
 /// Where a CPython interpreter keeps what the kernel walks, for one process (x86-64, GIL
 /// builds). Offsets in bytes; [`PyOffsets::NONE`] marks a field a version lacks.
 #[repr(C)]
@@ -146,3 +220,11 @@ unsafe impl aya::Pod for PyProcess {}
 #[cfg(feature = "user")]
 // SAFETY: repr(C), only integers and arrays of them, explicit padding (checked by a test).
 unsafe impl aya::Pod for CallStackEvent {}
+
+#[cfg(feature = "user")]
+// SAFETY: repr(C), only integers and arrays of them, explicit padding (checked by a test).
+unsafe impl aya::Pod for CallPyEvent {}
+
+#[cfg(feature = "user")]
+// SAFETY: repr(C), only integers and an array of them, explicit padding.
+unsafe impl aya::Pod for NativeStack {}

@@ -192,7 +192,7 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
     let stack = stack_enabled();
     // Claimed before the clock is read: a flush that finds the stage free knows that every
     // event of this CPU that returned before it is in the ring (see `flush_stage`).
-    let stage = if stack { None } else { claim_stage() };
+    let stage = claim_stage();
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i32 = ctx.ret::<u64>() as i32;

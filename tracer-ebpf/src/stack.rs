@@ -3,7 +3,10 @@
 //! from userspace races with the program.
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_F_USER_STACK, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    bindings::{
+        BPF_ANY, BPF_F_NO_PREALLOC, BPF_F_USER_STACK, BPF_NOEXIST, BPF_RB_FORCE_WAKEUP,
+        BPF_RB_NO_WAKEUP,
+    },
     helpers::{bpf_get_stack, bpf_probe_read_user},
     macros::{map, uretprobe},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
@@ -16,10 +19,15 @@ use tracer_common::{
         py_frame_flags, py_status, FRAME_OWNED_BY_CSTACK, MAX_NATIVE_FRAMES, MAX_PY_FRAMES,
         MAX_PY_THREADS,
     },
+    stack::{CallPyEvent, NativeStack},
     CallEvent, CallStackEvent, EventHeader, PyFrame, PyOffsets, PyProcess, PyStack,
 };
 
-use crate::{counters::bump, maps::EVENTS};
+use crate::{
+    counters::bump,
+    maps::EVENTS,
+    stage::{claimed_stage, release_stage, send_event, stage_event},
+};
 use tracer_common::maps::Counter;
 
 #[map(name = "PY_PROCS")]
@@ -30,10 +38,11 @@ pub static PY_PROCS: HashMap<u32, PyProcess> =
 static PY_THREADS: LruHashMap<u64, u64> =
     LruHashMap::with_max_entries(names::PY_THREADS_ENTRIES, 0);
 
-/// Slot 0: [`call_site`], tail-called by the return program: a program of its own, so the
-/// verifier checks the frame walk once rather than on every path of the return program.
+/// [`call_site`], tail-called by the return program (a program of its own, so the verifier
+/// checks the frame walk once rather than on every path of the return program), and
+/// [`site_send`], tail-called by it.
 #[map(name = "SITE_PROG")]
-pub static SITE_PROG: ProgramArray = ProgramArray::with_max_entries(1, 0);
+pub static SITE_PROG: ProgramArray = ProgramArray::with_max_entries(2, 0);
 
 /// The call being returned from, handed to [`call_site`] (one per CPU: a tail call does not
 /// migrate).
@@ -48,7 +57,23 @@ static SITE_WAKE: Array<u64> = Array::with_max_entries(1, 0);
 const SITE_WAKE_EVERY_NS: u64 = 1_000_000;
 
 #[map(name = "SITE_CALL")]
-pub static SITE_CALL: PerCpuArray<CallEvent> = PerCpuArray::with_max_entries(1, 0);
+pub static SITE_CALL: PerCpuArray<CallPyEvent> = PerCpuArray::with_max_entries(1, 0);
+
+/// Whether the program that tail-called [`call_site`] holds this CPU's stage (1) or not (0).
+#[map(name = "SITE_CLAIMED")]
+static SITE_CLAIMED: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's native stack, read before it is looked up among those kept.
+#[map(name = "SITE_NATIVE")]
+static SITE_NATIVE: PerCpuArray<NativeStack> = PerCpuArray::with_max_entries(1, 0);
+
+/// Each distinct native stack once, under its id (names::NATIVE_STACKS). Entries are never
+/// replaced or deleted: an id read by userspace names the same stack for the whole session, and
+/// two programs inserting different stacks under one id at once cannot both win (BPF_NOEXIST).
+/// Allocated as stacks arrive (a job has hundreds to thousands of distinct ones).
+#[map(name = "NATIVE_STACKS")]
+static NATIVE_STACKS: HashMap<i64, NativeStack> =
+    HashMap::with_max_entries(names::NATIVE_STACKS_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// The bytes of a frame's header: every field the walk needs lies in them (3.10's f_lasti ends
 /// at 100, 3.11+'s fields at 72).
@@ -174,9 +199,15 @@ fn is_thread(tstate: u64, tid: u32, o: &PyOffsets) -> bool {
 }
 
 /// The calling thread's PyThreadState: cached per thread, re-checked, else found in the main
-/// interpreter's thread list.
+/// interpreter's thread list. 0 when none is found. A function of its own: the frame walk then
+/// starts from one state, not from each way the search can end.
+#[inline(never)]
+fn thread_state(proc_: &PyProcess, pid: u32, tid: u32) -> u64 {
+    find_thread_state(proc_, pid, tid).unwrap_or(0)
+}
+
 #[inline(always)]
-fn thread_state(proc_: &PyProcess, pid: u32, tid: u32) -> Option<u64> {
+fn find_thread_state(proc_: &PyProcess, pid: u32, tid: u32) -> Option<u64> {
     let o = &proc_.offsets;
     let key = ((pid as u64) << 32) | tid as u64;
     // SAFETY: the value is copied out at once.
@@ -202,8 +233,10 @@ fn thread_state(proc_: &PyProcess, pid: u32, tid: u32) -> Option<u64> {
     None
 }
 
-/// Walks the thread's frames into `py`, innermost first.
-#[inline(always)]
+/// Walks the thread's frames into `py`, innermost first. A function of its own (a BPF-to-BPF
+/// call): the verifier then continues after it from one state, not from each of the many ways
+/// the walk can end (the walk alone is most of what the verifier may check).
+#[inline(never)]
 fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
     py.depth = 0;
     py.tstate = 0;
@@ -213,10 +246,11 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
         return;
     };
     let o = proc_.offsets;
-    let Some(tstate) = thread_state(&proc_, pid, tid) else {
+    let tstate = thread_state(&proc_, pid, tid);
+    if tstate == 0 {
         py.status = py_status::NO_THREAD_STATE;
         return;
-    };
+    }
     py.tstate = tstate;
     py.status = py_status::READ_FAILED;
     let Some(mut frame) = read::<u64>(tstate + o.tstate_frame_1 as u64) else {
@@ -315,52 +349,176 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
     };
 }
 
-/// Hands `call` to [`call_site`]; returns only if the tail call failed (then nothing was sent).
+/// Hands `call` to [`call_site`] (`claimed`: the caller holds this CPU's stage, which
+/// call_site then fills or frees); returns only if the tail call failed (then nothing was sent).
 #[inline(always)]
-pub fn tail_call_site<C: EbpfContext>(ctx: &C, call: &CallEvent) {
-    if SITE_CALL.set(0, call, 0).is_err() {
+pub fn tail_call_site<C: EbpfContext>(ctx: &C, call: &CallEvent, claimed: bool) {
+    let Some(slot) = SITE_CALL.get_ptr_mut(0) else {
+        return;
+    };
+    if SITE_CLAIMED.set(0, &(claimed as u32), 0).is_err() {
         return;
     }
-    // SAFETY: the context is the one this program was called with; slot 0 holds call_site.
-    unsafe { SITE_PROG.tail_call(ctx, 0) };
+    // SAFETY: this CPU's slot, valid for this run.
+    unsafe { (*slot).call = *call };
+    // SAFETY: the context is the one this program was called with; the slot holds call_site.
+    unsafe { SITE_PROG.tail_call(ctx, names::SITE_SLOT_READ) };
 }
 
-/// Sends the call in SITE_CALL with its native and Python call site.
+/// The id `stack` is kept under, inserting it if new; None when its id holds another stack or
+/// the map is full (the stack then travels inline).
+#[inline(always)]
+fn keep_native(stack: &NativeStack) -> Option<i64> {
+    let id = stack.id();
+    // SAFETY: the value is only read; kept stacks are never written again.
+    if let Some(kept) = unsafe { NATIVE_STACKS.get(&id) } {
+        return kept.same(stack).then_some(id);
+    }
+    if NATIVE_STACKS.insert(&id, stack, BPF_NOEXIST as u64).is_ok() {
+        return Some(id);
+    }
+    // Another CPU kept a stack under this id meanwhile (or the map is full: then absent).
+    // SAFETY: as above.
+    let kept = unsafe { NATIVE_STACKS.get(&id) }?;
+    kept.same(stack).then_some(id)
+}
+
+/// Reads the call site of the call in SITE_CALL, its native stack and its Python frames, for
+/// [`site_send`].
 #[uretprobe]
 pub fn call_site(ctx: RetProbeContext) -> u32 {
-    let Some(call) = SITE_CALL.get_ptr(0) else {
+    read_native(&ctx);
+    let Some(site) = SITE_CALL.get_ptr_mut(0) else {
+        release_claimed();
         return 0;
     };
-    // SAFETY: this CPU's slot, written just before the tail call that brought us here.
-    let call = unsafe { *call };
+    // SAFETY: this CPU's slot, valid for this run; the call was written before the tail call
+    // that brought us here.
+    let (pid, tid) = unsafe { ((*site).call.header.pid, (*site).call.header.tid) };
+    // SAFETY: as above.
+    python_frames(unsafe { &mut (*site).py }, pid, tid);
+    // SAFETY: the context is the one this program was called with; the slot holds site_send.
+    unsafe { SITE_PROG.tail_call(&ctx, names::SITE_SLOT_SEND) };
+    release_claimed();
+    bump(Counter::TailCallFailed);
+    0
+}
+
+/// The calling thread's native stack, into SITE_NATIVE.
+#[inline(never)]
+fn read_native(ctx: &RetProbeContext) {
+    let Some(native) = SITE_NATIVE.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's scratch value, valid for this run.
+    unsafe {
+        let bytes = bpf_get_stack(
+            ctx.as_ptr(),
+            (*native).ips.as_mut_ptr() as *mut _,
+            (MAX_NATIVE_FRAMES * 8) as u32,
+            BPF_F_USER_STACK as u64,
+        );
+        (*native).depth = if bytes > 0 { (bytes / 8) as u32 } else { 0 };
+    }
+}
+
+/// Sends the call in SITE_CALL with the site [`call_site`] read, its native stack kept by id: a
+/// call from a process that is not Python to the stage like a plain call, one with frames to
+/// the ring with only the frames read; one whose native stack could not be kept goes with the
+/// whole stack inline.
+#[uretprobe]
+pub fn site_send(_ctx: RetProbeContext) -> u32 {
+    let (Some(site), Some(native)) = (SITE_CALL.get_ptr_mut(0), SITE_NATIVE.get_ptr(0)) else {
+        release_claimed();
+        return 0;
+    };
+    // SAFETY: this CPU's values, written by call_site just before.
+    let (ev, native) = unsafe { (&mut *site, &*native) };
+    let Some(id) = keep_native(native) else {
+        release_claimed();
+        send_inline(ev, native);
+        return 0;
+    };
+    ev.call.stack_id = id;
+    if ev.py.status == py_status::NOT_PYTHON {
+        match claimed() {
+            Some(stage) => stage_event(stage, &ev.call),
+            None => send_event(&ev.call, false),
+        }
+        return 0;
+    }
+    release_claimed();
+    send_with_frames(site);
+    0
+}
+
+/// This CPU's stage, when the program that tail-called [`call_site`] claimed it.
+#[inline(always)]
+fn claimed() -> Option<*mut tracer_common::maps::Stage> {
+    match SITE_CLAIMED.get(0) {
+        Some(1) => claimed_stage(),
+        _ => None,
+    }
+}
+
+/// Frees the stage the tail-calling program claimed, if it did (the event goes to the ring).
+#[inline(always)]
+fn release_claimed() {
+    if let Some(stage) = claimed() {
+        release_stage(stage);
+    }
+}
+
+/// The call and the Python frames read, as a [`CallPyEvent`] as long as they are.
+#[inline(always)]
+fn send_with_frames(site: *mut CallPyEvent) {
+    // SAFETY: this CPU's slot, valid for this run.
+    let ev = unsafe { &mut *site };
+    let depth = ev.py.depth.min(MAX_PY_FRAMES as u32);
+    let len = CallPyEvent::len_for(depth);
+    ev.call.header.kind = CallPyEvent::KIND as u32;
+    ev.call.header.len = len;
+    let sent_at = ev.call.header.ts_ns.wrapping_add(ev.call.duration_ns);
+    // The verifier needs the length bounded by the value's size.
+    if len > CallPyEvent::MAX_LEN || len < CallPyEvent::BASE_LEN {
+        return;
+    }
+    // SAFETY: `len` bytes from the start of this CPU's slot lie inside it (checked above).
+    let bytes = unsafe { core::slice::from_raw_parts(site as *const u8, len as usize) };
+    if EVENTS.output::<[u8]>(bytes, site_wakeup(sent_at)).is_err() {
+        bump(Counter::RingFull);
+        return;
+    }
+    bump(Counter::Submitted);
+}
+
+/// The call with its whole stack in the record (its native stack could not be kept by id).
+#[inline(always)]
+fn send_inline(site: &CallPyEvent, native: &NativeStack) {
     let Some(mut entry) = EVENTS.reserve::<CallStackEvent>(0) else {
         bump(Counter::RingFull);
-        return 0;
+        return;
     };
     let ev = entry.as_mut_ptr();
+    let call = &site.call;
     // SAFETY: `ev` points to the reserved record, valid and exclusively ours until submit.
     unsafe {
-        (*ev).call = call;
+        (*ev).call = *call;
         (*ev).call.header = EventHeader {
             kind: CallStackEvent::KIND as u32,
             len: CallStackEvent::LEN,
             ..call.header
         };
+        (*ev).call.stack_id = -1;
         (*ev)._pad = 0;
-        let bytes = bpf_get_stack(
-            ctx.as_ptr(),
-            (*ev).native.as_mut_ptr() as *mut _,
-            (MAX_NATIVE_FRAMES * 8) as u32,
-            BPF_F_USER_STACK as u64,
-        );
-        (*ev).native_depth = if bytes > 0 { (bytes / 8) as u32 } else { 0 };
-        python_frames(&mut (*ev).py, call.header.pid, call.header.tid);
+        (*ev).native_depth = native.depth;
+        (*ev).native = native.ips;
+        (*ev).py = site.py;
     }
     entry.submit(site_wakeup(
         call.header.ts_ns.wrapping_add(call.duration_ns),
     ));
     bump(Counter::Submitted);
-    0
 }
 
 /// The ring's wake-up flag for a call site that returned at `now`: see [`SITE_WAKE_EVERY_NS`].

@@ -63,9 +63,13 @@ pub fn deliver<C: EbpfContext>(
     send_comm: bool,
 ) {
     if stack {
-        // The call-site program sends the event (and counts it), waking the reader its own way.
-        crate::stack::tail_call_site(ctx, event);
+        // The call-site program sends the event (and counts it), to the claimed stage when its
+        // native stack is kept by id and it has no Python frames, else to the ring.
+        crate::stack::tail_call_site(ctx, event, claimed.is_some());
         // Only a failed tail call gets here: the event is lost, and counted as such.
+        if let Some(stage) = claimed {
+            release_stage(stage);
+        }
         bump(Counter::TailCallFailed);
         return;
     }
@@ -153,6 +157,26 @@ pub fn stage_event(stage: *mut Stage, event: &CallEvent) {
     compiler_fence(AtomicOrdering::SeqCst);
     // SAFETY: as above; the last write of the claim.
     unsafe { core::ptr::write_volatile(&mut (*stage).busy, 0) };
+}
+
+/// Frees a claimed stage without adding to it (the event went to the ring by itself).
+#[inline(always)]
+pub fn release_stage(stage: *mut Stage) {
+    // SAFETY: claimed by this program (claim_stage).
+    unsafe {
+        if (*stage).len == 0 {
+            mark_oldest(0);
+        }
+    }
+    compiler_fence(AtomicOrdering::SeqCst);
+    // SAFETY: as above; the last write of the claim.
+    unsafe { core::ptr::write_volatile(&mut (*stage).busy, 0) };
+}
+
+/// This CPU's stage, already claimed by the program that tail-called the running one.
+#[inline(always)]
+pub fn claimed_stage() -> Option<*mut Stage> {
+    STAGE.get_ptr_mut(0)
 }
 
 /// One event straight to the ring, when the stage is held or the call site is wanted.

@@ -112,7 +112,7 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let stack = stack_enabled();
     // Claimed before the clock is read, as the return program does (stage::flush_stage).
-    let stage = if stack { None } else { claim_stage() };
+    let stage = claim_stage();
     let mut event = CallEvent {
         header: EventHeader {
             kind: CallEvent::KIND as u32,

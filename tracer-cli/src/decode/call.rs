@@ -78,7 +78,14 @@ impl Call {
             aux1: raw.aux1,
             flags: raw.flags,
             comm: String::from_utf8_lossy(&raw.comm[..comm_len]).into_owned(),
-            site: None,
+            // Under --stack, a call from a process that is not Python: its native stack by id.
+            site: (raw.stack_id >= 0).then(|| {
+                Box::new(super::RawSite {
+                    native: super::NativeStackRef::Kept(raw.stack_id),
+                    py_status: super::PyStatus::NotPython,
+                    py: Vec::new(),
+                })
+            }),
             stack: None,
         })
     }

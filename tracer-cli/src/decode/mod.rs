@@ -11,11 +11,12 @@ mod usdt;
 
 pub use call::Call;
 pub use sched::OffCpu;
-pub use stack::{PyStatus, RawPyFrame, RawSite};
+pub use stack::{NativeStackRef, PyStatus, RawPyFrame, RawSite};
 pub use usdt::Message;
 
 use tracer_common::{
-    usdt::MessageEvent, CallEvent, CallStackEvent, EventHeader, EventKind, SchedEvent,
+    stack::CallPyEvent, usdt::MessageEvent, CallEvent, CallStackEvent, EventHeader, EventKind,
+    SchedEvent,
 };
 
 /// A decoded record.
@@ -97,16 +98,39 @@ pub fn pod_bytes<T: aya::Pod>(value: &T) -> &[u8] {
     }
 }
 
-pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
-    let header: EventHeader = read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
-    let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
-    let expected = match kind {
+/// The length a record of `kind` must have; `header_len` for a kind whose length varies, when
+/// in its range.
+fn expected_len(kind: EventKind, header_len: u32) -> usize {
+    match kind {
         EventKind::Call => std::mem::size_of::<CallEvent>(),
         EventKind::Sched => std::mem::size_of::<SchedEvent>(),
         EventKind::CallStack => std::mem::size_of::<CallStackEvent>(),
         EventKind::Message => std::mem::size_of::<MessageEvent>(),
         EventKind::Exit => std::mem::size_of::<tracer_common::sched::ExitEvent>(),
-    };
+        EventKind::CallPy => {
+            let frame = std::mem::size_of::<tracer_common::PyFrame>() as u32;
+            let fits = (CallPyEvent::BASE_LEN..=CallPyEvent::MAX_LEN).contains(&header_len)
+                && (header_len - CallPyEvent::BASE_LEN) % frame == 0;
+            if fits {
+                header_len as usize
+            } else {
+                CallPyEvent::MAX_LEN as usize
+            }
+        }
+    }
+}
+
+/// A [`CallPyEvent`] from its first `len` bytes (the frames not sent read as zero).
+fn read_call_py(bytes: &[u8], len: usize) -> Option<CallPyEvent> {
+    let mut full = [0u8; std::mem::size_of::<CallPyEvent>()];
+    full.get_mut(..len)?.copy_from_slice(bytes.get(..len)?);
+    read_pod(&full)
+}
+
+pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
+    let header: EventHeader = read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+    let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
+    let expected = expected_len(kind, header.len);
     // The ring buffer may round a record up; the header's length is the truth.
     if header.len as usize != expected || bytes.len() < expected {
         return Err(DecodeError::BadLength {
@@ -131,6 +155,11 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             let raw: CallStackEvent =
                 read_pod(bytes).ok_or(DecodeError::Truncated { len: bytes.len() })?;
             stack::from_raw(&raw).map(Record::Call)
+        }
+        EventKind::CallPy => {
+            let raw =
+                read_call_py(bytes, expected).ok_or(DecodeError::Truncated { len: bytes.len() })?;
+            stack::from_raw_py(&raw, expected).map(Record::Call)
         }
         EventKind::Message => {
             let raw: MessageEvent =
@@ -157,6 +186,7 @@ pub fn frame(bytes: &[u8]) -> Option<(usize, u64)> {
     };
     let (expected, sent) = match kind {
         EventKind::Call => (std::mem::size_of::<CallEvent>(), call_end(0)?),
+        EventKind::CallPy => (expected_len(kind, header.len), call_end(0)?),
         EventKind::CallStack => (
             std::mem::size_of::<CallStackEvent>(),
             call_end(std::mem::offset_of!(CallStackEvent, call))?,
@@ -172,6 +202,11 @@ pub fn frame(bytes: &[u8]) -> Option<(usize, u64)> {
         ),
     };
     (header.len as usize == expected && bytes.len() >= expected).then_some((expected, sent))
+}
+
+/// Whether a ring record is a call with Python frames (--stack; such a record holds one event).
+pub fn is_call_py(bytes: &[u8]) -> bool {
+    read_pod::<EventHeader>(bytes).is_some_and(|h| h.kind == EventKind::CallPy as u32)
 }
 
 /// The events of one ring record (a single event, or a CPU's staged call events back to back,

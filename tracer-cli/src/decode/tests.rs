@@ -242,7 +242,10 @@ fn decodes_a_call_with_its_site_up_to_the_depths_sent() {
     };
     assert_eq!((call.op, call.size), (Op::CudaMalloc, Some(1 << 20)));
     let site = call.site.expect("a call site");
-    assert_eq!(site.native, [0x401000, 0x401100]);
+    assert_eq!(
+        site.native,
+        NativeStackRef::Inline(vec![0x401000, 0x401100])
+    );
     assert_eq!(site.py_status, PyStatus::Ok);
     assert_eq!(
         site.py,
@@ -252,6 +255,100 @@ fn decodes_a_call_with_its_site_up_to_the_depths_sent() {
             entry: true
         }]
     );
+}
+
+/// A call with two Python frames as the call-site program sends it: only the frames read.
+fn call_py_bytes(depth: u32, stack_id: i64) -> Vec<u8> {
+    use tracer_common::stack::{py_status, CallPyEvent};
+    let full = stack_event();
+    let mut ev = CallPyEvent {
+        call: full.call,
+        py: full.py,
+    };
+    ev.call.header.kind = EventKind::CallPy as u32;
+    ev.call.header.len = CallPyEvent::len_for(depth);
+    ev.call.stack_id = stack_id;
+    ev.py.status = py_status::OK;
+    ev.py.depth = depth;
+    ev.py.frames[1] = tracer_common::PyFrame {
+        code: 0x7200,
+        instr: 0x7300,
+        flags: 0,
+        _pad: 0,
+    };
+    pod_bytes(&ev)[..CallPyEvent::len_for(depth) as usize].to_vec()
+}
+
+#[test]
+fn decodes_a_call_with_its_python_frames_and_its_native_stack_by_id() {
+    let bytes = call_py_bytes(2, 77);
+    // 104 bytes of call, 16 of status, depth and thread state, 24 a frame.
+    assert_eq!(bytes.len(), 104 + 16 + 2 * 24);
+    let Record::Call(call) = decode(&bytes).unwrap() else {
+        panic!("not a call");
+    };
+    let site = call.site.expect("a call site");
+    assert_eq!(site.native, NativeStackRef::Kept(77));
+    assert_eq!(site.py_status, PyStatus::Ok);
+    assert_eq!(site.py.len(), 2);
+    assert_eq!((site.py[1].code, site.py[1].instr), (0x7200, 0x7300));
+    // Framed by its own length, and followed by the next event of the same bytes.
+    let mut two = bytes.clone();
+    two.extend_from_slice(&bytes_of(&raw_call()));
+    let framed: Vec<usize> = events(&two).map(|e| e.unwrap().0.len()).collect();
+    assert_eq!(framed, [bytes.len(), CallEvent::LEN as usize]);
+    assert!(is_call_py(&bytes) && !is_call_py(&bytes_of(&raw_call())));
+}
+
+#[test]
+fn a_python_record_whose_length_disagrees_with_its_depth_or_without_a_stack_is_refused() {
+    // Two frames said, three sent.
+    let mut bytes = call_py_bytes(3, 5);
+    bytes[120 - 16 + 4..120 - 16 + 8].copy_from_slice(&2u32.to_le_bytes());
+    assert!(matches!(
+        decode(&bytes),
+        Err(DecodeError::BadField {
+            field: "py.depth",
+            value: 2
+        })
+    ));
+    // A length between two frame counts.
+    let mut bytes = call_py_bytes(1, 5);
+    let said = bytes.len() as u32 + 8;
+    bytes[4..8].copy_from_slice(&said.to_le_bytes());
+    bytes.extend_from_slice(&[0; 8]);
+    assert!(matches!(decode(&bytes), Err(DecodeError::BadLength { .. })));
+    // Shorter than the bytes its header says.
+    let bytes = call_py_bytes(2, 5);
+    assert!(matches!(
+        decode(&bytes[..bytes.len() - 24]),
+        Err(DecodeError::BadLength { .. })
+    ));
+    assert!(matches!(
+        decode(&call_py_bytes(1, -1)),
+        Err(DecodeError::BadField {
+            field: "stack_id",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn a_plain_call_with_a_kept_stack_id_has_a_native_site_and_one_without_has_none() {
+    let mut raw = raw_call();
+    raw.stack_id = 12;
+    let Record::Call(call) = decode(&bytes_of(&raw)).unwrap() else {
+        panic!("not a call");
+    };
+    let site = call.site.expect("a call site");
+    assert_eq!(
+        (site.native, site.py_status, site.py.len()),
+        (NativeStackRef::Kept(12), PyStatus::NotPython, 0)
+    );
+    let Record::Call(call) = decode(&bytes_of(&raw_call())).unwrap() else {
+        panic!("not a call");
+    };
+    assert!(call.site.is_none());
 }
 
 #[test]

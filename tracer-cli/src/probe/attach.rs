@@ -383,22 +383,7 @@ impl Probes {
             .load()
             .with_context(|| format!("verify and load program {}", names::PROG_FLUSH_STAGE))?;
         if opts.stack {
-            let program = typed_program::<UProbe>(&mut ebpf, names::PROG_CALL_SITE, "uretprobe")?;
-            program
-                .load()
-                .with_context(|| format!("verify and load program {}", names::PROG_CALL_SITE))?;
-            let fd = program
-                .fd()
-                .with_context(|| format!("{} has no file descriptor", names::PROG_CALL_SITE))?
-                .try_clone()
-                .context("duplicate the call-site program's descriptor")?;
-            let map = ebpf
-                .map_mut(names::SITE_PROG)
-                .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::SITE_PROG))?;
-            let mut jump = aya::maps::ProgramArray::try_from(map)
-                .context("open the call-site program array")?;
-            jump.set(0, &fd, 0)
-                .context("install the call-site program")?;
+            install_site_programs(&mut ebpf)?;
         }
         let counters = ebpf
             .take_map(names::COUNTERS)
@@ -450,6 +435,16 @@ impl Probes {
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::PY_PROCS))?;
         let map = aya::maps::HashMap::try_from(map).context("open the interpreters map")?;
         Ok(PyProcs { map })
+    }
+
+    /// The native stacks the call-site program keeps by id (--stack).
+    pub fn take_native_stacks(&mut self) -> Result<NativeStacks> {
+        let map = self
+            .ebpf
+            .take_map(names::NATIVE_STACKS)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::NATIVE_STACKS))?;
+        let map = aya::maps::HashMap::try_from(map).context("open the native stacks map")?;
+        Ok(NativeStacks { map })
     }
 
     /// The set of threads the scheduler programs follow, or None without host context.
@@ -997,6 +992,46 @@ impl PyProcs {
         if let Err(e) = self.map.remove(&pid) {
             log::debug!("withdraw the interpreter of pid {pid}: {e}");
         }
+    }
+}
+
+/// Loads the call-site programs (--stack) and puts them in the program array the return
+/// program and the first of them tail-call.
+fn install_site_programs(ebpf: &mut Ebpf) -> Result<()> {
+    for (name, slot) in [
+        (names::PROG_CALL_SITE, names::SITE_SLOT_READ),
+        (names::PROG_SITE_SEND, names::SITE_SLOT_SEND),
+    ] {
+        let program = typed_program::<UProbe>(ebpf, name, "uretprobe")?;
+        program
+            .load()
+            .with_context(|| format!("verify and load program {name}"))?;
+        let fd = program
+            .fd()
+            .with_context(|| format!("{name} has no file descriptor"))?
+            .try_clone()
+            .with_context(|| format!("duplicate {name}'s descriptor"))?;
+        let map = ebpf
+            .map_mut(names::SITE_PROG)
+            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::SITE_PROG))?;
+        let mut jump =
+            aya::maps::ProgramArray::try_from(map).context("open the call-site program array")?;
+        jump.set(slot, &fd, 0)
+            .with_context(|| format!("install program {name}"))?;
+    }
+    Ok(())
+}
+
+/// The native stacks the call-site program keeps, each under its id for the whole session.
+pub struct NativeStacks {
+    map: aya::maps::HashMap<MapData, i64, tracer_common::stack::NativeStack>,
+}
+
+impl crate::traced::sites::KeptStacks for NativeStacks {
+    fn get(&mut self, id: i64) -> Option<Vec<u64>> {
+        let stack = self.map.get(&id, 0).ok()?;
+        let depth = (stack.depth as usize).min(stack.ips.len());
+        Some(stack.ips[..depth].to_vec())
     }
 }
 

@@ -5,8 +5,9 @@
 //! Call events reach the ring a CPU's stage at a time (record/stage.rs), so the ring's order
 //! is not the order the calls returned in. Every round the reader empties the stages and
 //! hands over, in the order the kernel made them, the records made before the round began;
-//! later ones wait for the next round. With --stack every event goes to the ring by itself,
-//! already in order, and is handed over as read.
+//! later ones wait for the next round. Under --stack, a call with Python frames goes to the
+//! ring by itself; while such calls come, rounds come every millisecond: their code objects
+//! are read from the process, which may exit milliseconds after its last call.
 
 use std::{
     os::fd::AsFd as _,
@@ -29,12 +30,14 @@ use crate::{
 
 /// How long events may wait in the ring before the reader looks (the delivery bound).
 const POLL_INTERVAL_MS: u16 = 25;
-/// The look after one that found events, under --stack (nothing staged, records handed over as
-/// read): a burst's tail (a process's last calls, whose call sites must be read while it
-/// lives) is not left for a whole interval.
+/// The look after one that found events, when nothing is staged (records handed over as read):
+/// a burst's tail is not left for a whole interval.
 const BUSY_POLL_INTERVAL_MS: u16 = 1;
 /// How often the stages are emptied (each a call into the kernel per CPU).
 const ROUND_INTERVAL: Duration = Duration::from_millis(25);
+/// How often while calls with Python frames come (--stack): a burst's tail (a process's last
+/// calls, whose code objects must be read while it lives) is not left for a whole interval.
+const PYTHON_ROUND_INTERVAL: Duration = Duration::from_millis(1);
 /// Records made this long before a round began are handed over by it: a program that read the
 /// clock and has not yet written its record to the ring is given that long to do so. A record
 /// later still (a vCPU held off by a virtual machine's host, say: 8 frees once came before their
@@ -75,11 +78,12 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
     let result = (|| -> Result<()> {
         let mut order = Reorder::default();
         let mut last_round = Instant::now();
+        let mut interval = ROUND_INTERVAL;
         let margin = round_margin_ns();
         loop {
             let stopping = shared.stop.load(Ordering::SeqCst);
             let round = match source.stages.as_mut() {
-                Some(stages) if stopping || last_round.elapsed() >= ROUND_INTERVAL => {
+                Some(stages) if stopping || last_round.elapsed() >= interval => {
                     last_round = Instant::now();
                     let began = monotonic_ns()?;
                     // Stopping, every stage is emptied.
@@ -95,8 +99,10 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
             let mut decode_errors = 0;
             let mut found = false;
             let mut ready = Vec::new();
+            let mut python = false;
             while let Some(item) = source.ring.next() {
                 found = true;
+                python |= decode::is_call_py(&item);
                 if source.stages.is_some() {
                     decode_errors += order.push(&item);
                 } else {
@@ -136,7 +142,12 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
             let wait = if source.stages.is_some() {
                 // Records are handed over only at rounds: until the next one, only a full
                 // batch in the ring (its wake-up) is worth a look.
-                let left = ROUND_INTERVAL.saturating_sub(last_round.elapsed());
+                if python {
+                    interval = PYTHON_ROUND_INTERVAL;
+                } else if round.is_some() {
+                    interval = ROUND_INTERVAL;
+                }
+                let left = interval.saturating_sub(last_round.elapsed());
                 (left.as_millis() as u16).clamp(1, POLL_INTERVAL_MS)
             } else if found {
                 BUSY_POLL_INTERVAL_MS

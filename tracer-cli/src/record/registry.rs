@@ -32,7 +32,7 @@ use crate::{
 };
 use crate::{
     probe::{
-        attach::{Followed, PyProcs},
+        attach::{Followed, NativeStacks, PyProcs},
         discover,
     },
     traced::{mappings::Notice, maps, procinfo, sites::Sites},
@@ -51,6 +51,8 @@ pub enum Inbound {
 /// The interpreters the kernel walks, and what tracer knows of their call sites (--stack).
 pub struct Python {
     pub procs: PyProcs,
+    /// The native stacks the call-site program keeps by id.
+    pub stacks: NativeStacks,
     pub sites: Sites,
     /// The --pid scope, or every process.
     pub scope: Option<Vec<u32>>,
@@ -519,7 +521,12 @@ impl Registry {
                         }
                     }
                     if let (Some(site), Some(python)) = (call.site.take(), self.python.as_mut()) {
-                        call.stack = Some(python.sites.intern(call.pid, *site, &mut out.sites));
+                        call.stack = Some(python.sites.intern(
+                            call.pid,
+                            *site,
+                            &mut python.stacks,
+                            &mut out.sites,
+                        ));
                     }
                     out.calls.push(call);
                 }

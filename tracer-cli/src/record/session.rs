@@ -855,12 +855,9 @@ fn spawn_pipeline(
     } = begun;
     let source = reader::Source {
         ring: probes.take_ring()?,
-        // With --stack every event goes to the ring by itself.
-        stages: if opts.stack {
-            None
-        } else {
-            Some(probes.take_stages()?)
-        },
+        // With --stack too: a call from a process that is not Python waits in the stage with
+        // its native stack's id.
+        stages: Some(probes.take_stages()?),
     };
     let (records_tx, records_rx) = mpsc::sync_channel(1024);
     let mappings = if opts.stack {
@@ -871,6 +868,7 @@ fn spawn_pipeline(
     let mut python = if opts.stack {
         Some(Python {
             procs: probes.take_py_procs()?,
+            stacks: probes.take_native_stacks()?,
             sites: Sites::with_mappings(mappings),
             scope: pid_filter.clone(),
             registered_at: HashMap::new(),

@@ -13,7 +13,7 @@ use tracer_common::PyProcess;
 
 use super::mappings::SharedMappings;
 use crate::{
-    decode::{PyStatus, RawSite},
+    decode::{NativeStackRef, PyStatus, RawSite},
     store::{StackFrame, StackRow, Store},
     traced::maps::{self, Mapping},
     traced::python,
@@ -60,6 +60,14 @@ pub struct Sites {
     reported: HashSet<String>,
     /// Every process's mappings from its start, when the kernel's side band is followed.
     mappings: Option<SharedMappings>,
+    /// The native stacks the kernel keeps by id, read once each (ids are never reused in a
+    /// session).
+    kept: HashMap<i64, Vec<u64>>,
+}
+
+/// Reads a native stack the kernel keeps, by id.
+pub trait KeptStacks {
+    fn get(&mut self, id: i64) -> Option<Vec<u64>>;
 }
 
 impl Default for Sites {
@@ -73,6 +81,7 @@ impl Default for Sites {
             checked: HashMap::new(),
             reported: HashSet::new(),
             mappings: None,
+            kept: HashMap::new(),
         }
     }
 }
@@ -142,26 +151,50 @@ impl Sites {
     }
 
     /// The id of `raw`'s site in this trace; a site seen for the first time is resolved and
-    /// pushed to `new`.
-    pub fn intern(&mut self, pid: u32, raw: RawSite, new: &mut Vec<(i64, Site)>) -> i64 {
+    /// pushed to `new`. A native stack kept by the kernel is read from `kept` at its id's
+    /// first sight.
+    pub fn intern(
+        &mut self,
+        pid: u32,
+        raw: RawSite,
+        kept: &mut dyn KeptStacks,
+        new: &mut Vec<(i64, Site)>,
+    ) -> i64 {
         if let Some(&id) = self.ids.get(&pid).and_then(|m| m.get(&raw)) {
             return id;
         }
         let id = self.next_id;
         self.next_id += 1;
-        let site = self.resolve(pid, &raw);
+        let addrs = match &raw.native {
+            NativeStackRef::Inline(addrs) => addrs.clone(),
+            NativeStackRef::Kept(stack) => self.kept_stack(*stack, kept),
+        };
+        let site = self.resolve(pid, &addrs, &raw);
         self.ids.entry(pid).or_default().insert(raw, id);
         new.push((id, site));
         id
     }
 
-    fn resolve(&mut self, pid: u32, raw: &RawSite) -> Site {
+    fn kept_stack(&mut self, id: i64, kept: &mut dyn KeptStacks) -> Vec<u64> {
+        if let Some(addrs) = self.kept.get(&id) {
+            return addrs.clone();
+        }
+        let Some(addrs) = kept.get(id) else {
+            // Never: the program keeps a stack before it sends its id, and never deletes one.
+            log::warn!("native stack {id} is not in the kernel's map: its frames are missing");
+            return Vec::new();
+        };
+        self.kept.insert(id, addrs.clone());
+        addrs
+    }
+
+    fn resolve(&mut self, pid: u32, addrs: &[u64], raw: &RawSite) -> Site {
         if let Some(Ok(mut m)) = self.mappings.as_ref().map(|m| m.lock()) {
             // Everything the kernel wrote before this call was made is in the rings now.
             m.drain();
         }
-        let mut native = Vec::with_capacity(raw.native.len());
-        for &addr in &raw.native {
+        let mut native = Vec::with_capacity(addrs.len());
+        for &addr in addrs {
             let mut located = self.locate(pid, addr);
             if located.is_none() && self.refresh_maps(pid) {
                 // A library loaded since the maps were read.

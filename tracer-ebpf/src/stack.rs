@@ -273,73 +273,17 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
         // objects.
         stacked: o.instr_is_lasti == 0,
     };
-    // One frame kept per iteration, so the depth is the loop index: the verifier then sees one
-    // state per iteration instead of one per possible depth.
+    // One frame kept per iteration, so the depth is the loop index.
     for i in 0..MAX_PY_FRAMES {
         py.depth = i as u32;
         if frame == 0 {
             py.status = py_status::OK;
             return;
         }
-        let Some(mut f) = window.frame(frame) else {
+        frame = walk_frame(&mut window, py, &o, i as u32, frame);
+        if frame == WALK_STOPPED {
             return;
-        };
-        if o.frame_owner != PyOffsets::NONE {
-            let Some(owner) = f.field::<u8>(o.frame_owner) else {
-                return;
-            };
-            if owner == FRAME_OWNED_BY_CSTACK {
-                // A shim (3.12+): the frame before it was entered from C. Shims never follow
-                // one another, so one skip per iteration suffices.
-                if i > 0 {
-                    if let Some(f) = py.frames.get_mut(i - 1) {
-                        f.flags |= py_frame_flags::ENTRY;
-                    }
-                }
-                let Some(prev) = f.field::<u64>(o.frame_previous) else {
-                    return;
-                };
-                frame = prev;
-                if frame == 0 {
-                    py.status = py_status::OK;
-                    return;
-                }
-                let Some(shimmed) = window.frame(frame) else {
-                    return;
-                };
-                f = shimmed;
-            }
         }
-        let Some(code) = f.field::<u64>(o.frame_code) else {
-            return;
-        };
-        let instr = if o.instr_is_lasti != 0 {
-            f.field::<i32>(o.frame_instr).map(|l| l as u32 as u64)
-        } else {
-            f.field::<u64>(o.frame_instr)
-        };
-        let Some(instr) = instr else {
-            return;
-        };
-        let entry = if o.frame_is_entry != PyOffsets::NONE {
-            f.field::<u8>(o.frame_is_entry).unwrap_or(0) != 0
-        } else {
-            // 3.10: every Python frame runs in its own C call of the eval loop.
-            o.instr_is_lasti != 0
-        };
-        if let Some(f) = py.frames.get_mut(i) {
-            *f = PyFrame {
-                code,
-                instr,
-                flags: if entry { py_frame_flags::ENTRY } else { 0 },
-                _pad: 0,
-            };
-        }
-        let Some(prev) = f.field::<u64>(o.frame_previous) else {
-            py.depth = i as u32 + 1;
-            return;
-        };
-        frame = prev;
     }
     py.depth = MAX_PY_FRAMES as u32;
     py.status = if frame == 0 {
@@ -347,6 +291,75 @@ fn python_frames(py: &mut PyStack, pid: u32, tid: u32) {
     } else {
         py_status::TRUNCATED
     };
+}
+
+/// [`walk_frame`]'s answer when the walk ends there (py's status and depth then say how).
+const WALK_STOPPED: u64 = u64::MAX;
+
+/// Keeps frame `i` of the walk (at `frame`, skipping a shim) in `py`; returns the next frame's
+/// address (0: none), or [`WALK_STOPPED`]. A function of its own: the verifier checks it once
+/// per depth and goes on from one state, not from each of its paths.
+#[inline(never)]
+fn walk_frame(window: &mut Window, py: &mut PyStack, o: &PyOffsets, i: u32, frame: u64) -> u64 {
+    let i = i as usize;
+    let Some(mut f) = window.frame(frame) else {
+        return WALK_STOPPED;
+    };
+    if o.frame_owner != PyOffsets::NONE {
+        let Some(owner) = f.field::<u8>(o.frame_owner) else {
+            return WALK_STOPPED;
+        };
+        if owner == FRAME_OWNED_BY_CSTACK {
+            // A shim (3.12+): the frame before it was entered from C. Shims never follow
+            // one another, so one skip per frame suffices.
+            if i > 0 {
+                if let Some(f) = py.frames.get_mut(i - 1) {
+                    f.flags |= py_frame_flags::ENTRY;
+                }
+            }
+            let Some(prev) = f.field::<u64>(o.frame_previous) else {
+                return WALK_STOPPED;
+            };
+            if prev == 0 {
+                py.status = py_status::OK;
+                return WALK_STOPPED;
+            }
+            let Some(shimmed) = window.frame(prev) else {
+                return WALK_STOPPED;
+            };
+            f = shimmed;
+        }
+    }
+    let Some(code) = f.field::<u64>(o.frame_code) else {
+        return WALK_STOPPED;
+    };
+    let instr = if o.instr_is_lasti != 0 {
+        f.field::<i32>(o.frame_instr).map(|l| l as u32 as u64)
+    } else {
+        f.field::<u64>(o.frame_instr)
+    };
+    let Some(instr) = instr else {
+        return WALK_STOPPED;
+    };
+    let entry = if o.frame_is_entry != PyOffsets::NONE {
+        f.field::<u8>(o.frame_is_entry).unwrap_or(0) != 0
+    } else {
+        // 3.10: every Python frame runs in its own C call of the eval loop.
+        o.instr_is_lasti != 0
+    };
+    if let Some(f) = py.frames.get_mut(i) {
+        *f = PyFrame {
+            code,
+            instr,
+            flags: if entry { py_frame_flags::ENTRY } else { 0 },
+            _pad: 0,
+        };
+    }
+    let Some(prev) = f.field::<u64>(o.frame_previous) else {
+        py.depth = i as u32 + 1;
+        return WALK_STOPPED;
+    };
+    prev
 }
 
 /// Hands `call` to [`call_site`] (`claimed`: the caller holds this CPU's stage, which

@@ -31,6 +31,16 @@ pub struct StepBenchArgs {
     /// Only the section of `--allocator`'s modes.
     #[arg(long)]
     pub modes_only: bool,
+    /// Without the section of `--allocator`'s modes.
+    #[arg(long, conflicts_with = "modes_only")]
+    pub no_modes: bool,
+    /// Only these step lengths (ms; 20 and 200 are measured).
+    #[arg(long, value_delimiter = ',')]
+    pub step_ms: Vec<f64>,
+    /// Another build of tracer (a change's "before"): its plain trace and --stack join the
+    /// rounds as setups of their own, paired with this build's in every round.
+    #[arg(long)]
+    pub before: Option<PathBuf>,
 }
 
 /// Step lengths measured (ms), with the ratio each should stay under.
@@ -51,6 +61,9 @@ enum Setup {
     /// tracer with no `--lib`: the kernel's notice of each library opened finds the job's (the
     /// openat programs run at every open on the machine; the main thread polls their ring).
     Discover,
+    /// `--before`'s build, plain and with --stack.
+    TracerBefore,
+    StackBefore,
 }
 
 const SETUPS: [Setup; 7] = [
@@ -62,6 +75,15 @@ const SETUPS: [Setup; 7] = [
     Setup::Dump,
     Setup::Discover,
 ];
+
+/// The setups of this run: `--before`'s two with the rest when given.
+fn setups(l: &Loop) -> Vec<Setup> {
+    let mut all = SETUPS.to_vec();
+    if l.before.is_some() {
+        all.extend([Setup::TracerBefore, Setup::StackBefore]);
+    }
+    all
+}
 
 /// Where the `--dump-on-oom` setup's dumps would go: root's own folder, mode 0700.
 const DUMP_DIR: &str = "/tmp/tracer-bench-dumps";
@@ -76,6 +98,8 @@ impl Setup {
             Setup::Stack => "tracer --stack",
             Setup::Dump => "--dump-on-oom",
             Setup::Discover => "discovering",
+            Setup::TracerBefore => "tracer (before)",
+            Setup::StackBefore => "--stack (before)",
         }
     }
 
@@ -88,12 +112,16 @@ impl Setup {
             Setup::Stack => Some(&["--stack"]),
             Setup::Dump => Some(&["--dump-on-oom", DUMP_DIR]),
             Setup::Discover => Some(&[]),
+            Setup::TracerBefore => Some(&[]),
+            Setup::StackBefore => Some(&["--stack"]),
         }
     }
 }
 
 pub(crate) struct Loop {
     pub(crate) tracer: PathBuf,
+    /// `--before`'s build.
+    before: Option<PathBuf>,
     pub(crate) sim: PathBuf,
     exe: PathBuf,
     plan: PathBuf,
@@ -139,9 +167,13 @@ impl Loop {
             return Ok((run_of(&rep, steps)?, Value::Null));
         };
         let torch = self.sim.join("libsimtorch.so").display().to_string();
+        let binary = match (setup, &self.before) {
+            (Setup::TracerBefore | Setup::StackBefore, Some(before)) => before,
+            _ => &self.tracer,
+        };
         let tracer = if setup == Setup::Discover {
             let all: Vec<&str> = flags.iter().chain(extra).copied().collect();
-            Tracer::start_discovering(&self.tracer, &self.db, &all)?
+            Tracer::start_discovering(binary, &self.db, &all)?
         } else {
             let all: Vec<&str> = ["--lib", torch.as_str()]
                 .into_iter()
@@ -149,7 +181,7 @@ impl Loop {
                 .chain(extra.iter().copied())
                 .collect();
             Tracer::start_with(
-                &self.tracer,
+                binary,
                 &self.db,
                 &self.sim.join("libcudart.so.12"),
                 &all,
@@ -203,7 +235,7 @@ pub(crate) fn spread(v: &[f64]) -> (f64, f64) {
     (lo, hi)
 }
 
-fn setup_loop() -> Result<Loop> {
+fn setup_loop(before: Option<PathBuf>) -> Result<Loop> {
     let root = root();
     build_release(&root)?;
     let (sim, tmp) = bench_dirs(&root)?;
@@ -240,8 +272,16 @@ fn setup_loop() -> Result<Loop> {
         .trim()
         .parse()
         .context("read train_step's calibration")?;
+    if let Some(before) = &before {
+        ensure!(
+            before.is_file(),
+            "--before {}: no such build of tracer",
+            before.display()
+        );
+    }
     Ok(Loop {
         tracer: root.join("target/release/tracer"),
+        before,
         sim,
         exe,
         plan,
@@ -264,7 +304,7 @@ pub(crate) fn work_for(l: &Loop, step_ms: f64) -> Result<f64> {
 /// The loop built and calibrated, and the dump setup's folder made.
 pub(crate) fn prepare(args: &StepBenchArgs) -> Result<Loop> {
     ensure!(args.step_rounds >= 1, "--step-rounds must be at least 1");
-    let l = setup_loop()?;
+    let l = setup_loop(args.before.clone())?;
     dump_dir()?;
     Ok(l)
 }
@@ -272,7 +312,9 @@ pub(crate) fn prepare(args: &StepBenchArgs) -> Result<Loop> {
 /// The setups' sections, one per step length (step_modes.rs runs them, then its own).
 pub(crate) fn sections(l: &Loop, args: &StepBenchArgs) -> Result<()> {
     for (step_ms, target) in STEP_MS {
-        section(l, args, step_ms, target)?;
+        if args.step_ms.is_empty() || args.step_ms.contains(&step_ms) {
+            section(l, args, step_ms, target)?;
+        }
     }
     Ok(())
 }
@@ -290,35 +332,82 @@ fn dump_dir() -> Result<()> {
 fn section(l: &Loop, args: &StepBenchArgs, step_ms: f64, target: f64) -> Result<()> {
     let work_ms = work_for(l, step_ms)?;
     let steps = ((args.step_secs * 1e3 / step_ms).ceil() as u32).max(10);
-    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); SETUPS.len()];
+    let all = setups(l);
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); all.len()];
     for round in 0..args.step_rounds {
         eprintln!(
             "bench: steps of {step_ms} ms, round {}/{}",
             round + 1,
             args.step_rounds
         );
-        for k in 0..SETUPS.len() {
-            let i = (k + round) % SETUPS.len();
-            runs[i].push(l.measure(SETUPS[i], work_ms, steps, &[])?.0);
+        for k in 0..all.len() {
+            let i = (k + round) % all.len();
+            runs[i].push(l.measure(all[i], work_ms, steps, &[])?.0);
         }
     }
     eprintln!("bench: steps of {step_ms} ms, the programs' own time");
-    let (stats_run, stats) = l.measure(Setup::Tracer, work_ms, steps, &["--program-stats"])?;
-    print_section(step_ms, target, steps, &runs, &stats_run, &stats);
+    // The programs' own time, a run of its own per build and mode (statistics cost a little).
+    let mut stats = Vec::new();
+    for setup in [
+        Setup::Tracer,
+        Setup::Stack,
+        Setup::TracerBefore,
+        Setup::StackBefore,
+    ] {
+        if all.contains(&setup) {
+            let (run, summary) = l.measure(setup, work_ms, steps, &["--program-stats"])?;
+            stats.push((setup, run, summary));
+        }
+    }
+    let ctx = Section {
+        all: &all,
+        runs: &runs,
+        stats: &stats,
+    };
+    print_section(step_ms, target, steps, &ctx);
     Ok(())
 }
 
-fn print_section(
-    step_ms: f64,
-    target: f64,
-    steps: u32,
-    runs: &[Vec<Run>],
-    stats_run: &Run,
-    stats: &Value,
-) {
-    let of = |s: Setup| &runs[SETUPS.iter().position(|&x| x == s).unwrap_or(0)];
-    let untraced = of(Setup::Untraced);
-    let events = median(of(Setup::Tracer).iter().map(|r| r.events).collect());
+/// One step length's figures: every setup's rounds and the statistics runs.
+struct Section<'a> {
+    all: &'a [Setup],
+    runs: &'a [Vec<Run>],
+    stats: &'a [(Setup, Run, Value)],
+}
+
+impl Section<'_> {
+    fn of(&self, s: Setup) -> &[Run] {
+        self.all
+            .iter()
+            .position(|&x| x == s)
+            .map_or(&[], |i| &self.runs[i])
+    }
+
+    fn step(&self, s: Setup) -> f64 {
+        median(self.of(s).iter().map(|r| r.step_ms).collect())
+    }
+
+    fn tracer_cpu(&self, s: Setup) -> f64 {
+        median(self.of(s).iter().map(|r| r.tracer_cpu_ms).collect())
+    }
+
+    fn job_cpu(&self, s: Setup) -> f64 {
+        median(self.of(s).iter().map(|r| r.job_cpu_ms).collect())
+    }
+
+    /// Each round's step over the same round's untraced one.
+    fn ratios(&self, s: Setup) -> Vec<f64> {
+        self.of(s)
+            .iter()
+            .zip(self.of(Setup::Untraced))
+            .map(|(a, u)| a.step_ms / u.step_ms)
+            .collect()
+    }
+}
+
+fn print_section(step_ms: f64, target: f64, steps: u32, c: &Section) {
+    let untraced = c.of(Setup::Untraced);
+    let events = median(c.of(Setup::Tracer).iter().map(|r| r.events).collect());
     println!(
         "\ntraining-shaped steps of {step_ms:.0} ms ({steps} timed steps a run, {} paired rounds; {events:.0} events a step: {HITS} allocator probe hits, the rest CUDA calls)",
         untraced.len()
@@ -327,28 +416,20 @@ fn print_section(
         "  {:<18} {:>9} {:>9} {:>9}   {:<34} {:>9}",
         "setup", "step ms", "job CPU", "tracer", "ratio to untraced, each round", "us/event"
     );
-    let ratio_of = |s: Setup| -> Vec<f64> {
-        of(s)
-            .iter()
-            .zip(untraced)
-            .map(|(a, u)| a.step_ms / u.step_ms)
-            .collect()
-    };
-    for (i, setup) in SETUPS.iter().enumerate() {
-        let r = &runs[i];
-        let ratios = ratio_of(*setup);
+    for (i, setup) in c.all.iter().enumerate() {
+        let r = &c.runs[i];
         let per_event: Vec<f64> = r
             .iter()
             .zip(untraced)
             .map(|(a, u)| (a.step_ms - u.step_ms) * 1e3 / events)
             .collect();
-        let each: Vec<String> = ratios.iter().map(|x| format!("{x:.3}")).collect();
+        let each: Vec<String> = c.ratios(*setup).iter().map(|x| format!("{x:.3}")).collect();
         println!(
             "  {:<18} {:>9.2} {:>9.2} {:>9.2}   {:<34} {:>9}",
             setup.name(),
-            median(r.iter().map(|x| x.step_ms).collect()),
-            median(r.iter().map(|x| x.job_cpu_ms).collect()),
-            median(r.iter().map(|x| x.tracer_cpu_ms).collect()),
+            c.step(*setup),
+            c.job_cpu(*setup),
+            c.tracer_cpu(*setup),
             each.join(" "),
             if *setup == Setup::Untraced {
                 String::new()
@@ -358,34 +439,58 @@ fn print_section(
         );
     }
     for (s, note) in [
-        (Setup::Floor, "the probes alone"),
-        (Setup::Tracer, ""),
-        (Setup::Stack, ""),
+        (Setup::Floor, "the probes alone".to_owned()),
+        (Setup::Tracer, format!("target <= {target:.2}")),
+        (Setup::Stack, String::new()),
+        (Setup::TracerBefore, String::new()),
+        (Setup::StackBefore, String::new()),
     ] {
-        let r = ratio_of(s);
+        if !c.all.contains(&s) {
+            continue;
+        }
+        let r = c.ratios(s);
         let (lo, hi) = spread(&r);
-        let goal = if s == Setup::Tracer {
-            format!("target <= {target:.2}")
-        } else {
-            note.to_owned()
-        };
         println!(
-            "  {:<18} {:>9.3}x untraced, rounds {lo:.3}-{hi:.3}   {goal}",
+            "  {:<18} {:>9.3}x untraced, rounds {lo:.3}-{hi:.3}   {note}",
             s.name(),
             median(r)
         );
     }
-    // Armed and no OOM, and discovery in the kernel, each against tracer given its libraries,
-    // round by round (the "nothing measurable" is this ratio inside tracer's own
-    // rounds' spread).
-    let (tlo, thi) = spread(&ratio_of(Setup::Tracer));
+    print_against_tracer(c);
+    // Per event against the floor, round by round: (tracer - untraced) / (floor - untraced).
+    let per_round: Vec<f64> = c
+        .of(Setup::Tracer)
+        .iter()
+        .zip(c.of(Setup::Floor))
+        .zip(untraced)
+        .filter(|((_, f), u)| f.step_ms > u.step_ms)
+        .map(|((t, f), u)| (t.step_ms - u.step_ms) / (f.step_ms - u.step_ms))
+        .collect();
+    if !per_round.is_empty() {
+        let (lo, hi) = spread(&per_round);
+        println!(
+            "  tracer/floor per event {:>6.2}, rounds {lo:.2}-{hi:.2} ({} rounds where the floor cost anything)",
+            median(per_round.clone()),
+            per_round.len()
+        );
+    }
+    print_parts(c, events);
+    print_stack_parts(c, events);
+}
+
+/// Armed and no OOM, and discovery in the kernel, each against tracer given its libraries,
+/// round by round (the "nothing measurable" is this ratio inside tracer's own rounds'
+/// spread).
+fn print_against_tracer(c: &Section) {
+    let (tlo, thi) = spread(&c.ratios(Setup::Tracer));
     for (s, name) in [
         (Setup::Dump, "--dump-on-oom"),
         (Setup::Discover, "discovering"),
     ] {
-        let against: Vec<f64> = of(s)
+        let against: Vec<f64> = c
+            .of(s)
             .iter()
-            .zip(of(Setup::Tracer))
+            .zip(c.of(Setup::Tracer))
             .map(|(d, t)| d.step_ms / t.step_ms)
             .collect();
         let (lo, hi) = spread(&against);
@@ -395,42 +500,14 @@ fn print_section(
             thi / tlo
         );
     }
-    // Per event against the floor, round by round: (tracer - untraced) / (floor - untraced).
-    let per_round: Vec<f64> = of(Setup::Tracer)
-        .iter()
-        .zip(of(Setup::Floor))
-        .zip(untraced)
-        .filter(|((_, f), u)| f.step_ms > u.step_ms)
-        .map(|((t, f), u)| (t.step_ms - u.step_ms) / (f.step_ms - u.step_ms))
-        .collect();
-    if !per_round.is_empty() {
-        let (lo, hi) = spread(&per_round);
-        println!(
-            "  tracer/floor per event {:>6.2}, rounds {lo:.2}-{hi:.2} ({} rounds where the floor cost anything)   target <= 1.25",
-            median(per_round.clone()),
-            per_round.len()
-        );
-    }
-    print_parts(&of, events, stats_run, stats);
 }
 
-fn print_parts<'a>(
-    of: &dyn Fn(Setup) -> &'a Vec<Run>,
-    events: f64,
-    stats_run: &Run,
-    stats: &Value,
-) {
-    let step = |s: Setup| median(of(s).iter().map(|r| r.step_ms).collect());
-    let us_event = |ms: f64| ms * 1e3 / events;
-    println!("  the parts, ms a step (us an event):");
-    let traps = step(Setup::Floor) - step(Setup::Untraced);
-    println!(
-        "    traps and empty programs (floor - untraced)      {traps:>7.3} ({:.2})",
-        us_event(traps)
-    );
+/// The programs' own time from a statistics run: (name, ns a run, ms a step).
+fn program_times(run: &Run, stats: &Value) -> Vec<(String, f64, f64)> {
     let programs = stats["programs"].as_array().cloned().unwrap_or_default();
-    let steps_run = f64::from(stats_run.steps_made);
+    let steps_run = f64::from(run.steps_made);
     let session_s = stats["elapsed_s"].as_f64().unwrap_or(1.0).max(1e-3);
+    let mut out = Vec::new();
     for p in &programs {
         let name = p["name"].as_str().unwrap_or("?");
         let runs = p["runs"].as_f64().unwrap_or(0.0);
@@ -441,41 +518,111 @@ fn print_parts<'a>(
         // The scheduler programs and the stage flush run the whole session, on every CPU:
         // per second of it, scaled to a step; the probes' programs run only in steps.
         let per_step = if name.starts_with("sched_") || name == "flush_stage" {
-            total_ms / session_s * stats_run.step_ms / 1e3
+            total_ms / session_s * run.step_ms / 1e3
         } else {
             total_ms / steps_run
         };
-        println!(
-            "    program {name:<20} {:>6.0} ns a run    {per_step:>7.3} ({:.2})",
+        out.push((
+            name.to_owned(),
             p["ns_per_run"].as_f64().unwrap_or(0.0),
+            per_step,
+        ));
+    }
+    out
+}
+
+fn stats_of(c: &Section, s: Setup) -> Option<Vec<(String, f64, f64)>> {
+    c.stats
+        .iter()
+        .find(|(setup, ..)| *setup == s)
+        .map(|(_, run, stats)| program_times(run, stats))
+}
+
+fn print_parts(c: &Section, events: f64) {
+    let us_event = |ms: f64| ms * 1e3 / events;
+    println!("  the parts, ms a step (us an event):");
+    let traps = c.step(Setup::Floor) - c.step(Setup::Untraced);
+    println!(
+        "    traps and empty programs (floor - untraced)      {traps:>7.3} ({:.2})",
+        us_event(traps)
+    );
+    for (name, ns, per_step) in stats_of(c, Setup::Tracer).unwrap_or_default() {
+        println!(
+            "    program {name:<20} {ns:>6.0} ns a run    {per_step:>7.3} ({:.2})",
             us_event(per_step)
         );
     }
-    let sched = step(Setup::Tracer) - step(Setup::NoSched);
+    let sched = c.step(Setup::Tracer) - c.step(Setup::NoSched);
     println!(
         "    scheduler programs (tracer - no sched)           {sched:>7.3} ({:.2})",
         us_event(sched)
     );
-    let tracer_cpu = median(of(Setup::Tracer).iter().map(|r| r.tracer_cpu_ms).collect());
+    let tracer_cpu = c.tracer_cpu(Setup::Tracer);
     println!(
         "    tracer's threads' CPU (reader, registry, writer) {tracer_cpu:>7.3} ({:.2}), on cores the job shares",
         us_event(tracer_cpu)
     );
-    let job_cpu = median(of(Setup::Tracer).iter().map(|r| r.job_cpu_ms).collect())
-        - median(of(Setup::Floor).iter().map(|r| r.job_cpu_ms).collect());
+    let job_cpu = c.job_cpu(Setup::Tracer) - c.job_cpu(Setup::Floor);
     println!(
         "    the job's own CPU above the floor's              {job_cpu:>7.3} ({:.2}): the programs' work in its threads",
         us_event(job_cpu)
     );
-    let above = step(Setup::Tracer) - step(Setup::Floor);
+    let above = c.step(Setup::Tracer) - c.step(Setup::Floor);
     println!(
         "    tracer above the floor, whole step               {above:>7.3} ({:.2}); the rest ({:.3}) is waiting for a core",
         us_event(above),
         above - job_cpu
     );
-    let stack = step(Setup::Stack) - step(Setup::Tracer);
-    println!(
-        "    --stack above tracer                             {stack:>7.3} ({:.2})",
-        us_event(stack)
-    );
+}
+
+/// What --stack adds to the plain trace, part by part, for this build and `--before`'s.
+fn print_stack_parts(c: &Section, events: f64) {
+    let us_event = |ms: f64| ms * 1e3 / events;
+    for (plain, stack, build) in [
+        (Setup::Tracer, Setup::Stack, "this build"),
+        (Setup::TracerBefore, Setup::StackBefore, "before"),
+    ] {
+        if !c.all.contains(&stack) {
+            continue;
+        }
+        println!("  --stack above the plain trace, {build}, ms a step (us an event):");
+        let whole = c.step(stack) - c.step(plain);
+        let above: Vec<f64> = c
+            .of(stack)
+            .iter()
+            .zip(c.of(plain))
+            .map(|(s, t)| us_event(s.step_ms - t.step_ms))
+            .collect();
+        let (lo, hi) = spread(&above);
+        println!(
+            "    whole step                                       {whole:>7.3} ({:.2}; rounds {lo:.2} to {hi:.2})",
+            us_event(whole)
+        );
+        let programs = |s: Setup, name: &str| {
+            stats_of(c, s)
+                .unwrap_or_default()
+                .into_iter()
+                .find(|(n, ..)| n == name)
+                .map_or((0.0, 0.0), |(_, ns, ms)| (ns, ms))
+        };
+        let (plain_ns, plain_ms) = programs(plain, "usdt_hit");
+        let (stack_ns, stack_ms) = programs(stack, "usdt_hit");
+        println!(
+            "    usdt_hit with the call-site programs  {stack_ns:>6.0} ns a run (plain {plain_ns:.0})  {:>7.3} ({:.2})",
+            stack_ms - plain_ms,
+            us_event(stack_ms - plain_ms)
+        );
+        let job = c.job_cpu(stack) - c.job_cpu(plain);
+        println!(
+            "    the job's own CPU                                {job:>7.3} ({:.2})",
+            us_event(job)
+        );
+        let cpu = c.tracer_cpu(stack) - c.tracer_cpu(plain);
+        println!(
+            "    tracer's threads' CPU                            {cpu:>7.3} ({:.2}); all of it {:.3} ({:.2})",
+            us_event(cpu),
+            c.tracer_cpu(stack),
+            us_event(c.tracer_cpu(stack))
+        );
+    }
 }

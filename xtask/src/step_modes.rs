@@ -13,12 +13,15 @@ use crate::{
 };
 
 /// `cargo xtask bench-step` (and `bench`'s last part): the setups' sections unless
-/// `--modes-only`, then `--allocator`'s modes. The step files import one way: this one uses
+/// `--modes-only`, then `--allocator`'s modes unless `--no-modes`. The step files import one way: this one uses
 /// step_bench.rs, which uses bench.rs.
 pub fn run(args: StepBenchArgs) -> Result<()> {
     let l = step_bench::prepare(&args)?;
     if !args.modes_only {
         step_bench::sections(&l, &args)?;
+    }
+    if args.no_modes {
+        return Ok(());
     }
     section(&l, &args)
 }

@@ -124,6 +124,11 @@ pub const PROG_CALL_SITE: &str = "call_site";
 /// the ring with its frames. Two programs: the verifier checks each path after the frame walk
 /// once instead of once for each way the walk can end.
 pub const PROG_SITE_SEND: &str = "site_send";
+/// The benchmark floor mode (`FLOOR_MODE`) above which the USDT program does only its first
+/// `mode - FLOOR_USDT_PARTS` parts (`tracer trace --usdt-parts`); the other programs then
+/// behave as on the floor.
+pub const FLOOR_USDT_PARTS: u32 = 2;
+
 /// Global: non-zero to capture call sites (--stack).
 pub const GLOBAL_STACK_MODE: &str = "STACK_MODE";
 

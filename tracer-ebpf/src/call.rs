@@ -24,9 +24,10 @@ use tracer_common::{
 
 use crate::{
     counters::bump,
+    deliver::deliver,
     inflight::{save_inflight, take_inflight},
     maps::{entry_proceeds, floor_done, stack_enabled, SCHED_TIDS},
-    stage::{claim_stage, deliver},
+    stage::claim_stage,
 };
 
 #[inline(always)]

@@ -4,6 +4,7 @@
 
 mod call;
 mod counters;
+mod deliver;
 mod inflight;
 mod libwatch;
 mod maps;

@@ -1,8 +1,6 @@
 //! Each CPU's stage: call events wait there and reach the ring [`STAGE_EVENTS`] at a time, in
 //! one record; userspace empties the stages that hold events old enough each round
-//! (`flush_stage`, run on that CPU; [`STAGE_OLDEST`] says which). And
-//! the one ending every program that makes a call event shares: to the stage, straight to the
-//! ring, or, under --stack, to the call-site program.
+//! (`flush_stage`, run on that CPU; [`STAGE_OLDEST`] says which).
 
 use core::sync::atomic::{compiler_fence, Ordering as AtomicOrdering};
 
@@ -50,33 +48,6 @@ fn mark_oldest(value: u64) {
 #[inline(always)]
 fn sent_ns(event: &CallEvent) -> u64 {
     event.header.ts_ns.wrapping_add(event.duration_ns)
-}
-
-/// Where a program's call event goes: `claimed` is this CPU's stage when the program claimed
-/// it (before reading the clock), `stack` whether call sites are wanted.
-#[inline(always)]
-pub fn deliver<C: EbpfContext>(
-    ctx: &C,
-    claimed: Option<*mut Stage>,
-    stack: bool,
-    event: &CallEvent,
-    send_comm: bool,
-) {
-    if stack {
-        // The call-site program sends the event (and counts it), to the claimed stage when its
-        // native stack is kept by id and it has no Python frames, else to the ring.
-        crate::stack::tail_call_site(ctx, event, claimed.is_some());
-        // Only a failed tail call gets here: the event is lost, and counted as such.
-        if let Some(stage) = claimed {
-            release_stage(stage);
-        }
-        bump(Counter::TailCallFailed);
-        return;
-    }
-    match claimed {
-        Some(stage) => stage_event(stage, event),
-        None => send_event(event, send_comm),
-    }
 }
 
 /// Events a CPU submits between two looks at how much waits in the ring.

@@ -15,7 +15,7 @@ use aya_ebpf::{
 };
 use tracer_common::{
     call::DEVICE_UNKNOWN,
-    maps::Counter,
+    maps::{Counter, FLOOR_USDT_PARTS},
     usdt::{
         arg_kind, role, MessageEvent, UsdtArg, UsdtPlan, MAX_USDT_ARGS, MAX_USDT_SITES,
         MESSAGE_BYTES, OOM_MESSAGE_PREFIX, OOM_MESSAGE_WORDS,
@@ -25,8 +25,9 @@ use tracer_common::{
 
 use crate::{
     counters::bump,
-    maps::{entry_proceeds, paused, stack_enabled, EVENTS},
-    stage::{claim_stage, deliver},
+    deliver::deliver,
+    maps::{floor_done, global, paused, stack_enabled, EVENTS, FLOOR_MODE},
+    stage::{claim_stage, release_stage},
 };
 
 #[map(name = "USDT_PLANS")]
@@ -97,22 +98,63 @@ fn fetch(ctx: &ProbeContext, a: &UsdtArg) -> Option<u64> {
     })
 }
 
+/// Every part of [`usdt_hit`] (the bench's `--usdt-parts` stops after fewer).
+const ALL_PARTS: u32 = 5;
+
+/// How many of [`usdt_hit`]'s parts to do: all, none on the floors (their work done here).
+#[inline(always)]
+fn usdt_parts() -> u32 {
+    let floor = global(&FLOOR_MODE);
+    if floor > FLOOR_USDT_PARTS {
+        return floor - FLOOR_USDT_PARTS;
+    }
+    if floor_done() {
+        0
+    } else {
+        ALL_PARTS
+    }
+}
+
+/// Frees the stage claimed by a run the bench stops early.
+#[inline(always)]
+fn stop_early(stage: Option<*mut tracer_common::maps::Stage>) -> u32 {
+    if let Some(stage) = stage {
+        release_stage(stage);
+    }
+    0
+}
+
 #[uprobe]
 pub fn usdt_hit(ctx: ProbeContext) -> u32 {
-    // On the benchmark's floors: the bare probe at the site, or with the one clock read an
-    // event's time needs.
-    if !entry_proceeds() {
+    if paused() {
         return 0;
     }
+    bump(Counter::Entries);
+    // On the benchmark's floors: the bare probe at the site, or with the one clock read an
+    // event's time needs; with --usdt-parts, its first parts.
+    let parts = usdt_parts();
+    if parts == 0 {
+        return 0;
+    }
+    // Part 1: the site's plan.
     // SAFETY: the helper only reads the cookie of the perf link that fired.
     let site = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let Some(plan) = USDT_PLANS.get(site) else {
         return 0;
     };
+    if parts == 1 {
+        return 0;
+    }
+    // Part 2: the thread, and this CPU's stage, claimed before the clock is read as the return
+    // program does (stage::flush_stage).
     let pid_tgid = bpf_get_current_pid_tgid();
     let stack = stack_enabled();
-    // Claimed before the clock is read, as the return program does (stage::flush_stage).
     let stage = claim_stage();
+    if parts == 2 {
+        return stop_early(stage);
+    }
+    // Part 3: the clock. Part 4: the arguments. Part 5: to the stage (or the call-site
+    // program).
     let mut event = CallEvent {
         header: EventHeader {
             kind: CallEvent::KIND as u32,
@@ -134,6 +176,9 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         stack_id: -1,
         comm: [0; 16],
     };
+    if parts == 3 {
+        return stop_early(stage);
+    }
     let mut i = 0;
     while i < MAX_USDT_ARGS {
         if i as u32 >= plan.nargs {
@@ -158,6 +203,9 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
             _ => {}
         }
         i += 1;
+    }
+    if parts == 4 {
+        return stop_early(stage);
     }
     // Under --stack, the call site of a block: who holds the memory.
     deliver(&ctx, stage, stack, &event, false);

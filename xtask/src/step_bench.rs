@@ -180,12 +180,7 @@ impl Loop {
                 .chain(flags.iter().copied())
                 .chain(extra.iter().copied())
                 .collect();
-            Tracer::start_with(
-                binary,
-                &self.db,
-                &self.sim.join("libcudart.so.12"),
-                &all,
-            )?
+            Tracer::start_with(binary, &self.db, &self.sim.join("libcudart.so.12"), &all)?
         };
         let cpu0 = tracer.cpu_s();
         let rep = self.run_once(work_ms, steps);
@@ -365,6 +360,49 @@ fn section(l: &Loop, args: &StepBenchArgs, step_ms: f64, target: f64) -> Result<
         stats: &stats,
     };
     print_section(step_ms, target, steps, &ctx);
+    if step_ms == STEP_MS[0].0 {
+        usdt_parts(l, work_ms, steps, &stats)?;
+    }
+    Ok(())
+}
+
+/// usdt_hit part by part: a statistics run for the floor (the program returns at its first
+/// test) and for each `--usdt-parts`, then the whole program (the plain trace's run).
+fn usdt_parts(l: &Loop, work_ms: f64, steps: u32, stats: &[(Setup, Run, Value)]) -> Result<()> {
+    eprintln!("bench: usdt_hit part by part");
+    let ns_of = |run: &Run, summary: &Value| {
+        program_times(run, summary)
+            .into_iter()
+            .find(|(name, ..)| name == "usdt_hit")
+            .map_or(0.0, |(_, ns, _)| ns)
+    };
+    let mut rows = Vec::new();
+    let (run, summary) = l.measure(Setup::Floor, work_ms, steps, &["--program-stats"])?;
+    rows.push(("floor: paused? counted, returns", ns_of(&run, &summary)));
+    for (k, what) in [
+        (1, "+ the site's plan (attach cookie)"),
+        (2, "+ the thread, the stage claimed"),
+        (3, "+ the clock, the event begun"),
+        (4, "+ the arguments read"),
+    ] {
+        let parts = k.to_string();
+        let (run, summary) = l.measure(
+            Setup::Tracer,
+            work_ms,
+            steps,
+            &["--usdt-parts", &parts, "--program-stats"],
+        )?;
+        rows.push((what, ns_of(&run, &summary)));
+    }
+    if let Some((_, run, summary)) = stats.iter().find(|(s, ..)| *s == Setup::Tracer) {
+        rows.push(("+ to the stage (the whole program)", ns_of(run, summary)));
+    }
+    println!("  usdt_hit part by part, ns a run (a statistics run each; the kernel's own timing is in every figure):");
+    let mut before = 0.0;
+    for (what, ns) in rows {
+        println!("    {what:<40} {ns:>6.0}   {:>+6.0}", ns - before);
+        before = ns;
+    }
     Ok(())
 }
 

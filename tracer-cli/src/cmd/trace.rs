@@ -117,10 +117,10 @@ pub fn run(args: TraceArgs) -> Result<()> {
         max_db: args.recording.max_db,
         ring_bytes: args.recording.ring_size,
         stack: args.recording.stack,
-        floor: if args.recording.floor_clock {
-            2
-        } else {
-            u32::from(args.recording.floor)
+        floor: match args.recording.usdt_parts {
+            Some(parts) => tracer_common::maps::FLOOR_USDT_PARTS + parts,
+            None if args.recording.floor_clock => 2,
+            None => u32::from(args.recording.floor),
         },
         program_stats: args.recording.program_stats,
         no_keyframes: args.recording.no_keyframes,

@@ -63,6 +63,12 @@ pub struct RecordingArgs {
     /// Benchmark floor that also reads the clock at entry and return, as timing a call needs.
     #[arg(long, hide = true, conflicts_with = "floor")]
     pub floor_clock: bool,
+    /// Benchmark: the USDT program does only its first N parts (1: the site's plan; 2: the
+    /// thread and the stage; 3: the clock; 4: the arguments) and sends nothing; the runtime
+    /// calls' programs are the floor's. What each part costs is the step between two.
+    #[arg(long, hide = true, value_parser = clap::value_parser!(u32).range(1..=4),
+          conflicts_with_all = ["floor", "floor_clock"])]
+    pub usdt_parts: Option<u32>,
     /// Benchmark: no keyframes (what they cost is measured against this; --max-db then cannot
     /// evict the current session's calls).
     #[arg(long, hide = true, conflicts_with = "max_db")]

@@ -105,16 +105,37 @@ pub fn claim_stage() -> Option<*mut Stage> {
 /// Appends the event to the claimed stage, sends the stage when full, and frees it.
 #[inline(always)]
 pub fn stage_event(stage: *mut Stage, event: &CallEvent) {
+    match next_slot(stage) {
+        // SAFETY: the slot is the claimed stage's next free one.
+        Some(slot) => unsafe { *slot = *event },
+        // Never: a full stage is sent at once. Should it be, the event still goes.
+        None => send_event(event, false),
+    }
+    commit_slot(stage);
+}
+
+/// The claimed stage's next free slot, for a program to write its event in place (then
+/// [`commit_slot`]); None when full (never: a full stage is sent at once).
+#[inline(always)]
+pub fn next_slot(stage: *mut Stage) -> Option<*mut CallEvent> {
     // SAFETY: claimed by this program (claim_stage).
     unsafe {
         let len = (*stage).len as usize;
-        match (*stage).events.get_mut(len) {
-            Some(slot) => {
-                *slot = *event;
-                (*stage).len = len as u32 + 1;
-            }
-            // Never: a full stage is sent at once. Should it be, the event still goes.
-            None => send_event(event, false),
+        (*stage)
+            .events
+            .get_mut(len)
+            .map(|slot| slot as *mut CallEvent)
+    }
+}
+
+/// Counts the event written in [`next_slot`] (if there was room), sends the stage when full,
+/// and frees it.
+#[inline(always)]
+pub fn commit_slot(stage: *mut Stage) {
+    // SAFETY: claimed by this program (claim_stage).
+    unsafe {
+        if ((*stage).len as usize) < STAGE_EVENTS {
+            (*stage).len += 1;
         }
         if (*stage).len as usize >= STAGE_EVENTS {
             send_stage(stage, stage_wakeup_flag());

@@ -3,6 +3,8 @@
 //! constant; how wide; signed or not) and what it means. And the uprobe at PyTorch's
 //! OutOfMemoryError constructor, which sends the message the user sees.
 
+use core::mem::MaybeUninit;
+
 use aya_ebpf::{
     bindings::BPF_RB_NO_WAKEUP,
     helpers::{
@@ -27,7 +29,7 @@ use crate::{
     counters::bump,
     deliver::deliver,
     maps::{floor_done, global, paused, stack_enabled, EVENTS, FLOOR_MODE},
-    stage::{claim_stage, release_stage},
+    stage::{claim_stage, commit_slot, next_slot, release_stage},
 };
 
 #[map(name = "USDT_PLANS")]
@@ -154,8 +156,36 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         return stop_early(stage);
     }
     // Part 3: the clock. Part 4: the arguments. Part 5: to the stage (or the call-site
-    // program).
-    let mut event = CallEvent {
+    // program). Written in place in the stage's next slot when there is one to write (no copy),
+    // else here and handed over.
+    let slot = match (stack, stage) {
+        (false, Some(stage)) => next_slot(stage),
+        _ => None,
+    };
+    let mut local = MaybeUninit::<CallEvent>::uninit();
+    // SAFETY: the slot is the claimed stage's next free one, this CPU's, written by this run
+    // only; `local` is written whole by `begin_event` before any read.
+    let event = unsafe { &mut *slot.unwrap_or(local.as_mut_ptr()) };
+    begin_event(event, plan.op, pid_tgid);
+    if parts == 3 {
+        return stop_early(stage);
+    }
+    read_args(&ctx, plan, event);
+    if parts == 4 {
+        return stop_early(stage);
+    }
+    match (slot, stage) {
+        (Some(_), Some(stage)) => commit_slot(stage),
+        // Under --stack, the call site of a block: who holds the memory.
+        _ => deliver(&ctx, stage, stack, event, false),
+    }
+    0
+}
+
+/// Every field of a block event but its arguments' (the clock read here).
+#[inline(always)]
+fn begin_event(event: &mut CallEvent, op: u32, pid_tgid: u64) {
+    *event = CallEvent {
         header: EventHeader {
             kind: CallEvent::KIND as u32,
             len: CallEvent::LEN,
@@ -164,7 +194,7 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
             pid: (pid_tgid >> 32) as u32,
             tid: pid_tgid as u32,
         },
-        op: plan.op,
+        op,
         device: DEVICE_UNKNOWN,
         ret: 0,
         flags: 0,
@@ -176,15 +206,17 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         stack_id: -1,
         comm: [0; 16],
     };
-    if parts == 3 {
-        return stop_early(stage);
-    }
+}
+
+/// The site's arguments, each where its plan says, into the fields their roles name.
+#[inline(always)]
+fn read_args(ctx: &ProbeContext, plan: &UsdtPlan, event: &mut CallEvent) {
     let mut i = 0;
     while i < MAX_USDT_ARGS {
         if i as u32 >= plan.nargs {
             break;
         }
-        let Some(v) = fetch(&ctx, &plan.args[i]) else {
+        let Some(v) = fetch(ctx, &plan.args[i]) else {
             event.flags |= tracer_common::call::flags::READ_FAILED;
             i += 1;
             continue;
@@ -204,12 +236,6 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         }
         i += 1;
     }
-    if parts == 4 {
-        return stop_early(stage);
-    }
-    // Under --stack, the call site of a block: who holds the memory.
-    deliver(&ctx, stage, stack, &event, false);
-    0
 }
 
 /// The message at `data` (`len` bytes) is PyTorch's out-of-memory message.

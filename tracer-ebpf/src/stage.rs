@@ -10,7 +10,6 @@ use aya_ebpf::{
     macros::{map, raw_tracepoint},
     maps::{Array, PerCpuArray},
     programs::RawTracePointContext,
-    EbpfContext,
 };
 use tracer_common::{
     maps::{Counter, FlushResult, Stage, STAGE_CLAIMED, STAGE_EVENTS, STAGE_OLDEST_CPUS},

@@ -110,7 +110,7 @@ fn expected_len(kind: EventKind, header_len: u32) -> usize {
         EventKind::CallPy => {
             let frame = std::mem::size_of::<tracer_common::PyFrame>() as u32;
             let fits = (CallPyEvent::BASE_LEN..=CallPyEvent::MAX_LEN).contains(&header_len)
-                && (header_len - CallPyEvent::BASE_LEN) % frame == 0;
+                && (header_len - CallPyEvent::BASE_LEN).is_multiple_of(frame);
             if fits {
                 header_len as usize
             } else {

@@ -429,22 +429,16 @@ impl Probes {
 
     /// The interpreters the return program walks (--stack).
     pub fn take_py_procs(&mut self) -> Result<PyProcs> {
-        let map = self
-            .ebpf
-            .take_map(names::PY_PROCS)
-            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::PY_PROCS))?;
-        let map = aya::maps::HashMap::try_from(map).context("open the interpreters map")?;
-        Ok(PyProcs { map })
+        Ok(PyProcs {
+            map: take_hash_map(&mut self.ebpf, names::PY_PROCS)?,
+        })
     }
 
     /// The native stacks the call-site program keeps by id (--stack).
     pub fn take_native_stacks(&mut self) -> Result<NativeStacks> {
-        let map = self
-            .ebpf
-            .take_map(names::NATIVE_STACKS)
-            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::NATIVE_STACKS))?;
-        let map = aya::maps::HashMap::try_from(map).context("open the native stacks map")?;
-        Ok(NativeStacks { map })
+        Ok(NativeStacks {
+            map: take_hash_map(&mut self.ebpf, names::NATIVE_STACKS)?,
+        })
     }
 
     /// The set of threads the scheduler programs follow, or None without host context.

@@ -242,15 +242,21 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
     let stopped = trace.stop(SIGINT);
     let (pid, pid_gone) = (late["pid"].as_i64().unwrap(), gone["pid"].as_i64().unwrap());
 
-    // Late: what came after the probes is there, what came before is not.
+    // Late: what came after the probes is there, what came before is not. On a busy machine
+    // the burst may lose its core between loading the runtime and its first call long enough
+    // for the probes to go on first: then all 100 are seen, and the probes' time says why.
     let seen = calls(&fx.db, pid, "cudaMalloc");
+    let rows = discovery(&fx.db, pid);
+    let first_call = scalar(
+        &fx.db,
+        &format!("SELECT min(ts_ns) FROM events WHERE pid = {pid} AND op = 'cudaMalloc'"),
+    );
+    let probed = rows.iter().filter_map(|r| r["probed_ns"].as_i64()).max();
     assert!(
-        (50..100).contains(&seen),
-        "{seen} of 100 seen: {:?}\n{}",
-        discovery(&fx.db, pid),
+        (50..100).contains(&seen) || (seen == 100 && probed.is_some_and(|p| p < first_call)),
+        "{seen} of 100 seen, the first at {first_call}: {rows:?}\n{}",
         stopped.stderr
     );
-    let rows = discovery(&fx.db, pid);
     assert_eq!(rows[0]["outcome"], "late", "{rows:?}");
     assert!(
         rows[0]["why"]

@@ -211,8 +211,8 @@ fn out_of_memory_in(delivery: &Delivery) -> bool {
 }
 
 /// A keyframe every [`KEYFRAME_EVERY`], or after [`KEYFRAME_EVENTS`] calls (more when the
-/// processes hold many blocks: a keyframe costs in proportion to them), or when --max-db needs
-/// one to evict.
+/// processes hold many blocks: a keyframe costs in proportion to them), after
+/// [`KEYFRAME_ENDED`] processes ended, or when --max-db needs one to evict.
 pub struct KeyframeClock {
     /// Off only to measure what keyframes cost.
     on: bool,
@@ -237,13 +237,21 @@ const KEYFRAME_EVERY: Duration = Duration::from_secs(30);
 const KEYFRAME_EVENTS: u64 = 1 << 20;
 /// Calls per block held between keyframes at least: keeps their cost a small share.
 const KEYFRAME_EVENTS_PER_BLOCK: u64 = 64;
+/// Ended processes whose last states wait for the next keyframe, at most: a node starting
+/// thousands of short CUDA processes a minute would otherwise hold each one's state (about a
+/// kilobyte and a half) until the 30 s keyframe.
+const KEYFRAME_ENDED: usize = 512;
 
 impl KeyframeClock {
-    fn due(&self, wanted: bool, blocks_held: u64) -> bool {
+    fn due(&self, wanted: bool, blocks_held: u64, ended: usize) -> bool {
         let calls = KEYFRAME_EVENTS.max(blocks_held.saturating_mul(KEYFRAME_EVENTS_PER_BLOCK));
+        let many_ended = ended >= KEYFRAME_ENDED;
         self.on
-            && (wanted || self.events >= calls || self.last.elapsed() >= KEYFRAME_EVERY)
-            && (self.events > 0 || wanted)
+            && (wanted
+                || many_ended
+                || self.events >= calls
+                || self.last.elapsed() >= KEYFRAME_EVERY)
+            && (self.events > 0 || wanted || many_ended)
     }
 }
 
@@ -348,7 +356,9 @@ impl Registry {
         let allocators = shared.lock_allocators()?;
         let wanted = shared.keyframe_wanted.load(Ordering::SeqCst);
         if (last && self.keyframes.events > 0)
-            || self.keyframes.due(wanted, allocators.blocks_held())
+            || self
+                .keyframes
+                .due(wanted, allocators.blocks_held(), self.ended.len())
         {
             d.keyframe = Some(self.keyframe(&allocators, shared)?);
             shared.keyframe_wanted.store(false, Ordering::SeqCst);
@@ -382,12 +392,12 @@ impl Registry {
             ts = ts.max(state.last_ns);
             states.push(state);
         }
+        let live: HashSet<u32> = states.iter().map(|s| s.pid).collect();
         for state in std::mem::take(&mut self.ended) {
             // A pid a live process reuses already has its row.
-            if states.iter().any(|s| s.pid == state.pid) {
-                continue;
+            if !live.contains(&state.pid) {
+                states.push(state);
             }
-            states.push(state);
         }
         self.keyframes = KeyframeClock {
             latest_ns: ts,

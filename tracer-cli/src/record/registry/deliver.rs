@@ -48,6 +48,7 @@ impl Registry {
         if self.keyframes.due(
             shared.keyframe_wanted.load(Ordering::SeqCst),
             allocators.blocks_held(),
+            self.ended.len(),
         ) {
             delivery.keyframe = Some(self.keyframe(&allocators, shared)?);
             shared.keyframe_wanted.store(false, Ordering::SeqCst);

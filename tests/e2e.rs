@@ -367,7 +367,7 @@ fn a_library_inside_another_mount_namespace_is_found_through_proc_root() {
 
 #[test]
 fn max_db_deletes_the_oldest_session_and_says_so() {
-    let Some(fx) = Fixture::new() else {
+    let Some(fx) = Fixture::scoped() else {
         return;
     };
     let (sim, db) = (&fx.sim, &fx.db);
@@ -504,7 +504,7 @@ fn a_stopped_trace_leaves_removing_its_probes_to_a_process_holding_nothing_else(
     let earlier = detach_processes();
     let stopped = trace.stop(SIGINT);
     assert_eq!(stopped.summary["status"], "interrupted");
-    // tracer has exited; the kernel is still removing its probes (a grace period each), from a
+    // tracer has exited; the kernel is still removing its probes (a grace period a link), from a
     // process that holds them and nothing of the user's: no terminal, pipe to the caller,
     // database or socket, only the probes and the pipe its parent closed.
     let now = detach_processes();
@@ -515,8 +515,10 @@ fn a_stopped_trace_leaves_removing_its_probes_to_a_process_holding_nothing_else(
     let (links, rest): (Vec<&String>, Vec<&String>) = held
         .iter()
         .partition(|t| *t == "anon_inode:bpf_link" || *t == "anon_inode:[perf_event]");
+    // Each program's probes in the library are one uprobe_multi link (kernel >= 6.6, as
+    // here): an entry and a return link, and the scheduler tracepoints' own.
     assert!(
-        links.len() as u64 >= 2 * probes,
+        links.len() >= 2 && (links.len() as u64) < probes,
         "{probes} probes: {held:?}"
     );
     assert_eq!(rest.len(), 1, "{held:?}");
@@ -1510,10 +1512,28 @@ macro_rules! demo_tests {
 
         #[test]
         fn $logged() {
-            let _guard = serial();
+            // Nothing traced: beside the scoped tests, never beside a traced demo (which
+            // probes the runtime these workloads load).
+            demo_runtime_built();
+            let _turn = scoped();
             $check(true);
         }
     )*};
+}
+
+/// The demos' simulated runtime, built once before any demo runs (two demos starting at once
+/// would both build it into the same folder).
+fn demo_runtime_built() {
+    static BUILT: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let _alone = serial();
+        let out = Command::new("bash")
+            .arg(workspace().join("demos/simcuda/build.sh"))
+            .arg(workspace().join("target/simcuda-demo"))
+            .output()
+            .unwrap();
+        assert_ok(&out);
+    });
 }
 
 demo_tests! {

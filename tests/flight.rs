@@ -310,7 +310,7 @@ fn evicted_oom_layout(margin_ms: &str) {
 
 #[test]
 fn a_tracer_killed_and_restarted_takes_the_job_up() {
-    let Some(fx) = Fixture::new() else {
+    let Some(fx) = Fixture::scoped() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -370,7 +370,7 @@ fn a_tracer_killed_and_restarted_takes_the_job_up() {
 
 #[test]
 fn a_tracer_started_after_the_job_draws_no_verdict_from_what_it_did_not_see() {
-    let Some(fx) = Fixture::new() else {
+    let Some(fx) = Fixture::scoped() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

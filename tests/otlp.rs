@@ -183,7 +183,7 @@ fn otlp_series(batch: &Value) -> BTreeMap<String, f64> {
 
 #[test]
 fn otlp_pushes_the_values_the_metrics_endpoint_serves() {
-    let Some(fx) = Fixture::new() else { return };
+    let Some(fx) = Fixture::scoped() else { return };
     let dir = tempfile::tempdir().unwrap();
     let receiver = Receiver::start(dir.path(), 0, None);
     let endpoint = format!("http://127.0.0.1:{}", receiver.port);
@@ -496,7 +496,7 @@ fn otlp_over_https_trusts_the_certificate_it_is_given() {
 /// verdict, the bytes asked and short, and the dump's folder.
 #[test]
 fn each_oom_reaches_the_collector_as_one_log_record() {
-    let Some(fx) = Fixture::new() else { return };
+    let Some(fx) = Fixture::scoped() else { return };
     let dir = tempfile::tempdir().unwrap();
     let receiver = Receiver::start(dir.path(), 0, None);
     let dumps = dir.path().join("dumps");

@@ -25,7 +25,7 @@ fn number(text: &str) -> i64 {
 
 #[test]
 fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures() {
-    let Some(fx) = Fixture::new() else { return };
+    let Some(fx) = Fixture::scoped() else { return };
     let result = record_incident(&fx, &["--stack"], || {});
     let r = &result["result"];
     let dir = fx.db.parent().unwrap();
@@ -285,7 +285,7 @@ fn the_html_report_opens_offline_in_chromium_and_shows_the_sessions_own_figures(
 #[test]
 fn an_mcp_client_exports_a_memory_snapshot_only_into_its_directory() {
     use std::os::unix::fs::PermissionsExt as _;
-    let Some(fx) = Fixture::new() else { return };
+    let Some(fx) = Fixture::scoped() else { return };
     record_incident(&fx, &[], || {});
     let dir = tempfile::tempdir().unwrap();
     let layout = tracer_json(&fx.db, &["layout", "--at", "oom", "--json"]);
@@ -364,7 +364,7 @@ fn an_mcp_client_exports_a_memory_snapshot_only_into_its_directory() {
 
 #[test]
 fn an_mcp_client_investigates_a_trace_read_only_and_within_limits() {
-    let Some(fx) = Fixture::new() else { return };
+    let Some(fx) = Fixture::scoped() else { return };
     let tracer = Path::new(TRACER).as_os_str().to_owned();
     let db = fx.db.as_os_str().to_owned();
     // While the trace still runs: the server reads what it has committed.

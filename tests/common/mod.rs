@@ -5,7 +5,7 @@ use std::{
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
-    sync::{Mutex, MutexGuard, OnceLock},
+    sync::{Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard},
     time::{Duration, Instant},
 };
 
@@ -14,10 +14,26 @@ use serde_json::Value;
 pub const TRACER: &str = env!("CARGO_BIN_EXE_tracer");
 pub const NOBODY: u32 = 65534;
 
-/// Uprobes on one file fire for every process using it: traces run one at a time.
-pub fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+/// Uprobes on one file fire for every process using it. A test whose traces probe only its own
+/// copies of the libraries, and whose processes load only those, runs beside others like it
+/// ([`scoped`]); one that discovers, probes a file others load (the real runtime, PyTorch's
+/// libraries, the demos' runtime) or times what it measures runs alone ([`serial`]).
+static LOCK: RwLock<()> = RwLock::new(());
+
+/// Runs this test alone among the tests that take the lock.
+pub fn serial() -> RwLockWriteGuard<'static, ()> {
+    LOCK.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs this test beside other scoped tests, never beside a [`serial`] one.
+pub fn scoped() -> RwLockReadGuard<'static, ()> {
+    LOCK.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a fixture holds of the lock.
+pub enum Turn {
+    Alone(#[allow(dead_code, reason = "held for its drop")] RwLockWriteGuard<'static, ()>),
+    Beside(#[allow(dead_code, reason = "held for its drop")] RwLockReadGuard<'static, ()>),
 }
 
 pub fn privileged() -> bool {
@@ -128,9 +144,10 @@ pub fn sim_copy(dir: &Path) -> PathBuf {
     out
 }
 
-/// A privileged, serialized test with its own directory, database path and library copies.
+/// A privileged test with its own directory, database path and library copies: alone
+/// ([`Fixture::new`]) or beside other scoped tests ([`Fixture::scoped`]).
 pub struct Fixture {
-    pub _guard: MutexGuard<'static, ()>,
+    pub _guard: Turn,
     pub _dir: tempfile::TempDir,
     pub sim: PathBuf,
     pub db: PathBuf,
@@ -138,10 +155,20 @@ pub struct Fixture {
 
 impl Fixture {
     pub fn new() -> Option<Fixture> {
+        Fixture::taking(|| Turn::Alone(serial()))
+    }
+
+    /// A fixture for a test whose traces probe only this fixture's copies and whose processes
+    /// load only those, and which times nothing it asserts.
+    pub fn scoped() -> Option<Fixture> {
+        Fixture::taking(|| Turn::Beside(scoped()))
+    }
+
+    fn taking(turn: impl FnOnce() -> Turn) -> Option<Fixture> {
         if !privileged() {
             return None;
         }
-        let _guard = serial();
+        let _guard = turn();
         let dir = tempfile::tempdir().unwrap();
         let sim = sim_copy(dir.path());
         let db = dir.path().join("t.db");

@@ -80,6 +80,11 @@ pub fn enable_program_stats() -> Result<std::os::fd::OwnedFd> {
 
 pub struct Probes {
     ebpf: Ebpf,
+    /// The uprobe programs loaded for uprobe_multi links (probe/multi.rs), or None: the
+    /// kernel has none, and aya's perf-event uprobes are used.
+    multi: Option<super::multi::Programs>,
+    /// The uprobe_multi links: each one program's probes in one file for every process or one.
+    links: Vec<OwnedFd>,
     counters: PerCpuArray<MapData, u64>,
     attached: BTreeMap<FileId, AttachedLibrary>,
     /// USDT sites attached for every process (`--allocator always`): each a perf event (the
@@ -370,21 +375,24 @@ impl Probes {
             )
             .load(EBPF_OBJECT)
             .context("load the eBPF programs into the kernel")?;
-        for (name, kind) in [
-            (names::PROG_ENTRY, "uprobe"),
-            (names::PROG_RETURN, "uretprobe"),
-        ] {
-            typed_program::<UProbe>(&mut ebpf, name, kind)?
-                .load()
-                .with_context(|| format!("verify and load {kind} program {name}"))?;
+        let mut multi = load_multi(&ebpf, opts.stack)?;
+        if multi.is_none() {
+            for (name, kind) in [
+                (names::PROG_ENTRY, "uprobe"),
+                (names::PROG_RETURN, "uretprobe"),
+            ] {
+                typed_program::<UProbe>(&mut ebpf, name, kind)?
+                    .load()
+                    .with_context(|| format!("verify and load {kind} program {name}"))?;
+            }
+            if opts.stack {
+                install_site_programs(&mut ebpf)?;
+            }
         }
         // Never attached: userspace runs it on each CPU (record/stage.rs).
         typed_program::<RawTracePoint>(&mut ebpf, names::PROG_FLUSH_STAGE, "raw tracepoint")?
             .load()
             .with_context(|| format!("verify and load program {}", names::PROG_FLUSH_STAGE))?;
-        if opts.stack {
-            install_site_programs(&mut ebpf)?;
-        }
         let counters = ebpf
             .take_map(names::COUNTERS)
             .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::COUNTERS))?;
@@ -402,9 +410,14 @@ impl Probes {
             _ => None,
         };
         // In --floor mode the USDT program returns at once: the floor of a block event.
-        let torch_probes = load_torch_programs(&mut ebpf);
+        let torch_probes = match multi.as_mut() {
+            Some(programs) => load_torch_multi(programs),
+            None => load_torch_programs(&mut ebpf),
+        };
         Ok(Probes {
             ebpf,
+            multi,
+            links: Vec::new(),
             counters,
             attached: BTreeMap::new(),
             usdt_links: Vec::new(),
@@ -520,34 +533,42 @@ impl Probes {
                 missing.extend(symbols.missing(library));
             }
         }
-        let scopes: Vec<UProbeScope> = match pids {
-            None => vec![UProbeScope::AllProcesses],
-            Some(pids) => pids
-                .iter()
-                .filter_map(|&p| NonZeroU32::new(p))
-                .map(UProbeScope::OneProcess)
-                .collect(),
+        let scopes: Vec<Option<u32>> = match pids {
+            None => vec![None],
+            Some(pids) => pids.iter().map(|&p| Some(p)).collect(),
         };
         let mut attached = Vec::new();
         let mut failed = Vec::new();
-        for target in &symbols.targets {
-            let programs: &[&'static str] = if target.op == Op::TorchOom {
-                &[names::PROG_TORCH_OOM]
-            } else {
-                &[names::PROG_ENTRY, names::PROG_RETURN]
-            };
-            let mut ok = true;
-            for &prog_name in programs {
-                for scope in &scopes {
-                    let result = self.torch_ready(target.op).and_then(|()| {
-                        self.attach_one(prog_name, &lib.open_path, target.offset, target.op, *scope)
-                    });
-                    if let Err(e) = result {
-                        ok = false;
-                        failed.push(format!("{} ({prog_name}): {e:#}", target.symbol));
+        let mut failures: Vec<Vec<String>> = vec![Vec::new(); symbols.targets.len()];
+        for prog_name in [names::PROG_ENTRY, names::PROG_RETURN, names::PROG_TORCH_OOM] {
+            let mut chosen = Vec::new();
+            let mut points = Vec::new();
+            for (i, target) in symbols.targets.iter().enumerate() {
+                if (target.op == Op::TorchOom) != (prog_name == names::PROG_TORCH_OOM) {
+                    continue;
+                }
+                match self.torch_ready(target.op) {
+                    Ok(()) => {
+                        chosen.push(i);
+                        points.push((target.offset, target.op as u64, 0));
                     }
+                    Err(e) => failures[i].push(format!("{prog_name}: {e:#}")),
                 }
             }
+            let results = self.attach_points(prog_name, &lib.open_path, &points, &scopes);
+            for (i, result) in chosen.into_iter().zip(results) {
+                if let Err(e) = result {
+                    failures[i].push(format!("{prog_name}: {e:#}"));
+                }
+            }
+        }
+        for (target, errors) in symbols.targets.iter().zip(failures) {
+            let ok = errors.is_empty();
+            failed.extend(
+                errors
+                    .into_iter()
+                    .map(|e| format!("{} ({e})", target.symbol)),
+            );
             if ok {
                 // A C++ method's mangled name (the OOM constructor, PyTorch's CUDAGraph and
                 // allocator methods) says less than the probe's.
@@ -562,6 +583,8 @@ impl Probes {
         // tracer raises them in the processes it arms (a site without one fires everywhere).
         let per_process = self.allocator != crate::model::arming::Mode::Always;
         let mut semaphores = Vec::new();
+        let mut probed = Vec::new();
+        let mut points = Vec::new();
         for site in &sites {
             let what = format!("{}:{} at {:#x}", site.provider, site.name, site.offset);
             let gated = per_process && site.semaphore != 0;
@@ -569,7 +592,18 @@ impl Probes {
                 attached.push(format!("{what} (not probed: --allocator off)"));
                 continue;
             }
-            match self.attach_usdt(lib.id, &lib.open_path, site, pids, !gated) {
+            match self.site_slot(lib.id, site) {
+                Ok(slot) => {
+                    let semaphore = if gated { 0 } else { site.semaphore };
+                    points.push((site.offset, u64::from(slot), semaphore));
+                    probed.push((site, what, gated));
+                }
+                Err(e) => failed.push(format!("{what}: {e:#}")),
+            }
+        }
+        let results = self.attach_points(names::PROG_USDT, &lib.open_path, &points, &scopes);
+        for ((site, what, gated), result) in probed.into_iter().zip(results) {
+            match result {
                 Ok(()) if gated => {
                     semaphores.push(site.semaphore);
                     attached.push(format!(
@@ -615,27 +649,81 @@ impl Probes {
         }
     }
 
-    /// Attaches the USDT program at one site: its plan goes into the next slot of the plan map
-    /// (the attach cookie), and the uprobe is created with the site's semaphore as its
-    /// reference counter, so the kernel raises it in every process mapping the file.
-    fn attach_usdt(
+    /// Attaches program `prog_name` at each point (file offset, cookie, semaphore offset or
+    /// 0) of `path`, for every process (None) or each process of `scopes`. Where the kernel
+    /// has uprobe_multi links, one link per scope holds them all (a link refused is retried a
+    /// point at a time, so that a point the kernel refuses costs only itself); else each point
+    /// is a perf-event uprobe. One result per point.
+    fn attach_points(
         &mut self,
-        file: FileId,
+        prog_name: &'static str,
         path: &Path,
-        site: &usdt::Site,
-        pids: Option<&[u32]>,
-        raise_semaphore: bool,
-    ) -> Result<()> {
-        let slot = self.site_slot(file, site)?;
-        let targets: Vec<Option<u32>> = match pids {
-            None => vec![None],
-            Some(pids) => pids.iter().map(|&p| Some(p)).collect(),
-        };
-        let semaphore = if raise_semaphore { site.semaphore } else { 0 };
-        for pid in targets {
-            let pair = self.site_link(path, site, semaphore, slot, pid)?;
-            self.usdt_links.push(pair);
+        points: &[(u64, u64, u64)],
+        scopes: &[Option<u32>],
+    ) -> Vec<Result<()>> {
+        let mut results: Vec<Result<()>> = points.iter().map(|_| Ok(())).collect();
+        if points.is_empty() {
+            return results;
         }
+        for &pid in scopes {
+            if self.multi.is_some() {
+                if self.link_points(prog_name, path, points, pid).is_ok() {
+                    continue;
+                }
+                for (i, point) in points.iter().enumerate() {
+                    let one = std::slice::from_ref(point);
+                    if let Err(e) = self.link_points(prog_name, path, one, pid) {
+                        results[i] = Err(e);
+                    }
+                }
+                continue;
+            }
+            for (i, &(offset, cookie, semaphore)) in points.iter().enumerate() {
+                let result = if prog_name == names::PROG_USDT {
+                    self.site_link(path, offset, semaphore, cookie, pid)
+                        .map(|pair| self.usdt_links.push(pair))
+                } else {
+                    self.attach_one(prog_name, path, offset, cookie, pid)
+                };
+                if let Err(e) = result {
+                    results[i] = Err(e);
+                }
+            }
+        }
+        results
+    }
+
+    /// One uprobe_multi link of `prog_name` at these points of `path`.
+    fn link_points(
+        &mut self,
+        prog_name: &'static str,
+        path: &Path,
+        points: &[(u64, u64, u64)],
+        pid: Option<u32>,
+    ) -> Result<()> {
+        let programs = self
+            .multi
+            .as_ref()
+            .ok_or_else(|| anyhow!("no uprobe_multi programs"))?;
+        let offsets: Vec<u64> = points.iter().map(|p| p.0).collect();
+        let cookies: Vec<u64> = points.iter().map(|p| p.1).collect();
+        let semaphores: Vec<u64> = if points.iter().any(|p| p.2 != 0) {
+            points.iter().map(|p| p.2).collect()
+        } else {
+            Vec::new()
+        };
+        let link = super::multi::link(
+            programs.fd(prog_name)?,
+            &super::multi::Points {
+                path,
+                offsets: &offsets,
+                cookies: &cookies,
+                semaphores: &semaphores,
+                retprobe: prog_name == names::PROG_RETURN,
+                pid,
+            },
+        )?;
+        self.links.push(link);
         Ok(())
     }
 
@@ -669,13 +757,13 @@ impl Probes {
 
     /// The uprobe at a site (the semaphore at file offset `semaphore` raised while it exists;
     /// 0: none) for every process or one, and the USDT program linked to it with the site's
-    /// slot as cookie.
+    /// slot as cookie (kernels without uprobe_multi links).
     fn site_link(
         &self,
         path: &Path,
-        site: &usdt::Site,
+        offset: u64,
         semaphore: u64,
-        slot: u32,
+        slot: u64,
         pid: Option<u32>,
     ) -> Result<(OwnedFd, OwnedFd)> {
         let program: &UProbe = self
@@ -687,8 +775,8 @@ impl Probes {
             .fd()
             .context("the USDT program is not loaded")?
             .as_fd();
-        let perf = perf::uprobe(path, site.offset, semaphore, pid)?;
-        let link = perf::link(prog_fd, perf.as_fd(), u64::from(slot))?;
+        let perf = perf::uprobe(path, offset, semaphore, pid)?;
+        let link = perf::link(prog_fd, perf.as_fd(), slot)?;
         Ok((perf, link))
     }
 
@@ -781,14 +869,15 @@ impl Probes {
         (self.armed.len(), self.usdt_next)
     }
 
-    /// Attaches one of the two call programs at `offset` in `path`, its cookie naming `op`.
+    /// Attaches one of the call programs at `offset` in `path` with `cookie` (the op), for
+    /// every process or one (kernels without uprobe_multi links).
     fn attach_one(
         &mut self,
         prog_name: &'static str,
         path: &Path,
         offset: u64,
-        op: tracer_common::Op,
-        scope: UProbeScope,
+        cookie: u64,
+        pid: Option<u32>,
     ) -> Result<()> {
         let program: &mut UProbe = self
             .ebpf
@@ -797,7 +886,11 @@ impl Probes {
             .try_into()?;
         let point = UProbeAttachPoint {
             location: UProbeAttachLocation::AbsoluteOffset(offset),
-            cookie: Some(op as u64),
+            cookie: Some(cookie),
+        };
+        let scope = match pid.and_then(NonZeroU32::new) {
+            Some(pid) => UProbeScope::OneProcess(pid),
+            None => UProbeScope::AllProcesses,
         };
         // The program keeps the link: it is removed with the object (`remove`).
         program.attach(point, path, scope)?;
@@ -821,9 +914,13 @@ impl Probes {
         names
             .into_iter()
             .filter_map(|name| {
-                let info = self.ebpf.program(name)?.info().ok()?;
-                let runs = info.run_count();
-                let run_time_ns = info.run_time().as_nanos() as u64;
+                let (runs, run_time_ns) = match self.multi.as_ref().and_then(|m| m.runs(name)) {
+                    Some(figures) => figures,
+                    None => {
+                        let info = self.ebpf.program(name)?.info().ok()?;
+                        (info.run_count(), info.run_time().as_nanos() as u64)
+                    }
+                };
                 Some(ProgramStat {
                     name,
                     runs,
@@ -989,6 +1086,46 @@ impl PyProcs {
     }
 }
 
+/// The uprobe programs loaded for uprobe_multi links, the call-site programs (--stack) put in
+/// the program array the return program and the first of them tail-call; None where the
+/// kernel has no such links.
+fn load_multi(ebpf: &Ebpf, stack: bool) -> Result<Option<super::multi::Programs>> {
+    let mut wanted = vec![names::PROG_ENTRY, names::PROG_RETURN];
+    if stack {
+        wanted.extend([names::PROG_CALL_SITE, names::PROG_SITE_SEND]);
+    }
+    let programs = match super::multi::Programs::load(ebpf, EBPF_OBJECT, &wanted) {
+        Ok(programs) => programs,
+        Err(super::multi::LoadError::Unsupported(e)) => {
+            log::debug!("no uprobe_multi links ({e:#}): a perf-event uprobe per probe");
+            return Ok(None);
+        }
+        Err(super::multi::LoadError::Refused(e)) => {
+            return Err(e.context("verify and load the uprobe programs"))
+        }
+    };
+    if stack {
+        for (name, slot) in [
+            (names::PROG_CALL_SITE, names::SITE_SLOT_READ),
+            (names::PROG_SITE_SEND, names::SITE_SLOT_SEND),
+        ] {
+            super::multi::set_program_slot(ebpf, names::SITE_PROG, slot, programs.fd(name)?)
+                .with_context(|| format!("install program {name}"))?;
+        }
+    }
+    Ok(Some(programs))
+}
+
+/// PyTorch's programs for uprobe_multi links (their failure leaves only them off).
+fn load_torch_multi(programs: &mut super::multi::Programs) -> Result<(), String> {
+    for name in [names::PROG_USDT, names::PROG_TORCH_OOM] {
+        programs
+            .add(name)
+            .map_err(|e| format!("load {name}: {e:#}"))?;
+    }
+    Ok(())
+}
+
 /// Loads the call-site programs (--stack) and puts them in the program array the return
 /// program and the first of them tail-call.
 fn install_site_programs(ebpf: &mut Ebpf) -> Result<()> {
@@ -1054,7 +1191,8 @@ pub fn self_test() -> Result<u64> {
     let op = tracer_common::Op::CudaDeviceSynchronize;
     for prog_name in [names::PROG_ENTRY, names::PROG_RETURN] {
         probes
-            .attach_one(prog_name, &path, offset, op, UProbeScope::AllProcesses)
+            .attach_points(prog_name, &path, &[(offset, op as u64, 0)], &[None])
+            .remove(0)
             .with_context(|| {
                 format!(
                     "attach a uprobe to {} at offset {offset:#x}",

@@ -1,7 +1,8 @@
 //! Probing: what to attach and where. `discover` finds the CUDA libraries (mapped by processes,
 //! installed, statically linked) and the libraries holding PyTorch's probes; `usdt` reads their
-//! notes; `attach` loads the eBPF object and attaches its programs (`perf` makes the uprobe
-//! perf events and links the kernel's helpers do not); `privileges` says whether this process
+//! notes; `attach` loads the eBPF object and attaches its programs (`multi` loads the uprobe
+//! programs for uprobe_multi links and makes them; `perf` makes the uprobe perf events and
+//! links of kernels without those); `privileges` says whether this process
 //! may; `libwatch` hears in the kernel of each library a process opens, `btf` reading the
 //! kernel structure offsets it needs, `tracefs` the tracepoints' field offsets; `release` removes them without making anyone wait for the kernel; `stage` empties the
 //! kernel programs' per-CPU stages of call events into the ring; `check` proves that tracing
@@ -12,6 +13,7 @@ mod btf;
 pub mod check;
 pub mod discover;
 pub mod libwatch;
+mod multi;
 mod perf;
 pub mod privileges;
 mod release;

@@ -1,8 +1,10 @@
 //! Removing the probes without making anyone wait for the kernel.
 //!
 //! The kernel removes a uprobe attached through a perf event by waiting out a grace period,
-//! one probe at a time under a global lock, from one thread or many: about 0.09 s a probe on
-//! kernel 6.18 (a library's 21 symbols, entry and return, took 3.9 s; the demo's 39, 7 s).
+//! one probe at a time under a global lock, from one thread or many: about 0.15 s a probe on
+//! kernel 6.18 (the simulated runtime and driver's 51 symbols, entry and return, took 15 s);
+//! a uprobe_multi link (probe/multi.rs) waits out one for all of its probes (the same probes
+//! and the scheduler tracepoints, 1.8-2.0 s).
 //! By then everything recorded is stored and the probes are paused, so nothing needs to wait:
 //! a background process holds a copy of each probe's descriptor, this process drops its own
 //! (cheap while another copy is open) and goes on, and the background process closes its

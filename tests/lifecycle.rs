@@ -162,7 +162,13 @@ fn a_process_with_a_huge_maps_file_is_traced_like_any_other() {
         &["-O0", "-g", "-fno-omit-frame-pointer"],
     );
     let trace = fx.trace(&["libcudart.so.12"], &["--stack", "--quiet"]);
-    let out = Command::new(&exe).args(["30000", "100"]).output().unwrap();
+    // It stays a second after its calls: a process that exits within milliseconds of its
+    // last call may be gone before a busy tracer reads its maps (the twenty-thousand test
+    // covers those).
+    let out = Command::new(&exe)
+        .args(["30000", "100", "1000"])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{out:?}");
     let made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let stopped = trace.stop(SIGINT);

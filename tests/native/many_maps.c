@@ -1,5 +1,6 @@
 /* A process whose /proc/PID/maps is huge: it maps its own executable MAPS times, executable,
- * at separate addresses (so none merge), then allocates and frees CALLS times.
+ * at separate addresses (so none merge), then allocates and frees CALLS times, and stays
+ * LINGER_MS before it exits (as a job does after its calls).
  * Prints {"mappings": N, "calls": N}. */
 #include <fcntl.h>
 #include <stddef.h>
@@ -14,6 +15,7 @@ int cudaFree(void *ptr);
 int main(int argc, char **argv) {
     long maps = argc > 1 ? atol(argv[1]) : 30000;
     long calls = argc > 2 ? atol(argv[2]) : 100;
+    long linger_ms = argc > 3 ? atol(argv[3]) : 0;
     int fd = open("/proc/self/exe", O_RDONLY);
     if (fd < 0) return 2;
     long page = sysconf(_SC_PAGESIZE);
@@ -28,5 +30,7 @@ int main(int argc, char **argv) {
         if (cudaMalloc(&p, 4096) != 0 || cudaFree(p) != 0) return 5;
     }
     printf("{\"mappings\": %ld, \"calls\": %ld}\n", maps, 2 * calls);
+    fflush(stdout);
+    usleep((useconds_t)linger_ms * 1000);
     return 0;
 }

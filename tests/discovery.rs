@@ -242,9 +242,10 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
     let stopped = trace.stop(SIGINT);
     let (pid, pid_gone) = (late["pid"].as_i64().unwrap(), gone["pid"].as_i64().unwrap());
 
-    // Late: what came after the probes is there, what came before is not. On a busy machine
-    // the burst may lose its core between loading the runtime and its first call long enough
-    // for the probes to go on first: then all 100 are seen, and the probes' time says why.
+    // Late: what came after the probes is there, what came before is not. The probes may go
+    // on before the burst's first call (their uprobe_multi links take well under a millisecond,
+    // and the loader's work after the open as long): then all 100 are seen, and the probes were
+    // on by their recorded time (stamped once the attach returned) or within its few ms.
     let seen = calls(&fx.db, pid, "cudaMalloc");
     let rows = discovery(&fx.db, pid);
     let first_call = scalar(
@@ -253,7 +254,8 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
     );
     let probed = rows.iter().filter_map(|r| r["probed_ns"].as_i64()).max();
     assert!(
-        (50..100).contains(&seen) || (seen == 100 && probed.is_some_and(|p| p < first_call)),
+        (50..100).contains(&seen)
+            || (seen == 100 && probed.is_some_and(|p| p < first_call + 10_000_000)),
         "{seen} of 100 seen, the first at {first_call}: {rows:?}\n{}",
         stopped.stderr
     );

@@ -1504,36 +1504,21 @@ macro_rules! demo_tests {
     ($($check:ident: $traced:ident, $logged:ident;)*) => {$(
         #[test]
         fn $traced() {
-            let Some(_fx) = Fixture::new() else {
+            if !privileged() {
                 return;
-            };
+            }
+            let _turn = demo_turn(true);
             $check(false);
         }
 
         #[test]
         fn $logged() {
-            // Nothing traced: beside the scoped tests, never beside a traced demo (which
-            // probes the runtime these workloads load).
-            demo_runtime_built();
-            let _turn = scoped();
+            // Nothing traced: never beside a traced demo (which probes the runtime these
+            // workloads load).
+            let _turn = demo_turn(false);
             $check(true);
         }
     )*};
-}
-
-/// The demos' simulated runtime, built once before any demo runs (two demos starting at once
-/// would both build it into the same folder).
-fn demo_runtime_built() {
-    static BUILT: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-    BUILT.get_or_init(|| {
-        let _alone = serial();
-        let out = Command::new("bash")
-            .arg(workspace().join("demos/simcuda/build.sh"))
-            .arg(workspace().join("target/simcuda-demo"))
-            .output()
-            .unwrap();
-        assert_ok(&out);
-    });
 }
 
 demo_tests! {
@@ -1575,6 +1560,8 @@ fn a_demo_run_by_an_unprivileged_user_says_so_and_still_explains() {
 
 /// `tracer demo SCENARIO` recorded into a database of its own (in the folder returned).
 fn demo_db(scenario: &str) -> (tempfile::TempDir, PathBuf) {
+    // Traced live where tracer may trace (as root), else from the runtime's own log.
+    let _turn = demo_turn(nix_is_root());
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("demo.db");
     let out = Command::new(TRACER)
@@ -2150,7 +2137,7 @@ fn simulated_incident(dir: &Path) -> PathBuf {
     let db = dir.join("incident.db");
     // Its workload runs on the demo's shared simulated libraries, which a traced demo running
     // beside it would record too (its OOM chain then described this workload's failure).
-    let _guard = serial();
+    let _turn = demo_turn(false);
     let demo = Command::new(TRACER)
         .args([
             "demo",

@@ -433,6 +433,8 @@ fn an_oom_without_pytorchs_message_is_dumped_from_its_failed_attempt() {
 /// `tracer explain --db A --db B` gives the same answer.
 #[test]
 fn the_multi_node_demo_answers_the_job_across_both_databases() {
+    // Its workloads load the demos' shared runtime, which a traced demo probes.
+    let _turn = demo_turn(false);
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("demo.db");
     let out = Command::new(TRACER)

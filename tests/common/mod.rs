@@ -30,6 +30,46 @@ pub fn scoped() -> RwLockReadGuard<'static, ()> {
     LOCK.read().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The demos share one simulated runtime (target/simcuda-demo): a demo traced live probes it,
+/// so no other demo's workload may run beside it; demos from the runtime's own log run beside
+/// each other. Either runs beside the scoped tests.
+static DEMO: RwLock<()> = RwLock::new(());
+
+/// What a demo holds of the locks.
+pub struct DemoTurn {
+    _demo: Turn,
+    _turn: RwLockReadGuard<'static, ()>,
+}
+
+/// The demos' runtime built, then this demo's turn (`traced`: it probes that runtime).
+pub fn demo_turn(traced: bool) -> DemoTurn {
+    demo_runtime_built();
+    let demo = if traced {
+        Turn::Alone(DEMO.write().unwrap_or_else(|e| e.into_inner()))
+    } else {
+        Turn::Beside(DEMO.read().unwrap_or_else(|e| e.into_inner()))
+    };
+    DemoTurn {
+        _demo: demo,
+        _turn: scoped(),
+    }
+}
+
+/// The demos' simulated runtime, built once before any demo runs (two demos starting at once
+/// would both build it into the same folder). Called holding no lock.
+fn demo_runtime_built() {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let _alone = serial();
+        let out = Command::new("bash")
+            .arg(workspace().join("demos/simcuda/build.sh"))
+            .arg(workspace().join("target/simcuda-demo"))
+            .output()
+            .unwrap();
+        assert_ok(&out);
+    });
+}
+
 /// What a fixture holds of the lock.
 pub enum Turn {
     Alone(#[allow(dead_code, reason = "held for its drop")] RwLockWriteGuard<'static, ()>),

@@ -173,17 +173,10 @@ impl Programs {
             info_len: std::mem::size_of::<bpf_prog_info>() as u32,
             info: &mut info as *mut bpf_prog_info as u64,
         };
-        // SAFETY: `attr` is the info member of bpf_attr; the kernel writes at most
-        // `info_len` bytes into `info`, which lives past the call.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_OBJ_GET_INFO_BY_FD,
-                &attr as *const ObjInfo,
-                std::mem::size_of::<ObjInfo>() as u32,
-            )
-        };
-        (ret == 0).then_some((info.run_cnt, info.run_time_ns))
+        // SAFETY: the info member of bpf_attr; the kernel writes at most `info_len` bytes into
+        // `info`, which lives past the call.
+        unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &attr) }.ok()?;
+        Some((info.run_cnt, info.run_time_ns))
     }
 }
 
@@ -227,25 +220,14 @@ pub fn link(prog: BorrowedFd<'_>, points: &Points<'_>) -> Result<OwnedFd> {
         pid: points.pid.unwrap_or(0),
         ..Default::default()
     };
-    // SAFETY: `attr` is the link_create member of bpf_attr; the path and the arrays it points
-    // to outlive the call, and the kernel copies them.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &attr as *const UprobeMultiLink,
-            std::mem::size_of::<UprobeMultiLink>() as u32,
+    // SAFETY: the link_create member of bpf_attr; the path and the arrays it points to
+    // outlive the call, and the kernel only reads them.
+    unsafe { bpf_fd(BPF_LINK_CREATE, &attr) }.map_err(|e| {
+        anyhow!(
+            "BPF_LINK_CREATE of a uprobe_multi link on {} ({n} offsets): {e}",
+            points.path.display()
         )
-    };
-    if fd < 0 {
-        return Err(anyhow!(
-            "BPF_LINK_CREATE of a uprobe_multi link on {} ({n} offsets): {}",
-            points.path.display(),
-            std::io::Error::last_os_error()
-        ));
-    }
-    // SAFETY: a descriptor the kernel just returned, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    })
 }
 
 /// Loads one program for uprobe_multi links; on failure the error and the verifier's log.
@@ -290,22 +272,40 @@ fn load_program(
 }
 
 fn bpf_prog_load(attr: &ProgLoad) -> Result<OwnedFd> {
-    // SAFETY: `attr` is the prog_load member of bpf_attr; the instructions, license and log
-    // buffer it points to outlive the call.
-    let fd = unsafe {
+    // SAFETY: the prog_load member of bpf_attr; the instructions and license it points to
+    // outlive the call, and the log buffer (written, at most log_size bytes) too.
+    unsafe { bpf_fd(BPF_PROG_LOAD, attr) }.map_err(|e| anyhow!("BPF_PROG_LOAD: {e}"))
+}
+
+/// bpf(2) with `attr`: its result.
+///
+/// # Safety
+/// `attr` is the `#[repr(C)]` member of `union bpf_attr` that `cmd` reads, zero-padded, and
+/// every address in it is of memory that lives past the call and that the kernel may read, or
+/// write where `cmd` writes.
+pub(super) unsafe fn bpf<T>(cmd: libc::c_long, attr: &T) -> std::io::Result<i64> {
+    // SAFETY: as the caller promised; the kernel reads at most size_of::<T>() bytes of `attr`.
+    let ret = unsafe {
         libc::syscall(
             libc::SYS_bpf,
-            BPF_PROG_LOAD,
-            attr as *const ProgLoad,
-            std::mem::size_of::<ProgLoad>() as u32,
+            cmd,
+            attr as *const T,
+            std::mem::size_of::<T>() as u32,
         )
     };
-    if fd < 0 {
-        return Err(anyhow!(
-            "BPF_PROG_LOAD: {}",
-            std::io::Error::last_os_error()
-        ));
+    if ret < 0 {
+        return Err(std::io::Error::last_os_error());
     }
+    Ok(ret)
+}
+
+/// [`bpf`] for a command that returns a new descriptor.
+///
+/// # Safety
+/// As for [`bpf`].
+pub(super) unsafe fn bpf_fd<T>(cmd: libc::c_long, attr: &T) -> std::io::Result<OwnedFd> {
+    // SAFETY: as the caller promised.
+    let fd = unsafe { bpf(cmd, attr) }?;
     // SAFETY: a descriptor the kernel just returned, owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
@@ -357,21 +357,9 @@ pub fn set_program_slot(ebpf: &Ebpf, map: &str, slot: u32, prog: BorrowedFd<'_>)
         value: &value as *const u32 as u64,
         flags: 0,
     };
-    // SAFETY: `attr` is the map-element member of bpf_attr; key and value outlive the call.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_UPDATE_ELEM,
-            &attr as *const MapUpdate,
-            std::mem::size_of::<MapUpdate>() as u32,
-        )
-    };
-    if ret != 0 {
-        return Err(anyhow!(
-            "put a program in slot {slot} of {map}: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
+    // SAFETY: the map-element member of bpf_attr; key and value outlive the call.
+    unsafe { bpf(BPF_MAP_UPDATE_ELEM, &attr) }
+        .map_err(|e| anyhow!("put a program in slot {slot} of {map}: {e}"))?;
     Ok(())
 }
 

@@ -91,21 +91,7 @@ pub fn link(prog: BorrowedFd<'_>, perf: BorrowedFd<'_>, cookie: u64) -> Result<O
         bpf_cookie: cookie,
         ..Default::default()
     };
-    // SAFETY: `attr` is the link_create member of bpf_attr, zero-padded to the size passed.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &attr as *const LinkCreate,
-            std::mem::size_of::<LinkCreate>() as u32,
-        )
-    };
-    if fd < 0 {
-        return Err(anyhow!(
-            "BPF_LINK_CREATE on a uprobe perf event: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    // SAFETY: as above.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    // SAFETY: the link_create member of bpf_attr, zero-padded, holding no address.
+    unsafe { super::multi::bpf_fd(BPF_LINK_CREATE, &attr) }
+        .map_err(|e| anyhow!("BPF_LINK_CREATE on a uprobe perf event: {e}"))
 }

@@ -1086,6 +1086,13 @@ impl PyProcs {
     }
 }
 
+/// The call-site programs (--stack) and their slots in the program array the return program
+/// and the first of them tail-call.
+const SITE_PROGRAMS: [(&str, u32); 2] = [
+    (names::PROG_CALL_SITE, names::SITE_SLOT_READ),
+    (names::PROG_SITE_SEND, names::SITE_SLOT_SEND),
+];
+
 /// The uprobe programs loaded for uprobe_multi links, the call-site programs (--stack) put in
 /// the program array the return program and the first of them tail-call; None where the
 /// kernel has no such links.
@@ -1105,10 +1112,7 @@ fn load_multi(ebpf: &Ebpf, stack: bool) -> Result<Option<super::multi::Programs>
         }
     };
     if stack {
-        for (name, slot) in [
-            (names::PROG_CALL_SITE, names::SITE_SLOT_READ),
-            (names::PROG_SITE_SEND, names::SITE_SLOT_SEND),
-        ] {
+        for (name, slot) in SITE_PROGRAMS {
             super::multi::set_program_slot(ebpf, names::SITE_PROG, slot, programs.fd(name)?)
                 .with_context(|| format!("install program {name}"))?;
         }
@@ -1129,25 +1133,17 @@ fn load_torch_multi(programs: &mut super::multi::Programs) -> Result<(), String>
 /// Loads the call-site programs (--stack) and puts them in the program array the return
 /// program and the first of them tail-call.
 fn install_site_programs(ebpf: &mut Ebpf) -> Result<()> {
-    for (name, slot) in [
-        (names::PROG_CALL_SITE, names::SITE_SLOT_READ),
-        (names::PROG_SITE_SEND, names::SITE_SLOT_SEND),
-    ] {
-        let program = typed_program::<UProbe>(ebpf, name, "uretprobe")?;
-        program
+    for (name, slot) in SITE_PROGRAMS {
+        typed_program::<UProbe>(ebpf, name, "uretprobe")?
             .load()
             .with_context(|| format!("verify and load program {name}"))?;
+        let program = ebpf
+            .program(name)
+            .ok_or_else(|| anyhow!("eBPF object lacks program {name}"))?;
         let fd = program
             .fd()
-            .with_context(|| format!("{name} has no file descriptor"))?
-            .try_clone()
-            .with_context(|| format!("duplicate {name}'s descriptor"))?;
-        let map = ebpf
-            .map_mut(names::SITE_PROG)
-            .ok_or_else(|| anyhow!("eBPF object lacks map {}", names::SITE_PROG))?;
-        let mut jump =
-            aya::maps::ProgramArray::try_from(map).context("open the call-site program array")?;
-        jump.set(slot, &fd, 0)
+            .with_context(|| format!("{name} has no file descriptor"))?;
+        super::multi::set_program_slot(ebpf, names::SITE_PROG, slot, fd.as_fd())
             .with_context(|| format!("install program {name}"))?;
     }
     Ok(())

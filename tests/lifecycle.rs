@@ -100,8 +100,21 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
     assert_eq!(
         scalar(&fx.db, "SELECT count(*) FROM calls WHERE stack_id IS NULL"),
         0,
-        "every call has its site"
+        "every call has its site; without one: {:?}",
+        query(
+            &fx.db,
+            "SELECT ts_ns, pid, tid, op, ret FROM events WHERE stack_id IS NULL LIMIT 20"
+        )
     );
+    // Every process ended before the stop: none is live in the figures (a call read after
+    // its process's end once started a new process under the dead pid, for good).
+    let live: Vec<_> = stopped.summary["allocators"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["exited"] != true)
+        .collect();
+    assert!(live.is_empty(), "processes live at the end: {live:?}");
     assert!(
         rss_after < rss_before + 8 * 1024,
         "tracer grew from {rss_before} KiB to {rss_after} KiB"

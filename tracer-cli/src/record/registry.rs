@@ -4,6 +4,7 @@
 //! and native frames (--stack). Then the calls go on to the writer.
 
 mod deliver;
+mod exits;
 
 use std::{
     collections::{HashMap, HashSet},
@@ -161,6 +162,8 @@ pub struct Registry {
     pub ended: Vec<ProcessState>,
     /// The live pointers of processes whose end was read, until their state is kept.
     pub ended_joins: HashMap<u32, JoinState>,
+    /// Processes' ends, held back a moment for calls read after them.
+    pub exits: exits::Exits,
     /// Which library made a call, where it matters (the allocator's stream events).
     pub callers: super::callers::Callers,
     /// NVIDIA's management library, when loaded: who holds each GPU, asked at the start and
@@ -295,6 +298,8 @@ impl Registry {
                     Ok(Inbound::Processes(_)) => Vec::new(),
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Vec::new(),
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                        // Every call is in: the ends held back are acted on.
+                        self.end_due(u64::MAX, &mut pids_seen, &tx, shared)?;
                         // The last state, so a later tracer takes up from the end.
                         let mut last = Delivery {
                             calls: marks,
@@ -321,6 +326,10 @@ impl Registry {
                     records = with_marks;
                 }
                 if records.is_empty() {
+                    let now = super::arming::monotonic_ns();
+                    if self.end_due(now, &mut pids_seen, &tx, shared)? {
+                        continue;
+                    }
                     let mut idle = Delivery::default();
                     self.add_keeping(&mut idle, shared, false)?;
                     if idle.keyframe.is_some() || !idle.series.is_empty() || !idle.gaps.is_empty() {
@@ -497,9 +506,18 @@ impl Registry {
         for record in records {
             match record {
                 Record::Call(mut call) => {
+                    if let Some(ended) = self.exits.reused(call.pid, call.ts_mono_ns) {
+                        // A new process under the pid of one whose end was held back.
+                        self.end_process(call.pid, ended, pids_seen, &mut out);
+                    }
                     if call.op.spec().library != tracer_common::Library::Tracer
                         && pids_seen.insert(call.pid)
                     {
+                        if self.exits.after_end(call.pid, call.ts_mono_ns) {
+                            pids_seen.remove(&call.pid);
+                            self.after_end(call, &mut out);
+                            continue;
+                        }
                         if self.arming.unarmed_at_first() {
                             // Its blocks are not seen until armed: the layout knows so.
                             let ts = call.ts_mono_ns.saturating_sub(1);
@@ -542,22 +560,15 @@ impl Registry {
                 }
                 Record::OffCpu(off) => out.offcpu.push(off),
                 Record::Message(m) => out.messages.push(m),
-                Record::Exit { pid, .. } => {
-                    // Everything it made was read before this record: forget it, so that a
-                    // process reusing the pid starts afresh.
-                    pids_seen.remove(&pid);
-                    self.callers.forget(pid);
-                    self.ended_joins
-                        .insert(pid, self.join.snapshot_of(pid, self.wall_offset_ns));
-                    self.join.forget_process(pid);
-                    if let Some(python) = self.python.as_mut() {
-                        python.sites.forget_process(pid);
-                        python.registered_at.remove(&pid);
+                Record::Exit { pid, ts_mono_ns } => {
+                    if let Some(earlier) = self.exits.hold(pid, ts_mono_ns) {
+                        self.end_process(pid, earlier, pids_seen, &mut out);
                     }
-                    out.exited.push(pid);
-                    self.arming.exited(pid);
                 }
             }
+        }
+        for (pid, ts) in self.exits.due(super::arming::monotonic_ns()) {
+            self.end_process(pid, ts, pids_seen, &mut out);
         }
         let offset = self.wall_offset_ns;
         out.learned = self
@@ -571,6 +582,66 @@ impl Registry {
             })
             .collect();
         out
+    }
+}
+
+impl Registry {
+    /// Acts on a process's end (held back until calls read late have come): forgets it, so
+    /// that a process reusing the pid starts afresh.
+    fn end_process(&mut self, pid: u32, ts: u64, pids_seen: &mut HashSet<u32>, out: &mut Delivery) {
+        pids_seen.remove(&pid);
+        self.callers.forget(pid);
+        self.ended_joins
+            .insert(pid, self.join.snapshot_of(pid, self.wall_offset_ns));
+        self.join.forget_process(pid);
+        if let Some(python) = self.python.as_mut() {
+            python.sites.forget_process(pid);
+            python.registered_at.remove(&pid);
+        }
+        out.exited.push(pid);
+        self.arming.exited(pid);
+        self.exits.acted(pid, ts);
+    }
+
+    /// A call read after its process's end was acted on: stored with its site, kept out of
+    /// the live figures (the process is gone from them) and of any later process's tables.
+    fn after_end(&mut self, mut call: Call, out: &mut Delivery) {
+        log::debug!(
+            "a call of ended process {} read after its end: stored, not applied",
+            call.pid
+        );
+        if let (Some(site), Some(python)) = (call.site.take(), self.python.as_mut()) {
+            call.stack = Some(python.sites.intern(
+                call.pid,
+                *site,
+                &mut python.stacks,
+                &mut out.sites,
+            ));
+            python.sites.forget_process(call.pid);
+            out.sites_done.push(call.pid);
+        }
+        out.after_end.push(call);
+    }
+
+    /// Acts on the ends whose grace has passed by `now`, delivered on their own; whether any
+    /// were.
+    fn end_due(
+        &mut self,
+        now: u64,
+        pids_seen: &mut HashSet<u32>,
+        tx: &SyncSender<Delivery>,
+        shared: &Shared,
+    ) -> Result<bool> {
+        let due = self.exits.due(now);
+        if due.is_empty() {
+            return Ok(false);
+        }
+        let mut ended = Delivery::default();
+        for (pid, ts) in due {
+            self.end_process(pid, ts, pids_seen, &mut ended);
+        }
+        self.deliver(ended, tx, shared)?;
+        Ok(true)
     }
 }
 

@@ -898,6 +898,7 @@ fn spawn_pipeline(
         gaps: Vec::new(),
         ended: Vec::new(),
         ended_joins: HashMap::new(),
+        exits: Default::default(),
         callers: Default::default(),
         nvml,
         arming: super::arming::Auto::new(crate::model::arming::Arming::new(

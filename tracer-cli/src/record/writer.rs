@@ -42,6 +42,10 @@ pub struct Delivery {
     pub sites: Vec<(i64, Site)>,
     /// Followed processes that ended, after their calls above (not stored: for the live view).
     pub exited: Vec<u32>,
+    /// Calls read after their process's end was acted on: stored, not in the live figures.
+    pub after_end: Vec<Call>,
+    /// Processes whose call sites the registry forgot again after such a call.
+    pub sites_done: Vec<u32>,
     /// Every followed process's state after the calls above (and all before): stored as a
     /// keyframe once they are committed (with the time of the latest call it includes).
     pub keyframe: Option<(i64, Vec<ProcessState>)>,
@@ -58,6 +62,7 @@ impl Delivery {
     /// Whether anything waits to be stored.
     fn has_rows(&self) -> bool {
         !self.calls.is_empty()
+            || !self.after_end.is_empty()
             || !self.offcpu.is_empty()
             || !self.messages.is_empty()
             || !self.series.is_empty()
@@ -78,12 +83,14 @@ impl Delivery {
         session: i64,
     ) -> Result<()> {
         sites.store(store, session, &more.sites)?;
-        self.calls.extend(more.calls.into_iter().map(|mut c| {
-            c.stack = c.stack.and_then(|local| sites.stored_id(c.pid, local));
-            c
-        }));
+        self.calls
+            .extend(more.calls.into_iter().chain(more.after_end).map(|mut c| {
+                c.stack = c.stack.and_then(|local| sites.stored_id(c.pid, local));
+                c
+            }));
         // Their sites are forgotten once the keyframe holding their last state is stored.
         self.exited.extend(more.exited);
+        self.sites_done.extend(more.sites_done);
         self.processes.extend(more.processes);
         self.offcpu.extend(more.offcpu);
         self.messages.extend(more.messages);
@@ -181,6 +188,7 @@ pub fn write_loop(
                 // Right after the calls it includes: the keyframe covers exactly the blocks
                 // stored so far.
                 ended.append(&mut pending.exited);
+                ended.append(&mut pending.sites_done);
                 if let Some((ts_ns, states)) = pending.keyframe.take() {
                     let started = thread_cpu_ns();
                     let states = keyframe_states(states, &site_writer)?;

@@ -69,7 +69,7 @@ impl Registry {
     /// Counts what arrived, and the live table's per-op statistics.
     fn count(&self, delivery: &Delivery, shared: &Shared) {
         shared.events_read.fetch_add(
-            (delivery.calls.len() + delivery.messages.len()) as u64,
+            (delivery.calls.len() + delivery.after_end.len() + delivery.messages.len()) as u64,
             Ordering::SeqCst,
         );
         shared

@@ -635,14 +635,14 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
     };
     let store = Store::open(db, Access::ReadOnly)?;
     let info = events::session(store.conn(), args.session)?;
-    let width = (window_s * 1e9) as i64;
+    let width = ns_of(window_s);
     let from_s = args.from_s.unwrap_or(0.0);
     if !(0.0..=1e10).contains(&from_s) {
         return Err(crate::exit::user_error(format!(
             "from_s {from_s} is not between 0 and 1e10 seconds"
         )));
     }
-    let first_window = (from_s * 1e9) as i64 / width;
+    let first_window = ns_of(from_s) / width;
     let mut windows: BTreeMap<(i64, &'static str), (Vec<u64>, u64, u64)> = BTreeMap::new();
     // One walk over the stored calls (from the keyframe the calls --max-db left begin at).
     let begin = crate::query::begin(store.conn(), info.id, i64::MIN, args.pid)?;
@@ -694,6 +694,12 @@ pub fn op_stats(db: &Path, args: &OpStatsArgs) -> Result<OpStatsOut> {
         truncated,
         next_from_s,
     })
+}
+
+/// Seconds as nanoseconds, to the nearest: a page's `next_from_s` (8.04) read back truncated
+/// (8039999999 ns) began the next page a window early, splitting it across the two.
+fn ns_of(seconds: f64) -> i64 {
+    (seconds * 1e9).round() as i64
 }
 
 // ---- stacks ----
@@ -1349,6 +1355,16 @@ pub fn whatif(db: &Path, args: &WhatIfArgs) -> Result<WhatIfOut> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_next_from_s_read_back_starts_at_its_own_window() {
+        let width = ns_of(0.005);
+        for w in [1i64, 1607, 1608, 123_457] {
+            let next_from_s = (w * width) as f64 / 1e9;
+            assert_eq!(ns_of(next_from_s) / width, w, "{next_from_s}");
+        }
+        assert_eq!(ns_of(0.3), 300_000_000);
+    }
 
     #[test]
     fn every_tool_has_an_output_schema() {

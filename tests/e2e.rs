@@ -1940,10 +1940,34 @@ fn native_call_sites_match_the_programs_own_lines() {
 
 #[test]
 fn with_stack_every_call_is_stored_or_counted() {
+    every_call_with_its_site(&[]);
+}
+
+/// The same through a perf-event uprobe per probe, as on kernels before 6.6 (which lack
+/// uprobe_multi links): the call-site programs reached through the program array either way.
+#[test]
+fn with_stack_through_perf_event_uprobes_every_call_is_stored_or_counted() {
+    every_call_with_its_site(&[("TRACER_UPROBE_MULTI", "0")]);
+}
+
+fn every_call_with_its_site(env: &[(&str, &str)]) {
     let Some(fx) = Fixture::new() else {
         return;
     };
-    let trace = fx.trace(&["libcudart.so.12"], &["--stack", "--quiet"]);
+    let trace = fx.trace_with_env(&["libcudart.so.12"], &["--stack", "--quiet"], env);
+    // Which kind of attachment holds the probes: a perf event each, or a link per program.
+    let fds: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", trace.child.id()))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|t| t.display().to_string())
+        .collect();
+    let links = fds.iter().filter(|t| *t == "anon_inode:bpf_link").count();
+    if env.is_empty() {
+        assert!(links < 20, "{links} links: {fds:?}");
+    } else {
+        // A link over a perf event for each probe (entry and return of the runtime's symbols).
+        assert!(links >= 60, "{links} links: {fds:?}");
+    }
     let rep = report(
         driver(
             &fx.sim,

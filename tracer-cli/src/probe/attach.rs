@@ -1097,6 +1097,9 @@ const SITE_PROGRAMS: [(&str, u32); 2] = [
 /// the program array the return program and the first of them tail-call; None where the
 /// kernel has no such links.
 fn load_multi(ebpf: &Ebpf, stack: bool) -> Result<Option<super::multi::Programs>> {
+    if !multi_links_wanted() {
+        return Ok(None);
+    }
     let mut wanted = vec![names::PROG_ENTRY, names::PROG_RETURN];
     if stack {
         wanted.extend([names::PROG_CALL_SITE, names::PROG_SITE_SEND]);
@@ -1118,6 +1121,19 @@ fn load_multi(ebpf: &Ebpf, stack: bool) -> Result<Option<super::multi::Programs>
         }
     }
     Ok(Some(programs))
+}
+
+/// Whether uprobe_multi links are tried: `TRACER_UPROBE_MULTI=0` keeps every probe a perf
+/// event, as on kernels before 6.6 (the fallback's tests; a kernel whose links misbehave).
+fn multi_links_wanted() -> bool {
+    match std::env::var("TRACER_UPROBE_MULTI").as_deref() {
+        Err(_) | Ok("1") => true,
+        Ok("0") => false,
+        Ok(other) => {
+            eprintln!("tracer: TRACER_UPROBE_MULTI={other:?} is neither 0 nor 1: uprobe_multi links are tried (set 0 for a perf event per probe)");
+            true
+        }
+    }
 }
 
 /// PyTorch's programs for uprobe_multi links (their failure leaves only them off).

@@ -2604,16 +2604,20 @@ fn the_oom_is_the_failure_pytorch_raised_not_one_it_recovered_from() {
 }
 
 #[test]
-fn a_reader_margin_that_is_no_number_is_said_and_the_default_kept() {
+fn settings_in_the_environment_that_make_no_sense_are_said_and_the_defaults_kept() {
     let Some(fx) = Fixture::new() else {
         return;
     };
     let trace = fx.trace_with_env(
         &["libcudart.so.12"],
         &[],
-        &[("TRACER_ROUND_MARGIN_MS", "20ms")],
+        &[
+            ("TRACER_ROUND_MARGIN_MS", "20ms"),
+            ("TRACER_UPROBE_MULTI", "no"),
+        ],
     );
     trace.wait_for_stderr("TRACER_ROUND_MARGIN_MS=\"20ms\" is not a whole number of milliseconds: the reader waits 2 ms");
+    trace.wait_for_stderr("TRACER_UPROBE_MULTI=\"no\" is neither 0 nor 1: uprobe_multi links are tried (set 0 for a perf event per probe)");
     let rep = report(
         driver(&fx.sim, &["--mix", "pairs", "--iters", "50"], &[])
             .output()

@@ -583,9 +583,7 @@ impl Registry {
             .collect();
         out
     }
-}
 
-impl Registry {
     /// Acts on a process's end (held back until calls read late have come): forgets it, so
     /// that a process reusing the pid starts afresh.
     fn end_process(&mut self, pid: u32, ts: u64, pids_seen: &mut HashSet<u32>, out: &mut Delivery) {

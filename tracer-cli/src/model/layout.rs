@@ -288,21 +288,25 @@ impl Layout {
     /// One device's pools together.
     pub fn device_total(&self, device: i32) -> PoolStats {
         let mut t = PoolStats::default();
-        for (_, s) in self
-            .totals
-            .range((device, Pool::Small)..=(device, Pool::Large))
-        {
+        for (_, s) in self.device_pools(device) {
             t.add(s);
         }
         t
     }
 
+    /// The device's two default pools' totals, where it has them (two look-ups: cheaper than a
+    /// range of the map, and this runs after every memory event).
+    fn device_pools(&self, device: i32) -> impl Iterator<Item = (Pool, &PoolStats)> {
+        [Pool::Small, Pool::Large]
+            .into_iter()
+            .filter_map(move |pool| Some((pool, self.totals.get(&(device, pool))?)))
+    }
+
     /// The highest fragmentation among the device's pools that cache at least a small
     /// segment's worth (a request is served by one pool: their free blocks do not add up).
     pub fn worst_fragmentation(&self, device: i32) -> f64 {
-        self.totals
-            .range((device, Pool::Small)..=(device, Pool::Large))
-            .filter(|((_, pool), s)| s.cached() >= SMALL_SEGMENT && scatters(*pool, s))
+        self.device_pools(device)
+            .filter(|(pool, s)| s.cached() >= SMALL_SEGMENT && scatters(*pool, s))
             .map(|(_, s)| s.fragmentation())
             .fold(0.0, f64::max)
     }

@@ -181,6 +181,18 @@ impl LiveAllocators {
         )
     }
 
+    /// What the whole-run series takes from a process's figures on one device now: a row's
+    /// stats, view and fragmentation, without the rest of the row (taken after every call).
+    pub fn series_figures(&self, pid: u32, device: i32) -> Option<SeriesFigures> {
+        let process = self.processes.get(&pid)?;
+        let (stats, blocks, _) = process.stats(device);
+        Some(SeriesFigures {
+            stats,
+            blocks,
+            fragmentation: process.state.layout.default_fragmentation(device),
+        })
+    }
+
     /// The rank label of a process, if its environment gave one.
     pub fn rank(&self, pid: u32) -> Option<&str> {
         self.processes.get(&pid)?.rank.as_deref()
@@ -210,15 +222,49 @@ impl LiveAllocators {
     }
 }
 
+/// A row's stats, view (blocks: true) and fragmentation: [`LiveAllocators::series_figures`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SeriesFigures {
+    pub stats: PoolStats,
+    pub blocks: bool,
+    pub fragmentation: f64,
+}
+
 impl Process {
     fn row(&self, pid: u32, device: i32) -> AllocatorRow {
+        let layout = &self.state.layout;
+        let (stats, blocks, private) = self.stats(device);
+        let outside = layout.outside(device);
+        AllocatorRow {
+            pid,
+            device,
+            rank: self.rank.clone(),
+            view: if blocks { "blocks" } else { "segments" },
+            fragmentation: layout.default_fragmentation(device),
+            stats,
+            private,
+            outside: if blocks { outside } else { 0 },
+            unseen: if blocks {
+                layout.unseen_contents(Some(device)).1
+            } else {
+                0
+            },
+            largest_request: self.largest_request.get(&device).copied().unwrap_or(0),
+            device_said: self.state.pressure.device_free(device).copied(),
+            device_total: self.state.pressure.device_total(device),
+            exited: false,
+        }
+    }
+
+    /// The device's figures, whether they are the blocks' (else the segments' bytes held
+    /// alone), and the private pools' part of them.
+    fn stats(&self, device: i32) -> (PoolStats, bool, PoolStats) {
         let layout = &self.state.layout;
         // Not armed (`--allocator auto`): what is served is the device bytes held, as when
         // PyTorch's probes are never seen; no block figure from before is served as current.
         let disarmed = !layout.blocks_known();
         let blocks = layout.blocks_seen > 0 && !disarmed;
         let mut stats = layout.device_total(device);
-        let outside = layout.outside(device);
         let mut private = PoolStats::default();
         for p in layout.private_pools().iter().filter(|p| p.device == device) {
             private.reserved += p.reserved;
@@ -235,34 +281,14 @@ impl Process {
                 .unwrap_or(0);
         }
         if !blocks {
+            let outside = layout.outside(device);
             stats = PoolStats {
                 reserved: stats.reserved + outside + layout.unseen_contents(Some(device)).1,
                 ..PoolStats::default()
             };
+            private = PoolStats::default();
         }
-        AllocatorRow {
-            pid,
-            device,
-            rank: self.rank.clone(),
-            view: if blocks { "blocks" } else { "segments" },
-            fragmentation: layout.default_fragmentation(device),
-            stats,
-            private: if blocks {
-                private
-            } else {
-                PoolStats::default()
-            },
-            outside: if blocks { outside } else { 0 },
-            unseen: if blocks {
-                layout.unseen_contents(Some(device)).1
-            } else {
-                0
-            },
-            largest_request: self.largest_request.get(&device).copied().unwrap_or(0),
-            device_said: self.state.pressure.device_free(device).copied(),
-            device_total: self.state.pressure.device_total(device),
-            exited: false,
-        }
+        (stats, blocks, private)
     }
 }
 

@@ -22,7 +22,7 @@ pub mod stats;
 
 pub use event::{
     advise_huge_pages, moves_memory, span, stack_id, Event, FastMap, HostRecord, MessageRow,
-    OffSlice, SiteLabels, StackId, Window, FOLLOWED_WHILE_ARMED, NO_DEVICE,
+    OffSlice, SeededMap, SeededSet, SiteLabels, StackId, Window, FOLLOWED_WHILE_ARMED, NO_DEVICE,
 };
 pub use process::{
     env_map, Gpu, GpuSample, Placement, ProcessInfo, Rank, VisibleGpus, KEPT_ENV, NVIDIA_MAJOR,

@@ -5,15 +5,15 @@
 //! keeps it as calls arrive and stores each row once its interval is over; --max-db never
 //! evicts it (a row is 200 to 400 bytes: 8,640 a day per process and device, 2 to 3.5 MB).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use tracer_common::{Op, OpClass};
 
 use super::{
     attempts::{Attempt, Attempts},
-    live::AllocatorRow,
+    live::SeriesFigures,
     stats::Histogram,
-    Event,
+    Event, FastMap,
 };
 use serde::{Deserialize, Serialize};
 
@@ -139,7 +139,7 @@ pub struct RunSeries {
     /// Per (pid, device): where the interval after the last one stored starts. A call later
     /// than that row counts in the next interval: one row per interval, however late calls
     /// come.
-    next_start: HashMap<(u32, i32), i64>,
+    next_start: FastMap<(u32, i32), i64>,
     /// The latest call taken in.
     latest_ns: i64,
     /// Device allocations as PyTorch counts them (failures and retries).
@@ -168,7 +168,7 @@ impl RunSeries {
 
     /// Takes in one call (after the live layouts applied it): `figures` are the process's on
     /// the call's device now, when it has memory there.
-    pub fn apply(&mut self, e: &Event, figures: Option<&AllocatorRow>, device_free: Option<i64>) {
+    pub fn apply(&mut self, e: &Event, figures: Option<SeriesFigures>, device_free: Option<i64>) {
         let device = e.device.max(-1);
         let spec = e.op.spec();
         let mut decided = Vec::new();
@@ -192,7 +192,7 @@ impl RunSeries {
             i.allocated = i.allocated.max(f.stats.allocated);
             i.reserved = i.reserved.max(f.stats.reserved);
             i.cached = i.cached.max(f.stats.cached());
-            if f.view == "blocks" {
+            if f.blocks {
                 i.largest_free = Some(
                     i.largest_free
                         .map_or(f.stats.largest_free, |l| l.min(f.stats.largest_free)),

@@ -6,6 +6,8 @@
 
 use std::collections::HashMap;
 
+use crate::model::SeededMap;
+
 use tracer_common::{call::flags, maps::ALLOCS_ENTRIES, OpClass, Space};
 
 use crate::{
@@ -62,14 +64,14 @@ impl Held {
 }
 
 pub struct Join {
-    live: HashMap<Key, Held>,
+    live: SeededMap<Key, Held>,
     devices: ThreadDevices,
     /// Per thread: the first and last call (monotonic ns) given no device, until PyTorch's
     /// probe tells the thread's device.
-    unresolved: HashMap<(u32, u32), (u64, u64)>,
+    unresolved: SeededMap<(u32, u32), (u64, u64)>,
     /// Devices learned for calls already passed on without one.
     learned: Vec<Learned>,
-    last_free: HashMap<(u32, u32), Released>,
+    last_free: SeededMap<(u32, u32), Released>,
     /// Thread devices come from cudaSetDevice calls (live), or with each record (a log).
     track_devices: bool,
     /// Allocations not kept because [`ALLOCS_ENTRIES`] were live: their frees lack a size.
@@ -102,11 +104,11 @@ impl Join {
 
     fn new(track_devices: bool) -> Join {
         Join {
-            live: HashMap::new(),
+            live: SeededMap::default(),
             devices: ThreadDevices::default(),
-            unresolved: HashMap::new(),
+            unresolved: SeededMap::default(),
             learned: Vec::new(),
-            last_free: HashMap::new(),
+            last_free: SeededMap::default(),
             track_devices,
             not_tracked: 0,
         }

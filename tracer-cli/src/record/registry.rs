@@ -29,6 +29,7 @@ use crate::{
         live::LiveAllocators,
         run_series::{GapRow, RunSeries},
         state::ProcessState,
+        SeededSet,
     },
 };
 use crate::{
@@ -279,7 +280,7 @@ impl Registry {
                 tx.send(start)
                     .map_err(|_| anyhow!("the database writer stopped"))?;
             }
-            let mut pids_seen: HashSet<u32> = HashSet::new();
+            let mut pids_seen: SeededSet<u32> = SeededSet::default();
             let mut last_python_scan = Instant::now();
             loop {
                 let wait = if self.arming.decides() { 25 } else { 250 };
@@ -498,11 +499,12 @@ impl Registry {
     fn enrich(
         &mut self,
         records: Vec<Record>,
-        pids_seen: &mut HashSet<u32>,
+        pids_seen: &mut SeededSet<u32>,
         boot: Option<i64>,
         shared: &Shared,
     ) -> Delivery {
         let mut out = Delivery::default();
+        out.calls.reserve(records.len());
         for record in records {
             match record {
                 Record::Call(mut call) => {
@@ -586,7 +588,13 @@ impl Registry {
 
     /// Acts on a process's end (held back until calls read late have come): forgets it, so
     /// that a process reusing the pid starts afresh.
-    fn end_process(&mut self, pid: u32, ts: u64, pids_seen: &mut HashSet<u32>, out: &mut Delivery) {
+    fn end_process(
+        &mut self,
+        pid: u32,
+        ts: u64,
+        pids_seen: &mut SeededSet<u32>,
+        out: &mut Delivery,
+    ) {
         pids_seen.remove(&pid);
         self.callers.forget(pid);
         self.ended_joins
@@ -626,7 +634,7 @@ impl Registry {
     fn end_due(
         &mut self,
         now: u64,
-        pids_seen: &mut HashSet<u32>,
+        pids_seen: &mut SeededSet<u32>,
         tx: &SyncSender<Delivery>,
         shared: &Shared,
     ) -> Result<bool> {

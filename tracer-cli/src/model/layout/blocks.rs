@@ -67,7 +67,7 @@ impl Layout {
         match seg.pool {
             Some(pool) => {
                 let key = (seg.device, pool);
-                self.count_gaps(key, &seg.counted_gaps(addr), false);
+                self.swap_gaps(key, &seg.counted_gaps(addr), &[]);
                 let held: u64 = seg
                     .blocks
                     .iter()
@@ -137,6 +137,9 @@ impl Layout {
             }
             return;
         };
+        if self.place_between_blocks(addr, e) {
+            return;
+        }
         self.heal_overlap(addr, e);
         let conf = self.conf;
         let Some(seg) = self.segments.get_mut(&addr) else {
@@ -210,6 +213,58 @@ impl Layout {
         self.totals.entry(key).or_default().allocated += size;
     }
 
+    /// The common case of [`Layout::block_alloc`] in two walks of the segment's blocks (the
+    /// general path takes six): a cudaMalloc'ed segment already in use, the block landing in
+    /// free space between its neighbours. False, with nothing changed, for anything else.
+    fn place_between_blocks(&mut self, addr: u64, e: &Event) -> bool {
+        let conf = self.conf;
+        let Some(seg) = self.segments.get_mut(&addr) else {
+            return false;
+        };
+        let Some(pool) = seg
+            .pool
+            .filter(|_| seg.mapped.is_none() && !seg.blocks.is_empty())
+        else {
+            return false;
+        };
+        let reach = e.ptr.saturating_add(conf.round_size(e.size));
+        let below = seg.blocks.range(..e.ptr).next_back();
+        let lo = below.map_or(addr, |(&b, block)| b + block.size);
+        let above = seg.blocks.range(e.ptr..).next().map(|(&b, _)| b);
+        let hi = above.unwrap_or(addr + seg.size);
+        // Overlaps (blocks freed unseen) take the general path, which heals them.
+        if lo > e.ptr || above.is_some_and(|b| b == e.ptr || b < reach) {
+            return false;
+        }
+        let rounded = split_size(e, conf.round_size(e.size));
+        let key = (seg.device, pool);
+        let remaining = hi.saturating_sub(e.ptr).saturating_sub(rounded);
+        let size = if should_split(pool, false, conf, rounded, remaining) {
+            rounded
+        } else {
+            hi.saturating_sub(e.ptr).max(rounded)
+        };
+        if e.ptr.saturating_add(size) > hi {
+            return false;
+        }
+        seg.blocks.insert(
+            e.ptr,
+            Block {
+                size,
+                requested: e.size,
+                stack: e.stack.map(|s| s.get()),
+                ts_ns: e.ts_ns,
+                event: self.block_events,
+                carried: false,
+            },
+        );
+        let (after, n) = nonzero_gaps(e.ptr - lo, hi - (e.ptr + size));
+        self.swap_gaps(key, &[hi - lo], &after[..n]);
+        self.settle(e.ts_ns);
+        self.totals.entry(key).or_default().allocated += size;
+        true
+    }
+
     /// Puts a block into free space of segment `addr`, counting its pool's free gaps.
     pub(super) fn insert_block(&mut self, addr: u64, key: (i32, Pool), ptr: u64, block: Block) {
         let Some(seg) = self.segments.get_mut(&addr) else {
@@ -226,12 +281,8 @@ impl Layout {
         match span {
             // The span it landed in is cut in two (either may be empty).
             Some((lo, hi)) => {
-                let end = ptr + size;
-                let after: Vec<u64> = [ptr - lo, hi - end]
-                    .into_iter()
-                    .filter(|&g| g > 0)
-                    .collect();
-                self.swap_gaps(key, &[hi - lo], &after);
+                let (after, n) = nonzero_gaps(ptr - lo, hi - (ptr + size));
+                self.swap_gaps(key, &[hi - lo], &after[..n]);
             }
             None => self.regap(addr, &before),
         }
@@ -434,10 +485,11 @@ impl Layout {
     /// Takes the block at `ptr` out of its segment, its space counted free again: its pool and
     /// the block, or None where no known segment holds a block there.
     pub(super) fn remove_block(&mut self, ptr: u64) -> Option<((i32, Pool), Block)> {
-        let addr = self.segment_at(ptr)?;
-        let seg = self.segments.get_mut(&addr)?;
-        let size = seg.blocks.get(&ptr)?.size;
-        let span = seg.span_around(addr, ptr, ptr.saturating_add(size));
+        let (&addr, seg) = self.segments.range_mut(..=ptr).next_back()?;
+        if ptr >= addr + seg.size {
+            return None;
+        }
+        let (_, span) = seg.block_and_span(addr, ptr)?;
         let before = if span.is_some() {
             Vec::new()
         } else {
@@ -448,12 +500,8 @@ impl Layout {
         match span {
             // The spans on either side of it (either may be empty) become one.
             Some((lo, hi)) => {
-                let end = ptr + block.size;
-                let old: Vec<u64> = [ptr - lo, hi - end]
-                    .into_iter()
-                    .filter(|&g| g > 0)
-                    .collect();
-                self.swap_gaps(key, &old, &[hi - lo]);
+                let (old, n) = nonzero_gaps(ptr - lo, hi - (ptr + block.size));
+                self.swap_gaps(key, &old[..n], &[hi - lo]);
             }
             None => self.regap(addr, &before),
         }
@@ -473,40 +521,28 @@ impl Layout {
         self.swap_gaps(key, before, &new);
     }
 
-    /// Takes the pool's free gaps `old` out of its multiset and counts `new` in.
+    /// Takes the pool's free gaps `old` out of its multiset and counts `new` in: its free-block
+    /// count and largest free block follow (each block event comes here once or twice: one
+    /// look-up of the pool's multiset and one of its totals).
     pub(super) fn swap_gaps(&mut self, key: (i32, Pool), old: &[u64], new: &[u64]) {
-        self.tally_gaps(key, old, false);
-        self.tally_gaps(key, new, true);
-        self.refresh_largest(key);
-    }
-
-    pub(super) fn count_gaps(&mut self, key: (i32, Pool), gaps: &[u64], add: bool) {
-        self.tally_gaps(key, gaps, add);
-        self.refresh_largest(key);
-    }
-
-    /// Counts `gaps` into (or out of) the pool's multiset and free-block count.
-    pub(super) fn tally_gaps(&mut self, key: (i32, Pool), gaps: &[u64], add: bool) {
         let set = self.gaps.entry(key).or_default();
-        let mut counted = 0u64;
-        for &g in gaps {
-            if add {
-                *set.entry(g).or_default() += 1;
-                counted += 1;
-            } else if let Some(n) = set.get_mut(&g) {
+        let mut removed = 0u64;
+        for &g in old {
+            if let Some(n) = set.get_mut(&g) {
                 *n -= 1;
-                counted += 1;
+                removed += 1;
                 if *n == 0 {
                     set.remove(&g);
                 }
             }
         }
+        for &g in new {
+            *set.entry(g).or_default() += 1;
+        }
+        let largest = set.keys().next_back().copied().unwrap_or(0);
         let t = self.totals.entry(key).or_default();
-        t.free_blocks = if add {
-            t.free_blocks + counted
-        } else {
-            t.free_blocks.saturating_sub(counted)
-        };
+        t.free_blocks = t.free_blocks.saturating_sub(removed) + new.len() as u64;
+        t.largest_free = largest;
     }
 
     pub(super) fn refresh_largest(&mut self, key: (i32, Pool)) {
@@ -516,5 +552,15 @@ impl Layout {
             .and_then(|s| s.keys().next_back().copied())
             .unwrap_or(0);
         self.totals.entry(key).or_default().largest_free = largest;
+    }
+}
+
+/// The gaps either side of a block that are not empty, without an allocation per block event.
+fn nonzero_gaps(below: u64, above: u64) -> ([u64; 2], usize) {
+    match (below > 0, above > 0) {
+        (true, true) => ([below, above], 2),
+        (true, false) => ([below, 0], 1),
+        (false, true) => ([above, 0], 1),
+        (false, false) => ([0, 0], 0),
     }
 }

@@ -112,6 +112,32 @@ impl Segment {
         }
     }
 
+    /// The size of the block at `ptr` and the free span its removal leaves, as
+    /// [`Segment::span_around`] says it, in two walks of the blocks.
+    pub(super) fn block_and_span(&self, addr: u64, ptr: u64) -> Option<(u64, Option<(u64, u64)>)> {
+        let mut from_it = self.blocks.range(ptr..);
+        let (&at, block) = from_it.next()?;
+        if at != ptr {
+            return None;
+        }
+        let size = block.size;
+        if self.mapped.is_some() || self.pool.is_none() {
+            return Some((size, None));
+        }
+        let lo = match self.blocks.range(..ptr).next_back() {
+            Some((&b, block)) => b + block.size,
+            None => addr,
+        };
+        let hi = match from_it.next() {
+            Some((&b, _)) => b,
+            None => addr + self.size,
+        };
+        Some((
+            size,
+            (lo <= ptr && ptr.saturating_add(size) <= hi).then_some((lo, hi)),
+        ))
+    }
+
     /// The free span around [from, to) an unmapped segment's blocks leave (the blocks from
     /// `from` up to `to` not counted): from the end of the block before to the start of the one
     /// after. None where the blocks overlap it (the exact recount is needed).

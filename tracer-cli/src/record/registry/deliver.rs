@@ -137,7 +137,7 @@ impl Registry {
             if moves_memory(event.class()) {
                 self.series.apply(
                     &event,
-                    allocators.row(c.pid, device).as_ref(),
+                    allocators.series_figures(c.pid, device),
                     allocators.device_free(c.pid, device),
                 );
             } else {

@@ -54,6 +54,18 @@ pub enum Round {
     Incomplete,
 }
 
+impl Round {
+    /// The round so far, after a flush that returned `flushed` ([`FlushResult`]; a full ring
+    /// lost the stage's events, and the kernel counted them).
+    fn and(self, flushed: u32) -> Round {
+        if flushed == FlushResult::Busy as u32 {
+            Round::Incomplete
+        } else {
+            self
+        }
+    }
+}
+
 pub struct Stages {
     flush: ProgramFd,
     cpus: Vec<u32>,
@@ -102,18 +114,19 @@ impl Stages {
             .filter(|&cpu| needs_flush(self.oldest.get(cpu), until_ns))
             .collect();
         let mut round = Round::Complete;
-        // The CPU this thread is on first: flushed there, no other CPU is interrupted.
+        // Each other CPU from itself, then back to this one, emptied last: the reader's own work
+        // stays on the CPU the scheduler gave it (left on the job's, it slowed the step).
         let here = self.visits.here();
         let (local, remote): (Vec<u32>, Vec<u32>) = due.into_iter().partition(|&c| Some(c) == here);
-        for (i, cpu) in local.into_iter().chain(remote).enumerate() {
-            if i > 0 || Some(cpu) != here {
-                self.visits.go_to(cpu);
-            }
-            match self.flush_on(cpu)? {
-                r if r == FlushResult::Busy as u32 => round = Round::Incomplete,
-                // A full ring lost the stage's events; the kernel counted them.
-                _ => {}
-            }
+        for &cpu in &remote {
+            self.visits.go_to(cpu);
+            round = round.and(self.flush_on(cpu)?);
+        }
+        if let (Some(here), false) = (here, remote.is_empty()) {
+            self.visits.go_to(here);
+        }
+        for cpu in local {
+            round = round.and(self.flush_on(cpu)?);
         }
         self.visits.go_home();
         Ok(round)
@@ -189,9 +202,10 @@ fn needs_flush(oldest: Option<u64>, until_ns: u64) -> bool {
 
 /// The flush program run on another CPU interrupts it and waits for it (an inter-processor call:
 /// 40-80 us of the reader's CPU a flush on this 2-vCPU VM, 8 % of tracer's threads' CPU on the
-/// step bench). Run from that CPU, it runs at once: the reader moves to each CPU it flushes
-/// (its affinity set to that CPU alone) and back to the CPUs it was allowed at the round's end.
-/// A CPU it may not move to (a cpuset, say) is flushed from where it is, as before.
+/// step bench). Run from that CPU, it runs at once: the reader moves to each other CPU it
+/// flushes and then back to its own (its affinity set to one CPU at a time: a migration, no
+/// waiting), and is allowed the CPUs it had again at the round's end. A CPU it may not move to
+/// (a cpuset, say) is flushed from where it is, by the kernel's call.
 struct Visits {
     /// The CPUs the flushing thread was allowed to run on (read on its first round), or None
     /// where they could not be read.

@@ -350,6 +350,47 @@ fn empty_stage() -> Stage {
 mod tests {
     use super::*;
 
+    fn affinity() -> Vec<usize> {
+        // SAFETY: a zeroed set, filled by the kernel for this thread.
+        let set = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            assert_eq!(
+                libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+                0
+            );
+            set
+        };
+        // SAFETY: reads bits of a set we own, below its size.
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+            .collect()
+    }
+
+    /// The flushing thread runs on each CPU it visits (so the flush there is no call from
+    /// another CPU), is allowed its CPUs again afterwards, and is not moved to a CPU it was
+    /// never allowed.
+    #[test]
+    fn the_reader_runs_on_each_cpu_it_visits_and_gets_its_cpus_back() {
+        std::thread::spawn(|| {
+            let home = affinity();
+            let mut visits = Visits::new();
+            for &cpu in &home {
+                visits.go_to(cpu as u32);
+                assert_eq!(visits.here(), Some(cpu as u32), "moved to CPU {cpu}");
+                assert_eq!(affinity(), [cpu]);
+            }
+            visits.go_home();
+            assert_eq!(affinity(), home);
+            assert!(!visits.away);
+            // A CPU outside its set (here, one past the last possible): it stays.
+            visits.go_to(libc::CPU_SETSIZE as u32);
+            assert!(!visits.away);
+            assert_eq!(affinity(), home);
+        })
+        .join()
+        .expect("the visiting thread");
+    }
+
     /// The reader interrupts a CPU only when its stage holds an event it can hand over, or a
     /// program is writing it; a CPU the array has no room for is always flushed.
     #[test]

@@ -193,21 +193,9 @@ impl Layout {
             self.unexplained.overlapping_blocks += 1;
             return;
         };
-        let remaining = gap_end.saturating_sub(e.ptr).saturating_sub(rounded);
-        let split = should_split(key.1, seg.mapped.is_some(), conf, rounded, remaining);
-        let size = if split {
-            rounded
-        } else {
-            gap_end.saturating_sub(e.ptr).max(rounded)
-        };
-        let block = Block {
-            size,
-            requested: e.size,
-            stack: e.stack.map(|s| s.get()),
-            ts_ns: e.ts_ns,
-            event: self.block_events,
-            carried: false,
-        };
+        let run = gap_end.saturating_sub(e.ptr);
+        let size = placed_size(key.1, seg.mapped.is_some(), conf, rounded, run);
+        let block = Block::new(e, size, self.block_events);
         self.insert_block(addr, key, e.ptr, block);
         self.settle(e.ts_ns);
         self.totals.entry(key).or_default().allocated += size;
@@ -238,26 +226,12 @@ impl Layout {
         }
         let rounded = split_size(e, conf.round_size(e.size));
         let key = (seg.device, pool);
-        let remaining = hi.saturating_sub(e.ptr).saturating_sub(rounded);
-        let size = if should_split(pool, false, conf, rounded, remaining) {
-            rounded
-        } else {
-            hi.saturating_sub(e.ptr).max(rounded)
-        };
+        let size = placed_size(pool, false, conf, rounded, hi.saturating_sub(e.ptr));
         if e.ptr.saturating_add(size) > hi {
             return false;
         }
-        seg.blocks.insert(
-            e.ptr,
-            Block {
-                size,
-                requested: e.size,
-                stack: e.stack.map(|s| s.get()),
-                ts_ns: e.ts_ns,
-                event: self.block_events,
-                carried: false,
-            },
-        );
+        seg.blocks
+            .insert(e.ptr, Block::new(e, size, self.block_events));
         let (after, n) = nonzero_gaps(e.ptr - lo, hi - (e.ptr + size));
         self.swap_gaps(key, &[hi - lo], &after[..n]);
         self.settle(e.ts_ns);
@@ -562,5 +536,16 @@ fn nonzero_gaps(below: u64, above: u64) -> ([u64; 2], usize) {
         (true, false) => ([below, 0], 1),
         (false, true) => ([above, 0], 1),
         (false, false) => ([0, 0], 0),
+    }
+}
+
+/// The size of a block of `rounded` bytes placed at the start of a free run of `run` bytes:
+/// itself where the allocator splits the run, else the whole run (PyTorch's split rule).
+fn placed_size(pool: Pool, expandable: bool, conf: AllocConf, rounded: u64, run: u64) -> u64 {
+    let remaining = run.saturating_sub(rounded);
+    if should_split(pool, expandable, conf, rounded, remaining) {
+        rounded
+    } else {
+        run.max(rounded)
     }
 }

@@ -102,6 +102,20 @@ pub(super) struct Segment {
     pub(super) blocks: BTreeMap<u64, Block>,
 }
 
+impl Block {
+    /// The block a pytorch:malloc hands out, of `size`, the `event`-th block event seen.
+    pub(super) fn new(e: &Event, size: u64, event: u64) -> Block {
+        Block {
+            size,
+            requested: e.size,
+            stack: e.stack.map(|s| s.get()),
+            ts_ns: e.ts_ns,
+            event,
+            carried: false,
+        }
+    }
+}
+
 impl Segment {
     /// Its free gaps' sizes, as counted in its pool's multiset (once it has a pool).
     pub(super) fn counted_gaps(&self, addr: u64) -> Vec<u64> {

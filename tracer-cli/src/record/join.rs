@@ -6,8 +6,6 @@
 
 use std::collections::HashMap;
 
-use crate::model::SeededMap;
-
 use tracer_common::{call::flags, maps::ALLOCS_ENTRIES, OpClass, Space};
 
 use crate::{
@@ -15,6 +13,7 @@ use crate::{
     model::{
         devices::{Learned, ThreadDevices},
         state::LiveAlloc,
+        SeededMap,
     },
 };
 

@@ -76,17 +76,18 @@ impl Delivery {
     /// its calls made to point at the stored ids.
     fn absorb(
         &mut self,
-        more: Delivery,
+        mut more: Delivery,
         sites: &mut SiteWriter,
         store: &mut Store,
         session: i64,
     ) -> Result<()> {
         sites.store(store, session, &more.sites)?;
-        self.calls
-            .extend(more.calls.into_iter().chain(more.after_end).map(|mut c| {
-                c.stack = c.stack.and_then(|local| sites.stored_id(c.pid, local));
-                c
-            }));
+        for c in more.calls.iter_mut().chain(more.after_end.iter_mut()) {
+            c.stack = c.stack.and_then(|local| sites.stored_id(c.pid, local));
+        }
+        // Moved in bulk: a call at a time, the copies were a tenth of the writer's time.
+        self.calls.append(&mut more.calls);
+        self.calls.append(&mut more.after_end);
         // Their sites are forgotten once the keyframe holding their last state is stored.
         self.exited.extend(more.exited);
         self.sites_done.extend(more.sites_done);

@@ -107,10 +107,12 @@ fn twenty_thousand_short_lived_processes_leave_nothing_behind() {
         )
     );
     // Every process ended before the stop: none is live in the figures (a call read after
-    // its process's end once started a new process under the dead pid, for good).
+    // its process's end once started a new process under the dead pid, for good). The summary
+    // leaves the list out when it is empty: these processes free what they take, and one has
+    // a row at its end only where tracer knew its device (most end before tracer reads them).
     let live: Vec<_> = stopped.summary["allocators"]
         .as_array()
-        .unwrap()
+        .map_or(&[][..], Vec::as_slice)
         .iter()
         .filter(|r| r["exited"] != true)
         .collect();

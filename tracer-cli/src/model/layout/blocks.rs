@@ -215,7 +215,8 @@ impl Layout {
         else {
             return false;
         };
-        let reach = e.ptr.saturating_add(conf.round_size(e.size));
+        let request = conf.round_size(e.size);
+        let reach = e.ptr.saturating_add(request);
         let below = seg.blocks.range(..e.ptr).next_back();
         let lo = below.map_or(addr, |(&b, block)| b + block.size);
         let above = seg.blocks.range(e.ptr..).next().map(|(&b, _)| b);
@@ -224,7 +225,7 @@ impl Layout {
         if lo > e.ptr || above.is_some_and(|b| b == e.ptr || b < reach) {
             return false;
         }
-        let rounded = split_size(e, conf.round_size(e.size));
+        let rounded = split_size(e, request);
         let key = (seg.device, pool);
         let size = placed_size(pool, false, conf, rounded, hi.saturating_sub(e.ptr));
         if e.ptr.saturating_add(size) > hi {
@@ -463,7 +464,7 @@ impl Layout {
         if ptr >= addr + seg.size {
             return None;
         }
-        let (_, span) = seg.block_and_span(addr, ptr)?;
+        let span = seg.span_of_block(addr, ptr)?;
         let before = if span.is_some() {
             Vec::new()
         } else {

@@ -126,9 +126,9 @@ impl Segment {
         }
     }
 
-    /// The size of the block at `ptr` and the free span its removal leaves, as
-    /// [`Segment::span_around`] says it, in two walks of the blocks.
-    pub(super) fn block_and_span(&self, addr: u64, ptr: u64) -> Option<(u64, Option<(u64, u64)>)> {
+    /// The free span the block at `ptr` sits in, as [`Segment::span_around`] says it, in two
+    /// walks of the blocks; None where no block starts at `ptr`.
+    pub(super) fn span_of_block(&self, addr: u64, ptr: u64) -> Option<Option<(u64, u64)>> {
         let mut from_it = self.blocks.range(ptr..);
         let (&at, block) = from_it.next()?;
         if at != ptr {
@@ -136,7 +136,7 @@ impl Segment {
         }
         let size = block.size;
         if self.mapped.is_some() || self.pool.is_none() {
-            return Some((size, None));
+            return Some(None);
         }
         let lo = match self.blocks.range(..ptr).next_back() {
             Some((&b, block)) => b + block.size,
@@ -146,10 +146,7 @@ impl Segment {
             Some((&b, _)) => b,
             None => addr + self.size,
         };
-        Some((
-            size,
-            (lo <= ptr && ptr.saturating_add(size) <= hi).then_some((lo, hi)),
-        ))
+        Some((lo <= ptr && ptr.saturating_add(size) <= hi).then_some((lo, hi)))
     }
 
     /// The free span around [from, to) an unmapped segment's blocks leave (the blocks from

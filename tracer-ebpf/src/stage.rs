@@ -54,7 +54,7 @@ const WAKEUP_CHECK_EVERY: u64 = 64;
 
 /// The ring's wake-up flag for the `submitted`-th event of this CPU: waking the reader costs
 /// about a third of a traced call and even asking how much waits costs a tenth, so every 64th
-/// event looks, and wakes the reader when a batch waits (it also looks every 25 ms by itself).
+/// event looks, and wakes the reader when a batch waits (it also looks every 50 ms by itself).
 #[inline(always)]
 fn wakeup_flag(submitted: u64) -> u32 {
     let wakeup = global(&WAKEUP_BYTES);

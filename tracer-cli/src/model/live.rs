@@ -102,18 +102,25 @@ impl LiveAllocators {
     /// Applies one call (a process's calls in the order they happened); the early warning's
     /// figures when the call leaves its pool in the state in which the next request fails.
     pub fn apply(&mut self, e: &Event) -> Option<Alarm> {
+        self.process(e.pid).apply(e)
+    }
+
+    /// [`LiveAllocators::apply`], and what the whole-run series takes after a call that moves
+    /// memory: the process's figures on the call's device ([`LiveAllocators::series_figures`])
+    /// and the device's free bytes ([`LiveAllocators::device_free`]), in one look-up of the
+    /// process (this runs after every call).
+    pub fn apply_for_series(
+        &mut self,
+        e: &Event,
+    ) -> (Option<Alarm>, Option<SeriesFigures>, Option<i64>) {
         let p = self.process(e.pid);
-        let alarm = p.state.apply_memory(e);
-        let class = e.class();
-        let request = matches!(class, OpClass::BlockAlloc)
-            || (matches!(class, OpClass::Alloc) && p.state.layout.blocks_seen == 0);
-        if request && e.size > 0 && moves_memory(class) {
-            if let Some(device) = e.device() {
-                let max = p.largest_request.entry(device).or_default();
-                *max = (*max).max(e.size);
-            }
+        let alarm = p.apply(e);
+        if !moves_memory(e.class()) {
+            return (alarm, None, None);
         }
-        alarm
+        let device = e.device.max(-1);
+        let free = p.state.pressure.device_free(device).map(|d| d.free);
+        (alarm, Some(p.series_figures(device)), free)
     }
 
     /// A process ended: its layout goes (a process reusing the pid starts afresh), its last
@@ -184,13 +191,7 @@ impl LiveAllocators {
     /// What the whole-run series takes from a process's figures on one device now: a row's
     /// stats, view and fragmentation, without the rest of the row (taken after every call).
     pub fn series_figures(&self, pid: u32, device: i32) -> Option<SeriesFigures> {
-        let process = self.processes.get(&pid)?;
-        let (stats, blocks, _) = process.stats(device);
-        Some(SeriesFigures {
-            stats,
-            blocks,
-            fragmentation: process.state.layout.default_fragmentation(device),
-        })
+        Some(self.processes.get(&pid)?.series_figures(device))
     }
 
     /// The rank label of a process, if its environment gave one.
@@ -253,6 +254,30 @@ impl Process {
             device_said: self.state.pressure.device_free(device).copied(),
             device_total: self.state.pressure.device_total(device),
             exited: false,
+        }
+    }
+
+    /// Applies one call (see [`LiveAllocators::apply`]).
+    fn apply(&mut self, e: &Event) -> Option<Alarm> {
+        let alarm = self.state.apply_memory(e);
+        let class = e.class();
+        let request = matches!(class, OpClass::BlockAlloc)
+            || (matches!(class, OpClass::Alloc) && self.state.layout.blocks_seen == 0);
+        if request && e.size > 0 && moves_memory(class) {
+            if let Some(device) = e.device() {
+                let max = self.largest_request.entry(device).or_default();
+                *max = (*max).max(e.size);
+            }
+        }
+        alarm
+    }
+
+    fn series_figures(&self, device: i32) -> SeriesFigures {
+        let (stats, blocks, _) = self.stats(device);
+        SeriesFigures {
+            stats,
+            blocks,
+            fragmentation: self.state.layout.default_fragmentation(device),
         }
     }
 
@@ -353,5 +378,41 @@ mod tests {
         let rows = live.rows();
         assert_eq!(rows.len(), 2);
         assert_eq!((rows[0].stats.reserved, rows[0].exited), (2 * MIB, false));
+    }
+
+    /// What the series takes after each call, read in the same look-up as the call is applied,
+    /// equals what the separate reads say; a call that moves no memory gives none.
+    #[test]
+    fn the_series_figures_taken_with_the_call_equal_those_read_after_it() {
+        let mut live = LiveAllocators::default();
+        let info = Event {
+            aux0: 30 * MIB,
+            aux1: 80 * MIB,
+            ..event(Op::CudaMemGetInfo, 0, 0)
+        };
+        let (_, _, free) = live.apply_for_series(&info);
+        assert_eq!(free, Some(30 * MIB as i64));
+        let (_, figures, free) = live.apply_for_series(&event(Op::CudaEventQuery, 0x99, 0));
+        assert_eq!((figures.is_none(), free), (true, None));
+        // After the cudaMemGetInfo (at 0): its own allocations keep the free bytes current.
+        let after = |ts_ns, e: Event| Event { ts_ns, ..e };
+        let calls = [
+            after(1, event(Op::CudaMalloc, 0x1000_0000, 20 * MIB)),
+            after(2, event(Op::TorchMalloc, 0x1000_0000, 3 * MIB)),
+            after(3, event(Op::TorchMalloc, 0x1040_0000, 5 * MIB)),
+            after(4, event(Op::TorchFree, 0x1000_0000, 0)),
+        ];
+        let mut last = (None, None);
+        for call in &calls {
+            let (_, figures, free) = live.apply_for_series(call);
+            assert_eq!(figures, live.series_figures(7, 0), "{call:?}");
+            assert_eq!(free, live.device_free(7, 0), "{call:?}");
+            last = (figures, free);
+        }
+        let (figures, free) = last;
+        let f = figures.expect("a free moves memory");
+        // 20 MiB reserved, 5 allocated, the cudaMalloc taken from the 30 MiB said free.
+        assert_eq!((f.stats.reserved, f.stats.allocated), (20 * MIB, 5 * MIB));
+        assert_eq!(free, Some(10 * MIB as i64));
     }
 }

@@ -116,14 +116,15 @@ impl Pressure {
         } else {
             None
         };
-        let need = match self.largest_recent.get(&key) {
-            // The largest is still among them (or the new one is larger): no scan.
-            Some(&largest) if gone.is_none_or(|g| g < largest) || rounded >= largest => {
-                largest.max(rounded)
-            }
-            _ => recent.iter().copied().max().unwrap_or(rounded),
+        let largest = self.largest_recent.entry(key).or_insert(0);
+        // The largest is still among them (or the new one is larger): no scan. Absent (0: a
+        // state read from a keyframe), or gone, it is found again.
+        *largest = if *largest > 0 && (gone.is_none_or(|g| g < *largest) || rounded >= *largest) {
+            (*largest).max(rounded)
+        } else {
+            recent.iter().copied().max().unwrap_or(rounded)
         };
-        self.largest_recent.insert(key, need);
+        let need = *largest;
         let stats = layout.stats().get(&key).copied().unwrap_or_default();
         let device_free = self.free.get(&e.device)?.free;
         let segment = segment_size(need);

@@ -155,10 +155,16 @@ impl RunSeries {
     fn interval(&mut self, pid: u32, device: i32, ts_ns: i64) -> &mut Interval {
         let key = (pid, device);
         self.latest_ns = self.latest_ns.max(ts_ns);
-        let start =
-            interval_start(ts_ns).max(self.next_start.get(&key).copied().unwrap_or(i64::MIN));
-        if self.open.get(&key).is_some_and(|i| i.start_ns < start) {
-            self.close(key);
+        // Nearly always the open interval holds the call: two look-ups, not three (an open
+        // interval never starts before its key's next start).
+        let fresh = interval_start(ts_ns);
+        let open_start = self.open.get(&key).map(|i| i.start_ns);
+        let mut start = fresh;
+        if open_start.is_none_or(|s| s < fresh) {
+            start = fresh.max(self.next_start.get(&key).copied().unwrap_or(i64::MIN));
+            if open_start.is_some_and(|s| s < start) {
+                self.close(key);
+            }
         }
         self.open.entry(key).or_insert_with(|| Interval {
             start_ns: start,

@@ -99,6 +99,8 @@ pub struct LiveStats {
     pub ended: u64,
     pub ended_pids: Vec<u32>,
     pub events: u64,
+    /// The pid of the call added last, in `pids` (calls come in runs from one process).
+    last_pid: Option<u32>,
 }
 
 /// Exited processes listed by pid in the summary; the rest are counted.
@@ -108,7 +110,10 @@ impl LiveStats {
     /// One call, from any source (a decoded event or a stored row).
     pub fn add_one(&mut self, pid: u32, op: Op, ret: i32, size: Option<u64>, duration_ns: u64) {
         self.events += 1;
-        self.pids.insert(pid);
+        if self.last_pid != Some(pid) {
+            self.pids.insert(pid);
+            self.last_pid = Some(pid);
+        }
         let s = self.ops.entry(op).or_default();
         s.calls += 1;
         if ret != 0 {
@@ -122,6 +127,9 @@ impl LiveStats {
 
     /// A process ended: it is counted, and listed while the list has room.
     pub fn exited(&mut self, pid: u32) {
+        if self.last_pid == Some(pid) {
+            self.last_pid = None;
+        }
         if self.pids.remove(&pid) {
             self.ended += 1;
             if self.ended_pids.len() < ENDED_LISTED {
@@ -179,6 +187,23 @@ mod tests {
         assert!(h.quantile(0.99) <= 302_189, "{}", h.quantile(0.99));
         assert_eq!(h.quantile(1.0), 302_189);
         assert!(h.quantile(0.0) >= 86_016);
+    }
+
+    /// A process is listed while it lives, also when its pid comes back after it ended (the
+    /// pid of the call before is not asked again, and an end forgets it).
+    #[test]
+    fn a_pid_that_ends_and_comes_back_is_listed_again() {
+        let mut live = LiveStats::default();
+        for pid in [5, 5, 6, 5] {
+            live.add_one(pid, Op::TorchMalloc, 0, Some(512), 10);
+        }
+        assert_eq!(live.pid_list(), [5, 6]);
+        live.exited(5);
+        assert_eq!((live.pids.len(), live.ended), (1, 1));
+        live.add_one(5, Op::TorchMalloc, 0, Some(512), 10);
+        live.add_one(5, Op::TorchFree, 0, None, 10);
+        assert!(live.pids.contains(&5));
+        assert_eq!((live.processes(), live.events), (3, 6));
     }
 
     #[test]

@@ -505,18 +505,24 @@ impl Registry {
     ) -> Delivery {
         let mut out = Delivery::default();
         out.calls.reserve(records.len());
+        // The pid of the call before, in `pids_seen` (calls come in runs from one process);
+        // None again whenever a pid leaves the set.
+        let mut last_seen = None;
         for record in records {
             match record {
                 Record::Call(mut call) => {
                     if let Some(ended) = self.exits.reused(call.pid, call.ts_mono_ns) {
                         // A new process under the pid of one whose end was held back.
                         self.end_process(call.pid, ended, pids_seen, &mut out);
+                        last_seen = None;
                     }
                     if call.op.spec().library != tracer_common::Library::Tracer
+                        && last_seen != Some(call.pid)
                         && pids_seen.insert(call.pid)
                     {
                         if self.exits.after_end(call.pid, call.ts_mono_ns) {
                             pids_seen.remove(&call.pid);
+                            last_seen = None;
                             self.after_end(call, &mut out);
                             continue;
                         }
@@ -539,6 +545,9 @@ impl Registry {
                             python.sites.first_seen(call.pid);
                             python.register(call.pid);
                         }
+                    }
+                    if call.op.spec().library != tracer_common::Library::Tracer {
+                        last_seen = Some(call.pid);
                     }
                     if call.op == tracer_common::Op::CudaEventRecord {
                         // aux1: the return address, from the eBPF program.
@@ -565,6 +574,7 @@ impl Registry {
                 Record::Exit { pid, ts_mono_ns } => {
                     if let Some(earlier) = self.exits.hold(pid, ts_mono_ns) {
                         self.end_process(pid, earlier, pids_seen, &mut out);
+                        last_seen = None;
                     }
                 }
             }

@@ -281,7 +281,13 @@ fn keyframe_states(states: Vec<ProcessState>, sites: &SiteWriter) -> Result<Vec<
 /// Threads seen for the first time in `calls`, with their names.
 fn new_threads(calls: &[Call], seen: &mut SeededSet<(u32, u32)>) -> Vec<(u32, u32, String)> {
     let mut threads = Vec::new();
+    // Calls come in runs from one thread: the set is asked once a run.
+    let mut last = None;
     for call in calls {
+        if last == Some((call.pid, call.tid)) {
+            continue;
+        }
+        last = Some((call.pid, call.tid));
         if seen.insert((call.pid, call.tid)) {
             // The kernel sends a thread's name with its first event only; if that one was
             // lost, ask /proc.
@@ -329,4 +335,57 @@ fn housekeeping(store: &mut Store, shared: &Shared, opts: WriterOptions) -> Resu
     }
     shared.db_bytes.store(store.footprint()?, Ordering::SeqCst);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::Op;
+
+    use super::*;
+
+    fn call(pid: u32, tid: u32) -> Call {
+        Call {
+            ts_mono_ns: 1,
+            pid,
+            tid,
+            op: Op::TorchMalloc,
+            device: Some(0),
+            ret: 0,
+            duration_ns: 1,
+            size: Some(512),
+            ptr: Some(0x1000),
+            aux0: 0,
+            aux1: 0,
+            flags: 0,
+            comm: format!("t{tid}"),
+            site: None,
+            stack: None,
+        }
+    }
+
+    /// Each thread once, named by its first call, in runs or interleaved, across batches.
+    #[test]
+    fn each_new_thread_is_named_once() {
+        let mut seen = SeededSet::default();
+        let batch = [
+            call(1, 1),
+            call(1, 1),
+            call(1, 2),
+            call(1, 1),
+            call(2, 2),
+            call(1, 2),
+        ];
+        let threads = new_threads(&batch, &mut seen);
+        let named = |t: &[(u32, u32, String)]| -> Vec<(u32, u32, String)> { t.to_vec() };
+        assert_eq!(
+            named(&threads),
+            [
+                (1, 1, "t1".to_string()),
+                (1, 2, "t2".to_string()),
+                (2, 2, "t2".to_string())
+            ]
+        );
+        let threads = new_threads(&[call(1, 2), call(1, 3), call(1, 3)], &mut seen);
+        assert_eq!(named(&threads), [(1, 3, "t3".to_string())]);
+    }
 }

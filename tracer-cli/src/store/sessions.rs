@@ -146,15 +146,18 @@ impl Store {
     }
 
     pub fn set_counters(&self, session: i64, c: &SessionCounters) -> Result<()> {
+        // Once a second for the whole trace: prepared once.
         self.conn
-            .execute(
+            .prepare_cached(
                 "UPDATE sessions SET entries = ?2, submitted = ?3, dropped_ring_full = ?4,
                     unmatched_returns = ?5, alloc_map_full = ?6, inflight_full = ?7, events_read = ?8,
                     events_stored = ?9, decode_errors = ?10, offcpu_submitted = ?11, offcpu_dropped = ?12,
                     tail_call_failed = ?13, map_insert_failed = ?14, calls_abandoned = ?15,
                     calls_before_interpreter = ?16, mappings_lost = ?17, events_late = ?18
                  WHERE id = ?1",
-                params![
+            )
+            .and_then(|mut update| {
+                update.execute(params![
                     session,
                     c.entries as i64,
                     c.submitted as i64,
@@ -173,8 +176,8 @@ impl Store {
                     c.calls_before_interpreter as i64,
                     c.mappings_lost as i64,
                     c.events_late as i64
-                ],
-            )
+                ])
+            })
             .with_context(|| format!("store counters of session {session}"))?;
         Ok(())
     }

@@ -126,6 +126,9 @@ impl Layout {
     pub(super) fn block_alloc(&mut self, e: &Event) {
         self.blocks_seen += 1;
         self.block_events += 1;
+        if self.place_between_blocks(e) {
+            return;
+        }
         let Some(addr) = self.segment_at(e.ptr) else {
             match self.sight.segment_at(e.ptr) {
                 Some(unseen) => {
@@ -137,9 +140,6 @@ impl Layout {
             }
             return;
         };
-        if self.place_between_blocks(addr, e) {
-            return;
-        }
         self.heal_overlap(addr, e);
         let conf = self.conf;
         let Some(seg) = self.segments.get_mut(&addr) else {
@@ -201,14 +201,18 @@ impl Layout {
         self.totals.entry(key).or_default().allocated += size;
     }
 
-    /// The common case of [`Layout::block_alloc`] in two walks of the segment's blocks (the
-    /// general path takes six): a cudaMalloc'ed segment already in use, the block landing in
-    /// free space between its neighbours. False, with nothing changed, for anything else.
-    fn place_between_blocks(&mut self, addr: u64, e: &Event) -> bool {
+    /// The common case of [`Layout::block_alloc`] in one walk of the segments and two of the
+    /// segment's blocks (the general path takes two and six): a cudaMalloc'ed segment already
+    /// in use, the block landing in free space between its neighbours. False, with nothing
+    /// changed, for anything else.
+    fn place_between_blocks(&mut self, e: &Event) -> bool {
         let conf = self.conf;
-        let Some(seg) = self.segments.get_mut(&addr) else {
+        let Some((&addr, seg)) = self.segments.range_mut(..=e.ptr).next_back() else {
             return false;
         };
+        if e.ptr >= addr.saturating_add(seg.size) {
+            return false;
+        }
         let Some(pool) = seg
             .pool
             .filter(|_| seg.mapped.is_none() && !seg.blocks.is_empty())
@@ -234,9 +238,8 @@ impl Layout {
         seg.blocks
             .insert(e.ptr, Block::new(e, size, self.block_events));
         let (after, n) = nonzero_gaps(e.ptr - lo, hi - (e.ptr + size));
-        self.swap_gaps(key, &[hi - lo], &after[..n]);
+        self.swap_gaps(key, &[hi - lo], &after[..n]).allocated += size;
         self.settle(e.ts_ns);
-        self.totals.entry(key).or_default().allocated += size;
         true
     }
 
@@ -419,12 +422,12 @@ impl Layout {
         self.block_events += 1;
         if self.forget_pending(e.ptr) {
             // Freed again while believed kept for other streams: their events completed unseen.
-            self.remove_block(e.ptr);
+            self.remove_block(e.ptr, false);
             self.unexplained.unmatched_frees += 1;
             self.evidence(e.ts_ns);
             return;
         }
-        let Some((key, block)) = self.remove_block(e.ptr) else {
+        let Some(block) = self.remove_block(e.ptr, true) else {
             if let Some(unseen) = self.sight.segment_at(e.ptr) {
                 let seen = self
                     .sight
@@ -440,8 +443,6 @@ impl Layout {
             }
             return;
         };
-        let t = self.totals.entry(key).or_default();
-        t.allocated = t.allocated.saturating_sub(block.size);
         if !block.carried && !self.unknown.exact() {
             let life = self.block_events - block.event;
             self.unknown.longest_life_events = self.unknown.longest_life_events.max(life);
@@ -457,9 +458,10 @@ impl Layout {
         );
     }
 
-    /// Takes the block at `ptr` out of its segment, its space counted free again: its pool and
-    /// the block, or None where no known segment holds a block there.
-    pub(super) fn remove_block(&mut self, ptr: u64) -> Option<((i32, Pool), Block)> {
+    /// Takes the block at `ptr` out of its segment, its space counted free again (and its bytes
+    /// no longer allocated where `held`: not where its free was counted already): the block, or
+    /// None where no known segment holds a block there.
+    pub(super) fn remove_block(&mut self, ptr: u64, held: bool) -> Option<Block> {
         let (&addr, seg) = self.segments.range_mut(..=ptr).next_back()?;
         if ptr >= addr + seg.size {
             return None;
@@ -472,15 +474,21 @@ impl Layout {
         };
         let block = seg.blocks.remove(&ptr)?;
         let key = (seg.device, seg.pool.unwrap_or(Pool::Large));
-        match span {
+        let totals = match span {
             // The spans on either side of it (either may be empty) become one.
             Some((lo, hi)) => {
                 let (old, n) = nonzero_gaps(ptr - lo, hi - (ptr + block.size));
-                self.swap_gaps(key, &old[..n], &[hi - lo]);
+                self.swap_gaps(key, &old[..n], &[hi - lo])
             }
-            None => self.regap(addr, &before),
+            None => {
+                self.regap(addr, &before);
+                self.totals.entry(key).or_default()
+            }
+        };
+        if held {
+            totals.allocated = totals.allocated.saturating_sub(block.size);
         }
-        Some((key, block))
+        Some(block)
     }
 
     /// Recounts a segment's free gaps into its pool's multiset, where they were `before`.
@@ -498,8 +506,14 @@ impl Layout {
 
     /// Takes the pool's free gaps `old` out of its multiset and counts `new` in: its free-block
     /// count and largest free block follow (each block event comes here once or twice: one
-    /// look-up of the pool's multiset and one of its totals).
-    pub(super) fn swap_gaps(&mut self, key: (i32, Pool), old: &[u64], new: &[u64]) {
+    /// look-up of the pool's multiset and one of its totals, returned for the caller's
+    /// allocated bytes).
+    pub(super) fn swap_gaps(
+        &mut self,
+        key: (i32, Pool),
+        old: &[u64],
+        new: &[u64],
+    ) -> &mut PoolStats {
         let set = self.gaps.entry(key).or_default();
         let mut removed = 0u64;
         for &g in old {
@@ -518,6 +532,7 @@ impl Layout {
         let t = self.totals.entry(key).or_default();
         t.free_blocks = t.free_blocks.saturating_sub(removed) + new.len() as u64;
         t.largest_free = largest;
+        t
     }
 
     pub(super) fn refresh_largest(&mut self, key: (i32, Pool)) {

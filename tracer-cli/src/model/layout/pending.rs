@@ -93,7 +93,7 @@ impl Layout {
         *n = n.saturating_sub(1);
         if *n == 0 {
             self.pending.blocks.remove(&ptr);
-            self.remove_block(ptr);
+            self.remove_block(ptr, false);
         }
     }
 

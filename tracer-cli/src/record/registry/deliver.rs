@@ -16,7 +16,7 @@ use crate::{
         figures::{oom_device, Figures},
         layout::AllocConf,
         live::LiveAllocators,
-        moves_memory, ProcessInfo, Rank,
+        ProcessInfo, Rank,
     },
     record::{
         shared::{thread_cpu_ns, Shared},
@@ -129,20 +129,11 @@ impl Registry {
             let event = crate::store::blocks::event_of(c, self.wall_offset_ns);
             self.keyframes.latest_ns = self.keyframes.latest_ns.max(event.ts_ns);
             figures.apply(&event);
-            let alarm = allocators.apply(&event);
+            let (alarm, series_figures, device_free) = allocators.apply_for_series(&event);
             if self.arming.decides() {
                 self.arming.observe(&event);
             }
-            let device = event.device.max(-1);
-            if moves_memory(event.class()) {
-                self.series.apply(
-                    &event,
-                    allocators.series_figures(c.pid, device),
-                    allocators.device_free(c.pid, device),
-                );
-            } else {
-                self.series.apply(&event, None, None);
-            }
+            self.series.apply(&event, series_figures, device_free);
             let Some(alarm) = alarm else {
                 continue;
             };

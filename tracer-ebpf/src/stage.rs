@@ -101,7 +101,10 @@ pub fn claim_stage() -> Option<*mut Stage> {
     Some(stage)
 }
 
-/// Appends the event to the claimed stage, sends the stage when full, and frees it.
+/// Appends the event to the claimed stage, sends the stage when full, and frees it. A thread's
+/// first call of an op (it carries the thread's name) goes at once with the stage, the reader
+/// woken: a new process's first calls reach the registry in milliseconds, while the process
+/// still runs and its /proc entry can be read (a short one could end before the next round).
 #[inline(always)]
 pub fn stage_event(stage: *mut Stage, event: &CallEvent) {
     match next_slot(stage) {
@@ -110,7 +113,7 @@ pub fn stage_event(stage: *mut Stage, event: &CallEvent) {
         // Never: a full stage is sent at once. Should it be, the event still goes.
         None => send_event(event, false),
     }
-    commit_slot(stage);
+    commit_slot(stage, event.comm[0] != 0);
 }
 
 /// The claimed stage's next free slot, for a program to write its event in place (then
@@ -127,17 +130,23 @@ pub fn next_slot(stage: *mut Stage) -> Option<*mut CallEvent> {
     }
 }
 
-/// Counts the event written in [`next_slot`] (if there was room), sends the stage when full,
-/// and frees it.
+/// Counts the event written in [`next_slot`] (if there was room), sends the stage when full
+/// (or `urgent`, waking the reader), and frees it.
 #[inline(always)]
-pub fn commit_slot(stage: *mut Stage) {
+pub fn commit_slot(stage: *mut Stage, urgent: bool) {
     // SAFETY: claimed by this program (claim_stage).
     unsafe {
         if ((*stage).len as usize) < STAGE_EVENTS {
             (*stage).len += 1;
         }
-        if (*stage).len as usize >= STAGE_EVENTS {
-            send_stage(stage, stage_wakeup_flag());
+        let full = (*stage).len as usize >= STAGE_EVENTS;
+        if full || urgent {
+            let flags = if full {
+                stage_wakeup_flag()
+            } else {
+                BPF_RB_FORCE_WAKEUP as u64
+            };
+            send_stage(stage, flags);
         }
         match (*stage).len {
             0 => mark_oldest(0),

@@ -175,7 +175,8 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
         return stop_early(stage);
     }
     match (slot, stage) {
-        (Some(_), Some(stage)) => commit_slot(stage),
+        // A block event names no thread: never urgent.
+        (Some(_), Some(stage)) => commit_slot(stage, false),
         // Under --stack, the call site of a block: who holds the memory.
         _ => deliver(&ctx, stage, stack, event, false),
     }

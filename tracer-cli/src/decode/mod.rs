@@ -209,6 +209,15 @@ pub fn is_call_py(bytes: &[u8]) -> bool {
     read_pod::<EventHeader>(bytes).is_some_and(|h| h.kind == EventKind::CallPy as u32)
 }
 
+/// Whether one event (of [`events`]) is a thread's first call of an op: a call event that
+/// carries the thread's name.
+pub fn names_thread(event: &[u8]) -> bool {
+    read_pod::<EventHeader>(event).is_some_and(|h| h.kind == EventKind::Call as u32)
+        && event
+            .get(std::mem::offset_of!(CallEvent, comm))
+            .is_some_and(|&b| b != 0)
+}
+
 /// The events of one ring record (a single event, or a CPU's staged call events back to back,
 /// each with its own header), each with when it was made ([`frame`]). Ends after the first
 /// event whose header cannot be trusted, which is the error [`decode`] gives it: its length

@@ -40,6 +40,10 @@ const BUSY_POLL_INTERVAL_MS: u16 = 1;
 /// delivery cost the registry some 50 us beyond its calls), while the writer's commits (every
 /// 200 ms) still bound when a call is stored.
 const ROUND_INTERVAL: Duration = Duration::from_millis(50);
+/// After a thread's first call is read (the programs send it at once, with its CPU's stage), the
+/// round that hands it over comes this long past the margin: a new process's first calls reach
+/// the registry within milliseconds, while its /proc entry can still be read.
+const NEW_THREAD_ROUND_AFTER: Duration = Duration::from_millis(1);
 /// How often while calls with Python frames come (--stack): a burst's tail (a process's last
 /// calls, whose code objects must be read while it lives) is not left for a whole interval.
 const PYTHON_ROUND_INTERVAL: Duration = Duration::from_millis(1);
@@ -89,10 +93,16 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
         let mut last_round = Instant::now();
         let mut interval = ROUND_INTERVAL;
         let margin = round_margin_ns();
+        // When a thread's first call was read: the round that hands it over.
+        let mut hurry: Option<Instant> = None;
         loop {
             let stopping = shared.stop.load(Ordering::SeqCst);
+            let hurried = hurry.is_some_and(|at| Instant::now() >= at);
             let round = match source.stages.as_mut() {
-                Some(stages) if stopping || last_round.elapsed() >= interval => {
+                Some(stages) if stopping || hurried || last_round.elapsed() >= interval => {
+                    if hurried {
+                        hurry = None;
+                    }
                     last_round = Instant::now();
                     let began = monotonic_ns()?;
                     // Stopping, every stage is emptied.
@@ -155,7 +165,15 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
                 } else if round.is_some() {
                     interval = ROUND_INTERVAL;
                 }
-                let left = interval.saturating_sub(last_round.elapsed());
+                if order.take_named_thread() && hurry.is_none() {
+                    hurry = Some(
+                        Instant::now() + Duration::from_nanos(margin) + NEW_THREAD_ROUND_AFTER,
+                    );
+                }
+                let mut left = interval.saturating_sub(last_round.elapsed());
+                if let Some(at) = hurry {
+                    left = left.min(at.saturating_duration_since(Instant::now()));
+                }
                 // Rounded up: a wait that ends just short of the round is a wake-up for nothing.
                 let ms = left.as_micros().div_ceil(1000) as u16;
                 wakeups.wait(ms.clamp(1, POLL_INTERVAL_MS))?;
@@ -230,6 +248,8 @@ struct Reorder {
     released_ns: u64,
     /// Events read after events made later than them had been handed over.
     late: u64,
+    /// A thread's first call was read since [`Reorder::take_named_thread`] last asked.
+    named_thread: bool,
 }
 
 impl Reorder {
@@ -241,11 +261,17 @@ impl Reorder {
                 return 1;
             };
             self.late += u64::from(sent < self.released_ns);
+            self.named_thread |= decode::names_thread(event);
             self.keys
                 .push((sent, self.raw.len() as u32, event.len() as u32));
             self.raw.extend_from_slice(event);
         }
         0
+    }
+
+    /// Whether a thread's first call was read since the last time this was asked.
+    fn take_named_thread(&mut self) -> bool {
+        std::mem::take(&mut self.named_thread)
     }
 
     /// Decodes into `ready` the events made up to `until_ns`, in the order they were made (the
@@ -376,6 +402,38 @@ mod tests {
         let mut ready = Vec::new();
         order.release(u64::MAX, &mut ready);
         assert!(ready.is_empty());
+    }
+
+    /// A thread's first call (it carries the thread's name) is noticed, in a stage of others
+    /// or alone, once; other events are not.
+    #[test]
+    fn a_threads_first_call_is_noticed_once() {
+        let mut order = Reorder::default();
+        let mut stage = call(1, 5, 1);
+        stage.extend(exit(2, 6));
+        assert_eq!(order.push(&stage), 0);
+        assert!(!order.take_named_thread());
+        let mut named = CallEvent {
+            header: EventHeader {
+                kind: CallEvent::KIND as u32,
+                len: CallEvent::LEN,
+                ts_ns: 7,
+                pid: 3,
+                tid: 3,
+            },
+            op: Op::CudaMalloc as u32,
+            device: -1,
+            ..Default::default()
+        };
+        named.comm[..6].copy_from_slice(b"python");
+        let mut stage = call(1, 8, 1);
+        stage.extend(decode::pod_bytes(&named));
+        assert_eq!(order.push(&stage), 0);
+        assert!(order.take_named_thread());
+        assert!(!order.take_named_thread());
+        let mut ready = Vec::new();
+        order.release(u64::MAX, &mut ready);
+        assert_eq!(pids(&ready), [1, 2, 3, 1]);
     }
 
     #[test]

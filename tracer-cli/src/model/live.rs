@@ -106,9 +106,10 @@ impl LiveAllocators {
     }
 
     /// [`LiveAllocators::apply`], and what the whole-run series takes after a call that moves
-    /// memory: the process's figures on the call's device ([`LiveAllocators::series_figures`])
-    /// and the device's free bytes ([`LiveAllocators::device_free`]), in one look-up of the
-    /// process (this runs after every call).
+    /// memory: the process's figures on the call's device (a row's stats, view and
+    /// fragmentation, without the rest of the row) and the device's free bytes
+    /// ([`LiveAllocators::device_free`]), in one look-up of the process (this runs after every
+    /// call).
     pub fn apply_for_series(
         &mut self,
         e: &Event,
@@ -188,12 +189,6 @@ impl LiveAllocators {
         )
     }
 
-    /// What the whole-run series takes from a process's figures on one device now: a row's
-    /// stats, view and fragmentation, without the rest of the row (taken after every call).
-    pub fn series_figures(&self, pid: u32, device: i32) -> Option<SeriesFigures> {
-        Some(self.processes.get(&pid)?.series_figures(device))
-    }
-
     /// The rank label of a process, if its environment gave one.
     pub fn rank(&self, pid: u32) -> Option<&str> {
         self.processes.get(&pid)?.rank.as_deref()
@@ -223,7 +218,7 @@ impl LiveAllocators {
     }
 }
 
-/// A row's stats, view (blocks: true) and fragmentation: [`LiveAllocators::series_figures`].
+/// A row's stats, view (blocks: true) and fragmentation: [`LiveAllocators::apply_for_series`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SeriesFigures {
     pub stats: PoolStats,
@@ -381,7 +376,8 @@ mod tests {
     }
 
     /// What the series takes after each call, read in the same look-up as the call is applied,
-    /// equals what the separate reads say; a call that moves no memory gives none.
+    /// equals what the live table's row and the device's free bytes say then; a call that moves
+    /// no memory gives none.
     #[test]
     fn the_series_figures_taken_with_the_call_equal_those_read_after_it() {
         let mut live = LiveAllocators::default();
@@ -405,7 +401,14 @@ mod tests {
         let mut last = (None, None);
         for call in &calls {
             let (_, figures, free) = live.apply_for_series(call);
-            assert_eq!(figures, live.series_figures(7, 0), "{call:?}");
+            let f = figures.expect("a call that moves memory");
+            let row = live
+                .rows()
+                .into_iter()
+                .find(|r| r.pid == 7 && r.device == 0);
+            let row = row.expect("a row of device 0");
+            let as_row = (row.stats, row.view == "blocks", row.fragmentation);
+            assert_eq!((f.stats, f.blocks, f.fragmentation), as_row, "{call:?}");
             assert_eq!(free, live.device_free(7, 0), "{call:?}");
             last = (figures, free);
         }

@@ -516,10 +516,9 @@ impl Registry {
                         self.end_process(call.pid, ended, pids_seen, &mut out);
                         last_seen = None;
                     }
-                    if call.op.spec().library != tracer_common::Library::Tracer
-                        && last_seen != Some(call.pid)
-                        && pids_seen.insert(call.pid)
-                    {
+                    // tracer's own marks belong to no process.
+                    let a_process = call.op.spec().library != tracer_common::Library::Tracer;
+                    if a_process && last_seen != Some(call.pid) && pids_seen.insert(call.pid) {
                         if self.exits.after_end(call.pid, call.ts_mono_ns) {
                             pids_seen.remove(&call.pid);
                             last_seen = None;
@@ -546,7 +545,7 @@ impl Registry {
                             python.register(call.pid);
                         }
                     }
-                    if call.op.spec().library != tracer_common::Library::Tracer {
+                    if a_process {
                         last_seen = Some(call.pid);
                     }
                     if call.op == tracer_common::Op::CudaEventRecord {

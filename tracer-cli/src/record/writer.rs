@@ -376,9 +376,8 @@ mod tests {
             call(1, 2),
         ];
         let threads = new_threads(&batch, &mut seen);
-        let named = |t: &[(u32, u32, String)]| -> Vec<(u32, u32, String)> { t.to_vec() };
         assert_eq!(
-            named(&threads),
+            threads,
             [
                 (1, 1, "t1".to_string()),
                 (1, 2, "t2".to_string()),
@@ -386,6 +385,6 @@ mod tests {
             ]
         );
         let threads = new_threads(&[call(1, 2), call(1, 3), call(1, 3)], &mut seen);
-        assert_eq!(named(&threads), [(1, 3, "t3".to_string())]);
+        assert_eq!(threads, [(1, 3, "t3".to_string())]);
     }
 }

@@ -212,6 +212,47 @@ fn every_op_is_recorded_with_counts_sizes_pointers_devices_and_durations() {
     );
 }
 
+/// Calls made after the last round still sit in the CPUs' stages when tracer stops: the last
+/// flush sends them, and the session counts them submitted like the rest (its counters are read
+/// after that flush, not before).
+#[test]
+fn calls_still_staged_at_the_stop_are_counted_submitted() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let (sim, db) = (&fx.sim, &fx.db);
+    let lib = |name: &str| sim.join(name).to_str().unwrap().to_owned();
+    let trace = Trace::start(
+        db,
+        &[
+            "--lib",
+            &lib("libcudart.so.12"),
+            "--lib",
+            &lib("libcuda.so.1"),
+        ],
+    );
+    // Calls for longer than the first ones' hurried rounds (each thread's first call of each op
+    // brings its round forward), then the stop at once: the last calls made after the last
+    // round are still staged.
+    let rep = report(
+        driver(
+            sim,
+            &["--mix", "all", "--threads", "2", "--iters", "40"],
+            &[("SIMCUDA_LATENCY", "cudaMalloc=300us,default=1us")],
+        )
+        .output()
+        .unwrap(),
+    );
+    let stopped = trace.stop(SIGINT);
+    let total = total_calls(&rep);
+    for counter in ["submitted", "events_read", "events_stored"] {
+        assert_eq!(stopped.counter(counter), total, "{counter}");
+    }
+    let s = &query(db, "SELECT submitted, events_stored FROM sessions")[0];
+    assert_eq!(s["submitted"].as_i64().unwrap(), total);
+    assert_eq!(s["events_stored"].as_i64().unwrap(), total);
+}
+
 #[test]
 fn a_process_started_after_the_trace_is_found_and_traced() {
     // Keep the fixture alive: it holds the serializing lock and the directory.

@@ -192,6 +192,13 @@ fn feed(rng: &mut Rng, blocks: [&[u8]; 2], records: &[Vec<u8>], elf: &[u8]) {
             }
         }
     }
+    // Spans anywhere, as a reader with a bug could hand over: each event decodes or fails.
+    let spans = (0..rng.below(8))
+        .map(|_| (rng.below(300) as u32, rng.below(300) as u32))
+        .collect::<Vec<_>>();
+    let n = spans.len();
+    let events = decode::EventBytes::new(record.clone(), spans);
+    assert_eq!(events.decode().count(), n);
     let b = rng.mutate(block);
     let _ = blocks::decode(&b, 50, |_| {});
     let _ = blocks::decode(&random, rng.below(9000), |_| {});

@@ -1,6 +1,7 @@
 //! Turns raw ring-buffer records into owned values. Lengths and kinds are checked before any
 //! field is read; nothing here needs privileges, so it is unit-tested directly.
 
+mod batch;
 mod call;
 pub mod memory_snapshot;
 pub mod pickle;
@@ -9,6 +10,7 @@ pub mod simlog;
 mod stack;
 mod usdt;
 
+pub use batch::EventBytes;
 pub use call::Call;
 pub use sched::OffCpu;
 pub use stack::{NativeStackRef, PyStatus, RawPyFrame, RawSite};
@@ -209,13 +211,20 @@ pub fn is_call_py(bytes: &[u8]) -> bool {
     read_pod::<EventHeader>(bytes).is_some_and(|h| h.kind == EventKind::CallPy as u32)
 }
 
-/// Whether one event (of [`events`]) is a thread's first call of an op: a call event that
-/// carries the thread's name.
-pub fn names_thread(event: &[u8]) -> bool {
-    read_pod::<EventHeader>(event).is_some_and(|h| h.kind == EventKind::Call as u32)
-        && event
+/// Whether one event (of [`events`]) must reach the registry without waiting for the next
+/// round: a thread's first call of an op (a call event that carries the thread's name: a new
+/// process's is read from /proc while it lives), or a message (PyTorch's out-of-memory error).
+pub fn is_urgent(event: &[u8]) -> bool {
+    let Some(header) = read_pod::<EventHeader>(event) else {
+        return false;
+    };
+    let names_thread = || {
+        event
             .get(std::mem::offset_of!(CallEvent, comm))
             .is_some_and(|&b| b != 0)
+    };
+    header.kind == EventKind::Message as u32
+        || (header.kind == EventKind::Call as u32 && names_thread())
 }
 
 /// The events of one ring record (a single event, or a CPU's staged call events back to back,

@@ -130,7 +130,9 @@ impl Join {
             OpClass::Alloc | OpClass::BlockAlloc if call.ret == 0 && ptr != 0 => {
                 self.allocated(key, call)
             }
-            OpClass::Free | OpClass::BlockFree => self.freed(key, call),
+            OpClass::Free => self.freed(key, call, true),
+            // The allocator's probe fires once a free: no free of its nests in another.
+            OpClass::BlockFree => self.freed(key, call, false),
             _ => {}
         }
     }
@@ -258,7 +260,9 @@ impl Join {
         }
     }
 
-    fn freed(&mut self, key: Key, call: &mut Call) {
+    /// `nests`: the runtime's and the driver's frees, one of which may call the other on the
+    /// same pointer (kept per thread for the enclosing one, a map update a free).
+    fn freed(&mut self, key: Key, call: &mut Call, nests: bool) {
         let thread = (call.pid, call.tid);
         let end = call.ts_mono_ns + call.duration_ns;
         let from_live = if call.ret == 0 {
@@ -268,6 +272,9 @@ impl Join {
         }
         .map(|h| (h.size, h.device));
         let found = from_live.or_else(|| {
+            if !nests {
+                return None;
+            }
             let inner = self.last_free.get(&thread).copied()?;
             let nested = inner.key == key && inner.ts >= call.ts_mono_ns && inner.end <= end;
             nested.then(|| {
@@ -286,7 +293,7 @@ impl Join {
             None if key.2 != 0 => call.flags |= flags::FREE_UNMATCHED,
             None => {}
         }
-        if let (Some((size, device)), 0) = (from_live, call.ret) {
+        if let (Some((size, device)), 0, true) = (from_live, call.ret, nests) {
             self.last_free.insert(
                 thread,
                 Released {
@@ -387,6 +394,21 @@ mod tests {
         let mut later = call(Op::CudaFree, 1, 300, 10, None, 0x3000, 0);
         j.apply(&mut later);
         assert_eq!(later.size, None);
+    }
+
+    /// The allocator's probe fires once a free: a second free of a block at the same moment on
+    /// the same thread is a free of a block not held, not the inner half of a nested pair.
+    #[test]
+    fn a_block_freed_twice_at_once_is_unmatched_the_second_time() {
+        let mut j = Join::live();
+        j.apply(&mut call(Op::TorchMalloc, 1, 10, 0, Some(512), 0x4000, 0));
+        let mut first = call(Op::TorchFree, 1, 20, 0, None, 0x4000, 0);
+        j.apply(&mut first);
+        assert_eq!(first.size, Some(512));
+        let mut second = call(Op::TorchFree, 1, 20, 0, None, 0x4000, 0);
+        j.apply(&mut second);
+        assert_eq!(second.size, None);
+        assert_ne!(second.flags & flags::FREE_UNMATCHED, 0);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use nix::{
 
 use super::{registry::Inbound, shared::Shared};
 use crate::{
-    decode::{self, Record},
+    decode::{self, EventBytes},
     probe::stage::{Round, Stages},
 };
 
@@ -36,14 +36,20 @@ const POLL_INTERVAL_MS: u16 = 25;
 const BUSY_POLL_INTERVAL_MS: u16 = 1;
 /// How often the stages are emptied (each a call into the kernel per CPU) and what was made
 /// by then handed over. Each round wakes the registry and the writer behind it, their caches
-/// cold: 50 ms instead of 25 took a ninth off tracer's CPU an event in the step bench (a
-/// delivery cost the registry some 50 us beyond its calls), while the writer's commits (every
-/// 200 ms) still bound when a call is stored.
-const ROUND_INTERVAL: Duration = Duration::from_millis(50);
-/// After a thread's first call is read (the programs send it at once, with its CPU's stage), the
-/// round that hands it over comes this long past the margin: a new process's first calls reach
-/// the registry within milliseconds, while its /proc entry can still be read.
-const NEW_THREAD_ROUND_AFTER: Duration = Duration::from_millis(1);
+/// cold: in the step bench, 50 ms instead of 25 took a ninth off tracer's CPU an event (a
+/// delivery cost the registry some 50 us beyond its calls), 100 ms instead of 50 another
+/// twentieth. What must not wait that long does not: a thread's first call and PyTorch's
+/// out-of-memory message bring their round forward ([`URGENT_ROUND_AFTER`]), and the writer
+/// commits a message at once.
+const ROUND_INTERVAL: Duration = Duration::from_millis(100);
+/// Under `--allocator auto`: the registry decides from the calls when to arm a process's
+/// allocator probes, and the blocks made before they are armed are not seen.
+const ARMING_ROUND_INTERVAL: Duration = Duration::from_millis(50);
+/// After an event that must not wait for the round is read (a thread's first call, which the
+/// programs send at once with its CPU's stage, or a message), the round that hands it over comes
+/// this long past the margin: a new process's first calls reach the registry within
+/// milliseconds, while its /proc entry can still be read.
+const URGENT_ROUND_AFTER: Duration = Duration::from_millis(1);
 /// How often while calls with Python frames come (--stack): a burst's tail (a process's last
 /// calls, whose code objects must be read while it lives) is not left for a whole interval.
 const PYTHON_ROUND_INTERVAL: Duration = Duration::from_millis(1);
@@ -77,6 +83,8 @@ pub struct Source {
     pub ring: RingBuf<MapData>,
     /// None when nothing is staged (--stack): the ring is then in order.
     pub stages: Option<Stages>,
+    /// The registry decides when to arm processes' allocator probes (`--allocator auto`).
+    pub arming: bool,
 }
 
 /// Drains the ring until the session stops: wakes on the kernel's signal (a batch is waiting)
@@ -91,9 +99,14 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
             None => None,
         };
         let mut last_round = Instant::now();
-        let mut interval = ROUND_INTERVAL;
+        let every = if source.arming {
+            ARMING_ROUND_INTERVAL
+        } else {
+            ROUND_INTERVAL
+        };
+        let mut interval = every;
         let margin = round_margin_ns();
-        // When a thread's first call was read: the round that hands it over.
+        // When an urgent event was read: the round that hands it over.
         let mut hurry: Option<Instant> = None;
         loop {
             let stopping = shared.stop.load(Ordering::SeqCst);
@@ -117,7 +130,8 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
             };
             let mut decode_errors = 0;
             let mut found = false;
-            let mut ready = Vec::new();
+            // Nothing staged: the ring's order is the kernel's, and events go as read.
+            let mut unstaged = EventBytes::default();
             let mut python = false;
             while let Some(item) = source.ring.next() {
                 found = true;
@@ -125,17 +139,15 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
                 if source.stages.is_some() {
                     decode_errors += order.push(&item);
                 } else {
-                    // Nothing staged: the ring's order is the kernel's.
-                    for record in decode::decode_all(&item) {
-                        match record {
-                            Ok(record) => ready.push(record),
-                            Err(_) => decode_errors += 1,
-                        }
-                    }
+                    decode_errors += push_events(&item, &mut unstaged);
                 }
             }
             if let (true, Some(stages)) = (stopping, source.stages.as_mut()) {
-                for item in stages.take_left()? {
+                let left = stages.take_left()?;
+                shared
+                    .taken_from_stages
+                    .fetch_add(left.len() as u64, Ordering::SeqCst);
+                for item in left {
                     decode_errors += order.push(&item);
                 }
             }
@@ -144,9 +156,10 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
                 Some((began, Round::Complete)) => Some(began.saturating_sub(margin)),
                 _ => None,
             };
-            if let Some(until) = until {
-                decode_errors += order.release(until, &mut ready);
-            }
+            let ready = match until {
+                Some(until) if source.stages.is_some() => order.release(until),
+                _ => unstaged,
+            };
             shared
                 .decode_errors
                 .fetch_add(decode_errors, Ordering::SeqCst);
@@ -163,12 +176,11 @@ pub fn read_loop(mut source: Source, tx: SyncSender<Inbound>, shared: &Shared) -
                 if python {
                     interval = PYTHON_ROUND_INTERVAL;
                 } else if round.is_some() {
-                    interval = ROUND_INTERVAL;
+                    interval = every;
                 }
-                if order.take_named_thread() && hurry.is_none() {
-                    hurry = Some(
-                        Instant::now() + Duration::from_nanos(margin) + NEW_THREAD_ROUND_AFTER,
-                    );
+                if order.take_urgent() && hurry.is_none() {
+                    hurry =
+                        Some(Instant::now() + Duration::from_nanos(margin) + URGENT_ROUND_AFTER);
                 }
                 let mut left = interval.saturating_sub(last_round.elapsed());
                 if let Some(at) = hurry {
@@ -234,22 +246,22 @@ fn monotonic_ns() -> Result<u64> {
     Ok(now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64)
 }
 
-/// Events read but not yet handed over, kept as the ring's bytes (copied into buffers kept
-/// from round to round) with when each was made; decoded when released, in that order. Events
+/// Events read but not yet handed over, kept as the ring's bytes with when each was made, and
+/// handed over as those bytes in the order they were made (decoded by the registry). Events
 /// come by the million a second: only their times are sorted.
 #[derive(Default)]
 struct Reorder {
     raw: Vec<u8>,
-    /// (time made, offset in `raw`, length): the offset keeps the ring's order among equals.
+    /// (time made, offset in `raw`, length), in the order of their bytes: the ring's order.
     keys: Vec<(u64, u32, u32)>,
-    spare_raw: Vec<u8>,
     spare_keys: Vec<(u64, u32, u32)>,
     /// The latest time handed over: an event made before it and read now is late.
     released_ns: u64,
     /// Events read after events made later than them had been handed over.
     late: u64,
-    /// A thread's first call was read since [`Reorder::take_named_thread`] last asked.
-    named_thread: bool,
+    /// An event that must not wait for the round (a thread's first call, a message) was read
+    /// since [`Reorder::take_urgent`] last asked.
+    urgent: bool,
 }
 
 impl Reorder {
@@ -261,7 +273,7 @@ impl Reorder {
                 return 1;
             };
             self.late += u64::from(sent < self.released_ns);
-            self.named_thread |= decode::names_thread(event);
+            self.urgent |= decode::is_urgent(event);
             self.keys
                 .push((sent, self.raw.len() as u32, event.len() as u32));
             self.raw.extend_from_slice(event);
@@ -269,44 +281,54 @@ impl Reorder {
         0
     }
 
-    /// Whether a thread's first call was read since the last time this was asked.
-    fn take_named_thread(&mut self) -> bool {
-        std::mem::take(&mut self.named_thread)
+    /// Whether an urgent event was read since the last time this was asked.
+    fn take_urgent(&mut self) -> bool {
+        std::mem::take(&mut self.urgent)
     }
 
-    /// Decodes into `ready` the events made up to `until_ns`, in the order they were made (the
-    /// ring's order among equals), keeping the later ones; returns how many failed to decode.
-    fn release(&mut self, until_ns: u64, ready: &mut Vec<Record>) -> u64 {
+    /// The events made up to `until_ns`, in the order they were made (the ring's order among
+    /// equals); the later ones are kept.
+    fn release(&mut self, until_ns: u64) -> EventBytes {
         // The kept events are sorted already and the new ones in runs (a CPU's stage at a
         // time): the stable sort merges runs (120 us a round for 20,000 kept and 10,000 new
-        // here, against 291 us unstable).
-        self.keys.sort();
+        // here, against 291 us unstable). By time alone: the keys lie in the order their bytes
+        // do, so a stable sort keeps the ring's order among equals (a quarter faster than
+        // comparing the offsets too).
+        self.keys.sort_by_key(|&(ns, _, _)| ns);
         let cut = self.keys.partition_point(|&(ns, _, _)| ns <= until_ns);
-        if let Some(&(last, _, _)) = cut.checked_sub(1).and_then(|i| self.keys.get(i)) {
-            self.released_ns = self.released_ns.max(last);
-        }
-        let mut errors = 0;
-        ready.reserve(cut);
-        for &(_, at, len) in &self.keys[..cut] {
-            match decode::decode(&self.raw[at as usize..(at + len) as usize]) {
-                Ok(record) => ready.push(record),
-                Err(_) => errors += 1,
-            }
-        }
-        self.spare_raw.clear();
+        let Some(&(last, _, _)) = cut.checked_sub(1).and_then(|i| self.keys.get(i)) else {
+            return EventBytes::default();
+        };
+        self.released_ns = self.released_ns.max(last);
+        let spans = self.keys[..cut]
+            .iter()
+            .map(|&(_, at, len)| (at, len))
+            .collect();
+        // The bytes go with the released events; the kept ones are copied to a room as large.
+        let mut kept = Vec::with_capacity(self.raw.capacity());
         self.spare_keys.clear();
         for &(ns, at, len) in &self.keys[cut..] {
-            self.spare_keys.push((ns, self.spare_raw.len() as u32, len));
-            self.spare_raw
-                .extend_from_slice(&self.raw[at as usize..(at + len) as usize]);
+            self.spare_keys.push((ns, kept.len() as u32, len));
+            kept.extend_from_slice(&self.raw[at as usize..(at + len) as usize]);
         }
-        std::mem::swap(&mut self.raw, &mut self.spare_raw);
         std::mem::swap(&mut self.keys, &mut self.spare_keys);
-        errors
+        EventBytes::new(std::mem::replace(&mut self.raw, kept), spans)
     }
 }
 
-fn hand_over(batch: Vec<Record>, tx: &SyncSender<Inbound>) -> Result<()> {
+/// Appends the events of one ring record; returns how many could not be read (the record's
+/// rest is then dropped, as [`Reorder::push`] does).
+fn push_events(item: &[u8], to: &mut EventBytes) -> u64 {
+    for event in decode::events(item) {
+        match event {
+            Ok((event, _)) => to.push(event),
+            Err(_) => return 1,
+        }
+    }
+    0
+}
+
+fn hand_over(batch: EventBytes, tx: &SyncSender<Inbound>) -> Result<()> {
     tx.send(Inbound::Ring(batch))
         .map_err(|_| anyhow!("the process registry stopped"))
 }
@@ -314,7 +336,8 @@ fn hand_over(batch: Vec<Record>, tx: &SyncSender<Inbound>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tracer_common::{sched::ExitEvent, CallEvent, EventHeader, Op};
+    use crate::decode::Record;
+    use tracer_common::{sched::ExitEvent, usdt::MessageEvent, CallEvent, EventHeader, Op};
 
     fn exit(pid: u32, ts_ns: u64) -> Vec<u8> {
         decode::pod_bytes(&ExitEvent {
@@ -347,12 +370,12 @@ mod tests {
         .to_vec()
     }
 
-    fn pids(records: &[Record]) -> Vec<u32> {
-        records
-            .iter()
-            .map(|r| match r {
+    fn pids(events: &EventBytes) -> Vec<u32> {
+        events
+            .decode()
+            .map(|r| match r.expect("decodes") {
                 Record::Call(c) => c.pid,
-                Record::Exit { pid, .. } => *pid,
+                Record::Exit { pid, .. } => pid,
                 other => panic!("unexpected {other:?}"),
             })
             .collect()
@@ -364,16 +387,14 @@ mod tests {
         for item in [exit(1, 10), exit(2, 30)] {
             assert_eq!(order.push(&item), 0);
         }
-        let mut ready = Vec::new();
-        order.release(20, &mut ready);
+        let ready = order.release(20);
         assert_eq!(pids(&ready), [1]);
         // Made at 5, before the event at 10 already handed over: late. Made at 15: not.
         for item in [exit(3, 5), exit(4, 15)] {
             assert_eq!(order.push(&item), 0);
         }
         assert_eq!(order.late, 1);
-        let mut ready = Vec::new();
-        order.release(u64::MAX, &mut ready);
+        let ready = order.release(u64::MAX);
         assert_eq!(pids(&ready), [3, 4, 2]);
     }
 
@@ -388,31 +409,27 @@ mod tests {
         for item in [exit(3, 50), exit(4, 12), exit(5, 20)] {
             assert_eq!(order.push(&item), 0);
         }
-        let mut ready = Vec::new();
-        assert_eq!(order.release(30, &mut ready), 0);
+        let ready = order.release(30);
         // Equal times keep the ring's order: pid 2 was read before pid 4.
         assert_eq!(pids(&ready), [2, 4, 5, 1]);
         assert_eq!(order.push(&exit(6, 40)), 0);
-        let mut ready = Vec::new();
-        order.release(45, &mut ready);
+        let ready = order.release(45);
         assert_eq!(pids(&ready), [6]);
-        let mut ready = Vec::new();
-        order.release(u64::MAX, &mut ready);
+        let ready = order.release(u64::MAX);
         assert_eq!(pids(&ready), [3]);
-        let mut ready = Vec::new();
-        order.release(u64::MAX, &mut ready);
+        let ready = order.release(u64::MAX);
         assert!(ready.is_empty());
     }
 
-    /// A thread's first call (it carries the thread's name) is noticed, in a stage of others
-    /// or alone, once; other events are not.
+    /// A thread's first call (it carries the thread's name) and a message are noticed, in a
+    /// stage of others or alone, once; other events are not.
     #[test]
-    fn a_threads_first_call_is_noticed_once() {
+    fn a_threads_first_call_and_a_message_are_noticed_once() {
         let mut order = Reorder::default();
         let mut stage = call(1, 5, 1);
         stage.extend(exit(2, 6));
         assert_eq!(order.push(&stage), 0);
-        assert!(!order.take_named_thread());
+        assert!(!order.take_urgent());
         let mut named = CallEvent {
             header: EventHeader {
                 kind: CallEvent::KIND as u32,
@@ -429,11 +446,38 @@ mod tests {
         let mut stage = call(1, 8, 1);
         stage.extend(decode::pod_bytes(&named));
         assert_eq!(order.push(&stage), 0);
-        assert!(order.take_named_thread());
-        assert!(!order.take_named_thread());
-        let mut ready = Vec::new();
-        order.release(u64::MAX, &mut ready);
-        assert_eq!(pids(&ready), [1, 2, 3, 1]);
+        assert!(order.take_urgent());
+        assert!(!order.take_urgent());
+        let message = MessageEvent {
+            header: EventHeader {
+                kind: MessageEvent::KIND as u32,
+                len: MessageEvent::LEN,
+                ts_ns: 9,
+                pid: 4,
+                tid: 4,
+            },
+            op: Op::TorchOom as u32,
+            len: 3,
+            full_len: 3,
+            text: [b'O'; tracer_common::usdt::MESSAGE_BYTES],
+        };
+        assert_eq!(order.push(decode::pod_bytes(&message)), 0);
+        assert!(order.take_urgent());
+        assert!(!order.take_urgent());
+        let ready = order.release(u64::MAX);
+        let kinds: Vec<(u32, bool)> = ready
+            .decode()
+            .map(|r| match r.expect("decodes") {
+                Record::Call(c) => (c.pid, false),
+                Record::Exit { pid, .. } => (pid, false),
+                Record::Message(m) => (m.pid, true),
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [(1, false), (2, false), (3, false), (1, false), (4, true)]
+        );
     }
 
     #[test]
@@ -445,8 +489,7 @@ mod tests {
         item.extend(lying);
         item.extend(exit(3, 12));
         assert_eq!(order.push(&item), 1);
-        let mut ready = Vec::new();
-        assert_eq!(order.release(u64::MAX, &mut ready), 0);
+        let ready = order.release(u64::MAX);
         assert_eq!(pids(&ready), [1]);
     }
 }

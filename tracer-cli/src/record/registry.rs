@@ -24,7 +24,7 @@ use super::{
     writer::Delivery,
 };
 use crate::{
-    decode::{Call, Record},
+    decode::{Call, EventBytes, Record},
     model::{
         live::LiveAllocators,
         run_series::{GapRow, RunSeries},
@@ -43,10 +43,10 @@ use crate::{
 /// How often running processes are looked at for interpreters started since (--stack).
 const PYTHON_SCAN_EVERY: Duration = Duration::from_secs(1);
 
-/// What the registry is handed: the ring's records, or what the kernel's side band said of
-/// processes starting (--stack).
+/// What the registry is handed: the ring's events (decoded here), or what the kernel's side
+/// band said of processes starting (--stack).
 pub enum Inbound {
-    Ring(Vec<Record>),
+    Ring(EventBytes),
     Processes(Vec<Notice>),
 }
 
@@ -294,10 +294,10 @@ impl Registry {
                 // Taken once the records are here: a call made after a mark was read after it
                 // was pushed, so the mark is among these and goes first.
                 let marks = self.arming.round(shared, self.wall_offset_ns);
-                let mut records = match received {
-                    Ok(Inbound::Ring(records)) => records,
-                    Ok(Inbound::Processes(_)) => Vec::new(),
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Vec::new(),
+                let events = match received {
+                    Ok(Inbound::Ring(events)) => events,
+                    Ok(Inbound::Processes(_)) => EventBytes::default(),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => EventBytes::default(),
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                         // Every call is in: the ends held back are acted on.
                         self.end_due(u64::MAX, &mut pids_seen, &tx, shared)?;
@@ -318,15 +318,7 @@ impl Registry {
                         python.scan(shared);
                     }
                 }
-                if !marks.is_empty() {
-                    // Every record made after a mark comes after it (see above); one made
-                    // before it is judged by its own time (model/layout.rs `Sight`).
-                    let mut with_marks: Vec<crate::decode::Record> =
-                        marks.into_iter().map(crate::decode::Record::Call).collect();
-                    with_marks.append(&mut records);
-                    records = with_marks;
-                }
-                if records.is_empty() {
+                if events.is_empty() && marks.is_empty() {
                     let now = super::arming::monotonic_ns();
                     if self.end_due(now, &mut pids_seen, &tx, shared)? {
                         continue;
@@ -339,7 +331,22 @@ impl Registry {
                     }
                     continue;
                 }
-                let delivery = self.enrich(records, &mut pids_seen, boot, shared);
+                // Every record made after a mark comes after it (see above); one made before it
+                // is judged by its own time (model/layout.rs `Sight`).
+                let mut decode_errors = 0;
+                let count = marks.len() + events.len();
+                let records =
+                    marks
+                        .into_iter()
+                        .map(Record::Call)
+                        .chain(events.decode().filter_map(|r| {
+                            decode_errors += u64::from(r.is_err());
+                            r.ok()
+                        }));
+                let delivery = self.enrich(records, count, &mut pids_seen, boot, shared);
+                shared
+                    .decode_errors
+                    .fetch_add(decode_errors, Ordering::SeqCst);
                 shared
                     .allocs_not_tracked
                     .store(self.join.not_tracked, Ordering::SeqCst);
@@ -496,15 +503,17 @@ impl Registry {
         Ok(())
     }
 
+    /// The records of one delivery (about `count`), each call completed from those before.
     fn enrich(
         &mut self,
-        records: Vec<Record>,
+        records: impl Iterator<Item = Record>,
+        count: usize,
         pids_seen: &mut SeededSet<u32>,
         boot: Option<i64>,
         shared: &Shared,
     ) -> Delivery {
         let mut out = Delivery::default();
-        out.calls.reserve(records.len());
+        out.calls.reserve(count);
         // The pid of the call before, in `pids_seen` (calls come in runs from one process);
         // None again whenever a pid leaves the set.
         let mut last_seen = None;

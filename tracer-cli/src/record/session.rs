@@ -614,9 +614,11 @@ impl Recording {
         self.probes.disarm_all();
         let paused = self.probes.pause();
         let in_flight = self.wait_for_calls_in_flight(CALLS_IN_FLIGHT_WAIT);
-        let kernel = self.probes.counters()?;
         self.shared.stop.store(true, Ordering::SeqCst);
         let read_result = join(self.reader, "ring-buffer reader")?;
+        // Read once the reader has emptied the stages: their events count as submitted when
+        // the last flush sends them to the ring.
+        let kernel = self.probes.counters()?;
         let registry_result = join(self.registry, "process registry")?;
         let (store, write_result) = self
             .writer
@@ -858,6 +860,7 @@ fn spawn_pipeline(
         // With --stack too: a call from a process that is not Python waits in the stage with
         // its native stack's id.
         stages: Some(probes.take_stages()?),
+        arming: opts.allocator == crate::model::arming::Mode::Auto,
     };
     let (records_tx, records_rx) = mpsc::sync_channel(1024);
     let mappings = if opts.stack {

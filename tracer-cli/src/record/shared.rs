@@ -61,6 +61,9 @@ pub struct Shared {
     pub decode_errors: AtomicU64,
     /// Events read after events made later than them had been handed over.
     pub events_late: AtomicU64,
+    /// Events read from the stages' map at the end (a stage the last flush found busy, a CPU
+    /// gone offline): submitted to tracer, though not through the ring the kernel counts.
+    pub taken_from_stages: AtomicU64,
     /// Allocations whose size userspace could not keep (too many live): their frees lack one.
     pub allocs_not_tracked: AtomicU64,
     /// Early warnings that did not run --on-warning's command (one running, or too soon).
@@ -121,7 +124,8 @@ impl Shared {
     pub fn counters(&self, kernel: &[u64; Counter::COUNT as usize]) -> SessionCounters {
         SessionCounters {
             entries: kernel[Counter::Entries as usize],
-            submitted: kernel[Counter::Submitted as usize],
+            submitted: kernel[Counter::Submitted as usize]
+                + self.taken_from_stages.load(Ordering::SeqCst),
             dropped_ring_full: kernel[Counter::RingFull as usize],
             unmatched_returns: kernel[Counter::UnmatchedReturns as usize],
             alloc_map_full: kernel[Counter::AllocMapFull as usize]

@@ -1,6 +1,6 @@
-//! The ring-buffer reader: drains, decodes and hands over, nothing else, so the kernel's ring
-//! is emptied as fast as it fills. What is slow to learn about a call (its process, its call
-//! site) is the registry's work, on its own thread.
+//! The ring-buffer reader: drains, orders and hands over, nothing else, so the kernel's ring
+//! is emptied as fast as it fills. Decoding, and what is slow to learn about a call (its
+//! process, its call site), are the registry's work, on its own thread.
 //!
 //! Call events reach the ring a CPU's stage at a time (record/stage.rs), so the ring's order
 //! is not the order the calls returned in. Every round the reader empties the stages and

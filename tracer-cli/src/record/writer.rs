@@ -87,7 +87,10 @@ impl Delivery {
     ) -> Result<()> {
         sites.store(store, session, &more.sites)?;
         for c in more.calls.iter_mut().chain(more.after_end.iter_mut()) {
-            c.stack = c.stack.and_then(|local| sites.stored_id(c.pid, local));
+            // Written only where there is one: the calls arrive from another core.
+            if let Some(local) = c.stack {
+                c.stack = sites.stored_id(c.pid, local);
+            }
         }
         // Moved in bulk: a call at a time, the copies were a tenth of the writer's time.
         self.calls.append(&mut more.calls);

@@ -319,6 +319,36 @@ fn a_process_found_late_or_never_traced_is_marked_in_the_session_query_and_expla
     );
 }
 
+/// A process that only reads a file named like a probed library (a copy, an installer) and
+/// never maps it is recorded as having read it, not as found late: after the probes went on,
+/// tracer watches it a moment for a loader's mapping before it says so.
+#[test]
+fn a_process_that_only_reads_a_library_is_recorded_as_read() {
+    let Some(fx) = Fixture::new() else {
+        return;
+    };
+    let trace = discovering(&fx.db, &[]);
+    let runtime = runtime_in(&fx, "copied");
+    // A shell's job (not stopped): reads the whole file, says its pid, lives on a second.
+    let script = format!(
+        "setsid python3 -c 'import os, time; open(\"{}\", \"rb\").read(); print(os.getpid(), flush=True); time.sleep(1)'; true",
+        runtime.display()
+    );
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    let pid: i64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let stopped = trace.stop(SIGINT);
+    let rows = discovery(&fx.db, pid);
+    assert_eq!(rows.len(), 1, "{rows:?}\n{}", stopped.stderr);
+    assert_eq!(rows[0]["outcome"], "read", "{rows:?}\n{}", stopped.stderr);
+    assert!(
+        rows[0]["library"]
+            .as_str()
+            .is_some_and(|l| l.ends_with("copied/lib/libcudart.so.12")),
+        "{rows:?}"
+    );
+    assert_eq!(calls(&fx.db, pid, "cudaMalloc"), 0);
+}
+
 #[test]
 fn two_tracers_discovering_at_once_each_see_every_call_or_say_what_they_missed() {
     let Some(fx) = Fixture::new() else {

@@ -362,8 +362,8 @@ impl Watch {
             Outcome::Held
         } else if !alive_before {
             Outcome::Missed
-        } else if !continued && running(open.pid) && maps_file(open.pid, id) == Some(false) {
-            // By now a loader has mapped what it opened; a copy has not.
+        } else if !continued && only_reads(open.pid, id) {
+            // A loader maps what it opened; a copy does not.
             Outcome::Read
         } else {
             // Running when the probes went on (ended since, or not): its calls from then on
@@ -598,6 +598,20 @@ fn maps_file(pid: u32, id: FileId) -> Option<bool> {
     (!maps.is_empty()).then(|| maps.iter().any(|m| m.dev == id.dev && m.inode == id.ino))
 }
 
+/// Whether a running process only read the file it opened: not mapping it after MAP_TAKES (a
+/// loader held off a busy CPU was once judged a copy); one ending meanwhile, by its last look.
+fn only_reads(pid: u32, id: FileId) -> bool {
+    let (deadline, mut unmapped) = (std::time::Instant::now() + MAP_TAKES, false);
+    while let (true, Some(maps)) = (running(pid), maps_file(pid, id)) {
+        if maps || std::time::Instant::now() >= deadline {
+            return !maps;
+        }
+        unmapped = true;
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    unmapped
+}
+
 /// Whether the process still runs (a zombie has made its last call).
 fn running(pid: u32) -> bool {
     state(pid).is_some_and(|s| s != 'Z' && s != 'X')
@@ -613,19 +627,18 @@ fn stopped(pid: u32, tid: u32) -> bool {
 /// be a little after tracer hears of it (a busy CPU).
 fn comes_to_a_stop(pid: u32, tid: u32) -> bool {
     let deadline = std::time::Instant::now() + STOP_TAKES;
-    loop {
-        if stopped(pid, tid) {
-            return true;
-        }
+    while !stopped(pid, tid) {
         if std::time::Instant::now() >= deadline || !running(pid) {
             return false;
         }
         std::thread::sleep(std::time::Duration::from_micros(200));
     }
+    true
 }
 
-/// The longest a stop is waited for to take effect.
+/// The longest a stop is waited for to take effect; a loader, to map what it opened.
 const STOP_TAKES: std::time::Duration = std::time::Duration::from_millis(100);
+const MAP_TAKES: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// The process's state letter in /proc/PID/stat.
 fn state(pid: u32) -> Option<char> {

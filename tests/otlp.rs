@@ -93,6 +93,22 @@ fn key(name: &str, labels: &BTreeMap<String, String>) -> String {
     format!("{name}{{{}}}", labels.join(","))
 }
 
+/// The page's numbers are read with Rust's parser and the receiver's JSON with serde_json:
+/// both must give the nearest double (serde_json's `float_roundtrip`), or one value a unit in
+/// the last place apart reads as a difference (0.9115679053936317 read as ...316 once).
+#[test]
+fn json_numbers_read_as_the_pages_numbers_do() {
+    for text in [
+        "0.9115679053936317",
+        "0.1",
+        "2.5e-308",
+        "123456789.12345679",
+    ] {
+        let json: f64 = serde_json::from_str(text).unwrap();
+        assert_eq!(json, text.parse::<f64>().unwrap(), "{text}");
+    }
+}
+
 /// The series of a text exposition (bucket bounds as numbers).
 fn page_series(page: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();

@@ -337,17 +337,24 @@ fn hand_over(batch: EventBytes, tx: &SyncSender<Inbound>) -> Result<()> {
 mod tests {
     use super::*;
     use crate::decode::Record;
-    use tracer_common::{sched::ExitEvent, usdt::MessageEvent, CallEvent, EventHeader, Op};
+    use tracer_common::{
+        sched::ExitEvent, usdt::MessageEvent, CallEvent, EventHeader, EventKind, Op,
+    };
+
+    /// The header of an event of `kind` made at `ts_ns` by process `pid`'s main thread.
+    fn header(kind: EventKind, len: u32, ts_ns: u64, pid: u32) -> EventHeader {
+        EventHeader {
+            kind: kind as u32,
+            len,
+            ts_ns,
+            pid,
+            tid: pid,
+        }
+    }
 
     fn exit(pid: u32, ts_ns: u64) -> Vec<u8> {
         decode::pod_bytes(&ExitEvent {
-            header: EventHeader {
-                kind: ExitEvent::KIND as u32,
-                len: ExitEvent::LEN,
-                ts_ns,
-                pid,
-                tid: pid,
-            },
+            header: header(ExitEvent::KIND, ExitEvent::LEN, ts_ns, pid),
         })
         .to_vec()
     }
@@ -355,13 +362,7 @@ mod tests {
     /// A call that began at `ts_ns` and returned `duration_ns` later.
     fn call(pid: u32, ts_ns: u64, duration_ns: u64) -> Vec<u8> {
         decode::pod_bytes(&CallEvent {
-            header: EventHeader {
-                kind: CallEvent::KIND as u32,
-                len: CallEvent::LEN,
-                ts_ns,
-                pid,
-                tid: pid,
-            },
+            header: header(CallEvent::KIND, CallEvent::LEN, ts_ns, pid),
             op: Op::CudaMalloc as u32,
             device: -1,
             duration_ns,
@@ -431,13 +432,7 @@ mod tests {
         assert_eq!(order.push(&stage), 0);
         assert!(!order.take_urgent());
         let mut named = CallEvent {
-            header: EventHeader {
-                kind: CallEvent::KIND as u32,
-                len: CallEvent::LEN,
-                ts_ns: 7,
-                pid: 3,
-                tid: 3,
-            },
+            header: header(CallEvent::KIND, CallEvent::LEN, 7, 3),
             op: Op::CudaMalloc as u32,
             device: -1,
             ..Default::default()
@@ -449,13 +444,7 @@ mod tests {
         assert!(order.take_urgent());
         assert!(!order.take_urgent());
         let message = MessageEvent {
-            header: EventHeader {
-                kind: MessageEvent::KIND as u32,
-                len: MessageEvent::LEN,
-                ts_ns: 9,
-                pid: 4,
-                tid: 4,
-            },
+            header: header(MessageEvent::KIND, MessageEvent::LEN, 9, 4),
             op: Op::TorchOom as u32,
             len: 3,
             full_len: 3,
